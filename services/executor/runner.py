@@ -1,0 +1,240 @@
+"""The model runtime: weights, the KV pool, per-request state, and one ``execute`` per step.
+
+The executor service wraps this behind its socket. The scheduler sends per-step diffs (a
+``StepPlan``: new requests in full, running ones as new block ids and counts); the runner keeps
+what it needs of each request between steps (its tokens, block table, sampling params and seeded
+generator), flattens the step into one varlen batch, runs the model and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.executor.attention import AttentionMetadata, TorchAttentionBackend
+from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from services.executor.loader import load_model, resolve_dtype
+from services.executor.sampler import SamplingRow, make_generator, sample, token_logprobs
+from shared.config import RuntimeConfig
+from shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_backend(name: str, device: torch.device, model_dtype: torch.dtype):
+    """``auto`` picks the CUDA kernels on a GPU when CuPy is importable, else the torch backend."""
+    if name not in ("auto", "torch", "cuda"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or cuda")
+    if name == "torch" or device.type != "cuda":
+        if name == "cuda":
+            raise ValueError("the cuda attention backend needs a CUDA device")
+        return TorchAttentionBackend()
+    try:
+        from services.executor.cuda_backend import CudaAttentionBackend
+    except ImportError as exc:
+        if name == "cuda":
+            raise ValueError(f"the cuda attention backend is unavailable: {exc}") from exc
+        return TorchAttentionBackend()
+    return CudaAttentionBackend(model_dtype)
+
+
+class ModelRunner:
+    def __init__(self, config: RuntimeConfig, model_path: str):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device)
+        self.spec = self.model.spec
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype)
+        self.pool_shape = PoolShape(
+            num_layers=self.spec.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim,
+            dtype=self.dtype,
+        )
+        self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device)
+        self.requests: dict[str, RequestState] = {}
+
+    # ------------------------------------------------------------------ pool sizing
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cpu":
+            budget = self.config.kv_cache_bytes or cpu_kv_budget_bytes()
+            return blocks_for_budget(budget, self.pool_shape)
+        peak = self._profile_gpu_peak()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return gpu_num_blocks(total, self.config.gpu_memory_utilization, peak, self.pool_shape)
+
+    def _profile_gpu_peak(self) -> int:
+        """Peak memory (weights + activations, no KV) of a forward pass at the largest batch."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
+        bs = self.config.block_size
+        lens = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+        blocks_per_seq = [(n + bs - 1) // bs for n in lens]
+        scratch = KVPool(self.pool_shape, sum(blocks_per_seq), self.device)
+        tables, start = [], 0
+        for nb in blocks_per_seq:
+            tables.append(list(range(start, start + nb)))
+            start += nb
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        slots = torch.cat([torch.tensor(t, dtype=torch.long).repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
+                           for t, n in zip(tables, lens)])
+        meta = AttentionMetadata.build(lens, lens, tables, slots, bs, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, scratch.kv_caches, meta, self.backend)
+            self.model.compute_logits(hidden[-num_seqs:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.num_bytes
+        del scratch
+        torch.cuda.empty_cache()
+        return peak
+
+    # ------------------------------------------------------------------ request state
+    def _add_request(self, new: NewRequestData) -> None:
+        self.requests[new.req_id] = RequestState(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling=new.sampling,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=make_generator(new.sampling.seed, self.device),
+        )
+
+    def _update_states(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in plan.new_reqs:
+            self._add_request(new)
+        for running in plan.running_reqs:
+            state = self.requests.get(running.req_id)
+            if state is None:
+                raise KeyError(f"step {plan.step_id} names unknown request {running.req_id!r}")
+            state.block_ids.extend(running.new_block_ids)
+            state.num_computed_tokens = running.num_computed_tokens
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._update_states(plan)
+        if plan.block_copies:
+            self.backend.copy_blocks(self.pool.kv_caches, plan.block_copies)
+        states = [self.requests[req_id] for req_id in plan.num_scheduled_tokens]
+        if not states:
+            return StepResult(step_id=plan.step_id)
+        counts = [plan.num_scheduled_tokens[s.req_id] for s in states]
+        bs = self.pool.block_size
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []  # flattened index of each sampling sequence's last token
+        samplers: list[RequestState] = []
+        prompt_lp: list[tuple[RequestState, int, int]] = []  # (state, first row, num rows)
+        for state, n in zip(states, counts):
+            start = state.num_computed_tokens
+            end = start + n
+            if end > len(state.token_ids):
+                raise ValueError(f"{state.req_id}: {n} tokens scheduled but only {len(state.token_ids) - start} to compute")
+            if (end + bs - 1) // bs > len(state.block_ids):
+                raise ValueError(f"{state.req_id}: {end} tokens need more than its {len(state.block_ids)} blocks")
+            row0 = len(input_ids)
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            seq_lens.append(end)
+            if state.sampling.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+                num = min(end, state.num_prompt_tokens - 1) - start
+                prompt_lp.append((state, row0, num))
+            if end == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(state)
+
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        seq_idx = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(counts))
+        tables = [s.block_ids for s in states]
+        meta = AttentionMetadata.build(counts, seq_lens, tables, torch.empty(0), bs, self.device)
+        table_cpu = meta.block_tables.cpu().long()
+        slots = table_cpu[seq_idx, positions_t // bs] * bs + positions_t % bs
+        meta.slot_mapping = slots.to(self.device)
+
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions_t.to(self.device),
+            self.pool.kv_caches,
+            meta,
+            self.backend,
+        )
+        for state, n in zip(states, counts):
+            state.num_computed_tokens += n
+        result_prompt_lp = self._prompt_logprobs(hidden, prompt_lp)
+
+        if not samplers:
+            return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = [
+            SamplingRow(s.sampling, s.generator, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
+            for s in samplers
+        ]
+        out = sample(logits, rows)
+        for state, token_id in zip(samplers, out.token_ids):
+            state.token_ids.append(token_id)
+        return StepResult(
+            step_id=plan.step_id,
+            req_ids=[s.req_id for s in samplers],
+            sampled_token_ids=[[t] for t in out.token_ids],
+            logprobs=[[lp] if lp is not None else None for lp in out.logprobs],
+            prompt_logprobs=result_prompt_lp,
+        )
+
+    def _prompt_logprobs(self, hidden, wanted) -> dict[str, list[TokenLogprobs | None]]:
+        """Logprobs of prompt tokens 1.. given their prefix; the first prompt token has none."""
+        done: dict[str, list[TokenLogprobs | None]] = {}
+        for state, row0, num in wanted:
+            if not state.prompt_logprobs:
+                state.prompt_logprobs.append(None)
+            lp = self.model.compute_logits(hidden[row0 : row0 + num]).log_softmax(dim=-1)
+            start = len(state.prompt_logprobs)  # index of the first prompt token these predict
+            targets = torch.tensor(state.token_ids[start : start + num], device=lp.device)
+            state.prompt_logprobs.extend(token_logprobs(lp, targets, [state.sampling.prompt_logprobs] * num))
+            if len(state.prompt_logprobs) == state.num_prompt_tokens:
+                done[state.req_id] = state.prompt_logprobs
+        return done
+
+    # ------------------------------------------------------------------ helpers
+    def stats(self) -> dict:
+        return {
+            "num_blocks": self.pool.num_blocks,
+            "block_size": self.pool.block_size,
+            "bytes_per_block": self.pool_shape.bytes_per_block,
+            "num_requests": len(self.requests),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend.name,
+        }

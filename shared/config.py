@@ -1,0 +1,87 @@
+"""Configuration: frozen dataclasses, and the only place that reads the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """Where prepared models live: ``$FOLIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/folio``."""
+    explicit = os.environ.get("FOLIO_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "folio"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What the executor's model runtime needs to start."""
+
+    model: str = DEFAULT_MODEL_NAME  # a model folder, a .gguf file, or the default model's name
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides any budget
+    kv_cache_bytes: int | None = None  # CPU budget; default: a fraction of free memory
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    attention_backend: str = "auto"  # auto | torch | cuda
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where each socket lives. ``ipc://`` under one run folder for ``folio serve``; ``tcp://``
+    with service names as hosts for the compose stack."""
+
+    tokenizer_in: str  # PULL, bound by the tokenizer: from the gateway and the scheduler
+    scheduler_in: str  # PULL, bound by the scheduler: from the tokenizer
+    gateway_in: str  # PULL, bound by the gateway: from the tokenizer
+    kvmanager: str  # ROUTER, bound by the kvmanager: the scheduler's and executor's requests
+    executor: str  # ROUTER, bound by the executor: the scheduler's step plans
+    kv_events: str  # PUB, bound by the kvmanager
+    admin_gateway: str
+    admin_tokenizer: str
+    admin_scheduler: str
+    admin_kvmanager: str
+    admin_executor: str
+
+    @staticmethod
+    def ipc(run_dir: str | Path) -> "Endpoints":
+        d = Path(run_dir)
+        names = [f.name for f in Endpoints.__dataclass_fields__.values()]
+        return Endpoints(**{n: f"ipc://{d / n}.sock" for n in names})
+
+    @staticmethod
+    def tcp(base_port: int = 5550) -> "Endpoints":
+        """Container names as hosts, one port each: the compose stack's layout."""
+        owner = {
+            "tokenizer_in": "tokenizer",
+            "scheduler_in": "scheduler",
+            "gateway_in": "gateway",
+            "kvmanager": "kvmanager",
+            "executor": "executor",
+            "kv_events": "kvmanager",
+            "admin_gateway": "gateway",
+            "admin_tokenizer": "tokenizer",
+            "admin_scheduler": "scheduler",
+            "admin_kvmanager": "kvmanager",
+            "admin_executor": "executor",
+        }
+        return Endpoints(**{n: f"tcp://{host}:{base_port + i}" for i, (n, host) in enumerate(owner.items())})
+
+    @staticmethod
+    def from_env() -> "Endpoints":
+        """``FOLIO_ENDPOINTS=tcp`` (compose) or ``FOLIO_RUN_DIR`` (ipc, default /tmp/folio)."""
+        if os.environ.get("FOLIO_ENDPOINTS", "ipc") == "tcp":
+            return Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")))
+        return Endpoints.ipc(os.environ.get("FOLIO_RUN_DIR", "/tmp/folio"))
+
+
+def log_json_from_env() -> bool:
+    return os.environ.get("FOLIO_LOG_JSON", "0") in ("1", "true", "yes")

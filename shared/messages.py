@@ -1,0 +1,220 @@
+"""Every message that crosses a socket, in one module.
+
+Each type is a ``msgspec.Struct`` with a type tag, encoded as msgpack; no pickle ever crosses a
+socket, and no tensor either: only token ids, block ids and small per-step metadata. Decoding
+validates the shape, so a malformed message raises ``msgspec.ValidationError`` (or
+``msgspec.DecodeError``) that the receiving service logs and drops.
+
+Who talks with what (PUSH/PULL pipeline, then DEALER/ROUTER request/reply):
+- gateway -> tokenizer: ``GenerateRequest``, ``AbortRequest``;
+- tokenizer -> scheduler: ``EngineRequest``, ``AbortRequest`` (client gone, stop string hit);
+- scheduler -> tokenizer: ``TokenBatch`` (new tokens of many requests per step);
+- tokenizer -> gateway: ``TextBatch`` (text deltas, finish reasons, usage, errors);
+- scheduler -> executor: ``StepPlan``; executor -> scheduler: ``StepResult``;
+- any CLI -> a service's admin socket: ``AdminRequest``; reply: ``AdminReply``.
+The kvmanager's request/reply types are appended at the end of this module with the kvmanager.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How one request picks its next tokens. Defaults are OpenAI's."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs of each sampled token (0: the token's own only)
+    prompt_logprobs: int | None = None  # the same for prompt tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+_GREEDY_EPS = 1e-5
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Logprob of a chosen token plus the top-n alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):
+    """A request the executor has not seen (or one resumed after preemption by recompute)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt, then any output already generated
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+
+
+class RunningRequestData(msgspec.Struct, frozen=True, kw_only=True):
+    """The per-step diff of a request the executor already holds."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
+    """One iteration's work for the executor.
+
+    ``num_scheduled_tokens[req_id]`` new tokens are computed for each scheduled request, starting
+    at its ``num_computed_tokens``. A request samples a token when the step reaches the end of the
+    tokens it has. ``block_copies`` are (src, dst) copy-on-write pairs performed before the step.
+    """
+
+    step_id: int
+    new_reqs: list[NewRequestData] = []
+    running_reqs: list[RunningRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    finished_req_ids: list[str] = []
+    block_copies: list[tuple[int, int]] = []
+
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
+    """What one step produced: the sampled tokens of the requests that sampled."""
+
+    step_id: int
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    logprobs: list[list[TokenLogprobs] | None] = []
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+
+
+# --------------------------------------------------------------------------- request pipeline
+
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
+    """gateway -> tokenizer: one completion choice to produce (the gateway fans out ``n``).
+
+    Exactly one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat) is set.
+    """
+
+    req_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    stop: list[str] = []
+    echo: bool = False  # also return the prompt text (completions only)
+    stream: bool = False
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
+    """tokenizer -> scheduler: a tokenized request, ready to schedule."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
+    """Stop a request and free its blocks: client gone, stop string hit, admin abort."""
+
+    req_id: str
+    reason: str = "abort"  # "abort" (client gone, admin) or "stop" (a stop string matched)
+
+
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """New tokens of one request from one step; ``finish_reason`` set on its last delta."""
+
+    req_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag="token_batch"):
+    """scheduler -> tokenizer: every request's new tokens of one step, in one message."""
+
+    step_id: int
+    deltas: list[TokenDelta]
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    logprob: float
+    token_id: int
+
+
+class TextLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """A sampled (or prompt) token's logprob with its text, ready for the OpenAI response."""
+
+    token: str
+    token_id: int
+    logprob: float | None
+    top: list[TopLogprob] = []
+    text_offset: int = 0
+
+
+class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """New text of one request. An ``error`` ends the request before any text was produced."""
+
+    req_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TextLogprob] | None = None
+    prompt_text: str | None = None  # with echo, on the first delta
+    prompt_logprobs: list[TextLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_code: int = 400
+
+
+class TextBatch(msgspec.Struct, frozen=True, kw_only=True, tag="text_batch"):
+    """tokenizer -> gateway: text deltas of many requests in one message."""
+
+    deltas: list[TextDelta]
+
+
+# --------------------------------------------------------------------------- admin
+
+
+class AdminRequest(msgspec.Struct, frozen=True, kw_only=True, tag="admin"):
+    """A CLI (or the gateway's /metrics) asking a service something through its admin socket."""
+
+    command: str  # "stats", "seq", "blocks", "clear", "requests", "abort", "drain", "ping"
+    args: dict[str, str | int | float | bool | None] = {}
+
+
+class AdminReply(msgspec.Struct, frozen=True, kw_only=True, tag="admin_reply"):
+    ok: bool
+    data: dict = {}
+    error: str | None = None

@@ -1,0 +1,76 @@
+"""Sockets and the codec: one factory decides bind/connect, high-water marks and linger.
+
+Every service builds its sockets here (``make_socket``) on a ``zmq.asyncio.Context`` and sends
+and receives messages of ``shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
+by the pattern: a PULL that many push into binds; a ROUTER binds; a PUB binds; the rest connect.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+# How many messages a socket queues per peer before PUSH blocks (back-pressure) or PUB drops.
+DEFAULT_HWM = 100_000
+# On close, give queued messages this long (ms) to leave; a dead peer must not hang shutdown.
+LINGER_MS = 500
+
+_BINDS = {zmq.PULL, zmq.ROUTER, zmq.PUB}
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+
+class Decoder:
+    """Decode bytes into one of ``types``; raises ``msgspec.DecodeError``/``ValidationError``
+    (both ``msgspec.MsgspecError``) on a malformed message, which callers log and drop."""
+
+    def __init__(self, *types):
+        union = types[0]
+        for t in types[1:]:
+            union = union | t
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def decode(self, data: bytes):
+        return self._decoder.decode(data)
+
+
+MalformedMessage = msgspec.MsgspecError
+
+
+def make_socket(
+    ctx: zmq.asyncio.Context | zmq.Context,
+    kind: int,
+    address: str,
+    *,
+    bind: bool | None = None,
+    hwm: int = DEFAULT_HWM,
+    identity: bytes | None = None,
+) -> zmq.Socket:
+    """A socket of ``kind`` bound or connected to ``address`` (``ipc://...`` or ``tcp://...``)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        # a reply to a peer that went away raises instead of vanishing silently
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if bind is None:
+        bind = kind in _BINDS
+    if bind:
+        sock.bind(_bind_address(address))
+    else:
+        sock.connect(address)
+    return sock
+
+
+def _bind_address(address: str) -> str:
+    """``tcp://name:port`` binds on all interfaces (containers are reached by service name)."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        if host not in ("127.0.0.1", "localhost", "0.0.0.0", "*"):
+            return f"tcp://*:{port}"
+    return address
