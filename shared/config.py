@@ -85,3 +85,35 @@ class Endpoints:
 
 def log_json_from_env() -> bool:
     return os.environ.get("FOLIO_LOG_JSON", "0") in ("1", "true", "yes")
+
+
+# --------------------------------------------------------------------------- back-half services
+
+
+@dataclass(frozen=True)
+class KVManagerConfig:
+    """The kvmanager: the block allocator behind the scheduler's per-step request."""
+
+    endpoints: Endpoints
+    log_json: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's batching limits (vLLM's flag names) and where its peers are."""
+
+    endpoints: Endpoints
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length, from the registered pool
+    log_json: bool = False
+
+
+@dataclass(frozen=True)
+class ExecutorServiceConfig:
+    """The executor service: the model runtime's config plus its sockets."""
+
+    endpoints: Endpoints
+    runtime: RuntimeConfig
+    model_path: str
+    log_json: bool = False

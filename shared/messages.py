@@ -152,9 +152,12 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
+    finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort", "error"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # with finish_reason "error": why the scheduler refused the request (prompt + max_tokens beyond
+    # the model's context or the whole KV pool); the tokenizer passes it on as TextDelta.error
+    error: str | None = None
 
 
 class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag="token_batch"):
@@ -218,3 +221,54 @@ class AdminReply(msgspec.Struct, frozen=True, kw_only=True, tag="admin_reply"):
     ok: bool
     data: dict = {}
     error: str | None = None
+
+
+# --------------------------------------------------------------------------- kvmanager
+# executor -> kvmanager: RegisterPool (reply PoolInfo); scheduler -> kvmanager: GetPool (answered
+# with PoolInfo once a pool is registered, so the scheduler waits without polling) and one
+# KVStepRequest per step (reply KVStepReply). All over the kvmanager's ROUTER (DEALER peers).
+
+
+class RegisterPool(msgspec.Struct, frozen=True, kw_only=True, tag="register_pool"):
+    """executor -> kvmanager at start: the pool it allocated. A new ``epoch`` (one per executor
+    start) resets every block table: the old pool's contents are gone."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    epoch: str
+    max_model_len: int = 0  # the model's context length (0: unknown)
+
+
+class GetPool(msgspec.Struct, frozen=True, kw_only=True, tag="get_pool"):
+    """scheduler -> kvmanager: the registered pool; the reply waits until there is one."""
+
+
+class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    epoch: str
+    max_model_len: int = 0
+    num_free_blocks: int = 0
+
+
+class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
+    """scheduler -> kvmanager, once per step. ``free_req_ids`` are released first (finished,
+    aborted, preempted), then each ``allocate`` entry ``(req_id, num_tokens)`` grows that request's
+    block table to hold ``num_tokens`` tokens in total, all or nothing, in order."""
+
+    step_id: int
+    free_req_ids: list[str] = []
+    allocate: list[tuple[str, int]] = []
+
+
+class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"):
+    """``new_block_ids[req_id]``: the blocks appended to its table this step (only entries that got
+    some); ``failed_req_ids``: requests whose growth did not fit (their tables are unchanged)."""
+
+    step_id: int
+    new_block_ids: dict[str, list[int]] = {}
+    failed_req_ids: list[str] = []
+    num_free_blocks: int = 0
+    epoch: str = ""
