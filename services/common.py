@@ -1,0 +1,108 @@
+"""What the kvmanager, scheduler and executor services share: run until SIGTERM/SIGINT, serve a
+ROUTER socket (decode, dispatch by type, reply to the sender's envelope), answer admin requests,
+and the flags every service takes.
+
+Malformed messages are logged and dropped here, once, so each service only writes handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from shared.messages import AdminReply, AdminRequest
+from shared.transport import Decoder, MalformedMessage, encode
+
+# A handler gets the decoded message and the sender's envelope (routing frames); it returns the
+# reply to send, or None when there is none (yet: a deferred reply keeps the envelope).
+Handler = Callable[[object, list[bytes]], Awaitable[object | None] | object | None]
+
+_admin_decoder = Decoder(AdminRequest)
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+
+
+async def reply(sock: zmq.asyncio.Socket, envelope: list[bytes], message) -> None:
+    """Send ``message`` back along ``envelope`` (a DEALER's identity, or REQ's identity + empty)."""
+    try:
+        await sock.send_multipart([*envelope, encode(message)])
+    except zmq.ZMQError:
+        pass  # the peer went away (ROUTER_MANDATORY): nobody is left to tell
+
+
+async def serve_router(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dict[type, Handler], log,
+                       socket_name: str) -> None:
+    """Receive forever on a ROUTER; a malformed or unhandled message is logged and dropped."""
+    while True:
+        frames = await sock.recv_multipart()
+        envelope, payload = frames[:-1], frames[-1]
+        try:
+            message = decoder.decode(payload)
+        except MalformedMessage as exc:
+            log.warning("malformed message dropped", socket=socket_name, error=str(exc), num_bytes=len(payload))
+            continue
+        handler = handlers.get(type(message))
+        if handler is None:
+            log.warning("unexpected message dropped", socket=socket_name, type=type(message).__name__)
+            continue
+        try:
+            result = handler(message, envelope)
+            if asyncio.iscoroutine(result):
+                result = await result
+        except Exception:
+            log.exception("handler failed; message dropped", socket=socket_name, type=type(message).__name__,
+                          req_id=getattr(message, "req_id", None))
+            continue
+        if result is not None:
+            await reply(sock, envelope, result)
+
+
+async def serve_admin(sock: zmq.asyncio.Socket, commands: dict[str, Callable[[dict], dict]], log) -> None:
+    """Answer ``AdminRequest``s: ``commands[name](args) -> data``; ``ping`` always works."""
+    commands = {"ping": lambda args: {"pong": True}, **commands}
+
+    def dispatch(request: AdminRequest, envelope):
+        command = commands.get(request.command)
+        if command is None:
+            return AdminReply(ok=False, error=f"unknown command {request.command!r}; try {sorted(commands)}")
+        try:
+            return AdminReply(ok=True, data=command(dict(request.args)))
+        except (KeyError, ValueError, TypeError) as exc:
+            return AdminReply(ok=False, error=f"{request.command}: {exc}")
+
+    await serve_router(sock, _admin_decoder, {AdminRequest: dispatch}, log, "admin")
+
+
+async def run_until_signal(main: Awaitable, log) -> int:
+    """Run ``main`` until it ends or SIGTERM/SIGINT arrives; either way cancel it cleanly."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.ensure_future(main)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not task.done():
+        log.info("stopping")
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return 0
+    task.result()  # re-raise what ended it
+    return 0
+
+
+def close_sockets(*socks: zmq.Socket) -> None:
+    for sock in socks:
+        sock.close()

@@ -1,0 +1,70 @@
+"""``folio run executor``: parse flags (vLLM's names), load the model, serve steps until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import zmq.asyncio
+
+from services.common import add_common_args, run_until_signal
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, ExecutorServiceConfig, RuntimeConfig
+from shared.logs import setup_logging
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    d = RuntimeConfig()
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name, a model folder or a .gguf")
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides budgets)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget in bytes (CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "cuda"])
+
+
+def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_memory_bytes,
+                         gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                         attention_backend=args.attention_backend)
+
+
+def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argparse.Namespace]:
+    from services.executor.prepare import resolve_model
+
+    parser = argparse.ArgumentParser(prog="folio run executor", description="the model runtime service")
+    add_runtime_args(parser)
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    config = ExecutorServiceConfig(endpoints=Endpoints.from_env(), runtime=runtime_config(args),
+                                   model_path=str(resolve_model(args.model)), log_json=args.log_json)
+    return config, args
+
+
+async def serve(config: ExecutorServiceConfig, log) -> None:
+    from services.executor.service import ExecutorService
+
+    ctx = zmq.asyncio.Context()
+    try:
+        service = ExecutorService(config, ctx)
+        log.info("model loaded", **service.runner.stats())
+        await service.run()
+    finally:
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_config(argv)
+    log = setup_logging("executor", json=config.log_json, level=args.log_level)
+    log.info("starting", model=config.model_path)
+    return asyncio.run(run_until_signal(serve(config, log), log))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

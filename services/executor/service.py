@@ -1,0 +1,83 @@
+"""The executor service: the model runtime (``ModelRunner``) behind its socket.
+
+Who talks to it:
+- the scheduler sends a ``StepPlan`` to its ROUTER (``recv_from_scheduler``) and gets the
+  ``StepResult``; steps are executed one at a time, in arrival order;
+- at start it registers its KV pool with the kvmanager (``send_to_kvmanager``, DEALER) under a
+  fresh epoch, so that the kvmanager drops tables from an earlier executor's pool;
+- CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.common import close_sockets, serve_admin, serve_router
+from services.executor.runner import ModelRunner
+from shared.config import ExecutorServiceConfig
+from shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
+from shared.transport import Decoder, MalformedMessage, encode, make_socket
+
+log = structlog.get_logger()
+
+
+class ExecutorService:
+    def __init__(self, config: ExecutorServiceConfig, ctx: zmq.asyncio.Context, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner if runner is not None else ModelRunner(config.runtime, config.model_path)
+        self.epoch = uuid.uuid4().hex
+        ep = config.endpoints
+        self.recv_from_scheduler = make_socket(ctx, zmq.ROUTER, ep.executor)
+        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+        self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_executor)
+        self.decoder = Decoder(StepPlan)
+        self.handlers = {StepPlan: self.handle_step_plan}
+        self.admin_commands = {"stats": self.admin_stats}
+        self.num_steps = 0
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(
+                self.register_pool(),
+                serve_router(self.recv_from_scheduler, self.decoder, self.handlers, log, "scheduler"),
+                serve_admin(self.recv_from_admin, self.admin_commands, log),
+            )
+        finally:
+            close_sockets(self.recv_from_scheduler, self.send_to_kvmanager, self.recv_from_admin)
+
+    async def register_pool(self) -> None:
+        """Tell the kvmanager what pool exists; the scheduler starts planning once it knows."""
+        runner = self.runner
+        message = RegisterPool(num_blocks=runner.pool.num_blocks, block_size=runner.pool.block_size,
+                               bytes_per_block=runner.pool_shape.bytes_per_block, epoch=self.epoch,
+                               max_model_len=runner.spec.max_position_embeddings)
+        await self.send_to_kvmanager.send(encode(message))
+        decoder = Decoder(PoolInfo)
+        while True:
+            data = await self.send_to_kvmanager.recv()
+            try:
+                info = decoder.decode(data)
+            except MalformedMessage as exc:
+                log.warning("malformed reply dropped", socket="kvmanager", error=str(exc))
+                continue
+            if info.epoch == self.epoch:
+                log.info("pool registered", num_blocks=info.num_blocks, block_size=info.block_size, epoch=self.epoch)
+                return
+
+    def handle_step_plan(self, plan: StepPlan, envelope: list[bytes]) -> StepResult:
+        self.num_steps += 1
+        try:
+            return self.runner.execute(plan)
+        except Exception:
+            # a plan that does not fit our state: answer anyway (the scheduler fails the requests
+            # that got no token) rather than leave it waiting forever
+            log.exception("step failed", step_id=plan.step_id, req_ids=list(plan.num_scheduled_tokens))
+            return StepResult(step_id=plan.step_id)
+
+    def admin_stats(self, args: dict) -> dict:
+        return {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps}

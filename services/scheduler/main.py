@@ -1,0 +1,51 @@
+"""``folio run scheduler``: parse flags (vLLM's names), run the scheduler until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import zmq.asyncio
+
+from services.common import add_common_args, run_until_signal
+from shared.config import Endpoints, RuntimeConfig, SchedulerConfig
+from shared.logs import setup_logging
+
+
+def parse_config(argv: list[str] | None) -> tuple[SchedulerConfig, argparse.Namespace]:
+    defaults = RuntimeConfig()
+    parser = argparse.ArgumentParser(prog="folio run scheduler", description="the continuous-batching scheduler")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                        help="most requests running in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help="token budget of one step (prefill chunks and decodes together)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion (default: the model's context length)")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    config = SchedulerConfig(endpoints=Endpoints.from_env(), max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_model_len=args.max_model_len, log_json=args.log_json)
+    return config, args
+
+
+async def serve(config: SchedulerConfig) -> None:
+    from services.scheduler.service import SchedulerService
+
+    ctx = zmq.asyncio.Context()
+    try:
+        await SchedulerService(config, ctx).run()
+    finally:
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_config(argv)
+    log = setup_logging("scheduler", json=config.log_json, level=args.log_level)
+    log.info("starting", max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+    return asyncio.run(run_until_signal(serve(config), log))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

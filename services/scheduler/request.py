@@ -1,0 +1,68 @@
+"""One request as the scheduler sees it: its tokens, how many are computed, how many blocks it holds.
+
+The scheduler keeps no block table (the kvmanager does) but mirrors each request's block count,
+so that it can plan a whole step, preemptions included, before the one kvmanager call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.messages import EngineRequest, SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_blocks: int = 0  # blocks its kvmanager table holds (a mirror)
+    on_executor: bool = False  # the executor holds its state (it was sent as NewRequestData)
+    finished: bool = False
+    admitted: bool = False  # admitted at least once (prompt tokens counted)
+    prompt_logprobs_sent: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+    @staticmethod
+    def from_message(msg: EngineRequest) -> "Request":
+        return Request(
+            req_id=msg.req_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling=msg.sampling,
+            eos_token_id=msg.eos_token_id,
+            arrival_time=msg.arrival_time,
+            stop_token_ids=frozenset(msg.sampling.stop_token_ids),
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def stop_reason(self, token_id: int) -> str | None:
+        """Why the request ends after ``token_id`` was appended to its output, if it does.
+        EOS and stop token ids say "stop" (EOS only without ``ignore_eos``); then ``max_tokens``."""
+        if token_id in self.stop_token_ids:
+            return "stop"
+        if token_id == self.eos_token_id and not self.sampling.ignore_eos:
+            return "stop"
+        if len(self.output_token_ids) >= self.sampling.max_tokens:
+            return "length"
+        return None
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recompute: drop every block and the executor's state, keep the tokens."""
+        self.num_computed_tokens = 0
+        self.num_blocks = 0
+        self.on_executor = False

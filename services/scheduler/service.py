@@ -1,0 +1,164 @@
+"""The scheduler service: the iteration loop around ``policy.Scheduler``, and its sockets.
+
+Who talks to it:
+- the tokenizer PUSHes ``EngineRequest`` and ``AbortRequest`` into ``recv_from_tokenizer``;
+- each step it asks the kvmanager for blocks (``send_to_kvmanager``, DEALER: one ``KVStepRequest``,
+  skipped when the step needs no block and frees none), sends the ``StepPlan`` to the executor
+  (``send_to_executor``, DEALER) and PUSHes one ``TokenBatch`` to the tokenizer;
+- CLIs ask its admin ROUTER for ``stats``, ``requests`` and ``abort``.
+The loop sleeps on an event when there is no work (never polls) and wakes on the next message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.common import close_sockets, serve_admin
+from services.scheduler.policy import Scheduler
+from shared.config import SchedulerConfig
+from shared.messages import (
+    AbortRequest,
+    EngineRequest,
+    GetPool,
+    KVStepReply,
+    KVStepRequest,
+    PoolInfo,
+    StepResult,
+    TokenBatch,
+    TokenDelta,
+)
+from shared.transport import Decoder, MalformedMessage, encode, make_socket
+
+log = structlog.get_logger()
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig, ctx: zmq.asyncio.Context):
+        ep = config.endpoints
+        self.config = config
+        self.recv_from_tokenizer = make_socket(ctx, zmq.PULL, ep.scheduler_in)
+        self.send_to_tokenizer = make_socket(ctx, zmq.PUSH, ep.tokenizer_in)
+        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+        self.send_to_executor = make_socket(ctx, zmq.DEALER, ep.executor)
+        self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_scheduler)
+        self.tokenizer_decoder = Decoder(EngineRequest, AbortRequest)
+        self.kvmanager_decoder = Decoder(PoolInfo, KVStepReply)
+        self.executor_decoder = Decoder(StepResult)
+        self.handlers = {EngineRequest: self.handle_engine_request, AbortRequest: self.handle_abort_request}
+        self.admin_commands = {"stats": self.admin_stats, "requests": self.admin_requests, "abort": self.admin_abort}
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+        self.wake = asyncio.Event()
+        self.pool_ready = False
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(self.loop(), serve_admin(self.recv_from_admin, self.admin_commands, log))
+        finally:
+            close_sockets(self.recv_from_tokenizer, self.send_to_tokenizer, self.send_to_kvmanager,
+                          self.send_to_executor, self.recv_from_admin)
+
+    # ------------------------------------------------------------------ the iteration loop
+    async def loop(self) -> None:
+        log.info("waiting for the executor's KV pool")
+        info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
+        self.scheduler.set_pool(info)
+        self.pool_ready = True
+        log.info("pool ready", num_blocks=info.num_blocks, block_size=info.block_size,
+                 max_model_len=self.scheduler.max_model_len, epoch=info.epoch)
+        receiver = asyncio.ensure_future(self.receive_from_tokenizer())
+        try:
+            while True:
+                if not self.scheduler.has_work() or not await self.step():
+                    self.wake.clear()
+                    await self.wake.wait()
+        finally:
+            receiver.cancel()
+
+    async def step(self) -> bool:
+        """Run one step; False when there was nothing to do (then the loop waits for a message)."""
+        sched = self.scheduler
+        out = sched.schedule()
+        if out is None:
+            return False
+        kv = None
+        if sched.needs_kv_call(out):
+            request = KVStepRequest(step_id=out.step_id, free_req_ids=out.free_req_ids, allocate=out.allocate)
+            kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, request, KVStepReply, out.step_id)
+            if kv.epoch and kv.epoch != sched.pool.epoch:
+                log.error("the executor restarted under running requests", old_epoch=sched.pool.epoch,
+                          new_epoch=kv.epoch)
+        plan = sched.build_plan(out, kv)
+        result = await self.call(self.send_to_executor, self.executor_decoder, plan, StepResult, out.step_id)
+        deltas = sched.update_from_result(out, result)
+        if deltas:
+            await self.push_deltas(out.step_id, deltas)
+        return True
+
+    async def call(self, sock, decoder: Decoder, request, reply_type: type, step_id: int | None = None):
+        """One request/reply on a DEALER: malformed or stale replies are logged and skipped."""
+        await sock.send(encode(request))
+        while True:
+            data = await sock.recv()
+            try:
+                reply = decoder.decode(data)
+            except MalformedMessage as exc:
+                log.warning("malformed reply dropped", type=reply_type.__name__, error=str(exc))
+                continue
+            if not isinstance(reply, reply_type) or (step_id is not None and reply.step_id != step_id):
+                log.warning("unexpected reply dropped", expected=reply_type.__name__, got=type(reply).__name__,
+                            step_id=step_id)
+                continue
+            return reply
+
+    async def push_deltas(self, step_id: int, deltas: list[TokenDelta]) -> None:
+        await self.send_to_tokenizer.send(encode(TokenBatch(step_id=step_id, deltas=deltas)))
+
+    # ------------------------------------------------------------------ from the tokenizer
+    async def receive_from_tokenizer(self) -> None:
+        while True:
+            data = await self.recv_from_tokenizer.recv()
+            try:
+                msg = self.tokenizer_decoder.decode(data)
+            except MalformedMessage as exc:
+                log.warning("malformed message dropped", socket="tokenizer", error=str(exc), num_bytes=len(data))
+                continue
+            try:
+                await self.handlers[type(msg)](msg)
+            except Exception:
+                log.exception("handler failed; message dropped", req_id=getattr(msg, "req_id", None))
+
+    async def handle_engine_request(self, msg: EngineRequest) -> None:
+        refusal = self.scheduler.add_request(msg)
+        if refusal is not None:
+            log.warning("request refused", req_id=msg.req_id, error=refusal.error)
+            await self.push_deltas(self.scheduler.next_step_id, [refusal])
+            return
+        self.wake.set()
+
+    async def handle_abort_request(self, msg: AbortRequest) -> None:
+        if self.scheduler.abort(msg.req_id):
+            log.info("request aborted", req_id=msg.req_id, reason=msg.reason)
+            self.wake.set()  # its blocks go back in the next step, even when nothing else runs
+
+    # ------------------------------------------------------------------ admin
+    def admin_stats(self, args: dict) -> dict:
+        if not self.pool_ready:
+            return {"pool_ready": False, "num_running": 0, "num_waiting": 0, **self.scheduler.counters}
+        return {"pool_ready": True, **self.scheduler.stats()}
+
+    def admin_requests(self, args: dict) -> dict:
+        return {"requests": self.scheduler.describe_requests()}
+
+    def admin_abort(self, args: dict) -> dict:
+        req_id = args["req_id"]
+        found = self.scheduler.abort(req_id)
+        if found:
+            # the tokenizer did not ask for this one: tell it, so that the client's stream ends
+            delta = TokenDelta(req_id=req_id, token_ids=[], finish_reason="abort")
+            asyncio.ensure_future(self.push_deltas(self.scheduler.next_step_id, [delta]))
+            self.wake.set()
+        return {"req_id": req_id, "aborted": found}
