@@ -117,3 +117,8 @@ class ExecutorServiceConfig:
     runtime: RuntimeConfig
     model_path: str
     log_json: bool = False
+
+
+def run_dir_from_env() -> Path:
+    """Where ``folio serve`` puts its ``ipc://`` sockets unless told: ``$FOLIO_RUN_DIR``."""
+    return Path(os.environ.get("FOLIO_RUN_DIR", "/tmp/folio"))
