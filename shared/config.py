@@ -119,6 +119,41 @@ class ExecutorServiceConfig:
     log_json: bool = False
 
 
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """The tokenizer service: which tokenizer and chat template, how long a context may be."""
+
+    endpoints: Endpoints
+    model: str = DEFAULT_MODEL_NAME  # the default model's name or a model folder
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    log_json: bool = False
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The HTTP gateway: where it listens, who may call it, and under which model name."""
+
+    endpoints: Endpoints
+    model: str = DEFAULT_MODEL_NAME
+    served_model_name: str | None = None  # None: the default model's name or the folder's name
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None  # None: no auth
+    admin_timeout_s: float = 0.25  # /metrics asks the scheduler and kvmanager; never wait long
+    log_json: bool = False
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model.rstrip("/")).name or DEFAULT_MODEL_NAME
+
+
+def api_key_from_env() -> str | None:
+    """``FOLIO_API_KEY`` when ``--api-key`` is not given (keeps the key out of process lists)."""
+    return os.environ.get("FOLIO_API_KEY") or None
+
+
 def run_dir_from_env() -> Path:
     """Where ``folio serve`` puts its ``ipc://`` sockets unless told: ``$FOLIO_RUN_DIR``."""
     return Path(os.environ.get("FOLIO_RUN_DIR", "/tmp/folio"))

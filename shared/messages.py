@@ -120,6 +120,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # no max_tokens in the HTTP request: the tokenizer gives it all the context the prompt leaves
+    fill_max_tokens: bool = False
     stop: list[str] = []
     echo: bool = False  # also return the prompt text (completions only)
     stream: bool = False
@@ -199,6 +201,7 @@ class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None
     error_code: int = 400
+    error_param: str | None = None  # the request field the error is about, for the OpenAI error
 
 
 class TextBatch(msgspec.Struct, frozen=True, kw_only=True, tag="text_batch"):

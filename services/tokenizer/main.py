@@ -1,0 +1,52 @@
+"""``folio run tokenizer``: parse flags into ``TokenizerConfig`` and serve until SIGTERM/SIGINT.
+
+Sockets come from the environment (``shared.config.Endpoints.from_env``), as for every service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, TokenizerConfig, log_json_from_env
+from shared.logs import setup_logging
+
+
+def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
+    parser = argparse.ArgumentParser(prog="folio run tokenizer", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name or a model folder")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's max_position_embeddings)")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    args = parser.parse_args(argv)
+    return TokenizerConfig(endpoints=Endpoints.from_env(), model=args.model, max_model_len=args.max_model_len,
+                           log_json=args.log_json or log_json_from_env())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common import run_until_signal
+    from services.executor.prepare import resolve_model
+    from services.tokenizer.service import TextTokenizer, TokenizerService
+
+    config = parse_config(argv)
+    log = setup_logging("tokenizer", config.log_json)
+    try:
+        model_dir = resolve_model(config.model)
+    except FileNotFoundError as exc:
+        log.error("no model", error=str(exc))
+        return 1
+    tokenizer = TextTokenizer(model_dir, config.max_model_len)
+
+    async def serve() -> None:
+        service = TokenizerService(config, tokenizer)
+        try:
+            await service.run()
+        finally:
+            service.close()
+
+    return asyncio.run(run_until_signal(serve(), log))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Per-request output state of the tokenizer service: token batches in, text batches out.
+
+The tokenizer service (``service.py``) registers each request here once it is encoded, feeds every
+``TokenBatch`` from the scheduler through ``OutputProcessor.process`` and sends back what it
+returns: ONE ``TextBatch`` for the gateway per incoming ``TokenBatch`` (each request's deltas of
+that batch merged into one ``TextDelta``, its mailbox), plus an ``AbortRequest(reason="stop")`` for
+the scheduler for each request that hit a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
+from shared.messages import (
+    AbortRequest,
+    GenerateRequest,
+    TextDelta,
+    TextLogprob,
+    TokenBatch,
+    TokenDelta,
+    TokenLogprobs,
+    TopLogprob,
+)
+
+
+class TokenTexts:
+    """Token id -> its text alone, for logprobs (special tokens shown); cached, the vocabulary is
+    small and the same tokens come back all the time."""
+
+    def __init__(self, decode_with_specials):
+        self._decode = decode_with_specials
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._decode([token_id])
+        return text
+
+    def logprob(self, lp: TokenLogprobs, text_offset: int) -> TextLogprob:
+        top = [TopLogprob(self(t), v, t) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]
+        return TextLogprob(token=self(lp.token_id), token_id=lp.token_id, logprob=lp.logprob, top=top,
+                           text_offset=text_offset)
+
+
+@dataclass
+class RequestState:
+    req: GenerateRequest
+    prompt_token_ids: list[int]
+    prompt_text: str | None  # set when echo asks for it
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    eos_token_id: int | None
+    text_offset: int = 0  # of the next output token's text, for completions logprobs
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    sent_first: bool = False
+
+    @property
+    def req_id(self) -> str:
+        return self.req.req_id
+
+    def ends_on_stop_token(self, delta: TokenDelta) -> bool:
+        """The scheduler stopped on EOS or a stop token id: that token's text is not output."""
+        if delta.finish_reason != "stop" or not delta.token_ids:
+            return False
+        last = delta.token_ids[-1]
+        sp = self.req.sampling
+        return last in sp.stop_token_ids or (last == self.eos_token_id and not sp.ignore_eos)
+
+
+@dataclass
+class _Pending:
+    """One request's merged output within one TokenBatch."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TextLogprob] | None = None
+    prompt_logprobs: list[TextLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, decode, token_texts: TokenTexts):
+        self._decode = decode  # list[int] -> str, special tokens skipped
+        self._texts = token_texts
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, req: GenerateRequest, prompt_token_ids: list[int], eos_token_id: int | None,
+                    prompt_text: str | None) -> None:
+        echo_text = (prompt_text if prompt_text is not None else self._decode(prompt_token_ids)) if req.echo else None
+        self.requests[req.req_id] = RequestState(
+            req=req,
+            prompt_token_ids=prompt_token_ids,
+            prompt_text=echo_text,
+            detokenizer=IncrementalDetokenizer(self._decode, prompt_token_ids),
+            stop=StopChecker(req.stop),
+            eos_token_id=eos_token_id,
+            text_offset=len(echo_text) if echo_text else 0,
+            num_prompt_tokens=len(prompt_token_ids),
+        )
+
+    def remove(self, req_id: str) -> RequestState | None:
+        return self.requests.pop(req_id, None)
+
+    def process(self, batch: TokenBatch) -> tuple[list[TextDelta], list[AbortRequest], list[str]]:
+        """(text deltas for the gateway, stop-string aborts for the scheduler, unknown req ids).
+
+        Unknown ids are normal right after a stop string or a client abort: the scheduler's step
+        was already under way when it heard of it.
+        """
+        pending: dict[str, _Pending] = {}
+        aborts: list[AbortRequest] = []
+        unknown: list[str] = []
+        for delta in batch.deltas:
+            state = self.requests.get(delta.req_id)
+            if state is None:
+                unknown.append(delta.req_id)
+                continue
+            out = pending.setdefault(delta.req_id, _Pending())
+            if out.finish_reason is not None:
+                continue  # finished earlier in this same batch (a stop string)
+            if self._apply(state, delta, out) and delta.finish_reason is None:
+                aborts.append(AbortRequest(req_id=delta.req_id, reason="stop"))
+        deltas = [self._text_delta(self.requests[req_id], out) for req_id, out in pending.items()]
+        for req_id, out in pending.items():
+            if out.finish_reason is not None:
+                del self.requests[req_id]
+        return deltas, aborts, unknown
+
+    def _apply(self, state: RequestState, delta: TokenDelta, out: _Pending) -> bool:
+        """Fold one TokenDelta into ``out``; True when a stop string ended the request."""
+        if delta.num_prompt_tokens:
+            state.num_prompt_tokens = delta.num_prompt_tokens
+            state.num_cached_tokens = delta.num_cached_tokens
+        if delta.finish_reason == "error":  # the scheduler refused it (too long for the context/pool)
+            out.finish_reason, out.error = "error", delta.error or "the scheduler refused the request"
+            return False
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = self._prompt_logprobs(state, delta.prompt_logprobs)
+        skip_last = state.ends_on_stop_token(delta)
+        num_tokens = len(delta.token_ids)
+        for i, token_id in enumerate(delta.token_ids):
+            state.num_output_tokens += 1
+            out.token_ids.append(token_id)
+            if delta.logprobs is not None and i < len(delta.logprobs):
+                lp = self._texts.logprob(delta.logprobs[i], state.text_offset)
+                state.text_offset += len(lp.token)
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.append(lp)
+            if skip_last and i == num_tokens - 1:
+                break
+            text, matched = state.stop.feed(state.detokenizer.add(token_id))
+            out.text.append(text)
+            if matched is not None:
+                out.finish_reason, out.stop_reason = "stop", matched
+                return True
+        if delta.finish_reason is not None:
+            out.text.append(state.stop.flush())
+            out.finish_reason = delta.finish_reason
+            if skip_last and delta.token_ids[-1] in state.req.sampling.stop_token_ids:
+                out.stop_reason = delta.token_ids[-1]
+        return False
+
+    def _prompt_logprobs(self, state: RequestState, lps: list[TokenLogprobs | None]) -> list[TextLogprob]:
+        result, offset = [], 0
+        for token_id, lp in zip(state.prompt_token_ids, lps):
+            if lp is None:  # the first prompt token has no logprob
+                item = TextLogprob(token=self._texts(token_id), token_id=token_id, logprob=None, text_offset=offset)
+            else:
+                item = self._texts.logprob(lp, offset)
+            offset += len(item.token)
+            result.append(item)
+        return result
+
+    def _text_delta(self, state: RequestState, out: _Pending) -> TextDelta:
+        prompt_text = None
+        if not state.sent_first:
+            state.sent_first = True
+            prompt_text = state.prompt_text
+        return TextDelta(
+            req_id=state.req_id,
+            text="".join(out.text),
+            token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            prompt_text=prompt_text,
+            prompt_logprobs=out.prompt_logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            num_cached_tokens=state.num_cached_tokens,
+            error=out.error,
+        )

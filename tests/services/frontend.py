@@ -1,0 +1,187 @@
+"""Test helpers for the front half (gateway, tokenizer): the real services on real ``ipc://``
+sockets as asyncio tasks in the test's loop, and ``ScriptedScheduler``, a stand-in for the
+scheduler that speaks its real protocol (PULL ``EngineRequest``/``AbortRequest``, PUSH scripted
+``TokenBatch``es). The end-to-end tests run the real scheduler and executor instead."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from functools import lru_cache
+
+import zmq
+import zmq.asyncio
+
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, TokenizerConfig
+from shared.messages import (
+    AbortRequest,
+    AdminReply,
+    AdminRequest,
+    EngineRequest,
+    TokenBatch,
+    TokenDelta,
+    TokenLogprobs,
+)
+from shared.transport import Decoder, encode, make_socket
+
+SCRIPT_TEXT = " The answer is 42. END of the story, told twice over and over again until the end."
+
+
+@lru_cache(maxsize=1)
+def text_tokenizer():
+    """The real SmolLM2 tokenizer (loaded once per test process: ~1 s)."""
+    from services.executor.prepare import resolve_model
+    from services.tokenizer.service import TextTokenizer
+
+    return TextTokenizer(resolve_model(DEFAULT_MODEL_NAME))
+
+
+def short_run_dir() -> str:
+    """ipc:// paths must stay under ~100 bytes: pytest's tmp_path can be longer."""
+    return tempfile.mkdtemp(prefix="folio-f-", dir="/tmp")
+
+
+class ScriptedScheduler:
+    """Answers each EngineRequest with the tokens of ``script(request)``, one per step, then
+    finishes it: "length" at max_tokens, "stop" at a stop token id, else EOS with "stop"."""
+
+    def __init__(self, ctx, endpoints: Endpoints, script: Callable[[EngineRequest], list[int]],
+                 step_s: float = 0.005):
+        self.recv_from_tokenizer = make_socket(ctx, zmq.PULL, endpoints.scheduler_in)
+        self.send_to_tokenizer = make_socket(ctx, zmq.PUSH, endpoints.tokenizer_in)
+        self.decoder = Decoder(EngineRequest, AbortRequest)
+        self.script, self.step_s = script, step_s
+        self.requests: dict[str, EngineRequest] = {}
+        self.received: list[EngineRequest] = []
+        self.aborts: list[AbortRequest] = []
+        self._tokens: dict[str, list[int]] = {}
+        self._step_id = 0
+        self.paused = False  # tests hold tokens back to look at a request while it runs
+
+    async def run(self) -> None:
+        while True:
+            while await self.recv_from_tokenizer.poll(0):
+                self._take(self.decoder.decode(await self.recv_from_tokenizer.recv()))
+            if self.requests and not self.paused:
+                await self.send_to_tokenizer.send(encode(self._step()))
+            await asyncio.sleep(self.step_s)
+
+    def _take(self, msg) -> None:
+        if isinstance(msg, AbortRequest):
+            self.aborts.append(msg)
+            self.requests.pop(msg.req_id, None)
+            return
+        self.received.append(msg)
+        self.requests[msg.req_id] = msg
+        self._tokens[msg.req_id] = []
+
+    def _step(self) -> TokenBatch:
+        deltas = []
+        for req_id, req in list(self.requests.items()):
+            out = self._tokens[req_id]
+            script = self.script(req)
+            token = script[len(out)] if len(out) < len(script) else req.eos_token_id
+            out.append(token)
+            sp = req.sampling
+            finish = None
+            if token in sp.stop_token_ids or token == req.eos_token_id:
+                finish = "stop"
+            elif len(out) >= sp.max_tokens:
+                finish = "length"
+            first = len(out) == 1
+            deltas.append(TokenDelta(
+                req_id=req_id,
+                token_ids=[token],
+                logprobs=None if sp.logprobs is None else [_fake_logprobs(token, sp.logprobs)],
+                prompt_logprobs=_fake_prompt_logprobs(req) if first and sp.prompt_logprobs is not None else None,
+                finish_reason=finish,
+                num_prompt_tokens=len(req.prompt_token_ids) if first else 0,
+            ))
+            if finish:
+                del self.requests[req_id]
+        self._step_id += 1
+        return TokenBatch(step_id=self._step_id, deltas=deltas)
+
+
+def _fake_logprobs(token: int, num_top: int) -> TokenLogprobs:
+    top = [token] + [t for t in (220, 28, 30) if t != token]
+    top = top[:num_top]
+    return TokenLogprobs(token, -0.25, 1, top, [-0.25 - i for i in range(len(top))])
+
+
+def _fake_prompt_logprobs(req: EngineRequest) -> list:
+    return [None] + [_fake_logprobs(t, req.sampling.prompt_logprobs) for t in req.prompt_token_ids[1:]]
+
+
+def script_tokens(text: str = SCRIPT_TEXT) -> Callable[[EngineRequest], list[int]]:
+    ids = text_tokenizer().hf.encode(text)
+    return lambda req: ids
+
+
+class FrontHalf:
+    """The real tokenizer service, a scripted scheduler, and a gateway service (not yet serving
+    HTTP: tests wrap ``gateway_app`` in aiohttp's test server)."""
+
+    def __init__(self, ctx, endpoints, tokenizer_service, scheduler, gateway_service, app, tasks):
+        self.ctx, self.endpoints, self.tasks = ctx, endpoints, tasks
+        self.tokenizer, self.scheduler, self.gateway, self.app = tokenizer_service, scheduler, gateway_service, app
+
+
+@asynccontextmanager
+async def front_half(script=None, api_key: str | None = None, served_model_name: str | None = None,
+                     max_model_len: int | None = None, step_s: float = 0.005):
+    from services.gateway.app import build_app
+    from services.gateway.service import GatewayService
+    from services.tokenizer.service import TokenizerService
+
+    run_dir = short_run_dir()
+    endpoints = Endpoints.ipc(run_dir)
+    ctx = zmq.asyncio.Context()
+    tokenizer = text_tokenizer()
+    if max_model_len is not None:
+        tokenizer = _with_max_model_len(tokenizer, max_model_len)
+    tok_service = TokenizerService(TokenizerConfig(endpoints=endpoints), tokenizer, ctx)
+    scheduler = ScriptedScheduler(ctx, endpoints, script or script_tokens(), step_s)
+    gw_service = GatewayService(GatewayConfig(endpoints=endpoints, api_key=api_key,
+                                              served_model_name=served_model_name, admin_timeout_s=0.1), ctx)
+    app = build_app(gw_service)
+    tasks = [asyncio.ensure_future(tok_service.run()), asyncio.ensure_future(scheduler.run())]
+    try:
+        yield FrontHalf(ctx, endpoints, tok_service, scheduler, gw_service, app, tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        tok_service.close()
+        scheduler.recv_from_tokenizer.close(linger=0)
+        scheduler.send_to_tokenizer.close(linger=0)
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _with_max_model_len(tokenizer, max_model_len: int):
+    import copy
+
+    clone = copy.copy(tokenizer)
+    clone.max_model_len = max_model_len
+    return clone
+
+
+async def admin_call(ctx, address: str, command: str, timeout_s: float = 5.0) -> AdminReply:
+    sock = make_socket(ctx, zmq.DEALER, address)
+    try:
+        await sock.send(encode(AdminRequest(command=command)))
+        return Decoder(AdminReply).decode(await asyncio.wait_for(sock.recv(), timeout_s))
+    finally:
+        sock.close(linger=0)
+
+
+async def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.01) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval_s)
