@@ -9,7 +9,7 @@ import sys
 import zmq.asyncio
 
 from services.common import add_common_args, run_until_signal
-from shared.config import DEFAULT_MODEL_NAME, Endpoints, ExecutorServiceConfig, RuntimeConfig
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, ExecutorServiceConfig, RuntimeConfig, log_json_from_env
 from shared.logs import setup_logging
 
 
@@ -43,7 +43,7 @@ def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argpars
     add_common_args(parser)
     args = parser.parse_args(argv)
     config = ExecutorServiceConfig(endpoints=Endpoints.from_env(), runtime=runtime_config(args),
-                                   model_path=str(resolve_model(args.model)), log_json=args.log_json)
+                                   model_path=str(resolve_model(args.model)), log_json=args.log_json or log_json_from_env())
     return config, args
 
 

@@ -9,7 +9,7 @@ import sys
 import zmq.asyncio
 
 from services.common import add_common_args, run_until_signal
-from shared.config import Endpoints, KVManagerConfig
+from shared.config import Endpoints, KVManagerConfig, log_json_from_env
 from shared.logs import setup_logging
 
 
@@ -17,7 +17,7 @@ def parse_config(argv: list[str] | None) -> tuple[KVManagerConfig, argparse.Name
     parser = argparse.ArgumentParser(prog="folio run kvmanager", description="the KV block allocator service")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    return KVManagerConfig(endpoints=Endpoints.from_env(), log_json=args.log_json), args
+    return KVManagerConfig(endpoints=Endpoints.from_env(), log_json=args.log_json or log_json_from_env()), args
 
 
 async def serve(config: KVManagerConfig) -> None:

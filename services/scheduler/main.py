@@ -9,7 +9,7 @@ import sys
 import zmq.asyncio
 
 from services.common import add_common_args, run_until_signal
-from shared.config import Endpoints, RuntimeConfig, SchedulerConfig
+from shared.config import Endpoints, RuntimeConfig, SchedulerConfig, log_json_from_env
 from shared.logs import setup_logging
 
 
@@ -26,7 +26,7 @@ def parse_config(argv: list[str] | None) -> tuple[SchedulerConfig, argparse.Name
     args = parser.parse_args(argv)
     config = SchedulerConfig(endpoints=Endpoints.from_env(), max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len, log_json=args.log_json)
+                             max_model_len=args.max_model_len, log_json=args.log_json or log_json_from_env())
     return config, args
 
 

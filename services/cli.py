@@ -1,0 +1,148 @@
+"""``folio``: one command for people and containers.
+
+- ``folio serve [flags]``: the five services as processes on ipc:// sockets, HTTP on --port;
+- ``folio run SERVICE [flags]``: one service alone (what each compose container runs);
+- ``folio prepare [--force]``: convert the packaged default model once;
+- ``folio kv stats|seq REQ_ID``, ``folio scheduler stats|requests|abort REQ_ID``,
+  ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats`` (``--json``):
+  ask a running service's admin socket;
+- ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import zmq
+
+from shared.config import Endpoints
+from shared.messages import AdminReply, AdminRequest
+from shared.transport import Decoder, MalformedMessage, encode, make_socket
+
+RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor")
+# admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
+ADMIN_VERBS = {
+    "kv": ("kvmanager", ("stats", "seq")),
+    "scheduler": ("scheduler", ("stats", "requests", "abort")),
+    "executor": ("executor", ("stats",)),
+    "tokenizer": ("tokenizer", ("stats",)),
+    "gateway": ("gateway", ("stats",)),
+}
+_NEEDS_REQ_ID = {"seq", "abort"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.serve import add_serve_args
+
+    parser = argparse.ArgumentParser(prog="folio", description="serve LLMs with a paged KV cache and continuous batching")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="start the five services and the HTTP API"))
+    run = sub.add_parser("run", help="run one service alone", add_help=False)
+    run.add_argument("service", choices=RUNNABLE)
+    prepare = sub.add_parser("prepare", help="prepare the packaged default model")
+    prepare.add_argument("--force", action="store_true")
+    for cli_name, (service, verbs) in ADMIN_VERBS.items():
+        admin = sub.add_parser(cli_name, help=f"ask the {service}: {', '.join(verbs)}")
+        admin.add_argument("verb", choices=verbs)
+        admin.add_argument("req_id", nargs="?", help=f"for {', '.join(sorted(_NEEDS_REQ_ID & set(verbs))) or '-'}")
+        _add_admin_flags(admin)
+    health = sub.add_parser("health", help="exit 0 when SERVICE answers on its admin socket")
+    health.add_argument("service", choices=RUNNABLE)
+    _add_admin_flags(health)
+    return parser
+
+
+def _add_admin_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the reply's data as JSON")
+    parser.add_argument("--run-dir", default=None, help="the serve run folder (default: from the environment)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    # `run` hands every flag after the service name to that service's own parser
+    if len(argv) >= 2 and argv[0] == "run" and argv[1] in RUNNABLE:
+        return run_service(argv[1], argv[2:])
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from services.serve import serve
+
+        return serve(args)
+    if args.command == "run":
+        parser.error(f"run needs a service: {', '.join(RUNNABLE)}")
+    if args.command == "prepare":
+        from services.executor.prepare import main as prepare_main
+
+        return prepare_main(["--force"] if args.force else [])
+    if args.command == "health":
+        reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
+        return 0 if reply is not None else 1
+    service, _ = ADMIN_VERBS[args.command]
+    return admin_command(args, service)
+
+
+def run_service(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(f"services.{name}.main")
+    return module.main(argv) or 0
+
+
+def _endpoints(args: argparse.Namespace) -> Endpoints:
+    return Endpoints.ipc(args.run_dir) if args.run_dir else Endpoints.from_env()
+
+
+def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
+    """One AdminRequest to ``service``'s admin socket; None when it does not answer in time."""
+    ctx = zmq.Context.instance()
+    sock = make_socket(ctx, zmq.DEALER, getattr(endpoints, f"admin_{service}"))
+    try:
+        sock.send(encode(AdminRequest(command=command, args=call_args)))
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return Decoder(AdminReply).decode(sock.recv())
+    except MalformedMessage:
+        return None
+    finally:
+        sock.close(linger=0)
+
+
+def admin_command(args: argparse.Namespace, service: str) -> int:
+    call_args = {}
+    if args.verb in _NEEDS_REQ_ID:
+        if not args.req_id:
+            print(f"folio: {args.verb} needs a request id", file=sys.stderr)
+            return 2
+        call_args["req_id"] = args.req_id
+    reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
+    if reply is None:
+        print(f"folio: the {service} did not answer within {args.timeout:g}s (is it running? --run-dir?)",
+              file=sys.stderr)
+        return 1
+    if not reply.ok:
+        print(f"folio: {service}: {reply.error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(reply.data, indent=2, sort_keys=True))
+    else:
+        print_table(reply.data)
+    return 0
+
+
+def print_table(data: dict, indent: str = "") -> None:
+    width = max((len(k) for k in data), default=0)
+    for key, value in data.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            print(f"{indent}{key}:")
+            for item in value:
+                print(f"{indent}  - " + "  ".join(f"{k}={v}" for k, v in item.items()))
+        elif isinstance(value, float):
+            print(f"{indent}{key:<{width}}  {value:.4g}")
+        else:
+            print(f"{indent}{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

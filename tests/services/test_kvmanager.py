@@ -1,0 +1,134 @@
+"""kvmanager: the allocator with exact block ids, and the service over real ipc:// sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+
+from services.kvmanager.allocator import BlockAllocator, NoFreeBlocks
+from services.kvmanager.service import KVManagerService
+from shared.config import Endpoints, KVManagerConfig
+from shared.messages import GetPool, KVStepReply, KVStepRequest, PoolInfo, RegisterPool
+from shared.transport import Decoder, encode, make_socket
+from tests.services.backhalf import admin_call, short_run_dir
+
+# ---------------------------------------------------------------------------- the allocator
+
+
+def test_allocate_hands_out_lowest_ids_and_grows_tables():
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    assert alloc.allocate("a", 5) == [0, 1]  # 5 tokens: 2 blocks
+    assert alloc.allocate("b", 4) == [2]
+    assert alloc.allocate("a", 8) == []  # still 2 blocks
+    assert alloc.allocate("a", 9) == [3]
+    assert alloc.block_table("a") == [0, 1, 3]
+    assert alloc.stats() == {"num_blocks_total": 8, "num_blocks_used": 4, "num_blocks_free": 4,
+                             "block_size": 4, "num_seqs": 2, "usage": 0.5}
+
+
+def test_free_returns_blocks_to_the_tail_last_block_first():
+    alloc = BlockAllocator(num_blocks=6, block_size=2)
+    alloc.allocate("a", 6)  # [0, 1, 2]
+    alloc.allocate("b", 2)  # [3]
+    assert alloc.free("a") == 3
+    assert list(alloc.free_block_ids) == [4, 5, 2, 1, 0]
+    assert alloc.allocate("c", 6) == [4, 5, 2]
+    assert alloc.free("unknown") == 0
+
+
+def test_allocation_is_all_or_nothing():
+    alloc = BlockAllocator(num_blocks=3, block_size=4)
+    alloc.allocate("a", 8)
+    assert not alloc.can_allocate("b", 8)
+    with pytest.raises(NoFreeBlocks):
+        alloc.allocate("b", 8)
+    assert alloc.block_table("b") == [] and alloc.num_free_blocks == 1
+
+
+# ---------------------------------------------------------------------------- the service
+
+
+@pytest_asyncio.fixture
+async def kvmanager():
+    run_dir = short_run_dir()
+    endpoints = Endpoints.ipc(run_dir)
+    ctx = zmq.asyncio.Context()
+    task = asyncio.ensure_future(KVManagerService(KVManagerConfig(endpoints=endpoints), ctx).run())
+    yield ctx, endpoints
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    ctx.term()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def ask(sock, message, timeout_s=5.0):
+    await sock.send(encode(message))
+    return Decoder(PoolInfo, KVStepReply).decode(await asyncio.wait_for(sock.recv(), timeout_s))
+
+
+@pytest.mark.asyncio
+async def test_scheduler_waits_for_the_pool_then_allocates_and_frees(kvmanager):
+    ctx, ep = kvmanager
+    scheduler = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+    executor = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+    await scheduler.send(encode(GetPool()))
+    with pytest.raises(asyncio.TimeoutError):  # no pool yet: the reply waits
+        await asyncio.wait_for(scheduler.recv(), 0.3)
+    pool = RegisterPool(num_blocks=10, block_size=4, bytes_per_block=1024, epoch="e1", max_model_len=64)
+    info = await ask(executor, pool)
+    assert info == PoolInfo(num_blocks=10, block_size=4, bytes_per_block=1024, epoch="e1", max_model_len=64,
+                            num_free_blocks=10)
+    assert Decoder(PoolInfo).decode(await asyncio.wait_for(scheduler.recv(), 5)) == info
+
+    reply = await ask(scheduler, KVStepRequest(step_id=0, allocate=[("a", 5), ("b", 12), ("c", 30)]))
+    assert reply == KVStepReply(step_id=0, new_block_ids={"a": [0, 1], "b": [2, 3, 4]}, failed_req_ids=["c"],
+                                num_free_blocks=5, epoch="e1")
+    # frees come before allocations in the same call
+    reply = await ask(scheduler, KVStepRequest(step_id=1, free_req_ids=["b"], allocate=[("a", 9), ("c", 16)]))
+    assert reply.new_block_ids == {"a": [5], "c": [6, 7, 8, 9]}
+    assert reply.failed_req_ids == [] and reply.num_free_blocks == 3
+
+    stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
+    assert (stats["num_blocks_total"], stats["num_blocks_used"], stats["num_blocks_free"], stats["block_size"]) == (10, 7, 3, 4)
+    seq = (await admin_call(ctx, ep.admin_kvmanager, "seq", req_id="c")).data
+    assert seq == {"req_id": "c", "block_ids": [6, 7, 8, 9], "num_blocks": 4}
+
+    await ask(scheduler, KVStepRequest(step_id=2, free_req_ids=["a", "c"]))
+    stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
+    assert stats["num_blocks_used"] == 0 and stats["num_seqs"] == 0
+    scheduler.close(linger=0)
+    executor.close(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_a_new_epoch_resets_every_table(kvmanager):
+    ctx, ep = kvmanager
+    peer = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+    await ask(peer, RegisterPool(num_blocks=4, block_size=2, bytes_per_block=8, epoch="e1"))
+    await ask(peer, KVStepRequest(step_id=0, allocate=[("a", 8)]))
+    info = await ask(peer, RegisterPool(num_blocks=4, block_size=2, bytes_per_block=8, epoch="e2"))
+    assert info.num_free_blocks == 4 and info.epoch == "e2"
+    peer.close(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_survives_malformed_messages_on_every_socket(kvmanager):
+    ctx, ep = kvmanager
+    peer = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+    await peer.send(b"\xff\x00garbage")
+    await peer.send(encode({"type": "kv_step", "step_id": "not an int"}))
+    admin = make_socket(ctx, zmq.DEALER, ep.admin_kvmanager)
+    await admin.send(b"\x93not admin")
+    info = await ask(peer, RegisterPool(num_blocks=4, block_size=2, bytes_per_block=8, epoch="e1"))
+    assert info.num_free_blocks == 4
+    reply = await admin_call(ctx, ep.admin_kvmanager, "stats")
+    assert reply.ok and reply.data["num_blocks_total"] == 4
+    reply = await admin_call(ctx, ep.admin_kvmanager, "no-such-verb")
+    assert not reply.ok and "unknown command" in reply.error
+    peer.close(linger=0)
+    admin.close(linger=0)

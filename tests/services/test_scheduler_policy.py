@@ -1,0 +1,121 @@
+"""The batching policy alone (no sockets): token budget, sequence cap, preemption, refusals, finish reasons.
+
+The kvmanager's answers are produced by the real ``BlockAllocator``, as the service would get them.
+"""
+
+from __future__ import annotations
+
+from services.kvmanager.allocator import BlockAllocator, NoFreeBlocks
+from services.scheduler.policy import Scheduler
+from shared.messages import EngineRequest, KVStepReply, PoolInfo, SamplingParams, StepResult
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=None):
+    sched = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len)
+    sched.set_pool(PoolInfo(num_blocks=num_blocks, block_size=block_size, bytes_per_block=1, epoch="e",
+                            max_model_len=64, num_free_blocks=num_blocks))
+    return sched, BlockAllocator(num_blocks, block_size)
+
+
+def request(req_id, num_prompt, max_tokens=4, **sampling):
+    return EngineRequest(req_id=req_id, prompt_token_ids=list(range(1, num_prompt + 1)),
+                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling), eos_token_id=0)
+
+
+def kv_answer(alloc: BlockAllocator, out) -> KVStepReply:
+    for req_id in out.free_req_ids:
+        alloc.free(req_id)
+    new, failed = {}, []
+    for req_id, num_tokens in out.allocate:
+        try:
+            new[req_id] = alloc.allocate(req_id, num_tokens)
+        except NoFreeBlocks:
+            failed.append(req_id)
+    return KVStepReply(step_id=out.step_id, new_block_ids=new, failed_req_ids=failed,
+                       num_free_blocks=alloc.num_free_blocks)
+
+
+def step(sched, alloc, token=7):
+    """One step; every request that catches up samples ``token``. Returns (plan, deltas)."""
+    out = sched.schedule()
+    plan = sched.build_plan(out, kv_answer(alloc, out) if sched.needs_kv_call(out) else None)
+    samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
+    deltas = sched.update_from_result(out, StepResult(step_id=plan.step_id, req_ids=samplers,
+                                                      sampled_token_ids=[[token]] * len(samplers)))
+    return plan, deltas
+
+
+def test_token_budget_chunks_prefills_and_running_requests_go_first():
+    sched, alloc = make(max_num_batched_tokens=10)
+    sched.add_request(request("a", 7))
+    sched.add_request(request("b", 6))
+    plan, _ = step(sched, alloc)
+    assert plan.num_scheduled_tokens == {"a": 7, "b": 3}  # b's prefill is chunked by the budget
+    assert [r.block_ids for r in plan.new_reqs] == [[0, 1], [2]]
+    plan, deltas = step(sched, alloc)
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 3}  # a decodes, b goes on with its prompt
+    assert plan.running_reqs[1].new_block_ids == [3] and plan.running_reqs[1].num_computed_tokens == 3
+    assert [d.req_id for d in deltas] == ["a", "b"]  # b sampled too: its prompt is done
+
+
+def test_sequence_cap_and_join_leave_every_step():
+    sched, alloc = make(num_blocks=2, max_num_seqs=2, max_num_batched_tokens=64)
+    for i, max_tokens in enumerate([1, 3, 2]):
+        sched.add_request(request(f"r{i}", 2, max_tokens=max_tokens))
+    plan, deltas = step(sched, alloc)
+    assert sorted(plan.num_scheduled_tokens) == ["r0", "r1"]
+    assert [(d.req_id, d.finish_reason) for d in deltas] == [("r0", "length"), ("r1", None)]
+    plan, _ = step(sched, alloc)  # r0 left: its blocks are freed in this call, r2 joins
+    assert plan.finished_req_ids == ["r0"] and sorted(plan.num_scheduled_tokens) == ["r1", "r2"]
+    assert plan.new_reqs[0].block_ids == [0]  # r0's block: frees come before allocations
+
+
+def test_preempts_the_newest_running_request_and_resumes_it_with_its_tokens():
+    sched, alloc = make(num_blocks=4, block_size=2, max_num_batched_tokens=64)
+    sched.add_request(request("old", 3, max_tokens=4))  # 3 + 4 - 1 = 6 tokens: 3 blocks
+    sched.add_request(request("new", 2, max_tokens=4))
+    step(sched, alloc)  # old: 2 blocks, new: 1 block
+    step(sched, alloc)  # old 4 tokens (2 blocks), new 3 tokens (2 blocks): pool full
+    plan, _ = step(sched, alloc)  # old needs a 3rd block: new gives way
+    assert sched.counters["num_preemptions"] == 1
+    assert plan.finished_req_ids == ["new"] and list(plan.num_scheduled_tokens) == ["old"]
+    assert [r.req_id for r in sched.waiting] == ["new"]
+    while "old" in sched.requests:
+        step(sched, alloc)
+    plan, _ = step(sched, alloc)
+    resumed = plan.new_reqs[0]
+    assert resumed.req_id == "new" and resumed.token_ids == [1, 2, 7, 7] and resumed.num_prompt_tokens == 2
+    assert plan.num_scheduled_tokens == {"new": 4}
+
+
+def test_refuses_what_can_never_fit():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=40)
+    assert sched.add_request(request("ok", 10, max_tokens=7)) is None  # 16 tokens of KV: 4 blocks
+    too_big = sched.add_request(request("pool", 10, max_tokens=8))
+    assert too_big.finish_reason == "error" and "KV blocks" in too_big.error
+    too_long = sched.add_request(request("ctx", 30, max_tokens=20))
+    assert too_long.finish_reason == "error" and "maximum context length is 40" in too_long.error
+    assert sched.add_request(request("ok", 1)).error.startswith("request id")
+    assert sched.counters["num_requests_rejected"] == 3
+
+
+def test_finish_reasons_eos_stop_token_and_ignore_eos():
+    sched, alloc = make()
+    sched.add_request(request("eos", 2, max_tokens=8))
+    sched.add_request(request("ignore", 2, max_tokens=2, ignore_eos=True))
+    sched.add_request(request("stop-id", 2, max_tokens=8, stop_token_ids=[5], ignore_eos=True))
+    _, deltas = step(sched, alloc, token=0)
+    assert {d.req_id: d.finish_reason for d in deltas} == {"eos": "stop", "ignore": None, "stop-id": None}
+    _, deltas = step(sched, alloc, token=5)
+    assert {d.req_id: d.finish_reason for d in deltas} == {"ignore": "length", "stop-id": "stop"}
+
+
+def test_abort_frees_blocks_in_the_next_step_even_when_idle():
+    sched, alloc = make()
+    sched.add_request(request("a", 6, max_tokens=10))
+    step(sched, alloc)
+    assert alloc.num_used_blocks == 2
+    assert sched.abort("a") and not sched.abort("a")
+    plan, deltas = step(sched, alloc)
+    assert plan.finished_req_ids == ["a"] and plan.num_scheduled_tokens == {} and deltas == []
+    assert alloc.num_used_blocks == 0 and sched.schedule() is None

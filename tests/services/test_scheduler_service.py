@@ -1,0 +1,94 @@
+"""The scheduler with the real kvmanager and executor over ipc:// sockets, a tiny random model,
+and the tokenizer's side of the protocol played by the test."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.executor.offline import generate
+from services.executor.runner import ModelRunner
+from shared.config import RuntimeConfig
+from shared.messages import SamplingParams
+from shared.transport import encode
+from tests.services.backhalf import back_half
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 5, [10, 11], list(range(20, 50)), [3] * 9, [60, 61, 62, 63]]
+MAX_TOKENS = [8, 20, 5, 12, 9, 16]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> list[list[int]]:
+    """What the in-process driver produces for the same prompts (a pool large enough for all)."""
+    runner = ModelRunner(RuntimeConfig(model=tiny_model_dir, dtype="float32", device="cpu", block_size=4,
+                                       num_kv_blocks=256), tiny_model_dir)
+    return generate(runner, PROMPTS, [greedy(m) for m in MAX_TOKENS])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("num_kv_blocks, max_num_batched_tokens, max_num_seqs", [
+    (256, 2048, 256),  # everything fits: pure continuous batching
+    (14, 16, 4),  # small pool, small budget, few seats: chunked prefill, queueing, preemption
+])
+async def test_same_greedy_tokens_as_the_in_process_driver(tiny_model_dir, reference, num_kv_blocks,
+                                                           max_num_batched_tokens, max_num_seqs):
+    async with back_half(tiny_model_dir, num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens) as bh:
+        outputs = await bh.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS])
+        assert outputs == reference
+        stats = (await bh.admin("scheduler", "stats")).data
+        assert stats["num_prompt_tokens_total"] == sum(map(len, PROMPTS))
+        assert stats["num_generation_tokens_total"] >= sum(MAX_TOKENS)
+        assert stats["num_running"] == stats["num_waiting"] == 0
+        if num_kv_blocks == 14:
+            assert stats["num_preemptions"] > 0
+        # requests came and went while others ran: many steps had more than one request
+        assert max(len(b.deltas) for b in bh.batches) > 1
+        await asyncio.sleep(0.05)  # the last step's frees
+        kv = (await bh.admin("kvmanager", "stats")).data
+        assert kv["num_blocks_used"] == 0 and kv["num_blocks_total"] == num_kv_blocks
+
+
+@pytest.mark.asyncio
+async def test_abort_frees_blocks_and_refusals_say_why(tiny_model_dir):
+    async with back_half(tiny_model_dir, num_kv_blocks=12, block_size=4, max_model_len=64) as bh:
+        await bh.submit("long", [1, 2, 3], greedy(40))
+        await bh.submit("huge", [1] * 30, greedy(30))  # 59 tokens of KV > 12 blocks * 4
+        await bh.submit("ctx", [1] * 40, greedy(30))  # 70 > max_model_len 64
+        refused = await bh.collect(["huge", "ctx"])
+        assert refused == {"huge": ([], "error"), "ctx": ([], "error")}
+        errors = {d.req_id: d.error for b in bh.batches for d in b.deltas if d.finish_reason == "error"}
+        assert "KV blocks" in errors["huge"] and "maximum context length is 64" in errors["ctx"]
+
+        while (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] < 2:
+            await asyncio.sleep(0.01)
+        reply = await bh.admin("scheduler", "abort", req_id="long")
+        assert reply.ok and reply.data["aborted"]
+        assert (await bh.collect(["long"]))["long"][1] == "abort"
+        for _ in range(100):
+            if (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] == 0
+        stats = (await bh.admin("scheduler", "stats")).data
+        assert stats["num_requests_aborted"] == 1 and stats["num_requests_rejected"] == 2
+
+
+@pytest.mark.asyncio
+async def test_survives_malformed_messages(tiny_model_dir):
+    async with back_half(tiny_model_dir, num_kv_blocks=32, block_size=4) as bh:
+        await bh.to_scheduler.send(b"\x00\xffnot msgpack")
+        await bh.to_scheduler.send(encode({"type": "engine_request", "req_id": 5}))
+        await bh.to_scheduler.send(encode({"type": "no_such_type"}))
+        await bh.admin("scheduler", "stats")  # the admin socket still answers
+        reply = await bh.admin("scheduler", "no-such-verb")
+        assert not reply.ok
+        out = await bh.generate([[1, 2, 3]], greedy(3))
+        assert len(out[0]) == 3
+        requests = (await bh.admin("scheduler", "requests")).data["requests"]
+        assert requests == []
