@@ -1,0 +1,159 @@
+// CPU emulation of the bit of CUDA that folio's kernels use, so g++ compiles the SAME .cu sources.
+//
+// Test equipment, not a runtime: a launch runs the grid's blocks one after another; a block's
+// threads are real std::threads running concurrently, __syncthreads is a std::barrier over the
+// block, and warp shuffles / __syncwarp go through a per-warp exchange buffer and barrier. Since
+// only one block runs at a time, a __shared__ variable can simply be a function-level static.
+// cuda/LAYOUT.md lists what this cannot catch. Include it before the kernel sources
+// (g++ -std=c++20 -include cuda_emu.h).
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#define FOLIO_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static  // one block at a time: a static is exactly that block's shared copy
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+namespace emu {
+
+struct Warp {
+  explicit Warp(int lanes) : barrier(lanes) {}
+  std::barrier<> barrier;
+  alignas(8) unsigned char slots[32][8];
+};
+
+struct Launch {
+  dim3 grid, block;
+  std::unique_ptr<std::barrier<>> block_barrier;
+  std::vector<std::unique_ptr<Warp>> warps;
+};
+
+inline Launch* current = nullptr;  // set for the duration of one launch (launches are serialized)
+inline thread_local dim3 thread_idx, block_idx;
+inline thread_local int linear_tid = 0;
+
+inline Warp& my_warp() { return *current->warps[linear_tid / 32]; }
+
+// Every lane of the warp must call this (as CUDA's full-mask shuffles require), or it deadlocks.
+template <typename T>
+T exchange(T v, int src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+  Warp& w = my_warp();
+  std::memcpy(w.slots[linear_tid % 32], &v, sizeof(T));
+  w.barrier.arrive_and_wait();
+  T r;
+  std::memcpy(&r, w.slots[src_lane & 31], sizeof(T));
+  w.barrier.arrive_and_wait();  // nobody overwrites a slot before every lane has read
+  return r;
+}
+
+inline void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+  static std::mutex serialize;
+  std::lock_guard<std::mutex> guard(serialize);
+  const int num_threads = static_cast<int>(block.x * block.y * block.z);
+  Launch l{grid, block, std::make_unique<std::barrier<>>(num_threads), {}};
+  for (int first = 0; first < num_threads; first += 32) l.warps.push_back(std::make_unique<Warp>(std::min(32, num_threads - first)));
+  current = &l;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < num_threads; ++t) {
+    threads.emplace_back([&, t] {
+      linear_tid = t;
+      thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+          for (unsigned x = 0; x < grid.x; ++x) {
+            block_idx = {x, y, z};
+            body();
+            l.block_barrier->arrive_and_wait();  // the next block reuses the statics
+          }
+    });
+  }
+  for (auto& th : threads) th.join();
+  current = nullptr;
+}
+
+// Kernel registry: name expression (as the loader spells it) -> launcher taking CUDA-style
+// kernelParams (an array of pointers to each argument's value).
+using Entry = std::function<void(dim3, dim3, void**)>;
+inline std::map<std::string, Entry>& registry() {
+  static std::map<std::string, Entry> r;
+  return r;
+}
+
+template <typename... A, std::size_t... I>
+void call_kernel(void (*kernel)(A...), void** params, std::index_sequence<I...>) {
+  kernel(*static_cast<std::remove_cv_t<A>*>(params[I])...);
+}
+
+struct Registrar {
+  template <typename... A>
+  Registrar(const char* name, void (*kernel)(A...)) {
+    registry()[name] = [kernel](dim3 grid, dim3 block, void** params) {
+      launch(grid, block, [&] { call_kernel(kernel, params, std::index_sequence_for<A...>{}); });
+    };
+  }
+};
+
+}  // namespace emu
+
+#define FOLIO_EMU_CAT_(a, b) a##b
+#define FOLIO_EMU_CAT(a, b) FOLIO_EMU_CAT_(a, b)
+// FOLIO_EMU_REGISTER(folio::write_kv<float>) registers the instance under its spelled name.
+#define FOLIO_EMU_REGISTER(...) \
+  static ::emu::Registrar FOLIO_EMU_CAT(folio_emu_reg_, __COUNTER__)(#__VA_ARGS__, &__VA_ARGS__);
+
+#define threadIdx (::emu::thread_idx)
+#define blockIdx (::emu::block_idx)
+#define blockDim (::emu::current->block)
+#define gridDim (::emu::current->grid)
+
+inline void __syncthreads() { emu::current->block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::my_warp().barrier.arrive_and_wait(); }
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask) { return emu::exchange(v, (emu::linear_tid % 32) ^ lane_mask); }
+template <typename T>
+T __shfl_sync(unsigned, T v, int src_lane) { return emu::exchange(v, src_lane); }
+
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __expf(float x) { return std::exp(x); }
+using std::fmaxf;
+using std::max;
+using std::min;
+
+// Host versions of cuda/common.cuh's conversions; common.cuh expands this inside namespace folio,
+// after its storage types, in place of the inline-PTX device versions.
+#define FOLIO_EMU_CONVERSIONS                                                                 \
+  inline float to_float(float x) { return x; }                                                \
+  inline float to_float(f16 x) { _Float16 h; std::memcpy(&h, &x.bits, 2); return (float)h; }  \
+  inline float to_float(bf16 x) { return __uint_as_float(((unsigned)x.bits) << 16); }          \
+  template <typename T> T from_float(float x);                                                \
+  template <> inline float from_float<float>(float x) { return x; }                           \
+  template <> inline f16 from_float<f16>(float x) {                                           \
+    _Float16 h = (_Float16)x; f16 r; std::memcpy(&r.bits, &h, 2); return r;                    \
+  }                                                                                           \
+  template <> inline bf16 from_float<bf16>(float x) { /* round to nearest even, as cvt.rn */   \
+    unsigned u = __float_as_uint(x);                                                          \
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{(unsigned short)((u >> 16) | 0x40)};     \
+    u += 0x7fffu + ((u >> 16) & 1u);                                                          \
+    return bf16{(unsigned short)(u >> 16)};                                                   \
+  }
