@@ -1,0 +1,156 @@
+"""``folio``: serve starts the five services as processes and stops them cleanly, reports a child
+that dies (which and why) and stops the rest; flags reach the services that own them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.cli import admin_call, main as folio
+from services.serve import SERVICES, add_serve_args, service_argv
+from shared.config import Endpoints
+from tests.conftest import write_tiny_model
+from tests.services.backhalf import short_run_dir
+
+STARTUP_TIMEOUT_S = 90
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, smollm_dir) -> str:
+    """A tiny random Llama with SmolLM2's real tokenizer (so the tokenizer service can run)."""
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    write_tiny_model(folder, vocab_size=49152, max_position_embeddings=256)
+    for f in Path(smollm_dir).iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return str(folder)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    def __init__(self, model: str):
+        self.run_dir = short_run_dir()
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--run-dir", self.run_dir,
+               "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "64", "--dtype", "float32",
+               "--block-size", "8", "--max-num-seqs", "8"]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.endpoints = Endpoints.ipc(self.run_dir)
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(SERVICES)
+        while waiting and time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            waiting = {s for s in waiting if admin_call(self.endpoints, s, "ping", {}, 0.5) is None}
+        assert not waiting, f"not answering: {waiting}"
+        while admin_call(self.endpoints, "kvmanager", "stats", {}, 1).data["registered"] is False:
+            time.sleep(0.1)
+
+    def finish(self, timeout_s: float = 30) -> tuple[int, str]:
+        try:
+            _, err = self.proc.communicate(timeout=timeout_s)
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return self.proc.returncode, err
+
+
+def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
+    serve = Serve(tiny_chat_model)
+    try:
+        serve.wait_ready()
+        children = serve.children()
+        assert len(children) == len(SERVICES)
+        with urllib.request.urlopen(f"http://127.0.0.1:{serve.port}/v1/models", timeout=30) as resp:
+            model_name = json.load(resp)["data"][0]["id"]
+        body = json.dumps({"model": model_name, "prompt": "Hello", "max_tokens": 5, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{serve.port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert json.load(resp)["usage"]["completion_tokens"] == 5
+        assert folio(["kv", "stats", "--json", "--run-dir", serve.run_dir]) == 0
+        kv = json.loads(capsys.readouterr().out)
+        assert kv["num_blocks_total"] == 64 and kv["num_blocks_used"] == 0 and kv["block_size"] == 8
+        assert folio(["scheduler", "stats", "--run-dir", serve.run_dir]) == 0
+        assert "num_generation_tokens_total" in capsys.readouterr().out
+        serve.proc.send_signal(signal.SIGTERM)
+        code, err = serve.finish()
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+    assert code == 0, err
+    assert "SIGTERM received, stopping the services" in err and "Traceback" not in err
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_serve_says_which_child_died_and_stops_the_others(tiny_chat_model):
+    serve = Serve(tiny_chat_model)
+    try:
+        serve.wait_ready()
+        children = {c.cmdline()[4]: c for c in serve.children()}  # python -m services.cli run NAME
+        children["executor"].send_signal(signal.SIGKILL)
+        code, err = serve.finish()
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+    assert code == 1
+    assert "the executor service was killed by SIGKILL; stopping the others" in err
+    for name, child in children.items():
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, name
+
+
+def test_each_service_accepts_the_flags_serve_forwards(tiny_chat_model, monkeypatch):
+    import argparse
+
+    from services.executor.main import parse_config as executor_config
+    from services.gateway.main import parse_config as gateway_config
+    from services.kvmanager.main import parse_config as kvmanager_config
+    from services.scheduler.main import parse_config as scheduler_config
+    from services.tokenizer.main import parse_config as tokenizer_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", tiny_chat_model, "--port", "9001", "--max-num-seqs", "3",
+                              "--max-num-batched-tokens", "99", "--max-model-len", "200", "--block-size", "8",
+                              "--num-kv-blocks", "40", "--log-json", "--served-model-name", "tiny"])
+    argv = {name: service_argv(name, args, tiny_chat_model) for name in SERVICES}
+    monkeypatch.setenv("FOLIO_RUN_DIR", "/tmp/folio-flags")
+    ex = executor_config(argv["executor"])[0]
+    assert (ex.runtime.block_size, ex.runtime.num_kv_blocks, ex.runtime.max_num_seqs) == (8, 40, 3)
+    assert ex.model_path == tiny_chat_model and ex.log_json
+    sc = scheduler_config(argv["scheduler"])[0]
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len) == (3, 99, 200)
+    assert kvmanager_config(argv["kvmanager"])[0].log_json
+    gw = gateway_config(argv["gateway"])
+    assert (gw.port, gw.model_name) == (9001, "tiny")
+    assert tokenizer_config(argv["tokenizer"]).max_model_len == 200
+
+
+def test_admin_commands_report_a_missing_service(capsys):
+    run_dir = short_run_dir()
+    try:
+        assert folio(["kv", "stats", "--run-dir", run_dir, "--timeout", "0.2"]) == 1
+        assert "did not answer" in capsys.readouterr().err
+        assert folio(["health", "scheduler", "--run-dir", run_dir, "--timeout", "0.2"]) == 1
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
