@@ -1,0 +1,1 @@
+"""The HTTP gateway: OpenAI-compatible routes, validation, auth, SSE streams, /metrics, /health."""

@@ -1,0 +1,51 @@
+"""The gateway's aiohttp application and its lifetime: sockets up, HTTP up, serve, both down.
+
+``main.py`` runs ``serve(config)``; tests build ``build_app(service)`` and drive it with aiohttp's
+test client or a real port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
+from services.gateway.service import GatewayService
+from shared.config import GatewayConfig
+from shared.logs import get_logger
+
+log = get_logger()
+# long prompts as token-id lists run to a few hundred KB of JSON
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def build_app(service: GatewayService) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware(service.config.api_key)],
+                          client_max_size=MAX_BODY_BYTES)
+    app[SERVICE] = service
+    add_routes(app)
+
+    async def lifetime(app: web.Application):
+        await service.start()
+        yield
+        await service.stop()
+
+    app.cleanup_ctx.append(lifetime)
+    return app
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Serve HTTP until cancelled (``run_until_signal`` cancels it on SIGTERM/SIGINT)."""
+    app = build_app(GatewayService(config))
+    # handler cancellation: a client that hangs up mid-request cancels its handler, whose
+    # ``finally`` aborts the request (and so frees its KV blocks) without waiting for a write to fail
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info("gateway listening", host=config.host, port=config.port, model=config.model_name)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,47 @@
+"""``folio run gateway``: parse flags into ``GatewayConfig`` and serve HTTP until SIGTERM/SIGINT.
+
+Sockets come from the environment (``shared.config.Endpoints.from_env``), as for every service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, api_key_from_env, log_json_from_env
+from shared.logs import setup_logging
+
+
+def parse_config(argv: list[str] | None = None) -> GatewayConfig:
+    parser = argparse.ArgumentParser(prog="folio run gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name or a model folder")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients use (default: the model's name or folder name)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $FOLIO_API_KEY)")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    args = parser.parse_args(argv)
+    return GatewayConfig(
+        endpoints=Endpoints.from_env(),
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or api_key_from_env(),
+        log_json=args.log_json or log_json_from_env(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common import run_until_signal
+    from services.gateway.app import serve
+
+    config = parse_config(argv)
+    log = setup_logging("gateway", config.log_json)
+    return asyncio.run(run_until_signal(serve(config), log))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Prometheus metrics of ``GET /metrics``, under vLLM's names with ``folio:`` for ``vllm:``.
+
+Latencies and token counts are observed by the gateway itself as text deltas arrive
+(``GatewayService.handle_text_batch``); running/waiting requests and KV usage are asked from the
+scheduler's and kvmanager's admin sockets at scrape time (``GatewayService.refresh_engine_stats``)
+and keep their last value when a service does not answer in time. Own registry: no process
+collectors of whoever imports us, and tests can build several gateways in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.gateway.mailbox import ChoiceTiming
+from shared.messages import TextDelta
+
+# vLLM's buckets, so dashboards built for it read ours
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("folio:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("folio:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("folio:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.running = Gauge("folio:num_requests_running", "Requests in the running batch.", labels,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge("folio:num_requests_waiting", "Requests waiting to be scheduled.", labels,
+                             registry=r).labels(model_name)
+        self.kv_usage = Gauge("folio:kv_cache_usage_perc", "KV cache usage (1 = all blocks in use).", labels,
+                              registry=r).labels(model_name)
+        self.kv_blocks_used = Gauge("folio:kv_cache_blocks_used", "KV blocks in use.", labels,
+                                    registry=r).labels(model_name)
+        self.kv_blocks_total = Gauge("folio:kv_cache_blocks_total", "KV blocks in the pool.", labels,
+                                     registry=r).labels(model_name)
+        self.prompt_tokens = Counter("folio:prompt_tokens", "Prefill tokens processed.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("folio:generation_tokens", "Generation tokens produced.", labels,
+                                         registry=r).labels(model_name)
+        self._success = Counter("folio:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+
+    def on_delta(self, timing: ChoiceTiming, delta: TextDelta, now: float) -> None:
+        """One choice's delta arrived at monotonic time ``now``."""
+        num_new = len(delta.token_ids)
+        if num_new:
+            if timing.first_token is None:
+                timing.first_token = now
+                self.ttft.observe(now - timing.arrival)
+            elif timing.last_token is not None:
+                # several tokens in one delta (a merged or speculative step) share the gap
+                gap = (now - timing.last_token) / num_new
+                for _ in range(num_new):
+                    self.itl.observe(gap)
+            timing.last_token = now
+            self.generation_tokens.inc(num_new)
+        if delta.finish_reason is not None and delta.error is None:
+            self.e2e.observe(now - timing.arrival)
+            self.prompt_tokens.inc(delta.num_prompt_tokens)
+            self._success.labels(self._model_name, delta.finish_reason).inc()
+
+    def set_engine_stats(self, scheduler: dict | None, kvmanager: dict | None) -> None:
+        if scheduler:
+            self.running.set(scheduler.get("num_running", 0))
+            self.waiting.set(scheduler.get("num_waiting", 0))
+        if kvmanager:
+            total = kvmanager.get("num_blocks_total", 0) or 0
+            used = kvmanager.get("num_blocks_used", 0) or 0
+            self.kv_blocks_total.set(total)
+            self.kv_blocks_used.set(used)
+            self.kv_usage.set(used / total if total else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

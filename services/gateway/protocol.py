@@ -1,0 +1,151 @@
+"""The OpenAI request bodies the gateway accepts, validated declaratively, and its error objects.
+
+``routes.py`` decodes each body with ``parse(body, CompletionRequest | ChatCompletionRequest)``:
+types and ranges are ``msgspec`` annotations on the structs below; rules that tie fields together
+are the ``(param, is_bad, message)`` rows of ``_COMMON_RULES``/``_COMPLETION_RULES``/``_CHAT_RULES``.
+Anything wrong becomes an ``ApiError`` that the routes turn into an OpenAI error object.
+Unknown fields are ignored, as OpenAI does (clients send extras such as ``user``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+MAX_N = 128  # choices per prompt: each is a sequence in the batch
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Params(msgspec.Struct, kw_only=True):
+    """Fields both endpoints take. ``None`` means "not given": the engine default applies."""
+
+    model: str | None = None
+    max_tokens: PosInt | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 and 0: no top-k cut (vLLM's convention)
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    seed: Int64 | None = None
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(_Params, kw_only=True):
+    # a string, a list of strings, a list of token ids, or a list of token-id lists
+    prompt: str | list[str | NonNegInt | list[NonNegInt]]
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_Params, kw_only=True):
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+
+
+Rule = tuple[str, Callable[[msgspec.Struct], bool], str]
+
+
+def _prompt_kind_mixed(req: CompletionRequest) -> bool:
+    p = req.prompt
+    if isinstance(p, str):
+        return False
+    kinds = {type(x) for x in p}
+    return len(kinds) != 1 or (list in kinds and any(not x for x in p))
+
+
+_COMMON_RULES: list[Rule] = [
+    ("stream_options", lambda r: r.stream_options is not None and not r.stream,
+     "stream_options is only allowed when stream is true"),
+    ("stop", lambda r: isinstance(r.stop, list) and any(not s for s in r.stop), "stop strings must not be empty"),
+]
+_COMPLETION_RULES: list[Rule] = [
+    ("prompt", lambda r: r.prompt == "" or r.prompt == [], "prompt must not be empty"),
+    ("prompt", _prompt_kind_mixed,
+     "prompt must be a string, a list of strings, a list of token ids or a list of non-empty token-id lists"),
+    ("suffix", lambda r: bool(r.suffix), "suffix is not supported"),
+]
+_CHAT_RULES: list[Rule] = [
+    ("top_logprobs", lambda r: r.top_logprobs is not None and not r.logprobs,
+     "top_logprobs requires logprobs to be true"),
+    ("messages", lambda r: any(p.type != "text" for m in r.messages if isinstance(m.content, list) for p in m.content),
+     "only text content parts are supported"),
+]
+_RULES = {CompletionRequest: _COMMON_RULES + _COMPLETION_RULES, ChatCompletionRequest: _COMMON_RULES + _CHAT_RULES}
+
+_PATH = re.compile(r"at `\$\.([^`]+)`")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def parse(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]):
+    """Decode and validate a request body, or raise ``ApiError`` (400) naming the bad field."""
+    try:
+        req = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError(f"invalid request: {exc}", param=_param_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}") from None
+    for param, is_bad, message in _RULES[kind]:
+        if is_bad(req):
+            raise ApiError(message, param=param)
+    return req
+
+
+def _param_of(message: str) -> str | None:
+    at, missing = _PATH.search(message), _MISSING.search(message)
+    parts = [m.group(1) for m in (at, missing) if m is not None]
+    if not parts:
+        return None
+    return re.sub(r"\[\d+\]", "", ".".join(parts))  # "messages[0].role" -> "messages.role"

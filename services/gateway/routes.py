@@ -1,0 +1,161 @@
+"""The HTTP routes of the gateway: OpenAI's completions, chat completions and models, plus
+``/health`` and ``/metrics``, and the middlewares for the API key and for error objects.
+
+``app.py`` mounts these on an aiohttp application that holds the ``GatewayService`` under
+``SERVICE``. Every route that generates submits its choices, reads their mailbox (``streaming.py``)
+and, whatever happens (client gone, error), aborts what did not finish.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+
+from aiohttp import web
+
+from services.gateway import convert, responses
+from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from services.gateway.responses import ResponseMeta, UsageCounter
+from services.gateway.service import GatewayService
+from services.gateway.streaming import collect, stream
+from shared.logs import get_logger
+
+log = get_logger()
+SERVICE = web.AppKey("service", GatewayService)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("request failed", path=request.path)
+        return web.json_response(ApiError("internal server error", 500, type_="server_error").body(), status=500)
+
+
+def auth_middleware(api_key: str | None):
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        if api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                err = ApiError("Incorrect API key provided.", 401, code="invalid_api_key")
+                return web.json_response(err.body(), status=401)
+        return await handler(request)
+
+    return check_key
+
+
+def _check_model(service: GatewayService, model: str | None) -> str:
+    name = service.config.model_name
+    if model is not None and model != name:
+        raise ApiError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+    return name
+
+
+def _finish(service: GatewayService, mailbox) -> None:
+    for req_id in list(mailbox.unfinished):
+        service.abort(req_id)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    req = parse(await request.read(), CompletionRequest)
+    model = _check_model(service, req.model)
+    meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
+                        echo=req.echo)
+    mailbox = service.submit(convert.completion_generate_requests(req, meta.id))
+    try:
+        if req.stream:
+            return await _stream_completion(request, mailbox, meta, req)
+        deltas = await collect(mailbox)
+        usage = UsageCounter(meta.n)
+        for i, d in deltas.items():
+            usage.add(i, d)
+        return web.json_response(responses.completion_response(meta, deltas, usage.usage()))
+    finally:
+        _finish(service, mailbox)
+
+
+async def _stream_completion(request, mailbox, meta: ResponseMeta, req: CompletionRequest):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    started: set[int] = set()
+
+    def make_chunks(index, delta):
+        if not (delta.text or delta.logprobs or delta.finish_reason or (meta.echo and index not in started)):
+            return []
+        choice = responses.completion_choice(index, delta, meta.echo, first=index not in started)
+        started.add(index)
+        return [responses.completion_chunk(meta, [choice], None, include_usage)]
+
+    def usage_chunk(usage):
+        return responses.completion_chunk(meta, [], usage, True)
+
+    return await stream(request, mailbox, make_chunks, usage_chunk if include_usage else None, meta.n)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    req = parse(await request.read(), ChatCompletionRequest)
+    model = _check_model(service, req.model)
+    meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
+    mailbox = service.submit(convert.chat_generate_requests(req, meta.id))
+    try:
+        if req.stream:
+            return await _stream_chat(request, mailbox, meta, req)
+        deltas = await collect(mailbox)
+        usage = UsageCounter(meta.n)
+        for i, d in deltas.items():
+            usage.add(i, d)
+        return web.json_response(responses.chat_response(meta, deltas, usage.usage()))
+    finally:
+        _finish(service, mailbox)
+
+
+async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletionRequest):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    role_sent: set[int] = set()
+
+    def make_chunks(index, delta):
+        choices = []
+        if index not in role_sent:  # OpenAI opens each choice with the role alone
+            role_sent.add(index)
+            choices.append(responses.chat_chunk_choice(index, None, role=True))
+        if delta.text or delta.logprobs or delta.finish_reason:
+            choices.append(responses.chat_chunk_choice(index, delta))
+        return [responses.chat_chunk(meta, [c], None, include_usage) for c in choices]
+
+    def usage_chunk(usage):
+        return responses.chat_chunk(meta, [], usage, True)
+
+    return await stream(request, mailbox, make_chunks, usage_chunk if include_usage else None, meta.n)
+
+
+async def models(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    return web.json_response(responses.models_response(service.config.model_name, service.config.model,
+                                                       service.started_at))
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    await service.refresh_engine_stats()
+    return web.Response(body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

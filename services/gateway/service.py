@@ -1,0 +1,131 @@
+"""The gateway's side of the sockets: requests out to the tokenizer, text back into mailboxes.
+
+Peers (``shared.config.Endpoints``):
+- ``send_to_tokenizer`` (PUSH to ``tokenizer_in``): ``GenerateRequest``, ``AbortRequest``;
+- ``recv_from_tokenizer`` (PULL, bound at ``gateway_in``): ``TextBatch``;
+- ``recv_from_admin`` (ROUTER at ``admin_gateway``): ``stats``;
+- the scheduler's and kvmanager's admin sockets, asked for ``stats`` at each ``/metrics`` scrape
+  through a short-lived DEALER (a late reply then dies with its socket instead of answering the
+  next question).
+
+The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from services.common import close_sockets, serve_admin
+from services.gateway.mailbox import OutputMailbox
+from services.gateway.metrics import GatewayMetrics
+from shared.config import GatewayConfig
+from shared.logs import get_logger
+from shared.messages import AbortRequest, AdminReply, AdminRequest, GenerateRequest, TextBatch
+from shared.transport import Decoder, MalformedMessage, encode, make_socket
+
+log = get_logger()
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig, ctx: zmq.asyncio.Context | None = None):
+        self.config = config
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.metrics = GatewayMetrics(config.model_name)
+        self.mailboxes: dict[str, OutputMailbox] = {}  # req_id -> its HTTP request's mailbox
+        self.decoder = Decoder(TextBatch)
+        self.handlers = {TextBatch: self.handle_text_batch}
+        self.stats = {"num_requests": 0, "num_aborts": 0, "num_malformed": 0}
+        self.started_at = int(time.time())
+        self._tasks: list[asyncio.Task] = []
+        self.send_to_tokenizer = self.recv_from_tokenizer = self.recv_from_admin = None
+
+    async def start(self) -> None:
+        ep = self.config.endpoints
+        self.send_to_tokenizer = make_socket(self.ctx, zmq.PUSH, ep.tokenizer_in)
+        self.recv_from_tokenizer = make_socket(self.ctx, zmq.PULL, ep.gateway_in)
+        self.recv_from_admin = make_socket(self.ctx, zmq.ROUTER, ep.admin_gateway)
+        self._tasks = [
+            asyncio.ensure_future(self._receive()),
+            asyncio.ensure_future(serve_admin(self.recv_from_admin, {"stats": self.admin_stats}, log)),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for req_id in list(self.mailboxes):  # whatever still runs has nobody left to read it
+            self.abort(req_id)
+        close_sockets(self.send_to_tokenizer, self.recv_from_tokenizer, self.recv_from_admin)
+
+    async def _receive(self) -> None:
+        while True:
+            data = await self.recv_from_tokenizer.recv()
+            try:
+                message = self.decoder.decode(data)
+            except MalformedMessage as exc:
+                self.stats["num_malformed"] += 1
+                log.warning("malformed message dropped", error=str(exc), num_bytes=len(data))
+                continue
+            try:
+                self.handlers[type(message)](message)
+            except Exception:
+                log.exception("handler failed; message dropped", type=type(message).__name__)
+
+    def handle_text_batch(self, batch: TextBatch) -> None:
+        now = time.monotonic()
+        for delta in batch.deltas:
+            mailbox = self.mailboxes.get(delta.req_id)
+            if mailbox is None:
+                continue  # its client is gone; the abort is on its way
+            mailbox.put(delta)
+            self.metrics.on_delta(mailbox.timing[delta.req_id], delta, now)
+            if delta.finish_reason is not None:
+                del self.mailboxes[delta.req_id]
+
+    def submit(self, reqs: list[GenerateRequest]) -> OutputMailbox:
+        mailbox = OutputMailbox([r.req_id for r in reqs])
+        for req in reqs:
+            self.mailboxes[req.req_id] = mailbox
+            self.send_to_tokenizer.send(encode(req))
+        self.stats["num_requests"] += 1
+        log.debug("request submitted", req_id=reqs[0].req_id.rpartition("-")[0], num_choices=len(reqs))
+        return mailbox
+
+    def abort(self, req_id: str) -> None:
+        """Forget a choice and have the tokenizer and scheduler drop it (its blocks are freed)."""
+        if self.mailboxes.pop(req_id, None) is None:
+            return
+        self.stats["num_aborts"] += 1
+        self.send_to_tokenizer.send(encode(AbortRequest(req_id=req_id)))
+        log.info("request aborted", req_id=req_id)
+
+    def admin_stats(self, args: dict) -> dict:
+        return {**self.stats, "num_unfinished": len(self.mailboxes)}
+
+    async def refresh_engine_stats(self) -> None:
+        ep, timeout = self.config.endpoints, self.config.admin_timeout_s
+        scheduler, kvmanager = await asyncio.gather(
+            self.ask_admin(ep.admin_scheduler, "stats", timeout), self.ask_admin(ep.admin_kvmanager, "stats", timeout)
+        )
+        self.metrics.set_engine_stats(scheduler, kvmanager)
+
+    async def ask_admin(self, address: str, command: str, timeout: float) -> dict | None:
+        """``AdminReply.data`` of a service, or None when it is absent, slow or says no."""
+        sock = make_socket(self.ctx, zmq.DEALER, address)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            await sock.send(encode(AdminRequest(command=command)))
+            if not await sock.poll(int(timeout * 1000), zmq.POLLIN):
+                return None
+            reply = msgspec.msgpack.decode(await sock.recv(), type=AdminReply)
+            return reply.data if reply.ok else None
+        except (zmq.ZMQError, msgspec.MsgspecError) as exc:
+            log.debug("admin query failed", address=address, error=str(exc))
+            return None
+        finally:
+            sock.close()

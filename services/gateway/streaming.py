@@ -1,0 +1,97 @@
+"""Reading a request's ``OutputMailbox`` into an HTTP response: whole, or as an SSE stream.
+
+Called by ``routes.py`` after it submitted the request's choices. Both paths wait for the first
+outputs before answering, so an error from the tokenizer (prompt + max_tokens beyond the context,
+a bad token id) still gets a plain HTTP 400 even on a stream. A client that goes away shows up as
+a failed write (or, with handler cancellation, as ``CancelledError``); the route's ``finally``
+then aborts every unfinished choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+from aiohttp import web
+
+from services.gateway.mailbox import OutputMailbox, merge_deltas
+from services.gateway.protocol import ApiError
+from services.gateway.responses import UsageCounter
+from shared.logs import get_logger
+from shared.messages import TextDelta
+
+log = get_logger()
+_json = msgspec.json.Encoder()
+
+
+def raise_if_error(outputs: dict[int, TextDelta]) -> None:
+    for delta in outputs.values():
+        if delta.error is not None:
+            status = delta.error_code if 400 <= delta.error_code < 600 else 500
+            type_ = "invalid_request_error" if status < 500 else "server_error"
+            raise ApiError(delta.error, status=status, param=delta.error_param, type_=type_)
+
+
+async def collect(mailbox: OutputMailbox) -> dict[int, TextDelta]:
+    """Every choice's whole output, one merged delta per choice index."""
+    merged: dict[int, TextDelta] = {}
+    while True:
+        outputs = await mailbox.get()
+        raise_if_error(outputs)
+        for i, delta in outputs.items():
+            merged[i] = delta if i not in merged else merge_deltas(merged[i], delta)
+        if mailbox.done:
+            return merged
+
+
+class SseWriter:
+    """``data: {json}`` events over a chunked response, ``data: [DONE]`` at the end."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def prepare(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, obj: dict) -> None:
+        await self.response.write(b"data: " + _json.encode(obj) + b"\n\n")
+
+    async def done(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+
+# (choice index, its merged delta) -> the chunks to send for it
+ChunkMaker = Callable[[int, TextDelta], list[dict]]
+
+
+async def stream(request: web.Request, mailbox: OutputMailbox, make_chunks: ChunkMaker,
+                 usage_chunk: Callable[[dict], dict] | None, n: int) -> web.StreamResponse:
+    """Write the request's outputs as SSE events until every choice finished."""
+    outputs = await mailbox.get()
+    raise_if_error(outputs)  # nothing sent yet: a plain HTTP error is still possible
+    sse = SseWriter(request)
+    await sse.prepare()
+    usage = UsageCounter(n)
+    try:
+        while True:
+            for index, delta in sorted(outputs.items()):
+                usage.add(index, delta)
+                if delta.error is not None:  # failed after the stream began: say so in-band
+                    await sse.send(ApiError(delta.error, status=delta.error_code, param=delta.error_param).body())
+                    continue
+                for chunk in make_chunks(index, delta):
+                    await sse.send(chunk)
+            if mailbox.done:
+                break
+            outputs = await mailbox.get()
+        if usage_chunk is not None:
+            await sse.send(usage_chunk(usage.usage()))
+        await sse.done()
+    except ConnectionError:
+        log.info("client went away mid-stream", req_id=next(iter(mailbox.index), None))
+    return sse.response
