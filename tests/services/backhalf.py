@@ -8,6 +8,7 @@ import asyncio
 import shutil
 import tempfile
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -19,6 +20,17 @@ from services.scheduler.service import SchedulerService
 from shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
 from shared.messages import AdminReply, AdminRequest, EngineRequest, SamplingParams, TokenBatch
 from shared.transport import Decoder, encode, make_socket
+
+
+def write_tiny_chat_model(folder, tokenizer_dir) -> str:
+    """A tiny random Llama with a real tokenizer (SmolLM2's), so that the tokenizer service runs."""
+    from tests.conftest import write_tiny_model
+
+    write_tiny_model(folder, vocab_size=49152, max_position_embeddings=256)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, Path(folder) / f.name)
+    return str(folder)
 
 
 def short_run_dir() -> str:

@@ -4,14 +4,13 @@ that dies (which and why) and stops the rest; flags reach the services that own 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
@@ -19,21 +18,14 @@ import pytest
 from services.cli import admin_call, main as folio
 from services.serve import SERVICES, add_serve_args, service_argv
 from shared.config import Endpoints
-from tests.conftest import write_tiny_model
-from tests.services.backhalf import short_run_dir
+from tests.services.backhalf import short_run_dir, write_tiny_chat_model
 
 STARTUP_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory, smollm_dir) -> str:
-    """A tiny random Llama with SmolLM2's real tokenizer (so the tokenizer service can run)."""
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    write_tiny_model(folder, vocab_size=49152, max_position_embeddings=256)
-    for f in Path(smollm_dir).iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return str(folder)
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
 
 
 def free_port() -> int:
@@ -51,7 +43,8 @@ class Serve:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--run-dir", self.run_dir,
                "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "64", "--dtype", "float32",
                "--block-size", "8", "--max-num-seqs", "8"]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.log = tempfile.TemporaryFile("w+")  # every child writes here too: a pipe could fill and block
+        self.proc = subprocess.Popen(cmd, stderr=self.log)
         self.endpoints = Endpoints.ipc(self.run_dir)
 
     def children(self) -> list[psutil.Process]:
@@ -61,18 +54,22 @@ class Serve:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         waiting = set(SERVICES)
         while waiting and time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert self.proc.poll() is None, self.stderr()
             waiting = {s for s in waiting if admin_call(self.endpoints, s, "ping", {}, 0.5) is None}
         assert not waiting, f"not answering: {waiting}"
         while admin_call(self.endpoints, "kvmanager", "stats", {}, 1).data["registered"] is False:
             time.sleep(0.1)
 
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
     def finish(self, timeout_s: float = 30) -> tuple[int, str]:
         try:
-            _, err = self.proc.communicate(timeout=timeout_s)
+            self.proc.wait(timeout=timeout_s)
         finally:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        return self.proc.returncode, err
+        return self.proc.returncode, self.stderr()
 
 
 def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):

