@@ -127,6 +127,7 @@ class TokenizerConfig:
     model: str = DEFAULT_MODEL_NAME  # the default model's name or a model folder
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     log_json: bool = False
+    log_level: str = "info"
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class GatewayConfig:
     api_key: str | None = None  # None: no auth
     admin_timeout_s: float = 0.25  # /metrics asks the scheduler and kvmanager; never wait long
     log_json: bool = False
+    log_level: str = "info"
 
     @property
     def model_name(self) -> str:

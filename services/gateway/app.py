@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
 from aiohttp import web
 
 from services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
 from services.gateway.service import GatewayService
 from shared.config import GatewayConfig
-from shared.logs import get_logger
 
-log = get_logger()
+log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 # long prompts as token-id lists run to a few hundred KB of JSON
 MAX_BODY_BYTES = 32 * 1024 * 1024
 

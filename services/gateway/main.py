@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 from shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, api_key_from_env, log_json_from_env
+from services.common import add_common_args
 from shared.logs import setup_logging
 
 
@@ -21,7 +22,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $FOLIO_API_KEY)")
-    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    add_common_args(parser)  # --log-json, --log-level
     args = parser.parse_args(argv)
     return GatewayConfig(
         endpoints=Endpoints.from_env(),
@@ -31,6 +32,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         port=args.port,
         api_key=args.api_key or api_key_from_env(),
         log_json=args.log_json or log_json_from_env(),
+        log_level=args.log_level,
     )
 
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.gateway.app import serve
 
     config = parse_config(argv)
-    log = setup_logging("gateway", config.log_json)
+    log = setup_logging("gateway", config.log_json, config.log_level)
     return asyncio.run(run_until_signal(serve(config), log))
 
 

@@ -12,6 +12,7 @@ import hmac
 import time
 import uuid
 
+import structlog
 from aiohttp import web
 
 from services.gateway import convert, responses
@@ -20,9 +21,8 @@ from services.gateway.protocol import ApiError, ChatCompletionRequest, Completio
 from services.gateway.responses import ResponseMeta, UsageCounter
 from services.gateway.service import GatewayService
 from services.gateway.streaming import collect, stream
-from shared.logs import get_logger
 
-log = get_logger()
+log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 SERVICE = web.AppKey("service", GatewayService)
 
 

@@ -17,6 +17,7 @@ import asyncio
 import time
 
 import msgspec
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -24,11 +25,10 @@ from services.common import close_sockets, serve_admin
 from services.gateway.mailbox import OutputMailbox
 from services.gateway.metrics import GatewayMetrics
 from shared.config import GatewayConfig
-from shared.logs import get_logger
 from shared.messages import AbortRequest, AdminReply, AdminRequest, GenerateRequest, TextBatch
 from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
-log = get_logger()
+log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 
 
 class GatewayService:

@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import msgspec
+import structlog
 from aiohttp import web
 
 from services.gateway.mailbox import OutputMailbox, merge_deltas
 from services.gateway.protocol import ApiError
 from services.gateway.responses import UsageCounter
-from shared.logs import get_logger
 from shared.messages import TextDelta
 
-log = get_logger()
+log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 _json = msgspec.json.Encoder()
 
 

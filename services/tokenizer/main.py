@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 from shared.config import DEFAULT_MODEL_NAME, Endpoints, TokenizerConfig, log_json_from_env
+from services.common import add_common_args
 from shared.logs import setup_logging
 
 
@@ -18,10 +19,10 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name or a model folder")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")
-    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    add_common_args(parser)  # --log-json, --log-level
     args = parser.parse_args(argv)
     return TokenizerConfig(endpoints=Endpoints.from_env(), model=args.model, max_model_len=args.max_model_len,
-                           log_json=args.log_json or log_json_from_env())
+                           log_json=args.log_json or log_json_from_env(), log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.tokenizer.service import TextTokenizer, TokenizerService
 
     config = parse_config(argv)
-    log = setup_logging("tokenizer", config.log_json)
+    log = setup_logging("tokenizer", config.log_json, config.log_level)
     try:
         model_dir = resolve_model(config.model)
     except FileNotFoundError as exc:

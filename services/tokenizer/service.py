@@ -19,17 +19,17 @@ import json
 from pathlib import Path
 
 import msgspec
+import structlog
 import zmq
 import zmq.asyncio
 
 from services.common import close_sockets, serve_admin
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
 from shared.config import TokenizerConfig
-from shared.logs import get_logger
 from shared.messages import AbortRequest, EngineRequest, GenerateRequest, TextBatch, TextDelta, TokenBatch
 from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
-log = get_logger()
+log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 
 
 class RequestError(Exception):
