@@ -29,13 +29,18 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
     return SamplingParams(
         **{k: v for k, v in given.items() if v is not None},
         top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
-        seed=None if req.seed is None else req.seed + seed_offset,
+        seed=None if req.seed is None else _offset_seed(req.seed, seed_offset),
         max_tokens=max_tokens,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _offset_seed(seed: int, offset: int) -> int:
+    """``seed + offset``, stepping down instead where that would leave the int64 range."""
+    return seed + offset if seed + offset < 2**63 else seed - offset
 
 
 def stop_strings(req: CompletionRequest | ChatCompletionRequest) -> list[str]:

@@ -9,8 +9,14 @@ import argparse
 import asyncio
 import sys
 
-from shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, api_key_from_env, log_json_from_env
 from services.common import add_common_args
+from shared.config import (
+    DEFAULT_MODEL_NAME,
+    Endpoints,
+    GatewayConfig,
+    api_key_from_env,
+    log_json_from_env,
+)
 from shared.logs import setup_logging
 
 

@@ -19,8 +19,10 @@ from msgspec import Meta
 MAX_N = 128  # choices per prompt: each is a sequence in the batch
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosInt = Annotated[int, Meta(ge=1)]
+# bounded so every accepted value fits the msgpack ints of the wire; the tokenizer checks the
+# vocabulary and the context length
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+PosInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
@@ -55,7 +57,7 @@ class _Params(msgspec.Struct, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     seed: Int64 | None = None
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -65,7 +67,7 @@ class _Params(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Params, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists
-    prompt: str | list[str | NonNegInt | list[NonNegInt]]
+    prompt: str | list[str | TokenId | list[TokenId]]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None

@@ -9,8 +9,13 @@ import argparse
 import asyncio
 import sys
 
-from shared.config import DEFAULT_MODEL_NAME, Endpoints, TokenizerConfig, log_json_from_env
 from services.common import add_common_args
+from shared.config import (
+    DEFAULT_MODEL_NAME,
+    Endpoints,
+    TokenizerConfig,
+    log_json_from_env,
+)
 from shared.logs import setup_logging
 
 

@@ -88,10 +88,11 @@ class TextTokenizer:
         if req.fill_max_tokens:
             max_tokens = self.max_model_len - num_prompt_tokens
         if max_tokens < 1 or num_prompt_tokens + max_tokens > self.max_model_len:
+            wanted = max(max_tokens, 1)  # a prompt that fills the context still asks for one token
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in the {prompt_param}, "
-                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the {prompt_param} or completion.",
+                f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the {prompt_param}, {wanted} in the "
+                f"completion). Please reduce the length of the {prompt_param} or completion.",
                 prompt_param if num_prompt_tokens >= self.max_model_len else "max_tokens",
             )
         return max_tokens
@@ -120,7 +121,8 @@ class TokenizerService:
     async def run(self) -> None:
         """Serve until cancelled (SIGTERM/SIGINT cancel it from ``main``)."""
         admin = asyncio.ensure_future(serve_admin(self.recv_from_admin, {"stats": self.admin_stats}, log))
-        log.info("tokenizer ready", max_model_len=self.tokenizer.max_model_len, inbox=self.config.endpoints.tokenizer_in)
+        log.info("tokenizer ready", max_model_len=self.tokenizer.max_model_len,
+                 inbox=self.config.endpoints.tokenizer_in)
         try:
             while True:
                 self.dispatch(await self.recv_from_pipeline.recv())

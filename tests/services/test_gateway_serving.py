@@ -190,6 +190,19 @@ async def test_client_disconnect_mid_stream_aborts_the_request():
         await wait_for(lambda: not fh.gateway.mailboxes and not fh.tokenizer.outputs.requests)
 
 
+async def test_client_gone_before_a_whole_response_aborts_the_request():
+    script = text_tokenizer().hf.encode(SCRIPT_TEXT * 20)
+    async with front_half(script=lambda req: script, step_s=0.02) as fh, TestClient(TestServer(fh.app)) as client:
+        request = asyncio.ensure_future(client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:",
+                                                                             "max_tokens": 500, "n": 2}))
+        await wait_for(lambda: len(fh.scheduler.received) == 2)
+        request.cancel()  # the client gives up: its connection closes
+        await asyncio.gather(request, return_exceptions=True)
+        await wait_for(lambda: sorted(a.req_id for a in fh.scheduler.aborts) == sorted(
+            e.req_id for e in fh.scheduler.received))
+        assert not fh.scheduler.requests
+
+
 async def test_gateway_and_tokenizer_survive_malformed_messages():
     async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
         push_gw = make_socket(fh.ctx, zmq.PUSH, fh.endpoints.gateway_in)
@@ -225,7 +238,8 @@ async def test_metrics_count_tokens_and_read_engine_stats():
     async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
         await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 5})
         fakes = [
-            asyncio.ensure_future(_fake_admin(fh.ctx, fh.endpoints.admin_scheduler, {"num_running": 3, "num_waiting": 2})),
+            asyncio.ensure_future(_fake_admin(fh.ctx, fh.endpoints.admin_scheduler,
+                                              {"num_running": 3, "num_waiting": 2})),
             asyncio.ensure_future(_fake_admin(fh.ctx, fh.endpoints.admin_kvmanager,
                                               {"num_blocks_total": 200, "num_blocks_used": 50})),
         ]

@@ -183,7 +183,8 @@ def test_scheduler_error_becomes_a_text_error(tok):
 def test_chat_template_and_prompt_checks(tok):
     req = GenerateRequest(req_id="c", sampling=SamplingParams(), messages=[ChatMessage("user", "hi")])
     ids, text = tok.encode_request(req)
-    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system")
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode_with_specials(ids) == text
     bad = GenerateRequest(req_id="t", sampling=SamplingParams(), prompt_token_ids=[1, tok.vocab_size])
     with pytest.raises(RequestError, match="outside the vocabulary"):
