@@ -32,8 +32,12 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except ApiError as exc:
         return web.json_response(exc.body(), status=exc.status)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own errors (unknown route, wrong method, body too large) in OpenAI's shape too
+        type_ = "invalid_request_error" if exc.status < 500 else "server_error"
+        return web.json_response(ApiError(exc.reason, exc.status, type_=type_).body(), status=exc.status)
     except Exception:
         log.exception("request failed", path=request.path)
         return web.json_response(ApiError("internal server error", 500, type_="server_error").body(), status=500)

@@ -69,7 +69,8 @@ class GatewayService:
                 message = self.decoder.decode(data)
             except MalformedMessage as exc:
                 self.stats["num_malformed"] += 1
-                log.warning("malformed message dropped", error=str(exc), num_bytes=len(data))
+                log.warning("malformed message dropped", error=str(exc), num_bytes=len(data),
+                            req_ids=_sniff_req_ids(data))
                 continue
             try:
                 self.handlers[type(message)](message)
@@ -93,7 +94,8 @@ class GatewayService:
             self.mailboxes[req.req_id] = mailbox
             self.send_to_tokenizer.send(encode(req))
         self.stats["num_requests"] += 1
-        log.debug("request submitted", req_id=reqs[0].req_id.rpartition("-")[0], num_choices=len(reqs))
+        log.info("request received", req_id=reqs[0].req_id.rpartition("-")[0], num_choices=len(reqs),
+                 stream=reqs[0].stream)
         return mailbox
 
     def abort(self, req_id: str) -> None:
@@ -129,3 +131,15 @@ class GatewayService:
             return None
         finally:
             sock.close()
+
+
+def _sniff_req_ids(data: bytes) -> list[str] | None:
+    """The req_ids in a batch that failed validation, when it is readable msgpack at all."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.MsgspecError:
+        return None
+    deltas = raw.get("deltas") if isinstance(raw, dict) else None
+    if not isinstance(deltas, list):
+        return None
+    return [d["req_id"] for d in deltas if isinstance(d, dict) and isinstance(d.get("req_id"), str)]

@@ -44,10 +44,14 @@ class TextTokenizer:
     """The HF tokenizer of a model folder plus what the service needs around it."""
 
     def __init__(self, model_dir: str | Path, max_model_len: int | None = None):
+        """``model_dir``: a model folder or a .gguf file (what ``resolve_model`` returns)."""
         from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        if model_dir.suffix == ".gguf":  # a single GGUF file carries its tokenizer and config
+            self.hf = AutoTokenizer.from_pretrained(model_dir.parent, gguf_file=model_dir.name)
+        else:
+            self.hf = AutoTokenizer.from_pretrained(model_dir)
         backend = getattr(self.hf, "backend_tokenizer", None)  # the Rust tokenizer: fast, no Python
         if backend is not None:
             self.decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
@@ -201,6 +205,10 @@ class TokenizerService:
 
 
 def _read_model_config(model_dir: Path) -> dict:
+    if model_dir.suffix == ".gguf":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_dir.parent, gguf_file=model_dir.name).to_dict()
     path = model_dir / "config.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -209,6 +217,6 @@ def _sniff_req_id(data: bytes) -> str | None:
     """The req_id of a message that failed validation, when it is readable msgpack at all."""
     try:
         raw = msgspec.msgpack.decode(data)
-    except Exception:
+    except msgspec.MsgspecError:
         return None
     return raw.get("req_id") if isinstance(raw, dict) and isinstance(raw.get("req_id"), str) else None

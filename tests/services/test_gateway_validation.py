@@ -181,3 +181,13 @@ async def test_metrics_answer_without_scheduler_or_kvmanager(gateway_client):
                  "folio:e2e_request_latency_seconds", "folio:num_requests_running", "folio:num_requests_waiting",
                  "folio:kv_cache_usage_perc", "folio:prompt_tokens_total", "folio:generation_tokens_total"):
         assert name in text
+
+
+async def test_http_errors_of_aiohttp_are_openai_error_objects(gateway_client):
+    client = await gateway_client()
+    r = await client.get("/v1/nothing-here")
+    assert r.status == 404
+    validate(await r.json(), "ErrorResponse")
+    r = await client.get("/v1/completions")
+    assert r.status == 405
+    validate(await r.json(), "ErrorResponse")
