@@ -1,0 +1,127 @@
+"""The kernels and the whole executor on a real GPU (``gpu`` marker; skipped without CUDA).
+
+Every built instance (dtype x head size x block size) runs one mixed decode/chunk step, split
+and unsplit, against the torch backend; then cache write, copy-on-write, swap through a pinned
+host pool, a non-default stream, and greedy generation with the cuda backend against the torch
+backend. scripts/gpu_check.sh runs these on a lent GPU machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from services.executor import cuda_kernels as ck
+from services.executor.attention import TorchAttentionBackend
+from services.executor.kernel_backend import make_host_pool
+from tests.cuda.kv_cases import TOLERANCE, fresh_meta, make_step, reference_attention
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INSTANCES = list(itertools.product(ck.DTYPES, ck.HEAD_SIZES, ck.BLOCK_SIZES))
+
+
+@pytest.fixture(scope="module")
+def cuda_backend_cls():
+    pytest.importorskip("cupy")
+    from services.executor.cuda_backend import CudaAttentionBackend
+
+    return CudaAttentionBackend
+
+
+@pytest.mark.parametrize("dtype_name,head_dim,block_size", INSTANCES, ids=["-".join(map(str, i)) for i in INSTANCES])
+def test_attend_every_instance(cuda_backend_cls, dtype_name, head_dim, block_size):
+    dtype = DTYPES[dtype_name]
+    step = make_step([1, 9, 1, 30], [700, 9, 40, 1100], num_heads=8, num_kv_heads=2, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, device="cuda")
+    expected = reference_attention(step, head_dim**-0.5)
+    for split in (False, True):
+        backend = cuda_backend_cls(dtype, split=split)
+        out = backend.attend(step.query, step.k_cache, step.v_cache, fresh_meta(step), head_dim**-0.5)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol, msg=lambda m: f"split={split}: {m}")
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 16])
+def test_attend_gqa_groups_and_long_context(cuda_backend_cls, group):
+    step = make_step([1, 1, 17], [9000, 3, 5000], num_heads=2 * group, num_kv_heads=2, head_dim=128,
+                     block_size=16, dtype=torch.bfloat16, device="cuda", seed=group)
+    out = cuda_backend_cls(torch.bfloat16).attend(step.query, step.k_cache, step.v_cache, fresh_meta(step), 0.088)
+    torch.testing.assert_close(out.float(), reference_attention(step, 0.088), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_write_kv_with_padding(cuda_backend_cls):
+    step = make_step([3, 1, 4], [3, 10, 12], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                     dtype=torch.float16, device="cuda")
+    meta = fresh_meta(step)
+    meta.slot_mapping = torch.cat([step.slots, torch.full((2,), -1, dtype=torch.int64, device="cuda")])
+    qkv = torch.randn(10, 384, dtype=torch.float16, device="cuda")
+    key, value = qkv[:, 128:256].view(10, 2, 64), qkv[:, 256:].view(10, 2, 64)
+    k_ref, v_ref = step.k_cache.clone(), step.v_cache.clone()
+    TorchAttentionBackend().write_kv(key, value, k_ref, v_ref, meta)
+    meta.plan = None
+    cuda_backend_cls(torch.float16).write_kv(key, value, step.k_cache, step.v_cache, meta)
+    assert torch.equal(step.k_cache, k_ref) and torch.equal(step.v_cache, v_ref)
+
+
+def test_copy_blocks_and_swap_roundtrip(cuda_backend_cls):
+    backend = cuda_backend_cls(torch.bfloat16)
+    shape = (8, 16, 2, 128)
+    pool = [(torch.randn(shape, device="cuda").bfloat16(), torch.randn(shape, device="cuda").bfloat16())
+            for _ in range(3)]
+    expected = [(k.clone(), v.clone()) for k, v in pool]
+    TorchAttentionBackend().copy_blocks(expected, [(0, 5), (7, 2)])
+    backend.copy_blocks(pool, [(0, 5), (7, 2)])
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for kv, ke in zip(pool, expected) for a, b in zip(kv, ke))
+    host = make_host_pool(pool, num_blocks=4, pin=True)
+    backend.swap_out(pool, host, [(5, 0), (1, 3)])
+    torch.cuda.synchronize()
+    assert torch.equal(host[2][0][0], pool[2][0][5].cpu()) and torch.equal(host[1][1][3], pool[1][1][1].cpu())
+    for k, v in pool:
+        k[5].zero_()
+        v[1].zero_()
+    backend.swap_in(host, pool, [(0, 5), (3, 1)])
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for kv, ke in zip(pool, expected) for a, b in zip(kv, ke))
+
+
+def test_runs_on_torch_current_stream(cuda_backend_cls):
+    step = make_step([1, 5], [300, 40], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                     dtype=torch.float16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = cuda_backend_cls(torch.float16).attend(step.query, step.k_cache, step.v_cache, fresh_meta(step), 0.125)
+        result = out.float()  # a torch op on the same stream: ordered after the kernel
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(result, reference_attention(step, 0.125), atol=2e-3, rtol=2e-3)
+
+
+def _greedy(model_dir, backend: str, dtype: str):
+    from services.executor.offline import generate
+    from services.executor.runner import ModelRunner
+    from shared.config import RuntimeConfig
+    from shared.messages import SamplingParams
+
+    config = RuntimeConfig(device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16, attention_backend=backend)
+    runner = ModelRunner(config, model_dir)
+    assert runner.backend.name == backend
+    prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33, 2, 90, 11, 4] * 3, [9, 1, 77, 23, 5], [6] * 40]
+    return generate(runner, prompts, SamplingParams(temperature=0.0, max_tokens=24), chunk_size=16)
+
+
+def test_executor_greedy_equal_tiny_model(cuda_backend_cls, tmp_path):
+    from tests.conftest import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+                                 intermediate_size=128)
+    assert _greedy(model_dir, "cuda", "float32") == _greedy(model_dir, "torch", "float32")
+
+
+@pytest.mark.slow
+def test_executor_greedy_equal_smollm(cuda_backend_cls, smollm_dir):
+    assert _greedy(smollm_dir, "cuda", "float32") == _greedy(smollm_dir, "torch", "float32")
