@@ -4,6 +4,8 @@ tokenizer service, on real SmolLM2 tokens (no sockets: ``OutputProcessor`` direc
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
@@ -198,3 +200,23 @@ def test_chat_template_and_prompt_checks(tok):
     assert tok.fit_max_tokens(fill, 100) == tok.max_model_len - 100
     with pytest.raises(RequestError, match="empty"):
         tok.fit_max_tokens(long_req, 0)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=40),
+       stop=st.text(alphabet="ab é😀", min_size=1, max_size=3))
+def test_any_text_streams_back_whole_and_stops_exactly(tok, text, stop):
+    """Property: token by token, the pieces never hold a broken character and join to the text;
+    with a stop string, the output is exactly the text before its first occurrence."""
+    ids = tok.hf.encode(text)
+    if tok.decode(ids) != text:  # the tokenizer itself does not round-trip this text
+        return
+    proc = processor(tok)
+    add(tok, proc, stop=[stop])
+    deltas, aborts = feed_one_by_one(proc, "r", ids, finish_last="length")
+    out = "".join(d.text for d in deltas)
+    assert all("\ufffd" not in d.text for d in deltas) or "\ufffd" in text
+    if stop in text:
+        assert out == text[: text.index(stop)] and deltas[-1].stop_reason == stop
+    else:
+        assert out == text and deltas[-1].finish_reason == "length"
