@@ -173,6 +173,7 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     token: str
     logprob: float
     token_id: int
+    token_bytes: list[int] | None = None  # only when ``token`` is part of a character (shows U+FFFD)
 
 
 class TextLogprob(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,6 +184,8 @@ class TextLogprob(msgspec.Struct, frozen=True, kw_only=True):
     logprob: float | None
     top: list[TopLogprob] = []
     text_offset: int = 0
+    # the token's raw bytes, only when ``token`` is part of a character (its text shows U+FFFD)
+    token_bytes: list[int] | None = None
 
 
 class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import TextDelta, TextLogprob
+from shared.messages import TextDelta, TextLogprob, TopLogprob
 
 
 @dataclass
@@ -62,8 +62,9 @@ def completion_logprobs(items: list[TextLogprob]) -> dict:
     }
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
+def _token_bytes(item: TextLogprob | TopLogprob) -> list[int]:
+    """The tokenizer sends raw bytes only for tokens that hold part of a character."""
+    return item.token_bytes if item.token_bytes is not None else list(item.token.encode("utf-8"))
 
 
 def chat_logprobs(items: list[TextLogprob]) -> dict:
@@ -71,8 +72,8 @@ def chat_logprobs(items: list[TextLogprob]) -> dict:
         {
             "token": x.token,
             "logprob": x.logprob,
-            "bytes": _token_bytes(x.token),
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)} for t in x.top],
+            "bytes": _token_bytes(x),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t)} for t in x.top],
         }
         for x in items
     ]

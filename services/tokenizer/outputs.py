@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
+from services.tokenizer.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker
 from shared.messages import (
     AbortRequest,
     GenerateRequest,
@@ -26,22 +26,34 @@ from shared.messages import (
 
 class TokenTexts:
     """Token id -> its text alone, for logprobs (special tokens shown); cached, the vocabulary is
-    small and the same tokens come back all the time."""
+    small and the same tokens come back all the time. A token that holds part of a multi-byte
+    character also gets its raw bytes (``raw_bytes``), which OpenAI's chat logprobs carry so a
+    client can join such tokens into the character."""
 
-    def __init__(self, decode_with_specials):
+    def __init__(self, decode_with_specials, raw_bytes=None):
         self._decode = decode_with_specials
-        self._cache: dict[int, str] = {}
+        self._raw_bytes = raw_bytes or (lambda token_id: None)
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._decode([token_id])
-        return text
+        return self.text_and_bytes(token_id)[0]
+
+    def text_and_bytes(self, token_id: int) -> tuple[str, list[int] | None]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            text = self._decode([token_id])
+            raw = self._raw_bytes(token_id) if REPLACEMENT_CHAR in text else None
+            entry = self._cache[token_id] = (text, list(raw) if raw is not None else None)
+        return entry
 
     def logprob(self, lp: TokenLogprobs, text_offset: int) -> TextLogprob:
-        top = [TopLogprob(self(t), v, t) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]
-        return TextLogprob(token=self(lp.token_id), token_id=lp.token_id, logprob=lp.logprob, top=top,
-                           text_offset=text_offset)
+        top = []
+        for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
+            text, raw = self.text_and_bytes(token_id)
+            top.append(TopLogprob(text, value, token_id, raw))
+        text, raw = self.text_and_bytes(lp.token_id)
+        return TextLogprob(token=text, token_id=lp.token_id, logprob=lp.logprob, top=top, text_offset=text_offset,
+                           token_bytes=raw)
 
 
 @dataclass
@@ -171,7 +183,8 @@ class OutputProcessor:
         result, offset = [], 0
         for token_id, lp in zip(state.prompt_token_ids, lps):
             if lp is None:  # the first prompt token has no logprob
-                item = TextLogprob(token=self._texts(token_id), token_id=token_id, logprob=None, text_offset=offset)
+                text, raw = self._texts.text_and_bytes(token_id)
+                item = TextLogprob(token=text, token_id=token_id, logprob=None, text_offset=offset, token_bytes=raw)
             else:
                 item = self._texts.logprob(lp, offset)
             offset += len(item.token)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -59,11 +60,29 @@ class TextTokenizer:
         else:
             self.decode = lambda ids: self.hf.decode(ids, skip_special_tokens=True)
             self.decode_with_specials = lambda ids: self.hf.decode(ids, skip_special_tokens=False)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"  # GPT-2 style: a char per byte
         model_config = _read_model_config(model_dir)
         self.max_model_len = max_model_len or int(model_config.get("max_position_embeddings", 2048))
         self.vocab_size = max(len(self.hf), int(model_config.get("vocab_size", 0)))
         eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else model_config.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+
+    def raw_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, where the vocabulary says so (byte-level BPE tokens,
+        SentencePiece byte fallbacks ``<0xE2>``); None otherwise."""
+        token = self.hf.convert_ids_to_tokens(token_id)
+        if token is None:
+            return None
+        fallback = _BYTE_FALLBACK.fullmatch(token)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self._byte_level:
+            try:
+                return bytes(_GPT2_BYTE_DECODER[c] for c in token)
+            except KeyError:
+                return None
+        return None
 
     def encode_request(self, req: GenerateRequest) -> tuple[list[int], str | None]:
         """(prompt token ids, prompt text when there is one)."""
@@ -106,7 +125,8 @@ class TokenizerService:
     def __init__(self, config: TokenizerConfig, tokenizer: TextTokenizer, ctx: zmq.asyncio.Context | None = None):
         self.config = config
         self.tokenizer = tokenizer
-        self.outputs = OutputProcessor(tokenizer.decode, TokenTexts(tokenizer.decode_with_specials))
+        texts = TokenTexts(tokenizer.decode_with_specials, tokenizer.raw_bytes)
+        self.outputs = OutputProcessor(tokenizer.decode, texts)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         ep = config.endpoints
         self.recv_from_pipeline = make_socket(self.ctx, zmq.PULL, ep.tokenizer_in)
@@ -202,6 +222,20 @@ class TokenizerService:
     def _reply_error(self, req_id: str, message: str, code: int, param: str | None = None) -> None:
         delta = TextDelta(req_id=req_id, finish_reason="error", error=message, error_code=code, error_param=param)
         self.send_to_gateway.send(encode(TextBatch(deltas=[delta])))
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character table, reversed: byte-level BPE spells byte b as one
+    character, printable bytes as themselves, the others shifted above U+0100."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    for i, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = 256 + i
+    return {chr(c): b for b, c in chars.items()}
+
+
+_GPT2_BYTE_DECODER = _gpt2_byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _read_model_config(model_dir: Path) -> dict:

@@ -133,6 +133,19 @@ async def test_chat_logprobs_and_default_max_tokens():
         assert e.sampling.max_tokens == 8192 - len(e.prompt_token_ids) and e.sampling.logprobs == 2
 
 
+async def test_chat_logprob_bytes_join_split_characters():
+    script = text_tokenizer().hf.encode(" 😀 世界 ok")
+    async with front_half(script=lambda req: script) as fh, TestClient(TestServer(fh.app)) as client:
+        req = {"model": MODEL, "messages": MSGS, "logprobs": True, "max_tokens": len(script)}
+        body = await (await client.post("/v1/chat/completions", json=req)).json()
+        validate(body, "CreateChatCompletionResponse")
+        (choice,) = body["choices"]
+        assert choice["message"]["content"] == " 😀 世界 ok"
+        content = choice["logprobs"]["content"]
+        assert any(x["token"] == "\ufffd" for x in content)  # the premise: split characters
+        assert bytes(b for x in content for b in x["bytes"]).decode() == " 😀 世界 ok"
+
+
 async def test_stop_string_cut_reported_and_aborted():
     async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
         req = {"model": MODEL, "prompt": "Say:", "max_tokens": 40, "stop": ["42. EN", "never"]}

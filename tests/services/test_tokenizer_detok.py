@@ -22,7 +22,7 @@ def tok():
 
 
 def processor(tok) -> OutputProcessor:
-    return OutputProcessor(tok.decode, TokenTexts(tok.decode_with_specials))
+    return OutputProcessor(tok.decode, TokenTexts(tok.decode_with_specials, tok.raw_bytes))
 
 
 def add(tok, proc, req_id="r", prompt="Say:", **kw) -> GenerateRequest:
@@ -142,6 +142,10 @@ def test_logprobs_become_token_text_with_alternatives(tok):
     assert [(t.token, t.logprob, t.token_id) for t in items[0].top] == [(" café", -0.5, ids[0]), (",", -3.0, 28)]
     offsets = [x.text_offset for x in items]
     assert offsets[0] == 0 and offsets[1] == len(items[0].token)
+    # the emoji's tokens show U+FFFD alone; their raw bytes join into it
+    assert items[0].token_bytes is None and all(x.token_bytes for x in items if "\ufffd" in x.token)
+    raw = b"".join(bytes(x.token_bytes) if x.token_bytes else x.token.encode() for x in items)
+    assert raw.decode() == " café 😀"
 
 
 def test_echo_sends_prompt_text_and_prompt_logprobs_once(tok):
