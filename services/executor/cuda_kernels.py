@@ -156,7 +156,7 @@ def compiled_kernel(name: str, names: KernelNames, device_id: int):
     """A launchable ``cupy.RawKernel`` for ``name``; compiles its module (with the configuration's
     other instances of that module) on first use in this process."""
     module = module_of(name)
-    wanted = tuple(sorted(n for n in vars(names).values() if module_of(n) == module))
+    wanted = tuple(sorted({n for n in vars(names).values() if n and module_of(n) == module}))
     if name not in wanted:
         raise UnsupportedKernelError(f"kernel instance {name} is not part of {names}")
     return _raw_module(module, wanted, device_id).get_function(name)

@@ -32,10 +32,6 @@ SPLIT_ABOVE_SEQ_LEN = 8192
 MIN_BLOCKS_PER_SM = 2
 
 
-def _u64(value: int) -> np.uint64:
-    return np.uint64(value)
-
-
 def _ptr(tensor: torch.Tensor) -> np.uint64:
     return np.uint64(tensor.data_ptr())
 
@@ -133,6 +129,8 @@ class KernelAttentionBackend:
         num_kv_heads = k_cache.shape[2]
         if query.dtype != k_cache.dtype:
             raise ValueError(f"query dtype {query.dtype} differs from the KV pool's {k_cache.dtype}")
+        if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the kernels read K/V rows as 16-byte vectors: pools must be contiguous and 16-byte aligned")
         names = self.names(k_cache.dtype, head_dim, meta.block_size)
         plan = self.plan(meta, num_heads // num_kv_heads, num_kv_heads)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -143,8 +141,8 @@ class KernelAttentionBackend:
         part_out, part_max, part_sum = self._partials(plan, num_tokens, num_heads, head_dim, query.device)
         args = (
             _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(query),
-            _ptr(k_cache), _ptr(v_cache), _ptr(meta.block_tables), _ptr(meta.seq_lens),
-            _ptr(meta.query_start_loc), _ptr(plan.work),
+            _ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
+            _ptr(_int32(meta.query_start_loc)), _ptr(plan.work),
             np.int32(num_kv_heads), np.int32(plan.group), np.int32(meta.block_tables.shape[1]),
             np.int64(query.stride(0)), np.float32(scale), np.int32(plan.num_partitions),
             np.int32(self.partition_size),
@@ -154,7 +152,8 @@ class KernelAttentionBackend:
         if plan.num_partitions > 1:
             args = (_ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum),
                     np.int32(plan.num_partitions), np.int32(head_dim))
-            self.launcher.launch(names, "reduce", (num_tokens * num_heads, 1, 1), (ck.REDUCE_THREADS, 1, 1), args,
+            num_real = sum(meta.query_lens_list)  # padding rows past the batch have no partials
+            self.launcher.launch(names, "reduce", (num_real * num_heads, 1, 1), (ck.REDUCE_THREADS, 1, 1), args,
                                  query.device)
         return out
 
@@ -192,10 +191,11 @@ class KernelAttentionBackend:
         if not pairs:
             return
         k0 = src_caches[0][0]
-        if any(t.shape[1:] != k0.shape[1:] or t.dtype != k0.dtype for kv in (*src_caches, *dst_caches) for t in kv):
+        tensors = [t for kv in (*src_caches, *dst_caches) for t in kv]
+        if any(t.shape[1:] != k0.shape[1:] or t.dtype != k0.dtype for t in tensors):
             raise ValueError("source and destination pools differ in block shape or dtype")
-        device = next(t.device for kv in (*dst_caches, *src_caches) for t in kv if t.device.type != "cpu") \
-            if any(t.device.type != "cpu" for kv in (*dst_caches, *src_caches) for t in kv) else k0.device
+        # the kernel runs where the device pool is (a swap's other side is pinned host memory)
+        device = next((t.device for t in tensors if t.device.type != "cpu"), k0.device)
         block_bytes = k0[0].numel() * k0.element_size()
         if block_bytes % 16:
             raise ValueError(f"a KV block of {block_bytes} bytes is not a whole number of 16-byte words")
@@ -224,6 +224,11 @@ def make_host_pool(kv_caches, num_blocks: int, pin: bool = True) -> list[tuple[t
         (torch.zeros(shape, dtype=k0.dtype, pin_memory=pin), torch.zeros(shape, dtype=k0.dtype, pin_memory=pin))
         for _ in kv_caches
     ]
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """Metadata as the kernels read it: contiguous int32 (a no-op for AttentionMetadata.build's)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 def _dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,6 @@ MAX_REGISTERS = 255
 
 _FUNCTION = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?(?:,|$)")
 
 
 def compile_module(module: str, arch: str) -> tuple[dict[str, str], str]:

@@ -1,0 +1,65 @@
+"""The loader's instance table, its errors, and the optional CuPy dependency (no GPU needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.executor import cuda_kernels as ck
+
+
+def test_every_configuration_has_its_instances():
+    names = ck.all_name_expressions()
+    assert len(names["attention"]) == len(ck.DTYPES) * len(ck.HEAD_SIZES) * len(ck.BLOCK_SIZES) + len(ck.DTYPES)
+    assert len(names["cache"]) == len(ck.DTYPES) + 1
+    for dtype in ck.DTYPES:
+        for head in ck.HEAD_SIZES:
+            for block in ck.BLOCK_SIZES:
+                kn = ck.kernel_names(dtype, head, block)
+                for name in (kn.attention, kn.reduce, kn.write_kv, kn.copy_blocks):
+                    assert name in names[ck.module_of(name)]
+
+
+@pytest.mark.parametrize(
+    "dtype,head,block,pattern",
+    [
+        ("float16", 80, 16, r"folio::paged_attention<folio::f16, 80, 16>: unsupported head size 80"),
+        ("bfloat16", 128, 64, r"unsupported block size 64"),
+        ("float8_e4m3fn", 128, 16, r"unsupported dtype float8_e4m3fn"),
+    ],
+)
+def test_unsupported_configuration_names_the_missing_instance(dtype, head, block, pattern):
+    with pytest.raises(ck.UnsupportedKernelError, match=pattern):
+        ck.kernel_names(dtype, head, block)
+
+
+def test_module_source_inlines_our_headers_once():
+    source = ck.module_source("attention")
+    assert source.count("struct f16 { unsigned short bits; };") == 1
+    assert "paged_attention_reduce" in source
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_cuda_backend_import_fails_cleanly_without_cupy():
+    result = _python(
+        "import sys; sys.modules['cupy'] = None\n"
+        "try:\n    import services.executor.cuda_backend\nexcept ImportError:\n    print('ImportError')\n"
+        "import services.executor.cuda_kernels, services.executor.kernel_backend  # these never need CuPy\n"
+    )
+    assert result.stdout.strip() == "ImportError", result.stderr
+
+
+def test_runner_falls_back_to_torch_without_cupy():
+    result = _python(
+        "import sys, torch; sys.modules['cupy'] = None\n"
+        "from services.executor.runner import make_backend\n"
+        "print(make_backend('auto', torch.device('cuda'), torch.float16).name)\n"
+        "try:\n    make_backend('cuda', torch.device('cuda'), torch.float16)\n"
+        "except ValueError as e:\n    print('ValueError', 'unavailable' in str(e))\n"
+    )
+    assert result.stdout.split() == ["torch", "ValueError", "True"], result.stderr
