@@ -189,6 +189,23 @@ async def test_context_too_long_is_a_400_streamed_or_not():
         assert fh.scheduler.received == []
 
 
+async def test_concurrent_streams_each_get_their_own_text():
+    tok = text_tokenizer()
+
+    def echo_prompt(req):  # every request's script depends on its prompt: cross-talk would show
+        return tok.hf.encode(f" echo:{tok.decode(req.prompt_token_ids)}")
+
+    async def one(client, i: int) -> str:
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": f"client {i}", "max_tokens": 50,
+                                                       "stream": True})
+        return "".join(c["choices"][0]["text"] for c in (await sse_events(r))[:-1])
+
+    async with front_half(script=echo_prompt) as fh, TestClient(TestServer(fh.app)) as client:
+        texts = await asyncio.gather(*[one(client, i) for i in range(32)])
+        assert texts == [f" echo:client {i}" for i in range(32)]
+        assert not fh.gateway.mailboxes and not fh.tokenizer.outputs.requests
+
+
 async def test_client_disconnect_mid_stream_aborts_the_request():
     script = text_tokenizer().hf.encode(SCRIPT_TEXT * 20)
     async with front_half(script=lambda req: script, step_s=0.02) as fh, TestClient(TestServer(fh.app)) as client:
