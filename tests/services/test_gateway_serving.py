@@ -243,6 +243,10 @@ async def test_gateway_and_tokenizer_survive_malformed_messages():
             for data in (b"\x00garbage\xff", wrong_type, bad_generate):
                 await sock.send(data)
         await wait_for(lambda: fh.gateway.stats["num_malformed"] == 3 and fh.tokenizer.stats["num_malformed"] == 3)
+        for address in (fh.endpoints.admin_tokenizer, fh.endpoints.admin_gateway):  # admin sockets too
+            junk = make_socket(fh.ctx, zmq.DEALER, address)
+            await junk.send(b"\x00garbage\xff")
+            junk.close(linger=500)
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 4})
         assert r.status == 200 and (await r.json())["choices"][0]["text"]
         reply = await admin_call(fh.ctx, fh.endpoints.admin_tokenizer, "stats")
