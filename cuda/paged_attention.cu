@@ -27,8 +27,10 @@ struct alignas(16) vec16 { T e[16 / sizeof(T)]; };
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // Dot products of one K row (HEAD elements at k) with every row's query in shared memory.
+// Rows past num_rows (a short last work item, or decode with a small GQA group) are skipped:
+// the branch is uniform across the warp, and the loops stay unrolled so s[] lives in registers.
 template <typename T, int HEAD>
-__device__ __forceinline__ void score_key(const T* __restrict__ k, const float (*q_s)[HEAD],
+__device__ __forceinline__ void score_key(const T* __restrict__ k, const float (*q_s)[HEAD], int num_rows,
                                           float (&s)[ATTN_ROWS]) {
   constexpr int VEC = 16 / sizeof(T);
 #pragma unroll
@@ -40,6 +42,7 @@ __device__ __forceinline__ void score_key(const T* __restrict__ k, const float (
     for (int v = 0; v < VEC; ++v) kf[v] = to_float(w.e[v]);
 #pragma unroll
     for (int r = 0; r < ATTN_ROWS; ++r) {
+      if (r >= num_rows) break;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) s[r] += q_s[r][c + v] * kf[v];
     }
@@ -117,12 +120,13 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     if (valid) {
       const int block = block_tables[seq * max_blocks + pos / BLOCK];
       off = ((long long)block * BLOCK + pos % BLOCK) * token_stride + kv_head * HEAD;
-      score_key<T, HEAD>(k_cache + off, q_s, s);
+      score_key<T, HEAD>(k_cache + off, q_s, num_rows, s);
     }
 #pragma unroll
     for (int r = 0; r < ATTN_ROWS; ++r) {
+      if (r >= num_rows) break;  // block-uniform: every lane leaves together, shuffles stay whole
       // causal: row r (query position ctx_len + its token) sees keys up to its own position
-      const bool visible = valid && r < num_rows && pos <= ctx_len + (row0 + r) / group;
+      const bool visible = valid && pos <= ctx_len + (row0 + r) / group;
       const float score = visible ? s[r] : neg_inf();
       const float m_new = fmaxf(m[r], warp_max(score));
       const float p = score == neg_inf() ? 0.f : __expf(score - m_new);
@@ -144,6 +148,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
       for (int i = 0; i < PER_LANE; ++i) vf[i] = to_float(v[lane + i * WARP_SIZE]);
 #pragma unroll
       for (int r = 0; r < ATTN_ROWS; ++r) {
+        if (r >= num_rows) break;
         const float p = p_s[warp][r][j];
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) acc[r][i] += p * vf[i];
