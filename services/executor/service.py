@@ -11,6 +11,7 @@ Who talks to it:
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import structlog
@@ -39,6 +40,7 @@ class ExecutorService:
         self.handlers = {StepPlan: self.handle_step_plan}
         self.admin_commands = {"stats": self.admin_stats}
         self.num_steps = 0
+        self.execute_seconds_total = 0.0
 
     async def run(self) -> None:
         try:
@@ -71,6 +73,7 @@ class ExecutorService:
 
     def handle_step_plan(self, plan: StepPlan, envelope: list[bytes]) -> StepResult:
         self.num_steps += 1
+        t0 = time.perf_counter()
         try:
             return self.runner.execute(plan)
         except Exception:
@@ -78,6 +81,9 @@ class ExecutorService:
             # that got no token) rather than leave it waiting forever
             log.exception("step failed", step_id=plan.step_id, req_ids=list(plan.num_scheduled_tokens))
             return StepResult(step_id=plan.step_id)
+        finally:
+            self.execute_seconds_total += time.perf_counter() - t0
 
     def admin_stats(self, args: dict) -> dict:
-        return {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps}
+        return {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps,
+                "execute_seconds_total": self.execute_seconds_total}

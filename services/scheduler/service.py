@@ -12,6 +12,7 @@ The loop sleeps on an event when there is no work (never polls) and wakes on the
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 import zmq
@@ -53,6 +54,8 @@ class SchedulerService:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
         self.wake = asyncio.Event()
         self.pool_ready = False
+        # where step time goes: the bench compares them with the executor's execute time
+        self.timers = {"step_seconds_total": 0.0, "kv_wait_seconds_total": 0.0, "executor_wait_seconds_total": 0.0}
 
     async def run(self) -> None:
         try:
@@ -80,22 +83,28 @@ class SchedulerService:
 
     async def step(self) -> bool:
         """Run one step; False when there was nothing to do (then the loop waits for a message)."""
-        sched = self.scheduler
+        sched, timers = self.scheduler, self.timers
+        t0 = time.perf_counter()
         out = sched.schedule()
         if out is None:
             return False
         kv = None
         if sched.needs_kv_call(out):
             request = KVStepRequest(step_id=out.step_id, free_req_ids=out.free_req_ids, allocate=out.allocate)
+            t1 = time.perf_counter()
             kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, request, KVStepReply, out.step_id)
+            timers["kv_wait_seconds_total"] += time.perf_counter() - t1
             if kv.epoch and kv.epoch != sched.pool.epoch:
                 log.error("the executor restarted under running requests", old_epoch=sched.pool.epoch,
                           new_epoch=kv.epoch)
         plan = sched.build_plan(out, kv)
+        t2 = time.perf_counter()
         result = await self.call(self.send_to_executor, self.executor_decoder, plan, StepResult, out.step_id)
+        timers["executor_wait_seconds_total"] += time.perf_counter() - t2
         deltas = sched.update_from_result(out, result)
         if deltas:
             await self.push_deltas(out.step_id, deltas)
+        timers["step_seconds_total"] += time.perf_counter() - t0
         return True
 
     async def call(self, sock, decoder: Decoder, request, reply_type: type, step_id: int | None = None):
@@ -148,7 +157,7 @@ class SchedulerService:
     def admin_stats(self, args: dict) -> dict:
         if not self.pool_ready:
             return {"pool_ready": False, "num_running": 0, "num_waiting": 0, **self.scheduler.counters}
-        return {"pool_ready": True, **self.scheduler.stats()}
+        return {"pool_ready": True, **self.scheduler.stats(), **self.timers}
 
     def admin_requests(self, args: dict) -> dict:
         return {"requests": self.scheduler.describe_requests()}
