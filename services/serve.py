@@ -15,10 +15,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, run_dir_from_env
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, RuntimeConfig, run_dir_from_env
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")  # start order
 STOP_TIMEOUT_S = 10.0
@@ -106,6 +107,9 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     run_dir = Path(args.run_dir) if args.run_dir else run_dir_from_env()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if _someone_answers(Endpoints.ipc(run_dir)):
+        print(f"folio: another folio is serving in {run_dir}; stop it or pass --run-dir", file=sys.stderr)
+        return 1
     for stale in run_dir.glob("*.sock"):
         stale.unlink()
     env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir)}
@@ -122,8 +126,8 @@ def serve(args: argparse.Namespace) -> int:
         for name in SERVICES:
             cmd = [sys.executable, "-m", "services.cli", "run", name, *service_argv(name, args, model_path)]
             procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        print(f"folio: serving {model_path} at http://{args.host}:{args.port} (sockets in {run_dir}); "
-              "Ctrl-C stops", file=sys.stderr, flush=True)
+        print(f"folio: starting {model_path} (sockets in {run_dir}); Ctrl-C stops", file=sys.stderr, flush=True)
+        threading.Thread(target=_say_when_ready, args=(Endpoints.ipc(run_dir), args), daemon=True).start()
         code = _wait_for_a_death(procs)
     except _Stop as stop:
         print(f"folio: {stop} received, stopping the services", file=sys.stderr, flush=True)
@@ -134,6 +138,28 @@ def serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code
+
+
+def _someone_answers(endpoints: Endpoints) -> bool:
+    from services.cli import admin_call
+
+    return Path(endpoints.admin_kvmanager.removeprefix("ipc://")).exists() and \
+        admin_call(endpoints, "kvmanager", "ping", {}, 0.3) is not None
+
+
+def _say_when_ready(endpoints: Endpoints, args: argparse.Namespace) -> None:
+    """Startup only (a side thread): print one line once every service answers and the pool is up."""
+    from services.cli import admin_call
+
+    waiting = list(SERVICES)
+    while waiting:
+        reply = admin_call(endpoints, waiting[0], "stats" if waiting[0] == "scheduler" else "ping", {}, 1.0)
+        if reply is not None and reply.data.get("pool_ready", True):
+            waiting.pop(0)
+        else:
+            time.sleep(0.2)
+    host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+    print(f"folio: ready at http://{host}:{args.port}/v1", file=sys.stderr, flush=True)
 
 
 def _wait_for_a_death(procs: dict[str, subprocess.Popen]) -> int:

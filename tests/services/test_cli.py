@@ -43,7 +43,7 @@ class Serve:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--run-dir", self.run_dir,
                "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "64", "--dtype", "float32",
                "--block-size", "8", "--max-num-seqs", "8"]
-        self.log = tempfile.TemporaryFile("w+")  # every child writes here too: a pipe could fill and block
+        self.log = tempfile.TemporaryFile("a+")  # children share it: appends only; a pipe could fill and block
         self.proc = subprocess.Popen(cmd, stderr=self.log)
         self.endpoints = Endpoints.ipc(self.run_dir)
 
@@ -90,6 +90,15 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
         assert kv["num_blocks_total"] == 64 and kv["num_blocks_used"] == 0 and kv["block_size"] == 8
         assert folio(["scheduler", "stats", "--run-dir", serve.run_dir]) == 0
         assert "num_generation_tokens_total" in capsys.readouterr().out
+        for _ in range(50):  # the readiness line comes from a side thread polling the services
+            if "folio: ready at http://127.0.0.1:" in serve.stderr():
+                break
+            time.sleep(0.1)
+        assert f"folio: ready at http://127.0.0.1:{serve.port}/v1" in serve.stderr()
+        # a second serve on the same run folder refuses instead of stealing the sockets
+        other = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", tiny_chat_model,
+                                "--run-dir", serve.run_dir], capture_output=True, text=True, timeout=60)
+        assert other.returncode == 1 and "another folio is serving" in other.stderr
         serve.proc.send_signal(signal.SIGTERM)
         code, err = serve.finish()
     finally:
