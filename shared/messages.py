@@ -98,6 +98,9 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
     sampled_token_ids: list[list[int]] = []
     logprobs: list[list[TokenLogprobs] | None] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    # set by the executor service: the epoch of the pool that ran the step; a change tells the
+    # scheduler the executor restarted and its requests must start over
+    epoch: str = ""
 
 
 # --------------------------------------------------------------------------- request pipeline
