@@ -14,6 +14,7 @@ import asyncio
 import time
 import uuid
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -75,12 +76,12 @@ class ExecutorService:
         self.num_steps += 1
         t0 = time.perf_counter()
         try:
-            return self.runner.execute(plan)
+            return msgspec.structs.replace(self.runner.execute(plan), epoch=self.epoch)
         except Exception:
             # a plan that does not fit our state: answer anyway (the scheduler fails the requests
             # that got no token) rather than leave it waiting forever
             log.exception("step failed", step_id=plan.step_id, req_ids=list(plan.num_scheduled_tokens))
-            return StepResult(step_id=plan.step_id)
+            return StepResult(step_id=plan.step_id, epoch=self.epoch)
         finally:
             self.execute_seconds_total += time.perf_counter() - t0
 

@@ -63,7 +63,7 @@ class Scheduler:
         self.next_step_id = 0
         self.counters = dict(num_steps=0, num_preemptions=0, num_prompt_tokens_total=0,
                              num_generation_tokens_total=0, num_requests_finished=0,
-                             num_requests_aborted=0, num_requests_rejected=0)
+                             num_requests_aborted=0, num_requests_rejected=0, num_executor_restarts=0)
 
     # ------------------------------------------------------------------ pool
     def set_pool(self, info: PoolInfo) -> None:
@@ -138,6 +138,23 @@ class Scheduler:
         req.reset_for_recompute()
         self.waiting.appendleft(req)
         self.counters["num_preemptions"] += 1
+
+    def reset_pool(self, info: PoolInfo, held_req_ids: list[str] = ()) -> int:
+        """The executor restarted (a new epoch): its state and the old tables are gone. Every
+        running request starts over by recompute, first in line; ``held_req_ids`` still hold blocks
+        in the new tables (given in the call that revealed the restart). Returns how many restart."""
+        running, self.running = self.running, []
+        for req in running:
+            req.reset_for_recompute()
+        for req in self.waiting:
+            req.on_executor = False
+        self.waiting.extendleft(reversed(running))
+        self.pending_finished_req_ids = []
+        self.pending_free_req_ids = list(held_req_ids)
+        self.num_pending_free_blocks = 0
+        self.set_pool(info)
+        self.counters["num_executor_restarts"] += 1
+        return len(running)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.pending_free_req_ids or self.pending_finished_req_ids)

@@ -36,6 +36,10 @@ from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
 log = structlog.get_logger()
 
+# A step that takes longer than this makes us ask the kvmanager whether the executor restarted
+# (a new pool epoch); a slow step is then simply waited for again.
+EXECUTOR_CHECK_S = 5.0
+
 
 class SchedulerService:
     def __init__(self, config: SchedulerConfig, ctx: zmq.asyncio.Context):
@@ -54,6 +58,7 @@ class SchedulerService:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
         self.wake = asyncio.Event()
         self.pool_ready = False
+        self.executor_check_s = EXECUTOR_CHECK_S
         # where step time goes: the bench compares them with the executor's execute time
         self.timers = {"step_seconds_total": 0.0, "kv_wait_seconds_total": 0.0, "executor_wait_seconds_total": 0.0}
 
@@ -95,22 +100,32 @@ class SchedulerService:
             kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, request, KVStepReply, out.step_id)
             timers["kv_wait_seconds_total"] += time.perf_counter() - t1
             if kv.epoch and kv.epoch != sched.pool.epoch:
-                log.error("the executor restarted under running requests", old_epoch=sched.pool.epoch,
-                          new_epoch=kv.epoch)
+                await self.recover_from_restart(list(kv.new_block_ids))
+                return True
         plan = sched.build_plan(out, kv)
         t2 = time.perf_counter()
-        result = await self.call(self.send_to_executor, self.executor_decoder, plan, StepResult, out.step_id)
+        result = await self.call(self.send_to_executor, self.executor_decoder, plan, StepResult, out.step_id,
+                                 check_s=self.executor_check_s)
         timers["executor_wait_seconds_total"] += time.perf_counter() - t2
+        if result is None or (result.epoch and result.epoch != sched.pool.epoch):
+            await self.recover_from_restart()
+            return True
         deltas = sched.update_from_result(out, result)
         if deltas:
             await self.push_deltas(out.step_id, deltas)
         timers["step_seconds_total"] += time.perf_counter() - t0
         return True
 
-    async def call(self, sock, decoder: Decoder, request, reply_type: type, step_id: int | None = None):
-        """One request/reply on a DEALER: malformed or stale replies are logged and skipped."""
+    async def call(self, sock, decoder: Decoder, request, reply_type: type, step_id: int | None = None,
+                   check_s: float | None = None):
+        """One request/reply on a DEALER: malformed or stale replies are logged and skipped. With
+        ``check_s``, a reply slower than that checks for an executor restart (None if it did)."""
         await sock.send(encode(request))
         while True:
+            if check_s is not None:
+                while not await sock.poll(int(check_s * 1000), zmq.POLLIN):
+                    if await self.executor_restarted():
+                        return None
             data = await sock.recv()
             try:
                 reply = decoder.decode(data)
@@ -122,6 +137,18 @@ class SchedulerService:
                             step_id=step_id)
                 continue
             return reply
+
+    async def executor_restarted(self) -> bool:
+        info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
+        return info.epoch != self.scheduler.pool.epoch
+
+    async def recover_from_restart(self, held_req_ids: list[str] = ()) -> None:
+        """A new executor knows nothing: every running request starts over by recompute."""
+        old = self.scheduler.pool.epoch
+        info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
+        num = self.scheduler.reset_pool(info, held_req_ids)
+        log.error("the executor restarted: its requests start over", old_epoch=old, new_epoch=info.epoch,
+                  num_requests=num)
 
     async def push_deltas(self, step_id: int, deltas: list[TokenDelta]) -> None:
         await self.send_to_tokenizer.send(encode(TokenBatch(step_id=step_id, deltas=deltas)))

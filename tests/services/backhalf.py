@@ -51,8 +51,8 @@ async def admin_call(ctx: zmq.asyncio.Context, address: str, command: str, timeo
 class BackHalf:
     """kvmanager + executor + scheduler, and the tokenizer's two sockets."""
 
-    def __init__(self, ctx, endpoints: Endpoints, tasks: list[asyncio.Task], runner: ModelRunner):
-        self.ctx, self.endpoints, self.tasks, self.runner = ctx, endpoints, tasks, runner
+    def __init__(self, ctx, endpoints: Endpoints, tasks: list[asyncio.Task], runner: ModelRunner, services=()):
+        self.ctx, self.endpoints, self.tasks, self.runner, self.services = ctx, endpoints, tasks, runner, services
         self.to_scheduler = make_socket(ctx, zmq.PUSH, endpoints.scheduler_in)
         self.from_scheduler = make_socket(ctx, zmq.PULL, endpoints.tokenizer_in)
         self.batches: list[TokenBatch] = []
@@ -87,6 +87,14 @@ class BackHalf:
         out = await self.collect(req_ids)
         return [out[r][0] for r in req_ids]
 
+    async def restart_executor(self) -> None:
+        """Stop the executor and start a new one (a new epoch) on the same sockets."""
+        old_task, old = self.tasks[1], self.services[1]
+        old_task.cancel()
+        await asyncio.gather(old_task, return_exceptions=True)
+        new = ExecutorService(old.config, self.ctx)
+        self.services[1], self.tasks[1] = new, asyncio.ensure_future(new.run())
+
     async def admin(self, service: str, command: str, **args) -> AdminReply:
         return await admin_call(self.ctx, getattr(self.endpoints, f"admin_{service}"), command, **args)
 
@@ -110,7 +118,7 @@ async def back_half(model_dir: str, *, num_kv_blocks: int = 64, block_size: int 
                                          max_model_len=max_model_len), ctx),
     ]
     tasks = [asyncio.ensure_future(s.run()) for s in services]
-    harness = BackHalf(ctx, endpoints, tasks, executor.runner)
+    harness = BackHalf(ctx, endpoints, tasks, executor.runner, services)
     try:
         yield harness
     finally:

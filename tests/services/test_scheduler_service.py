@@ -10,8 +10,8 @@ import pytest
 from services.executor.offline import generate
 from services.executor.runner import ModelRunner
 from shared.config import RuntimeConfig
-from shared.messages import SamplingParams
-from shared.transport import encode
+from shared.messages import SamplingParams, TokenBatch
+from shared.transport import Decoder, encode
 from tests.services.backhalf import back_half
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 5, [10, 11], list(range(20, 50)), [3] * 9, [60, 61, 62, 63]]
@@ -92,3 +92,22 @@ async def test_survives_malformed_messages(tiny_model_dir):
         assert len(out[0]) == 3
         requests = (await bh.admin("scheduler", "requests")).data["requests"]
         assert requests == []
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_executor_makes_running_requests_start_over(tiny_model_dir, reference):
+    async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=4) as bh:
+        bh.services[2].executor_check_s = 0.3  # a lost step is noticed quickly
+        req_ids = [f"req-{i}" for i in range(len(PROMPTS))]
+        for req_id, prompt, m in zip(req_ids, PROMPTS, MAX_TOKENS):
+            await bh.submit(req_id, prompt, greedy(m))
+        while sum(len(d.token_ids) for b in bh.batches for d in b.deltas) < 10:
+            bh.batches.append(Decoder(TokenBatch).decode(await asyncio.wait_for(bh.from_scheduler.recv(), 30)))
+        before = {r: [t for b in bh.batches for d in b.deltas if d.req_id == r for t in d.token_ids] for r in req_ids}
+        await bh.restart_executor()
+        after = await bh.collect(req_ids)
+        assert [before[r] + after[r][0] for r in req_ids] == reference
+        stats = (await bh.admin("scheduler", "stats")).data
+        assert stats["num_executor_restarts"] == 1
+        await asyncio.sleep(0.05)
+        assert (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] == 0
