@@ -1,0 +1,77 @@
+"""Property tests: whatever arrives, aborts and runs out of blocks, the allocator never leaks or
+double-frees, the scheduler's mirror of free blocks matches the kvmanager's truth, every step
+respects the token budget and the sequence cap, and every request ends with all its tokens."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.kvmanager.allocator import BlockAllocator
+from tests.services.test_scheduler_policy import kv_answer, make, request
+from shared.messages import StepResult
+
+
+def check_allocator(alloc: BlockAllocator) -> None:
+    held = [b for table in alloc.block_tables.values() for b in table]
+    assert len(held) == len(set(held)), "a block is in two tables"
+    assert not set(held) & set(alloc.free_block_ids), "a block is both held and free"
+    assert len(held) + alloc.num_free_blocks == alloc.num_blocks, "a block leaked"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("af"), st.integers(0, 5), st.integers(1, 40)), max_size=60))
+def test_allocator_never_leaks_or_double_frees(ops):
+    alloc = BlockAllocator(num_blocks=16, block_size=4)
+    for op, req, num_tokens in ops:
+        if op == "a" and alloc.can_allocate(str(req), num_tokens):
+            alloc.allocate(str(req), num_tokens)
+        elif op == "f":
+            alloc.free(str(req))
+        check_allocator(alloc)
+
+
+requests_st = st.lists(
+    st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6), st.booleans()),  # prompt, max_tokens, arrival step, abort?
+    min_size=1, max_size=10,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests_st, st.integers(6, 20), st.integers(1, 24), st.integers(1, 4))
+def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs):
+    sched, alloc = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    finished: dict[str, list[int]] = {}
+    admitted = {}
+    for step_no in range(400):
+        for i, (num_prompt, max_tokens, arrival, abort) in enumerate(reqs):
+            if arrival == step_no and sched.add_request(request(f"r{i}", num_prompt, max_tokens, ignore_eos=True)) is None:
+                admitted[f"r{i}"] = max_tokens
+            if abort and arrival + 2 == step_no and sched.abort(f"r{i}"):
+                finished[f"r{i}"] = None
+        out = sched.schedule()
+        if out is None:
+            if step_no > max(r[2] for r in reqs) + 3:
+                break
+            continue
+        reply = kv_answer(alloc, out) if sched.needs_kv_call(out) else None
+        assert reply is None or reply.failed_req_ids == []  # the mirror made every allocation fit
+        check_allocator(alloc)
+        plan = sched.build_plan(out, reply)
+        assert sum(plan.num_scheduled_tokens.values()) <= budget
+        assert len(plan.num_scheduled_tokens) <= max_num_seqs
+        assert sched.num_free_blocks == alloc.num_free_blocks
+        samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
+        result = StepResult(step_id=plan.step_id, req_ids=samplers,
+                            sampled_token_ids=[[int(r[1:]) + 1] for r in samplers])
+        for delta in sched.update_from_result(out, result):
+            finished.setdefault(delta.req_id, []).extend(delta.token_ids)
+    assert not sched.requests and not sched.running and not sched.waiting
+    for req_id, max_tokens in admitted.items():
+        if finished[req_id] is not None:
+            assert finished[req_id] == [int(req_id[1:]) + 1] * max_tokens
+    # the last releases ride on one more call
+    out = sched.schedule()
+    if out is not None:
+        kv_answer(alloc, out)
+    assert alloc.num_free_blocks == num_blocks
