@@ -139,9 +139,9 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.counters["num_preemptions"] += 1
 
-    def reset_pool(self, info: PoolInfo, held_req_ids: list[str] = ()) -> int:
+    def reset_pool(self, info: PoolInfo, held: dict[str, list[int]] | None = None) -> int:
         """The executor restarted (a new epoch): its state and the old tables are gone. Every
-        running request starts over by recompute, first in line; ``held_req_ids`` still hold blocks
+        running request starts over by recompute, first in line; ``held`` requests still hold blocks
         in the new tables (given in the call that revealed the restart). Returns how many restart."""
         running, self.running = self.running, []
         for req in running:
@@ -150,9 +150,10 @@ class Scheduler:
             req.on_executor = False
         self.waiting.extendleft(reversed(running))
         self.pending_finished_req_ids = []
-        self.pending_free_req_ids = list(held_req_ids)
-        self.num_pending_free_blocks = 0
+        held = held or {}
         self.set_pool(info)
+        self.pending_free_req_ids = list(held)
+        self.num_pending_free_blocks = sum(map(len, held.values()))
         self.counters["num_executor_restarts"] += 1
         return len(running)
 

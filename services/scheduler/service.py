@@ -100,7 +100,7 @@ class SchedulerService:
             kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, request, KVStepReply, out.step_id)
             timers["kv_wait_seconds_total"] += time.perf_counter() - t1
             if kv.epoch and kv.epoch != sched.pool.epoch:
-                await self.recover_from_restart(list(kv.new_block_ids))
+                await self.recover_from_restart(kv.new_block_ids)
                 return True
         plan = sched.build_plan(out, kv)
         t2 = time.perf_counter()
@@ -142,11 +142,11 @@ class SchedulerService:
         info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
         return info.epoch != self.scheduler.pool.epoch
 
-    async def recover_from_restart(self, held_req_ids: list[str] = ()) -> None:
+    async def recover_from_restart(self, held: dict[str, list[int]] | None = None) -> None:
         """A new executor knows nothing: every running request starts over by recompute."""
         old = self.scheduler.pool.epoch
         info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
-        num = self.scheduler.reset_pool(info, held_req_ids)
+        num = self.scheduler.reset_pool(info, held)
         log.error("the executor restarted: its requests start over", old_epoch=old, new_epoch=info.epoch,
                   num_requests=num)
 

@@ -119,3 +119,23 @@ def test_abort_frees_blocks_in_the_next_step_even_when_idle():
     plan, deltas = step(sched, alloc)
     assert plan.finished_req_ids == ["a"] and plan.num_scheduled_tokens == {} and deltas == []
     assert alloc.num_used_blocks == 0 and sched.schedule() is None
+
+
+def test_an_executor_restart_sends_every_running_request_back_to_recompute():
+    sched, alloc = make(num_blocks=8, block_size=4)
+    sched.add_request(request("a", 5, max_tokens=3))
+    sched.add_request(request("b", 3, max_tokens=3))
+    step(sched, alloc, token=9)
+    # the kvmanager's next answer came from a new pool (epoch "e2"): b already holds a block there
+    fresh = BlockAllocator(8, 4)
+    fresh.allocate("b", 4)
+    info = PoolInfo(num_blocks=8, block_size=4, bytes_per_block=1, epoch="e2", num_free_blocks=7)
+    assert sched.reset_pool(info, {"b": [0]}) == 2
+    assert [r.req_id for r in sched.waiting] == ["a", "b"] and sched.num_pending_free_blocks == 1
+    plan, _ = step(sched, fresh, token=9)
+    assert plan.finished_req_ids == []  # the new executor never knew them
+    assert [(r.req_id, r.token_ids, r.block_ids) for r in plan.new_reqs] == [
+        ("a", [1, 2, 3, 4, 5, 9], [1, 2]), ("b", [1, 2, 3, 9], [3])]  # b's old block went back first
+    while sched.has_work():
+        step(sched, fresh)
+    assert fresh.num_free_blocks == 8 and sched.counters["num_executor_restarts"] == 1
