@@ -57,8 +57,11 @@ def auth_middleware(api_key: str | None):
 
 
 def _check_model(service: GatewayService, model: str | None) -> str:
-    name = service.config.model_name
-    if model is not None and model != name:
+    config = service.config
+    name = config.model_name
+    # without --served-model-name the --model value itself is an alias (vLLM's default name)
+    aliases = (name,) if config.served_model_name else (name, config.model)
+    if model is not None and model not in aliases:
         raise ApiError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
     return name
 
