@@ -157,6 +157,41 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is pre-packed for oneDNN (CPU, fp32).
+
+    MKL's sgemm is slow for the skinny GEMMs of decode on many CPUs; oneDNN with a weight packed
+    once at load time is about twice as fast at batch 8 here. Results differ from the dense path
+    only by float rounding.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def cpu_linear_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_linears_for_cpu(model: "LlamaForCausalLM") -> None:
+    """Swap every projection (and the LM head) for its oneDNN-packed form; frees the dense copies."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj, attn.o_proj = PackedLinear(attn.qkv_proj), PackedLinear(attn.o_proj)
+        mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)
+    head = model.lm_head or nn.Linear(model.spec.hidden_size, model.spec.vocab_size, bias=False, device="meta")
+    if model.lm_head is None:  # tied: the embedding table stays for lookups, the head gets a packed copy
+        head.weight = model.embed_tokens.weight
+    model.packed_lm_head = PackedLinear(head)
+    model.lm_head = None
+
+
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (tied to the embeddings or not)."""
 
@@ -168,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.packed_lm_head: PackedLinear | None = None
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
@@ -191,5 +227,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab_size] fp32
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

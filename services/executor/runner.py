@@ -15,6 +15,7 @@ import torch
 from services.executor.attention import AttentionMetadata, TorchAttentionBackend
 from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from services.executor.loader import load_model, resolve_dtype
+from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
 from services.executor.sampler import SamplingRow, make_generator, sample, token_logprobs
 from shared.config import RuntimeConfig
 from shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
@@ -65,6 +66,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_packing_available():
+            pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
         self.backend = make_backend(config.attention_backend, self.device, self.dtype)
         self.pool_shape = PoolShape(
