@@ -33,7 +33,8 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
 def main(argv: list[str] | None = None) -> int:
     from services.common import run_until_signal
     from services.executor.prepare import resolve_model
-    from services.tokenizer.service import TextTokenizer, TokenizerService
+    from services.tokenizer.service import TokenizerService
+    from services.tokenizer.text import TextTokenizer
 
     config = parse_config(argv)
     log = setup_logging("tokenizer", config.log_json, config.log_level)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
-from services.tokenizer.service import RequestError
+from services.tokenizer.text import RequestError
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
 from tests.services.frontend import text_tokenizer
 

@@ -1,0 +1,124 @@
+"""The model's tokenizer as the tokenizer service uses it: the HF tokenizer and chat template of a
+model folder (or .gguf file), prompt encoding, the context-length check, and token bytes.
+
+``service.py`` builds one ``TextTokenizer`` at start; tests build it directly (~1 s for SmolLM2).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from shared.messages import GenerateRequest
+
+
+class RequestError(Exception):
+    """A request that cannot run; goes back to the client as an HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class TextTokenizer:
+    """The HF tokenizer of a model folder plus what the service needs around it."""
+
+    def __init__(self, model_dir: str | Path, max_model_len: int | None = None):
+        """``model_dir``: a model folder or a .gguf file (what ``resolve_model`` returns)."""
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        if model_dir.suffix == ".gguf":  # a single GGUF file carries its tokenizer and config
+            self.hf = AutoTokenizer.from_pretrained(model_dir.parent, gguf_file=model_dir.name)
+        else:
+            self.hf = AutoTokenizer.from_pretrained(model_dir)
+        backend = getattr(self.hf, "backend_tokenizer", None)  # the Rust tokenizer: fast, no Python
+        if backend is not None:
+            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+            self.decode_with_specials = lambda ids: backend.decode(ids, skip_special_tokens=False)
+        else:
+            self.decode = lambda ids: self.hf.decode(ids, skip_special_tokens=True)
+            self.decode_with_specials = lambda ids: self.hf.decode(ids, skip_special_tokens=False)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"  # GPT-2 style: a char per byte
+        model_config = _read_model_config(model_dir)
+        self.max_model_len = max_model_len or int(model_config.get("max_position_embeddings", 2048))
+        self.vocab_size = max(len(self.hf), int(model_config.get("vocab_size", 0)))
+        eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else model_config.get("eos_token_id")
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+
+    def raw_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, where the vocabulary says so (byte-level BPE tokens,
+        SentencePiece byte fallbacks ``<0xE2>``); None otherwise."""
+        token = self.hf.convert_ids_to_tokens(token_id)
+        if token is None:
+            return None
+        fallback = _BYTE_FALLBACK.fullmatch(token)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self._byte_level:
+            try:
+                return bytes(_GPT2_BYTE_DECODER[c] for c in token)
+            except KeyError:
+                return None
+        return None
+
+    def encode_request(self, req: GenerateRequest) -> tuple[list[int], str | None]:
+        """(prompt token ids, prompt text when there is one)."""
+        if req.prompt_token_ids is not None:
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+            return list(req.prompt_token_ids), None
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            try:
+                text = self.hf.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                   tokenize=False)
+            except Exception as exc:  # jinja raises anything a template author wrote
+                raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+            # the template already holds BOS and the role markers
+            return self.hf.encode(text, add_special_tokens=False), text
+        return self.hf.encode(req.prompt or ""), req.prompt
+
+    def fit_max_tokens(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
+        """max_tokens the request may have, or RequestError when it does not fit the context."""
+        prompt_param = "messages" if req.messages is not None else "prompt"
+        if num_prompt_tokens == 0:
+            raise RequestError("the prompt is empty", prompt_param)
+        max_tokens = req.sampling.max_tokens
+        if req.fill_max_tokens:
+            max_tokens = self.max_model_len - num_prompt_tokens
+        if max_tokens < 1 or num_prompt_tokens + max_tokens > self.max_model_len:
+            wanted = max(max_tokens, 1)  # a prompt that fills the context still asks for one token
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the {prompt_param}, {wanted} in the "
+                f"completion). Please reduce the length of the {prompt_param} or completion.",
+                prompt_param if num_prompt_tokens >= self.max_model_len else "max_tokens",
+            )
+        return max_tokens
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character table, reversed: byte-level BPE spells byte b as one
+    character, printable bytes as themselves, the others shifted above U+0100."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    for i, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = 256 + i
+    return {chr(c): b for b, c in chars.items()}
+
+
+_GPT2_BYTE_DECODER = _gpt2_byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _read_model_config(model_dir: Path) -> dict:
+    if model_dir.suffix == ".gguf":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_dir.parent, gguf_file=model_dir.name).to_dict()
+    path = model_dir / "config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
