@@ -12,6 +12,7 @@ import asyncio
 import signal
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -23,6 +24,17 @@ from shared.transport import Decoder, MalformedMessage, encode
 Handler = Callable[[object, list[bytes]], Awaitable[object | None] | object | None]
 
 _admin_decoder = Decoder(AdminRequest)
+
+
+def sniff_req_id(data: bytes) -> str | None:
+    """The ``req_id`` of a message that failed validation, when it is readable msgpack at all,
+    so that even the log line about a malformed message names its request."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.MsgspecError:
+        return None
+    req_id = raw.get("req_id") if isinstance(raw, dict) else None
+    return req_id if isinstance(req_id, str) else None
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +59,8 @@ async def serve_router(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dic
         try:
             message = decoder.decode(payload)
         except MalformedMessage as exc:
-            log.warning("malformed message dropped", socket=socket_name, error=str(exc), num_bytes=len(payload))
+            log.warning("malformed message dropped", socket=socket_name, error=str(exc), num_bytes=len(payload),
+                        req_id=sniff_req_id(payload))
             continue
         handler = handlers.get(type(message))
         if handler is None:

@@ -18,7 +18,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.common import close_sockets, serve_admin
+from services.common import close_sockets, serve_admin, sniff_req_id
 from services.scheduler.policy import Scheduler
 from shared.config import SchedulerConfig
 from shared.messages import (
@@ -160,7 +160,8 @@ class SchedulerService:
             try:
                 msg = self.tokenizer_decoder.decode(data)
             except MalformedMessage as exc:
-                log.warning("malformed message dropped", socket="tokenizer", error=str(exc), num_bytes=len(data))
+                log.warning("malformed message dropped", socket="tokenizer", error=str(exc), num_bytes=len(data),
+                            req_id=sniff_req_id(data))
                 continue
             try:
                 await self.handlers[type(msg)](msg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 
 from services.executor.offline import generate
 from services.executor.runner import ModelRunner
@@ -81,9 +82,17 @@ async def test_abort_frees_blocks_and_refusals_say_why(tiny_model_dir):
 
 @pytest.mark.asyncio
 async def test_survives_malformed_messages(tiny_model_dir):
+    with structlog.testing.capture_logs() as logs:
+        await _survive_malformed(tiny_model_dir)
+    dropped = [e for e in logs if e["event"] == "malformed message dropped"]
+    assert len(dropped) == 4 and {e.get("req_id") for e in dropped} == {None, "bad-1"}
+
+
+async def _survive_malformed(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=32, block_size=4) as bh:
         await bh.to_scheduler.send(b"\x00\xffnot msgpack")
         await bh.to_scheduler.send(encode({"type": "engine_request", "req_id": 5}))
+        await bh.to_scheduler.send(encode({"type": "engine_request", "req_id": "bad-1", "prompt_token_ids": "x"}))
         await bh.to_scheduler.send(encode({"type": "no_such_type"}))
         await bh.admin("scheduler", "stats")  # the admin socket still answers
         reply = await bh.admin("scheduler", "no-such-verb")
