@@ -41,6 +41,8 @@ _FLAG_TARGETS = {
     "max_num_batched_tokens": ("executor", "scheduler"),
     "max_model_len": ("scheduler", "tokenizer"),
     "log_level": ("kvmanager", "executor", "scheduler"),
+    "enable_prefix_caching": ("kvmanager",),
+    "num_host_blocks": ("executor",),
 }
 
 
@@ -66,6 +68,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse cached KV blocks of shared prompt prefixes (default: on)")
+    parser.add_argument("--num-host-blocks", type=int, default=None, help="host-memory KV blocks for swapping")
     parser.add_argument("--run-dir", default=None, help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR or /tmp/folio)")
     parser.add_argument("--log-json", action="store_true", help="every service logs JSON lines")
     parser.add_argument("--log-level", default="info")
@@ -77,7 +82,11 @@ def service_argv(name: str, args: argparse.Namespace, model_path: str) -> list[s
     for dest, targets in _FLAG_TARGETS.items():
         value = getattr(args, dest)
         if name in targets and value is not None:
-            argv += [f"--{dest.replace('_', '-')}", str(value)]
+            flag = f"--{dest.replace('_', '-')}"
+            if isinstance(value, bool):  # an on/off flag: --x or --no-x
+                argv.append(flag if value else f"--no-{flag[2:]}")
+            else:
+                argv += [flag, str(value)]
     if args.log_json:
         argv.append("--log-json")
     return argv

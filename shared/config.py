@@ -27,6 +27,7 @@ class RuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides any budget
+    num_host_blocks: int = 0  # the host tier that swapped-out blocks go to (0: no swapping)
     kv_cache_bytes: int | None = None  # CPU budget; default: a fraction of free memory
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
@@ -96,6 +97,7 @@ class KVManagerConfig:
 
     endpoints: Endpoints
     log_json: bool = False
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,10 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
 
     ``num_scheduled_tokens[req_id]`` new tokens are computed for each scheduled request, starting
     at its ``num_computed_tokens``. A request samples a token when the step reaches the end of the
-    tokens it has. ``block_copies`` are (src, dst) copy-on-write pairs performed before the step.
+    tokens it has. Before the step the executor makes the kvmanager's copies, in this order:
+    ``swap_out`` (device block, host block) pairs, ``swap_in`` (host block, device block) pairs,
+    then ``block_copies`` (src, dst) copy-on-write pairs inside the device pool. Swap-outs come
+    first because the device blocks they vacate may be handed out again in the same step.
     """
 
     step_id: int
@@ -88,6 +91,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     num_scheduled_tokens: dict[str, int] = {}
     finished_req_ids: list[str] = []
     block_copies: list[tuple[int, int]] = []
+    swap_out: list[tuple[int, int]] = []
+    swap_in: list[tuple[int, int]] = []
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
@@ -141,6 +146,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     eos_token_id: int | None = None
     priority: int = 0
     arrival_time: float = 0.0
+    # keeps tenants' prefix caches apart: blocks are only shared between requests with equal salts
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
@@ -247,6 +254,7 @@ class RegisterPool(msgspec.Struct, frozen=True, kw_only=True, tag="register_pool
     bytes_per_block: int
     epoch: str
     max_model_len: int = 0  # the model's context length (0: unknown)
+    num_host_blocks: int = 0  # the host tier for swapping (0: none)
 
 
 class GetPool(msgspec.Struct, frozen=True, kw_only=True, tag="get_pool"):
@@ -263,21 +271,91 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
 
 
 class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
-    """scheduler -> kvmanager, once per step. ``free_req_ids`` are released first (finished,
-    aborted, preempted), then each ``allocate`` entry ``(req_id, num_tokens)`` grows that request's
-    block table to hold ``num_tokens`` tokens in total, all or nothing, in order."""
+    """scheduler -> kvmanager, once per step, applied in this order:
+
+    0. every allocation of earlier steps counts as computed (the scheduler asks only after the last
+       step's result) except those of ``discard_req_ids``: its full blocks become findable;
+    1. ``free_req_ids`` are released (finished, aborted, preempted by recompute), and so are
+       ``discard_req_ids``, whose last allocation was never computed (aborted while the kvmanager
+       answered, or its step failed), so that none of it is ever found in the cache;
+    2. ``swap_out_req_ids`` move their blocks to the host tier (preemption by swapping);
+    3. ``forks`` ``(parent_req_id, child_req_id)``: the child gets a copy of the parent's table
+       (ref counts bumped, nothing copied yet);
+    4. ``swap_in_req_ids`` come back from the host tier into fresh device blocks;
+    5. each ``allocate`` entry ``(req_id, num_tokens)`` grows that request's table to hold
+       ``num_tokens`` tokens in total, all or nothing, in order. ``new_token_ids[req_id]`` are the
+       request's tokens the kvmanager has not seen yet (up to ``num_tokens``), so that it can hash
+       the blocks they fill. A request the kvmanager holds no table for starts with a prefix-cache
+       lookup (salted by ``cache_salts[req_id]``): its table begins with the cached blocks, and the
+       reply says how many tokens they hold.
+    """
 
     step_id: int
     free_req_ids: list[str] = []
     allocate: list[tuple[str, int]] = []
+    discard_req_ids: list[str] = []
+    new_token_ids: dict[str, list[int]] = {}
+    cache_salts: dict[str, str] = {}
+    forks: list[tuple[str, str]] = []
+    swap_out_req_ids: list[str] = []
+    swap_in_req_ids: list[str] = []
 
 
 class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"):
     """``new_block_ids[req_id]``: the blocks appended to its table this step (only entries that got
-    some); ``failed_req_ids``: requests whose growth did not fit (their tables are unchanged)."""
+    some; for a request new to the kvmanager its whole table, cached blocks first);
+    ``num_cached_tokens[req_id]``: of a new request, the tokens those cached blocks already hold
+    (only entries with a hit);
+    ``failed_req_ids``: requests whose growth or swap-in did not fit (their tables are unchanged).
+    ``block_copies`` (src, dst), ``swap_out`` (device, host) and ``swap_in`` (host, device) are the
+    copies the executor makes before the step (they go into the ``StepPlan`` as they are);
+    ``swapped_in_block_ids[req_id]`` is the whole new device table of a request swapped in."""
 
     step_id: int
     new_block_ids: dict[str, list[int]] = {}
     failed_req_ids: list[str] = []
     num_free_blocks: int = 0
     epoch: str = ""
+    num_cached_tokens: dict[str, int] = {}
+    block_copies: list[tuple[int, int]] = []
+    swap_out: list[tuple[int, int]] = []
+    swap_in: list[tuple[int, int]] = []
+    swapped_in_block_ids: dict[str, list[int]] = {}
+
+
+# --------------------------------------------------------------------------- KV events
+# The kvmanager PUBlishes on ``Endpoints.kv_events`` one multipart message per step that changed
+# the prefix cache: [topic ``KV_EVENTS_TOPIC``, sequence number (8 bytes big-endian), a msgpack
+# ``KVEventBatch``] -- vLLM's ZmqEventPublisher framing, so that a subscriber notices gaps. Block
+# hashes are 16-byte blake2b digests (``bytes``).
+
+KV_EVENTS_TOPIC = b"kv-events"
+
+
+class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag="block_stored"):
+    """Full blocks entered the prefix cache, as one chain: ``block_hashes[0]``'s parent is
+    ``parent_block_hash`` (None: the sequence's first block); ``token_ids`` are theirs, in order."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str = "GPU"
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag="block_removed"):
+    """Blocks left the prefix cache (evicted for reuse, or dropped by ``folio kv clear``)."""
+
+    block_hashes: list[bytes]
+    medium: str = "GPU"
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag="all_blocks_cleared"):
+    """Everything is gone: a new executor epoch (the pool's contents died with the old one)."""
+
+
+class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="kv_event_batch"):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None

@@ -227,6 +227,26 @@ class TorchAttentionBackend:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+    def swap_out(self, kv_caches, host_caches, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host block) pairs: device pool -> host pool, every layer."""
+        _copy_between(kv_caches, host_caches, pairs)
+
+    def swap_in(self, host_caches, kv_caches, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs: host pool -> device pool, every layer."""
+        _copy_between(host_caches, kv_caches, pairs)
+
+
+def _copy_between(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
+    """Block src of ``src_caches`` -> block dst of ``dst_caches``, per layer, K and V (one gather
+    on the source's device, one scatter on the destination's)."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches[0][0].device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches[0][0].device)
+    for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+        dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device, non_blocking=True))
+        dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device, non_blocking=True))
+
 
 def dense_causal_attention(
     query: torch.Tensor,  # [query_len, num_heads, head_dim]

@@ -34,7 +34,10 @@ class PoolShape:
 
 
 class KVPool:
-    def __init__(self, shape: PoolShape, num_blocks: int, device: torch.device):
+    """The device pool plus, with ``num_host_blocks``, a host tier of the same block shape that the
+    kvmanager's swap-outs copy to (pinned when the device is a GPU, so that copies run async)."""
+
+    def __init__(self, shape: PoolShape, num_blocks: int, device: torch.device, num_host_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.shape = shape
@@ -46,6 +49,15 @@ class KVPool:
             (torch.zeros(dims, dtype=shape.dtype, device=device), torch.zeros(dims, dtype=shape.dtype, device=device))
             for _ in range(shape.num_layers)
         ]
+        self.num_host_blocks = num_host_blocks
+        host_dims = (num_host_blocks,) + dims[1:]
+        pin = device.type == "cuda"
+        # host_caches[layer] = (k_cache, v_cache), each [num_host_blocks, block_size, num_kv_heads, head_dim]
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(host_dims, dtype=shape.dtype, pin_memory=pin),
+             torch.zeros(host_dims, dtype=shape.dtype, pin_memory=pin))
+            for _ in range(shape.num_layers)
+        ] if num_host_blocks else []
 
     @property
     def block_size(self) -> int:

@@ -25,6 +25,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "cuda"])
+    parser.add_argument("--num-host-blocks", type=int, default=d.num_host_blocks,
+                        help="host-memory KV blocks that preemption by swapping copies blocks to")
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -32,7 +34,7 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
                          num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_memory_bytes,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                         attention_backend=args.attention_backend)
+                         attention_backend=args.attention_backend, num_host_blocks=args.num_host_blocks)
 
 
 def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argparse.Namespace]:

@@ -77,7 +77,7 @@ class ModelRunner:
             head_dim=self.spec.head_dim,
             dtype=self.dtype,
         )
-        self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device)
+        self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.requests: dict[str, RequestState] = {}
 
     # ------------------------------------------------------------------ pool sizing
@@ -143,12 +143,24 @@ class ModelRunner:
             state.block_ids.extend(running.new_block_ids)
             state.num_computed_tokens = running.num_computed_tokens
 
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        """The kvmanager's copies, before the step reads the pool: swap-outs first (the blocks
+        they vacate may be written by swap-ins, copies or this step), then swap-ins, then
+        copy-on-write."""
+        if (plan.swap_out or plan.swap_in) and not self.pool.host_caches:
+            raise ValueError(f"step {plan.step_id} swaps blocks but this executor has no host tier")
+        if plan.swap_out:
+            self.backend.swap_out(self.pool.kv_caches, self.pool.host_caches, plan.swap_out)
+        if plan.swap_in:
+            self.backend.swap_in(self.pool.host_caches, self.pool.kv_caches, plan.swap_in)
+        if plan.block_copies:
+            self.backend.copy_blocks(self.pool.kv_caches, plan.block_copies)
+
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._update_states(plan)
-        if plan.block_copies:
-            self.backend.copy_blocks(self.pool.kv_caches, plan.block_copies)
+        self._copy_blocks(plan)
         states = [self.requests[req_id] for req_id in plan.num_scheduled_tokens]
         if not states:
             return StepResult(step_id=plan.step_id)
@@ -234,6 +246,7 @@ class ModelRunner:
     def stats(self) -> dict:
         return {
             "num_blocks": self.pool.num_blocks,
+            "num_host_blocks": self.pool.num_host_blocks,
             "block_size": self.pool.block_size,
             "bytes_per_block": self.pool_shape.bytes_per_block,
             "num_requests": len(self.requests),

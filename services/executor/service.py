@@ -58,7 +58,8 @@ class ExecutorService:
         runner = self.runner
         message = RegisterPool(num_blocks=runner.pool.num_blocks, block_size=runner.pool.block_size,
                                bytes_per_block=runner.pool_shape.bytes_per_block, epoch=self.epoch,
-                               max_model_len=runner.spec.max_position_embeddings)
+                               max_model_len=runner.spec.max_position_embeddings,
+                               num_host_blocks=runner.pool.num_host_blocks)
         await self.send_to_kvmanager.send(encode(message))
         decoder = Decoder(PoolInfo)
         while True:

@@ -1,75 +1,314 @@
-"""The block allocator: a free list of block ids and one block table per request.
+"""The block allocator: one block table per request over a device tier and a host tier.
 
 Pure bookkeeping, no sockets and no tensors: the kvmanager service drives it with the scheduler's
-per-step request. Block ids are the handles of the executor's pool. The free list hands out the
-lowest-numbered ids first and takes freed blocks back at its tail, last block of a table first
-(the order vLLM's free queue uses, so that later prefix-cache eviction drops tails before heads).
+per-step request (``apply_step`` in ``service.py``). Block ids are the handles of the executor's
+pools. What it adds to ``block_pool.BlockPool``'s counting:
+
+- prefix caching: a full block is named by a chained hash of (parent hash, its token ids, extra
+  keys such as the request's cache salt), computed with blake2b over msgpack, never Python's
+  ``hash()``. A request new to the allocator first takes the longest run of cached blocks that
+  match its tokens (each hit verified against the stored tokens and parent); the hit is capped so
+  that at least one token of the allocation, and so the last prompt token, is still computed.
+- forks: the child's table is a copy of the parent's with ref counts bumped. Full blocks are
+  shared for good; the first write into a shared, partly filled last block copies it
+  (copy-on-write): the writer gets a fresh block and a (src, dst) pair lands in ``block_copies``.
+- swapping: ``swap_out`` moves a table to host blocks, ``swap_in`` back to fresh device blocks;
+  the (device, host) and (host, device) pairs land in ``swap_out_pairs``/``swap_in_pairs``.
+The copies accumulate until the service takes them for the step's reply (``take_copies``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from dataclasses import dataclass, field
 
+import msgspec
 
-class NoFreeBlocks(Exception):
-    """Raised by ``allocate`` when the free list cannot cover a request's growth."""
+from services.kvmanager.block_pool import BlockPool, CachedBlock, NoFreeBlocks
+from shared.messages import BlockStored
+
+__all__ = ["BlockAllocator", "NoFreeBlocks", "Sequence", "cdiv", "hash_block"]
+
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block(parent_block_hash: bytes | None, token_ids, extra_keys: tuple = ()) -> bytes:
+    """The stable name of a full block: same parent chain, tokens and extra keys, same hash."""
+    return hashlib.blake2b(_encode([parent_block_hash, list(token_ids), list(extra_keys)]), digest_size=16).digest()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's table. ``num_tokens``: the tokens its table holds KV for (computed or being
+    computed this step); ``token_ids``: the tokens the scheduler told us of (at least those)."""
+
+    req_id: str
+    block_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    num_computed_tokens: int = 0  # of those, the ones known to be computed (safe to index)
+    extra_keys: tuple = ()
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, as far as known
+    num_indexed_blocks: int = 0  # blocks [0, this) were offered to the index
+    num_cached_tokens: int = 0  # tokens its first allocation found cached
+    host_block_ids: list[int] | None = None  # set while swapped out (then block_ids is empty)
+
+
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.block_tables: dict[str, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.device = BlockPool(num_blocks, block_size, "GPU")
+        self.host = BlockPool(num_host_blocks, block_size, "CPU")
+        self.seqs: dict[str, Sequence] = {}
+        self.block_copies: list[tuple[int, int]] = []
+        self.swap_out_pairs: list[tuple[int, int]] = []
+        self.swap_in_pairs: list[tuple[int, int]] = []
+        self.counters = dict(num_prefix_cache_queries=0, num_prefix_cache_hits=0, num_cow_copies=0,
+                             num_swapped_out_blocks=0, num_swapped_in_blocks=0)
 
+    # ------------------------------------------------------------------ views
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Device blocks an allocation may still take (free plus evictable cached)."""
+        return self.device.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.device.num_used_blocks
 
-    def num_new_blocks(self, req_id: str, num_tokens: int) -> int:
-        """How many blocks ``req_id`` must gain to hold ``num_tokens`` tokens in total."""
-        have = len(self.block_tables.get(req_id, ()))
-        return max(0, cdiv(num_tokens, self.block_size) - have)
+    @property
+    def free_block_ids(self) -> list[int]:
+        return [*self.device.free_queue, *self.device.cached_queue]
 
-    def can_allocate(self, req_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(req_id, num_tokens) <= len(self.free_block_ids)
-
-    def allocate(self, req_id: str, num_tokens: int) -> list[int]:
-        """Grow ``req_id``'s table to hold ``num_tokens`` tokens; all or nothing. Returns the new ids."""
-        need = self.num_new_blocks(req_id, num_tokens)
-        if need > len(self.free_block_ids):
-            raise NoFreeBlocks(f"{req_id}: {need} blocks needed, {len(self.free_block_ids)} free")
-        new_ids = [self.free_block_ids.popleft() for _ in range(need)]
-        self.block_tables.setdefault(req_id, []).extend(new_ids)
-        return new_ids
-
-    def free(self, req_id: str) -> int:
-        """Release every block of ``req_id`` (unknown ids are fine: nothing to free). Returns how many."""
-        table = self.block_tables.pop(req_id, None)
-        if not table:
-            return 0
-        self.free_block_ids.extend(reversed(table))
-        return len(table)
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        return {req_id: seq.block_ids for req_id, seq in self.seqs.items() if seq.host_block_ids is None}
 
     def block_table(self, req_id: str) -> list[int]:
-        return list(self.block_tables.get(req_id, ()))
+        seq = self.seqs.get(req_id)
+        return list(seq.block_ids) if seq else []
 
+    def num_new_blocks(self, req_id: str, num_tokens: int) -> int:
+        """How many blocks ``req_id`` must gain to hold ``num_tokens`` tokens in total (no cache)."""
+        seq = self.seqs.get(req_id)
+        return max(0, cdiv(num_tokens, self.block_size) - (len(seq.block_ids) if seq else 0))
+
+    def can_allocate(self, req_id: str, num_tokens: int) -> bool:
+        return self.num_new_blocks(req_id, num_tokens) + self._needs_cow(req_id, num_tokens) <= self.num_free_blocks
+
+    # ------------------------------------------------------------------ growing a table
+    def allocate(self, req_id: str, num_tokens: int, new_token_ids: list[int] | None = None,
+                 cache_salt: str | None = None) -> list[int]:
+        """Grow ``req_id``'s table to hold ``num_tokens`` tokens; all or nothing. Returns the block
+        ids appended (for a sequence new here: its whole table, cached blocks first, and
+        ``seqs[req_id].num_cached_tokens`` says how many tokens those hold)."""
+        seq = self.seqs.get(req_id)
+        if seq is not None and seq.host_block_ids is not None:
+            raise ValueError(f"{req_id} is swapped out: swap it in before it grows")
+        is_new = seq is None
+        if is_new:
+            seq = Sequence(req_id, extra_keys=(cache_salt,) if cache_salt else ())
+        token_ids = seq.token_ids + list(new_token_ids or ())
+        hashes = self._extend_hashes(seq, token_ids)
+        hits = self._match_prefix(hashes, token_ids, (num_tokens - 1) // self.block_size) if is_new else []
+        cow = self._needs_cow(req_id, num_tokens)
+        num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_ids) - len(hits)) + cow
+        num_revived = sum(1 for b in hits if self.device.ref_counts[b] == 0)
+        if num_fresh + num_revived > self.device.num_free_blocks:
+            raise NoFreeBlocks(f"{req_id}: {num_fresh + num_revived} blocks needed, {self.num_free_blocks} free")
+        for block_id in hits:
+            self.device.touch(block_id)
+        if cow:
+            self._copy_on_write(seq)
+        fresh = self.device.take(num_fresh - cow)
+        new_ids = hits + fresh
+        seq.block_ids.extend(new_ids)
+        seq.token_ids, seq.block_hashes = token_ids, hashes
+        seq.num_tokens = max(seq.num_tokens, num_tokens)  # its blocks are indexed once computed
+        if is_new:
+            self.seqs[req_id] = seq
+            seq.num_indexed_blocks = len(hits)
+            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+            self.counters["num_prefix_cache_queries"] += num_tokens
+            self.counters["num_prefix_cache_hits"] += seq.num_cached_tokens
+        return new_ids
+
+    def _extend_hashes(self, seq: Sequence, token_ids: list[int]) -> list[bytes]:
+        if not self.enable_prefix_caching:
+            return seq.block_hashes
+        hashes = list(seq.block_hashes)
+        bs = self.block_size
+        for i in range(len(hashes), len(token_ids) // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], seq.extra_keys))
+        return hashes
+
+    def _match_prefix(self, hashes: list[bytes], token_ids: list[int], max_blocks: int) -> list[int]:
+        """The longest run of cached blocks that starts the sequence, each verified."""
+        hits: list[int] = []
+        bs = self.block_size
+        for i, block_hash in enumerate(hashes[:max(0, max_blocks)]):
+            entry = self.device.lookup(block_hash)
+            parent = hashes[i - 1] if i else None
+            if (entry is None or entry.parent_block_hash != parent
+                    or list(entry.token_ids) != token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(self.device.block_id_of(block_hash))
+        return hits
+
+    def confirm_computed(self, discard_req_ids=()) -> None:
+        """Every allocation so far has been computed (the scheduler asks again only after the last
+        step's result), except those of ``discard_req_ids``: index the blocks that became full.
+        Indexing only computed blocks means a hit never points at KV still being written, or at
+        KV that never will be (a request aborted while its blocks were allocated)."""
+        discard = set(discard_req_ids)
+        for req_id, seq in self.seqs.items():
+            if req_id not in discard and seq.host_block_ids is None and seq.num_computed_tokens < seq.num_tokens:
+                seq.num_computed_tokens = seq.num_tokens
+                self._index_full_blocks(seq)
+
+    def _index_full_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's newly full, computed blocks to the index; one BlockStored per run."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
+        run: list[int] = []
+        for i in range(seq.num_indexed_blocks, num_full):
+            entry = CachedBlock(seq.block_hashes[i], seq.block_hashes[i - 1] if i else None,
+                                tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if self.device.index(seq.block_ids[i], entry):
+                run.append(i)
+                continue
+            self._store_event(seq, run)
+            run = []
+        self._store_event(seq, run)
+        seq.num_indexed_blocks = max(seq.num_indexed_blocks, num_full)
+
+    def _store_event(self, seq: Sequence, run: list[int]) -> None:
+        if not run:
+            return
+
+        bs, first = self.block_size, run[0]
+        self.device.events.append(BlockStored(
+            block_hashes=[seq.block_hashes[i] for i in run],
+            parent_block_hash=seq.block_hashes[first - 1] if first else None,
+            token_ids=seq.token_ids[first * bs:(run[-1] + 1) * bs], block_size=bs))
+
+    # ------------------------------------------------------------------ sharing
+    def _needs_cow(self, req_id: str, num_tokens: int) -> int:
+        """1 when the next write lands in a shared, partly filled last block, else 0."""
+        seq = self.seqs.get(req_id)
+        if seq is None or not seq.block_ids or num_tokens <= seq.num_tokens or seq.num_tokens % self.block_size == 0:
+            return 0
+        last = seq.block_ids[seq.num_tokens // self.block_size]
+        return int(self.device.ref_counts[last] > 1)
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        index = seq.num_tokens // self.block_size
+        src = seq.block_ids[index]
+        (dst,) = self.device.take(1)
+        self.device.release([src])
+        seq.block_ids[index] = dst
+        self.block_copies.append((src, dst))
+        self.counters["num_cow_copies"] += 1
+
+    def fork(self, parent_req_id: str, child_req_id: str) -> list[int]:
+        """The child shares every block of the parent (nothing is copied until one of them writes
+        into a shared partly filled block). Returns the child's table."""
+        parent = self.seqs[parent_req_id]
+        if child_req_id in self.seqs:
+            raise ValueError(f"{child_req_id} already has a block table")
+        if parent.host_block_ids is not None:
+            raise ValueError(f"{parent_req_id} is swapped out")
+        for block_id in parent.block_ids:
+            self.device.touch(block_id)
+        self.seqs[child_req_id] = Sequence(
+            child_req_id, block_ids=list(parent.block_ids), token_ids=list(parent.token_ids),
+            num_tokens=parent.num_tokens, num_computed_tokens=parent.num_computed_tokens,
+            extra_keys=parent.extra_keys, block_hashes=list(parent.block_hashes), num_indexed_blocks=parent.num_indexed_blocks, num_cached_tokens=parent.num_cached_tokens)
+        return list(parent.block_ids)
+
+    # ------------------------------------------------------------------ releasing
+    def free(self, req_id: str) -> int:
+        """Release every block of ``req_id`` (unknown ids are fine: nothing to free). Returns how
+        many. Deepest blocks go first, so a cached sequence is evicted from its tail. Blocks not
+        yet indexed stay unindexed: call ``confirm_computed`` first to keep what was computed."""
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return 0
+        if seq.host_block_ids is not None:
+            self.host.release(list(reversed(seq.host_block_ids)))
+            return len(seq.host_block_ids)
+        self.device.release(list(reversed(seq.block_ids)))
+        return len(seq.block_ids)
+
+    def clear_cache(self) -> int:
+        """Drop the free cached blocks (``folio kv clear``). Returns how many."""
+        return self.device.drop_cached_free_blocks()
+
+    # ------------------------------------------------------------------ the host tier
+    def swap_out(self, req_id: str) -> list[tuple[int, int]]:
+        """Move ``req_id``'s blocks to the host tier; all or nothing. Returns (device, host) pairs."""
+        seq = self.seqs[req_id]
+        if seq.host_block_ids is not None:
+            raise ValueError(f"{req_id} is swapped out already")
+        host_ids = self.host.take(len(seq.block_ids))
+        pairs = list(zip(seq.block_ids, host_ids))
+        self.device.release(list(reversed(seq.block_ids)))
+        seq.host_block_ids, seq.block_ids = host_ids, []
+        self.swap_out_pairs.extend(pairs)
+        self.counters["num_swapped_out_blocks"] += len(pairs)
+        return pairs
+
+    def swap_in(self, req_id: str) -> list[tuple[int, int]]:
+        """Bring ``req_id``'s blocks back into fresh device blocks; all or nothing. Returns (host,
+        device) pairs; its full blocks are offered to the index again."""
+        seq = self.seqs[req_id]
+        if seq.host_block_ids is None:
+            raise ValueError(f"{req_id} is not swapped out")
+        device_ids = self.device.take(len(seq.host_block_ids))
+        pairs = list(zip(seq.host_block_ids, device_ids))
+        self.host.release(list(reversed(seq.host_block_ids)))
+        seq.block_ids, seq.host_block_ids = device_ids, None
+        seq.num_indexed_blocks = 0  # the copies land before the step runs: readable as soon as indexed
+        self._index_full_blocks(seq)
+        self.swap_in_pairs.extend(pairs)
+        self.counters["num_swapped_in_blocks"] += len(pairs)
+        return pairs
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(block_copies, swap_out, swap_in) gathered since the last call, for one step's reply."""
+        copies = (self.block_copies, self.swap_out_pairs, self.swap_in_pairs)
+        self.block_copies, self.swap_out_pairs, self.swap_in_pairs = [], [], []
+        return copies
+
+    # ------------------------------------------------------------------ admin
     def stats(self) -> dict:
+        d, h = self.device, self.host
+        queries, hits = self.counters["num_prefix_cache_queries"], self.counters["num_prefix_cache_hits"]
         return {
             "num_blocks_total": self.num_blocks,
-            "num_blocks_used": self.num_used_blocks,
-            "num_blocks_free": self.num_free_blocks,
+            "num_blocks_used": d.num_used_blocks,
+            "num_blocks_cached": d.num_cached_free_blocks,
+            "num_blocks_free": len(d.free_queue),
+            "num_blocks_indexed": len(d.cached),
             "block_size": self.block_size,
-            "num_seqs": len(self.block_tables),
-            "usage": self.num_used_blocks / self.num_blocks,
+            "num_seqs": len(self.seqs),
+            "usage": d.num_used_blocks / self.num_blocks,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_evictions": d.num_evictions,
+            **self.counters,
+            "num_host_blocks_total": h.num_blocks,
+            "num_host_blocks_used": h.num_used_blocks,
+            "num_seqs_swapped_out": sum(1 for s in self.seqs.values() if s.host_block_ids is not None),
         }

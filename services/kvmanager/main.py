@@ -15,9 +15,12 @@ from shared.logs import setup_logging
 
 def parse_config(argv: list[str] | None) -> tuple[KVManagerConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="folio run kvmanager", description="the KV block allocator service")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of cached full blocks across requests (default: on)")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    return KVManagerConfig(endpoints=Endpoints.from_env(), log_json=args.log_json or log_json_from_env()), args
+    return KVManagerConfig(endpoints=Endpoints.from_env(), log_json=args.log_json or log_json_from_env(),
+                           enable_prefix_caching=args.enable_prefix_caching), args
 
 
 async def serve(config: KVManagerConfig) -> None:

@@ -10,6 +10,19 @@ drops it, and it waits at the head of the queue with the tokens it generated.
 The service drives one step as ``schedule`` -> kvmanager -> ``build_plan`` -> executor ->
 ``update_from_result``. Free blocks are mirrored here, so the one kvmanager call normally succeeds;
 when it does not, the requests it refused are preempted instead of crashing anything.
+
+Prefix caching keeps that one call per step. A request new to the kvmanager is budgeted as if
+nothing were cached: ``num_new`` tokens from 0, ``cdiv(num_new, block_size)`` blocks. Its
+allocation entry carries its token ids, the kvmanager looks them up and answers how many tokens
+its first blocks already hold (``KVStepReply.num_cached_tokens``, whole blocks, capped so that at
+least one token of the entry is left to compute). ``build_plan`` then starts the request there: the
+executor gets ``num_computed_tokens`` = cached tokens and computes only the rest of the entry. The
+table holds exactly the blocks the mirror counted (cached ones included), and a hit never takes
+more free blocks than were counted, so the mirror stays safe; the part of the budget the hit
+saved is left unused this step (the price of not asking the kvmanager twice). Tokens reach the
+kvmanager with each allocation (``new_token_ids``: those it has not seen), so that it can hash
+blocks as they fill. Requests that want prompt logprobs send none: they neither hit nor feed the
+cache, since a cached prompt token would have no logprob.
 """
 
 from __future__ import annotations
@@ -40,6 +53,9 @@ class StepOutput:
     free_req_ids: list[str] = field(default_factory=list)
     allocate: list[tuple[str, int]] = field(default_factory=list)  # (req_id, num tokens in total)
     num_new_blocks: dict[str, int] = field(default_factory=dict)  # what each allocation should add
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)  # tokens the kvmanager has not seen
+    cache_salts: dict[str, str] = field(default_factory=dict)
+    discard_req_ids: list[str] = field(default_factory=list)  # freed, their last allocation never computed
 
 
 class Scheduler:
@@ -59,11 +75,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.pending_free_req_ids: list[str] = []  # for the next kvmanager call
+        self.pending_discard_req_ids: list[str] = []  # the same, for tables whose last growth never ran
         self.pending_finished_req_ids: list[str] = []  # for the next StepPlan
         self.next_step_id = 0
         self.counters = dict(num_steps=0, num_preemptions=0, num_prompt_tokens_total=0,
                              num_generation_tokens_total=0, num_requests_finished=0,
-                             num_requests_aborted=0, num_requests_rejected=0, num_executor_restarts=0)
+                             num_requests_aborted=0, num_requests_rejected=0, num_executor_restarts=0,
+                             num_scheduled_tokens_total=0, num_cached_tokens_total=0)
 
     # ------------------------------------------------------------------ pool
     def set_pool(self, info: PoolInfo) -> None:
@@ -158,7 +176,8 @@ class Scheduler:
         return len(running)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.pending_free_req_ids or self.pending_finished_req_ids)
+        return bool(self.running or self.waiting or self.pending_free_req_ids or self.pending_finished_req_ids
+                    or self.pending_discard_req_ids)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> StepOutput | None:
@@ -196,9 +215,10 @@ class Scheduler:
             budget -= num_new
         # every pending release rides on this step's kvmanager call, before its allocations
         out.free_req_ids, self.pending_free_req_ids = self.pending_free_req_ids, []
+        out.discard_req_ids, self.pending_discard_req_ids = self.pending_discard_req_ids, []
         self.num_free_blocks += self.num_pending_free_blocks
         self.num_pending_free_blocks = 0
-        if not out.scheduled and not out.free_req_ids and not self.pending_finished_req_ids:
+        if not out.scheduled and not out.free_req_ids and not out.discard_req_ids and not self.pending_finished_req_ids:
             return None
         self.next_step_id += 1
         return out
@@ -206,14 +226,20 @@ class Scheduler:
     def _take(self, out: StepOutput, req: Request, num_new: int, need: int) -> None:
         out.scheduled.append((req, num_new))
         if need > 0:
-            out.allocate.append((req.req_id, req.num_computed_tokens + num_new))
+            num_tokens = req.num_computed_tokens + num_new
+            out.allocate.append((req.req_id, num_tokens))
             out.num_new_blocks[req.req_id] = need
             req.num_blocks += need
             self.num_free_blocks -= need
+            if req.sampling.prompt_logprobs is None:
+                out.new_token_ids[req.req_id] = req.all_token_ids[req.num_kv_token_ids:num_tokens]
+                req.num_kv_token_ids = num_tokens
+            if req.cache_salt is not None and req.num_blocks == need:  # its first allocation
+                out.cache_salts[req.req_id] = req.cache_salt
 
     def needs_kv_call(self, out: StepOutput) -> bool:
         """Most decode steps cross no block boundary: then the kvmanager has nothing to do."""
-        return bool(out.allocate or out.free_req_ids)
+        return bool(out.allocate or out.free_req_ids or out.discard_req_ids)
 
     def build_plan(self, out: StepOutput, kv: KVStepReply | None) -> StepPlan:
         """The executor's per-step diff, from this step's choices and the kvmanager's block ids."""
@@ -227,9 +253,14 @@ class Scheduler:
             self.num_free_blocks = kv.num_free_blocks  # the truth; releases since stay pending
         new_reqs, running_reqs, num_scheduled = [], [], {}
         kept = []
+        num_cached = kv.num_cached_tokens if kv is not None else {}
         for req, num_new in out.scheduled:
+            if req.finished and req.req_id in out.num_new_blocks:
+                self._discard(req.req_id)  # aborted while the kvmanager answered: never computed
             if req.finished or req.req_id in failed:
                 continue  # aborted while the kvmanager answered, or refused blocks
+            if req.req_id in num_cached:
+                num_new = self._start_after_cached(req, num_new, num_cached[req.req_id])
             block_ids = new_block_ids.get(req.req_id, [])
             if req.on_executor:
                 running_reqs.append(RunningRequestData(req_id=req.req_id, new_block_ids=block_ids,
@@ -241,12 +272,28 @@ class Scheduler:
                 req.on_executor = True
             num_scheduled[req.req_id] = num_new
             req.num_computed_tokens += num_new
+            self.counters["num_scheduled_tokens_total"] += num_new
             kept.append((req, num_new))
         out.scheduled = kept
         finished, self.pending_finished_req_ids = self.pending_finished_req_ids, []
         self.counters["num_steps"] += 1
+        copies = dict(block_copies=kv.block_copies, swap_out=kv.swap_out, swap_in=kv.swap_in) if kv else {}
         return StepPlan(step_id=out.step_id, new_reqs=new_reqs, running_reqs=running_reqs,
-                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished, **copies)
+
+    def _start_after_cached(self, req: Request, num_new: int, num_cached: int) -> int:
+        """A new request whose first blocks were cached starts after them; returns what is left
+        of its ``num_new`` tokens to compute (the kvmanager always leaves at least one)."""
+        req.num_computed_tokens = num_cached
+        req.num_cached_tokens = num_cached
+        self.counters["num_cached_tokens_total"] += num_cached
+        return num_new - num_cached
+
+    def _discard(self, req_id: str) -> None:
+        """Its release moves to ``discard_req_ids``: the kvmanager must not index what never ran."""
+        if req_id in self.pending_free_req_ids:
+            self.pending_free_req_ids.remove(req_id)
+            self.pending_discard_req_ids.append(req_id)
 
     def update_from_result(self, out: StepOutput, result: StepResult) -> list[TokenDelta]:
         """Append sampled tokens, finish requests that are done; one delta per request that moved."""
@@ -264,7 +311,8 @@ class Scheduler:
                 prompt_lp, req.prompt_logprobs_sent = prompt_lps[req_id], True
             deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=logprobs,
                                      prompt_logprobs=prompt_lp, finish_reason=reason,
-                                     num_prompt_tokens=req.num_prompt_tokens))
+                                     num_prompt_tokens=req.num_prompt_tokens,
+                                     num_cached_tokens=req.num_cached_tokens))
             if reason is not None:
                 self._release(req)
                 released = True
@@ -276,6 +324,7 @@ class Scheduler:
                                          error="the executor did not return a token for this request",
                                          num_prompt_tokens=req.num_prompt_tokens))
                 self._release(req)
+                self._discard(req.req_id)  # its step failed: its blocks may hold nothing
                 released = True
         if released:
             self.running = [r for r in self.running if not r.finished]
@@ -308,6 +357,7 @@ class Scheduler:
         return [
             {"req_id": r.req_id, "status": "running" if r in self.running else "waiting",
              "num_prompt_tokens": r.num_prompt_tokens, "num_output_tokens": len(r.output_token_ids),
-             "num_computed_tokens": r.num_computed_tokens, "num_blocks": r.num_blocks}
+             "num_computed_tokens": r.num_computed_tokens, "num_cached_tokens": r.num_cached_tokens,
+             "num_blocks": r.num_blocks}
             for r in self.requests.values()
         ]

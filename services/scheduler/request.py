@@ -26,6 +26,9 @@ class Request:
     admitted: bool = False  # admitted at least once (prompt tokens counted)
     prompt_logprobs_sent: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    num_kv_token_ids: int = 0  # of its tokens, those the kvmanager was told (to hash full blocks)
+    num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
 
     @staticmethod
     def from_message(msg: EngineRequest) -> "Request":
@@ -36,6 +39,7 @@ class Request:
             eos_token_id=msg.eos_token_id,
             arrival_time=msg.arrival_time,
             stop_token_ids=frozenset(msg.sampling.stop_token_ids),
+            cache_salt=msg.cache_salt,
         )
 
     @property
@@ -66,3 +70,4 @@ class Request:
         self.num_computed_tokens = 0
         self.num_blocks = 0
         self.on_executor = False
+        self.num_kv_token_ids = 0  # the kvmanager forgets the table, and its tokens with it

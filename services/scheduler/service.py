@@ -95,7 +95,9 @@ class SchedulerService:
             return False
         kv = None
         if sched.needs_kv_call(out):
-            request = KVStepRequest(step_id=out.step_id, free_req_ids=out.free_req_ids, allocate=out.allocate)
+            request = KVStepRequest(step_id=out.step_id, free_req_ids=out.free_req_ids, allocate=out.allocate,
+                                    discard_req_ids=out.discard_req_ids, new_token_ids=out.new_token_ids,
+                                    cache_salts=out.cache_salts)
             t1 = time.perf_counter()
             kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, request, KVStepReply, out.step_id)
             timers["kv_wait_seconds_total"] += time.perf_counter() - t1
