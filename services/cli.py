@@ -3,7 +3,7 @@
 - ``folio serve [flags]``: the five services as processes on ipc:// sockets, HTTP on --port;
 - ``folio run SERVICE [flags]``: one service alone (what each compose container runs);
 - ``folio prepare [--force]``: convert the packaged default model once;
-- ``folio kv stats|seq REQ_ID``, ``folio scheduler stats|requests|abort REQ_ID``,
+- ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID``,
   ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats`` (``--json``):
   ask a running service's admin socket;
 - ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks).
@@ -25,7 +25,7 @@ from shared.transport import Decoder, MalformedMessage, encode, make_socket
 RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor")
 # admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
 ADMIN_VERBS = {
-    "kv": ("kvmanager", ("stats", "seq")),
+    "kv": ("kvmanager", ("stats", "seq", "blocks", "clear")),
     "scheduler": ("scheduler", ("stats", "requests", "abort")),
     "executor": ("executor", ("stats",)),
     "tokenizer": ("tokenizer", ("stats",)),
@@ -134,7 +134,11 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
 def print_table(data: dict, indent: str = "") -> None:
     width = max((len(k) for k in data), default=0)
     for key, value in data.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
+        if isinstance(value, list) and value and isinstance(value[0], str):  # a block map: one row a line
+            print(f"{indent}{key}:")
+            for row in value:
+                print(f"{indent}  {row}")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
             print(f"{indent}{key}:")
             for item in value:
                 print(f"{indent}  - " + "  ".join(f"{k}={v}" for k, v in item.items()))

@@ -46,6 +46,14 @@ class GatewayMetrics:
                                     registry=r).labels(model_name)
         self.kv_blocks_total = Gauge("folio:kv_cache_blocks_total", "KV blocks in the pool.", labels,
                                      registry=r).labels(model_name)
+        # read from the kvmanager's cumulative stats at scrape time; counters grow by the difference
+        self.prefix_cache_queries = Counter("folio:prefix_cache_queries", "Prefix cache queries, in tokens.",
+                                            labels, registry=r).labels(model_name)
+        self.prefix_cache_hits = Counter("folio:prefix_cache_hits", "Prefix cache hits, in tokens.", labels,
+                                         registry=r).labels(model_name)
+        self.kv_blocks_cached = Gauge("folio:kv_cache_blocks_cached", "Free KV blocks kept for prefix reuse.",
+                                      labels, registry=r).labels(model_name)
+        self._last_prefix = (0, 0)
         self.prompt_tokens = Counter("folio:prompt_tokens", "Prefill tokens processed.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("folio:generation_tokens", "Generation tokens produced.", labels,
@@ -83,6 +91,17 @@ class GatewayMetrics:
             self.kv_blocks_total.set(total)
             self.kv_blocks_used.set(used)
             self.kv_usage.set(used / total if total else 0.0)
+            self.kv_blocks_cached.set(kvmanager.get("num_blocks_cached", 0) or 0)
+            self._count_prefix_cache(kvmanager.get("num_prefix_cache_queries", 0) or 0,
+                                     kvmanager.get("num_prefix_cache_hits", 0) or 0)
+
+    def _count_prefix_cache(self, queries: int, hits: int) -> None:
+        last_queries, last_hits = self._last_prefix
+        if queries < last_queries or hits < last_hits:
+            last_queries = last_hits = 0  # a new pool (executor restart): the kvmanager counts afresh
+        self.prefix_cache_queries.inc(queries - last_queries)
+        self.prefix_cache_hits.inc(hits - last_hits)
+        self._last_prefix = (queries, hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,319 @@
+"""kvmanager prefix caching, forks, copy-on-write and the host tier: exact block ids, then a
+hypothesis state machine that checks the allocator's invariants after every operation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.kvmanager.allocator import BlockAllocator, NoFreeBlocks, hash_block
+from services.kvmanager.service import apply_step
+from shared.messages import BlockRemoved, BlockStored, KVStepRequest
+
+
+def tokens(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ---------------------------------------------------------------------------- hashing
+
+
+def test_block_hash_is_stable_and_chained():
+    h = hash_block(None, [1, 2, 3, 4])
+    assert h == hash_block(None, [1, 2, 3, 4]) and len(h) == 16
+    assert h != hash_block(None, [1, 2, 3, 5])
+    assert h != hash_block(None, [1, 2, 3, 4], ("tenant-a",))
+    assert hash_block(h, [5, 6]) != hash_block(None, [5, 6])
+
+
+# ---------------------------------------------------------------------------- prefix hits
+
+
+def test_a_second_request_reuses_the_longest_cached_prefix():
+    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    assert alloc.allocate("a", 10, tokens(10)) == [0, 1, 2]
+    assert alloc.seqs["a"].num_cached_tokens == 0
+    b_tokens = tokens(9) + [7, 7, 7]
+    assert alloc.allocate("b", 12, b_tokens) == [3, 4, 5]  # a's blocks are not computed yet: no hit
+    alloc.confirm_computed()  # the step ran
+    assert alloc.allocate("c", 12, b_tokens) == [0, 1, 6]  # two full blocks of a's, then its own
+    assert alloc.seqs["c"].num_cached_tokens == 8
+    assert alloc.device.ref_counts[:3] == [2, 2, 1]
+    stats = alloc.stats()
+    assert (stats["num_prefix_cache_queries"], stats["num_prefix_cache_hits"]) == (34, 8)
+
+
+def test_the_last_token_is_always_computed():
+    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    alloc.allocate("a", 8, tokens(8))
+    alloc.confirm_computed()
+    assert alloc.allocate("b", 8, tokens(8)) == [0, 2]  # block 1 is cached too, but holds the last token
+    assert alloc.seqs["b"].num_cached_tokens == 4
+
+
+def test_cache_salt_keeps_tenants_apart():
+    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    alloc.allocate("a", 9, tokens(9), cache_salt="tenant-a")
+    alloc.confirm_computed()
+    assert alloc.allocate("b", 9, tokens(9), cache_salt="tenant-b") == [3, 4, 5]
+    assert alloc.allocate("c", 9, tokens(9), cache_salt="tenant-a") == [0, 1, 6]
+
+
+def test_discarded_blocks_are_never_found():
+    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    alloc.allocate("a", 9, tokens(9))
+    apply_step(alloc, KVStepRequest(step_id=1, discard_req_ids=["a"]))  # aborted before it ran
+    assert alloc.device.cached == {} and alloc.num_free_blocks == 10
+    assert alloc.allocate("b", 9, tokens(9)) == [3, 4, 5]
+
+
+def test_prefix_caching_off_indexes_nothing():
+    alloc = BlockAllocator(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    alloc.allocate("a", 9, tokens(9))
+    alloc.confirm_computed()
+    assert alloc.allocate("b", 9, tokens(9)) == [3, 4, 5]
+    assert alloc.device.cached == {} and alloc.device.take_events() == []
+
+
+# ---------------------------------------------------------------------------- eviction
+
+
+def test_free_cached_blocks_are_evicted_lru_deepest_first():
+    alloc = BlockAllocator(num_blocks=6, block_size=2)
+    alloc.allocate("a", 6, tokens(6, 10))  # [0, 1, 2]
+    alloc.allocate("b", 4, tokens(4, 50))  # [3, 4]
+    alloc.confirm_computed()
+    stored = alloc.device.take_events()
+    assert [e.block_hashes for e in stored] == [alloc.seqs["a"].block_hashes, alloc.seqs["b"].block_hashes]
+    assert stored[0].parent_block_hash is None and stored[0].token_ids == tokens(6, 10)
+    alloc.free("a")
+    alloc.free("b")
+    assert list(alloc.device.free_queue) == [5]  # never used: handed out before any cached block
+    assert list(alloc.device.cached_queue) == [2, 1, 0, 4, 3]
+    assert alloc.stats()["num_blocks_cached"] == 5 and alloc.num_free_blocks == 6
+    # a new request takes the free block, then evicts a's tail before its head, a before b
+    assert alloc.allocate("c", 8, tokens(8, 90)) == [5, 2, 1, 0]
+    removed = alloc.device.take_events()
+    assert removed == [BlockRemoved(block_hashes=list(reversed(alloc_hashes(6, 10, 2))))]
+    assert alloc.stats()["num_evictions"] == 3
+    # b's head is still there; taking it back leaves b's tail the only block to evict
+    assert alloc.allocate("d", 3, tokens(3, 50)) == [3, 4]
+    assert alloc.seqs["d"].num_cached_tokens == 2
+
+
+def alloc_hashes(n: int, start: int, block_size: int) -> list[bytes]:
+    hashes: list[bytes] = []
+    toks = tokens(n, start)
+    for i in range(n // block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, toks[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+def test_a_hit_revives_a_free_cached_block_and_moves_it_out_of_the_lru():
+    alloc = BlockAllocator(num_blocks=4, block_size=2)
+    alloc.allocate("a", 4, tokens(4))
+    alloc.confirm_computed()
+    alloc.free("a")
+    assert alloc.allocate("b", 3, tokens(3)) == [0, 2]  # block 0 revived, then a never-used block
+    assert alloc.seqs["b"].num_cached_tokens == 2
+    assert 0 not in alloc.device.cached_queue and alloc.device.ref_counts[0] == 1
+
+
+def test_clear_drops_free_cached_blocks_only():
+    alloc = BlockAllocator(num_blocks=6, block_size=2)
+    alloc.allocate("a", 4, tokens(4))
+    alloc.allocate("b", 4, tokens(4, 50))
+    alloc.confirm_computed()
+    alloc.free("a")
+    alloc.device.take_events()
+    assert alloc.clear_cache() == 2
+    assert alloc.device.take_events() == [BlockRemoved(block_hashes=alloc_hashes(4, 100, 2)[::-1])]
+    assert len(alloc.device.cached) == 2  # b's, still in use
+
+
+# ---------------------------------------------------------------------------- forks
+
+
+def test_fork_shares_blocks_and_copies_on_write_into_the_partial_last_block():
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    alloc.allocate("a", 6, tokens(6))  # [0, 1]: block 1 holds 2 of 4 tokens
+    alloc.confirm_computed()
+    assert alloc.fork("a", "b") == [0, 1]
+    assert alloc.device.ref_counts[:2] == [2, 2]
+    assert alloc.allocate("b", 7, [7]) == []  # writes token 6 into shared block 1: copy it first
+    assert alloc.take_copies() == ([(1, 2)], [], [])
+    assert alloc.block_table("b") == [0, 2] and alloc.device.ref_counts[:3] == [2, 1, 1]
+    assert alloc.allocate("a", 7, [8]) == []  # a owns block 1 alone now: writes in place
+    assert alloc.take_copies() == ([], [], [])
+    assert alloc.allocate("b", 9, [9, 9]) == [3]  # full blocks stay shared, growth is private
+    assert alloc.block_table("b") == [0, 2, 3] and alloc.block_table("a") == [0, 1]
+    assert alloc.stats()["num_cow_copies"] == 1
+
+
+def test_fork_of_a_block_aligned_table_needs_no_copy():
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    alloc.allocate("a", 8, tokens(8))
+    alloc.fork("a", "b")
+    assert alloc.allocate("b", 9, [1]) == [2]
+    assert alloc.take_copies() == ([], [], [])
+
+
+def test_copy_on_write_needs_a_free_block():
+    alloc = BlockAllocator(num_blocks=2, block_size=4)
+    alloc.allocate("a", 6, tokens(6))
+    alloc.fork("a", "b")
+    assert not alloc.can_allocate("b", 7)
+    with pytest.raises(NoFreeBlocks):
+        alloc.allocate("b", 7, [1])
+    assert alloc.block_table("b") == [0, 1] and alloc.device.ref_counts == [2, 2]
+
+
+# ---------------------------------------------------------------------------- the host tier
+
+
+def test_swap_out_and_in_move_tables_between_tiers():
+    alloc = BlockAllocator(num_blocks=6, block_size=4, num_host_blocks=4)
+    alloc.allocate("a", 6, tokens(6))  # [0, 1]
+    alloc.allocate("b", 4, tokens(4, 50))  # [2]
+    alloc.confirm_computed()
+    assert alloc.swap_out("a") == [(0, 0), (1, 1)]
+    assert alloc.block_table("a") == [] and alloc.seqs["a"].host_block_ids == [0, 1]
+    # a's partial block 1 went back to the free queue, its full block 0 stays cached
+    assert alloc.allocate("c", 16, tokens(16, 200)) == [3, 4, 5, 1]
+    with pytest.raises(NoFreeBlocks):
+        alloc.swap_in("a")  # one block (cached 0) is left for two
+    alloc.free("c")
+    pairs = alloc.swap_in("a")
+    assert [h for h, _ in pairs] == [0, 1] and alloc.block_table("a") == [d for _, d in pairs]
+    assert alloc.take_copies()[1:] == ([(0, 0), (1, 1)], pairs)
+    assert alloc.host.num_used_blocks == 0
+    stats = alloc.stats()
+    assert (stats["num_swapped_out_blocks"], stats["num_swapped_in_blocks"]) == (2, 2)
+
+
+def test_apply_step_orders_frees_swaps_forks_and_allocations():
+    alloc = BlockAllocator(num_blocks=4, block_size=4, num_host_blocks=4)
+    apply_step(alloc, KVStepRequest(step_id=0, allocate=[("a", 6), ("b", 8)], new_token_ids={"a": tokens(6)}))
+    reply = apply_step(alloc, KVStepRequest(step_id=1, swap_out_req_ids=["b"], forks=[("a", "a2")],
+                                            allocate=[("a2", 7), ("c", 4)], new_token_ids={"a2": [1]}))
+    assert reply.swap_out == [(2, 0), (3, 1)]
+    assert reply.block_copies == [(1, 3)]  # b's device blocks are free again and reused this step
+    assert reply.new_block_ids == {"c": [2]}
+    assert reply.failed_req_ids == [] and reply.num_free_blocks == 0
+    reply = apply_step(alloc, KVStepRequest(step_id=2, swap_in_req_ids=["b"]))
+    assert reply.failed_req_ids == ["b"]
+
+
+# ---------------------------------------------------------------------------- invariants
+
+
+def check_invariants(alloc: BlockAllocator) -> None:
+    for pool, tables in ((alloc.device, [s.block_ids for s in alloc.seqs.values()]),
+                         (alloc.host, [s.host_block_ids or [] for s in alloc.seqs.values()])):
+        held = [b for table in tables for b in table]
+        free, cached = set(pool.free_queue), set(pool.cached_queue)
+        used = {b for b in range(pool.num_blocks) if pool.ref_counts[b] > 0}
+        assert len(free) + len(cached) + len(used) == pool.num_blocks, "free + cached + used != total"
+        assert not (free & cached) and not (set(held) & (free | cached)), "a block is free and referenced"
+        for b in range(pool.num_blocks):
+            assert pool.ref_counts[b] == held.count(b), f"ref count of block {b}"
+        assert cached <= set(pool.cached), "a cached free block is not indexed"
+        assert not free & set(pool.cached), "a free block is still indexed"
+    bs = alloc.block_size
+    for block_id, entry in alloc.device.cached.items():
+        assert alloc.device.block_id_by_hash[entry.block_hash] == block_id
+    for seq in alloc.seqs.values():
+        for i, block_id in enumerate(seq.block_ids):
+            entry = alloc.device.cached.get(block_id)
+            if entry is not None:
+                assert list(entry.token_ids) == seq.token_ids[i * bs:(i + 1) * bs], "hash vs tokens"
+                assert entry.block_hash == seq.block_hashes[i]
+                parent = seq.block_hashes[i - 1] if i else None
+                assert hash_block(parent, entry.token_ids, seq.extra_keys) == entry.block_hash
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free / evict / swap / clear sequences; tokens come from a
+    tiny vocabulary so that prefixes repeat and the cache is exercised."""
+
+    def __init__(self):
+        super().__init__()
+        self.alloc = BlockAllocator(num_blocks=12, block_size=2, num_host_blocks=6)
+        self.next_id = 0
+
+    def live(self, swapped: bool | None = None) -> list[str]:
+        return sorted(r for r, s in self.alloc.seqs.items() if swapped is None or (s.host_block_ids is not None) == swapped)
+
+    @rule(new=st.lists(st.integers(0, 1), min_size=1, max_size=7), salt=st.sampled_from([None, None, "s"]))
+    def allocate_new(self, new, salt):
+        req_id = f"r{self.next_id}"
+        self.next_id += 1
+        try:
+            self.alloc.allocate(req_id, len(new), new, salt)
+        except NoFreeBlocks:
+            assert req_id not in self.alloc.seqs
+
+    @precondition(lambda self: self.live(False))
+    @rule(data=st.data(), new=st.lists(st.integers(0, 1), min_size=1, max_size=5))
+    def append(self, data, new):
+        req_id = data.draw(st.sampled_from(self.live(False)))
+        seq = self.alloc.seqs[req_id]
+        before = (list(seq.block_ids), seq.num_tokens)
+        try:
+            self.alloc.allocate(req_id, seq.num_tokens + len(new), new)
+        except NoFreeBlocks:
+            assert (seq.block_ids, seq.num_tokens) == before
+
+    @rule()
+    def step_ran(self):
+        self.alloc.confirm_computed()
+
+    @precondition(lambda self: self.live(False))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.live(False)))
+        self.alloc.fork(parent, f"r{self.next_id}")
+        self.next_id += 1
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def free(self, data):
+        self.alloc.free(data.draw(st.sampled_from(self.live())))
+
+    @precondition(lambda self: self.live(False))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        req_id = data.draw(st.sampled_from(self.live(False)))
+        try:
+            self.alloc.swap_out(req_id)
+        except NoFreeBlocks:
+            assert self.alloc.seqs[req_id].host_block_ids is None
+
+    @precondition(lambda self: self.live(True))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        req_id = data.draw(st.sampled_from(self.live(True)))
+        try:
+            self.alloc.swap_in(req_id)
+        except NoFreeBlocks:
+            assert self.alloc.seqs[req_id].host_block_ids is not None
+
+    @rule()
+    def clear(self):
+        self.alloc.clear_cache()
+
+    @invariant()
+    def consistent(self):
+        check_invariants(self.alloc)
+
+    def teardown(self):
+        for req_id in self.live():
+            self.alloc.free(req_id)
+        check_invariants(self.alloc)
+        assert self.alloc.device.num_used_blocks == 0 and self.alloc.host.num_used_blocks == 0, "leak"
+
+
+AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_allocator_state_machine = AllocatorMachine.TestCase
