@@ -317,3 +317,79 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_allocator_state_machine = AllocatorMachine.TestCase
+
+
+# ---------------------------------------------------------------------------- the service: events, admin
+
+
+@pytest.mark.asyncio
+async def test_events_are_published_numbered_and_admin_verbs_answer():
+    import asyncio
+    import shutil
+
+    import zmq
+    import zmq.asyncio
+
+    from services.kvmanager.service import KVManagerService
+    from shared.config import Endpoints, KVManagerConfig
+    from shared.messages import KV_EVENTS_TOPIC, AllBlocksCleared, KVEventBatch, KVStepReply, PoolInfo, RegisterPool
+    from shared.transport import Decoder, encode, make_socket
+    from tests.services.backhalf import admin_call, short_run_dir
+
+    run_dir = short_run_dir()
+    ep = Endpoints.ipc(run_dir)
+    ctx = zmq.asyncio.Context()
+    task = asyncio.ensure_future(KVManagerService(KVManagerConfig(endpoints=ep), ctx).run())
+    try:
+        sub = make_socket(ctx, zmq.SUB, ep.kv_events)
+        sub.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC)
+        peer = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+        decoder = Decoder(PoolInfo, KVStepReply)
+
+        async def ask(message):
+            await peer.send(encode(message))
+            return decoder.decode(await asyncio.wait_for(peer.recv(), 5))
+
+        async def next_batch():
+            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+            return int.from_bytes(seq, "big"), Decoder(KVEventBatch).decode(payload)
+
+        await asyncio.sleep(0.2)  # PUB/SUB: the subscription must arrive before the first event
+        await ask(RegisterPool(num_blocks=6, block_size=2, bytes_per_block=8, epoch="e1"))
+        await ask(KVStepRequest(step_id=0, allocate=[("a", 5)], new_token_ids={"a": [1, 2, 3, 4, 5]}))
+        reply = await ask(KVStepRequest(step_id=1, allocate=[("b", 5)], new_token_ids={"b": [1, 2, 3, 4, 6]}))
+        assert reply.num_cached_tokens == {"b": 4} and reply.new_block_ids["b"][:2] == [0, 1]
+        seq, batch = await next_batch()
+        (stored,) = batch.events
+        assert seq == 0 and isinstance(stored, BlockStored)
+        assert (stored.token_ids, stored.parent_block_hash, stored.block_size) == ([1, 2, 3, 4], None, 2)
+        assert stored.block_hashes == alloc_hashes_of([1, 2, 3, 4], 2)
+
+        data = (await admin_call(ctx, ep.admin_kvmanager, "blocks")).data
+        assert data["device"] == ["2211.."]
+        data = (await admin_call(ctx, ep.admin_kvmanager, "seq", req_id="b")).data
+        assert (data["block_ids"], data["num_cached_tokens"], data["num_shared_blocks"]) == ([0, 1, 3], 4, 2)
+        stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
+        assert (stats["num_prefix_cache_queries"], stats["num_prefix_cache_hits"]) == (10, 4)
+
+        await ask(KVStepRequest(step_id=2, free_req_ids=["a", "b"]))  # nothing new became full: no event
+        assert (await admin_call(ctx, ep.admin_kvmanager, "clear")).data == {"num_blocks_dropped": 2}
+        seq, batch = await next_batch()
+        assert seq == 1 and isinstance(batch.events[0], BlockRemoved) and len(batch.events[0].block_hashes) == 2
+        await ask(RegisterPool(num_blocks=6, block_size=2, bytes_per_block=8, epoch="e2"))
+        seq, batch = await next_batch()
+        assert seq == 2 and batch.events == [AllBlocksCleared()]
+        sub.close(linger=0)
+        peer.close(linger=0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def alloc_hashes_of(token_ids: list[int], block_size: int) -> list[bytes]:
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes

@@ -1,0 +1,80 @@
+"""The executor's side of the kvmanager's copies (torch backend): copy-on-write inside the device
+pool, and swapping blocks to the host tier and back, in the order a StepPlan asks for."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.executor.attention import TorchAttentionBackend
+from services.executor.kv_pool import KVPool, PoolShape
+from services.executor.runner import ModelRunner
+from shared.messages import StepPlan
+
+SHAPE = PoolShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def filled_pool(num_blocks=8, num_host_blocks=4) -> KVPool:
+    pool = KVPool(SHAPE, num_blocks, torch.device("cpu"), num_host_blocks=num_host_blocks)
+    gen = torch.Generator().manual_seed(0)
+    for k, v in pool.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    return pool
+
+
+def block(caches, block_id):
+    return [torch.stack([k[block_id], v[block_id]]) for k, v in caches]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_host_pool_has_the_device_block_shape():
+    pool = filled_pool()
+    assert len(pool.host_caches) == SHAPE.num_layers
+    assert pool.host_caches[0][0].shape == (4, 4, 2, 8) and pool.host_caches[0][0].device.type == "cpu"
+    assert KVPool(SHAPE, 2, torch.device("cpu")).host_caches == []
+
+
+def test_copy_blocks_copies_every_layer():
+    pool, backend = filled_pool(), TorchAttentionBackend()
+    before = block(pool.kv_caches, 1)
+    backend.copy_blocks(pool.kv_caches, [(1, 5)])
+    assert same(block(pool.kv_caches, 5), before) and same(block(pool.kv_caches, 1), before)
+
+
+def test_swap_round_trip_restores_the_blocks_elsewhere():
+    pool, backend = filled_pool(), TorchAttentionBackend()
+    originals = [block(pool.kv_caches, b) for b in (2, 3)]
+    backend.swap_out(pool.kv_caches, pool.host_caches, [(2, 0), (3, 1)])
+    for k, v in pool.kv_caches:  # the device blocks are reused meanwhile
+        k[2:4].zero_()
+        v[2:4].zero_()
+    backend.swap_in(pool.host_caches, pool.kv_caches, [(0, 6), (1, 7)])
+    assert same(block(pool.kv_caches, 6), originals[0]) and same(block(pool.kv_caches, 7), originals[1])
+
+
+def test_a_plan_swaps_out_before_it_swaps_in_and_copies():
+    pool, backend = filled_pool(), TorchAttentionBackend()
+    leaving, host_resident, cow_src = block(pool.kv_caches, 2), None, block(pool.kv_caches, 4)
+    for k, v in pool.host_caches:
+        k[1].fill_(7.0)
+        v[1].fill_(7.0)
+    host_resident = block(pool.host_caches, 1)
+    runner = SimpleNamespace(pool=pool, backend=backend)
+    # device block 2 leaves for host 0 and is refilled from host 1 in the same step; then 4 -> 2's old
+    plan = StepPlan(step_id=0, swap_out=[(2, 0)], swap_in=[(1, 2)], block_copies=[(4, 5)])
+    ModelRunner._copy_blocks(runner, plan)
+    assert same(block(pool.host_caches, 0), leaving)
+    assert same(block(pool.kv_caches, 2), host_resident)
+    assert same(block(pool.kv_caches, 5), cow_src)
+
+
+def test_swaps_without_a_host_tier_are_refused():
+    runner = SimpleNamespace(pool=KVPool(SHAPE, 2, torch.device("cpu")), backend=TorchAttentionBackend())
+    with pytest.raises(ValueError, match="host tier"):
+        ModelRunner._copy_blocks(runner, StepPlan(step_id=0, swap_out=[(0, 0)]))
