@@ -101,7 +101,8 @@ class BackHalf:
 
 @asynccontextmanager
 async def back_half(model_dir: str, *, num_kv_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                    max_num_batched_tokens: int = 64, max_model_len: int | None = None, runner: ModelRunner | None = None):
+                    max_num_batched_tokens: int = 64, max_model_len: int | None = None, runner: ModelRunner | None = None,
+                    enable_prefix_caching: bool = True):
     run_dir = short_run_dir()
     endpoints = Endpoints.ipc(run_dir)
     ctx = zmq.asyncio.Context()
@@ -111,7 +112,7 @@ async def back_half(model_dir: str, *, num_kv_blocks: int = 64, block_size: int 
     executor = ExecutorService(ExecutorServiceConfig(endpoints=endpoints, runtime=runtime, model_path=model_dir),
                                ctx, runner=runner)
     services = [
-        KVManagerService(KVManagerConfig(endpoints=endpoints), ctx),
+        KVManagerService(KVManagerConfig(endpoints=endpoints, enable_prefix_caching=enable_prefix_caching), ctx),
         executor,
         SchedulerService(SchedulerConfig(endpoints=endpoints, max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens,
