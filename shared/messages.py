@@ -135,6 +135,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     stream: bool = False
     priority: int = 0
     arrival_time: float = 0.0
+    cache_salt: str | None = None  # passed on to EngineRequest
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):

@@ -76,6 +76,7 @@ def completion_generate_requests(req: CompletionRequest, base_id: str) -> list[G
                 echo=req.echo,
                 stream=bool(req.stream),
                 arrival_time=now,
+                cache_salt=req.cache_salt,
                 **prompt,
             ))
     return out
@@ -97,6 +98,7 @@ def chat_generate_requests(req: ChatCompletionRequest, base_id: str) -> list[Gen
             stop=stop_strings(req),
             stream=bool(req.stream),
             arrival_time=now,
+            cache_salt=req.cache_salt,
         )
         for i in range(req.n or 1)
     ]

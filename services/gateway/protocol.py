@@ -63,6 +63,8 @@ class _Params(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's extra parameter: prefix-cache blocks are shared only between requests with equal salts
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
 
 class CompletionRequest(_Params, kw_only=True):

@@ -110,6 +110,7 @@ class TokenizerService:
             eos_token_id=self.tokenizer.eos_token_id,
             priority=req.priority,
             arrival_time=req.arrival_time,
+            cache_salt=req.cache_salt,
         )
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))

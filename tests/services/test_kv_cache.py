@@ -393,3 +393,32 @@ def alloc_hashes_of(token_ids: list[int], block_size: int) -> list[bytes]:
     for i in range(len(token_ids) // block_size):
         hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
+
+
+# ---------------------------------------------------------------------------- /metrics and cache_salt
+
+
+def test_metrics_count_prefix_cache_queries_and_hits_in_tokens():
+    from services.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics("m")
+    metrics.set_engine_stats(None, {"num_blocks_total": 10, "num_blocks_used": 4, "num_blocks_cached": 3,
+                                    "num_prefix_cache_queries": 100, "num_prefix_cache_hits": 64})
+    metrics.set_engine_stats(None, {"num_blocks_total": 10, "num_blocks_used": 4, "num_blocks_cached": 3,
+                                    "num_prefix_cache_queries": 150, "num_prefix_cache_hits": 96})
+    text = metrics.render().decode()
+    assert 'folio:prefix_cache_queries_total{model_name="m"} 150.0' in text
+    assert 'folio:prefix_cache_hits_total{model_name="m"} 96.0' in text
+    assert 'folio:kv_cache_blocks_cached{model_name="m"} 3.0' in text
+    assert 'folio:kv_cache_usage_perc{model_name="m"} 0.4' in text
+
+
+def test_cache_salt_travels_from_the_http_request_to_the_generate_request():
+    import msgspec
+
+    from services.gateway.convert import chat_generate_requests
+    from services.gateway.protocol import ChatCompletionRequest
+
+    req = msgspec.json.decode(b'{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "tenant-a", "n": 2}',
+                              type=ChatCompletionRequest)
+    assert [g.cache_salt for g in chat_generate_requests(req, "chat")] == ["tenant-a", "tenant-a"]
