@@ -322,6 +322,9 @@ class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
     swapped_in_block_ids: dict[str, list[int]] = {}
+    # every request whose table shares blocks with another table: how many (releasing it gives back
+    # only the rest), so that the scheduler's free-block mirror never counts a shared block as freed
+    num_shared_blocks: dict[str, int] = {}
 
 
 # --------------------------------------------------------------------------- KV events

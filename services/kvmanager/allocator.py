@@ -285,6 +285,17 @@ class BlockAllocator:
         self.counters["num_swapped_in_blocks"] += len(pairs)
         return pairs
 
+    def shared_block_counts(self) -> dict[str, int]:
+        """For each device table holding blocks other tables hold too: how many. One pass over the
+        tables per step; cheap next to a forward pass, and it keeps the scheduler's mirror exact."""
+        refs = self.device.ref_counts
+        counts = {}
+        for req_id, seq in self.seqs.items():
+            num = sum(1 for block_id in seq.block_ids if refs[block_id] > 1)
+            if num:
+                counts[req_id] = num
+        return counts
+
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """(block_copies, swap_out, swap_in) gathered since the last call, for one step's reply."""
         copies = (self.block_copies, self.swap_out_pairs, self.swap_in_pairs)

@@ -70,7 +70,8 @@ def apply_step(alloc: BlockAllocator, msg: KVStepRequest, epoch: str = "") -> KV
     copies, swap_out, swap_in = alloc.take_copies()
     return KVStepReply(step_id=msg.step_id, new_block_ids=new_block_ids, failed_req_ids=failed,
                        num_free_blocks=alloc.num_free_blocks, epoch=epoch, num_cached_tokens=num_cached,
-                       block_copies=copies, swap_out=swap_out, swap_in=swap_in, swapped_in_block_ids=swapped_in)
+                       block_copies=copies, swap_out=swap_out, swap_in=swap_in, swapped_in_block_ids=swapped_in,
+                       num_shared_blocks=alloc.shared_block_counts())
 
 
 def _attempt(failed: list[str], req_id: str, operation, *args):

@@ -18,7 +18,8 @@ its first blocks already hold (``KVStepReply.num_cached_tokens``, whole blocks, 
 least one token of the entry is left to compute). ``build_plan`` then starts the request there: the
 executor gets ``num_computed_tokens`` = cached tokens and computes only the rest of the entry. The
 table holds exactly the blocks the mirror counted (cached ones included), and a hit never takes
-more free blocks than were counted, so the mirror stays safe; the part of the budget the hit
+more free blocks than were counted; a released request is counted as giving back only the blocks
+no other table holds (``KVStepReply.num_shared_blocks``), so the mirror stays safe; the part of the budget the hit
 saved is left unused this step (the price of not asking the kvmanager twice). Tokens reach the
 kvmanager with each allocation (``new_token_ids``: those it has not seen), so that it can hash
 blocks as they fill. Requests that want prompt logprobs send none: they neither hit nor feed the
@@ -145,14 +146,14 @@ class Scheduler:
         self.pending_free_req_ids.append(req.req_id)
         if req.on_executor:
             self.pending_finished_req_ids.append(req.req_id)
-        self.num_pending_free_blocks += req.num_blocks
+        self.num_pending_free_blocks += req.num_blocks - req.num_shared_blocks
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.pending_free_req_ids.append(req.req_id)
         if req.on_executor:
             self.pending_finished_req_ids.append(req.req_id)
-        self.num_pending_free_blocks += req.num_blocks
+        self.num_pending_free_blocks += req.num_blocks - req.num_shared_blocks
         req.reset_for_recompute()
         self.waiting.appendleft(req)
         self.counters["num_preemptions"] += 1
@@ -170,7 +171,8 @@ class Scheduler:
         self.pending_finished_req_ids = []
         held = held or {}
         self.set_pool(info)
-        self.pending_free_req_ids = list(held)
+        # the step that would have filled them never ran: their blocks must not be cached
+        self.pending_free_req_ids, self.pending_discard_req_ids = [], list(held)
         self.num_pending_free_blocks = sum(map(len, held.values()))
         self.counters["num_executor_restarts"] += 1
         return len(running)
@@ -251,6 +253,8 @@ class Scheduler:
                 self._preempt(req)  # its table is unchanged; freed whole in the next call
         if kv is not None:
             self.num_free_blocks = kv.num_free_blocks  # the truth; releases since stay pending
+            for req in self.running:  # a shared block is not freed with one of its tables
+                req.num_shared_blocks = kv.num_shared_blocks.get(req.req_id, 0)
         new_reqs, running_reqs, num_scheduled = [], [], {}
         kept = []
         num_cached = kv.num_cached_tokens if kv is not None else {}

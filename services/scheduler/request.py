@@ -29,6 +29,7 @@ class Request:
     cache_salt: str | None = None
     num_kv_token_ids: int = 0  # of its tokens, those the kvmanager was told (to hash full blocks)
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
+    num_shared_blocks: int = 0  # of its blocks, those other tables hold too (as of the last kv reply)
 
     @staticmethod
     def from_message(msg: EngineRequest) -> "Request":
@@ -71,3 +72,4 @@ class Request:
         self.num_blocks = 0
         self.on_executor = False
         self.num_kv_token_ids = 0  # the kvmanager forgets the table, and its tokens with it
+        self.num_shared_blocks = 0

@@ -88,6 +88,10 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
         assert folio(["kv", "stats", "--json", "--run-dir", serve.run_dir]) == 0
         kv = json.loads(capsys.readouterr().out)
         assert kv["num_blocks_total"] == 64 and kv["num_blocks_used"] == 0 and kv["block_size"] == 8
+        assert folio(["kv", "blocks", "--run-dir", serve.run_dir]) == 0
+        assert "device:" in capsys.readouterr().out
+        assert folio(["kv", "clear", "--json", "--run-dir", serve.run_dir]) == 0
+        assert json.loads(capsys.readouterr().out)["num_blocks_dropped"] == kv["num_blocks_cached"]
         assert folio(["scheduler", "stats", "--run-dir", serve.run_dir]) == 0
         assert "num_generation_tokens_total" in capsys.readouterr().out
         for _ in range(50):  # the readiness line comes from a side thread polling the services

@@ -23,7 +23,7 @@ def request(req_id, num_prompt, max_tokens=4, **sampling):
 
 
 def kv_answer(alloc: BlockAllocator, out) -> KVStepReply:
-    for req_id in out.free_req_ids:
+    for req_id in out.free_req_ids + out.discard_req_ids:
         alloc.free(req_id)
     new, failed = {}, []
     for req_id, num_tokens in out.allocate:
