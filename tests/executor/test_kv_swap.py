@@ -78,3 +78,23 @@ def test_swaps_without_a_host_tier_are_refused():
     runner = SimpleNamespace(pool=KVPool(SHAPE, 2, torch.device("cpu")), backend=TorchAttentionBackend())
     with pytest.raises(ValueError, match="host tier"):
         ModelRunner._copy_blocks(runner, StepPlan(step_id=0, swap_out=[(0, 0)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_plan_on_the_gpu_pool_with_a_pinned_host_tier_matches_the_torch_backend():
+    pytest.importorskip("cupy")
+    from services.executor.cuda_backend import CudaAttentionBackend
+
+    plan = StepPlan(step_id=0, swap_out=[(2, 0), (3, 1)], swap_in=[(1, 2)], block_copies=[(4, 5)])
+    cpu_pool = filled_pool()
+    gpu_pool = KVPool(SHAPE, 8, torch.device("cuda"), num_host_blocks=4)
+    assert gpu_pool.host_caches[0][0].is_pinned()
+    for (k, v), (gk, gv) in zip(cpu_pool.kv_caches, gpu_pool.kv_caches):
+        gk.copy_(k)
+        gv.copy_(v)
+    ModelRunner._copy_blocks(SimpleNamespace(pool=cpu_pool, backend=TorchAttentionBackend()), plan)
+    ModelRunner._copy_blocks(SimpleNamespace(pool=gpu_pool, backend=CudaAttentionBackend(torch.float32)), plan)
+    torch.cuda.synchronize()
+    for (k, v), (gk, gv) in zip(cpu_pool.kv_caches + cpu_pool.host_caches, gpu_pool.kv_caches + gpu_pool.host_caches):
+        assert torch.equal(k, gk.cpu()) and torch.equal(v, gv.cpu())
