@@ -36,6 +36,7 @@ class AttentionMetadata:
     # host copies, so that backends can plan without device syncs
     query_lens_list: list[int] = field(default_factory=list)
     seq_lens_list: list[int] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [num_tokens] int64, each new token's position
     # backend-private plan (built lazily by the backend, once per step)
     plan: object | None = None
 
@@ -48,10 +49,12 @@ class AttentionMetadata:
         query_lens: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
+        """Tensors built on the host, then moved once. ``slot_mapping=None`` derives each new
+        token's slot from its sequence's block table (the usual case)."""
         num_seqs = len(query_lens)
         max_blocks = max((len(t) for t in block_tables), default=1) or 1
         table = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
@@ -61,8 +64,15 @@ class AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        # the new tokens of a sequence are its last query_len positions
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]) if num_seqs \
+            else torch.zeros(0, dtype=torch.long)
+        if slot_mapping is None:
+            seq_idx = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.long))
+            slot_mapping = table[seq_idx, positions // block_size].long() * block_size + positions % block_size
         return AttentionMetadata(
             slot_mapping=slot_mapping.to(device),
+            positions=positions.to(device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=table.to(device),

@@ -168,7 +168,6 @@ class ModelRunner:
         bs = self.pool.block_size
 
         input_ids: list[int] = []
-        positions: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []  # flattened index of each sampling sequence's last token
         samplers: list[RequestState] = []
@@ -182,7 +181,6 @@ class ModelRunner:
                 raise ValueError(f"{state.req_id}: {end} tokens need more than its {len(state.block_ids)} blocks")
             row0 = len(input_ids)
             input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
             seq_lens.append(end)
             if state.sampling.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 num = min(end, state.num_prompt_tokens - 1) - start
@@ -191,17 +189,10 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(state)
 
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        seq_idx = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(counts))
-        tables = [s.block_ids for s in states]
-        meta = AttentionMetadata.build(counts, seq_lens, tables, torch.empty(0), bs, self.device)
-        table_cpu = meta.block_tables.cpu().long()
-        slots = table_cpu[seq_idx, positions_t // bs] * bs + positions_t % bs
-        meta.slot_mapping = slots.to(self.device)
-
+        meta = AttentionMetadata.build(counts, seq_lens, [s.block_ids for s in states], None, bs, self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions_t.to(self.device),
+            meta.positions,
             self.pool.kv_caches,
             meta,
             self.backend,

@@ -3,8 +3,9 @@ tables, partly filled last blocks, the step's metadata, and the reference result
 
 from __future__ import annotations
 
+
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,9 +48,7 @@ def make_step(query_lens, seq_lens, *, num_heads, num_kv_heads, head_dim, block_
 
 def fresh_meta(step: Step) -> AttentionMetadata:
     """The same step's metadata with no backend plan attached."""
-    m = step.meta
-    return AttentionMetadata(m.slot_mapping, m.query_start_loc, m.seq_lens, m.block_tables, m.max_query_len,
-                             m.max_seq_len, m.block_size, list(m.query_lens_list), list(m.seq_lens_list))
+    return replace(step.meta, plan=None)
 
 
 def reference_attention(step: Step, scale: float) -> torch.Tensor:
