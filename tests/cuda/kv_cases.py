@@ -3,7 +3,6 @@ tables, partly filled last blocks, the step's metadata, and the reference result
 
 from __future__ import annotations
 
-
 import math
 from dataclasses import dataclass, replace
 
