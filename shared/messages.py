@@ -12,7 +12,9 @@ Who talks with what (PUSH/PULL pipeline, then DEALER/ROUTER request/reply):
 - tokenizer -> gateway: ``TextBatch`` (text deltas, finish reasons, usage, errors);
 - scheduler -> executor: ``StepPlan``; executor -> scheduler: ``StepResult``;
 - any CLI -> a service's admin socket: ``AdminRequest``; reply: ``AdminReply``.
-The kvmanager's request/reply types are appended at the end of this module with the kvmanager.
+The kvmanager's request/reply types are appended at the end of this module with the kvmanager,
+followed by the KV events it PUBlishes (``KVEventBatch`` of ``BlockStored``/``BlockRemoved``/
+``AllBlocksCleared``, vLLM's shapes).
 """
 
 from __future__ import annotations
