@@ -105,13 +105,10 @@ class ModelRunner:
             start += nb
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        slots = torch.cat([torch.tensor(t, dtype=torch.long).repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
-                           for t, n in zip(tables, lens)])
-        meta = AttentionMetadata.build(lens, lens, tables, slots, bs, self.device)
+        meta = AttentionMetadata.build(lens, lens, tables, None, bs, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, positions, scratch.kv_caches, meta, self.backend)
+            hidden = self.model(ids, meta.positions, scratch.kv_caches, meta, self.backend)
             self.model.compute_logits(hidden[-num_seqs:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.num_bytes
