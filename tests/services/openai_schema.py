@@ -6,15 +6,16 @@ keyword, so it is rewritten into ``anyOf [..., null]`` once at load.
 
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
 import jsonschema
-import pytest
 import yaml
 
 _ROOT = Path(__file__).resolve().parents[2]
-# the description sits next to the checkout in the workspace; without it schema checks skip
+# the description sits next to the checkout in the workspace; without it only the schema checks
+# are left out (with a warning), the tests' own assertions still run
 _CANDIDATES = [_ROOT.parent / "shared" / "reference" / "openai-openapi.yaml",
                _ROOT / "shared" / "reference" / "openai-openapi.yaml"]
 SPEC = next((p for p in _CANDIDATES if p.exists()), None)
@@ -33,13 +34,14 @@ def _nullable(node):
 
 @lru_cache(maxsize=1)
 def _components() -> dict:
-    if SPEC is None:
-        pytest.skip("the OpenAI OpenAPI description is not in this checkout")
     spec = yaml.load(SPEC.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     return _nullable(spec["components"])
 
 
 def validate(instance: dict, schema_name: str) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``instance`` fits ``#/components/schemas/<name>``."""
+    if SPEC is None:
+        warnings.warn("the OpenAI OpenAPI description is not beside this checkout: schema check left out")
+        return
     schema = {"$ref": f"#/components/schemas/{schema_name}", "components": _components()}
     jsonschema.validate(instance, schema, cls=jsonschema.Draft202012Validator)
