@@ -106,20 +106,30 @@ async def _survive_malformed(tiny_model_dir):
         assert requests == []
 
 
+LONG_PROMPT, LONG_MAX_TOKENS = [5, 6, 7], 120  # still running when the executor goes away
+
+
 @pytest.mark.asyncio
 async def test_a_restarted_executor_makes_running_requests_start_over(tiny_model_dir, reference):
-    async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=4) as bh:
+    runner = ModelRunner(RuntimeConfig(model=tiny_model_dir, dtype="float32", device="cpu", block_size=4,
+                                       num_kv_blocks=64), tiny_model_dir)
+    long_reference = generate(runner, [LONG_PROMPT], greedy(LONG_MAX_TOKENS))[0]
+    async with back_half(tiny_model_dir, num_kv_blocks=128, block_size=4) as bh:
         bh.services[2].executor_check_s = 0.3  # a lost step is noticed quickly
-        req_ids = [f"req-{i}" for i in range(len(PROMPTS))]
-        for req_id, prompt, m in zip(req_ids, PROMPTS, MAX_TOKENS):
+        req_ids = [f"req-{i}" for i in range(len(PROMPTS))] + ["req-long"]
+        for req_id, prompt, m in zip(req_ids, PROMPTS + [LONG_PROMPT], MAX_TOKENS + [LONG_MAX_TOKENS]):
             await bh.submit(req_id, prompt, greedy(m))
         while sum(len(d.token_ids) for b in bh.batches for d in b.deltas) < 10:
             bh.batches.append(Decoder(TokenBatch).decode(await asyncio.wait_for(bh.from_scheduler.recv(), 30)))
         before = {r: [t for b in bh.batches for d in b.deltas if d.req_id == r for t in d.token_ids] for r in req_ids}
+        assert len(before["req-long"]) < LONG_MAX_TOKENS  # it is mid-generation now
         await bh.restart_executor()
         after = await bh.collect(req_ids)
-        assert [before[r] + after[r][0] for r in req_ids] == reference
+        assert [before[r] + after[r][0] for r in req_ids] == reference + [long_reference]
         stats = (await bh.admin("scheduler", "stats")).data
         assert stats["num_executor_restarts"] == 1
-        await asyncio.sleep(0.05)
+        for _ in range(100):  # the last step's frees reach the kvmanager in the scheduler's next call
+            if (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] == 0:
+                break
+            await asyncio.sleep(0.05)
         assert (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] == 0
