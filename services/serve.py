@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, Endpoints, RuntimeConfig, run_dir_from_env
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, run_dir_from_env
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")  # start order
 STOP_TIMEOUT_S = 10.0
@@ -51,26 +51,17 @@ class _Stop(Exception):
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    d = RuntimeConfig()
+    from services.executor.main import add_runtime_args
+
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name, a model folder or a .gguf")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use")
     parser.add_argument("--host", default="0.0.0.0", help="HTTP address of the gateway")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
-    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides budgets)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget in bytes (CPU)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    parser.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "cuda"])
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                        help="token budget of one step")
+    add_runtime_args(parser, include_model=False)
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse cached KV blocks of shared prompt prefixes (default: on)")
-    parser.add_argument("--num-host-blocks", type=int, default=None, help="host-memory KV blocks for swapping")
     parser.add_argument("--run-dir", default=None, help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR or /tmp/folio)")
     parser.add_argument("--log-json", action="store_true", help="every service logs JSON lines")
     parser.add_argument("--log-level", default="info")

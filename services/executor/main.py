@@ -13,18 +13,22 @@ from shared.config import DEFAULT_MODEL_NAME, Endpoints, ExecutorServiceConfig, 
 from shared.logs import setup_logging
 
 
-def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+def add_runtime_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+    """The runtime's flags, for ``folio run executor`` and (without ``--model``) ``folio serve``."""
     d = RuntimeConfig()
-    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name, a model folder or a .gguf")
+    if include_model:
+        parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                            help="the default model's name, a model folder or a .gguf")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides budgets)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget in bytes (CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "cuda"])
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help="token budget of one step")
     parser.add_argument("--num-host-blocks", type=int, default=d.num_host_blocks,
                         help="host-memory KV blocks that preemption by swapping copies blocks to")
 
