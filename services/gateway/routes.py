@@ -78,16 +78,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
                         echo=req.echo)
     mailbox = service.submit(convert.completion_generate_requests(req, meta.id))
+    return await _respond(request, mailbox, meta, req, _stream_completion, responses.completion_response)
+
+
+async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, response_fn) -> web.StreamResponse:
+    """Stream the choices or wait for them all; abort what did not finish, whatever happens."""
     try:
         if req.stream:
-            return await _stream_completion(request, mailbox, meta, req)
+            return await stream_fn(request, mailbox, meta, req)
         deltas = await collect(mailbox)
         usage = UsageCounter(meta.n)
         for i, d in deltas.items():
             usage.add(i, d)
-        return web.json_response(responses.completion_response(meta, deltas, usage.usage()))
+        return web.json_response(response_fn(meta, deltas, usage.usage()))
     finally:
-        _finish(service, mailbox)
+        _finish(request.app[SERVICE], mailbox)
 
 
 async def _stream_completion(request, mailbox, meta: ResponseMeta, req: CompletionRequest):
@@ -113,16 +118,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = _check_model(service, req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
     mailbox = service.submit(convert.chat_generate_requests(req, meta.id))
-    try:
-        if req.stream:
-            return await _stream_chat(request, mailbox, meta, req)
-        deltas = await collect(mailbox)
-        usage = UsageCounter(meta.n)
-        for i, d in deltas.items():
-            usage.add(i, d)
-        return web.json_response(responses.chat_response(meta, deltas, usage.usage()))
-    finally:
-        _finish(service, mailbox)
+    return await _respond(request, mailbox, meta, req, _stream_chat, responses.chat_response)
 
 
 async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletionRequest):
