@@ -3,7 +3,7 @@
 - ``folio serve [flags]``: the five services as processes on ipc:// sockets, HTTP on --port;
 - ``folio run SERVICE [flags]``: one service alone (what each compose container runs);
 - ``folio prepare [--force]``: convert the packaged default model once;
-- ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID``,
+- ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
   ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats`` (``--json``):
   ask a running service's admin socket;
 - ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks).
@@ -26,7 +26,7 @@ RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor")
 # admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
 ADMIN_VERBS = {
     "kv": ("kvmanager", ("stats", "seq", "blocks", "clear")),
-    "scheduler": ("scheduler", ("stats", "requests", "abort")),
+    "scheduler": ("scheduler", ("stats", "requests", "abort", "drain", "resume")),
     "executor": ("executor", ("stats",)),
     "tokenizer": ("tokenizer", ("stats",)),
     "gateway": ("gateway", ("stats",)),

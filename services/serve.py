@@ -43,6 +43,10 @@ _FLAG_TARGETS = {
     "log_level": ("kvmanager", "executor", "scheduler"),
     "enable_prefix_caching": ("kvmanager",),
     "num_host_blocks": ("executor",),
+    "enable_chunked_prefill": ("scheduler",),
+    "long_prefill_token_threshold": ("scheduler",),
+    "preemption_mode": ("scheduler",),
+    "scheduling_policy": ("scheduler",),
 }
 
 
@@ -52,6 +56,7 @@ class _Stop(Exception):
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from services.executor.main import add_runtime_args
+    from services.scheduler.main import add_scheduling_args
 
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name, a model folder or a .gguf")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use")
@@ -62,6 +67,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse cached KV blocks of shared prompt prefixes (default: on)")
+    add_scheduling_args(parser, defaults_none=True)
     parser.add_argument("--run-dir", default=None, help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR or /tmp/folio)")
     parser.add_argument("--log-json", action="store_true", help="every service logs JSON lines")
     parser.add_argument("--log-level", default="info")

@@ -108,6 +108,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length, from the registered pool
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # most tokens one prefill takes per step (0: the budget)
+    preemption_mode: str = "recompute"  # or "swap" (to the executor's host tier)
+    scheduling_policy: str = "fcfs"  # or "priority" (lower value first, then arrival)
     log_json: bool = False
 
 

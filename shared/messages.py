@@ -43,6 +43,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    def with_seed_offset(self, offset: int) -> "SamplingParams":
+        """The params of choice ``offset`` of a seeded request with several choices: ``seed +
+        offset`` (stepping down where that would leave the int64 range), so that choices differ
+        yet each is reproducible."""
+        if self.seed is None or offset == 0:
+            return self
+        seed = self.seed + offset if self.seed + offset < 2**63 else self.seed - offset
+        return msgspec.structs.replace(self, seed=seed)
+
 
 _GREEDY_EPS = 1e-5
 
@@ -66,6 +75,8 @@ class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int = 0
+    # False for beams: the scheduler picks each beam's next token and sends it (``new_token_ids``)
+    append_sampled: bool = True
 
 
 class RunningRequestData(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +85,10 @@ class RunningRequestData(msgspec.Struct, frozen=True, kw_only=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # tokens the scheduler appended (a beam's chosen token), not sampled here
+    new_token_ids: list[int] = []
+    # the whole table, when blocks inside it changed (copy-on-write); then ``new_block_ids`` is empty
+    block_ids: list[int] | None = None
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
@@ -113,6 +128,15 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
 # --------------------------------------------------------------------------- request pipeline
 
 
+class BeamSearchParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Beam search (``use_beam_search``): ``width`` beams, the best of which come back as the
+    request's choices; ``length_penalty`` and ``early_stopping`` as transformers defines them."""
+
+    width: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
+
+
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
@@ -138,6 +162,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: str | None = None  # passed on to EngineRequest
+    # more choices of the same prompt (their req_ids): the scheduler forks them from this one
+    # after the prompt is computed, or, with ``beam_search``, they receive the best beams
+    fork_req_ids: list[str] = []
+    beam_search: BeamSearchParams | None = None
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
@@ -151,6 +179,11 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     arrival_time: float = 0.0
     # keeps tenants' prefix caches apart: blocks are only shared between requests with equal salts
     cache_salt: str | None = None
+    # more choices of this prompt: choice i (1-based) gets ``sampling.with_seed_offset(i)`` and
+    # shares the prompt's blocks (forked once the prompt is computed); with ``beam_search`` the
+    # choices are the best beams, best first
+    fork_req_ids: list[str] = []
+    beam_search: BeamSearchParams | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
@@ -173,6 +206,9 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # with finish_reason "error": why the scheduler refused the request (prompt + max_tokens beyond
     # the model's context or the whole KV pool); the tokenizer passes it on as TextDelta.error
     error: str | None = None
+    error_code: int = 400  # 503 while the scheduler drains
+    # on a request's first delta: seconds from its arrival to its first step (the queue time)
+    queue_time_s: float | None = None
 
 
 class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag="token_batch"):
@@ -218,6 +254,7 @@ class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     error: str | None = None
     error_code: int = 400
     error_param: str | None = None  # the request field the error is about, for the OpenAI error
+    queue_time_s: float | None = None  # passed on from the TokenDelta, for /metrics
 
 
 class TextBatch(msgspec.Struct, frozen=True, kw_only=True, tag="text_batch"):
@@ -271,6 +308,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
     epoch: str
     max_model_len: int = 0
     num_free_blocks: int = 0
+    num_host_blocks: int = 0
 
 
 class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
@@ -312,7 +350,9 @@ class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"
     ``failed_req_ids``: requests whose growth or swap-in did not fit (their tables are unchanged).
     ``block_copies`` (src, dst), ``swap_out`` (device, host) and ``swap_in`` (host, device) are the
     copies the executor makes before the step (they go into the ``StepPlan`` as they are);
-    ``swapped_in_block_ids[req_id]`` is the whole new device table of a request swapped in."""
+    ``block_tables[req_id]``: the whole table, after this step's growth, of every request whose
+    existing blocks changed (a forked child, a swap-in, a copy-on-write); the executor replaces
+    its table with it."""
 
     step_id: int
     new_block_ids: dict[str, list[int]] = {}
@@ -323,7 +363,7 @@ class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"
     block_copies: list[tuple[int, int]] = []
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
-    swapped_in_block_ids: dict[str, list[int]] = {}
+    block_tables: dict[str, list[int]] = {}
     # every request whose table shares blocks with another table: how many (releasing it gives back
     # only the rest), so that the scheduler's free-block mirror never counts a shared block as freed
     num_shared_blocks: dict[str, int] = {}

@@ -31,6 +31,7 @@ class RequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    append_sampled: bool = True  # False for beams: the scheduler sends their tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -126,6 +127,7 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             generator=make_generator(new.sampling.seed, self.device),
+            append_sampled=new.append_sampled,
         )
 
     def _update_states(self, plan: StepPlan) -> None:
@@ -137,7 +139,10 @@ class ModelRunner:
             state = self.requests.get(running.req_id)
             if state is None:
                 raise KeyError(f"step {plan.step_id} names unknown request {running.req_id!r}")
+            if running.block_ids is not None:
+                state.block_ids = list(running.block_ids)  # copy-on-write changed blocks inside it
             state.block_ids.extend(running.new_block_ids)
+            state.token_ids.extend(running.new_token_ids)
             state.num_computed_tokens = running.num_computed_tokens
 
     def _copy_blocks(self, plan: StepPlan) -> None:
@@ -207,7 +212,8 @@ class ModelRunner:
         ]
         out = sample(logits, rows)
         for state, token_id in zip(samplers, out.token_ids):
-            state.token_ids.append(token_id)
+            if state.append_sampled:
+                state.token_ids.append(token_id)
         return StepResult(
             step_id=plan.step_id,
             req_ids=[s.req_id for s in samplers],

@@ -3,7 +3,9 @@
 Order (vLLM's): penalties on the raw logits -> greedy rows take the argmax -> temperature ->
 min-p, top-k, top-p masks -> a draw. The draw is the exponential race (``argmax(p / E)`` with
 ``E ~ Exp(1)``), which samples exactly from ``p``; each seeded request draws its noise from its
-own ``torch.Generator``, so the same seed gives the same tokens whatever else is in the batch.
+own ``torch.Generator``, seeded afresh for every draw from (seed, output position): the same seed
+gives the same tokens whatever else is in the batch, and a request that starts over (preempted,
+swapped, its executor restarted) or is forked draws exactly what it would have drawn.
 Logprobs are reported from the model's raw distribution (before penalties and temperature).
 """
 
@@ -38,6 +40,17 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for the draw of output token ``position`` (splitmix64 of the pair)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def token_logprobs(
@@ -133,6 +146,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):
             if r.generator is not None and not greedy[i]:
+                r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
                 noise[i].exponential_(generator=r.generator)
         drawn = (probs / noise).argmax(dim=-1)
         token_ids = torch.where(torch.tensor(greedy, device=logits.device), token_ids, drawn)

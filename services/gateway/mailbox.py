@@ -37,6 +37,7 @@ def merge_deltas(a: TextDelta, b: TextDelta) -> TextDelta:
         error=b.error or a.error,
         error_code=b.error_code if b.error else a.error_code,
         error_param=b.error_param if b.error else a.error_param,
+        queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
     )
 
 

@@ -58,6 +58,14 @@ class GatewayMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("folio:generation_tokens", "Generation tokens produced.", labels,
                                          registry=r).labels(model_name)
+        self.queue_time = Histogram("folio:request_queue_time_seconds", "Time from arrival to the first step.",
+                                    labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.swapped = Gauge("folio:num_requests_swapped", "Requests swapped out to the host tier.", labels,
+                             registry=r).labels(model_name)
+        # the scheduler's cumulative count, read at scrape time like the prefix-cache counters
+        self.preemptions = Counter("folio:num_preemptions", "Preemptions (recompute or swap).", labels,
+                                   registry=r).labels(model_name)
+        self._last_preemptions = 0
         self._success = Counter("folio:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
@@ -76,6 +84,8 @@ class GatewayMetrics:
                     self.itl.observe(gap)
             timing.last_token = now
             self.generation_tokens.inc(num_new)
+        if delta.queue_time_s is not None:
+            self.queue_time.observe(delta.queue_time_s)
         if delta.finish_reason is not None and delta.error is None:
             self.e2e.observe(now - timing.arrival)
             self.prompt_tokens.inc(delta.num_prompt_tokens)
@@ -85,6 +95,12 @@ class GatewayMetrics:
         if scheduler:
             self.running.set(scheduler.get("num_running", 0))
             self.waiting.set(scheduler.get("num_waiting", 0))
+            self.swapped.set(scheduler.get("num_swapped", 0))
+            preemptions = scheduler.get("num_preemptions", 0) or 0
+            if preemptions < self._last_preemptions:
+                self._last_preemptions = 0  # the scheduler restarted: it counts afresh
+            self.preemptions.inc(preemptions - self._last_preemptions)
+            self._last_preemptions = preemptions
         if kvmanager:
             total = kvmanager.get("num_blocks_total", 0) or 0
             used = kvmanager.get("num_blocks_used", 0) or 0

@@ -65,6 +65,8 @@ class _Params(msgspec.Struct, kw_only=True):
     user: str | None = None
     # vLLM's extra parameter: prefix-cache blocks are shared only between requests with equal salts
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # vLLM's: with --scheduling-policy priority, lower values are scheduled first
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
 
 
 class CompletionRequest(_Params, kw_only=True):
@@ -73,6 +75,16 @@ class CompletionRequest(_Params, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    # vLLM's beam-search parameters: ``n`` beams (``best_of`` if larger), the best ``n`` returned
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Meta(ge=-10.0, le=10.0)] = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated per prompt: ``best_of`` (the best ``n`` come back) or ``n``."""
+        return max(self.n or 1, self.best_of or 1)
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -102,6 +114,12 @@ class ChatCompletionRequest(_Params, kw_only=True):
 Rule = tuple[str, Callable[[msgspec.Struct], bool], str]
 
 
+def _samples(r: CompletionRequest) -> bool:
+    return bool(r.temperature or (r.top_p is not None and r.top_p < 1) or (r.top_k is not None and r.top_k > 0)
+                or r.min_p or r.presence_penalty or r.frequency_penalty
+                or (r.repetition_penalty is not None and r.repetition_penalty != 1.0))
+
+
 def _prompt_kind_mixed(req: CompletionRequest) -> bool:
     p = req.prompt
     if isinstance(p, str):
@@ -120,6 +138,13 @@ _COMPLETION_RULES: list[Rule] = [
     ("prompt", _prompt_kind_mixed,
      "prompt must be a string, a list of strings, a list of token ids or a list of non-empty token-id lists"),
     ("suffix", lambda r: bool(r.suffix), "suffix is not supported"),
+    ("best_of", lambda r: r.best_of is not None and r.best_of < (r.n or 1), "best_of must be greater than or equal to n"),
+    ("best_of", lambda r: r.num_sequences > (r.n or 1) and bool(r.stream) and not r.use_beam_search,
+     "best_of greater than n cannot be streamed: the best choices are known only at the end"),
+    ("use_beam_search", lambda r: r.use_beam_search and _samples(r),
+     "beam search is deterministic: temperature (other than 0), top_p, top_k, min_p and penalties are not allowed"),
+    ("use_beam_search", lambda r: r.use_beam_search and (r.stop is not None or r.logprobs is not None),
+     "stop strings and logprobs are not supported with use_beam_search"),
 ]
 _CHAT_RULES: list[Rule] = [
     ("top_logprobs", lambda r: r.top_logprobs is not None and not r.logprobs,

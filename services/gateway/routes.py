@@ -12,6 +12,7 @@ import hmac
 import time
 import uuid
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -78,21 +79,37 @@ async def completions(request: web.Request) -> web.StreamResponse:
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
                         echo=req.echo)
     mailbox = service.submit(convert.completion_generate_requests(req, meta.id))
-    return await _respond(request, mailbox, meta, req, _stream_completion, responses.completion_response)
+    best_of = req.num_sequences if not req.use_beam_search and req.num_sequences > meta.n else None
+    return await _respond(request, mailbox, meta, req, _stream_completion, responses.completion_response, best_of)
 
 
-async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, response_fn) -> web.StreamResponse:
+async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, response_fn,
+                   best_of: int | None = None) -> web.StreamResponse:
     """Stream the choices or wait for them all; abort what did not finish, whatever happens."""
     try:
         if req.stream:
             return await stream_fn(request, mailbox, meta, req)
         deltas = await collect(mailbox)
-        usage = UsageCounter(meta.n)
+        usage = UsageCounter(best_of or meta.n)  # every generated sequence counts
         for i, d in deltas.items():
             usage.add(i, d)
+        if best_of:
+            deltas = _best_of(deltas, best_of, meta.n, keep_logprobs=req.logprobs is not None)
         return web.json_response(response_fn(meta, deltas, usage.usage()))
     finally:
         _finish(request.app[SERVICE], mailbox)
+
+
+def _best_of(deltas: dict, best_of: int, n: int, keep_logprobs: bool) -> dict:
+    """Of each prompt's ``best_of`` sequences, the ``n`` with the highest cumulative logprob
+    (vLLM's rule), re-indexed ``prompt_index * n + rank``."""
+    chosen = {}
+    for p_index in range(len(deltas) // best_of):
+        group = [deltas[p_index * best_of + i] for i in range(best_of)]
+        group.sort(key=lambda d: -sum(lp.logprob or 0.0 for lp in d.logprobs or []))
+        for rank, delta in enumerate(group[:n]):
+            chosen[p_index * n + rank] = delta if keep_logprobs else msgspec.structs.replace(delta, logprobs=None)
+    return chosen
 
 
 async def _stream_completion(request, mailbox, meta: ResponseMeta, req: CompletionRequest):

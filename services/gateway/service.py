@@ -89,12 +89,15 @@ class GatewayService:
                 del self.mailboxes[delta.req_id]
 
     def submit(self, reqs: list[GenerateRequest]) -> OutputMailbox:
-        mailbox = OutputMailbox([r.req_id for r in reqs])
+        """Send the requests; the mailbox holds every choice, forked ones (``fork_req_ids``) included."""
+        choice_ids = [choice_id for r in reqs for choice_id in (r.req_id, *r.fork_req_ids)]
+        mailbox = OutputMailbox(choice_ids)
+        for choice_id in choice_ids:
+            self.mailboxes[choice_id] = mailbox
         for req in reqs:
-            self.mailboxes[req.req_id] = mailbox
             self.send_to_tokenizer.send(encode(req))
         self.stats["num_requests"] += 1
-        log.info("request received", req_id=reqs[0].req_id.rpartition("-")[0], num_choices=len(reqs),
+        log.info("request received", req_id=reqs[0].req_id.rpartition("-")[0], num_choices=len(choice_ids),
                  stream=reqs[0].stream)
         return mailbox
 

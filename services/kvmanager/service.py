@@ -50,27 +50,32 @@ def apply_step(alloc: BlockAllocator, msg: KVStepRequest, epoch: str = "") -> KV
         alloc.free(req_id)
     failed: list[str] = []
     new_block_ids: dict[str, list[int]] = {}
-    swapped_in: dict[str, list[int]] = {}
+    rewritten: list[str] = []  # tables whose existing blocks changed: the reply gives them whole
     for req_id in msg.swap_out_req_ids:
         _attempt(failed, req_id, alloc.swap_out, req_id)
     for parent_req_id, child_req_id in msg.forks:
-        _attempt(failed, child_req_id, alloc.fork, parent_req_id, child_req_id)
+        if _attempt(failed, child_req_id, alloc.fork, parent_req_id, child_req_id) is not None:
+            rewritten.append(child_req_id)
     for req_id in msg.swap_in_req_ids:
-        if _attempt(failed, req_id, alloc.swap_in, req_id):
-            swapped_in[req_id] = alloc.block_table(req_id)
+        if _attempt(failed, req_id, alloc.swap_in, req_id) is not None:
+            rewritten.append(req_id)
     num_cached: dict[str, int] = {}
     for req_id, num_tokens in msg.allocate:
         is_new = req_id not in alloc.seqs
+        num_copies = len(alloc.block_copies)
         ids = _attempt(failed, req_id, alloc.allocate, req_id, num_tokens, msg.new_token_ids.get(req_id),
                        msg.cache_salts.get(req_id))
         if ids:
             new_block_ids[req_id] = ids
+        if len(alloc.block_copies) > num_copies:
+            rewritten.append(req_id)  # copy-on-write replaced its last block
         if is_new and req_id in alloc.seqs and alloc.seqs[req_id].num_cached_tokens:
             num_cached[req_id] = alloc.seqs[req_id].num_cached_tokens
     copies, swap_out, swap_in = alloc.take_copies()
+    tables = {req_id: alloc.block_table(req_id) for req_id in rewritten if req_id in alloc.seqs}
     return KVStepReply(step_id=msg.step_id, new_block_ids=new_block_ids, failed_req_ids=failed,
                        num_free_blocks=alloc.num_free_blocks, epoch=epoch, num_cached_tokens=num_cached,
-                       block_copies=copies, swap_out=swap_out, swap_in=swap_in, swapped_in_block_ids=swapped_in,
+                       block_copies=copies, swap_out=swap_out, swap_in=swap_in, block_tables=tables,
                        num_shared_blocks=alloc.shared_block_counts())
 
 
@@ -134,7 +139,7 @@ class KVManagerService:
         p = self.pool
         return PoolInfo(num_blocks=p.num_blocks, block_size=p.block_size, bytes_per_block=p.bytes_per_block,
                         epoch=p.epoch, max_model_len=p.max_model_len,
-                        num_free_blocks=self.allocator.num_free_blocks)
+                        num_free_blocks=self.allocator.num_free_blocks, num_host_blocks=p.num_host_blocks)
 
     async def handle_register_pool(self, msg: RegisterPool, envelope: list[bytes]) -> PoolInfo:
         if self.pool is not None and self.pool.epoch != msg.epoch and self.allocator.seqs:

@@ -1,7 +1,9 @@
-"""One request as the scheduler sees it: its tokens, how many are computed, how many blocks it holds.
+"""One sequence as the scheduler sees it: its tokens, how many are computed, how many blocks it holds.
 
-The scheduler keeps no block table (the kvmanager does) but mirrors each request's block count,
-so that it can plan a whole step, preemptions included, before the one kvmanager call.
+The scheduler keeps no block table (the kvmanager does) but mirrors each sequence's block count,
+so that it can plan a whole step, preemptions included, before the one kvmanager call. A client's
+request is one sequence, or several: the choices of ``n`` > 1 (forked from the first once its
+prompt is computed) and the live beams of a beam search (``group``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.messages import EngineRequest, SamplingParams
+
+RUNNING, WAITING, SWAPPED, FORKING = "running", "waiting", "swapped", "forking"
 
 
 @dataclass(eq=False)
@@ -30,18 +34,37 @@ class Request:
     num_kv_token_ids: int = 0  # of its tokens, those the kvmanager was told (to hash full blocks)
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
     num_shared_blocks: int = 0  # of its blocks, those other tables hold too (as of the last kv reply)
+    # its place in the queues: (priority, arrival order, rank among the sequences of one request)
+    key: tuple[int, int, int] = (0, 0, 0)
+    status: str = WAITING
+    # n > 1: the other choices, forked from this one once all but its last prompt token are computed
+    pending_forks: list["Request"] = field(default_factory=list)
+    fork_parent: "Request | None" = None  # set until the kvmanager forked this one from its parent
+    table: list[int] = field(default_factory=list)  # its whole table, kept while the executor lacks it
+    shares_last_block: bool = False  # forked with a partly filled last block: the next write copies it
+    append_sampled: bool = True  # False for beams: the group picks their tokens
+    unsent_token_ids: list[int] = field(default_factory=list)  # tokens appended here, for the executor
+    group: object = None  # the BeamGroup of a beam
+    first_scheduled_time: float | None = None
+    queue_time_sent: bool = False
 
     @staticmethod
-    def from_message(msg: EngineRequest) -> "Request":
+    def from_message(msg: EngineRequest, req_id: str | None = None, sampling: SamplingParams | None = None) -> "Request":
+        sampling = sampling or msg.sampling
         return Request(
-            req_id=msg.req_id,
+            req_id=req_id or msg.req_id,
             prompt_token_ids=list(msg.prompt_token_ids),
-            sampling=msg.sampling,
+            sampling=sampling,
             eos_token_id=msg.eos_token_id,
             arrival_time=msg.arrival_time,
-            stop_token_ids=frozenset(msg.sampling.stop_token_ids),
+            stop_token_ids=frozenset(sampling.stop_token_ids),
             cache_salt=msg.cache_salt,
         )
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences it stands for against ``max_num_seqs``: with its choices still to fork."""
+        return 1 + len(self.pending_forks)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,3 +96,7 @@ class Request:
         self.on_executor = False
         self.num_kv_token_ids = 0  # the kvmanager forgets the table, and its tokens with it
         self.num_shared_blocks = 0
+        self.fork_parent = None  # it starts over alone
+        self.table = []
+        self.shares_last_block = False
+        self.unsent_token_ids = []

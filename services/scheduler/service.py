@@ -5,7 +5,8 @@ Who talks to it:
 - each step it asks the kvmanager for blocks (``send_to_kvmanager``, DEALER: one ``KVStepRequest``,
   skipped when the step needs no block and frees none), sends the ``StepPlan`` to the executor
   (``send_to_executor``, DEALER) and PUSHes one ``TokenBatch`` to the tokenizer;
-- CLIs ask its admin ROUTER for ``stats``, ``requests`` and ``abort``.
+- CLIs ask its admin ROUTER for ``stats``, ``requests``, ``abort``, ``drain`` (finish what was
+  accepted, refuse new requests with 503) and ``resume``.
 The loop sleeps on an event when there is no work (never polls) and wakes on the next message.
 """
 
@@ -26,7 +27,6 @@ from shared.messages import (
     EngineRequest,
     GetPool,
     KVStepReply,
-    KVStepRequest,
     PoolInfo,
     StepResult,
     TokenBatch,
@@ -54,13 +54,19 @@ class SchedulerService:
         self.kvmanager_decoder = Decoder(PoolInfo, KVStepReply)
         self.executor_decoder = Decoder(StepResult)
         self.handlers = {EngineRequest: self.handle_engine_request, AbortRequest: self.handle_abort_request}
-        self.admin_commands = {"stats": self.admin_stats, "requests": self.admin_requests, "abort": self.admin_abort}
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+        self.admin_commands = {"stats": self.admin_stats, "requests": self.admin_requests, "abort": self.admin_abort,
+                               "drain": self.admin_drain, "resume": self.admin_resume}
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                   preemption_mode=config.preemption_mode,
+                                   scheduling_policy=config.scheduling_policy)
         self.wake = asyncio.Event()
         self.pool_ready = False
         self.executor_check_s = EXECUTOR_CHECK_S
         # where step time goes: the bench compares them with the executor's execute time
-        self.timers = {"step_seconds_total": 0.0, "kv_wait_seconds_total": 0.0, "executor_wait_seconds_total": 0.0}
+        self.timers = {"step_seconds_total": 0.0, "kv_wait_seconds_total": 0.0, "executor_wait_seconds_total": 0.0,
+                       "last_step_seconds": 0.0}
 
     async def run(self) -> None:
         try:
@@ -95,11 +101,9 @@ class SchedulerService:
             return False
         kv = None
         if sched.needs_kv_call(out):
-            request = KVStepRequest(step_id=out.step_id, free_req_ids=out.free_req_ids, allocate=out.allocate,
-                                    discard_req_ids=out.discard_req_ids, new_token_ids=out.new_token_ids,
-                                    cache_salts=out.cache_salts)
             t1 = time.perf_counter()
-            kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, request, KVStepReply, out.step_id)
+            kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, out.kv_request(), KVStepReply,
+                                 out.step_id)
             timers["kv_wait_seconds_total"] += time.perf_counter() - t1
             if kv.epoch and kv.epoch != sched.pool.epoch:
                 await self.recover_from_restart(kv.new_block_ids)
@@ -115,7 +119,8 @@ class SchedulerService:
         deltas = sched.update_from_result(out, result)
         if deltas:
             await self.push_deltas(out.step_id, deltas)
-        timers["step_seconds_total"] += time.perf_counter() - t0
+        timers["last_step_seconds"] = time.perf_counter() - t0
+        timers["step_seconds_total"] += timers["last_step_seconds"]
         return True
 
     async def call(self, sock, decoder: Decoder, request, reply_type: type, step_id: int | None = None,
@@ -171,10 +176,10 @@ class SchedulerService:
                 log.exception("handler failed; message dropped", req_id=getattr(msg, "req_id", None))
 
     async def handle_engine_request(self, msg: EngineRequest) -> None:
-        refusal = self.scheduler.add_request(msg)
-        if refusal is not None:
-            log.warning("request refused", req_id=msg.req_id, error=refusal.error)
-            await self.push_deltas(self.scheduler.next_step_id, [refusal])
+        refusals = self.scheduler.add_request(msg)
+        if refusals:
+            log.warning("request refused", req_id=msg.req_id, error=refusals[0].error)
+            await self.push_deltas(self.scheduler.next_step_id, refusals)
             return
         self.wake.set()
 
@@ -186,18 +191,37 @@ class SchedulerService:
     # ------------------------------------------------------------------ admin
     def admin_stats(self, args: dict) -> dict:
         if not self.pool_ready:
-            return {"pool_ready": False, "num_running": 0, "num_waiting": 0, **self.scheduler.counters}
-        return {"pool_ready": True, **self.scheduler.stats(), **self.timers}
+            return {"pool_ready": False, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
+                    **self.scheduler.counters}
+        steps = max(1, self.scheduler.counters["num_steps"])
+        return {"pool_ready": True, **self.scheduler.stats(), **self.timers,
+                "mean_step_seconds": self.timers["step_seconds_total"] / steps}
 
     def admin_requests(self, args: dict) -> dict:
         return {"requests": self.scheduler.describe_requests()}
 
     def admin_abort(self, args: dict) -> dict:
         req_id = args["req_id"]
-        found = self.scheduler.abort(req_id)
-        if found:
-            # the tokenizer did not ask for this one: tell it, so that the client's stream ends
-            delta = TokenDelta(req_id=req_id, token_ids=[], finish_reason="abort")
-            asyncio.ensure_future(self.push_deltas(self.scheduler.next_step_id, [delta]))
-            self.wake.set()
-        return {"req_id": req_id, "aborted": found}
+        group = self.scheduler.groups.get(req_id)
+        choice_ids = list(group.choice_ids) if group is not None else [req_id]
+        if not self.scheduler.abort(req_id):
+            raise KeyError(f"no request {req_id!r} (finished already, or never here)")
+        # the tokenizer did not ask for this one: tell it, so that the client's stream ends
+        deltas = [TokenDelta(req_id=i, token_ids=[], finish_reason="abort") for i in choice_ids]
+        asyncio.ensure_future(self.push_deltas(self.scheduler.next_step_id, deltas))
+        self.wake.set()
+        log.info("request aborted by admin", req_id=req_id)
+        return {"req_id": req_id, "aborted": True}
+
+    def admin_drain(self, args: dict) -> dict:
+        """Admit nothing new (refused with 503) and finish what was accepted."""
+        self.scheduler.draining = True
+        log.info("draining: new requests are refused")
+        s = self.scheduler
+        return {"draining": True, "num_running": len(s.running), "num_waiting": len(s.waiting),
+                "num_swapped": len(s.swapped), "idle": not s.has_work()}
+
+    def admin_resume(self, args: dict) -> dict:
+        self.scheduler.draining = False
+        log.info("resumed: new requests are admitted")
+        return {"draining": False}

@@ -94,6 +94,8 @@ class _Pending:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_code: int = 400
+    queue_time_s: float | None = None
 
 
 class OutputProcessor:
@@ -149,8 +151,11 @@ class OutputProcessor:
         if delta.num_prompt_tokens:
             state.num_prompt_tokens = delta.num_prompt_tokens
             state.num_cached_tokens = delta.num_cached_tokens
-        if delta.finish_reason == "error":  # the scheduler refused it (too long for the context/pool)
+        if delta.queue_time_s is not None:
+            out.queue_time_s = delta.queue_time_s
+        if delta.finish_reason == "error":  # the scheduler refused it (too long for the context/pool, draining)
             out.finish_reason, out.error = "error", delta.error or "the scheduler refused the request"
+            out.error_code = delta.error_code
             return False
         if delta.prompt_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(state, delta.prompt_logprobs)
@@ -209,4 +214,6 @@ class OutputProcessor:
             num_output_tokens=state.num_output_tokens,
             num_cached_tokens=state.num_cached_tokens,
             error=out.error,
+            error_code=out.error_code,
+            queue_time_s=out.queue_time_s,
         )

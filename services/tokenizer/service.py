@@ -87,7 +87,8 @@ class TokenizerService:
             log.exception("handler failed; message dropped", type=type(message).__name__,
                           req_id=getattr(message, "req_id", None))
             if isinstance(message, GenerateRequest):
-                self._reply_error(message.req_id, "internal error while tokenizing", 500)
+                for choice_id in (message.req_id, *message.fork_req_ids):
+                    self._reply_error(choice_id, "internal error while tokenizing", 500)
 
     def handle_generate(self, req: GenerateRequest) -> None:
         self.stats["num_generate"] += 1
@@ -97,12 +98,15 @@ class TokenizerService:
         except RequestError as exc:
             self.stats["num_rejected"] += 1
             log.info("request rejected", req_id=req.req_id, reason=str(exc))
-            self._reply_error(req.req_id, str(exc), 400, exc.param)
+            for choice_id in (req.req_id, *req.fork_req_ids):
+                self._reply_error(choice_id, str(exc), 400, exc.param)
             return
         sampling = req.sampling
         if max_tokens != sampling.max_tokens:
             sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
-        self.outputs.add_request(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
+        for choice_id in (req.req_id, *req.fork_req_ids):  # the choices share the prompt, not the text state
+            choice = req if choice_id == req.req_id else msgspec.structs.replace(req, req_id=choice_id, fork_req_ids=[])
+            self.outputs.add_request(choice, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
         engine_req = EngineRequest(
             req_id=req.req_id,
             prompt_token_ids=prompt_token_ids,
@@ -111,6 +115,8 @@ class TokenizerService:
             priority=req.priority,
             arrival_time=req.arrival_time,
             cache_salt=req.cache_salt,
+            fork_req_ids=req.fork_req_ids,
+            beam_search=req.beam_search,
         )
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))

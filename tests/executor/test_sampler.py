@@ -75,21 +75,32 @@ def test_sampling_follows_the_distribution():
 def test_seed_reproduces_whatever_else_is_in_the_batch():
     logits = logits_batch(6, seed=1)
     seeded = SamplingParams(temperature=1.0, seed=1234)
-    alone = []
+    outputs = [[3] * n for n in range(12)]  # the draw depends on the output position
     gen = make_generator(1234, torch.device("cpu"))
-    for _ in range(5):
-        alone.append(sample(logits[:1], [SamplingRow(seeded, gen, [], [])]).token_ids[0])
-    gen = make_generator(1234, torch.device("cpu"))
+    alone = [sample(logits[:1], [SamplingRow(seeded, gen, [], out)]).token_ids[0] for out in outputs]
+    assert len(set(alone)) > 1
     crowded = []
-    for step in range(5):
+    for step, out in enumerate(outputs):
         others = rows_of(SamplingParams(temperature=1.0), 5)
-        mixed = others[:step % 5] + [SamplingRow(seeded, gen, [], [])] + others[step % 5 :]
+        mixed = others[:step % 5] + [SamplingRow(seeded, gen, [], out)] + others[step % 5 :]
         batch = torch.cat([logits[1 : 1 + step % 5], logits[:1], logits[1 + step % 5 :]])
         crowded.append(sample(batch, mixed).token_ids[step % 5])
     assert alone == crowded
-    other_seed = make_generator(99, torch.device("cpu"))
-    different = [sample(logits[:1], [SamplingRow(seeded, other_seed, [], [])]).token_ids[0] for _ in range(5)]
+    other = SamplingParams(temperature=1.0, seed=99)
+    different = [sample(logits[:1], [SamplingRow(other, make_generator(99, torch.device("cpu")), [], out)]).token_ids[0]
+                 for out in outputs]
     assert different != alone
+
+
+def test_a_seeded_request_that_starts_over_draws_what_it_would_have_drawn():
+    """Preemption, swapping and forks hand the request to a new generator mid-way."""
+    logits = logits_batch(1, seed=2)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    gen = make_generator(7, torch.device("cpu"))
+    straight = [sample(logits, [SamplingRow(seeded, gen, [], [0] * n)]).token_ids[0] for n in range(10)]
+    resumed = [sample(logits, [SamplingRow(seeded, make_generator(7, torch.device("cpu")), [], [0] * n)]).token_ids[0]
+               for n in range(10)]
+    assert resumed == straight
 
 
 def test_presence_and_frequency_penalties_push_repeated_tokens_down():

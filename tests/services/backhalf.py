@@ -57,8 +57,11 @@ class BackHalf:
         self.from_scheduler = make_socket(ctx, zmq.PULL, endpoints.tokenizer_in)
         self.batches: list[TokenBatch] = []
 
-    async def submit(self, req_id: str, prompt: list[int], params: SamplingParams, eos_token_id=None) -> None:
-        msg = EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params, eos_token_id=eos_token_id)
+    async def submit(self, req_id: str, prompt: list[int], params: SamplingParams, eos_token_id=None,
+                     **extra) -> None:
+        """``extra``: more EngineRequest fields (fork_req_ids, beam_search, priority)."""
+        msg = EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params, eos_token_id=eos_token_id,
+                            **extra)
         await self.to_scheduler.send(encode(msg))
 
     async def collect(self, req_ids, timeout_s: float = 60.0) -> dict[str, tuple[list[int], str]]:
@@ -102,13 +105,14 @@ class BackHalf:
 @asynccontextmanager
 async def back_half(model_dir: str, *, num_kv_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                     max_num_batched_tokens: int = 64, max_model_len: int | None = None, runner: ModelRunner | None = None,
-                    enable_prefix_caching: bool = True):
+                    enable_prefix_caching: bool = True, num_host_blocks: int = 0, **scheduling):
+    """``scheduling``: SchedulerConfig's options (preemption_mode, enable_chunked_prefill, ...)."""
     run_dir = short_run_dir()
     endpoints = Endpoints.ipc(run_dir)
     ctx = zmq.asyncio.Context()
     runtime = RuntimeConfig(model=model_dir, dtype="float32", device="cpu", block_size=block_size,
                             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens)
+                            max_num_batched_tokens=max_num_batched_tokens, num_host_blocks=num_host_blocks)
     executor = ExecutorService(ExecutorServiceConfig(endpoints=endpoints, runtime=runtime, model_path=model_dir),
                                ctx, runner=runner)
     services = [
@@ -116,7 +120,7 @@ async def back_half(model_dir: str, *, num_kv_blocks: int = 64, block_size: int 
         executor,
         SchedulerService(SchedulerConfig(endpoints=endpoints, max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens,
-                                         max_model_len=max_model_len), ctx),
+                                         max_model_len=max_model_len, **scheduling), ctx),
     ]
     tasks = [asyncio.ensure_future(s.run()) for s in services]
     harness = BackHalf(ctx, endpoints, tasks, executor.runner, services)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import lru_cache
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -74,9 +75,13 @@ class ScriptedScheduler:
             self.aborts.append(msg)
             self.requests.pop(msg.req_id, None)
             return
-        self.received.append(msg)
-        self.requests[msg.req_id] = msg
-        self._tokens[msg.req_id] = []
+        # as the scheduler does: each choice of the prompt is a request, seeded ``seed + i``
+        for i, req_id in enumerate((msg.req_id, *msg.fork_req_ids)):
+            choice = msgspec.structs.replace(msg, req_id=req_id, fork_req_ids=[],
+                                             sampling=msg.sampling.with_seed_offset(i))
+            self.received.append(choice)
+            self.requests[req_id] = choice
+            self._tokens[req_id] = []
 
     def _step(self) -> TokenBatch:
         deltas = []

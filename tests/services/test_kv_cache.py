@@ -201,9 +201,17 @@ def test_apply_step_orders_frees_swaps_forks_and_allocations():
     assert reply.swap_out == [(2, 0), (3, 1)]
     assert reply.block_copies == [(1, 3)]  # b's device blocks are free again and reused this step
     assert reply.new_block_ids == {"c": [2]}
+    # the forked child's table changed inside (copy-on-write of its last block): sent whole
+    assert reply.block_tables == {"a2": [0, 3]}
     assert reply.failed_req_ids == [] and reply.num_free_blocks == 0
     reply = apply_step(alloc, KVStepRequest(step_id=2, swap_in_req_ids=["b"]))
-    assert reply.failed_req_ids == ["b"]
+    assert reply.failed_req_ids == ["b"] and reply.block_tables == {}
+    reply = apply_step(alloc, KVStepRequest(step_id=3, free_req_ids=["a", "a2", "c"], swap_in_req_ids=["b"],
+                                            allocate=[("b", 9)]))
+    assert reply.failed_req_ids == []
+    # swapped in (2 blocks) and grown by one: the whole table, the new block last
+    assert len(reply.block_tables["b"]) == 3 and reply.new_block_ids["b"] == reply.block_tables["b"][2:]
+    assert reply.swap_in and [d for _, d in reply.swap_in] == reply.block_tables["b"][:2]
 
 
 # ---------------------------------------------------------------------------- invariants
@@ -421,4 +429,5 @@ def test_cache_salt_travels_from_the_http_request_to_the_generate_request():
 
     req = msgspec.json.decode(b'{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "tenant-a", "n": 2}',
                               type=ChatCompletionRequest)
-    assert [g.cache_salt for g in chat_generate_requests(req, "chat")] == ["tenant-a", "tenant-a"]
+    (generate,) = chat_generate_requests(req, "chat")  # the second choice is forked from the first
+    assert generate.cache_salt == "tenant-a" and generate.fork_req_ids == ["chat-1"]

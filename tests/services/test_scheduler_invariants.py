@@ -1,11 +1,16 @@
-"""Property tests: whatever arrives, aborts and runs out of blocks, the allocator never leaks or
+"""Property tests: whatever arrives (with several choices or not), aborts and runs out of blocks,
+under either preemption mode, with chunked prefill or without, the allocator never leaks or
 double-frees, the scheduler's mirror of free blocks matches the kvmanager's truth, every step
 respects the token budget and the sequence cap, and every request ends with all its tokens."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import msgspec
 
 from services.kvmanager.allocator import BlockAllocator
 from tests.services.test_scheduler_policy import kv_answer, make, request
@@ -13,10 +18,13 @@ from shared.messages import StepResult
 
 
 def check_allocator(alloc: BlockAllocator) -> None:
-    held = [b for table in alloc.block_tables.values() for b in table]
-    assert len(held) == len(set(held)), "a block is in two tables"
+    held = Counter(b for table in alloc.block_tables.values() for b in table)
+    for block_id, num_tables in held.items():  # shared by forks or the prefix cache: counted
+        assert alloc.device.ref_counts[block_id] == num_tables, "a block's ref count is off"
     assert not set(held) & set(alloc.free_block_ids), "a block is both held and free"
     assert len(held) + alloc.num_free_blocks == alloc.num_blocks, "a block leaked"
+    host = [b for s in alloc.seqs.values() for b in s.host_block_ids or []]
+    assert len(host) == len(set(host)) and len(host) + alloc.host.num_free_blocks == alloc.host.num_blocks
 
 
 @settings(max_examples=60, deadline=None)
@@ -32,21 +40,31 @@ def test_allocator_never_leaks_or_double_frees(ops):
 
 
 requests_st = st.lists(
-    st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6), st.booleans()),  # prompt, max_tokens, arrival step, abort?
+    # prompt, max_tokens, arrival step, abort?, choices
+    st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6), st.booleans(), st.integers(1, 3)),
     min_size=1, max_size=10,
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(requests_st, st.integers(6, 20), st.integers(1, 24), st.integers(1, 4))
-def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs):
-    sched, alloc = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    finished: dict[str, list[int]] = {}
+def token_of(req_id: str) -> int:
+    return sum(map(ord, req_id)) % 50 + 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests_st, st.integers(6, 20), st.integers(1, 24), st.integers(1, 6), st.sampled_from(["recompute", "swap"]),
+       st.booleans())
+def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs, mode, chunked):
+    sched, alloc = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                        num_host_blocks=8, preemption_mode=mode, enable_chunked_prefill=chunked)
+    finished: dict[str, list[int] | None] = {}
     admitted = {}
-    for step_no in range(400):
-        for i, (num_prompt, max_tokens, arrival, abort) in enumerate(reqs):
-            if arrival == step_no and sched.add_request(request(f"r{i}", num_prompt, max_tokens, ignore_eos=True)) is None:
-                admitted[f"r{i}"] = max_tokens
+    for step_no in range(600):
+        for i, (num_prompt, max_tokens, arrival, abort, n) in enumerate(reqs):
+            choices = [f"r{i}.{k}" for k in range(1, n)]
+            msg = request(f"r{i}", num_prompt, max_tokens, ignore_eos=True)
+            if arrival == step_no and not sched.add_request(msgspec.structs.replace(msg, fork_req_ids=choices)):
+                assert n <= max_num_seqs  # more choices than the cap are refused, never stuck
+                admitted.update({req_id: max_tokens for req_id in (f"r{i}", *choices)})
             if abort and arrival + 2 == step_no and sched.abort(f"r{i}"):
                 finished[f"r{i}"] = None
         out = sched.schedule()
@@ -58,20 +76,23 @@ def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs):
         assert reply is None or reply.failed_req_ids == []  # the mirror made every allocation fit
         check_allocator(alloc)
         plan = sched.build_plan(out, reply)
-        assert sum(plan.num_scheduled_tokens.values()) <= budget
+        if chunked:
+            assert sum(plan.num_scheduled_tokens.values()) <= budget
+        else:  # one whole prompt may pass the budget, alone with the decodes
+            assert sum(1 for n in plan.num_scheduled_tokens.values() if n > budget) <= 1
         assert len(plan.num_scheduled_tokens) <= max_num_seqs
         assert sched.num_free_blocks == alloc.num_free_blocks
+        assert sched.num_free_host_blocks == alloc.host.num_free_blocks
         samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
-        result = StepResult(step_id=plan.step_id, req_ids=samplers,
-                            sampled_token_ids=[[int(r[1:]) + 1] for r in samplers])
+        result = StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=[[token_of(r)] for r in samplers])
         for delta in sched.update_from_result(out, result):
             finished.setdefault(delta.req_id, []).extend(delta.token_ids)
-    assert not sched.requests and not sched.running and not sched.waiting
+    assert not sched.requests and not sched.running and not sched.waiting and not sched.swapped
     for req_id, max_tokens in admitted.items():
-        if finished[req_id] is not None:
-            assert finished[req_id] == [int(req_id[1:]) + 1] * max_tokens
+        if finished.get(req_id.partition(".")[0]) is not None:
+            assert finished[req_id] == [token_of(req_id)] * max_tokens
     # the last releases ride on one more call
     out = sched.schedule()
     if out is not None:
         kv_answer(alloc, out)
-    assert alloc.num_free_blocks == num_blocks
+    assert alloc.num_free_blocks == num_blocks and alloc.host.num_free_blocks == alloc.host.num_blocks

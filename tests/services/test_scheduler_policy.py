@@ -5,16 +5,18 @@ The kvmanager's answers are produced by the real ``BlockAllocator``, as the serv
 
 from __future__ import annotations
 
-from services.kvmanager.allocator import BlockAllocator, NoFreeBlocks
+from services.kvmanager.allocator import BlockAllocator
+from services.kvmanager.service import apply_step
 from services.scheduler.policy import Scheduler
 from shared.messages import EngineRequest, KVStepReply, PoolInfo, SamplingParams, StepResult
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=None):
-    sched = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len)
+def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=None,
+         num_host_blocks=0, **options):
+    sched = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len, **options)
     sched.set_pool(PoolInfo(num_blocks=num_blocks, block_size=block_size, bytes_per_block=1, epoch="e",
-                            max_model_len=64, num_free_blocks=num_blocks))
-    return sched, BlockAllocator(num_blocks, block_size)
+                            max_model_len=64, num_free_blocks=num_blocks, num_host_blocks=num_host_blocks))
+    return sched, BlockAllocator(num_blocks, block_size, num_host_blocks)
 
 
 def request(req_id, num_prompt, max_tokens=4, **sampling):
@@ -23,16 +25,7 @@ def request(req_id, num_prompt, max_tokens=4, **sampling):
 
 
 def kv_answer(alloc: BlockAllocator, out) -> KVStepReply:
-    for req_id in out.free_req_ids + out.discard_req_ids:
-        alloc.free(req_id)
-    new, failed = {}, []
-    for req_id, num_tokens in out.allocate:
-        try:
-            new[req_id] = alloc.allocate(req_id, num_tokens)
-        except NoFreeBlocks:
-            failed.append(req_id)
-    return KVStepReply(step_id=out.step_id, new_block_ids=new, failed_req_ids=failed,
-                       num_free_blocks=alloc.num_free_blocks)
+    return apply_step(alloc, out.kv_request())
 
 
 def step(sched, alloc, token=7):
@@ -85,17 +78,18 @@ def test_preempts_the_newest_running_request_and_resumes_it_with_its_tokens():
     plan, _ = step(sched, alloc)
     resumed = plan.new_reqs[0]
     assert resumed.req_id == "new" and resumed.token_ids == [1, 2, 7, 7] and resumed.num_prompt_tokens == 2
-    assert plan.num_scheduled_tokens == {"new": 4}
+    # it starts over by recompute, except its first block: the prefix cache still held it
+    assert resumed.num_computed_tokens == 2 and plan.num_scheduled_tokens == {"new": 2}
 
 
 def test_refuses_what_can_never_fit():
     sched, _ = make(num_blocks=4, block_size=4, max_model_len=40)
-    assert sched.add_request(request("ok", 10, max_tokens=7)) is None  # 16 tokens of KV: 4 blocks
-    too_big = sched.add_request(request("pool", 10, max_tokens=8))
+    assert not sched.add_request(request("ok", 10, max_tokens=7))  # 16 tokens of KV: 4 blocks
+    (too_big,) = sched.add_request(request("pool", 10, max_tokens=8))
     assert too_big.finish_reason == "error" and "KV blocks" in too_big.error
-    too_long = sched.add_request(request("ctx", 30, max_tokens=20))
+    (too_long,) = sched.add_request(request("ctx", 30, max_tokens=20))
     assert too_long.finish_reason == "error" and "maximum context length is 40" in too_long.error
-    assert sched.add_request(request("ok", 1)).error.startswith("request id")
+    assert sched.add_request(request("ok", 1))[0].error.startswith("request id")
     assert sched.counters["num_requests_rejected"] == 3
 
 

@@ -26,9 +26,7 @@ def request(req_id, prompt, max_tokens=2, **sampling):
 
 
 def kv_call(alloc, out):
-    return apply_step(alloc, KVStepRequest(step_id=out.step_id, free_req_ids=out.free_req_ids, allocate=out.allocate,
-                                           discard_req_ids=out.discard_req_ids, new_token_ids=out.new_token_ids,
-                                           cache_salts=out.cache_salts))
+    return apply_step(alloc, out.kv_request())
 
 
 def step(sched, alloc, token=7):
@@ -97,7 +95,7 @@ def test_with_prefix_hits_every_kv_call_fits_and_every_request_completes(reqs, n
     for step_no in range(500):
         for i, (prefix, tail, max_tokens, arrival) in enumerate(reqs):
             prompt = prefixes[prefix] + [100 + i] * tail
-            if arrival == step_no and sched.add_request(request(f"r{i}", prompt, max_tokens)) is None:
+            if arrival == step_no and not sched.add_request(request(f"r{i}", prompt, max_tokens)):
                 expected[f"r{i}"] = max_tokens
         out = sched.schedule()
         if out is None:

@@ -1,0 +1,90 @@
+"""The scheduler's policy, the kvmanager's allocator and the executor's runner stepped in one
+process: the same calls the three services make each step (``schedule`` -> ``apply_step`` ->
+``build_plan`` -> ``execute`` -> ``update_from_result``), without sockets, so that tests can
+look at every step's plan and at the allocator between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from services.executor.runner import ModelRunner
+from services.kvmanager.allocator import BlockAllocator
+from services.kvmanager.service import apply_step
+from services.scheduler.policy import Scheduler
+from shared.config import RuntimeConfig
+from shared.messages import EngineRequest, PoolInfo, SamplingParams, StepPlan, TokenDelta
+
+
+@dataclass
+class Output:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class LocalEngine:
+    def __init__(self, runner: ModelRunner, max_num_seqs: int = 256, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, **options):
+        pool = runner.pool
+        self.runner = runner
+        self.alloc = BlockAllocator(pool.num_blocks, pool.block_size, pool.num_host_blocks,
+                                    enable_prefix_caching=enable_prefix_caching)
+        self.sched = Scheduler(max_num_seqs, max_num_batched_tokens, **options)
+        self.sched.set_pool(PoolInfo(num_blocks=pool.num_blocks, block_size=pool.block_size, bytes_per_block=1,
+                                     epoch="e", max_model_len=runner.spec.max_position_embeddings,
+                                     num_free_blocks=pool.num_blocks, num_host_blocks=pool.num_host_blocks))
+        self.outputs: dict[str, Output] = {}
+        self.plans: list[StepPlan] = []
+
+    def add(self, msg: EngineRequest) -> None:
+        for req_id in (msg.req_id, *msg.fork_req_ids):
+            self.outputs[req_id] = Output()
+        self._record(self.sched.add_request(msg))
+
+    def step(self) -> bool:
+        out = self.sched.schedule()
+        if out is None:
+            return False
+        kv = apply_step(self.alloc, out.kv_request()) if self.sched.needs_kv_call(out) else None
+        plan = self.sched.build_plan(out, kv)
+        self.plans.append(plan)
+        self._record(self.sched.update_from_result(out, self.runner.execute(plan)))
+        return True
+
+    def run(self, max_steps: int = 100_000) -> dict[str, Output]:
+        for _ in range(max_steps):
+            if not self.sched.has_work() or not self.step():
+                break
+        return self.outputs
+
+    def _record(self, deltas: list[TokenDelta]) -> None:
+        for d in deltas:
+            out = self.outputs[d.req_id]
+            out.token_ids.extend(d.token_ids)
+            if d.finish_reason is not None:
+                out.finish_reason, out.error = d.finish_reason, d.error
+
+
+def make_runner(model_dir: str, num_kv_blocks: int, block_size: int = 16, num_host_blocks: int = 0,
+                max_num_batched_tokens: int = 512) -> ModelRunner:
+    config = RuntimeConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
+                           max_num_batched_tokens=max_num_batched_tokens, device="cpu", dtype="float32")
+    return ModelRunner(config, model_dir)
+
+
+def engine_request(req_id: str, prompt: list[int], max_tokens: int, eos_token_id: int | None = None,
+                   **options) -> EngineRequest:
+    """``options``: SamplingParams fields, plus ``fork_req_ids``, ``beam_search`` and ``priority``."""
+    extra = {k: options.pop(k) for k in ("fork_req_ids", "beam_search", "priority") if k in options}
+    options.setdefault("temperature", 0.0)
+    return EngineRequest(req_id=req_id, prompt_token_ids=list(prompt), eos_token_id=eos_token_id,
+                         sampling=SamplingParams(max_tokens=max_tokens, **options), **extra)
+
+
+def alone(runner: ModelRunner, msg: EngineRequest) -> Output:
+    """``msg`` run by itself (choice i of a request with choices: ``with_seed_offset(i)``)."""
+    engine = LocalEngine(runner)
+    engine.add(msgspec.structs.replace(msg, fork_req_ids=[]))
+    return engine.run()[msg.req_id]
