@@ -46,3 +46,17 @@ def smollm_dir() -> str:
     from services.executor.prepare import prepare_default_model
 
     return str(prepare_default_model(quiet=True))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread_for_tiny_models(request):
+    """Tests without the real model run tiny ones, whose GEMMs are far too small to share between
+    threads: with two threads on two busy cores each step waited on the other thread, twenty
+    times slower than one thread in a measured run. Tests of the real model keep the default."""
+    if "smollm_dir" in request.fixturenames:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
