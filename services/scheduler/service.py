@@ -81,6 +81,8 @@ class SchedulerService:
         info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
         self.scheduler.set_pool(info)
         self.pool_ready = True
+        if self.config.preemption_mode == "swap" and not info.num_host_blocks:
+            log.warning("--preemption-mode swap without a host tier (--num-host-blocks): preemption recomputes")
         log.info("pool ready", num_blocks=info.num_blocks, block_size=info.block_size,
                  max_model_len=self.scheduler.max_model_len, epoch=info.epoch)
         receiver = asyncio.ensure_future(self.receive_from_tokenizer())
