@@ -3,10 +3,10 @@
 1. Time to first token on a shared-system-prompt workload, with and without prefix caching: the
    real back half (kvmanager + executor + scheduler over ipc://, in this process) serves requests
    that share a long system prompt and differ in a short question, one after the other.
-2. KV blocks held by n=4 samples of one prompt: forked from one prefill (shared blocks,
-   copy-on-write of the partly filled last block) against 4 independent requests, with and
-   without prefix caching. The scheduler does not fork for n>1 yet (the next issue), so this part
-   drives the kvmanager's batched API (``KVStepRequest.forks``) directly.
+2. KV blocks held by n=4 samples of one prompt, at the peak, served by the same back half: one
+   request with four choices (forked from one prefill: shared blocks, copy-on-write of the partly
+   filled last block) against 4 independent requests sent together, with and without prefix
+   caching.
 
     python scripts/bench_prefix_cache.py [--model PATH] [--num-requests 8] [--system-tokens 800]
 """
@@ -26,12 +26,11 @@ import zmq.asyncio
 from services.executor.prepare import resolve_model
 from services.executor.runner import ModelRunner
 from services.executor.service import ExecutorService
-from services.kvmanager.allocator import BlockAllocator
-from services.kvmanager.service import KVManagerService, apply_step
+from services.kvmanager.service import KVManagerService
 from services.scheduler.service import SchedulerService
 from shared.config import (DEFAULT_MODEL_NAME, Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig,
                            SchedulerConfig)
-from shared.messages import EngineRequest, KVStepRequest, SamplingParams, TokenBatch
+from shared.messages import EngineRequest, SamplingParams, TokenBatch
 from shared.transport import Decoder, encode, make_socket
 
 SYSTEM = ("You are the assistant of a city library. Answer briefly and politely. The library opens at nine "
@@ -42,57 +41,77 @@ QUESTIONS = ["When does the library open?", "Where are the maps?", "How many boo
              "Is there a reading hall?", "Who keeps the maps?", "Do you lend films?", "Is it open on Sunday?"]
 
 
+class BackHalf:
+    """kvmanager + executor + scheduler over ipc://, in this process, and the tokenizer's sockets."""
+
+    def __init__(self, model_path: str, runner: ModelRunner, caching: bool):
+        self.run_dir = tempfile.mkdtemp(prefix="folio-b-", dir="/tmp")
+        ep = Endpoints.ipc(self.run_dir)
+        self.ctx = zmq.asyncio.Context()
+        rt = runner.config
+        self.kvmanager = KVManagerService(KVManagerConfig(endpoints=ep, enable_prefix_caching=caching), self.ctx)
+        self.services = [
+            self.kvmanager,
+            ExecutorService(ExecutorServiceConfig(endpoints=ep, runtime=rt, model_path=model_path), self.ctx,
+                            runner=runner),
+            SchedulerService(SchedulerConfig(endpoints=ep, max_num_seqs=rt.max_num_seqs,
+                                             max_num_batched_tokens=rt.max_num_batched_tokens), self.ctx),
+        ]
+        self.to_scheduler = make_socket(self.ctx, zmq.PUSH, ep.scheduler_in)
+        self.from_scheduler = make_socket(self.ctx, zmq.PULL, ep.tokenizer_in)
+        self.decoder = Decoder(TokenBatch)
+
+    async def __aenter__(self):
+        self.tasks = [asyncio.ensure_future(s.run()) for s in self.services]
+        return self
+
+    async def __aexit__(self, *exc):
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def send(self, msg: EngineRequest) -> None:
+        await self.to_scheduler.send(encode(msg))
+
+    async def deltas(self):
+        return self.decoder.decode(await self.from_scheduler.recv()).deltas
+
+
 async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[int]], caching: bool) -> list[float]:
     """Serve ``prompts`` one after the other; seconds from submit to the first token of each."""
-    run_dir = tempfile.mkdtemp(prefix="folio-b-", dir="/tmp")
-    ep = Endpoints.ipc(run_dir)
-    ctx = zmq.asyncio.Context()
-    rt = runner.config
-    services = [
-        KVManagerService(KVManagerConfig(endpoints=ep, enable_prefix_caching=caching), ctx),
-        ExecutorService(ExecutorServiceConfig(endpoints=ep, runtime=rt, model_path=model_path), ctx, runner=runner),
-        SchedulerService(SchedulerConfig(endpoints=ep, max_num_seqs=rt.max_num_seqs,
-                                         max_num_batched_tokens=rt.max_num_batched_tokens), ctx),
-    ]
-    tasks = [asyncio.ensure_future(s.run()) for s in services]
-    to_scheduler = make_socket(ctx, zmq.PUSH, ep.scheduler_in)
-    from_scheduler = make_socket(ctx, zmq.PULL, ep.tokenizer_in)
-    decoder, params = Decoder(TokenBatch), SamplingParams(temperature=0.0, max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
     ttfts = []
-    try:
+    async with BackHalf(model_path, runner, caching) as bh:
         for i, prompt in enumerate(prompts):
             req_id = f"{'on' if caching else 'off'}-{i}"
             t0 = time.perf_counter()
-            await to_scheduler.send(encode(EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params)))
-            while not any(d.req_id == req_id and d.token_ids for d in decoder.decode(await from_scheduler.recv()).deltas):
+            await bh.send(EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params))
+            while not any(d.req_id == req_id and d.token_ids for d in await bh.deltas()):
                 pass
             ttfts.append(time.perf_counter() - t0)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        ctx.destroy(linger=0)
-        shutil.rmtree(run_dir, ignore_errors=True)
     return ttfts
 
 
-def blocks_for_samples(num_prompt: int, num_samples: int, num_new: int, block_size: int) -> dict[str, int]:
-    """Device blocks held once every sample has ``num_new`` tokens after the prompt."""
-    prompt = list(range(1000, 1000 + num_prompt))
-    held = {}
-    for name, caching in (("independent, no prefix caching", False), ("independent, prefix caching", True)):
-        alloc = BlockAllocator(num_blocks=4096, block_size=block_size, enable_prefix_caching=caching)
-        for s in range(num_samples):  # one after the other, as separate requests would arrive
-            apply_step(alloc, KVStepRequest(step_id=s, allocate=[(f"r{s}", num_prompt + num_new)],
-                                            new_token_ids={f"r{s}": prompt + [s] * num_new}))
-        held[name] = alloc.num_used_blocks
-    alloc = BlockAllocator(num_blocks=4096, block_size=block_size)
-    apply_step(alloc, KVStepRequest(step_id=0, allocate=[("s0", num_prompt)], new_token_ids={"s0": prompt}))
-    forks = [("s0", f"s{s}") for s in range(1, num_samples)]
-    reply = apply_step(alloc, KVStepRequest(step_id=1, forks=forks, allocate=[(f"s{s}", num_prompt + num_new)
-                                                                             for s in range(num_samples)]))
-    held[f"forked from one prefill ({len(reply.block_copies)} copy-on-write copies)"] = alloc.num_used_blocks
-    return held
+async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: list[int], num_samples: int,
+                                  num_new: int, forked: bool, caching: bool) -> int:
+    """Most device blocks in use while ``num_samples`` samples of ``prompt`` run to ``num_new`` tokens."""
+    params = SamplingParams(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
+    ids = [f"s{i}" for i in range(num_samples)]
+    async with BackHalf(model_path, runner, caching) as bh:
+        if forked:
+            await bh.send(EngineRequest(req_id=ids[0], prompt_token_ids=prompt, sampling=params, fork_req_ids=ids[1:]))
+        else:
+            for i, req_id in enumerate(ids):
+                await bh.send(EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params.with_seed_offset(i)))
+        pending, peak = set(ids), 0
+        while pending:
+            for d in await bh.deltas():
+                if d.finish_reason is not None:
+                    pending.discard(d.req_id)
+            peak = max(peak, bh.kvmanager.allocator.num_used_blocks)
+    return peak
 
 
 def main() -> None:
@@ -129,12 +148,19 @@ def main() -> None:
     speedup = statistics.mean(results[False][1:]) / statistics.mean(results[True][1:])
     print(f"later requests: {speedup:.1f}x faster to first token with prefix caching")
     print()
-    num_prompt, num_new = 1000, 64
-    print(f"KV blocks held by 4 samples of one {num_prompt}-token prompt, {num_new} new tokens each "
-          f"(block size {args.block_size}; kvmanager API driven directly: the scheduler does not fork for n>1 yet)")
-    for name, num in blocks_for_samples(num_prompt, 4, num_new, args.block_size).items():
-        print(f"  {name:<52}{num:>6} blocks")
-
+    num_new = 64
+    prompt = (system + tokenizer.encode(" User: Tell me everything. Assistant:"))[:1000]
+    print(f"peak KV blocks held by 4 samples of one {len(prompt)}-token prompt, {num_new} new tokens each "
+          f"(block size {args.block_size})")
+    cases = [("4 independent requests, no prefix caching", False, False),
+             ("4 independent requests, prefix caching", False, True),
+             ("1 request, n=4: forked from one prefill", True, True)]
+    peaks = {}
+    for name, forked, caching in cases:
+        peaks[name] = asyncio.run(peak_blocks_for_samples(model_path, runner, prompt, 4, num_new, forked, caching))
+        print(f"  {name:<52}{peaks[name]:>6} blocks")
+    base = peaks[cases[0][0]]
+    print(f"forked samples hold {base / peaks[cases[2][0]]:.2f}x fewer blocks than independent ones")
 
 if __name__ == "__main__":
     main()
