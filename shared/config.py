@@ -33,6 +33,13 @@ class RuntimeConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     attention_backend: str = "auto"  # auto | torch | cuda
+    # speculative decoding: a draft model folder, or "ngram" (prompt lookup); None: off
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 0
+    ngram_prompt_lookup_max: int = 4  # the longest suffix n-gram looked up
+    ngram_prompt_lookup_min: int = 1
+    speculative_disable_by_batch_size: int = 0  # no drafts while this many requests sample (0: never off)
+    num_draft_kv_blocks: int | None = None  # the draft model's own pool (default: as many as the target's)
 
 
 @dataclass(frozen=True)

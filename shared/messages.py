@@ -110,14 +110,19 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     block_copies: list[tuple[int, int]] = []
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
+    # speculative decoding: the draft tokens each request verifies this step; they follow its
+    # last token in its chunk (``num_scheduled_tokens`` counts them)
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
-    """What one step produced: the sampled tokens of the requests that sampled."""
+    """What one step produced: the sampled tokens of the requests that sampled (with speculative
+    decoding, the accepted drafts and one more token), and the drafts proposed for their next step."""
 
     step_id: int
     req_ids: list[str] = []
     sampled_token_ids: list[list[int]] = []
+    spec_token_ids: list[list[int]] = []  # per sampled request: its proposal for the next step
     logprobs: list[list[TokenLogprobs] | None] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     # set by the executor service: the epoch of the pool that ran the step; a change tells the
@@ -314,8 +319,10 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
 class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
     """scheduler -> kvmanager, once per step, applied in this order:
 
-    0. every allocation of earlier steps counts as computed (the scheduler asks only after the last
-       step's result) except those of ``discard_req_ids``: its full blocks become findable;
+    0. ``truncate`` ``(req_id, num_tokens)``: the table keeps only the blocks of its first
+       ``num_tokens`` tokens (the slots of rejected draft tokens go back); then every allocation
+       of earlier steps counts as computed (the scheduler asks only after the last step's result)
+       except those of ``discard_req_ids``: its full blocks become findable;
     1. ``free_req_ids`` are released (finished, aborted, preempted by recompute), and so are
        ``discard_req_ids``, whose last allocation was never computed (aborted while the kvmanager
        answered, or its step failed), so that none of it is ever found in the cache;
@@ -340,6 +347,7 @@ class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
     forks: list[tuple[str, str]] = []
     swap_out_req_ids: list[str] = []
     swap_in_req_ids: list[str] = []
+    truncate: list[tuple[str, int]] = []
 
 
 class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"):

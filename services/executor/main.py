@@ -31,6 +31,16 @@ def add_runtime_args(parser: argparse.ArgumentParser, include_model: bool = True
                         help="token budget of one step")
     parser.add_argument("--num-host-blocks", type=int, default=d.num_host_blocks,
                         help="host-memory KV blocks that preemption by swapping copies blocks to")
+    parser.add_argument("--speculative-model", default=None,
+                        help="speculative decoding: a draft model folder sharing the vocabulary, or 'ngram'")
+    parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                        help="draft tokens proposed per step")
+    parser.add_argument("--ngram-prompt-lookup-max", type=int, default=d.ngram_prompt_lookup_max,
+                        help="longest n-gram the ngram proposer matches")
+    parser.add_argument("--ngram-prompt-lookup-min", type=int, default=d.ngram_prompt_lookup_min,
+                        help="shortest n-gram the ngram proposer matches")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, default=d.speculative_disable_by_batch_size,
+                        help="propose nothing while this many requests sample in a step (0: always propose)")
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -38,7 +48,11 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
                          num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_memory_bytes,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                         attention_backend=args.attention_backend, num_host_blocks=args.num_host_blocks)
+                         attention_backend=args.attention_backend, num_host_blocks=args.num_host_blocks,
+                         speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+                         ngram_prompt_lookup_max=args.ngram_prompt_lookup_max,
+                         ngram_prompt_lookup_min=args.ngram_prompt_lookup_min,
+                         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
 
 
 def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argparse.Namespace]:

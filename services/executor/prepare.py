@@ -79,6 +79,39 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     return target
 
 
+def truncate_layers(source: str | Path, target: str | Path, num_layers: int) -> Path:
+    """A draft model for speculative decoding made from ``source``: its first ``num_layers``
+    decoder layers, its embeddings, final norm and head (an early-exit model sharing the
+    vocabulary). Cheap to make, and it agrees with its source often enough to show the mechanism;
+    a draft trained for the job agrees more. Written once into ``target`` (config, safetensors,
+    tokenizer files)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    source, target = Path(source), Path(target)
+    if is_prepared(target):
+        return target
+    config = AutoConfig.from_pretrained(source)
+    if not 1 <= num_layers <= config.num_hidden_layers:
+        raise ValueError(f"num_layers must be in 1..{config.num_hidden_layers}, got {num_layers}")
+    config.num_hidden_layers = num_layers
+    state = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            state[name] = tensor
+    target.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(target)
+    save_file(state, target / "model.safetensors")
+    for f in source.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(f, target / f.name)
+    (target / _DONE_MARKER).write_text(json.dumps({"source": str(source), "num_layers": num_layers}))
+    return target
+
+
 def resolve_model(model: str) -> Path:
     """``--model``: the default model's name (prepared on first use), a folder, or a .gguf file."""
     if model in (DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"):

@@ -16,7 +16,9 @@ from services.executor.attention import AttentionMetadata, TorchAttentionBackend
 from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from services.executor.loader import load_model, resolve_dtype
 from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
+from services.executor.rejection import verify
 from services.executor.sampler import SamplingRow, make_generator, sample, token_logprobs
+from services.executor.spec_decode import Proposal, make_proposer
 from shared.config import RuntimeConfig
 from shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
@@ -32,6 +34,7 @@ class RequestState:
     generator: torch.Generator | None
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     append_sampled: bool = True  # False for beams: the scheduler sends their tokens
+    proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -80,6 +83,7 @@ class ModelRunner:
         )
         self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.requests: dict[str, RequestState] = {}
+        self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend, self.pool.num_blocks)
 
     # ------------------------------------------------------------------ pool sizing
     def _decide_num_blocks(self) -> int:
@@ -133,6 +137,8 @@ class ModelRunner:
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.drop(req_id)
         for new in plan.new_reqs:
             self._add_request(new)
         for running in plan.running_reqs:
@@ -171,25 +177,29 @@ class ModelRunner:
 
         input_ids: list[int] = []
         seq_lens: list[int] = []
-        sample_rows: list[int] = []  # flattened index of each sampling sequence's last token
+        sample_rows: list[int] = []  # flattened index of each sampling sequence's last token (and drafts)
         samplers: list[RequestState] = []
+        drafts: list[list[int]] = []  # per sampler: the drafts it verifies (empty: plain sampling)
         prompt_lp: list[tuple[RequestState, int, int]] = []  # (state, first row, num rows)
         for state, n in zip(states, counts):
+            spec = plan.spec_token_ids.get(state.req_id, [])
             start = state.num_computed_tokens
-            end = start + n
-            if end > len(state.token_ids):
+            end = start + n - len(spec)  # the real tokens it computes; its drafts follow them
+            if end > len(state.token_ids) or (spec and end != len(state.token_ids)):
                 raise ValueError(f"{state.req_id}: {n} tokens scheduled but only {len(state.token_ids) - start} to compute")
-            if (end + bs - 1) // bs > len(state.block_ids):
-                raise ValueError(f"{state.req_id}: {end} tokens need more than its {len(state.block_ids)} blocks")
+            if (start + n + bs - 1) // bs > len(state.block_ids):
+                raise ValueError(f"{state.req_id}: {start + n} tokens need more than its {len(state.block_ids)} blocks")
             row0 = len(input_ids)
             input_ids.extend(state.token_ids[start:end])
-            seq_lens.append(end)
+            input_ids.extend(spec)
+            seq_lens.append(start + n)
             if state.sampling.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 num = min(end, state.num_prompt_tokens - 1) - start
                 prompt_lp.append((state, row0, num))
             if end == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.extend(range(len(input_ids) - len(spec) - 1, len(input_ids)))
                 samplers.append(state)
+                drafts.append(spec)
 
         meta = AttentionMetadata.build(counts, seq_lens, [s.block_ids for s in states], None, bs, self.device)
         hidden = self.model(
@@ -206,21 +216,70 @@ class ModelRunner:
         if not samplers:
             return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        rows = [
-            SamplingRow(s.sampling, s.generator, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
-            for s in samplers
-        ]
-        out = sample(logits, rows)
-        for state, token_id in zip(samplers, out.token_ids):
+        tokens, logprobs = self._sample(logits, samplers, drafts)
+        for state, new in zip(samplers, tokens):
             if state.append_sampled:
-                state.token_ids.append(token_id)
+                if state.proposal is not None:  # the draft's cache keeps the accepted drafts only
+                    self.proposer.rollback(state.req_id, len(state.token_ids) + len(new) - 1)
+                state.token_ids.extend(new)
         return StepResult(
             step_id=plan.step_id,
             req_ids=[s.req_id for s in samplers],
-            sampled_token_ids=[[t] for t in out.token_ids],
-            logprobs=[[lp] if lp is not None else None for lp in out.logprobs],
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
             prompt_logprobs=result_prompt_lp,
+            spec_token_ids=self._propose(samplers),
         )
+
+    def _sample(self, logits: torch.Tensor, samplers: list[RequestState], drafts: list[list[int]]):
+        """Plain sampling for the rows without drafts; verification (rejection sampling) for the
+        others. ``logits`` holds one row per plain sampler and ``len(drafts) + 1`` per verifier."""
+        tokens: list[list[int]] = [[] for _ in samplers]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(samplers)
+        offsets, row = [], 0
+        for spec in drafts:
+            offsets.append(row)
+            row += len(spec) + 1
+        plain = [i for i, spec in enumerate(drafts) if not spec]
+        if plain:
+            rows = [SamplingRow(samplers[i].sampling, samplers[i].generator,
+                                samplers[i].token_ids[: samplers[i].num_prompt_tokens], samplers[i].output_token_ids)
+                    for i in plain]
+            out = sample(logits[torch.tensor([offsets[i] for i in plain], device=logits.device)], rows)
+            for i, token_id, lp in zip(plain, out.token_ids, out.logprobs):
+                tokens[i] = [token_id]
+                logprobs[i] = [lp] if lp is not None else None
+        spec_idx = [i for i, spec in enumerate(drafts) if spec]
+        if spec_idx:
+            target = torch.cat([logits[offsets[i]:offsets[i] + len(drafts[i]) + 1] for i in spec_idx])
+            q = []
+            for i in spec_idx:
+                proposal = samplers[i].proposal
+                if proposal is None or proposal.token_ids[:len(drafts[i])] != drafts[i]:
+                    raise ValueError(f"{samplers[i].req_id}: the drafts to verify are not the ones proposed")
+                q.append(proposal.probs[:len(drafts[i])] if proposal.probs is not None else None)
+            rows = [SamplingRow(samplers[i].sampling, samplers[i].generator,
+                                samplers[i].token_ids[: samplers[i].num_prompt_tokens], samplers[i].output_token_ids)
+                    for i in spec_idx]
+            for i, accepted in zip(spec_idx, verify(target, [drafts[i] for i in spec_idx], q, rows)):
+                tokens[i] = accepted
+        return tokens, logprobs
+
+    def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
+        """Drafts for each sampler's next step (none for beams, logprob requests, or when the
+        batch is large enough that speculation stops paying)."""
+        cfg = self.config
+        if self.proposer is None or (cfg.speculative_disable_by_batch_size
+                                     and len(samplers) >= cfg.speculative_disable_by_batch_size):
+            for state in samplers:
+                state.proposal = None
+            return []
+        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None]
+        for state in samplers:
+            state.proposal = None
+        for state, proposal in zip(wanted, self.proposer.propose(wanted)):
+            state.proposal = proposal
+        return [s.proposal.token_ids if s.proposal is not None else [] for s in samplers]
 
     def _prompt_logprobs(self, hidden, wanted) -> dict[str, list[TokenLogprobs | None]]:
         """Logprobs of prompt tokens 1.. given their prefix; the first prompt token has none."""

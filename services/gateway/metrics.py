@@ -66,6 +66,16 @@ class GatewayMetrics:
         self.preemptions = Counter("folio:num_preemptions", "Preemptions (recompute or swap).", labels,
                                    registry=r).labels(model_name)
         self._last_preemptions = 0
+        # speculative decoding, vLLM's spec_decode names; per position: drafts accepted at position i
+        self.spec_drafts = Counter("folio:spec_decode_num_drafts", "Verifications of at least one draft.", labels,
+                                   registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter("folio:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                                         registry=r).labels(model_name)
+        self.spec_accepted_tokens = Counter("folio:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            labels, registry=r).labels(model_name)
+        self.spec_accepted_per_pos = Counter("folio:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position.", labels + ["position"], registry=r)
+        self._last_spec: dict[str, int] = {}
         self._success = Counter("folio:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
@@ -101,6 +111,7 @@ class GatewayMetrics:
                 self._last_preemptions = 0  # the scheduler restarted: it counts afresh
             self.preemptions.inc(preemptions - self._last_preemptions)
             self._last_preemptions = preemptions
+            self._count_spec(scheduler)
         if kvmanager:
             total = kvmanager.get("num_blocks_total", 0) or 0
             used = kvmanager.get("num_blocks_used", 0) or 0
@@ -110,6 +121,24 @@ class GatewayMetrics:
             self.kv_blocks_cached.set(kvmanager.get("num_blocks_cached", 0) or 0)
             self._count_prefix_cache(kvmanager.get("num_prefix_cache_queries", 0) or 0,
                                      kvmanager.get("num_prefix_cache_hits", 0) or 0)
+
+    def _count_spec(self, scheduler: dict) -> None:
+        """The scheduler's cumulative spec-decode counts, turned into counter increments."""
+        now = {"drafts": scheduler.get("num_spec_drafts", 0) or 0,
+               "draft_tokens": scheduler.get("num_spec_draft_tokens", 0) or 0,
+               "accepted": scheduler.get("num_spec_accepted_tokens", 0) or 0}
+        now.update({f"pos{i}": n for i, n in enumerate(scheduler.get("spec_accepted_per_pos") or [])})
+        if now["drafts"] < self._last_spec.get("drafts", 0):
+            self._last_spec = {}  # the scheduler restarted: it counts afresh
+        counters = {"drafts": self.spec_drafts, "draft_tokens": self.spec_draft_tokens,
+                    "accepted": self.spec_accepted_tokens}
+        for key, value in now.items():
+            delta = value - self._last_spec.get(key, 0)
+            if key.startswith("pos"):
+                self.spec_accepted_per_pos.labels(self._model_name, key[3:]).inc(max(0, delta))
+            else:
+                counters[key].inc(max(0, delta))
+        self._last_spec = now
 
     def _count_prefix_cache(self, queries: int, hits: int) -> None:
         last_queries, last_hits = self._last_prefix

@@ -238,6 +238,22 @@ class BlockAllocator:
         return list(parent.block_ids)
 
     # ------------------------------------------------------------------ releasing
+    def truncate(self, req_id: str, num_tokens: int) -> int:
+        """Shrink ``req_id``'s table to the blocks of its first ``num_tokens`` tokens (speculative
+        decoding: the slots of rejected draft tokens). Returns how many blocks went back. Those
+        trailing blocks were never indexed: their tokens were not known as accepted yet."""
+        seq = self.seqs.get(req_id)
+        if seq is None or seq.host_block_ids is not None or num_tokens >= seq.num_tokens:
+            return 0
+        keep = cdiv(num_tokens, self.block_size)
+        dropped = seq.block_ids[keep:]
+        del seq.block_ids[keep:]
+        self.device.release(list(reversed(dropped)))
+        seq.num_tokens = num_tokens
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        seq.num_indexed_blocks = min(seq.num_indexed_blocks, keep)
+        return len(dropped)
+
     def free(self, req_id: str) -> int:
         """Release every block of ``req_id`` (unknown ids are fine: nothing to free). Returns how
         many. Deepest blocks go first, so a cached sequence is evicted from its tail. Blocks not

@@ -45,6 +45,8 @@ def apply_step(alloc: BlockAllocator, msg: KVStepRequest, epoch: str = "") -> KV
     request whose part cannot be done (no blocks, unknown, swapped out) lands in
     ``failed_req_ids`` with its table unchanged; the others go on."""
     discard = set(msg.discard_req_ids)
+    for req_id, num_tokens in msg.truncate:
+        alloc.truncate(req_id, num_tokens)
     alloc.confirm_computed(discard)  # the previous step ran: its blocks may now be found
     for req_id in (*msg.free_req_ids, *msg.discard_req_ids):
         alloc.free(req_id)

@@ -83,12 +83,15 @@ class StepOutput:
     forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child)
     swap_out_req_ids: list[str] = field(default_factory=list)
     swap_in_req_ids: list[str] = field(default_factory=list)
+    truncate: list[tuple[str, int]] = field(default_factory=list)  # tables shrunk after rejected drafts
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
 
     def kv_request(self) -> KVStepRequest:
         return KVStepRequest(step_id=self.step_id, free_req_ids=self.free_req_ids, allocate=self.allocate,
                              discard_req_ids=self.discard_req_ids, new_token_ids=self.new_token_ids,
                              cache_salts=self.cache_salts, forks=self.forks,
-                             swap_out_req_ids=self.swap_out_req_ids, swap_in_req_ids=self.swap_in_req_ids)
+                             swap_out_req_ids=self.swap_out_req_ids, swap_in_req_ids=self.swap_in_req_ids,
+                             truncate=self.truncate)
 
 
 @dataclass(eq=False)
@@ -140,6 +143,8 @@ class Scheduler:
         self.pending_free_req_ids: list[str] = []  # for the next kvmanager call
         self.pending_discard_req_ids: list[str] = []  # the same, for tables whose last growth never ran
         self.pending_finished_req_ids: list[str] = []  # for the next StepPlan
+        self.pending_truncate: list[tuple[str, int]] = []  # for the next kvmanager call
+        self.spec_accepted_per_pos: list[int] = []  # speculative decoding: accepted drafts by position
         self.next_step_id = 0
         self.next_arrival = 0
         self.draining = False
@@ -150,7 +155,8 @@ class Scheduler:
                              num_prompt_tokens_total=0, num_generation_tokens_total=0,
                              num_requests_finished=0, num_requests_aborted=0, num_requests_rejected=0,
                              num_executor_restarts=0, num_scheduled_tokens_total=0, num_scheduled_seqs_total=0,
-                             num_cached_tokens_total=0)
+                             num_cached_tokens_total=0, num_spec_drafts=0, num_spec_draft_tokens=0,
+                             num_spec_accepted_tokens=0)
 
     # ------------------------------------------------------------------ pool
     def set_pool(self, info: PoolInfo) -> None:
@@ -352,6 +358,7 @@ class Scheduler:
         for req in self.waiting:
             req.on_executor = False
         self.pending_finished_req_ids = []
+        self.pending_truncate = []
         held = held or {}
         self.set_pool(info)
         # the step that would have filled them never ran: their blocks must not be cached
@@ -362,7 +369,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.swapped or self.unforked or self.pending_free_req_ids
-                    or self.pending_finished_req_ids or self.pending_discard_req_ids)
+                    or self.pending_finished_req_ids or self.pending_discard_req_ids or self.pending_truncate)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> StepOutput | None:
@@ -436,11 +443,12 @@ class Scheduler:
         # every pending release rides on this step's kvmanager call, before its allocations
         out.free_req_ids, self.pending_free_req_ids = self.pending_free_req_ids, []
         out.discard_req_ids, self.pending_discard_req_ids = self.pending_discard_req_ids, []
+        out.truncate, self.pending_truncate = self.pending_truncate, []
         self.num_free_blocks += self.num_pending_free_blocks
         self.num_pending_free_blocks = 0
         self.max_num_running = max(self.max_num_running, len(self.running))
         if not (out.scheduled or out.free_req_ids or out.discard_req_ids or out.forks or out.swap_out_req_ids
-                or self.pending_finished_req_ids):
+                or out.truncate or self.pending_finished_req_ids):
             return None
         self.next_step_id += 1
         return out
@@ -451,6 +459,10 @@ class Scheduler:
         if req.pending_forks:
             end = req.num_prompt_tokens - 1  # its choices fork off before the last prompt token
         remaining = end - req.num_computed_tokens
+        if remaining == 1 and req.spec_token_ids:  # a decode that verifies its drafts
+            left = req.sampling.max_tokens - len(req.output_token_ids)  # it gains at most drafts + 1
+            room = (self.max_model_len or 1 << 30) - req.num_tokens
+            return 1 + max(0, min(len(req.spec_token_ids), left - 1, room, budget - 1))
         if remaining <= 1:
             return max(remaining, 0)
         if not self.enable_chunked_prefill:
@@ -486,6 +498,8 @@ class Scheduler:
         if num_new == 0:
             return  # swapped in while it waits for its beam siblings: nothing to compute yet
         out.scheduled.append((req, num_new))
+        if num_new > 1 and req.num_tokens - req.num_computed_tokens == 1:
+            out.spec_token_ids[req.req_id] = req.spec_token_ids[:num_new - 1]
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
         if need > 0 or cow:
@@ -497,8 +511,9 @@ class Scheduler:
             req.shares_last_block = False
             self.num_free_blocks -= need + cow
             if req.sampling.prompt_logprobs is None:
-                out.new_token_ids[req.req_id] = req.all_token_ids[req.num_kv_token_ids:num_tokens]
-                req.num_kv_token_ids = num_tokens
+                known = min(num_tokens, req.num_tokens)  # draft tokens are not known until accepted
+                out.new_token_ids[req.req_id] = req.all_token_ids[req.num_kv_token_ids:known]
+                req.num_kv_token_ids = known
             if req.cache_salt is not None and is_first:
                 out.cache_salts[req.req_id] = req.cache_salt
 
@@ -539,7 +554,7 @@ class Scheduler:
     def needs_kv_call(self, out: StepOutput) -> bool:
         """Most decode steps cross no block boundary: then the kvmanager has nothing to do."""
         return bool(out.allocate or out.free_req_ids or out.discard_req_ids or out.forks or out.swap_out_req_ids
-                    or out.swap_in_req_ids)
+                    or out.swap_in_req_ids or out.truncate)
 
     def build_plan(self, out: StepOutput, kv: KVStepReply | None) -> StepPlan:
         """The executor's per-step diff, from this step's choices and the kvmanager's block ids."""
@@ -590,8 +605,9 @@ class Scheduler:
         self.counters["num_scheduled_seqs_total"] += len(kept)
         self.last_batch_size, self.last_num_scheduled_tokens = len(kept), sum(num_scheduled.values())
         copies = dict(block_copies=kv.block_copies, swap_out=kv.swap_out, swap_in=kv.swap_in) if kv else {}
+        spec = {req_id: ids for req_id, ids in out.spec_token_ids.items() if req_id in num_scheduled}
         return StepPlan(step_id=out.step_id, new_reqs=new_reqs, running_reqs=running_reqs,
-                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished, **copies)
+                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished, spec_token_ids=spec, **copies)
 
     def _recover_refused(self, out: StepOutput, failed: set[str]) -> None:
         """The kvmanager refused part of this step (the mirror was off): the sequences it refused
@@ -645,7 +661,12 @@ class Scheduler:
                 if logprobs:
                     self._report_beam(req, logprobs[-1], groups)
                 continue
-            token_ids, reason = self._append(req, result.sampled_token_ids[idx])
+            sampled = result.sampled_token_ids[idx]
+            drafts = out.spec_token_ids.get(req_id)
+            if drafts:
+                self._count_accepted(len(drafts), len(sampled) - 1)
+            req.spec_token_ids = result.spec_token_ids[idx] if idx < len(result.spec_token_ids) else []
+            token_ids, reason = self._append(req, sampled)
             prompt_lp = None
             if req_id in prompt_lps and not req.prompt_logprobs_sent:
                 prompt_lp, req.prompt_logprobs_sent = prompt_lps[req_id], True
@@ -657,17 +678,39 @@ class Scheduler:
                 self._release(req)
                 released = True
                 self.counters["num_requests_finished"] += 1
+            elif drafts:
+                self._roll_back(req)
         for group in groups:
             deltas.extend(self._advance_beams(group))
             released = True
         for req, _ in out.scheduled:
             # caught up with its tokens yet got none: the executor failed it; never leave it stuck
-            if not req.finished and req.num_computed_tokens == req.num_tokens and req.req_id not in reported:
+            if not req.finished and req.num_computed_tokens >= req.num_tokens and req.req_id not in reported:
                 deltas.extend(self._fail(req))
                 released = True
         if released:
             self.running = [r for r in self.running if not r.finished]
         return deltas
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        c = self.counters
+        c["num_spec_drafts"] += 1
+        c["num_spec_draft_tokens"] += num_drafts
+        c["num_spec_accepted_tokens"] += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def _roll_back(self, req: Request) -> None:
+        """After verification the KV of the last token and the accepted drafts is kept; the
+        rejected drafts' slots are not: the table shrinks back in the next kvmanager call."""
+        req.num_computed_tokens = req.num_tokens - 1
+        keep = cdiv(req.num_computed_tokens, self.block_size)
+        if req.num_blocks > keep:
+            self.pending_truncate.append((req.req_id, req.num_computed_tokens))
+            self.num_pending_free_blocks += req.num_blocks - keep
+            req.num_blocks = keep
 
     def _queue_time(self, req: Request) -> float | None:
         if req.queue_time_sent or req.first_scheduled_time is None or not req.arrival_time:
@@ -770,6 +813,11 @@ class Scheduler:
             "preemption_mode": self.preemption_mode,
             "scheduling_policy": self.scheduling_policy,
             "draining": self.draining,
+            "spec_accepted_per_pos": list(self.spec_accepted_per_pos),
+            "spec_acceptance_rate": (self.counters["num_spec_accepted_tokens"]
+                                     / max(1, self.counters["num_spec_draft_tokens"])),
+            "spec_mean_accepted_length": 1 + (self.counters["num_spec_accepted_tokens"]
+                                              / max(1, self.counters["num_spec_drafts"])),
         }
 
     def describe_requests(self) -> list[dict]:

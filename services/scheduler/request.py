@@ -47,6 +47,7 @@ class Request:
     group: object = None  # the BeamGroup of a beam
     first_scheduled_time: float | None = None
     queue_time_sent: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
 
     @staticmethod
     def from_message(msg: EngineRequest, req_id: str | None = None, sampling: SamplingParams | None = None) -> "Request":
@@ -100,3 +101,4 @@ class Request:
         self.table = []
         self.shares_last_block = False
         self.unsent_token_ids = []
+        self.spec_token_ids = []
