@@ -52,8 +52,10 @@ def token_of(req_id: str) -> int:
 
 @settings(max_examples=80, deadline=None)
 @given(requests_st, st.integers(6, 20), st.integers(1, 24), st.integers(1, 6), st.sampled_from(["recompute", "swap"]),
-       st.booleans())
-def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs, mode, chunked):
+       st.booleans(), st.booleans(), st.randoms(use_true_random=False))
+def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs, mode, chunked, speculate, rng):
+    """``speculate``: the executor proposes 0..3 drafts after each sample and accepts a random
+    prefix of what it verifies (drafts are the request's own token, so outputs stay checkable)."""
     sched, alloc = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         num_host_blocks=8, preemption_mode=mode, enable_chunked_prefill=chunked)
     finished: dict[str, list[int] | None] = {}
@@ -83,11 +85,18 @@ def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs, mo
         assert len(plan.num_scheduled_tokens) <= max_num_seqs
         assert sched.num_free_blocks == alloc.num_free_blocks
         assert sched.num_free_host_blocks == alloc.host.num_free_blocks
-        samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
-        result = StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=[[token_of(r)] for r in samplers])
+        samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens >= r.num_tokens]
+        sampled, proposals = [], []
+        for r in samplers:
+            accepted = rng.randint(0, len(plan.spec_token_ids.get(r, [])))
+            sampled.append([token_of(r)] * (accepted + 1))
+            proposals.append([token_of(r)] * rng.randint(0, 3) if speculate else [])
+        result = StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=sampled,
+                            spec_token_ids=proposals)
         for delta in sched.update_from_result(out, result):
             finished.setdefault(delta.req_id, []).extend(delta.token_ids)
     assert not sched.requests and not sched.running and not sched.waiting and not sched.swapped
+    assert speculate or sched.counters["num_spec_drafts"] == 0
     for req_id, max_tokens in admitted.items():
         if finished.get(req_id.partition(".")[0]) is not None:
             assert finished[req_id] == [token_of(req_id)] * max_tokens
