@@ -126,23 +126,54 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether the token history changes this request's distribution (only penalties read it)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+
+
+def penalised_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``apply_penalties`` where some row asks for a penalty (it builds per-row history tensors,
+    which a batch without penalties should not pay for)."""
+    if any(has_penalties(r.params) for r in rows):
+        return apply_penalties(logits, rows)
+    return logits
+
+
+def _sampled_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then the min-p/top-k/top-p masks, then softmax, on penalised logits. Greedy
+    rows are scaled at temperature 1 only so that the batch stays one tensor; callers ignore them."""
+    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device)
+    return apply_top_k_top_p_min_p(logits / temps[:, None], rows).softmax(dim=-1)
+
+
+def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[n, vocab] fp32 logits -> [n, vocab] the distribution ``sample`` draws each row from.
+
+    Penalties (with the row's own output history), temperature, min-p/top-k/top-p, softmax; a
+    greedy row becomes a one-hot at the argmax of its penalised logits, which is the token
+    ``sample`` picks for it. Speculative verification needs these rows as explicit distributions
+    (p in min(1, p/q)); keeping them here, built from the same pieces as ``sample``, is what makes
+    it the same p.
+    """
+    logits = penalised_logits(logits, rows)
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(logits.dtype)
+    if bool(greedy.all()):
+        return one_hot
+    return torch.where(greedy[:, None], one_hot, _sampled_probs(logits, rows))
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """``logits``: [num_rows, vocab_size] fp32, one row per request that samples this step."""
     raw_logprobs = None
     want_logprobs = [r.params.logprobs for r in rows]
     if any(n is not None for n in want_logprobs):
         raw_logprobs = logits.log_softmax(dim=-1)
-    if any(
-        r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
-        for r in rows
-    ):
-        logits = apply_penalties(logits, rows)
+    logits = penalised_logits(logits, rows)
     greedy = [r.params.greedy for r in rows]
     token_ids = logits.argmax(dim=-1)
     if not all(greedy):
-        temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], device=logits.device)
-        scaled = apply_top_k_top_p_min_p(logits / temps[:, None], rows)
-        probs = scaled.softmax(dim=-1)
+        probs = _sampled_probs(logits, rows)
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):
             if r.generator is not None and not greedy[i]:
