@@ -121,7 +121,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> to
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # drop a token once the mass of the tokens before it already reaches top_p
         before = probs.cumsum(dim=-1) - probs
-        remove |= before >= top_p[:, None]
+        remove |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # rows without top-p keep every token
     remove[:, 0] = False  # the best token always survives
     return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
 
