@@ -327,8 +327,11 @@ class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
        ``discard_req_ids``, whose last allocation was never computed (aborted while the kvmanager
        answered, or its step failed), so that none of it is ever found in the cache;
     2. ``swap_out_req_ids`` move their blocks to the host tier (preemption by swapping);
-    3. ``forks`` ``(parent_req_id, child_req_id)``: the child gets a copy of the parent's table
-       (ref counts bumped, nothing copied yet);
+    3. ``forks`` ``(parent_req_id, child_req_id, num_tokens)``: the child gets a copy of the
+       parent's table (ref counts bumped, nothing copied yet); ``num_tokens`` is how many tokens
+       the parent's table holds KV for (the kvmanager's own count lags after steps that needed no
+       new block), so that the next write into a shared, partly filled block is copied, and only
+       then;
     4. ``swap_in_req_ids`` come back from the host tier into fresh device blocks;
     5. each ``allocate`` entry ``(req_id, num_tokens)`` grows that request's table to hold
        ``num_tokens`` tokens in total, all or nothing, in order. ``new_token_ids[req_id]`` are the
@@ -344,7 +347,7 @@ class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
     discard_req_ids: list[str] = []
     new_token_ids: dict[str, list[int]] = {}
     cache_salts: dict[str, str] = {}
-    forks: list[tuple[str, str]] = []
+    forks: list[tuple[str, str, int]] = []
     swap_out_req_ids: list[str] = []
     swap_in_req_ids: list[str] = []
     truncate: list[tuple[str, int]] = []

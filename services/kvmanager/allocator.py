@@ -221,14 +221,20 @@ class BlockAllocator:
         self.block_copies.append((src, dst))
         self.counters["num_cow_copies"] += 1
 
-    def fork(self, parent_req_id: str, child_req_id: str) -> list[int]:
+    def fork(self, parent_req_id: str, child_req_id: str, num_tokens: int | None = None) -> list[int]:
         """The child shares every block of the parent (nothing is copied until one of them writes
-        into a shared partly filled block). Returns the child's table."""
+        into a shared partly filled block). ``num_tokens``: the tokens the parent's table holds
+        KV for, when the caller knows better than our count (which only moves with allocations).
+        Returns the child's table."""
         parent = self.seqs[parent_req_id]
         if child_req_id in self.seqs:
             raise ValueError(f"{child_req_id} already has a block table")
         if parent.host_block_ids is not None:
             raise ValueError(f"{parent_req_id} is swapped out")
+        if num_tokens is not None:
+            if num_tokens > len(parent.block_ids) * self.block_size:
+                raise ValueError(f"{parent_req_id} holds {len(parent.block_ids)} blocks, not {num_tokens} tokens")
+            parent.num_tokens = num_tokens
         for block_id in parent.block_ids:
             self.device.touch(block_id)
         self.seqs[child_req_id] = Sequence(

@@ -55,8 +55,8 @@ def apply_step(alloc: BlockAllocator, msg: KVStepRequest, epoch: str = "") -> KV
     rewritten: list[str] = []  # tables whose existing blocks changed: the reply gives them whole
     for req_id in msg.swap_out_req_ids:
         _attempt(failed, req_id, alloc.swap_out, req_id)
-    for parent_req_id, child_req_id in msg.forks:
-        if _attempt(failed, child_req_id, alloc.fork, parent_req_id, child_req_id) is not None:
+    for parent_req_id, child_req_id, num_tokens in msg.forks:
+        if _attempt(failed, child_req_id, alloc.fork, parent_req_id, child_req_id, num_tokens) is not None:
             rewritten.append(child_req_id)
     for req_id in msg.swap_in_req_ids:
         if _attempt(failed, req_id, alloc.swap_in, req_id) is not None:

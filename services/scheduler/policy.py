@@ -80,7 +80,7 @@ class StepOutput:
     new_token_ids: dict[str, list[int]] = field(default_factory=dict)  # tokens the kvmanager has not seen
     cache_salts: dict[str, str] = field(default_factory=dict)
     discard_req_ids: list[str] = field(default_factory=list)  # freed, their last allocation never computed
-    forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child)
+    forks: list[tuple[str, str, int]] = field(default_factory=list)  # (parent, child, parent's tokens)
     swap_out_req_ids: list[str] = field(default_factory=list)
     swap_in_req_ids: list[str] = field(default_factory=list)
     truncate: list[tuple[str, int]] = field(default_factory=list)  # tables shrunk after rejected drafts
@@ -324,7 +324,7 @@ class Scheduler:
         there is room, else by recompute."""
         self.running.remove(req)
         self.counters["num_preemptions"] += 1
-        if out is not None and any(child == req.req_id for _, child in out.forks):
+        if out is not None and any(f[1] == req.req_id for f in out.forks):
             out.forks = [f for f in out.forks if f[1] != req.req_id]  # forked in this very call: undo
             req.reset_for_recompute()
             self._enqueue(self.waiting, req, WAITING)
@@ -338,6 +338,7 @@ class Scheduler:
             self.num_free_host_blocks -= req.num_blocks
             req.num_shared_blocks = 0  # its host copies are its own
             req.table = []
+            req.spec_token_ids = []  # the executor forgets its proposal with it
             self.counters["num_swap_outs"] += 1
             self._enqueue(self.swapped, req, SWAPPED)
             return
@@ -376,7 +377,7 @@ class Scheduler:
         """Pick this step's work; None when there is nothing to compute and nothing to free."""
         out = StepOutput(step_id=self.next_step_id)
         self._issue_forks(out)
-        protected = {parent for parent, _ in out.forks}  # freed before forking: they must stay
+        protected = {f[0] for f in out.forks}  # freed before forking: they must stay
         budget = self.max_num_batched_tokens
         preempted = False
         whole_prefill_taken = False  # without chunked prefill: the first whole prompt may pass the budget
@@ -459,7 +460,8 @@ class Scheduler:
         if req.pending_forks:
             end = req.num_prompt_tokens - 1  # its choices fork off before the last prompt token
         remaining = end - req.num_computed_tokens
-        if remaining == 1 and req.spec_token_ids:  # a decode that verifies its drafts
+        if remaining == 1 and req.spec_token_ids and req.on_executor:  # a decode that verifies its drafts
+            # (the executor holds the proposal: a request it dropped, swapped or new, has none)
             left = req.sampling.max_tokens - len(req.output_token_ids)  # it gains at most drafts + 1
             room = (self.max_model_len or 1 << 30) - req.num_tokens
             return 1 + max(0, min(len(req.spec_token_ids), left - 1, room, budget - 1))
@@ -536,7 +538,7 @@ class Scheduler:
                 self._enqueue(self.waiting, child, WAITING)
 
     def _fork(self, out: StepOutput, parent: Request, child: Request) -> None:
-        out.forks.append((parent.req_id, child.req_id))
+        out.forks.append((parent.req_id, child.req_id, parent.num_computed_tokens))
         child.fork_parent = None
         child.num_blocks = parent.num_blocks
         child.num_shared_blocks = parent.num_shared_blocks = parent.num_blocks

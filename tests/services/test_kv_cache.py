@@ -196,7 +196,7 @@ def test_swap_out_and_in_move_tables_between_tiers():
 def test_apply_step_orders_frees_swaps_forks_and_allocations():
     alloc = BlockAllocator(num_blocks=4, block_size=4, num_host_blocks=4)
     apply_step(alloc, KVStepRequest(step_id=0, allocate=[("a", 6), ("b", 8)], new_token_ids={"a": tokens(6)}))
-    reply = apply_step(alloc, KVStepRequest(step_id=1, swap_out_req_ids=["b"], forks=[("a", "a2")],
+    reply = apply_step(alloc, KVStepRequest(step_id=1, swap_out_req_ids=["b"], forks=[("a", "a2", 6)],
                                             allocate=[("a2", 7), ("c", 4)], new_token_ids={"a2": [1]}))
     assert reply.swap_out == [(2, 0), (3, 1)]
     assert reply.block_copies == [(1, 3)]  # b's device blocks are free again and reused this step
