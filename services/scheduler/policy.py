@@ -85,6 +85,8 @@ class StepOutput:
     swap_in_req_ids: list[str] = field(default_factory=list)
     truncate: list[tuple[str, int]] = field(default_factory=list)  # tables shrunk after rejected drafts
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
+    # each fork parent's shares_last_block before this step's forks, to restore if they are undone
+    parents_sharing: dict[str, bool] = field(default_factory=dict)
 
     def kv_request(self) -> KVStepRequest:
         return KVStepRequest(step_id=self.step_id, free_req_ids=self.free_req_ids, allocate=self.allocate,
@@ -324,8 +326,12 @@ class Scheduler:
         there is room, else by recompute."""
         self.running.remove(req)
         self.counters["num_preemptions"] += 1
-        if out is not None and any(f[1] == req.req_id for f in out.forks):
-            out.forks = [f for f in out.forks if f[1] != req.req_id]  # forked in this very call: undo
+        fork = next((f for f in out.forks if f[1] == req.req_id), None) if out is not None else None
+        if fork is not None:  # forked in this very call: undo it, it starts on its own
+            out.forks.remove(fork)
+            parent = self.requests.get(fork[0])
+            if parent is not None and not any(f[0] == fork[0] for f in out.forks):
+                parent.shares_last_block = out.parents_sharing[fork[0]]  # nobody shares it after all
             req.reset_for_recompute()
             self._enqueue(self.waiting, req, WAITING)
             return
@@ -377,7 +383,6 @@ class Scheduler:
         """Pick this step's work; None when there is nothing to compute and nothing to free."""
         out = StepOutput(step_id=self.next_step_id)
         self._issue_forks(out)
-        protected = {f[0] for f in out.forks}  # freed before forking: they must stay
         budget = self.max_num_batched_tokens
         preempted = False
         whole_prefill_taken = False  # without chunked prefill: the first whole prompt may pass the budget
@@ -388,21 +393,23 @@ class Scheduler:
             if not num_new:
                 i += 1
                 continue
-            need, cow = self._blocks_needed(req, num_new)
-            while need + cow > self.num_free_blocks + self.num_pending_free_blocks:
-                victim = self._victim(i, protected)
+            while True:
+                need, cow = self._blocks_needed(req, num_new)  # an undone fork may spare a copy
+                if need + cow <= self.num_free_blocks + self.num_pending_free_blocks:
+                    break
+                victim = self._victim(i, self._fork_parents(out))
                 if victim is None:
                     break
                 self._preempt(victim, out)
                 preempted = True
-            else:
+            if need + cow <= self.num_free_blocks + self.num_pending_free_blocks:
                 whole_prefill_taken |= num_new > 1
                 self._take(out, req, num_new, need, cow)
                 budget -= num_new
                 i += 1
                 continue
-            if req.req_id in protected:
-                i += 1  # it is forked from this step: it waits, holding its blocks
+            if req.req_id in self._fork_parents(out):
+                i += 1  # it is forked from this step (freed before forking): it waits, holding its blocks
                 continue
             self._preempt(req, out)  # nothing later in line was left to give way
             preempted = True
@@ -478,6 +485,10 @@ class Scheduler:
         growth = max(0, cdiv(req.num_computed_tokens + num_new, self.block_size) - req.num_blocks)
         return growth, int(req.shares_last_block and num_new > 0)
 
+    @staticmethod
+    def _fork_parents(out: StepOutput) -> set[str]:
+        return {f[0] for f in out.forks}
+
     def _victim(self, i: int, protected: set[str]) -> Request | None:
         """The last sequence in queue order after position ``i`` (not yet scheduled this step)."""
         for j in range(len(self.running) - 1, i, -1):
@@ -539,6 +550,7 @@ class Scheduler:
 
     def _fork(self, out: StepOutput, parent: Request, child: Request) -> None:
         out.forks.append((parent.req_id, child.req_id, parent.num_computed_tokens))
+        out.parents_sharing.setdefault(parent.req_id, parent.shares_last_block)
         child.fork_parent = None
         child.num_blocks = parent.num_blocks
         child.num_shared_blocks = parent.num_shared_blocks = parent.num_blocks

@@ -50,7 +50,7 @@ def token_of(req_id: str) -> int:
     return sum(map(ord, req_id)) % 50 + 1
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(requests_st, st.integers(6, 20), st.integers(1, 24), st.integers(1, 6), st.sampled_from(["recompute", "swap"]),
        st.booleans(), st.booleans(), st.randoms(use_true_random=False))
 def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs, mode, chunked, speculate, rng):
