@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from services.executor.attention import AttentionMetadata
 from services.executor.kv_pool import KVPool, PoolShape
@@ -46,13 +48,18 @@ class NgramProposer:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
     def propose_one(self, token_ids: list[int]) -> list[int]:
-        """What followed the latest earlier occurrence of the longest matching suffix ([] if none)."""
+        """What followed the latest earlier occurrence of the longest matching suffix ([] if none).
+        One vectorised comparison of every window per n: this runs for every request every step."""
         num = len(token_ids)
+        if num < self.min_n + 1:
+            return []
+        tokens = np.asarray(token_ids)
         for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            suffix = token_ids[num - n:]
-            for start in range(num - n - 1, -1, -1):
-                if token_ids[start:start + n] == suffix:
-                    return token_ids[start + n:start + n + self.k]
+            windows = sliding_window_view(tokens[:-1], n)  # every earlier start, the suffix itself excluded
+            hits = np.flatnonzero((windows == tokens[num - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return token_ids[start:start + self.k]
         return []
 
     def propose(self, states) -> list[Proposal]:
