@@ -15,23 +15,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
-import tempfile
+import sys
 import time
+from pathlib import Path
 
-import zmq
-import zmq.asyncio
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor.prepare import resolve_model
-from services.executor.runner import ModelRunner
-from services.executor.service import ExecutorService
-from services.kvmanager.service import KVManagerService
-from services.scheduler.service import SchedulerService
-from shared.config import (DEFAULT_MODEL_NAME, Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig,
-                           SchedulerConfig)
-from shared.messages import EngineRequest, SamplingParams, TokenBatch
-from shared.transport import Decoder, encode, make_socket
+from services.executor.prepare import resolve_model  # noqa: E402
+from services.executor.runner import ModelRunner  # noqa: E402
+from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
+from shared.messages import SamplingParams, TokenBatch  # noqa: E402
+from shared.transport import Decoder  # noqa: E402
+from tests.services.backhalf import back_half  # noqa: E402
+
+# the back half's limits (its pool is the runner's, made in main)
+LIMITS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)
 
 SYSTEM = ("You are the assistant of a city library. Answer briefly and politely. The library opens at nine "
           "and closes at six, keeps its maps in the cold room below the reading hall, lends at most five "
@@ -41,54 +40,17 @@ QUESTIONS = ["When does the library open?", "Where are the maps?", "How many boo
              "Is there a reading hall?", "Who keeps the maps?", "Do you lend films?", "Is it open on Sunday?"]
 
 
-class BackHalf:
-    """kvmanager + executor + scheduler over ipc://, in this process, and the tokenizer's sockets."""
-
-    def __init__(self, model_path: str, runner: ModelRunner, caching: bool):
-        self.run_dir = tempfile.mkdtemp(prefix="folio-b-", dir="/tmp")
-        ep = Endpoints.ipc(self.run_dir)
-        self.ctx = zmq.asyncio.Context()
-        rt = runner.config
-        self.kvmanager = KVManagerService(KVManagerConfig(endpoints=ep, enable_prefix_caching=caching), self.ctx)
-        self.services = [
-            self.kvmanager,
-            ExecutorService(ExecutorServiceConfig(endpoints=ep, runtime=rt, model_path=model_path), self.ctx,
-                            runner=runner),
-            SchedulerService(SchedulerConfig(endpoints=ep, max_num_seqs=rt.max_num_seqs,
-                                             max_num_batched_tokens=rt.max_num_batched_tokens), self.ctx),
-        ]
-        self.to_scheduler = make_socket(self.ctx, zmq.PUSH, ep.scheduler_in)
-        self.from_scheduler = make_socket(self.ctx, zmq.PULL, ep.tokenizer_in)
-        self.decoder = Decoder(TokenBatch)
-
-    async def __aenter__(self):
-        self.tasks = [asyncio.ensure_future(s.run()) for s in self.services]
-        return self
-
-    async def __aexit__(self, *exc):
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.ctx.destroy(linger=0)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-
-    async def send(self, msg: EngineRequest) -> None:
-        await self.to_scheduler.send(encode(msg))
-
-    async def deltas(self):
-        return self.decoder.decode(await self.from_scheduler.recv()).deltas
-
-
 async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[int]], caching: bool) -> list[float]:
     """Serve ``prompts`` one after the other; seconds from submit to the first token of each."""
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    ttfts = []
-    async with BackHalf(model_path, runner, caching) as bh:
+    decoder, ttfts = Decoder(TokenBatch), []
+    async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
         for i, prompt in enumerate(prompts):
             req_id = f"{'on' if caching else 'off'}-{i}"
             t0 = time.perf_counter()
-            await bh.send(EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params))
-            while not any(d.req_id == req_id and d.token_ids for d in await bh.deltas()):
+            await bh.submit(req_id, prompt, params)
+            while not any(d.req_id == req_id and d.token_ids
+                          for d in decoder.decode(await bh.from_scheduler.recv()).deltas):
                 pass
             ttfts.append(time.perf_counter() - t0)
     return ttfts
@@ -99,18 +61,20 @@ async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: 
     """Most device blocks in use while ``num_samples`` samples of ``prompt`` run to ``num_new`` tokens."""
     params = SamplingParams(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
     ids = [f"s{i}" for i in range(num_samples)]
-    async with BackHalf(model_path, runner, caching) as bh:
+    decoder = Decoder(TokenBatch)
+    async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
         if forked:
-            await bh.send(EngineRequest(req_id=ids[0], prompt_token_ids=prompt, sampling=params, fork_req_ids=ids[1:]))
+            await bh.submit(ids[0], prompt, params, fork_req_ids=ids[1:])
         else:
             for i, req_id in enumerate(ids):
-                await bh.send(EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params.with_seed_offset(i)))
+                await bh.submit(req_id, prompt, params.with_seed_offset(i))
+        kvmanager = bh.services[0]
         pending, peak = set(ids), 0
         while pending:
-            for d in await bh.deltas():
+            for d in decoder.decode(await bh.from_scheduler.recv()).deltas:
                 if d.finish_reason is not None:
                     pending.discard(d.req_id)
-            peak = max(peak, bh.kvmanager.allocator.num_used_blocks)
+            peak = max(peak, kvmanager.allocator.num_used_blocks)
     return peak
 
 
@@ -131,8 +95,8 @@ def main() -> None:
     system = system[:args.system_tokens]
     prompts = [system + tokenizer.encode(" User: " + QUESTIONS[i % len(QUESTIONS)] + " Assistant:")
                for i in range(args.num_requests)]
-    runner = ModelRunner(RuntimeConfig(model=model_path, block_size=args.block_size, num_kv_blocks=512,
-                                       max_num_batched_tokens=2048, max_num_seqs=8), model_path)
+    LIMITS["block_size"] = args.block_size
+    runner = ModelRunner(RuntimeConfig(model=model_path, num_kv_blocks=512, **LIMITS), model_path)
     asyncio.run(measure_ttft(model_path, runner, [prompts[0][-32:]], caching=False))  # warm-up
     print(f"model {args.model} on {runner.device} ({runner.dtype}), block size {args.block_size}; "
           f"{args.num_requests} requests, {args.system_tokens}-token system prompt + ~{len(prompts[0]) - len(system)}"
