@@ -11,7 +11,9 @@ the ratio, and the mean accepted length (tokens per verification: accepted draft
   the prompt, where the output repeats the input;
 - a draft model: SmolLM2's own first ``--draft-layers`` layers with its embeddings and head
   (``prepare.truncate_layers``; an early-exit draft, not one trained for the job), on the same
-  workload.
+  workload;
+- the target as its own draft ("self"): every draft is accepted, so it shows the ceiling of the
+  accepted length and what drafting at the target's cost does to the speed.
 
     python scripts/bench_spec_decode.py [--batch 8] [--max-tokens 96] [--k 4] [--draft-layers 8]
 """
@@ -90,6 +92,7 @@ def main() -> None:
         "none": ModelRunner(RuntimeConfig(**base), path),
         "ngram": ModelRunner(RuntimeConfig(**base, speculative_model="ngram", num_speculative_tokens=args.k), path),
         "draft": ModelRunner(RuntimeConfig(**base, speculative_model=str(draft), num_speculative_tokens=args.k), path),
+        "self": ModelRunner(RuntimeConfig(**base, speculative_model=path, num_speculative_tokens=args.k), path),
     }
     decode_rate(runners["none"], prompts[:1], 4, tokenizer.eos_token_id)  # warm-up
     print(f"model {args.model} on cpu (float32), greedy, {len(prompts[0])}-token prompts that copy a document, "
@@ -98,7 +101,7 @@ def main() -> None:
     print(f"{'proposer':<10}{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}{'accepted len':>14}")
     for batch in (1, args.batch):
         plain, _, want = decode_rate(runners["none"], prompts[:batch], args.max_tokens, tokenizer.eos_token_id)
-        for name in ("ngram", "draft"):
+        for name in ("ngram", "draft", "self"):
             rate, accepted, got = decode_rate(runners[name], prompts[:batch], args.max_tokens, tokenizer.eos_token_id)
             same = "" if got == want else "  (OUTPUT DIFFERS)"
             print(f"{name:<10}{batch:>6}{plain:>13.1f}{rate:>12.1f}{rate / plain:>8.2f}{accepted:>14.2f}{same}")
