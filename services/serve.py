@@ -40,7 +40,7 @@ _FLAG_TARGETS = {
     "max_num_seqs": ("executor", "scheduler"),
     "max_num_batched_tokens": ("executor", "scheduler"),
     "max_model_len": ("scheduler", "tokenizer"),
-    "log_level": ("kvmanager", "executor", "scheduler"),
+    "log_level": SERVICES,
     "enable_prefix_caching": ("kvmanager",),
     "num_host_blocks": ("executor",),
     "speculative_model": ("executor",),

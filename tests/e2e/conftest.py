@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -49,8 +48,8 @@ def start_server(model: str, *flags: str, ready_timeout_s: float = 180.0) -> Ser
     run_dir = tempfile.mkdtemp(prefix="folio-e2e-", dir="/tmp")
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
-           "--host", "127.0.0.1", "--run-dir", run_dir, *flags]
-    proc = subprocess.Popen(cmd, env={**os.environ, "FOLIO_LOG_LEVEL": "warning"})
+           "--host", "127.0.0.1", "--run-dir", run_dir, "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:

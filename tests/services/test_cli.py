@@ -146,14 +146,23 @@ def test_each_service_accepts_the_flags_serve_forwards(tiny_chat_model, monkeypa
     add_serve_args(parser)
     args = parser.parse_args(["--model", tiny_chat_model, "--port", "9001", "--max-num-seqs", "3",
                               "--max-num-batched-tokens", "99", "--max-model-len", "200", "--block-size", "8",
-                              "--num-kv-blocks", "40", "--log-json", "--served-model-name", "tiny"])
+                              "--num-kv-blocks", "40", "--log-json", "--served-model-name", "tiny",
+                              "--preemption-mode", "swap", "--no-enable-chunked-prefill",
+                              "--scheduling-policy", "priority", "--long-prefill-token-threshold", "64",
+                              "--speculative-model", "ngram", "--num-speculative-tokens", "3",
+                              "--ngram-prompt-lookup-max", "5", "--log-level", "warning"])
     argv = {name: service_argv(name, args, tiny_chat_model) for name in SERVICES}
     monkeypatch.setenv("FOLIO_RUN_DIR", "/tmp/folio-flags")
     ex = executor_config(argv["executor"])[0]
     assert (ex.runtime.block_size, ex.runtime.num_kv_blocks, ex.runtime.max_num_seqs) == (8, 40, 3)
     assert ex.model_path == tiny_chat_model and ex.log_json
+    assert (ex.runtime.speculative_model, ex.runtime.num_speculative_tokens) == ("ngram", 3)
+    assert ex.runtime.ngram_prompt_lookup_max == 5
     sc = scheduler_config(argv["scheduler"])[0]
     assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len) == (3, 99, 200)
+    assert (sc.preemption_mode, sc.enable_chunked_prefill, sc.scheduling_policy) == ("swap", False, "priority")
+    assert sc.long_prefill_token_threshold == 64
+    assert all("--log-level" in argv[name] for name in SERVICES)  # every service logs at the asked level
     assert kvmanager_config(argv["kvmanager"])[0].log_json
     gw = gateway_config(argv["gateway"])
     assert (gw.port, gw.model_name) == (9001, "tiny")
