@@ -97,6 +97,17 @@ def test_rejected_drafts_give_their_slots_back(tiny_pair):
     assert engine.alloc.num_used_blocks == 0 and not runner.proposer.seqs  # draft cache freed too
 
 
+def test_speculation_stops_when_the_batch_is_large(tiny_pair):
+    target, _ = tiny_pair
+    runner = make_runner(target, speculative_model="ngram", num_speculative_tokens=3,
+                         speculative_disable_by_batch_size=3)
+    prompts = repetitive_prompts(3, seed=5)
+    crowded, _ = run(runner, [engine_request(f"r{i}", p, 16, ignore_eos=True) for i, p in enumerate(prompts)])
+    assert crowded.sched.counters["num_spec_drafts"] == 0  # three sample every step: no drafts
+    alone_engine, _ = run(runner, [engine_request("solo", prompts[0], 16, ignore_eos=True)])
+    assert alone_engine.sched.counters["num_spec_drafts"] > 0
+
+
 # --------------------------------------------------------------------------- losslessness
 
 
