@@ -97,6 +97,42 @@ def test_rejected_drafts_give_their_slots_back(tiny_pair):
     assert engine.alloc.num_used_blocks == 0 and not runner.proposer.seqs  # draft cache freed too
 
 
+def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_pair):
+    """With the target as the draft, every greedy draft is the target's own choice: all accepted,
+    which also shows that the draft catches up on the tokens it did not compute."""
+    target, _ = tiny_pair
+    reqs = [engine_request(f"r{i}", p, 20, ignore_eos=True) for i, p in enumerate(repetitive_prompts(6, seed=9))]
+    engine, _ = run(make_runner(target, speculative_model=target, num_speculative_tokens=3), reqs)
+    c = engine.sched.counters
+    assert c["num_spec_draft_tokens"] > 0 and c["num_spec_accepted_tokens"] == c["num_spec_draft_tokens"]
+
+
+def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
+    """After a verification that accepted one draft and then chose another token, the draft's
+    next proposal equals a fresh draft's for the same tokens: no rejected token's KV survives."""
+    from services.executor.attention import TorchAttentionBackend
+    from services.executor.runner import RequestState
+    from services.executor.spec_decode import DraftModelProposer
+    from shared.messages import SamplingParams
+
+    target, draft = tiny_pair
+
+    def proposer():
+        return DraftModelProposer(draft, 3, 64, 4, 64, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+
+    prompt = repetitive_prompts(1, seed=11)[0]
+    state = RequestState("a", list(prompt), len(prompt), SamplingParams(temperature=0.0), [], 0, None)
+    used = proposer()
+    first = used.propose([state])[0].token_ids
+    other = (first[1] + 1) % 64  # the target accepted the first draft, then chose something else
+    used.rollback("a", len(prompt) + 1)
+    state.token_ids += [first[0], other]
+    again = used.propose([state])[0]
+    fresh = proposer().propose([state])[0]
+    assert again.token_ids == fresh.token_ids
+    torch.testing.assert_close(again.probs, fresh.probs, atol=1e-5, rtol=1e-5)
+
+
 def test_speculation_stops_when_the_batch_is_large(tiny_pair):
     target, _ = tiny_pair
     runner = make_runner(target, speculative_model="ngram", num_speculative_tokens=3,
