@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from services.kvmanager.allocator import BlockAllocator
 from services.kvmanager.service import apply_step
 from services.scheduler.policy import Scheduler
-from shared.messages import EngineRequest, KVStepRequest, PoolInfo, SamplingParams, StepResult
+from shared.messages import EngineRequest, PoolInfo, SamplingParams, StepResult
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64):
