@@ -53,7 +53,6 @@ class GatewayMetrics:
                                          registry=r).labels(model_name)
         self.kv_blocks_cached = Gauge("folio:kv_cache_blocks_cached", "Free KV blocks kept for prefix reuse.",
                                       labels, registry=r).labels(model_name)
-        self._last_prefix = (0, 0)
         self.prompt_tokens = Counter("folio:prompt_tokens", "Prefill tokens processed.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("folio:generation_tokens", "Generation tokens produced.", labels,
@@ -65,7 +64,6 @@ class GatewayMetrics:
         # the scheduler's cumulative count, read at scrape time like the prefix-cache counters
         self.preemptions = Counter("folio:num_preemptions", "Preemptions (recompute or swap).", labels,
                                    registry=r).labels(model_name)
-        self._last_preemptions = 0
         # speculative decoding, vLLM's spec_decode names; per position: drafts accepted at position i
         self.spec_drafts = Counter("folio:spec_decode_num_drafts", "Verifications of at least one draft.", labels,
                                    registry=r).labels(model_name)
@@ -75,7 +73,7 @@ class GatewayMetrics:
                                             labels, registry=r).labels(model_name)
         self.spec_accepted_per_pos = Counter("folio:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position.", labels + ["position"], registry=r)
-        self._last_spec: dict[str, int] = {}
+        self._last_totals: dict[str | tuple, float] = {}  # each cumulative stat's value at the last scrape
         self._success = Counter("folio:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
@@ -106,12 +104,12 @@ class GatewayMetrics:
             self.running.set(scheduler.get("num_running", 0))
             self.waiting.set(scheduler.get("num_waiting", 0))
             self.swapped.set(scheduler.get("num_swapped", 0))
-            preemptions = scheduler.get("num_preemptions", 0) or 0
-            if preemptions < self._last_preemptions:
-                self._last_preemptions = 0  # the scheduler restarted: it counts afresh
-            self.preemptions.inc(preemptions - self._last_preemptions)
-            self._last_preemptions = preemptions
-            self._count_spec(scheduler)
+            self._advance(self.preemptions, "preemptions", scheduler.get("num_preemptions", 0))
+            self._advance(self.spec_drafts, "spec_drafts", scheduler.get("num_spec_drafts", 0))
+            self._advance(self.spec_draft_tokens, "spec_draft_tokens", scheduler.get("num_spec_draft_tokens", 0))
+            self._advance(self.spec_accepted_tokens, "spec_accepted", scheduler.get("num_spec_accepted_tokens", 0))
+            for pos, num in enumerate(scheduler.get("spec_accepted_per_pos") or []):
+                self._advance(self.spec_accepted_per_pos.labels(self._model_name, str(pos)), ("spec_pos", pos), num)
         if kvmanager:
             total = kvmanager.get("num_blocks_total", 0) or 0
             used = kvmanager.get("num_blocks_used", 0) or 0
@@ -119,34 +117,18 @@ class GatewayMetrics:
             self.kv_blocks_used.set(used)
             self.kv_usage.set(used / total if total else 0.0)
             self.kv_blocks_cached.set(kvmanager.get("num_blocks_cached", 0) or 0)
-            self._count_prefix_cache(kvmanager.get("num_prefix_cache_queries", 0) or 0,
-                                     kvmanager.get("num_prefix_cache_hits", 0) or 0)
+            self._advance(self.prefix_cache_queries, "prefix_queries", kvmanager.get("num_prefix_cache_queries", 0))
+            self._advance(self.prefix_cache_hits, "prefix_hits", kvmanager.get("num_prefix_cache_hits", 0))
 
-    def _count_spec(self, scheduler: dict) -> None:
-        """The scheduler's cumulative spec-decode counts, turned into counter increments."""
-        now = {"drafts": scheduler.get("num_spec_drafts", 0) or 0,
-               "draft_tokens": scheduler.get("num_spec_draft_tokens", 0) or 0,
-               "accepted": scheduler.get("num_spec_accepted_tokens", 0) or 0}
-        now.update({f"pos{i}": n for i, n in enumerate(scheduler.get("spec_accepted_per_pos") or [])})
-        if now["drafts"] < self._last_spec.get("drafts", 0):
-            self._last_spec = {}  # the scheduler restarted: it counts afresh
-        counters = {"drafts": self.spec_drafts, "draft_tokens": self.spec_draft_tokens,
-                    "accepted": self.spec_accepted_tokens}
-        for key, value in now.items():
-            delta = value - self._last_spec.get(key, 0)
-            if key.startswith("pos"):
-                self.spec_accepted_per_pos.labels(self._model_name, key[3:]).inc(max(0, delta))
-            else:
-                counters[key].inc(max(0, delta))
-        self._last_spec = now
-
-    def _count_prefix_cache(self, queries: int, hits: int) -> None:
-        last_queries, last_hits = self._last_prefix
-        if queries < last_queries or hits < last_hits:
-            last_queries = last_hits = 0  # a new pool (executor restart): the kvmanager counts afresh
-        self.prefix_cache_queries.inc(queries - last_queries)
-        self.prefix_cache_hits.inc(hits - last_hits)
-        self._last_prefix = (queries, hits)
+    def _advance(self, counter, key, total) -> None:
+        """A service's cumulative ``total`` (read at scrape time) becomes the counter's increment
+        since the last scrape; a total that went down means the service restarted and counts afresh."""
+        total = total or 0
+        last = self._last_totals.get(key, 0)
+        if total < last:
+            last = 0
+        counter.inc(total - last)
+        self._last_totals[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
