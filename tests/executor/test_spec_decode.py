@@ -46,13 +46,17 @@ def run(runner, reqs, **options):
     return engine, {r: o.token_ids for r, o in outputs.items()}
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+def write_target_and_draft(tmp_path_factory, name: str, vocab_size: int) -> tuple[str, str]:
     """A tiny target and a tiny draft of another shape (different weights): they disagree often."""
-    target = write_tiny_model(tmp_path_factory.mktemp("spec-target"), vocab_size=64)
-    draft = write_tiny_model(tmp_path_factory.mktemp("spec-draft"), vocab_size=64, hidden_size=32,
+    target = write_tiny_model(tmp_path_factory.mktemp(f"{name}-target"), vocab_size=vocab_size)
+    draft = write_tiny_model(tmp_path_factory.mktemp(f"{name}-draft"), vocab_size=vocab_size, hidden_size=32,
                              num_hidden_layers=1, intermediate_size=48)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    return write_target_and_draft(tmp_path_factory, "spec", 64)
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -190,10 +194,7 @@ def chi_square_p_value(counts: dict, expected: dict[tuple, float], total: int) -
 
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory):
-    target = write_tiny_model(tmp_path_factory.mktemp("chi-target"), vocab_size=5)
-    draft = write_tiny_model(tmp_path_factory.mktemp("chi-draft"), vocab_size=5, hidden_size=32,
-                             num_hidden_layers=1, intermediate_size=48)
-    return target, draft
+    return write_target_and_draft(tmp_path_factory, "chi", 5)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (1.3, 0.6)])

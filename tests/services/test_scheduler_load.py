@@ -44,6 +44,11 @@ async def wait_for_kv_idle(bh, timeout_s: float = 10.0) -> dict:
         await asyncio.sleep(0.05)
 
 
+async def wait_until_running(bh) -> None:
+    while (await bh.admin("scheduler", "stats")).data["num_running"] == 0:
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 async def test_200_concurrent_requests_on_64_blocks_all_finish_as_if_alone(tiny_model_dir, solo, mode):
@@ -66,8 +71,7 @@ async def test_200_concurrent_requests_on_64_blocks_all_finish_as_if_alone(tiny_
 async def test_drain_finishes_accepted_work_and_refuses_new_requests(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=16) as bh:
         await bh.submit("before", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-        while (await bh.admin("scheduler", "stats")).data["num_running"] == 0:
-            await asyncio.sleep(0.01)
+        await wait_until_running(bh)
         drained = await bh.admin("scheduler", "drain")
         assert drained.ok and drained.data["draining"] and not drained.data["idle"]
         await bh.submit("during", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=4))
@@ -85,8 +89,7 @@ async def test_drain_finishes_accepted_work_and_refuses_new_requests(tiny_model_
 async def test_admin_abort_ends_the_stream_and_frees_blocks_unknown_ids_are_an_error(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=16) as bh:
         await bh.submit("long", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
-        while (await bh.admin("scheduler", "stats")).data["num_running"] == 0:
-            await asyncio.sleep(0.01)
+        await wait_until_running(bh)
         reply = await bh.admin("scheduler", "abort", req_id="long")
         assert reply.ok and reply.data["aborted"]
         tokens, reason = (await bh.collect(["long"]))["long"]
