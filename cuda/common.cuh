@@ -38,9 +38,32 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));  // sm_80+, round to nearest even
   return r;
 }
+
+// cp.async (sm_80+): 16 bytes from global to shared memory without passing through registers.
+// The copy is asynchronous: the data is there only after cp_async_wait<N>() has retired its
+// group (and a __syncthreads() makes it visible to the other threads). src_bytes < 16 reads that
+// many bytes and zero-fills the rest (0: no read at all, the 16 bytes become zeros). .cg caches
+// in L2 only: K/V are streamed once per CTA.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
+// Closes the group of this thread's cp.async issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #else
 FOLIO_EMU_CONVERSIONS  // host versions, from cuda/emulation/cuda_emu.h
+FOLIO_EMU_CP_ASYNC
 #endif
+
+// One 16-byte vector of T. Reading through an aggregate of T (not a word type reinterpreted as T)
+// keeps the access legal under C++ aliasing rules, which g++ -O2 enforces in the emulation.
+template <typename T>
+struct alignas(16) vec16 { T e[16 / sizeof(T)]; };
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

@@ -19,13 +19,6 @@ constexpr int ATTN_ROWS = 8;           // rows per block; 8 covers every GQA gro
 // thread, enough for the per-row accumulators without spilling (checked by tests/cuda).
 constexpr int ATTN_MIN_BLOCKS = 2;
 
-// One 16-byte vector load of T. Reading through an aggregate of T (not a word type reinterpreted
-// as T) keeps the access legal under C++ aliasing rules, which g++ -O2 enforces in the emulation.
-template <typename T>
-struct alignas(16) vec16 { T e[16 / sizeof(T)]; };
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
 // Dot products of one K row (HEAD elements at k) with every row's query in shared memory.
 // Rows past num_rows (a short last work item, or decode with a small GQA group) are skipped:
 // the branch is uniform across the warp, and the loops stay unrolled so s[] lives in registers.
@@ -53,8 +46,7 @@ template <typename T, int HEAD, int BLOCK>
 __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention(
     T* __restrict__ out,                   // [num_tokens, num_heads, HEAD] (one partition)
     float* __restrict__ part_out,          // [num_tokens, num_heads, num_partitions, HEAD]
-    float* __restrict__ part_max,          // [num_tokens, num_heads, num_partitions]
-    float* __restrict__ part_sum,          // [num_tokens, num_heads, num_partitions]
+    float* __restrict__ part_lse,          // [num_tokens, num_heads, num_partitions]
     const T* __restrict__ query,           // [num_tokens, num_heads, HEAD], token stride q_stride
     const T* __restrict__ k_cache,         // [num_blocks, BLOCK, num_kv_heads, HEAD]
     const T* __restrict__ v_cache,         // [num_blocks, BLOCK, num_kv_heads, HEAD]
@@ -72,9 +64,10 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
   __shared__ float l_s[ATTN_WARPS][ATTN_ROWS];
   __shared__ float acc_s[ATTN_WARPS][ATTN_ROWS][HEAD];
 
-  const int kv_head = blockIdx.x;
-  const int seq = work[2 * blockIdx.y];
-  const int row0 = work[2 * blockIdx.y + 1];
+  // Work items go along grid x (up to 2^31 - 1 blocks): no batch the scheduler forms can exceed it.
+  const int kv_head = blockIdx.y;
+  const int seq = work[2 * blockIdx.x];
+  const int row0 = work[2 * blockIdx.x + 1];
   const int warp = threadIdx.x / WARP_SIZE;
   const int lane = threadIdx.x % WARP_SIZE;
   const int q_begin = query_start_loc[seq];
@@ -189,33 +182,31 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     } else {
       const long long p = out_row * num_partitions + blockIdx.z;
       part_out[p * HEAD + d] = o;
-      if (d == 0) {
-        part_max[p] = m_all;
-        part_sum[p] = l_all;
-      }
+      if (d == 0) part_lse[p] = l_all > 0.f ? m_all + logf(l_all) : neg_inf();
     }
   }
 }
 
-// Combines the partitions of each (token, head): weights every partition's normalized output by
-// its softmax mass relative to the global maximum. Empty partitions carry max = -inf, sum = 0.
+// Merges the partitions (splits) of each (item, head) by log-sum-exp: every partition's normalized
+// output is weighted by exp(lse_p - max lse). Empty partitions carry lse = -inf and weigh nothing.
+// Only the listed tokens are merged: a step's decode and chunk tokens have their own partials.
 template <typename T>
 __global__ void __launch_bounds__(128) paged_attention_reduce(
     T* __restrict__ out,                   // [num_tokens, num_heads, head_dim]
     const float* __restrict__ part_out,    // [num_tokens, num_heads, num_partitions, head_dim]
-    const float* __restrict__ part_max,    // [num_tokens, num_heads, num_partitions]
-    const float* __restrict__ part_sum,    // [num_tokens, num_heads, num_partitions]
-    int num_partitions, int head_dim) {
-  const long long row = blockIdx.x;
-  const float* maxes = part_max + row * num_partitions;
-  const float* sums = part_sum + row * num_partitions;
+    const float* __restrict__ part_lse,    // [num_tokens, num_heads, num_partitions]
+    const int* __restrict__ item_tokens,   // [num_items]: the tokens to merge
+    int num_heads, int num_partitions, int head_dim) {
+  const long long item = blockIdx.x / num_heads, head = blockIdx.x % num_heads;
+  const long long row = (long long)item_tokens[item] * num_heads + head;
+  const float* lse = part_lse + row * num_partitions;
   float m_all = neg_inf();
-  for (int p = 0; p < num_partitions; ++p) m_all = fmaxf(m_all, maxes[p]);
+  for (int p = 0; p < num_partitions; ++p) m_all = fmaxf(m_all, lse[p]);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float num = 0.f, den = 0.f;
     for (int p = 0; p < num_partitions; ++p) {
-      if (maxes[p] == neg_inf()) continue;
-      const float weight = sums[p] * __expf(maxes[p] - m_all);
+      if (lse[p] == neg_inf()) continue;
+      const float weight = __expf(lse[p] - m_all);
       num += part_out[(row * num_partitions + p) * head_dim + d] * weight;
       den += weight;
     }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <barrier>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,6 +51,21 @@ inline Launch* current = nullptr;  // set for the duration of one launch (launch
 inline thread_local dim3 thread_idx, block_idx;
 inline thread_local int linear_tid = 0;
 
+// cp.async queues of the calling thread (see FOLIO_EMU_CP_ASYNC below).
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int src_bytes;
+};
+inline thread_local std::vector<AsyncCopy> open_group;               // issued, not yet committed
+inline thread_local std::vector<std::vector<AsyncCopy>> committed;   // oldest first
+inline void retire(const std::vector<AsyncCopy>& group) {
+  for (const AsyncCopy& c : group) {
+    std::memcpy(c.dst, c.src, c.src_bytes);
+    std::memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, 16 - c.src_bytes);
+  }
+}
+
 inline Warp& my_warp() { return *current->warps[linear_tid / 32]; }
 
 // Every lane of the warp must call this (as CUDA's full-mask shuffles require), or it deadlocks.
@@ -65,25 +81,32 @@ T exchange(T v, int src_lane) {
   return r;
 }
 
-inline void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+// Runs the blocks with linear ids [first, first + count) of the grid (x fastest), with their
+// real blockIdx: a test can run the far end of a grid too large to emulate whole.
+inline void launch(dim3 grid, dim3 block, const std::function<void()>& body, unsigned long long first,
+                   unsigned long long count) {
   static std::mutex serialize;
   std::lock_guard<std::mutex> guard(serialize);
   const int num_threads = static_cast<int>(block.x * block.y * block.z);
   Launch l{grid, block, std::make_unique<std::barrier<>>(num_threads), {}};
-  for (int first = 0; first < num_threads; first += 32) l.warps.push_back(std::make_unique<Warp>(std::min(32, num_threads - first)));
+  for (int first_lane = 0; first_lane < num_threads; first_lane += 32)
+    l.warps.push_back(std::make_unique<Warp>(std::min(32, num_threads - first_lane)));
   current = &l;
+  const unsigned long long total = 1ull * grid.x * grid.y * grid.z;
+  const unsigned long long last = std::min(total, first + count);
   std::vector<std::thread> threads;
   for (int t = 0; t < num_threads; ++t) {
     threads.emplace_back([&, t] {
       linear_tid = t;
       thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-      for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-          for (unsigned x = 0; x < grid.x; ++x) {
-            block_idx = {x, y, z};
-            body();
-            l.block_barrier->arrive_and_wait();  // the next block reuses the statics
-          }
+      for (unsigned long long b = first; b < last; ++b) {
+        block_idx = {static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
+                     static_cast<unsigned>(b / (1ull * grid.x * grid.y))};
+        body();
+        emu::open_group.clear();  // copies never waited for are dropped (their data unused)
+        emu::committed.clear();
+        l.block_barrier->arrive_and_wait();  // the next block reuses the statics
+      }
     });
   }
   for (auto& th : threads) th.join();
@@ -92,7 +115,7 @@ inline void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
 
 // Kernel registry: name expression (as the loader spells it) -> launcher taking CUDA-style
 // kernelParams (an array of pointers to each argument's value).
-using Entry = std::function<void(dim3, dim3, void**)>;
+using Entry = std::function<void(dim3, dim3, void**, unsigned long long, unsigned long long)>;
 inline std::map<std::string, Entry>& registry() {
   static std::map<std::string, Entry> r;
   return r;
@@ -106,8 +129,9 @@ void call_kernel(void (*kernel)(A...), void** params, std::index_sequence<I...>)
 struct Registrar {
   template <typename... A>
   Registrar(const char* name, void (*kernel)(A...)) {
-    registry()[name] = [kernel](dim3 grid, dim3 block, void** params) {
-      launch(grid, block, [&] { call_kernel(kernel, params, std::index_sequence_for<A...>{}); });
+    registry()[name] = [kernel](dim3 grid, dim3 block, void** params, unsigned long long first,
+                                unsigned long long count) {
+      launch(grid, block, [&] { call_kernel(kernel, params, std::index_sequence_for<A...>{}); }, first, count);
     };
   }
 };
@@ -137,8 +161,29 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __expf(float x) { return std::exp(x); }
 using std::fmaxf;
+inline float logf(float x) { return std::log(x); }
 using std::max;
 using std::min;
+
+// cp.async: each thread keeps its own queue of copies, in groups; a copy happens only when a
+// cp_async_wait<N> retires its group (as late as the hardware may do it), so a kernel that reads
+// its shared tile before the wait, or waits on the wrong group, reads stale data here too.
+
+#define FOLIO_EMU_CP_ASYNC                                                                    \
+  inline void cp_async16(void* smem, const void* gmem, int src_bytes) {                       \
+    if (src_bytes < 0 || src_bytes > 16) std::abort();                                        \
+    ::emu::open_group.push_back({smem, gmem, src_bytes});                                     \
+  }                                                                                           \
+  inline void cp_async_commit() {                                                             \
+    ::emu::committed.push_back(std::move(::emu::open_group));                                 \
+    ::emu::open_group.clear();                                                                \
+  }                                                                                           \
+  template <int N> inline void cp_async_wait() {                                              \
+    while (::emu::committed.size() > static_cast<std::size_t>(N)) {                           \
+      ::emu::retire(::emu::committed.front());                                                \
+      ::emu::committed.erase(::emu::committed.begin());                                       \
+    }                                                                                         \
+  }
 
 // Host versions of cuda/common.cuh's conversions; common.cuh expands this inside namespace folio,
 // after its storage types, in place of the inline-PTX device versions.

@@ -44,14 +44,6 @@ class CupyLauncher:
         with cupy.cuda.Device(device_id), self._stream(device_id):
             function(tuple(grid), tuple(block), args)
 
-    def device_address(self, tensor: torch.Tensor) -> int:
-        """A device pointer to the tensor: itself on the GPU, the mapped address of pinned memory."""
-        if tensor.is_cuda:
-            return tensor.data_ptr()
-        if not tensor.is_pinned():
-            raise ValueError("a host KV pool must be pinned to be read by the swap kernel")
-        return cupy.cuda.runtime.hostGetDevicePointer(tensor.data_ptr(), 0)
-
 
 class CudaAttentionBackend(KernelAttentionBackend):
     name = "cuda"

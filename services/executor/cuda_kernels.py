@@ -18,16 +18,18 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
 # module name -> source file; each module is compiled separately (only the instances a model needs)
-MODULE_FILES = {"attention": "paged_attention.cu", "cache": "cache_ops.cu"}
+MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.cu", "cache": "cache_ops.cu"}
 
 # storage dtype name (torch's) -> C++ type in the kernels
 DTYPES = {"float32": "float", "float16": "folio::f16", "bfloat16": "folio::bf16"}
 HEAD_SIZES = (64, 96, 128)
 BLOCK_SIZES = (8, 16, 32)
 
-# Mirrors constants of cuda/paged_attention.cu (the tests check they agree).
+# Mirrors constants of cuda/paged_attention.cu and cuda/decode_attention.cu (the tests check they agree).
 ATTN_THREADS = 128
 ATTN_ROWS = 8
+DECODE_THREADS = 128
+DECODE_MAX_GROUP = 16
 PARTITION_SIZE = 512
 REDUCE_THREADS = 128
 WRITE_THREADS = 128
@@ -47,6 +49,7 @@ class KernelNames:
     """Name expressions (template instances) of every kernel one model configuration launches."""
 
     attention: str
+    decode: str
     reduce: str
     write_kv: str
     copy_blocks: str
@@ -54,6 +57,10 @@ class KernelNames:
 
 def attention_name(dtype: str, head_size: int, block_size: int) -> str:
     return f"folio::paged_attention<{DTYPES[dtype]}, {head_size}, {block_size}>"
+
+
+def decode_name(dtype: str, head_size: int, block_size: int) -> str:
+    return f"folio::paged_decode<{DTYPES[dtype]}, {head_size}, {block_size}>"
 
 
 def reduce_name(dtype: str) -> str:
@@ -84,6 +91,7 @@ def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
         )
     return KernelNames(
         attention=attention_name(dtype, head_size, block_size),
+        decode=decode_name(dtype, head_size, block_size),
         reduce=reduce_name(dtype),
         write_kv=write_kv_name(dtype),
         copy_blocks=COPY_BLOCKS_NAME,
@@ -91,6 +99,8 @@ def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
 
 
 def module_of(name: str) -> str:
+    if name.startswith("folio::paged_decode"):
+        return "decode"
     return "attention" if name.startswith("folio::paged_attention") else "cache"
 
 
@@ -101,6 +111,7 @@ def all_name_expressions() -> dict[str, list[str]]:
         for head in HEAD_SIZES:
             for block in BLOCK_SIZES:
                 names["attention"].append(attention_name(dtype, head, block))
+                names["decode"].append(decode_name(dtype, head, block))
         names["attention"].append(reduce_name(dtype))
         names["cache"].append(write_kv_name(dtype))
     names["cache"].append(COPY_BLOCKS_NAME)

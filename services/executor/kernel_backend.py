@@ -1,58 +1,32 @@
 """The kernel attention backend, independent of how its kernels get launched.
 
 Same methods as ``TorchAttentionBackend`` (``plan``, ``write_kv``, ``attend``, ``copy_blocks``) plus
-``swap_out``/``swap_in``, implemented by launching the kernels of ``cuda/`` through a *launcher*:
+``swap_out``/``swap_in``, implemented by launching the kernels of ``cuda/`` through a *launcher*
+(swaps are asynchronous torch copies, one per run of consecutive blocks):
 on a GPU the CuPy launcher of ``cuda_backend`` (torch's current stream, raw device pointers); in
 the tests the CPU emulation (tests/cuda), which runs the same kernel sources on CPU tensors. All
 planning and argument marshalling lives here, so the emulation exercises it too.
 
 A launcher provides ``launch(names, kernel, grid, block, args, device)`` (``kernel`` is a field of
-``KernelNames``; ``args`` are numpy scalars in the kernel's parameter order, pointers as uint64),
-``device_address(tensor)`` (the address a kernel can use; a pinned host tensor is mapped), and
-``num_sms``.
+``KernelNames``; ``args`` are numpy scalars in the kernel's parameter order, pointers as uint64)
+and ``num_sms``. Every launch keeps within CUDA's grid limits (x < 2^31, y and z <= 65535), for
+any batch the scheduler can form: the count that grows with the batch (work items) goes along x.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from services.executor import cuda_kernels as ck
 from services.executor.attention import AttentionMetadata
+from services.executor.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-# The split (partitioned) path pays a second launch and a round trip through fp32 partials; it
-# wins when the unsplit grid cannot fill the GPU, or for very long contexts (vLLM's v1/v2 rule
-# uses 8192 too).
-SPLIT_ABOVE_SEQ_LEN = 8192
-MIN_BLOCKS_PER_SM = 2
 
 
 def _ptr(tensor: torch.Tensor) -> np.uint64:
     return np.uint64(tensor.data_ptr())
-
-
-@dataclass
-class KernelPlan:
-    """What one step needs for a given GQA shape, built once and shared by every layer."""
-
-    group: int
-    work: torch.Tensor  # [num_work, 2] int32: (sequence, first row), rows = (token, head in group)
-    num_work: int
-    num_partitions: int
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # reused by every layer
-
-
-def work_items(query_lens: list[int], group: int, rows_per_block: int = ck.ATTN_ROWS) -> list[tuple[int, int]]:
-    """(sequence, first row) of every CUDA block along grid y; a sequence has q_len * group rows."""
-    items = []
-    for seq, q_len in enumerate(query_lens):
-        items.extend((seq, row0) for row0 in range(0, q_len * group, rows_per_block))
-    return items
 
 
 class KernelAttentionBackend:
@@ -65,7 +39,7 @@ class KernelAttentionBackend:
         self.launcher = launcher
         self.model_dtype = model_dtype
         self.split = split  # None: decide per step; True/False: force (tests, benchmarks)
-        self.partition_size = partition_size
+        self.partition_size = partition_size  # keys per split when forced, and the chunk kernel's
         self._address_tables: dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ planning
@@ -75,25 +49,13 @@ class KernelAttentionBackend:
         return ck.kernel_names(DTYPE_NAMES[dtype], head_size, block_size)
 
     def plan(self, meta: AttentionMetadata, group: int = 1, num_kv_heads: int = 1) -> KernelPlan:
+        """The step's plan for this GQA shape, built once and cached on the metadata."""
         plans = meta.plan if isinstance(meta.plan, dict) else {}
         meta.plan = plans
-        if group in plans:
-            return plans[group]
-        items = work_items(meta.query_lens_list, group)
-        if len(items) > 65535:
-            raise ValueError(f"{len(items)} attention work items exceed the grid's y limit; lower max_num_batched_tokens")
-        work = torch.tensor(items or [(0, 0)], dtype=torch.int32).to(meta.block_tables.device)
-        plans[group] = KernelPlan(group, work, len(items), self._num_partitions(meta, len(items) * num_kv_heads))
-        return plans[group]
-
-    def _num_partitions(self, meta: AttentionMetadata, num_blocks: int) -> int:
-        parts = max(1, math.ceil(meta.max_seq_len / self.partition_size))
-        if self.split is None:
-            fills_gpu = num_blocks >= MIN_BLOCKS_PER_SM * self.launcher.num_sms
-            split = parts > 1 and (not fills_gpu or meta.max_seq_len > SPLIT_ABOVE_SEQ_LEN)
-        else:
-            split = self.split
-        return parts if split else 1
+        key = (group, num_kv_heads)
+        if key not in plans:
+            plans[key] = build_plan(meta, group, num_kv_heads, self.launcher.num_sms, self.split, self.partition_size)
+        return plans[key]
 
     # ------------------------------------------------------------------ per layer
     def write_kv(
@@ -134,45 +96,47 @@ class KernelAttentionBackend:
         names = self.names(k_cache.dtype, head_dim, meta.block_size)
         plan = self.plan(meta, num_heads // num_kv_heads, num_kv_heads)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-        if plan.num_work == 0:
-            return out
-        if query.stride(2) != 1 or query.stride(1) != head_dim:
+        # the decode kernel reads q as 16-byte vectors: heads contiguous, rows 16-byte aligned
+        if query.stride(2) != 1 or query.stride(1) != head_dim or (query.stride(0) * query.element_size()) % 16 \
+                or query.data_ptr() % 16:
             query = query.contiguous()
-        part_out, part_max, part_sum = self._partials(plan, num_tokens, num_heads, head_dim, query.device)
-        args = (
-            _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(query),
-            _ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
-            _ptr(_int32(meta.query_start_loc)), _ptr(plan.work),
-            np.int32(num_kv_heads), np.int32(plan.group), np.int32(meta.block_tables.shape[1]),
-            np.int64(query.stride(0)), np.float32(scale), np.int32(plan.num_partitions),
-            np.int32(self.partition_size),
-        )
-        grid = (num_kv_heads, plan.num_work, plan.num_partitions)
-        self.launcher.launch(names, "attention", grid, (ck.ATTN_THREADS, 1, 1), args, query.device)
-        if plan.num_partitions > 1:
-            args = (_ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum),
-                    np.int32(plan.num_partitions), np.int32(head_dim))
-            num_real = sum(meta.query_lens_list)  # padding rows past the batch have no partials
-            self.launcher.launch(names, "reduce", (num_real * num_heads, 1, 1), (ck.REDUCE_THREADS, 1, 1), args,
-                                 query.device)
+        tables = (_ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
+                  _ptr(_int32(meta.query_start_loc)))
+        shape = (num_kv_heads, plan.group, np.int32(meta.block_tables.shape[1]), np.int64(query.stride(0)),
+                 np.float32(scale))
+        for kernel, path in (("attention", plan.chunk), ("decode", plan.decode)):
+            if path is None:
+                continue
+            part_out, part_lse = self._partials(path, num_tokens, num_heads, head_dim, query.device)
+            args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), *tables, _ptr(path.items),
+                    np.int32(shape[0]), np.int32(shape[1]), *shape[2:], np.int32(path.num_splits),
+                    np.int32(path.split_size))
+            if kernel == "decode":  # one CTA per (sequence, split) along x, KV heads along y
+                grid, block = (path.num_items * path.num_splits, num_kv_heads, 1), ck.DECODE_THREADS
+            else:  # work items along x, KV heads along y, partitions along z
+                grid, block = (path.num_items, num_kv_heads, path.num_splits), ck.ATTN_THREADS
+            self.launcher.launch(names, kernel, grid, (block, 1, 1), args, query.device)
+            if path.num_splits > 1:
+                args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(path.tokens), np.int32(num_heads),
+                        np.int32(path.num_splits), np.int32(head_dim))
+                self.launcher.launch(names, "reduce", (path.num_tokens * num_heads, 1, 1), (ck.REDUCE_THREADS, 1, 1),
+                                     args, query.device)
         return out
 
-    def _partials(self, plan: KernelPlan, num_tokens: int, num_heads: int, head_dim: int, device):
-        """fp32 partial results of the split path, allocated once per step (layers run in order
-        on one stream, so they can share them). Unsplit launches get a 1-element placeholder."""
-        parts = plan.num_partitions
-        shape = (num_tokens, num_heads, parts)
-        if plan.partials is None or plan.partials[1].shape != shape:
-            if parts == 1:
+    @staticmethod
+    def _partials(path: PathPlan, num_tokens: int, num_heads: int, head_dim: int, device):
+        """fp32 partial outputs and log-sum-exps of a split path, indexed by token, allocated once
+        per step (layers run in order on one stream, so they share them). Unsplit launches get a
+        1-element placeholder."""
+        shape = (num_tokens, num_heads, path.num_splits)
+        if path.partials is None or path.partials[1].shape != shape:
+            if path.num_splits == 1:
                 dummy = torch.empty(1, dtype=torch.float32, device=device)
-                plan.partials = (dummy, dummy, dummy)
+                path.partials = (dummy, dummy)
             else:
-                plan.partials = (
-                    torch.empty(shape + (head_dim,), dtype=torch.float32, device=device),
-                    torch.empty(shape, dtype=torch.float32, device=device),
-                    torch.empty(shape, dtype=torch.float32, device=device),
-                )
-        return plan.partials
+                path.partials = (torch.empty(shape + (head_dim,), dtype=torch.float32, device=device),
+                                 torch.empty(shape, dtype=torch.float32, device=device))
+        return path.partials
 
     # ------------------------------------------------------------------ whole blocks
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
@@ -181,28 +145,25 @@ class KernelAttentionBackend:
 
     def swap_out(self, kv_caches, host_caches, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) pairs: device pool -> pinned host pool, every layer."""
-        self._copy(kv_caches, host_caches, pairs)
+        _copy_block_runs(kv_caches, host_caches, pairs)
 
     def swap_in(self, host_caches, kv_caches, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs: pinned host pool -> device pool, every layer."""
-        self._copy(host_caches, kv_caches, pairs)
+        _copy_block_runs(host_caches, kv_caches, pairs)
 
     def _copy(self, src_caches, dst_caches, pairs) -> None:
         if not pairs:
             return
         k0 = src_caches[0][0]
-        tensors = [t for kv in (*src_caches, *dst_caches) for t in kv]
-        if any(t.shape[1:] != k0.shape[1:] or t.dtype != k0.dtype for t in tensors):
-            raise ValueError("source and destination pools differ in block shape or dtype")
-        # the kernel runs where the device pool is (a swap's other side is pinned host memory)
-        device = next((t.device for t in tensors if t.device.type != "cpu"), k0.device)
+        _check_same_blocks(src_caches, dst_caches)
+        device = k0.device
         block_bytes = k0[0].numel() * k0.element_size()
         if block_bytes % 16:
             raise ValueError(f"a KV block of {block_bytes} bytes is not a whole number of 16-byte words")
         src = self._addresses(src_caches, device)
         dst = self._addresses(dst_caches, device)
         pair_t = torch.tensor(pairs, dtype=torch.int64).to(device)
-        names = ck.KernelNames("", "", "", ck.COPY_BLOCKS_NAME)
+        names = ck.KernelNames("", "", "", "", ck.COPY_BLOCKS_NAME)
         args = (_ptr(src), _ptr(dst), _ptr(pair_t), np.int64(block_bytes // 16))
         grid = (len(pairs), 2 * len(src_caches), 1)
         self.launcher.launch(names, "copy_blocks", grid, (ck.COPY_THREADS, 1, 1), args, device)
@@ -211,9 +172,43 @@ class KernelAttentionBackend:
         """[2 * num_layers] int64 base addresses (K then V per layer), cached per pool."""
         key = tuple(t.data_ptr() for kv in caches for t in kv) + (str(device),)
         if key not in self._address_tables:
-            addrs = [self.launcher.device_address(t) for kv in caches for t in kv]
+            addrs = [t.data_ptr() for kv in caches for t in kv]
             self._address_tables[key] = torch.tensor(addrs, dtype=torch.int64).to(device)
         return self._address_tables[key]
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source, first destination, length) of the maximal runs of pairs whose source and
+    destination blocks both advance by one: each run is one contiguous copy per cache."""
+    runs: list[list[int]] = []
+    for src, dst in sorted(pairs):
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [tuple(r) for r in runs]
+
+
+def _check_same_blocks(src_caches, dst_caches) -> None:
+    k0 = src_caches[0][0]
+    tensors = [t for kv in (*src_caches, *dst_caches) for t in kv]
+    if len(src_caches) != len(dst_caches) or any(t.shape[1:] != k0.shape[1:] or t.dtype != k0.dtype
+                                                  for t in tensors):
+        raise ValueError("source and destination pools differ in layers, block shape or dtype")
+
+
+def _copy_block_runs(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
+    """Swap between the device pool and the pinned host pool: one asynchronous copy (DMA, on
+    torch's current stream) per run of consecutive blocks, per layer, K and V. A host pool that
+    is not pinned still works, synchronously."""
+    if not pairs:
+        return
+    _check_same_blocks(src_caches, dst_caches)
+    runs = block_runs(pairs)
+    for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+        for src, dst, n in runs:
+            dst_k[dst : dst + n].copy_(src_k[src : src + n], non_blocking=True)
+            dst_v[dst : dst + n].copy_(src_v[src : src + n], non_blocking=True)
 
 
 def make_host_pool(kv_caches, num_blocks: int, pin: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -92,6 +92,9 @@ def test_python_constants_match_the_kernel_sources():
         assert re.search(rf"constexpr int {name} = {value};", source), name
     for kernel, threads in (("paged_attention_reduce", ck.REDUCE_THREADS),):
         assert f"__launch_bounds__({threads}) {kernel}(" in source
+    decode = ck.module_source("decode")
+    for name, value in (("DECODE_THREADS", ck.DECODE_THREADS), ("DECODE_MAX_GROUP", ck.DECODE_MAX_GROUP)):
+        assert re.search(rf"constexpr int {name} = {value};", decode), name
     cache = ck.module_source("cache")
     assert f"__launch_bounds__({ck.WRITE_THREADS}) write_kv(" in cache
     assert f"__launch_bounds__({ck.COPY_THREADS}) copy_blocks(" in cache

@@ -33,8 +33,12 @@ def _run(model_dir, backend_factory=None):
     return generate(runner, prompts, SamplingParams(temperature=0.0, max_tokens=6), chunk_size=6, block_order=order)
 
 
-def test_greedy_tokens_equal_torch_backend(model_dir, emu_launcher):
+@pytest.mark.parametrize("split", [None, True])
+def test_greedy_tokens_equal_torch_backend(model_dir, emu_launcher, split):
     expected = _run(model_dir)
-    got = _run(model_dir, lambda runner: KernelAttentionBackend(emu_launcher, runner.dtype, partition_size=16))
+    got = _run(model_dir, lambda runner: KernelAttentionBackend(emu_launcher, runner.dtype, split=split,
+                                                                partition_size=8))
     assert got == expected
-    assert any("reduce" in name for name, _, _ in emu_launcher.launches)  # the split path ran too
+    launched = {name.split("<")[0] for name, _, _ in emu_launcher.launches}
+    assert {"folio::paged_decode", "folio::paged_attention"} <= launched  # decode steps and prefill chunks
+    assert "folio::paged_attention_reduce" in launched or not split
