@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
 # The one prepared check for a lent GPU machine (target: under 5 minutes).
 #
-#   bash scripts/gpu_check.sh            # from the repository root
+#   bash scripts/gpu_check.sh --fetch-wheels   # beforehand, on a machine with a package index
+#   bash scripts/gpu_check.sh                  # on the GPU machine, from the repository root
+#
+# GPU images may lack some of folio's pure-Python/C dependencies (msgspec, pyzmq, structlog,
+# gguf). --fetch-wheels downloads cp312 manylinux wheels of them into .whl/ beside the checkout
+# (ignored by git; carry it with the checkout); the check installs whatever it finds there
+# into a private folder (--no-index, no network needed) and puts it on PYTHONPATH.
 #
 # 1. finds a Python with a CUDA torch (PYTHON, else .venv/bin/python, else python3);
-# 2. makes sure CuPy matching the driver's CUDA major version is importable (installs the
+# 2. installs the carried wheels, if any;
+# 3. makes sure CuPy matching the driver's CUDA major version is importable (installs the
 #    project's cuda12/cuda13 extra when it is not, which needs a package index);
-# 3. runs the gpu-marked tests of tests/cuda (kernels, every instance, executor cuda vs torch);
-# 4. runs scripts/bench_kernels.py (copy vs decode bandwidth, paged vs contiguous SDPA,
-#    end-to-end tokens/s cuda vs torch). Figures land in $OUT (or /tmp/folio_gpu_check) as well.
+# 4. runs the gpu-marked tests of tests/cuda (every kernel instance, decode split and unsplit,
+#    GQA groups, the largest step, cache write, copy-on-write, swap, executor cuda vs torch);
+# 5. runs scripts/bench_kernels.py (copy bandwidth; decode GB/s and prefill TFLOP/s against
+#    contiguous SDPA). Figures land in $OUT (or /tmp/folio_gpu_check) as well.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+WHEELS=(msgspec pyzmq structlog gguf)
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  mkdir -p .whl
+  grep -qx '/.whl/' "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo '/.whl/' >>"$(git rev-parse --git-dir)/info/exclude"
+  exec "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .whl "${WHEELS[@]}"
+fi
 OUT_DIR="${OUT:-/tmp/folio_gpu_check}"
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-}"
@@ -25,6 +41,16 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "FAIL: $PY has no CUDA torch (GPU images install their own torch build first)"; exit 2
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  echo "== installing the carried wheels: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/folio-site .whl/*.whl \
+    || { echo "FAIL: the carried wheels do not install"; exit 4; }
+  export PYTHONPATH="/tmp/folio-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+for module in msgspec zmq structlog gguf; do
+  "$PY" -c "import $module" 2>/dev/null || echo "WARNING: $module is missing (carry its wheel: --fetch-wheels)"
+done
 
 # CuPy wheels are per CUDA major version; the driver decides which one can load.
 cuda_major=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
@@ -45,7 +71,7 @@ timeout 200 "$PY" -m pytest -q -m "gpu and not slow" tests/cuda -p no:cacheprovi
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmark"
-timeout 150 "$PY" scripts/bench_kernels.py --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.txt"
+timeout 170 "$PY" scripts/bench_kernels.py --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done (status $status); figures in $OUT_DIR"

@@ -53,6 +53,34 @@ def test_attend_gqa_groups_and_long_context(cuda_backend_cls, group):
     torch.testing.assert_close(out.float(), reference_attention(step, 0.088), atol=1.6e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("group", [2, 8])
+def test_decode_split_and_unsplit_long_context(cuda_backend_cls, group):
+    """The decode kernel alone (one new token per sequence), forced split, forced unsplit and the
+    automatic choice, over contexts that end in partial blocks."""
+    step = make_step([1, 1, 1], [20000, 4097, 1], num_heads=4 * group, num_kv_heads=4, head_dim=64,
+                     block_size=32, dtype=torch.bfloat16, device="cuda", seed=group)
+    expected = reference_attention(step, 0.125)
+    for split in (False, True, None):
+        out = cuda_backend_cls(torch.bfloat16, split=split).attend(step.query, step.k_cache, step.v_cache,
+                                                                   fresh_meta(step), 0.125)
+        torch.testing.assert_close(out.float(), expected, atol=1.6e-2, rtol=1.6e-2, msg=lambda m: f"{split}: {m}")
+
+
+def test_largest_step_runs(cuda_backend_cls):
+    """A 140,000-token step (35 chunks of 4,000 tokens, GQA 4): 70,000 chunk work items, more
+    than grid y allows; the whole grid runs and the last sequence matches a dense oracle."""
+    from services.executor.attention import dense_causal_attention
+
+    q_len = 4000
+    step = make_step([q_len] * 35, [q_len] * 35, num_heads=4, num_kv_heads=1, head_dim=64, block_size=32,
+                     dtype=torch.bfloat16, device="cuda", seed=2)
+    out = cuda_backend_cls(torch.bfloat16).attend(step.query, step.k_cache, step.v_cache, fresh_meta(step), 0.125)
+    keys = step.k_cache[step.tables[-1]].flatten(0, 1)[:q_len].float()
+    values = step.v_cache[step.tables[-1]].flatten(0, 1)[:q_len].float()
+    expected = dense_causal_attention(step.query[-q_len:].float(), keys, values, 0.125)
+    torch.testing.assert_close(out[-q_len:].float(), expected, atol=1.6e-2, rtol=1.6e-2)
+
+
 def test_write_kv_with_padding(cuda_backend_cls):
     step = make_step([3, 1, 4], [3, 10, 12], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.float16, device="cuda")
