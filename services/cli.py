@@ -1,10 +1,12 @@
 """``folio``: one command for people and containers.
 
 - ``folio serve [flags]``: the five services as processes on ipc:// sockets, HTTP on --port;
-- ``folio run SERVICE [flags]``: one service alone (what each compose container runs);
+- ``folio run SERVICE [flags]``: one service alone (what each compose container runs), or the
+  router in front of many replicas (``folio run router --replica URL ...``);
 - ``folio prepare [--force]``: convert the packaged default model once;
 - ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
-  ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats`` (``--json``):
+  ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
+  ``folio router stats|replicas`` (``--json``):
   ask a running service's admin socket;
 - ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks).
 """
@@ -22,7 +24,7 @@ from shared.config import Endpoints
 from shared.messages import AdminReply, AdminRequest
 from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
-RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor")
+RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
 # admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
 ADMIN_VERBS = {
     "kv": ("kvmanager", ("stats", "seq", "blocks", "clear")),
@@ -30,6 +32,7 @@ ADMIN_VERBS = {
     "executor": ("executor", ("stats",)),
     "tokenizer": ("tokenizer", ("stats",)),
     "gateway": ("gateway", ("stats",)),
+    "router": ("router", ("stats", "replicas")),
 }
 _NEEDS_REQ_ID = {"seq", "abort"}
 

@@ -74,6 +74,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="reuse cached KV blocks of shared prompt prefixes (default: on)")
     add_scheduling_args(parser, defaults_none=True)
     parser.add_argument("--run-dir", default=None, help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR or /tmp/folio)")
+    parser.add_argument("--kv-events-port", type=int, default=None,
+                        help="publish the KV events over tcp on --host:PORT (for a router; default: ipc only)")
+    parser.add_argument("--kv-snapshot-port", type=int, default=None,
+                        help="the KV snapshot socket routers resync from (default: --kv-events-port + 1)")
     parser.add_argument("--log-json", action="store_true", help="every service logs JSON lines")
     parser.add_argument("--log-level", default="info")
 
@@ -92,6 +96,16 @@ def service_argv(name: str, args: argparse.Namespace, model_path: str) -> list[s
     if args.log_json:
         argv.append("--log-json")
     return argv
+
+
+def kv_events_env(args: argparse.Namespace) -> dict[str, str]:
+    """Where the kvmanager publishes KV events and answers snapshots, when a router must reach them."""
+    if args.kv_events_port is None:
+        return {}
+    snapshot_port = args.kv_snapshot_port or args.kv_events_port + 1
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else "*"
+    return {"FOLIO_KV_EVENTS_ENDPOINT": f"tcp://{host}:{args.kv_events_port}",
+            "FOLIO_KV_SNAPSHOT_ENDPOINT": f"tcp://{host}:{snapshot_port}"}
 
 
 def _die_with_parent() -> None:
@@ -123,7 +137,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     for stale in run_dir.glob("*.sock"):
         stale.unlink()
-    env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir)}
+    env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir), **kv_events_env(args)}
     if args.api_key:
         env["FOLIO_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
 

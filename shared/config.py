@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -58,6 +58,9 @@ class Endpoints:
     admin_scheduler: str
     admin_kvmanager: str
     admin_executor: str
+    # appended after the first layout, so that its tcp ports stay where they were
+    kv_snapshot: str  # ROUTER, bound by the kvmanager: routers ask it for the cache's contents
+    admin_router: str
 
     @staticmethod
     def ipc(run_dir: str | Path) -> "Endpoints":
@@ -80,15 +83,23 @@ class Endpoints:
             "admin_scheduler": "scheduler",
             "admin_kvmanager": "kvmanager",
             "admin_executor": "executor",
+            "kv_snapshot": "kvmanager",
+            "admin_router": "router",
         }
         return Endpoints(**{n: f"tcp://{host}:{base_port + i}" for i, (n, host) in enumerate(owner.items())})
 
     @staticmethod
     def from_env() -> "Endpoints":
-        """``FOLIO_ENDPOINTS=tcp`` (compose) or ``FOLIO_RUN_DIR`` (ipc, default /tmp/folio)."""
+        """``FOLIO_ENDPOINTS=tcp`` (compose) or ``FOLIO_RUN_DIR`` (ipc, default /tmp/folio);
+        ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the KV event stream and
+        its snapshot socket elsewhere (``folio serve --kv-events-port``: tcp for a router)."""
         if os.environ.get("FOLIO_ENDPOINTS", "ipc") == "tcp":
-            return Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")))
-        return Endpoints.ipc(os.environ.get("FOLIO_RUN_DIR", "/tmp/folio"))
+            endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")))
+        else:
+            endpoints = Endpoints.ipc(os.environ.get("FOLIO_RUN_DIR", "/tmp/folio"))
+        moved = {name: os.environ.get(var) for name, var in (("kv_events", "FOLIO_KV_EVENTS_ENDPOINT"),
+                                                             ("kv_snapshot", "FOLIO_KV_SNAPSHOT_ENDPOINT"))}
+        return replace(endpoints, **{name: value for name, value in moved.items() if value})
 
 
 def log_json_from_env() -> bool:
@@ -162,6 +173,31 @@ class GatewayConfig:
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model.rstrip("/")).name or DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router: where it listens, which replicas it may send to, and how it weighs them."""
+
+    endpoints: Endpoints  # only its admin socket is its own
+    model: str = DEFAULT_MODEL_NAME  # the replicas' model: the router tokenizes prompts as they do
+    replicas: tuple[str, ...] = ()  # "URL[,kv_events_port=P][,kv_snapshot_port=Q]"
+    replica_dns: str | None = None  # "NAME:PORT" of a headless Service: every address is a replica
+    kv_events_port: int = 5555  # where a replica's kvmanager publishes (the tcp layout's ports)
+    kv_snapshot_port: int = 5561
+    host: str = "0.0.0.0"
+    port: int = 8080
+    policy: str = "cache_aware"  # or least_loaded, round_robin (baselines)
+    block_size: int = 16  # until a replica's snapshot says otherwise
+    # the cost of one request already running or waiting on a replica, in prompt tokens to compute
+    load_cost_tokens: int = 256
+    poll_interval_s: float = 0.5  # how often each replica's /metrics is read (load, liveness)
+    dns_interval_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 3  # replicas a request may be tried on before the client gets an error
+    down_for_s: float = 2.0  # a failed replica is left alone this long before it is polled again
+    log_json: bool = False
+    log_level: str = "info"
 
 
 def api_key_from_env() -> str | None:

@@ -14,7 +14,8 @@ Who talks with what (PUSH/PULL pipeline, then DEALER/ROUTER request/reply):
 - any CLI -> a service's admin socket: ``AdminRequest``; reply: ``AdminReply``.
 The kvmanager's request/reply types are appended at the end of this module with the kvmanager,
 followed by the KV events it PUBlishes (``KVEventBatch`` of ``BlockStored``/``BlockRemoved``/
-``AllBlocksCleared``, vLLM's shapes).
+``AllBlocksCleared``, vLLM's shapes) and the snapshot a router asks for (``KVSnapshotRequest`` ->
+``KVSnapshot``) when it starts or sees a gap in the events.
 """
 
 from __future__ import annotations
@@ -416,3 +417,18 @@ class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="kv_event_batc
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+class KVSnapshotRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_snapshot_request"):
+    """router -> kvmanager (its ``kv_snapshot`` ROUTER): what does the prefix cache hold now?"""
+
+
+class KVSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="kv_snapshot"):
+    """Every block hash the device tier's prefix cache holds, as of just before the event batch
+    numbered ``next_event_seq``: a subscriber replaces its view with this and then applies the
+    batches numbered ``next_event_seq`` and later. ``epoch``: the registered pool's ("" if none)."""
+
+    next_event_seq: int
+    block_size: int
+    block_hashes: list[bytes]
+    epoch: str = ""

@@ -5,10 +5,10 @@ per-step request (``apply_step`` in ``service.py``). Block ids are the handles o
 pools. What it adds to ``block_pool.BlockPool``'s counting:
 
 - prefix caching: a full block is named by a chained hash of (parent hash, its token ids, extra
-  keys such as the request's cache salt), computed with blake2b over msgpack, never Python's
-  ``hash()``. A request new to the allocator first takes the longest run of cached blocks that
-  match its tokens (each hit verified against the stored tokens and parent); the hit is capped so
-  that at least one token of the allocation, and so the last prompt token, is still computed.
+  keys such as the request's cache salt): ``shared.block_hash``, which the router uses too. A
+  request new to the allocator first takes the longest run of cached blocks that match its tokens
+  (each hit verified against the stored tokens and parent); the hit is capped so that at least
+  one token of the allocation, and so the last prompt token, is still computed.
 - forks: the child's table is a copy of the parent's with ref counts bumped. Full blocks are
   shared for good; the first write into a shared, partly filled last block copies it
   (copy-on-write): the writer gets a fresh block and a (src, dst) pair lands in ``block_copies``.
@@ -19,26 +19,17 @@ The copies accumulate until the service takes them for the step's reply (``take_
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
-import msgspec
-
 from services.kvmanager.block_pool import BlockPool, CachedBlock, NoFreeBlocks
+from shared.block_hash import block_extra_keys, chain_block_hashes, hash_block
 from shared.messages import BlockStored
 
 __all__ = ["BlockAllocator", "NoFreeBlocks", "Sequence", "cdiv", "hash_block"]
 
-_encode = msgspec.msgpack.Encoder().encode
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_block(parent_block_hash: bytes | None, token_ids, extra_keys: tuple = ()) -> bytes:
-    """The stable name of a full block: same parent chain, tokens and extra keys, same hash."""
-    return hashlib.blake2b(_encode([parent_block_hash, list(token_ids), list(extra_keys)]), digest_size=16).digest()
 
 
 @dataclass(eq=False)
@@ -116,7 +107,7 @@ class BlockAllocator:
             raise ValueError(f"{req_id} is swapped out: swap it in before it grows")
         is_new = seq is None
         if is_new:
-            seq = Sequence(req_id, extra_keys=(cache_salt,) if cache_salt else ())
+            seq = Sequence(req_id, extra_keys=block_extra_keys(cache_salt))
         token_ids = seq.token_ids + list(new_token_ids or ())
         hashes = self._extend_hashes(seq, token_ids)
         hits = self._match_prefix(hashes, token_ids, (num_tokens - 1) // self.block_size) if is_new else []
@@ -145,11 +136,7 @@ class BlockAllocator:
     def _extend_hashes(self, seq: Sequence, token_ids: list[int]) -> list[bytes]:
         if not self.enable_prefix_caching:
             return seq.block_hashes
-        hashes = list(seq.block_hashes)
-        bs = self.block_size
-        for i in range(len(hashes), len(token_ids) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], seq.extra_keys))
-        return hashes
+        return chain_block_hashes(token_ids, self.block_size, seq.extra_keys, seq.block_hashes)
 
     def _match_prefix(self, hashes: list[bytes], token_ids: list[int], max_blocks: int) -> list[int]:
         """The longest run of cached blocks that starts the sequence, each verified."""

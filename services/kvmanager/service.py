@@ -6,7 +6,9 @@ Who talks to it, on its ROUTER (``Endpoints.kvmanager``), DEALER peers:
 - the scheduler: ``GetPool`` -> ``PoolInfo`` (held until a pool is registered), then one
   ``KVStepRequest`` -> ``KVStepReply`` per step (``apply_step``), whatever the batch size.
 It PUBlishes the prefix cache's changes on ``Endpoints.kv_events`` (one ``KVEventBatch`` per step
-that changed it, numbered, vLLM's framing) for routers and dashboards.
+that changed it, numbered, vLLM's framing) for routers and dashboards, and answers
+``KVSnapshotRequest`` on ``Endpoints.kv_snapshot`` with every hash the cache holds and the number
+of the next batch, so a router that starts late or misses batches rebuilds its view.
 Its admin ROUTER (``Endpoints.admin_kvmanager``) answers ``stats``, ``seq`` (a block table),
 ``blocks`` (a map of both tiers) and ``clear`` (drop the free cached blocks).
 """
@@ -28,6 +30,8 @@ from shared.messages import (
     AllBlocksCleared,
     GetPool,
     KVEventBatch,
+    KVSnapshot,
+    KVSnapshotRequest,
     KVStepReply,
     KVStepRequest,
     PoolInfo,
@@ -97,6 +101,7 @@ class KVManagerService:
         self.recv_from_peers = make_socket(ctx, zmq.ROUTER, config.endpoints.kvmanager)
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, config.endpoints.admin_kvmanager)
         self.send_to_subscribers = make_socket(ctx, zmq.PUB, config.endpoints.kv_events)
+        self.recv_from_subscribers = make_socket(ctx, zmq.ROUTER, config.endpoints.kv_snapshot)
         self.decoder = Decoder(RegisterPool, GetPool, KVStepRequest)
         self.handlers = {
             RegisterPool: self.handle_register_pool,
@@ -116,9 +121,12 @@ class KVManagerService:
             await asyncio.gather(
                 serve_router(self.recv_from_peers, self.decoder, self.handlers, log, "peers"),
                 serve_admin(self.recv_from_admin, self.admin_commands, log),
+                serve_router(self.recv_from_subscribers, Decoder(KVSnapshotRequest),
+                             {KVSnapshotRequest: self.handle_snapshot}, log, "kv_snapshot"),
             )
         finally:
-            close_sockets(self.recv_from_peers, self.recv_from_admin, self.send_to_subscribers)
+            close_sockets(self.recv_from_peers, self.recv_from_admin, self.send_to_subscribers,
+                          self.recv_from_subscribers)
 
     # ------------------------------------------------------------------ events
     def publish(self, extra: list | None = None) -> None:
@@ -135,6 +143,14 @@ class KVManagerService:
             self.send_to_subscribers.send_multipart([KV_EVENTS_TOPIC, seq, encode(batch)], flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # a PUB never blocks the allocator: slow subscribers see a gap in the numbers
+
+    def handle_snapshot(self, msg: KVSnapshotRequest, envelope: list[bytes]) -> KVSnapshot:
+        """The device cache as of now: events are published within the handler that makes them,
+        so no batch numbered below ``next_event_seq`` is still to come."""
+        if self.allocator is None:
+            return KVSnapshot(next_event_seq=self.next_event_seq, block_size=0, block_hashes=[])
+        return KVSnapshot(next_event_seq=self.next_event_seq, block_size=self.pool.block_size,
+                          block_hashes=list(self.allocator.device.block_id_by_hash), epoch=self.pool.epoch)
 
     # ------------------------------------------------------------------ handlers
     def pool_info(self) -> PoolInfo:

@@ -1,0 +1,240 @@
+"""The replicas behind the router: who they are, whether they answer, how loaded they are, and
+what their prefix caches hold.
+
+- Who: ``--replica URL[,kv_events_port=P][,kv_snapshot_port=Q]`` (static) and, with
+  ``--replica-dns NAME:PORT``, every address a (Kubernetes headless Service) name resolves to,
+  looked up again every ``dns_interval_s``.
+- Liveness and load: each replica's ``GET /metrics`` every ``poll_interval_s`` gives its running
+  and waiting requests (``folio:num_requests_running``/``waiting``); a failed poll, or a failed
+  request in ``service.py``, marks it down; a poll that succeeds again brings it back.
+- Caches: one SUB socket per replica on its kvmanager's KV events (tcp, ``kv_events_port``), fed
+  to ``KVIndex``; on a gap or restart in the numbering, and whenever a replica comes up, the view
+  is rebuilt from a ``KVSnapshot`` asked on ``kv_snapshot_port`` (without an answer it starts
+  empty: a replica that came back has lost its cache, and so its affinity, until it caches again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import structlog
+import zmq
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.router.index import KVIndex
+from shared.config import RouterConfig
+from shared.messages import KV_EVENTS_TOPIC, KVEventBatch, KVSnapshot, KVSnapshotRequest
+from shared.transport import Decoder, MalformedMessage, encode, make_socket
+
+log = structlog.get_logger()
+
+SNAPSHOT_TIMEOUT_S = 2.0
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str  # its base URL, e.g. http://10.0.0.7:8000
+    kv_events: str  # tcp://host:port of its kvmanager's PUB
+    kv_snapshot: str  # tcp://host:port of its kvmanager's snapshot ROUTER
+    from_dns: bool = False
+    up: bool = False  # until its first poll answers
+    num_inflight: int = 0  # requests this router has sent it that are not done
+    num_running: int = 0  # as its /metrics said last
+    num_waiting: int = 0
+    num_routed: int = 0
+    num_failures: int = 0
+    last_error: str = ""
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def load(self) -> int:
+        """Requests it is busy with: its own count, or ours when that is fresher (the poll lags)."""
+        return max(self.num_inflight, self.num_running + self.num_waiting)
+
+
+def parse_replica(spec: str, kv_events_port: int, kv_snapshot_port: int, from_dns: bool = False) -> Replica:
+    """``URL[,kv_events_port=P][,kv_snapshot_port=Q]`` -> a Replica; ValueError when malformed."""
+    url, *options = spec.split(",")
+    parts = urlsplit(url.rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"a replica is an http(s) URL, optionally ',kv_events_port=P,kv_snapshot_port=Q': {spec!r}")
+    ports = {"kv_events_port": kv_events_port, "kv_snapshot_port": kv_snapshot_port}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key.strip() not in ports or not value.strip().isdigit():
+            raise ValueError(f"unknown replica option {option!r} in {spec!r}")
+        ports[key.strip()] = int(value)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return Replica(name=f"{parts.scheme}://{host}:{parts.port or 80}{parts.path}",
+                   kv_events=f"tcp://{host}:{ports['kv_events_port']}",
+                   kv_snapshot=f"tcp://{host}:{ports['kv_snapshot_port']}", from_dns=from_dns)
+
+
+def read_load(metrics_text: str) -> tuple[int, int]:
+    """(running, waiting) from a replica's Prometheus text."""
+    values = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in ("folio:num_requests_running", "folio:num_requests_waiting"):
+                values[sample.name] = values.get(sample.name, 0) + int(sample.value)
+    return values.get("folio:num_requests_running", 0), values.get("folio:num_requests_waiting", 0)
+
+
+class ReplicaSet:
+    def __init__(self, config: RouterConfig, index: KVIndex, metrics, ctx: zmq.asyncio.Context):
+        self.config = config
+        self.index = index
+        self.metrics = metrics
+        self.ctx = ctx
+        self.replicas: dict[str, Replica] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self._snapshot_decoder = Decoder(KVSnapshot)
+        self._batch_decoder = Decoder(KVEventBatch)
+        self._resyncing: dict[str, asyncio.Task] = {}
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.up]
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+        for spec in self.config.replicas:
+            self.add(parse_replica(spec, self.config.kv_events_port, self.config.kv_snapshot_port))
+        loops = [self._poll_forever()]
+        if self.config.replica_dns:
+            loops.append(self._discover_forever(self.config.replica_dns))
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            for name in list(self.replicas):
+                self.remove(name)
+
+    # ------------------------------------------------------------------ membership
+    def add(self, replica: Replica) -> None:
+        if replica.name in self.replicas:
+            return
+        self.replicas[replica.name] = replica
+        self.index.view(replica.name)
+        replica.tasks.append(asyncio.ensure_future(self._follow_events(replica)))
+        self.metrics.replica_up.labels(replica.name).set(0)
+        log.info("replica added", replica=replica.name, kv_events=replica.kv_events, from_dns=replica.from_dns)
+
+    def remove(self, name: str) -> None:
+        replica = self.replicas.pop(name, None)
+        if replica is None:
+            return
+        for task in replica.tasks:
+            task.cancel()
+        self.index.drop(name)
+        self.metrics.forget(name)
+        log.info("replica removed", replica=name)
+
+    async def _discover_forever(self, dns: str) -> None:
+        host, _, port = dns.rpartition(":")
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                found = {f"http://{f'[{a[4][0]}]' if a[0] == socket.AF_INET6 else a[4][0]}:{port}" for a in infos}
+            except OSError as exc:
+                log.warning("replica lookup failed; keeping the replicas known", name=host, error=str(exc))
+                found = None
+            if found is not None:
+                for url in sorted(found - set(self.replicas)):
+                    self.add(parse_replica(url, self.config.kv_events_port, self.config.kv_snapshot_port, True))
+                for name in [n for n, r in self.replicas.items() if r.from_dns and n not in found]:
+                    self.remove(name)
+            await asyncio.sleep(self.config.dns_interval_s)
+
+    # ------------------------------------------------------------------ liveness and load
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(r) for r in list(self.replicas.values())))
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def poll(self, replica: Replica) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.poll_interval_s * 2),
+                                        sock_connect=self.config.connect_timeout_s)
+        try:
+            async with self.session.get(replica.name + "/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                replica.num_running, replica.num_waiting = read_load(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            self.mark_down(replica, f"poll: {type(exc).__name__}: {exc}")
+            return
+        if not replica.up:
+            replica.up = True
+            self.metrics.replica_up.labels(replica.name).set(1)
+            log.info("replica up", replica=replica.name)
+            self.resync(replica, "up")  # new, or back: what it caches now is its own word
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        replica.last_error = reason
+        if not replica.up:
+            return
+        replica.up = False
+        replica.num_failures += 1
+        self.metrics.replica_up.labels(replica.name).set(0)
+        self.index.mark_stale(replica.name)  # whatever it held may be gone when it comes back
+        log.warning("replica down", replica=replica.name, reason=reason)
+
+    # ------------------------------------------------------------------ KV events
+    async def _follow_events(self, replica: Replica) -> None:
+        sub = make_socket(self.ctx, zmq.SUB, replica.kv_events)
+        sub.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    log.warning("malformed kv event frames dropped", replica=replica.name, num_frames=len(frames))
+                    continue
+                try:
+                    batch = self._batch_decoder.decode(frames[2])
+                except MalformedMessage as exc:
+                    log.warning("malformed kv event batch dropped", replica=replica.name, error=str(exc))
+                    continue
+                outcome = self.index.apply_batch(replica.name, int.from_bytes(frames[1], "big"), batch)
+                self.metrics.event_batches.labels(replica.name, outcome).inc()
+                if outcome in ("gap", "restart"):
+                    log.info("kv events out of sequence; resyncing", replica=replica.name, cause=outcome)
+                    self.resync(replica, outcome)
+                self.metrics.indexed_blocks.labels(replica.name).set(len(self.index.view(replica.name).block_hashes))
+        finally:
+            sub.close(linger=0)
+
+    def resync(self, replica: Replica, cause: str) -> None:
+        """Rebuild the replica's view from a snapshot, in the background (events keep buffering)."""
+        running = self._resyncing.get(replica.name)
+        if running is not None and not running.done():
+            return
+        if self.index.in_sync(replica.name):
+            self.index.mark_stale(replica.name)  # batches that arrive meanwhile wait for the snapshot
+        self.metrics.resyncs.labels(replica.name, cause).inc()
+        task = asyncio.ensure_future(self._resync(replica))
+        self._resyncing[replica.name] = task
+        replica.tasks.append(task)
+        task.add_done_callback(lambda t: replica.tasks.remove(t) if t in replica.tasks else None)
+
+    async def _resync(self, replica: Replica) -> None:
+        dealer = make_socket(self.ctx, zmq.DEALER, replica.kv_snapshot)
+        try:
+            await dealer.send(encode(KVSnapshotRequest()))
+            snapshot = self._snapshot_decoder.decode(await asyncio.wait_for(dealer.recv(), SNAPSHOT_TIMEOUT_S))
+        except (asyncio.TimeoutError, MalformedMessage, zmq.ZMQError) as exc:
+            log.warning("no kv snapshot; the replica's view starts empty", replica=replica.name,
+                        error=type(exc).__name__)
+            if replica.name in self.replicas:
+                self.index.start_empty(replica.name)
+            return
+        finally:
+            dealer.close(linger=0)
+        if replica.name in self.replicas:
+            self.index.apply_snapshot(replica.name, snapshot)
+            self.metrics.indexed_blocks.labels(replica.name).set(len(self.index.view(replica.name).block_hashes))
+            log.info("kv view rebuilt from a snapshot", replica=replica.name,
+                     num_blocks=len(snapshot.block_hashes), next_event_seq=snapshot.next_event_seq)

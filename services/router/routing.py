@@ -1,0 +1,66 @@
+"""Where a request goes: the replica that would compute the fewest prompt tokens, load counted.
+
+``service.py`` calls ``choose`` once per attempt with the prompt's token ids (None when it could
+not tokenize them) and the replicas already tried. The cost of a replica is the prompt tokens it
+would still have to compute (those past the prefix its cache holds, from ``KVIndex``) plus
+``load_cost_tokens`` for every request it is running or holding in its queue. The cheapest wins;
+among equals the one this router has sent fewest requests, so uniform traffic spreads evenly.
+Block hashes are ``shared.block_hash``'s, the kvmanager's own, salted the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.index import KVIndex
+from services.router.replicas import Replica
+from shared.block_hash import block_extra_keys, chain_block_hashes
+
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: Replica
+    reason: str  # "cache" (sent where its prefix is), "load" (least cost without a cached prefix), "round_robin"
+    num_cached_tokens: int  # of the prompt, in the chosen replica's cache as the index saw it
+
+
+class Router:
+    def __init__(self, index: KVIndex, policy: str = "cache_aware", load_cost_tokens: int = 256,
+                 default_block_size: int = 16):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
+        self.index = index
+        self.policy = policy
+        self.load_cost_tokens = load_cost_tokens
+        self.default_block_size = default_block_size
+        self.num_round_robin = 0
+
+    def choose(self, replicas: list[Replica], token_ids: list[int] | None, cache_salt: str | None = None,
+               exclude: set[str] = frozenset()) -> Decision | None:
+        live = sorted((r for r in replicas if r.up and r.name not in exclude), key=lambda r: r.name)
+        if not live:
+            return None
+        if self.policy == "round_robin":
+            self.num_round_robin += 1
+            return Decision(live[self.num_round_robin % len(live)], "round_robin", 0)
+        cached = {r.name: 0 for r in live}
+        if token_ids and self.policy == "cache_aware":
+            hashes_by_size: dict[int, list[bytes]] = {}
+            extra_keys = block_extra_keys(cache_salt)
+            for r in live:
+                size = self.index.view(r.name).block_size or self.default_block_size
+                if size not in hashes_by_size:
+                    # the last prompt token is always computed: a hit never covers it
+                    hashes_by_size[size] = chain_block_hashes(token_ids[:-1], size, extra_keys)
+                cached[r.name] = self.index.num_cached_blocks(r.name, hashes_by_size[size]) * size
+        num_tokens = len(token_ids or ())
+
+        def cost(r: Replica) -> tuple:
+            return (num_tokens - cached[r.name] + self.load_cost_tokens * r.load, r.num_routed)
+
+        best = min(live, key=cost)
+        most_cached = max(cached.values())
+        reason = "cache" if cached[best.name] and cached[best.name] == most_cached else "load"
+        return Decision(best, reason, cached[best.name])
