@@ -86,11 +86,11 @@ class KVIndex:
         view.next_event_seq = None
         view.take_any_next = False
         view.pending.clear()
-        view.num_resyncs += 1
 
     def apply_snapshot(self, replica: str, snapshot: KVSnapshot) -> None:
         """Replace the view with the replica's own account, then replay the batches after it."""
         view = self.view(replica)
+        view.num_resyncs += 1
         view.block_hashes = set(snapshot.block_hashes)
         if snapshot.block_size:
             view.block_size = snapshot.block_size
@@ -104,6 +104,7 @@ class KVIndex:
         """No snapshot to be had: start from nothing and take the buffered batches as they come
         (what they store is known; what was cached before them is lost until stored again)."""
         view = self.view(replica)
+        view.num_resyncs += 1
         pending, view.pending = sorted(view.pending, key=lambda p: p[0]), []
         view.block_hashes.clear()
         view.next_event_seq, view.take_any_next = None, True

@@ -4,7 +4,7 @@
 not tokenize them) and the replicas already tried. The cost of a replica is the prompt tokens it
 would still have to compute (those past the prefix its cache holds, from ``KVIndex``) plus
 ``load_cost_tokens`` for every request it is running or holding in its queue. The cheapest wins;
-among equals the one this router has sent fewest requests, so uniform traffic spreads evenly.
+among equals the next in turn after the last one chosen, so uniform traffic spreads evenly.
 Block hashes are ``shared.block_hash``'s, the kvmanager's own, salted the same way.
 """
 
@@ -35,16 +35,17 @@ class Router:
         self.policy = policy
         self.load_cost_tokens = load_cost_tokens
         self.default_block_size = default_block_size
-        self.num_round_robin = 0
+        self.num_choices = 0  # whose turn it is among equals (and under round_robin)
 
     def choose(self, replicas: list[Replica], token_ids: list[int] | None, cache_salt: str | None = None,
                exclude: set[str] = frozenset()) -> Decision | None:
         live = sorted((r for r in replicas if r.up and r.name not in exclude), key=lambda r: r.name)
         if not live:
             return None
+        turn = self.num_choices % len(live)
+        self.num_choices += 1
         if self.policy == "round_robin":
-            self.num_round_robin += 1
-            return Decision(live[self.num_round_robin % len(live)], "round_robin", 0)
+            return Decision(live[turn], "round_robin", 0)
         cached = {r.name: 0 for r in live}
         if token_ids and self.policy == "cache_aware":
             hashes_by_size: dict[int, list[bytes]] = {}
@@ -57,10 +58,11 @@ class Router:
                 cached[r.name] = self.index.num_cached_blocks(r.name, hashes_by_size[size]) * size
         num_tokens = len(token_ids or ())
 
-        def cost(r: Replica) -> tuple:
-            return (num_tokens - cached[r.name] + self.load_cost_tokens * r.load, r.num_routed)
+        def cost(i: int) -> tuple:
+            r = live[i]
+            return num_tokens - cached[r.name] + self.load_cost_tokens * r.load, (i - turn) % len(live)
 
-        best = min(live, key=cost)
+        best = live[min(range(len(live)), key=cost)]
         most_cached = max(cached.values())
         reason = "cache" if cached[best.name] and cached[best.name] == most_cached else "load"
         return Decision(best, reason, cached[best.name])

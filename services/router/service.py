@@ -38,6 +38,7 @@ log = structlog.get_logger()
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _PASSED_HEADERS = ("Authorization", "Content-Type", "Accept")
 _RETRY_STATUSES = (502, 503, 504)  # the replica cannot take it now (draining, overloaded, gone)
+REPLICA_HEADER = "X-Folio-Replica"  # which replica answered: for clients' logs, and tests
 
 
 class _Retry(Exception):
@@ -141,8 +142,8 @@ class RouterService:
                 if upstream.status in _RETRY_STATUSES:
                     raise _Retry(f"http_{upstream.status}")
                 if upstream.content_type != "text/event-stream":
-                    return web.Response(status=upstream.status, body=await upstream.read(),
-                                        headers={"Content-Type": upstream.headers.get("Content-Type", "")})
+                    return web.Response(status=upstream.status, body=await upstream.read(), headers={
+                        "Content-Type": upstream.headers.get("Content-Type", ""), REPLICA_HEADER: replica.name})
                 first = await upstream.content.readany()
                 if not first:
                     raise aiohttp.ServerDisconnectedError("the stream closed before its first bytes")
@@ -154,7 +155,8 @@ class RouterService:
     async def _pass_stream(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
                            first: bytes) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+            REPLICA_HEADER: replica.name})
         await response.prepare(request)
         await response.write(first)
         try:

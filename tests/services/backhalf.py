@@ -22,11 +22,11 @@ from shared.messages import AdminReply, AdminRequest, EngineRequest, SamplingPar
 from shared.transport import Decoder, encode, make_socket
 
 
-def write_tiny_chat_model(folder, tokenizer_dir) -> str:
+def write_tiny_chat_model(folder, tokenizer_dir, max_position_embeddings: int = 256) -> str:
     """A tiny random Llama with a real tokenizer (SmolLM2's), so that the tokenizer service runs."""
     from tests.conftest import write_tiny_model
 
-    write_tiny_model(folder, vocab_size=49152, max_position_embeddings=256)
+    write_tiny_model(folder, vocab_size=49152, max_position_embeddings=max_position_embeddings)
     for f in Path(tokenizer_dir).iterdir():
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, Path(folder) / f.name)

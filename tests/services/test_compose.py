@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -78,6 +79,27 @@ def test_executor_reserves_a_gpu_and_the_cpu_variant_is_a_profile():
     # nothing that always runs depends on a profiled service (compose would refuse to start)
     for name, svc in COMPOSE["services"].items():
         assert not {"executor", "executor-cpu"} & set(svc.get("depends_on", {})), name
+
+
+def test_the_scale_out_profile_puts_two_replicas_behind_the_router():
+    from services.router.main import parse_config
+    from services.router.replicas import parse_replica
+
+    services = COMPOSE["services"]
+    profiled = {name for name, svc in services.items() if svc.get("profiles") == ["scale-out"]}
+    assert profiled == {"replica-a", "replica-b", "router"}
+    config = parse_config(command_of("router")[3:])
+    dialled = {parse_replica(spec, config.kv_events_port, config.kv_snapshot_port) for spec in config.replicas}
+    assert {urllib.parse.urlsplit(r.name).hostname for r in dialled} == {"replica-a", "replica-b"}
+    for name in ("replica-a", "replica-b"):
+        cmd = command_of(name)
+        assert cmd[:2] == ["folio", "serve"] and name in services["router"]["depends_on"]
+        replica = next(r for r in dialled if f"//{name}:" in r.name)
+        # the router dials the ports the replica publishes its KV events and snapshots on
+        assert replica.kv_events.endswith(":" + cmd[cmd.index("--kv-events-port") + 1])
+        assert replica.kv_snapshot.endswith(":" + cmd[cmd.index("--kv-snapshot-port") + 1])
+        assert replica.name.endswith(":" + cmd[cmd.index("--port") + 1])
+    assert services["router"]["healthcheck"]["test"][1:] == ["folio", "health", "router"]
 
 
 def test_entry_points_exist():

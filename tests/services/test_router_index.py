@@ -87,7 +87,7 @@ def test_without_a_snapshot_the_view_starts_empty_from_the_buffered_batches():
     index.mark_stale("a")
     index.start_empty("a")  # nothing buffered: the next batch, whatever its number, syncs
     assert index.apply_batch("a", 40, stored(3)) == "applied" and held(index) == {3}
-    assert index.view("a").num_resyncs == 1
+    assert index.view("a").num_resyncs == 2
 
 
 def test_cached_prefix_counts_leading_blocks_only():
@@ -142,10 +142,10 @@ def test_equal_cost_spreads_by_requests_sent_and_down_or_tried_replicas_are_skip
     router = Router(index, "cache_aware")
     counts = {a.name: 0, b.name: 0}
     for _ in range(10):
-        chosen = router.choose([a, b], [1, 2, 3]).replica
-        chosen.num_routed += 1
-        counts[chosen.name] += 1
+        counts[router.choose([a, b], [1, 2, 3]).replica.name] += 1
     assert counts == {a.name: 5, b.name: 5}
+    a.num_inflight = 1  # busier: b until b is as busy
+    assert [router.choose([a, b], [1, 2, 3]).replica for _ in range(3)] == [b, b, b]
     assert router.choose([a, b], None, exclude={a.name}).replica is b
     b.up = False
     assert router.choose([a, b], None).replica is a
