@@ -1,0 +1,123 @@
+"""The router's replica bookkeeping against a real kvmanager over ipc:// sockets: it follows the KV
+event stream, and a router that joins late (or resyncs) gets the cache's contents from a snapshot;
+and DNS discovery adds and drops replicas as a name's addresses change."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from services.kvmanager.service import KVManagerService
+from services.router.index import KVIndex
+from services.router.metrics import RouterMetrics
+from services.router.replicas import Replica, ReplicaSet
+from shared.block_hash import block_extra_keys, chain_block_hashes
+from shared.config import Endpoints, KVManagerConfig, RouterConfig
+from shared.messages import KVStepReply, KVStepRequest, PoolInfo, RegisterPool
+from shared.transport import Decoder, encode, make_socket
+from tests.services.backhalf import short_run_dir
+
+BS = 4
+
+
+async def ask(sock, message):
+    await sock.send(encode(message))
+    return Decoder(PoolInfo, KVStepReply).decode(await asyncio.wait_for(sock.recv(), 5))
+
+
+async def wait_for(predicate, what: str, timeout_s: float = 5.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_events_and_snapshots_of_a_real_kvmanager_build_the_same_view():
+    run_dir = short_run_dir()
+    ep = Endpoints.ipc(run_dir)
+    ctx = zmq.asyncio.Context()
+    kv_task = asyncio.ensure_future(KVManagerService(KVManagerConfig(endpoints=ep), ctx).run())
+    config = RouterConfig(endpoints=ep)
+    early, late = KVIndex(), KVIndex()
+    sets = [ReplicaSet(config, index, RouterMetrics(), ctx) for index in (early, late)]
+    try:
+        scheduler = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+        await ask(scheduler, RegisterPool(num_blocks=16, block_size=BS, bytes_per_block=64, epoch="e1"))
+        replica = Replica(name="http://replica:1", kv_events=ep.kv_events, kv_snapshot=ep.kv_snapshot)
+        sets[0].add(replica)
+        sets[0].resync(replica, "up")
+        await wait_for(lambda: early.in_sync(replica.name), "the first snapshot")
+        await asyncio.sleep(0.2)  # the SUB's subscription reaches the PUB
+        prompt = list(range(1, 19))  # 4 full blocks
+        await ask(scheduler, KVStepRequest(step_id=0, allocate=[("a", 18)], new_token_ids={"a": prompt},
+                                           cache_salts={"a": "t"}))
+        await ask(scheduler, KVStepRequest(step_id=1, free_req_ids=["a"]))  # computed: indexed, then freed
+        expected = set(chain_block_hashes(prompt, BS, block_extra_keys("t")))
+        await wait_for(lambda: early.view(replica.name).block_hashes == expected, "the stored blocks' events")
+        # a router that joins now learns the same from a snapshot
+        late_replica = Replica(name=replica.name, kv_events=ep.kv_events, kv_snapshot=ep.kv_snapshot)
+        sets[1].add(late_replica)
+        sets[1].resync(late_replica, "up")
+        await wait_for(lambda: late.in_sync(replica.name), "the late router's snapshot")
+        assert late.view(replica.name).block_hashes == expected and late.view(replica.name).block_size == BS
+        # a new executor epoch clears everything, for both
+        await ask(scheduler, RegisterPool(num_blocks=16, block_size=BS, bytes_per_block=64, epoch="e2"))
+        await wait_for(lambda: not early.view(replica.name).block_hashes and not late.view(replica.name).block_hashes,
+                       "AllBlocksCleared")
+        scheduler.close(linger=0)
+    finally:
+        for s in sets:
+            for name in list(s.replicas):
+                s.remove(name)
+        kv_task.cancel()
+        await asyncio.gather(kv_task, return_exceptions=True)
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_dns_discovery_adds_and_drops_replicas_as_addresses_change(monkeypatch):
+    ctx = zmq.asyncio.Context()
+    config = RouterConfig(endpoints=Endpoints.ipc(short_run_dir()), replica_dns="folio-replicas:8000",
+                          dns_interval_s=0.01, replicas=("http://static:9000",))
+    replicas = ReplicaSet(config, KVIndex(), RouterMetrics(), ctx)
+    answers = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3"], OSError("no such name"), []]
+
+    async def getaddrinfo(host, port, type=0):
+        assert (host, port) == ("folio-replicas", 8000)
+        answer = answers[0] if len(answers) == 1 else answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return [(2, type, 6, "", (ip, port)) for ip in answer]
+
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    seen = []
+
+    async def watch():
+        while True:
+            seen.append(sorted(replicas.replicas))
+            await asyncio.sleep(0.002)
+
+    replicas.add(Replica(name="http://static:9000", kv_events="tcp://static:5555", kv_snapshot="tcp://static:5561"))
+    tasks = [asyncio.ensure_future(replicas._discover_forever(config.replica_dns)), asyncio.ensure_future(watch())]
+    try:
+        await wait_for(lambda: len(answers) == 1 and sorted(replicas.replicas) == ["http://static:9000"],
+                       "the last answer")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for name in list(replicas.replicas):
+            replicas.remove(name)
+        ctx.destroy(linger=0)
+    assert ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://static:9000"] in seen
+    assert ["http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://static:9000"] in seen
+    # a failed lookup kept what was known: no state between the second answer and the empty one lost 10.0.0.3 early
+    second = seen.index(["http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://static:9000"])
+    assert all(s in (seen[second], ["http://static:9000"]) for s in seen[second:])
