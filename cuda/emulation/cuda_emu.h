@@ -39,6 +39,9 @@ struct Warp {
   explicit Warp(int lanes) : barrier(lanes) {}
   std::barrier<> barrier;
   alignas(8) unsigned char slots[32][8];
+  const void* rows[32];      // ldmatrix: each lane's row address
+  unsigned frag_a[32][4];    // mma: each lane's A and B fragment registers
+  unsigned frag_b[32][2];
 };
 
 struct Launch {
@@ -83,6 +86,62 @@ T exchange(T v, int src_lane) {
 
 // Runs the blocks with linear ids [first, first + count) of the grid (x fastest), with their
 // real blockIdx: a test can run the far end of a grid too large to emulate whole.
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16, per the PTX ISA: lanes 8i..8i+7 give the
+// row addresses of 8x8 matrix i; register i of lane l holds M_i[l/4][2(l%4)], M_i[l/4][2(l%4)+1]
+// (low half first), or with .trans M_i[2(l%4)][l/4], M_i[2(l%4)+1][l/4]. A warp-wide collective.
+inline void ldmatrix_x4(unsigned (&r)[4], const void* row, bool trans) {
+  Warp& w = my_warp();
+  const int lane = linear_tid % 32, g = lane / 4, t = lane % 4;
+  w.rows[lane] = row;
+  w.barrier.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) {
+    std::uint16_t lo, hi;
+    if (!trans) {
+      const auto* p = static_cast<const std::uint16_t*>(w.rows[8 * i + g]);
+      lo = p[2 * t];
+      hi = p[2 * t + 1];
+    } else {
+      lo = static_cast<const std::uint16_t*>(w.rows[8 * i + 2 * t])[g];
+      hi = static_cast<const std::uint16_t*>(w.rows[8 * i + 2 * t + 1])[g];
+    }
+    r[i] = lo | (static_cast<unsigned>(hi) << 16);
+  }
+  w.barrier.arrive_and_wait();
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: every lane hands in its fragments, the warp's
+// A (16x16) and B (16x8) are rebuilt by the PTX ISA's fragment tables, and each lane adds its four
+// entries of A * B to d in fp32 (the products of 16-bit inputs are exact in fp32).
+template <typename Widen>
+void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], Widen widen) {
+  Warp& w = my_warp();
+  const int lane = linear_tid % 32;
+  std::memcpy(w.frag_a[lane], a, sizeof(a));
+  std::memcpy(w.frag_b[lane], b, sizeof(b));
+  w.barrier.arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    for (int h = 0; h < 2; ++h) {
+      auto elem = [&](unsigned reg) { return widen(static_cast<unsigned short>(reg >> (16 * h))); };
+      A[g][2 * t + h] = elem(w.frag_a[l][0]);
+      A[g + 8][2 * t + h] = elem(w.frag_a[l][1]);
+      A[g][2 * t + 8 + h] = elem(w.frag_a[l][2]);
+      A[g + 8][2 * t + 8 + h] = elem(w.frag_a[l][3]);
+      B[2 * t + h][g] = elem(w.frag_b[l][0]);
+      B[2 * t + 8 + h][g] = elem(w.frag_b[l][1]);
+    }
+  }
+  w.barrier.arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int e = 0; e < 4; ++e) {
+    float acc = d[e];
+    for (int k = 0; k < 16; ++k) acc += A[rows[e]][k] * B[k][cols[e]];
+    d[e] = acc;
+  }
+}
+
 inline void launch(dim3 grid, dim3 block, const std::function<void()>& body, unsigned long long first,
                    unsigned long long count) {
   static std::mutex serialize;

@@ -3,12 +3,16 @@
 // loader's name expressions), and one C entry point that ctypes calls like cuLaunchKernel.
 #include "paged_attention.cu"
 #include "decode_attention.cu"
+#include "prefill_attention.cu"
 #include "cache_ops.cu"
 
 #include "emu_instances.inc"
 
 #include "emu_probes.cuh"
 FOLIO_EMU_REGISTER(folio_probe::cp_async_probe)
+FOLIO_EMU_REGISTER(folio_probe::ldmatrix_probe)
+FOLIO_EMU_REGISTER(folio_probe::mma_probe<folio::bf16>)
+FOLIO_EMU_REGISTER(folio_probe::mma_probe<folio::f16>)
 
 extern "C" int folio_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                                 unsigned by, unsigned bz, void** params, unsigned long long first_block,

@@ -2,7 +2,7 @@
 // down the semantics of the emulated intrinsics, so that a wrong emulation fails a test instead
 // of hiding a kernel bug. Emulation only; never compiled by NVRTC.
 #pragma once
-#include "common.cuh"
+#include "mma.cuh"
 
 namespace folio_probe {
 
@@ -28,6 +28,34 @@ __global__ void cp_async_probe(int* out, const int* src) {
   folio::cp_async_commit();
   folio::cp_async_wait<0>();
   for (int i = 0; i < 4; ++i) out[16 + i] = buf[2][i];
+}
+
+// ldmatrix .x4 and .x4.trans: mats holds four 8x8 b16 matrices, row-major; lane l addresses row
+// l % 8 of matrix l / 8. out[l][0..3] = the plain registers, out[l][4..7] = the transposed ones.
+__global__ void ldmatrix_probe(unsigned* out, const unsigned short* mats) {
+  alignas(16) __shared__ unsigned short buf[32][8];
+  const int lane = threadIdx.x;
+  for (int c = 0; c < 8; ++c) buf[lane][c] = mats[lane * 8 + c];
+  __syncthreads();
+  unsigned r[4], rt[4];
+  folio::ldmatrix_x4(r, buf[lane]);
+  folio::ldmatrix_x4_trans(rt, buf[lane]);
+  for (int i = 0; i < 4; ++i) {
+    out[lane * 8 + i] = r[i];
+    out[lane * 8 + 4 + i] = rt[i];
+  }
+}
+
+// mma.sync m16n8k16: lane l hands in the fragments a[l][0..3], b[l][0..1] and accumulators
+// c[l][0..3] as given, and writes back its d[l][0..3].
+template <typename T>
+__global__ void mma_probe(float* d, const unsigned* a, const unsigned* b, const float* c) {
+  const int lane = threadIdx.x;
+  const unsigned fa[4] = {a[4 * lane], a[4 * lane + 1], a[4 * lane + 2], a[4 * lane + 3]};
+  const unsigned fb[2] = {b[2 * lane], b[2 * lane + 1]};
+  float acc[4] = {c[4 * lane], c[4 * lane + 1], c[4 * lane + 2], c[4 * lane + 3]};
+  folio::mma_16816<T>(acc, fa, fb);
+  for (int e = 0; e < 4; ++e) d[4 * lane + e] = acc[e];
 }
 
 }  // namespace folio_probe

@@ -18,7 +18,8 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
 # module name -> source file; each module is compiled separately (only the instances a model needs)
-MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.cu", "cache": "cache_ops.cu"}
+MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.cu", "prefill": "prefill_attention.cu",
+                "cache": "cache_ops.cu"}
 
 # storage dtype name (torch's) -> C++ type in the kernels
 DTYPES = {"float32": "float", "float16": "folio::f16", "bfloat16": "folio::bf16"}
@@ -30,6 +31,9 @@ ATTN_THREADS = 128
 ATTN_ROWS = 8
 DECODE_THREADS = 128
 DECODE_MAX_GROUP = 16
+PREFILL_THREADS = 128
+PREFILL_ROWS = 64
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")  # the prefill kernel's mma.sync types
 PARTITION_SIZE = 512
 REDUCE_THREADS = 128
 WRITE_THREADS = 128
@@ -50,6 +54,7 @@ class KernelNames:
 
     attention: str
     decode: str
+    prefill: str  # "" where no tensor-core instance exists (fp32): chunks take the attention kernel
     reduce: str
     write_kv: str
     copy_blocks: str
@@ -61,6 +66,10 @@ def attention_name(dtype: str, head_size: int, block_size: int) -> str:
 
 def decode_name(dtype: str, head_size: int, block_size: int) -> str:
     return f"folio::paged_decode<{DTYPES[dtype]}, {head_size}, {block_size}>"
+
+
+def prefill_name(dtype: str, head_size: int, block_size: int) -> str:
+    return f"folio::paged_prefill<{DTYPES[dtype]}, {head_size}, {block_size}>"
 
 
 def reduce_name(dtype: str) -> str:
@@ -92,6 +101,7 @@ def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
     return KernelNames(
         attention=attention_name(dtype, head_size, block_size),
         decode=decode_name(dtype, head_size, block_size),
+        prefill=prefill_name(dtype, head_size, block_size) if dtype in TENSOR_CORE_DTYPES else "",
         reduce=reduce_name(dtype),
         write_kv=write_kv_name(dtype),
         copy_blocks=COPY_BLOCKS_NAME,
@@ -101,6 +111,8 @@ def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
 def module_of(name: str) -> str:
     if name.startswith("folio::paged_decode"):
         return "decode"
+    if name.startswith("folio::paged_prefill"):
+        return "prefill"
     return "attention" if name.startswith("folio::paged_attention") else "cache"
 
 
@@ -112,6 +124,8 @@ def all_name_expressions() -> dict[str, list[str]]:
             for block in BLOCK_SIZES:
                 names["attention"].append(attention_name(dtype, head, block))
                 names["decode"].append(decode_name(dtype, head, block))
+                if dtype in TENSOR_CORE_DTYPES:
+                    names["prefill"].append(prefill_name(dtype, head, block))
         names["attention"].append(reduce_name(dtype))
         names["cache"].append(write_kv_name(dtype))
     names["cache"].append(COPY_BLOCKS_NAME)

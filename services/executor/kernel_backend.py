@@ -54,7 +54,9 @@ class KernelAttentionBackend:
         meta.plan = plans
         key = (group, num_kv_heads)
         if key not in plans:
-            plans[key] = build_plan(meta, group, num_kv_heads, self.launcher.num_sms, self.split, self.partition_size)
+            rows = ck.PREFILL_ROWS if DTYPE_NAMES[self.model_dtype] in ck.TENSOR_CORE_DTYPES else ck.ATTN_ROWS
+            plans[key] = build_plan(meta, group, num_kv_heads, self.launcher.num_sms, self.split, self.partition_size,
+                                    rows)
         return plans[key]
 
     # ------------------------------------------------------------------ per layer
@@ -104,7 +106,8 @@ class KernelAttentionBackend:
                   _ptr(_int32(meta.query_start_loc)))
         shape = (num_kv_heads, plan.group, np.int32(meta.block_tables.shape[1]), np.int64(query.stride(0)),
                  np.float32(scale))
-        for kernel, path in (("attention", plan.chunk), ("decode", plan.decode)):
+        chunk_kernel = "prefill" if names.prefill else "attention"  # tensor cores for 16-bit types
+        for kernel, path in ((chunk_kernel, plan.chunk), ("decode", plan.decode)):
             if path is None:
                 continue
             part_out, part_lse = self._partials(path, num_tokens, num_heads, head_dim, query.device)
@@ -114,7 +117,8 @@ class KernelAttentionBackend:
             if kernel == "decode":  # one CTA per (sequence, split) along x, KV heads along y
                 grid, block = (path.num_items * path.num_splits, num_kv_heads, 1), ck.DECODE_THREADS
             else:  # work items along x, KV heads along y, partitions along z
-                grid, block = (path.num_items, num_kv_heads, path.num_splits), ck.ATTN_THREADS
+                grid = (path.num_items, num_kv_heads, path.num_splits)
+                block = ck.PREFILL_THREADS if kernel == "prefill" else ck.ATTN_THREADS
             self.launcher.launch(names, kernel, grid, (block, 1, 1), args, query.device)
             if path.num_splits > 1:
                 args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(path.tokens), np.int32(num_heads),
@@ -163,7 +167,7 @@ class KernelAttentionBackend:
         src = self._addresses(src_caches, device)
         dst = self._addresses(dst_caches, device)
         pair_t = torch.tensor(pairs, dtype=torch.int64).to(device)
-        names = ck.KernelNames("", "", "", "", ck.COPY_BLOCKS_NAME)
+        names = ck.KernelNames("", "", "", "", "", ck.COPY_BLOCKS_NAME)
         args = (_ptr(src), _ptr(dst), _ptr(pair_t), np.int64(block_bytes // 16))
         grid = (len(pairs), 2 * len(src_caches), 1)
         self.launcher.launch(names, "copy_blocks", grid, (ck.COPY_THREADS, 1, 1), args, device)

@@ -5,8 +5,8 @@ items along the grid, and into how many splits each kernel cuts the context.
 (the plan is cached on the step's ``AttentionMetadata`` and shared by every layer, also across a
 CUDA graph's replays). Sequences with one new token go to the decode kernel
 (``cuda/decode_attention.cu``, one CTA per sequence and KV head), the others (prefill chunks,
-speculative verification) and groups above ``DECODE_MAX_GROUP`` to the chunk kernel
-(``cuda/paged_attention.cu``). Every count that grows with the batch goes along grid x, so any
+speculative verification) and groups above ``DECODE_MAX_GROUP`` to a chunk kernel: the
+tensor-core ``cuda/prefill_attention.cu`` for f16/bf16, ``cuda/paged_attention.cu`` for fp32. Every count that grows with the batch goes along grid x, so any
 batch the scheduler can form stays within CUDA's grid limits.
 """
 
@@ -88,9 +88,10 @@ def num_splits_heuristic(num_ctas: int, num_slots: int, num_granules: int, max_s
 
 
 def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: int, split: bool | None,
-               partition_size: int) -> KernelPlan:
+               partition_size: int, rows_per_item: int = ck.ATTN_ROWS) -> KernelPlan:
     """``split``: None decides per step; True/False force it (tests, benchmarks). Forced splits
-    are ``partition_size`` keys long."""
+    are ``partition_size`` keys long. ``rows_per_item``: rows per chunk CTA (64 for the
+    tensor-core prefill kernel, 8 for the CUDA-core one)."""
     q_lens, s_lens = meta.query_lens_list, meta.seq_lens_list
     starts = [0]
     for n in q_lens:
@@ -115,7 +116,7 @@ def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: 
 
     chunk = None
     chunk_lens = [0 if d else n for n, d in zip(q_lens, is_decode)]
-    items = work_items(chunk_lens, group)
+    items = work_items(chunk_lens, group, rows_per_item)
     if items:
         max_len = max(s for s, n in zip(s_lens, chunk_lens) if n)
         size = max(partition_size, math.ceil(max_len / MAX_GRID_YZ))  # partitions go along grid z

@@ -94,3 +94,14 @@ def check_launch_limits(name: str, grid, block) -> None:
     if any(not 1 <= g <= m for g, m in zip(grid, MAX_GRID)) or any(not 1 <= b <= m for b, m in zip(block, MAX_BLOCK)) \
             or int(np.prod(block)) > MAX_THREADS:
         raise ValueError(f"launch of {name} with grid {tuple(grid)} and block {tuple(block)} exceeds CUDA's limits")
+
+
+def run_probe(lib_path: Path, name: str, arrays: list[np.ndarray], threads: int) -> None:
+    """Launches one block of an emulation-only probe kernel (cuda/emulation/emu_probes.cuh) whose
+    parameters are the given arrays' addresses."""
+    lib = ctypes.CDLL(str(lib_path))
+    args = [ctypes.c_uint64(a.ctypes.data) for a in arrays]
+    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+    rc = lib.folio_emu_launch(name.encode(), 1, 1, 1, threads, 1, 1, params, ctypes.c_ulonglong(0), ctypes.c_ulonglong(1))
+    if rc != 0:
+        raise ck.UnsupportedKernelError(f"the emulation library has no probe {name}")

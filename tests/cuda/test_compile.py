@@ -95,6 +95,9 @@ def test_python_constants_match_the_kernel_sources():
     decode = ck.module_source("decode")
     for name, value in (("DECODE_THREADS", ck.DECODE_THREADS), ("DECODE_MAX_GROUP", ck.DECODE_MAX_GROUP)):
         assert re.search(rf"constexpr int {name} = {value};", decode), name
+    prefill = ck.module_source("prefill")
+    for name, value in (("PREFILL_THREADS", ck.PREFILL_THREADS), ("PREFILL_ROWS", ck.PREFILL_ROWS)):
+        assert re.search(rf"constexpr int {name} = {value};", prefill), name
     cache = ck.module_source("cache")
     assert f"__launch_bounds__({ck.WRITE_THREADS}) write_kv(" in cache
     assert f"__launch_bounds__({ck.COPY_THREADS}) copy_blocks(" in cache

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.executor import cuda_kernels as ck
-from services.executor.attention import dense_causal_attention
+from services.executor.attention import AttentionMetadata, dense_causal_attention
 from services.executor.kernel_backend import KernelAttentionBackend
 from services.executor.kernel_plan import build_plan, num_splits_heuristic
 from tests.cuda.kv_cases import TOLERANCE, fresh_meta, make_step, reference_attention
@@ -85,7 +85,7 @@ def test_mixed_step_padding_rows_and_large_group(emu_launcher):
     step.query = torch.cat([step.query, torch.randn(2, 8, 64).to(F16)])  # a padded (graph) batch
     out, scale = _attend(emu_launcher, step, True, partition_size=32)
     _check(step, out, scale)
-    assert sorted(_launched(emu_launcher)) == sorted(["paged_decode", "paged_attention", "paged_attention_reduce",
+    assert sorted(_launched(emu_launcher)) == sorted(["paged_decode", "paged_prefill", "paged_attention_reduce",
                                                       "paged_attention_reduce"])
     # a group above the decode kernel's 16 goes to the chunk kernel, decode tokens included
     step = make_step([1, 1], [40, 3], num_heads=20, num_kv_heads=1, head_dim=64, block_size=8, seed=5)
@@ -116,24 +116,35 @@ def test_decode_plan_splits_when_the_grid_is_small(emu_launcher):
     assert backend.plan(fresh_meta(many), 4, 1).decode.num_splits == 1  # 16 CTAs fill the slots
 
 
-def test_largest_batch_stays_within_grid_limits(emu_launcher):
+@pytest.mark.parametrize("dtype,kernel,rows", [(F32, "paged_attention", ck.ATTN_ROWS), (BF16, "paged_prefill", ck.PREFILL_ROWS)])
+def test_largest_batch_stays_within_grid_limits(emu_launcher, dtype, kernel, rows):
     """140,000 tokens in one step (the 137,540-token prefill that once broke the grid's y limit),
-    as 35 first chunks of 4,000 tokens, GQA 4: 70,000 work items. Every launch is checked against
-    CUDA's limits; the far end of the grid (blocks past 65,535) runs under the emulation."""
+    as 35 first chunks of 4,000 tokens, GQA 4: 70,000 work items of the CUDA-core kernel, 8,750
+    of the tensor-core one. Every launch is checked against CUDA's limits; the far end of the grid
+    runs under the emulation and matches a dense oracle."""
     n_seq, q_len, group = 35, 4000, 4
     step = make_step([q_len] * n_seq, [q_len] * n_seq, num_heads=group, num_kv_heads=1, head_dim=64,
-                     block_size=32, dtype=BF16, seed=2)
-    emu_launcher.last_blocks = 2  # the last 2 work items: 16 rows = the last 4 tokens' 4 heads
+                     block_size=32, dtype=dtype, seed=2)
+    emu_launcher.last_blocks = 1  # the last work item
     out, scale = _attend(emu_launcher, step, None)
     (name, grid, _), = emu_launcher.launches
-    assert grid[0] == n_seq * q_len * group // ck.ATTN_ROWS > 65535
+    assert kernel in name and grid[0] == n_seq * q_len * group // rows
+    last_tokens = rows // group
     last = step.tables[-1]
     keys = step.k_cache[last].flatten(0, 1)[:q_len].float()
     values = step.v_cache[last].flatten(0, 1)[:q_len].float()
-    expected = dense_causal_attention(step.query[-q_len:].float(), keys, values, scale)[-4:]
-    torch.testing.assert_close(out[-4:].float(), expected, atol=1.6e-2, rtol=1.6e-2)
-    plan = build_plan(fresh_meta(step), group, 1, 132, None, 512)
-    assert plan.decode is None and plan.chunk.num_items == grid[0]
+    expected = dense_causal_attention(step.query[-q_len:].float(), keys, values, scale)[-last_tokens:]
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[-last_tokens:].float(), expected, atol=tol, rtol=tol)
+
+
+def test_plans_of_a_million_tokens_fit_the_grid():
+    """2^20 tokens at GQA 16 (256 chunks of 4,096): 262,144 tensor-core work items along x."""
+    meta = AttentionMetadata.build([4096] * 256, [4096] * 256, [list(range(i * 256, (i + 1) * 256)) for i in range(256)],
+                                   None, 16)
+    plan = build_plan(meta, 16, 8, 132, None, 512, ck.PREFILL_ROWS)
+    assert plan.chunk.num_items == 2**20 * 16 // ck.PREFILL_ROWS > 65535
+    assert plan.chunk.num_splits <= 65535 and plan.decode is None
 
 
 def test_cp_async_emulation_semantics(emu_lib):

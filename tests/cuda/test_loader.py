@@ -13,13 +13,17 @@ from services.executor import cuda_kernels as ck
 def test_every_configuration_has_its_instances():
     names = ck.all_name_expressions()
     assert len(names["attention"]) == len(ck.DTYPES) * len(ck.HEAD_SIZES) * len(ck.BLOCK_SIZES) + len(ck.DTYPES)
+    assert len(names["decode"]) == len(ck.DTYPES) * len(ck.HEAD_SIZES) * len(ck.BLOCK_SIZES)
+    assert len(names["prefill"]) == len(ck.TENSOR_CORE_DTYPES) * len(ck.HEAD_SIZES) * len(ck.BLOCK_SIZES)
     assert len(names["cache"]) == len(ck.DTYPES) + 1
     for dtype in ck.DTYPES:
         for head in ck.HEAD_SIZES:
             for block in ck.BLOCK_SIZES:
                 kn = ck.kernel_names(dtype, head, block)
-                for name in (kn.attention, kn.reduce, kn.write_kv, kn.copy_blocks):
+                for name in (kn.attention, kn.decode, kn.reduce, kn.write_kv, kn.copy_blocks):
                     assert name in names[ck.module_of(name)]
+                assert (kn.prefill in names["prefill"]) == (dtype in ck.TENSOR_CORE_DTYPES)
+                assert kn.prefill or dtype == "float32"
 
 
 @pytest.mark.parametrize(
