@@ -119,15 +119,17 @@ def prefill_case(backend, q_len: int, cached: int, copy_bps: float) -> dict:
             "sdpa_us": sdpa_s * 1e6, "sdpa_TFLOPs": flops / sdpa_s / 1e12, "vs_sdpa": paged_s / sdpa_s}
 
 
-def bench_decode(backend, heads, groups, contexts, batches, max_kv_gib: float, copy_bps: float) -> list[dict]:
+def bench_decode(backend, heads, groups, contexts, batches, max_kv_gib: float, copy_bps: float, rows: list,
+                 save) -> list[dict]:
+    """Appends a row per shape to `rows` and saves after each."""
     shapes = [(h, g, c, b) for h in heads for g in groups for c in contexts for b in batches]
     shapes.append((64, 4, 136, 256))  # the target: Llama-3.2-1B-shaped decode at B=256
-    rows = []
     for head_dim, group, context, batch in shapes:
         if 2 * batch * context * NUM_KV_HEADS * head_dim * 2 / 2**30 > max_kv_gib:
             continue
         r = decode_case(backend, batch, context, head_dim, group, copy_bps)
         rows.append(r)
+        save()  # a run cut short by a time limit keeps the rows it has
         torch.cuda.empty_cache()
         print(f"  head {head_dim:3d} gqa {group} B={batch:4d} L={context:6d} splits={r['splits']:3d}  "
               f"paged {r['paged_us']:9.1f} us {r['paged_GBps']:7.0f} GB/s ({100 * r['copy_fraction']:4.1f}% of copy)"
@@ -203,6 +205,11 @@ def main() -> None:
     figures: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                      "torch": torch.__version__}
     print(f"device: {figures['device']}, torch {torch.__version__}", flush=True)
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
+
     copy_bps = copy_bandwidth()
     figures["copy_GBps"] = copy_bps / 1e9
     print(f"device copy bandwidth: {figures['copy_GBps']:.0f} GB/s (read + write)", flush=True)
@@ -212,9 +219,11 @@ def main() -> None:
     else:
         shapes = ([64, 128], [1, 4, 8], [128, 512, 1024, 4096, 16384, 32768], [1, 16, 64, 256])
     print(f"decode (bf16, {NUM_KV_HEADS} KV heads, block {BLOCK_SIZE}):", flush=True)
-    figures["decode"] = bench_decode(backend, *shapes, args.max_kv_gib, copy_bps)
+    figures["decode"] = []
+    bench_decode(backend, *shapes, args.max_kv_gib, copy_bps, figures["decode"], save)
     print("prefill chunks (bf16, 32 heads / 8 KV heads, head 128):", flush=True)
     figures["prefill"] = bench_prefill(backend, copy_bps)
+    save()
     if args.e2e:
         print("end to end (random Llama-shaped model, bf16):", flush=True)
         figures["e2e"] = bench_e2e(64, 256, 64 if args.quick else 128)
@@ -222,8 +231,7 @@ def main() -> None:
     figures["others_cpu_share"] = others_cpu_share(start_cpu, seconds)
     print(f"took {seconds:.0f} s; other processes used {100 * figures['others_cpu_share']:.0f}% of the CPUs",
           flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+    save()
 
 
 if __name__ == "__main__":

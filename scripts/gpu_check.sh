@@ -6,7 +6,7 @@
 #
 # GPU images may lack some of folio's pure-Python/C dependencies (msgspec, pyzmq, structlog,
 # gguf). --fetch-wheels downloads cp312 manylinux wheels of them into .whl/ beside the checkout
-# (ignored by git; carry it with the checkout); the check installs whatever it finds there
+# (.gitignore'd; carry it with the checkout); the check installs whatever it finds there
 # into a private folder (--no-index, no network needed) and puts it on PYTHONPATH.
 #
 # 1. finds a Python with a CUDA torch (PYTHON, else .venv/bin/python, else python3);
@@ -22,7 +22,6 @@ cd "$(dirname "$0")/.."
 WHEELS=(msgspec pyzmq structlog gguf)
 if [ "${1:-}" = "--fetch-wheels" ]; then
   mkdir -p .whl
-  grep -qx '/.whl/' "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo '/.whl/' >>"$(git rev-parse --git-dir)/info/exclude"
   exec "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl "${WHEELS[@]}"
@@ -66,12 +65,12 @@ fi
 "$PY" -c "import pytest" 2>/dev/null || "$PY" -m pip install -q pytest pytest-timeout
 
 echo "== gpu tests (tests/cuda -m gpu)"
-timeout 200 "$PY" -m pytest -q -m "gpu and not slow" tests/cuda -p no:cacheprovider -o addopts="" \
+timeout 180 "$PY" -m pytest -q -m "gpu and not slow" tests/cuda -p no:cacheprovider -o addopts="" \
   --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmark"
-timeout 170 "$PY" scripts/bench_kernels.py --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.txt"
+timeout 150 "$PY" scripts/bench_kernels.py --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done (status $status); figures in $OUT_DIR"

@@ -6,8 +6,9 @@ items along the grid, and into how many splits each kernel cuts the context.
 CUDA graph's replays). Sequences with one new token go to the decode kernel
 (``cuda/decode_attention.cu``, one CTA per sequence and KV head), the others (prefill chunks,
 speculative verification) and groups above ``DECODE_MAX_GROUP`` to a chunk kernel: the
-tensor-core ``cuda/prefill_attention.cu`` for f16/bf16, ``cuda/paged_attention.cu`` for fp32. Every count that grows with the batch goes along grid x, so any
-batch the scheduler can form stays within CUDA's grid limits.
+tensor-core ``cuda/prefill_attention.cu`` for f16/bf16, ``cuda/paged_attention.cu`` for fp32.
+Every count that grows with the batch goes along grid x, so any batch the scheduler can form
+stays within CUDA's grid limits.
 """
 
 from __future__ import annotations

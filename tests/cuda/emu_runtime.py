@@ -102,6 +102,7 @@ def run_probe(lib_path: Path, name: str, arrays: list[np.ndarray], threads: int)
     lib = ctypes.CDLL(str(lib_path))
     args = [ctypes.c_uint64(a.ctypes.data) for a in arrays]
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-    rc = lib.folio_emu_launch(name.encode(), 1, 1, 1, threads, 1, 1, params, ctypes.c_ulonglong(0), ctypes.c_ulonglong(1))
+    rc = lib.folio_emu_launch(name.encode(), 1, 1, 1, threads, 1, 1, params, ctypes.c_ulonglong(0),
+                              ctypes.c_ulonglong(1))
     if rc != 0:
         raise ck.UnsupportedKernelError(f"the emulation library has no probe {name}")

@@ -4,7 +4,6 @@ catch (speed, coalescing, occupancy: those need a GPU)."""
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 from dataclasses import replace
 
@@ -16,6 +15,7 @@ from services.executor import cuda_kernels as ck
 from services.executor.attention import AttentionMetadata, dense_causal_attention
 from services.executor.kernel_backend import KernelAttentionBackend
 from services.executor.kernel_plan import build_plan, num_splits_heuristic
+from tests.cuda.emu_runtime import run_probe
 from tests.cuda.kv_cases import TOLERANCE, fresh_meta, make_step, reference_attention
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -116,7 +116,8 @@ def test_decode_plan_splits_when_the_grid_is_small(emu_launcher):
     assert backend.plan(fresh_meta(many), 4, 1).decode.num_splits == 1  # 16 CTAs fill the slots
 
 
-@pytest.mark.parametrize("dtype,kernel,rows", [(F32, "paged_attention", ck.ATTN_ROWS), (BF16, "paged_prefill", ck.PREFILL_ROWS)])
+@pytest.mark.parametrize("dtype,kernel,rows",
+                         [(F32, "paged_attention", ck.ATTN_ROWS), (BF16, "paged_prefill", ck.PREFILL_ROWS)])
 def test_largest_batch_stays_within_grid_limits(emu_launcher, dtype, kernel, rows):
     """140,000 tokens in one step (the 137,540-token prefill that once broke the grid's y limit),
     as 35 first chunks of 4,000 tokens, GQA 4: 70,000 work items of the CUDA-core kernel, 8,750
@@ -140,8 +141,8 @@ def test_largest_batch_stays_within_grid_limits(emu_launcher, dtype, kernel, row
 
 def test_plans_of_a_million_tokens_fit_the_grid():
     """2^20 tokens at GQA 16 (256 chunks of 4,096): 262,144 tensor-core work items along x."""
-    meta = AttentionMetadata.build([4096] * 256, [4096] * 256, [list(range(i * 256, (i + 1) * 256)) for i in range(256)],
-                                   None, 16)
+    tables = [list(range(i * 256, (i + 1) * 256)) for i in range(256)]
+    meta = AttentionMetadata.build([4096] * 256, [4096] * 256, tables, None, 16)
     plan = build_plan(meta, 16, 8, 132, None, 512, ck.PREFILL_ROWS)
     assert plan.chunk.num_items == 2**20 * 16 // ck.PREFILL_ROWS > 65535
     assert plan.chunk.num_splits <= 65535 and plan.decode is None
@@ -150,13 +151,9 @@ def test_plans_of_a_million_tokens_fit_the_grid():
 def test_cp_async_emulation_semantics(emu_lib):
     """The emulated cp.async is as late as the hardware may be: a kernel that reads its tile
     before waiting, or waits for the wrong group, gets stale data here (and fails its test)."""
-    lib = ctypes.CDLL(str(emu_lib))
     src = np.arange(1, 13, dtype=np.int32)
     out = np.zeros(20, dtype=np.int32)
-    args = [ctypes.c_uint64(out.ctypes.data), ctypes.c_uint64(src.ctypes.data)]
-    params = (ctypes.c_void_p * 2)(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-    assert lib.folio_emu_launch(b"folio_probe::cp_async_probe", 1, 1, 1, 1, 1, 1, params, ctypes.c_ulonglong(0),
-                                ctypes.c_ulonglong(1)) == 0
+    run_probe(emu_lib, "folio_probe::cp_async_probe", [out, src], threads=1)
     snapshots = out.reshape(5, 4).tolist()
     assert snapshots[0] == [-1] * 4  # issued, not waited: nothing landed
     assert snapshots[1] == [1, 2, 3, 4]  # wait<1>: the older group landed
