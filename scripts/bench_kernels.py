@@ -5,8 +5,10 @@
 2. Decode (one new token per sequence): head 64 and 128, GQA groups 1, 4 and 8 (8 KV heads),
    contexts 128 to 32k, batches 1 to 256, bf16, block 16, blocks scattered over the pool. Each row:
    the paged kernel's time, its bandwidth (the K/V bytes it must read / time), that bandwidth as a
-   fraction of (1), and its time over contiguous torch SDPA's on equal shapes. Shapes whose K/V
-   exceed --max-kv-gib are skipped. Plus the issue's target row: B=256, L=136, head 64, GQA 4.
+   fraction of (1), and its time over contiguous torch SDPA's on equal shapes. Paged times are
+   CUDA-graph replays (device time; the eager time, Python launches included, is in the JSON).
+   Shapes whose K/V exceed --max-kv-gib are skipped. Plus the issue's target row: B=256, L=136,
+   head 64, GQA 4.
 3. Prefill chunks of 512 and 2,048 tokens against 0 and 4k tokens of cached context (32 heads,
    8 KV heads, head 128): TFLOP/s (causal: only visible pairs count) and the ratio to SDPA.
 4. Optionally (--e2e) greedy tokens/s of the in-process driver, cuda backend against torch.
@@ -51,6 +53,26 @@ def time_cuda(fn, warmup: int = 3, iters: int = 20) -> float:
     return start.elapsed_time(end) / 1000 / iters
 
 
+def time_graph(fn, reps: int = 20) -> float | None:
+    """Mean seconds per call replaying a CUDA graph of `reps` calls: the device time without
+    Python's launch overhead (CuPy launches on torch's stream are captured like torch's own).
+    None when capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # builds the step's plan and partial buffers outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        return time_cuda(graph.replay, warmup=1, iters=5) / reps
+    except RuntimeError as exc:
+        print(f"  (CUDA graph capture failed, eager times only: {exc})", flush=True)
+        return None
+
+
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -76,7 +98,8 @@ def decode_case(backend, batch: int, context: int, head_dim: int, group: int, co
     k_cache, v_cache, meta = paged_step(1, context, batch, head_dim)
     query = torch.randn((batch, num_heads, head_dim), dtype=DTYPE, device="cuda")
     scale = head_dim**-0.5
-    paged_s = time_cuda(lambda: backend.attend(query, k_cache, v_cache, meta, scale))
+    eager_s = time_cuda(lambda: backend.attend(query, k_cache, v_cache, meta, scale))
+    paged_s = time_graph(lambda: backend.attend(query, k_cache, v_cache, meta, scale)) or eager_s
     plan = next(iter(meta.plan.values()))
     splits = plan.decode.num_splits if plan.decode is not None else plan.chunk.num_splits
     del k_cache, v_cache
@@ -87,7 +110,8 @@ def decode_case(backend, batch: int, context: int, head_dim: int, group: int, co
     sdpa_s = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True))
     gbps = kv_bytes / paged_s / 1e9
     return {"batch": batch, "context": context, "head_dim": head_dim, "group": group, "splits": splits,
-            "paged_us": paged_s * 1e6, "paged_GBps": gbps, "copy_fraction": gbps * 1e9 / copy_bps,
+            "paged_us": paged_s * 1e6, "eager_us": eager_s * 1e6, "paged_GBps": gbps,
+            "copy_fraction": gbps * 1e9 / copy_bps,
             "sdpa_us": sdpa_s * 1e6, "vs_sdpa": paged_s / sdpa_s}
 
 
@@ -110,12 +134,17 @@ def prefill_case(backend, q_len: int, cached: int, copy_bps: float) -> dict:
     num_heads, head_dim = 32, 128
     k_cache, v_cache, meta = paged_step(q_len, cached + q_len, 1, head_dim)
     query = torch.randn((q_len, num_heads, head_dim), dtype=DTYPE, device="cuda")
-    paged_s = time_cuda(lambda: backend.attend(query, k_cache, v_cache, meta, head_dim**-0.5), iters=10)
+    def call():
+        return backend.attend(query, k_cache, v_cache, meta, head_dim**-0.5)
+
+    eager_s = time_cuda(call, iters=10)
+    paged_s = time_graph(call, reps=5) or eager_s
     del k_cache, v_cache
     sdpa_s = time_cuda(_sdpa_prefill(q_len, cached, num_heads, head_dim), iters=10)
     pairs = q_len * cached + q_len * (q_len + 1) / 2  # (query, key) pairs that are visible
     flops = 4 * num_heads * head_dim * pairs  # QK^T and PV, 2 flops per multiply-add
-    return {"q_len": q_len, "cached": cached, "paged_us": paged_s * 1e6, "paged_TFLOPs": flops / paged_s / 1e12,
+    return {"q_len": q_len, "cached": cached, "paged_us": paged_s * 1e6, "eager_us": eager_s * 1e6,
+            "paged_TFLOPs": flops / paged_s / 1e12,
             "sdpa_us": sdpa_s * 1e6, "sdpa_TFLOPs": flops / sdpa_s / 1e12, "vs_sdpa": paged_s / sdpa_s}
 
 

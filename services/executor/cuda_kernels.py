@@ -83,6 +83,7 @@ def write_kv_name(dtype: str) -> str:
 COPY_BLOCKS_NAME = "folio::copy_blocks"
 
 
+@functools.cache  # asked once per layer and step
 def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
     """The instances for one configuration, or an error that names the one that is missing."""
     problems = []

@@ -102,18 +102,13 @@ class KernelAttentionBackend:
         if query.stride(2) != 1 or query.stride(1) != head_dim or (query.stride(0) * query.element_size()) % 16 \
                 or query.data_ptr() % 16:
             query = query.contiguous()
-        tables = (_ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
-                  _ptr(_int32(meta.query_start_loc)))
-        shape = (num_kv_heads, plan.group, np.int32(meta.block_tables.shape[1]), np.int64(query.stride(0)),
-                 np.float32(scale))
+        out_ptr, query_ptr = _ptr(out), _ptr(query)
         chunk_kernel = "prefill" if names.prefill else "attention"  # tensor cores for 16-bit types
         for kernel, path in ((chunk_kernel, plan.chunk), ("decode", plan.decode)):
             if path is None:
                 continue
-            part_out, part_lse = self._partials(path, num_tokens, num_heads, head_dim, query.device)
-            args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), *tables, _ptr(path.items),
-                    np.int32(shape[0]), np.int32(shape[1]), *shape[2:], np.int32(path.num_splits),
-                    np.int32(path.split_size))
+            tail, part_ptrs = self._path_args(path, meta, k_cache, v_cache, query, scale, num_heads, head_dim)
+            args = (out_ptr, *part_ptrs, query_ptr, *tail)
             if kernel == "decode":  # one CTA per (sequence, split) along x, KV heads along y
                 grid, block = (path.num_items * path.num_splits, num_kv_heads, 1), ck.DECODE_THREADS
             else:  # work items along x, KV heads along y, partitions along z
@@ -121,11 +116,26 @@ class KernelAttentionBackend:
                 block = ck.PREFILL_THREADS if kernel == "prefill" else ck.ATTN_THREADS
             self.launcher.launch(names, kernel, grid, (block, 1, 1), args, query.device)
             if path.num_splits > 1:
-                args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(path.tokens), np.int32(num_heads),
-                        np.int32(path.num_splits), np.int32(head_dim))
+                args = (out_ptr, *part_ptrs, _ptr(path.tokens), np.int32(num_heads), np.int32(path.num_splits),
+                        np.int32(head_dim))
                 self.launcher.launch(names, "reduce", (path.num_tokens * num_heads, 1, 1), (ck.REDUCE_THREADS, 1, 1),
                                      args, query.device)
         return out
+
+    def _path_args(self, path: PathPlan, meta, k_cache, v_cache, query, scale: float, num_heads: int, head_dim: int):
+        """The launch arguments after the query pointer, and the partials' pointers: the same for
+        every call of a step on one layer, so they are built once per (step, layer) (numpy scalars
+        cost microseconds each, and a step calls attend once per layer)."""
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), query.stride(0), scale, query.shape[0])
+        if key not in path.arg_cache:
+            part_out, part_lse = self._partials(path, query.shape[0], num_heads, head_dim, query.device)
+            tail = (_ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
+                    _ptr(_int32(meta.query_start_loc)), _ptr(path.items), np.int32(k_cache.shape[2]),
+                    np.int32(num_heads // k_cache.shape[2]), np.int32(meta.block_tables.shape[1]),
+                    np.int64(query.stride(0)), np.float32(scale), np.int32(path.num_splits),
+                    np.int32(path.split_size))
+            path.arg_cache[key] = (tail, (_ptr(part_out), _ptr(part_lse)))
+        return path.arg_cache[key]
 
     @staticmethod
     def _partials(path: PathPlan, num_tokens: int, num_heads: int, head_dim: int, device):

@@ -14,7 +14,7 @@ stays within CUDA's grid limits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,7 @@ class PathPlan:
     num_splits: int  # 1: unsplit, the kernel writes the output itself
     split_size: int  # keys per split
     partials: tuple[torch.Tensor, torch.Tensor] | None = None  # (part_out, part_lse), shared by layers
+    arg_cache: dict = field(default_factory=dict)  # the backend's launch arguments per layer
 
 
 @dataclass
