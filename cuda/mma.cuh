@@ -22,16 +22,18 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 }
 
 #ifndef FOLIO_EMULATION
+// ldmatrix reads shared memory that plain stores and cp.async wrote: the "memory" clobber keeps
+// the compiler from moving it across them (the barrier in between orders the threads).
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 
 // d += A * B for one 16x8x16 tile (fp32 accumulators).
