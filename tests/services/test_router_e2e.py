@@ -6,6 +6,8 @@ replica's lost affinity. The stacks start once for the module; the tests run in 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +106,28 @@ def test_uniform_traffic_without_shared_prefixes_is_balanced(stack):
               b.admin("gateway", "stats")["num_requests"] - before[b.url]]
     assert sum(counts) == len(prompts)
     assert abs(counts[0] - counts[1]) <= 0.2 * max(counts), counts
+    # the admin CLI and /metrics tell the same
+    cli = subprocess.run([sys.executable, "-m", "services.cli", "router", "replicas", "--json", "--run-dir",
+                          router.run_dir], capture_output=True, text=True, timeout=60)
+    rows = {row["replica"]: row for row in json.loads(cli.stdout)["replicas"]}
+    assert cli.returncode == 0 and set(rows) == {a.url, b.url} and all(row["up"] for row in rows.values())
+    with urllib.request.urlopen(router.url + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert 'folio_router:requests_routed_total{reason="cache"' in metrics
+    assert "folio_router:cache_aware_hits_total 5.0" in metrics
+
+
+def test_models_pass_through_and_a_bad_body_gets_an_openai_error(stack):
+    a, b, router = stack
+    with urllib.request.urlopen(router.url + "/v1/models", timeout=10) as resp:
+        assert [m["id"] for m in json.loads(resp.read())["data"]] == ["m"]
+    req = urllib.request.Request(router.url + "/v1/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400 and "not valid JSON" in json.loads(err.value.read())["error"]["message"]
+    # the replica's own validation comes back through the router unchanged
+    status, body, _ = post(router.url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": -1})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
 
 
 def stream_chat(url: str, question: str, max_tokens: int) -> tuple[int, bool, str]:

@@ -121,3 +121,35 @@ async def test_dns_discovery_adds_and_drops_replicas_as_addresses_change(monkeyp
     # a failed lookup kept what was known: no state between the second answer and the empty one lost 10.0.0.3 early
     second = seen.index(["http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://static:9000"])
     assert all(s in (seen[second], ["http://static:9000"]) for s in seen[second:])
+
+
+@pytest.mark.asyncio
+async def test_with_no_replica_up_the_router_answers_503_and_is_not_healthy():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.router.service import RouterService
+
+    run_dir = short_run_dir()
+    ctx = zmq.asyncio.Context()
+    service = RouterService(RouterConfig(endpoints=Endpoints.ipc(run_dir)), None, ctx)
+    service.replicas.add(Replica(name="http://127.0.0.1:9", kv_events="tcp://127.0.0.1:9", kv_snapshot="tcp://127.0.0.1:9"))
+    client = TestClient(TestServer(service.app()))
+    await client.start_server()
+    try:
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert resp.status == 503 and (await resp.json())["error"]["type"] == "service_unavailable"
+        assert (await client.get("/health")).status == 503
+        assert service.counts["num_failed"] == 1
+        # up but refusing connections: marked down after the attempt, and still a clean 503
+        service.replicas.replicas["http://127.0.0.1:9"].up = True
+        service.session = client.session
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert resp.status == 503 and not service.replicas.replicas["http://127.0.0.1:9"].up
+        assert service.counts["num_retries"] == 1
+    finally:
+        await client.close()
+        for name in list(service.replicas.replicas):
+            service.replicas.remove(name)
+        service.recv_from_admin.close(linger=0)
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
