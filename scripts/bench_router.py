@@ -4,7 +4,9 @@ Two real ``folio serve`` replicas (CPU, small KV pools) behind ``folio run route
 ``--policy round_robin``, then with the default cache-aware policy, on the same workload and the
 same replicas (their caches cleared in between). The workload: ``--groups`` conversations, each
 with its own long system prompt (about ``--system-tokens`` tokens), asking ``--rounds`` questions
-one round at a time (every group's question of a round sent at once, streamed). The pools are
+one round at a time (every group's question of a round sent at once, in a shuffled order, as
+traffic comes: a fixed order would let round-robin keep each group on one replica by chance;
+streamed). The pools are
 sized so that one replica holds about half of the groups' prefixes: round-robin sends every
 prefix to both replicas and they evict each other's; cache-aware keeps each group on one.
 
@@ -12,7 +14,7 @@ Prints, per policy: TTFT of the later requests (rounds after the first, whose pr
 before) and of all, requests/s and output tokens/s, and each replica's prefix-cache counters
 (tokens found cached / tokens asked), plus the CPU share other processes took meanwhile.
 
-    flock /tmp/folio-bench.lock python scripts/bench_router.py [--model PATH] [--groups 8] [--rounds 3]
+    flock /tmp/folio-bench.lock python scripts/bench_router.py [--model PATH] [--groups 4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
+import signal
 import statistics
 import sys
 import time
@@ -75,10 +79,13 @@ async def run_workload(url: str, systems: list[str], rounds: int, max_tokens: in
     ttfts: dict[int, list[float]] = {r: [] for r in range(rounds)}
     num_out = 0
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    rng = random.Random(0)  # the same orders for both policies
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         for r in range(rounds):
-            results = await asyncio.gather(*(one_request(session, url, s, f"Question {r} of group {g}: what now?",
-                                                         max_tokens) for g, s in enumerate(systems)))
+            order = list(range(len(systems)))
+            rng.shuffle(order)
+            results = await asyncio.gather(*(one_request(session, url, systems[g], f"Question {r} of group {g}: what now?",
+                                                         max_tokens) for g in order))
             ttfts[r] = [t for t, _ in results]
             print(f"  round {r}: mean TTFT {statistics.mean(ttfts[r]):.2f} s", flush=True)
             num_out += sum(n for _, n in results)
@@ -89,6 +96,11 @@ async def run_workload(url: str, systems: list[str], rounds: int, max_tokens: in
             "tok_s": num_out / wall, "wall": wall}
 
 
+async def warm_up(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(one_request(session, url, f"Warm-up {i}. " * 60, "Hello?", 2) for i in range(2)))
+
+
 def cache_counters(replicas: list[Replica]) -> list[tuple[int, int]]:
     return [(s["num_prefix_cache_hits"], s["num_prefix_cache_queries"])
             for s in (r.admin("kvmanager", "stats") for r in replicas)]
@@ -97,7 +109,7 @@ def cache_counters(replicas: list[Replica]) -> list[tuple[int, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
-    parser.add_argument("--groups", type=int, default=8, help="conversations, each with its own system prompt")
+    parser.add_argument("--groups", type=int, default=4, help="conversations, each with its own system prompt")
     parser.add_argument("--rounds", type=int, default=3, help="questions per conversation")
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -116,12 +128,15 @@ def main() -> int:
           flush=True)
     flags = ("--served-model-name", "m", "--num-kv-blocks", str(num_blocks), "--max-num-seqs", "8",
              "--log-level", "error")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still stops the replicas
     replicas = [Replica(model, flags).start() for _ in range(2)]
     results = {}
     try:
         for r in replicas:
             r.wait_ready(timeout_s=600)
-        print("replicas ready", flush=True)
+        for r in replicas:  # the first forward passes are slower: not part of either run
+            asyncio.run(warm_up(r.url))
+        print("replicas ready and warm", flush=True)
         meter = CpuMeter()
         for policy in ("round_robin", "cache_aware"):
             for r in replicas:

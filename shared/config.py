@@ -195,7 +195,8 @@ class RouterConfig:
     dns_interval_s: float = 5.0
     connect_timeout_s: float = 2.0
     max_attempts: int = 3  # replicas a request may be tried on before the client gets an error
-    down_for_s: float = 2.0  # a failed replica is left alone this long before it is polled again
+    poll_timeout_s: float = 3.0  # a /metrics slower than this is a slow poll
+    slow_polls_to_down: int = 3  # in a row: then the replica is down (hung), not just busy
     log_json: bool = False
     log_level: str = "info"
 

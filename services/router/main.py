@@ -40,6 +40,8 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
                         help="what one running or waiting request on a replica weighs, in prompt tokens to compute")
     parser.add_argument("--poll-interval", type=float, default=defaults.poll_interval_s,
                         help="seconds between reads of each replica's /metrics (load and liveness)")
+    parser.add_argument("--poll-timeout", type=float, default=defaults.poll_timeout_s,
+                        help="a poll slower than this is slow; 3 slow polls in a row mark the replica down")
     parser.add_argument("--dns-interval", type=float, default=defaults.dns_interval_s)
     parser.add_argument("--max-attempts", type=int, default=defaults.max_attempts,
                         help="replicas a request is tried on before the client gets a 503")
@@ -62,7 +64,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         endpoints=Endpoints.from_env(), model=args.model, replicas=tuple(args.replica), replica_dns=args.replica_dns,
         kv_events_port=args.kv_events_port, kv_snapshot_port=args.kv_snapshot_port, host=args.host, port=args.port,
         policy=args.policy, block_size=args.block_size, load_cost_tokens=args.load_cost_tokens,
-        poll_interval_s=args.poll_interval, dns_interval_s=args.dns_interval, max_attempts=args.max_attempts,
+        poll_interval_s=args.poll_interval, poll_timeout_s=args.poll_timeout, dns_interval_s=args.dns_interval, max_attempts=args.max_attempts,
         log_json=args.log_json or log_json_from_env(), log_level=args.log_level)
 
 

@@ -5,8 +5,10 @@ what their prefix caches hold.
   ``--replica-dns NAME:PORT``, every address a (Kubernetes headless Service) name resolves to,
   looked up again every ``dns_interval_s``.
 - Liveness and load: each replica's ``GET /metrics`` every ``poll_interval_s`` gives its running
-  and waiting requests (``folio:num_requests_running``/``waiting``); a failed poll, or a failed
-  request in ``service.py``, marks it down; a poll that succeeds again brings it back.
+  and waiting requests (``folio:num_requests_running``/``waiting``); a refused or dropped
+  connection (in a poll or a request in ``service.py``), or ``slow_polls_to_down`` polls in a row
+  that time out (a replica on busy CPUs answers late but lives), mark it down; a poll that
+  succeeds again brings it back.
 - Caches: one SUB socket per replica on its kvmanager's KV events (tcp, ``kv_events_port``), fed
   to ``KVIndex``; on a gap or restart in the numbering, and whenever a replica comes up, the view
   is rebuilt from a ``KVSnapshot`` asked on ``kv_snapshot_port`` (without an answer it starts
@@ -48,7 +50,9 @@ class Replica:
     num_waiting: int = 0
     num_routed: int = 0
     num_failures: int = 0
+    num_slow_polls: int = 0  # timed-out polls in a row
     last_error: str = ""
+    went_down: asyncio.Event = field(default_factory=asyncio.Event)  # set when marked down (a fresh one when up)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -157,18 +161,22 @@ class ReplicaSet:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def poll(self, replica: Replica) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.poll_interval_s * 2),
-                                        sock_connect=self.config.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.config.poll_timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
             async with self.session.get(replica.name + "/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 replica.num_running, replica.num_waiting = read_load(await resp.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            self.mark_down(replica, f"poll: {type(exc).__name__}: {exc}")
+            # a refused or dropped connection is a dead replica; a slow answer may be a busy one
+            slow = isinstance(exc, asyncio.TimeoutError)
+            replica.num_slow_polls = replica.num_slow_polls + 1 if slow else 0
+            if not slow or replica.num_slow_polls >= self.config.slow_polls_to_down:
+                self.mark_down(replica, f"poll: {type(exc).__name__}: {exc}")
             return
+        replica.num_slow_polls = 0
         if not replica.up:
-            replica.up = True
+            replica.up, replica.went_down = True, asyncio.Event()
             self.metrics.replica_up.labels(replica.name).set(1)
             log.info("replica up", replica=replica.name)
             self.resync(replica, "up")  # new, or back: what it caches now is its own word
@@ -178,6 +186,7 @@ class ReplicaSet:
         if not replica.up:
             return
         replica.up = False
+        replica.went_down.set()  # requests it has not begun to answer go elsewhere
         replica.num_failures += 1
         self.metrics.replica_up.labels(replica.name).set(0)
         self.index.mark_stale(replica.name)  # whatever it held may be gone when it comes back

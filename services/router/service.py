@@ -136,21 +136,49 @@ class RouterService:
             self.metrics.cached_tokens.inc(decision.num_cached_tokens)
 
     async def _forward(self, request: web.Request, replica: Replica, raw: bytes) -> web.StreamResponse:
-        headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        """Proxy one attempt. Until the replica begins to answer, its going down (a failed poll, or
+        another request's failure) abandons the attempt for another replica: a hung replica holds
+        no request longer than it takes to notice."""
+        opening = asyncio.ensure_future(self._open(request, replica, raw))
+        gone = asyncio.ensure_future(replica.went_down.wait())
         try:
-            async with self.session.post(replica.name + request.path, data=raw, headers=headers) as upstream:
-                if upstream.status in _RETRY_STATUSES:
-                    raise _Retry(f"http_{upstream.status}")
-                if upstream.content_type != "text/event-stream":
-                    return web.Response(status=upstream.status, body=await upstream.read(), headers={
-                        "Content-Type": upstream.headers.get("Content-Type", ""), REPLICA_HEADER: replica.name})
-                first = await upstream.content.readany()
-                if not first:
-                    raise aiohttp.ServerDisconnectedError("the stream closed before its first bytes")
-                return await self._pass_stream(request, replica, upstream, first)
+            await asyncio.wait({opening, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not opening.done():
+                opening.cancel()
+                await asyncio.gather(opening, return_exceptions=True)
+        if opening.cancelled():
+            raise _Retry("replica_down")
+        try:
+            upstream, payload = opening.result()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
             self.replicas.mark_down(replica, f"request: {type(exc).__name__}: {exc}")
             raise _Retry(type(exc).__name__) from exc
+        try:
+            if upstream.content_type != "text/event-stream":
+                return web.Response(status=upstream.status, body=payload, headers={
+                    "Content-Type": upstream.headers.get("Content-Type", ""), REPLICA_HEADER: replica.name})
+            return await self._pass_stream(request, replica, upstream, payload)
+        finally:
+            upstream.release()
+
+    async def _open(self, request: web.Request, replica: Replica, raw: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Send the request: (the response, its whole body or, for a stream, its first bytes)."""
+        headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        upstream = await self.session.post(replica.name + request.path, data=raw, headers=headers)
+        try:
+            if upstream.status in _RETRY_STATUSES:
+                raise _Retry(f"http_{upstream.status}")
+            if upstream.content_type != "text/event-stream":
+                return upstream, await upstream.read()
+            first = await upstream.content.readany()
+            if not first:
+                raise aiohttp.ServerDisconnectedError("the stream closed before its first bytes")
+            return upstream, first
+        except BaseException:
+            upstream.close()  # abandoned: the replica sees the client go and aborts the request
+            raise
 
     async def _pass_stream(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
                            first: bytes) -> web.StreamResponse:

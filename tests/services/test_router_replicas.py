@@ -153,3 +153,57 @@ async def test_with_no_replica_up_the_router_answers_503_and_is_not_healthy():
         service.recv_from_admin.close(linger=0)
         ctx.destroy(linger=0)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_a_request_held_by_a_replica_that_goes_down_is_retried_on_another():
+    """A replica that hangs (its process stopped, say) holds a request until it is found down; the
+    request then goes to the other replica, and a stream already under way is left alone."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.router.service import RouterService
+
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    async def answer(request):
+        return web.json_response({"answered": True})
+
+    servers = []
+    for handler in (hang, answer):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        servers.append(TestServer(app))
+        await servers[-1].start_server()
+    run_dir = short_run_dir()
+    ctx = zmq.asyncio.Context()
+    service = RouterService(RouterConfig(endpoints=Endpoints.ipc(run_dir)), None, ctx)
+    hung, live = (Replica(name=str(s.make_url("")).rstrip("/"), kv_events="tcp://127.0.0.1:9",
+                          kv_snapshot="tcp://127.0.0.1:9") for s in servers)
+    for r in (hung, live):
+        service.replicas.add(r)
+        r.up = True
+    live.num_running = 5  # the hung one looks cheaper: it is tried first
+    client = TestClient(TestServer(service.app()))
+    await client.start_server()
+    service.session = client.session
+    try:
+        pending = asyncio.ensure_future(client.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+        await wait_for(lambda: hung.num_inflight == 1, "the request on the hung replica")
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        service.replicas.mark_down(hung, "poll: timeout")
+        resp = await asyncio.wait_for(pending, 5)
+        assert resp.status == 200 and await resp.json() == {"answered": True}
+        assert resp.headers["X-Folio-Replica"] == live.name
+        assert service.counts["num_retries"] == 1 and hung.num_inflight == 0
+    finally:
+        await client.close()
+        for s in servers:
+            await s.close()
+        for name in list(service.replicas.replicas):
+            service.replicas.remove(name)
+        service.recv_from_admin.close(linger=0)
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
