@@ -9,19 +9,28 @@ routed by load alone, and the replica answers whatever is wrong with it.
 
 from __future__ import annotations
 
-from services.tokenizer.text import RequestError, TextTokenizer
+import threading
+
+from services.tokenizer.text import TextTokenizer
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 
 
 class PromptEncoder:
+    """Called from worker threads (``asyncio.to_thread``): one at a time, as a Rust tokenizer whose
+    settings ``encode`` touches refuses a second caller ("Already borrowed")."""
+
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()
 
     def token_ids(self, body: dict, chat: bool) -> list[int] | None:
         try:
             request = _generate_request(body, chat)
-            return self.tokenizer.encode_request(request)[0] if request is not None else None
-        except (RequestError, TypeError, ValueError, AttributeError):
+            if request is None:
+                return None
+            with self._lock:
+                return self.tokenizer.encode_request(request)[0]
+        except Exception:  # whatever a body or a chat template throws: the request is routed by load
             return None
 
 

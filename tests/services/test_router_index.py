@@ -180,3 +180,24 @@ def test_round_robin_alternates_whatever_the_cache():
     router = Router(index, "round_robin")
     picks = [router.choose([a, b], [1, 2, 3, 4, 5]).replica.name for _ in range(4)]
     assert picks[0] != picks[1] and picks[0] == picks[2] and picks[1] == picks[3]
+
+
+def test_prompts_are_tokenized_as_the_tokenizer_service_does(smollm_dir):
+    """Chat (template included), text and token-id prompts give the ids the replica computes; a
+    body the router cannot read gives None (routed by load) instead of an error."""
+    from services.router.prompt import PromptEncoder
+    from services.tokenizer.text import TextTokenizer
+    from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+
+    tokenizer = TextTokenizer(smollm_dir)
+    encoder = PromptEncoder(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    replica_side = tokenizer.encode_request(GenerateRequest(req_id="x", sampling=SamplingParams(), messages=[
+        ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there")]))[0]
+    assert encoder.token_ids({"messages": messages}, chat=True) == replica_side
+    assert encoder.token_ids({"prompt": "Hello world"}, chat=False) == tokenizer.hf.encode("Hello world")
+    assert encoder.token_ids({"prompt": ["first", "second"]}, chat=False) == tokenizer.hf.encode("first")
+    assert encoder.token_ids({"prompt": [5, 6, 7]}, chat=False) == [5, 6, 7]
+    for bad in ({"messages": [{"content": "no role"}]}, {"messages": "x"}, {"prompt": 3}, {}):
+        assert encoder.token_ids(bad, chat="messages" in bad) is None
