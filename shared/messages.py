@@ -23,6 +23,16 @@ from __future__ import annotations
 import msgspec
 
 
+class CompiledGrammar(msgspec.Struct, frozen=True, kw_only=True):
+    """A grammar the tokenizer compiled against the vocabulary (``services/grammar.py``): ``key``
+    is the hash of its spec, ``data`` xgrammar's serialized form of the compiled grammar (token
+    masks precomputed), so that the executor only deserializes it, once per key."""
+
+    key: str
+    kind: str  # json_schema, json_object, regex, choice, grammar (for logs and stats)
+    data: bytes
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How one request picks its next tokens. Defaults are OpenAI's."""
 
@@ -39,6 +49,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token (0: the token's own only)
     prompt_logprobs: int | None = None  # the same for prompt tokens
+    # structured output: every sampled token must keep the output inside this grammar
+    grammar: CompiledGrammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -143,9 +155,30 @@ class BeamSearchParams(msgspec.Struct, frozen=True, kw_only=True):
     early_stopping: bool | str = False  # True, False or "never"
 
 
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A function call of an assistant message (OpenAI's shape, ``arguments`` a JSON string)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
+    tool_calls: list[ToolCall] = []  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
+
+
+class GuidedSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What the output must match, before compiling: ``kind`` json_schema (``spec`` the schema as
+    JSON text), json_object (``spec`` empty), regex, choice (``spec`` a JSON list of strings) or
+    grammar (EBNF/GBNF text). ``param`` names the request field it came from, for a 400."""
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
@@ -172,6 +205,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # after the prompt is computed, or, with ``beam_search``, they receive the best beams
     fork_req_ids: list[str] = []
     beam_search: BeamSearchParams | None = None
+    # structured output: the tokenizer compiles it (cached by hash) into ``sampling.grammar``
+    guided: GuidedSpec | None = None
+    tools: list[dict] | None = None  # OpenAI tool definitions, rendered by the chat template
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):

@@ -19,6 +19,7 @@ from services.executor.model import cpu_linear_packing_available, pack_linears_f
 from services.executor.rejection import verify
 from services.executor.sampler import SamplingRow, make_generator, sample, token_logprobs
 from services.executor.spec_decode import Proposal, make_proposer
+from services.executor.structured import GrammarStore, advance
 from shared.config import RuntimeConfig
 from shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
@@ -35,6 +36,7 @@ class RequestState:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     append_sampled: bool = True  # False for beams: the scheduler sends their tokens
     proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
+    matcher: object | None = None  # structured output: its grammar's state after its tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -84,6 +86,7 @@ class ModelRunner:
         self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.requests: dict[str, RequestState] = {}
         self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend, self.pool.num_blocks)
+        self.grammars = GrammarStore(model_path, self.spec.vocab_size)
 
     # ------------------------------------------------------------------ pool sizing
     def _decide_num_blocks(self) -> int:
@@ -133,6 +136,9 @@ class ModelRunner:
             generator=make_generator(new.sampling.seed, self.device),
             append_sampled=new.append_sampled,
         )
+        if new.sampling.grammar is not None:  # a fresh matcher replays what it has generated
+            state = self.requests[new.req_id]
+            state.matcher = self.grammars.matcher(new.sampling.grammar, state.output_token_ids)
 
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
@@ -217,6 +223,7 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         tokens, logprobs = self._sample(logits, samplers, drafts)
+        self._advance_grammars(samplers, tokens)
         for state, new in zip(samplers, tokens):
             if state.append_sampled:
                 if state.proposal is not None:  # the draft's cache keeps the accepted drafts only
@@ -243,7 +250,8 @@ class ModelRunner:
         plain = [i for i, spec in enumerate(drafts) if not spec]
         if plain:
             rows = [SamplingRow(samplers[i].sampling, samplers[i].generator,
-                                samplers[i].token_ids[: samplers[i].num_prompt_tokens], samplers[i].output_token_ids)
+                                samplers[i].token_ids[: samplers[i].num_prompt_tokens], samplers[i].output_token_ids,
+                                samplers[i].matcher)
                     for i in plain]
             out = sample(logits[torch.tensor([offsets[i] for i in plain], device=logits.device)], rows)
             for i, token_id, lp in zip(plain, out.token_ids, out.logprobs):
@@ -265,6 +273,14 @@ class ModelRunner:
                 tokens[i] = accepted
         return tokens, logprobs
 
+    def _advance_grammars(self, samplers: list[RequestState], tokens: list[list[int]]) -> None:
+        constrained = [i for i, s in enumerate(samplers) if s.matcher is not None]
+        if constrained:
+            self.grammars.stats["num_constrained_steps"] += 1
+            self.grammars.stats["num_constrained_rows"] += len(constrained)
+            advance([samplers[i].matcher for i in constrained], [tokens[i] for i in constrained],
+                    [samplers[i].req_id for i in constrained])
+
     def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
         """Drafts for each sampler's next step (none for beams, logprob requests, or when the
         batch is large enough that speculation stops paying)."""
@@ -274,7 +290,8 @@ class ModelRunner:
             for state in samplers:
                 state.proposal = None
             return []
-        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None]
+        # constrained rows never speculate: drafts would have to be checked against the grammar
+        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None and s.matcher is None]
         for state in samplers:
             state.proposal = None
         for state, proposal in zip(wanted, self.proposer.propose(wanted)):
@@ -306,4 +323,5 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
+            **self.grammars.stats,
         }

@@ -7,6 +7,8 @@ own ``torch.Generator``, seeded afresh for every draw from (seed, output positio
 gives the same tokens whatever else is in the batch, and a request that starts over (preempted,
 swapped, its executor restarted) or is forked draws exactly what it would have drawn.
 Logprobs are reported from the model's raw distribution (before penalties and temperature).
+Rows with a grammar (structured output) have the tokens it forbids masked after the penalties,
+before anything picks a token (``structured.apply_grammar_masks``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.executor.structured import apply_grammar_masks
 from shared.messages import SamplingParams, TokenLogprobs
 
 
@@ -26,6 +29,7 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    matcher: object | None = None  # structured output: the request's xgrammar matcher
 
 
 @dataclass
@@ -170,6 +174,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if any(n is not None for n in want_logprobs):
         raw_logprobs = logits.log_softmax(dim=-1)
     logits = penalised_logits(logits, rows)
+    if any(r.matcher is not None for r in rows):  # structured output: forbidden tokens -> -inf
+        logits = apply_grammar_masks(logits, [r.matcher for r in rows])
     greedy = [r.params.greedy for r in rows]
     token_ids = logits.argmax(dim=-1)
     if not all(greedy):

@@ -32,6 +32,7 @@ class ExecutorService:
     def __init__(self, config: ExecutorServiceConfig, ctx: zmq.asyncio.Context, runner: ModelRunner | None = None):
         self.config = config
         self.runner = runner if runner is not None else ModelRunner(config.runtime, config.model_path)
+        self.runner.grammars.start_loading()  # the vocabulary for structured output, off the step path
         self.epoch = uuid.uuid4().hex
         ep = config.endpoints
         self.recv_from_scheduler = make_socket(ctx, zmq.ROUTER, ep.executor)

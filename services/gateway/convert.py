@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import time
 
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from shared.messages import BeamSearchParams, ChatMessage, GenerateRequest, SamplingParams
+import msgspec
+
+from services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from services.gateway.structured import guided_spec, tool_mode
+from shared.messages import BeamSearchParams, ChatMessage, GenerateRequest, SamplingParams, ToolCall
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -81,6 +84,7 @@ def completion_generate_requests(req: CompletionRequest, base_id: str) -> list[G
             cache_salt=req.cache_salt,
             priority=req.priority,
             beam_search=beam,
+            guided=guided_spec(req),
             **prompt,
         )
         for p_index, prompt in enumerate(completion_prompts(req))
@@ -90,7 +94,9 @@ def completion_generate_requests(req: CompletionRequest, base_id: str) -> list[G
 def chat_generate_requests(req: ChatCompletionRequest, base_id: str) -> list[GenerateRequest]:
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    messages = [ChatMessage(role=m.role, content=m.text()) for m in req.messages]
+    messages = [chat_message(m) for m in req.messages]
+    # tool_choice none still shows no tools to the model, as OpenAI does not call any
+    tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req) != "none" else None
     return [GenerateRequest(
         req_id=f"{base_id}-0",
         fork_req_ids=[f"{base_id}-{i}" for i in range(1, req.n or 1)],
@@ -103,4 +109,11 @@ def chat_generate_requests(req: ChatCompletionRequest, base_id: str) -> list[Gen
         arrival_time=time.time(),
         cache_salt=req.cache_salt,
         priority=req.priority,
+        guided=guided_spec(req),
+        tools=tools,
     )]
+
+
+def chat_message(m: ChatMessageIn) -> ChatMessage:
+    calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []]
+    return ChatMessage(role=m.role, content=m.text(), tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)

@@ -43,6 +43,18 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)] = "response"
+    schema: dict | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Params(msgspec.Struct, kw_only=True):
     """Fields both endpoints take. ``None`` means "not given": the engine default applies."""
 
@@ -67,6 +79,12 @@ class _Params(msgspec.Struct, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     # vLLM's: with --scheduling-policy priority, lower values are scheduled first
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    # structured output: OpenAI's response_format and vLLM's guided_* extra parameters
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Params, kw_only=True):
@@ -92,10 +110,23 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -103,8 +134,32 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
         return "".join(part.text or "" for part in self.content)
 
 
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Params, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -128,7 +183,28 @@ def _prompt_kind_mixed(req: CompletionRequest) -> bool:
     return len(kinds) != 1 or (list in kinds and any(not x for x in p))
 
 
+_GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _num_guided(r) -> int:
+    rf = r.response_format
+    return sum(getattr(r, f) is not None for f in _GUIDED[1:]) + (rf is not None and rf.type != "text")
+
+
+def _tool_choice_name(r) -> str | None:
+    return r.tool_choice.function.name if isinstance(r.tool_choice, NamedToolChoice) else None
+
+
+def _forces_tools(r) -> bool:
+    return r.tool_choice == "required" or _tool_choice_name(r) is not None
+
+
 _COMMON_RULES: list[Rule] = [
+    ("response_format", lambda r: _num_guided(r) > 1,
+     "give only one of response_format, guided_json, guided_regex, guided_choice and guided_grammar"),
+    ("response_format", lambda r: r.response_format is not None and r.response_format.type == "json_schema"
+     and (r.response_format.json_schema is None or r.response_format.json_schema.schema is None),
+     "response_format of type json_schema needs json_schema.schema"),
     ("stream_options", lambda r: r.stream_options is not None and not r.stream,
      "stream_options is only allowed when stream is true"),
     ("stop", lambda r: isinstance(r.stop, list) and any(not s for s in r.stop), "stop strings must not be empty"),
@@ -145,12 +221,23 @@ _COMPLETION_RULES: list[Rule] = [
      "beam search is deterministic: temperature (other than 0), top_p, top_k, min_p and penalties are not allowed"),
     ("use_beam_search", lambda r: r.use_beam_search and (r.stop is not None or r.logprobs is not None),
      "stop strings and logprobs are not supported with use_beam_search"),
+    ("use_beam_search", lambda r: r.use_beam_search and _num_guided(r) > 0,
+     "structured output (response_format, guided_*) is not supported with use_beam_search"),
 ]
 _CHAT_RULES: list[Rule] = [
     ("top_logprobs", lambda r: r.top_logprobs is not None and not r.logprobs,
      "top_logprobs requires logprobs to be true"),
     ("messages", lambda r: any(p.type != "text" for m in r.messages if isinstance(m.content, list) for p in m.content),
      "only text content parts are supported"),
+    ("tool_choice", lambda r: _forces_tools(r) and not r.tools,
+     "tool_choice required or a named function needs tools"),
+    ("tool_choice", lambda r: _tool_choice_name(r) is not None
+     and _tool_choice_name(r) not in {t.function.name for t in r.tools or []},
+     "tool_choice names a function that is not in tools"),
+    ("tool_choice", lambda r: _forces_tools(r) and _num_guided(r) > 0,
+     "tool_choice required or a named function cannot be combined with response_format or guided_*"),
+    ("tools", lambda r: r.tools is not None and len({t.function.name for t in r.tools}) != len(r.tools),
+     "tool function names must be unique"),
 ]
 _RULES = {CompletionRequest: _COMMON_RULES + _COMPLETION_RULES, ChatCompletionRequest: _COMMON_RULES + _CHAT_RULES}
 

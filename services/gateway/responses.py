@@ -122,17 +122,26 @@ def completion_chunk(meta: ResponseMeta, choices: list[dict], usage: dict | None
 # --------------------------------------------------------------------------- chat
 
 
-def chat_response(meta: ResponseMeta, deltas: dict[int, TextDelta], usage: dict) -> dict:
-    choices = [
-        {
+def chat_response(meta: ResponseMeta, deltas: dict[int, TextDelta], usage: dict, tools=None) -> dict:
+    """``tools``: a factory of ``structured.ToolCallReader`` (one per choice) when tools are on."""
+    choices = []
+    for i, d in sorted(deltas.items()):
+        message = {"role": "assistant", "content": d.text, "refusal": None}
+        finish_reason = d.finish_reason
+        if tools is not None:
+            reader = tools()
+            content, calls = reader.message(d.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = reader.finish_reason(finish_reason, calls)
+        choices.append({
             "index": i,
-            "message": {"role": "assistant", "content": d.text, "refusal": None},
+            "message": message,
             "logprobs": chat_logprobs(d.logprobs) if d.logprobs is not None else None,
-            "finish_reason": d.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": d.stop_reason,
-        }
-        for i, d in sorted(deltas.items())
-    ]
+        })
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "choices": choices, "usage": usage}
 

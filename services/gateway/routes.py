@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
+from functools import partial
 
 import msgspec
 import structlog
@@ -22,6 +23,7 @@ from services.gateway.protocol import ApiError, ChatCompletionRequest, Completio
 from services.gateway.responses import ResponseMeta, UsageCounter
 from services.gateway.service import GatewayService
 from services.gateway.streaming import collect, stream
+from services.gateway.structured import ToolCallReader
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 SERVICE = web.AppKey("service", GatewayService)
@@ -135,19 +137,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = _check_model(service, req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
     mailbox = service.submit(convert.chat_generate_requests(req, meta.id))
-    return await _respond(request, mailbox, meta, req, _stream_chat, responses.chat_response)
+    response_fn = responses.chat_response
+    if ToolCallReader.for_request(req) is not None:
+        response_fn = partial(responses.chat_response, tools=lambda: ToolCallReader.for_request(req))
+    return await _respond(request, mailbox, meta, req, _stream_chat, response_fn)
 
 
 async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletionRequest):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     role_sent: set[int] = set()
+    readers: dict[int, ToolCallReader | None] = {}
 
     def make_chunks(index, delta):
         choices = []
         if index not in role_sent:  # OpenAI opens each choice with the role alone
             role_sent.add(index)
             choices.append(responses.chat_chunk_choice(index, None, role=True))
-        if delta.text or delta.logprobs or delta.finish_reason:
+            readers[index] = ToolCallReader.for_request(req)
+        reader = readers[index]
+        if reader is not None:
+            choices.extend(_tool_chunk_choices(reader, index, delta))
+        elif delta.text or delta.logprobs or delta.finish_reason:
             choices.append(responses.chat_chunk_choice(index, delta))
         return [responses.chat_chunk(meta, [c], None, include_usage) for c in choices]
 
@@ -155,6 +165,17 @@ async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletion
         return responses.chat_chunk(meta, [], usage, True)
 
     return await stream(request, mailbox, make_chunks, usage_chunk if include_usage else None, meta.n)
+
+
+def _tool_chunk_choices(reader: ToolCallReader, index: int, delta) -> list[dict]:
+    """With tools on, a choice's text streams as content or tool-call deltas (``ToolCallReader``)."""
+    choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in reader.stream_delta(delta.text, delta.finish_reason is not None)]
+    if delta.finish_reason is not None:
+        reason = reader.finish_reason(delta.finish_reason, reader.calls or ([1] if reader.named_id else []))
+        choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                        "stop_reason": delta.stop_reason})
+    return choices
 
 
 async def models(request: web.Request) -> web.Response:

@@ -10,6 +10,8 @@ Peers (``shared.config.Endpoints``):
 - ``recv_from_admin`` (ROUTER at ``admin_tokenizer``): ``stats``.
 
 All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
+The exception is structured output: a request whose grammar is not cached waits for its compile
+in a worker thread (``services/grammar.py``), and the loop goes on serving everybody else.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from services.common import close_sockets, serve_admin
+from services.grammar import GrammarCompiler, GrammarError, tokenizer_info
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
 from services.tokenizer.text import RequestError, TextTokenizer
 from shared.config import TokenizerConfig
@@ -58,10 +61,14 @@ class TokenizerService:
         }
         self.stats = {"num_generate": 0, "num_aborts": 0, "num_token_batches": 0, "num_malformed": 0,
                       "num_rejected": 0}
+        self.grammars = GrammarCompiler(
+            lambda: tokenizer_info(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_id))
+        self.compiling: dict[str, GenerateRequest] = {}  # req_id -> a request waiting for its grammar
 
     async def run(self) -> None:
         """Serve until cancelled (SIGTERM/SIGINT cancel it from ``main``)."""
         admin = asyncio.ensure_future(serve_admin(self.recv_from_admin, {"stats": self.admin_stats}, log))
+        self.grammars.warm()
         log.info("tokenizer ready", max_model_len=self.tokenizer.max_model_len,
                  inbox=self.config.endpoints.tokenizer_in)
         try:
@@ -71,6 +78,7 @@ class TokenizerService:
             admin.cancel()
 
     def close(self) -> None:
+        self.grammars.close()
         close_sockets(self.recv_from_pipeline, self.send_to_scheduler, self.send_to_gateway, self.recv_from_admin)
 
     def dispatch(self, data: bytes) -> None:
@@ -96,14 +104,42 @@ class TokenizerService:
             prompt_token_ids, prompt_text = self.tokenizer.encode_request(req)
             max_tokens = self.tokenizer.fit_max_tokens(req, len(prompt_token_ids))
         except RequestError as exc:
-            self.stats["num_rejected"] += 1
-            log.info("request rejected", req_id=req.req_id, reason=str(exc))
-            for choice_id in (req.req_id, *req.fork_req_ids):
-                self._reply_error(choice_id, str(exc), 400, exc.param)
+            self._reject(req, str(exc), exc.param)
             return
         sampling = req.sampling
         if max_tokens != sampling.max_tokens:
             sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
+        if req.guided is None:
+            self._send(req, prompt_token_ids, prompt_text, sampling)
+            return
+        grammar = self.grammars.lookup(req.guided)
+        if grammar is not None:
+            self._send(req, prompt_token_ids, prompt_text, msgspec.structs.replace(sampling, grammar=grammar))
+            return
+        # a new grammar: compiled in a worker thread while the loop serves everybody else
+        self.compiling[req.req_id] = req
+        future = self.grammars.submit(req.guided)
+        loop = asyncio.get_running_loop()
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(
+            self._grammar_done, req, prompt_token_ids, prompt_text, sampling, f))
+
+    def _grammar_done(self, req: GenerateRequest, prompt_token_ids, prompt_text, sampling, future) -> None:
+        if self.compiling.pop(req.req_id, None) is None:
+            return  # aborted while it compiled
+        exc = future.exception()
+        if exc is not None:
+            param = exc.param if isinstance(exc, GrammarError) else req.guided.param
+            self._reject(req, str(exc) if isinstance(exc, GrammarError) else f"cannot compile: {exc}", param)
+            return
+        self._send(req, prompt_token_ids, prompt_text, msgspec.structs.replace(sampling, grammar=future.result()))
+
+    def _reject(self, req: GenerateRequest, message: str, param: str | None) -> None:
+        self.stats["num_rejected"] += 1
+        log.info("request rejected", req_id=req.req_id, reason=message)
+        for choice_id in (req.req_id, *req.fork_req_ids):
+            self._reply_error(choice_id, message, 400, param)
+
+    def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, sampling) -> None:
         for choice_id in (req.req_id, *req.fork_req_ids):  # the choices share the prompt, not the text state
             choice = req if choice_id == req.req_id else msgspec.structs.replace(req, req_id=choice_id, fork_req_ids=[])
             self.outputs.add_request(choice, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
@@ -124,6 +160,7 @@ class TokenizerService:
     def handle_abort(self, abort: AbortRequest) -> None:
         """The gateway's client went away: forget the request, tell the scheduler to free it."""
         self.stats["num_aborts"] += 1
+        self.compiling.pop(abort.req_id, None)
         self.outputs.remove(abort.req_id)
         self.send_to_scheduler.send(encode(abort))
         log.info("request aborted", req_id=abort.req_id, reason=abort.reason)
@@ -140,7 +177,7 @@ class TokenizerService:
             self.send_to_gateway.send(encode(TextBatch(deltas=deltas)))
 
     def admin_stats(self, args: dict) -> dict:
-        return {**self.stats, "num_requests": len(self.outputs.requests),
+        return {**self.stats, **self.grammars.stats, "num_requests": len(self.outputs.requests),
                 "max_model_len": self.tokenizer.max_model_len}
 
     def _reply_error(self, req_id: str, message: str, code: int, param: str | None = None) -> None:

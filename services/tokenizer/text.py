@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from shared.messages import GenerateRequest
+from shared.messages import ChatMessage, GenerateRequest
 
 
 class RequestError(Exception):
@@ -72,10 +72,10 @@ class TextTokenizer:
                 raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
             return list(req.prompt_token_ids), None
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            messages, extra = render_tools(req.messages, req.tools, self.hf.chat_template or "")
             try:
                 text = self.hf.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                   tokenize=False)
+                                                   tokenize=False, **extra)
             except Exception as exc:  # jinja raises anything a template author wrote
                 raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
             # the template already holds BOS and the role markers
@@ -99,6 +99,65 @@ class TextTokenizer:
                 prompt_param if num_prompt_tokens >= self.max_model_len else "max_tokens",
             )
         return max_tokens
+
+
+def render_tools(messages: list[ChatMessage], tools: list[dict] | None, template: str) -> tuple[list[dict], dict]:
+    """The messages (and ``apply_chat_template``'s extra arguments) for a chat with tools.
+
+    A template that knows tools (Qwen 2.5, Llama 3.1, Hermes ...) gets them as ``tools=`` and the
+    calls and results as structured messages; for one that does not (SmolLM2's), the tools go
+    into the system message and the calls into the text, the way Hermes/Qwen templates write them
+    (``<tool_call>`` JSON), which is what the gateway's parser reads back."""
+    knows_tools = "tools" in template
+    out = []
+    for m in messages:
+        d: dict = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            calls = [{"name": c.name, "arguments": _json_or_text(c.arguments)} for c in m.tool_calls]
+            if knows_tools:
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": call}
+                                   for c, call in zip(m.tool_calls, calls)]
+            else:
+                d["content"] = (m.content + "\n" if m.content else "") + "\n".join(
+                    f"<tool_call>\n{json.dumps(call)}\n</tool_call>" for call in calls)
+        if m.role == "tool":
+            if knows_tools:
+                d["tool_call_id"] = m.tool_call_id
+            else:
+                d["content"] = f"<tool_response>\n{m.content}\n</tool_response>"
+        out.append(d)
+    if not tools:
+        return out, {}
+    if knows_tools:
+        return out, {"tools": tools}
+    prompt = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out, {}
+
+
+_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
