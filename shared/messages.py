@@ -23,14 +23,13 @@ from __future__ import annotations
 import msgspec
 
 
-class CompiledGrammar(msgspec.Struct, frozen=True, kw_only=True):
-    """A grammar the tokenizer compiled against the vocabulary (``services/grammar.py``): ``key``
-    is the hash of its spec, ``data`` xgrammar's serialized form of the compiled grammar (token
-    masks precomputed), so that the executor only deserializes it, once per key."""
+class Grammar(msgspec.Struct, frozen=True, kw_only=True):
+    """A structured-output spec the tokenizer checked (``services/grammar.py``); the executor
+    compiles it against the vocabulary once per ``key`` (a hash of kind and spec)."""
 
     key: str
-    kind: str  # json_schema, json_object, regex, choice, grammar (for logs and stats)
-    data: bytes
+    kind: str  # json_schema, json_object, regex, choice, grammar
+    spec: str  # the schema as JSON text, the regex, the choices as a JSON list, the EBNF
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -50,7 +49,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logprobs: int | None = None  # top-n logprobs of each sampled token (0: the token's own only)
     prompt_logprobs: int | None = None  # the same for prompt tokens
     # structured output: every sampled token must keep the output inside this grammar
-    grammar: CompiledGrammar | None = None
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:

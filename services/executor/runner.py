@@ -136,9 +136,8 @@ class ModelRunner:
             generator=make_generator(new.sampling.seed, self.device),
             append_sampled=new.append_sampled,
         )
-        if new.sampling.grammar is not None:  # a fresh matcher replays what it has generated
-            state = self.requests[new.req_id]
-            state.matcher = self.grammars.matcher(new.sampling.grammar, state.output_token_ids)
+        if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
+            self.grammars.prepare(new.sampling.grammar)
 
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
@@ -222,6 +221,9 @@ class ModelRunner:
         if not samplers:
             return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        for state in samplers:  # a fresh matcher replays what the request has generated
+            if state.sampling.grammar is not None and state.matcher is None:
+                state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
         tokens, logprobs = self._sample(logits, samplers, drafts)
         self._advance_grammars(samplers, tokens)
         for state, new in zip(samplers, tokens):

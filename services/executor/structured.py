@@ -1,11 +1,16 @@
-"""Structured output in the executor: grammar matchers per request and the allowed-token mask.
+"""Structured output in the executor: grammars compiled against the vocabulary, a matcher per
+request, and the allowed-token mask.
 
-The tokenizer service compiles each grammar once (``services/grammar.py``) and sends its
-serialized form in ``SamplingParams.grammar``; here ``GrammarStore`` deserializes it once per key
-(an LRU) and makes one xgrammar ``GrammarMatcher`` per request. The runner keeps the matcher on
-the request's state: a fork gets its own (it is a request of its own), and a request that starts
-over (preempted by recompute, its executor restarted) replays its output tokens through a fresh
-matcher, so that its state always equals the tokens it has.
+The tokenizer service checks each request's spec (``services/grammar.py``) and sends it in
+``SamplingParams.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
+(an LRU), with xgrammar's dynamic compilation (token masks computed as states are first visited,
+so even a large schema compiles in tens of milliseconds). The compile starts in a worker thread
+the moment a request reaches the runner (``prepare``) and overlaps the step's forward pass; the
+step waits for it only when the request samples before it finished (``matcher``).
+
+The runner keeps a matcher on the request's state: a fork gets its own (it is a request of its
+own), and a request that starts over (preempted by recompute, its executor restarted) replays its
+output tokens through a fresh matcher, so that its state always equals the tokens it has.
 
 ``apply_grammar_masks`` is the sampler's one call: before the draw, every row with a live matcher
 has the tokens its grammar forbids set to -inf. Constrained rows never speculate (the runner
@@ -17,81 +22,95 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
 import torch
 
-from shared.messages import CompiledGrammar
+from shared.messages import Grammar
 
 log = structlog.get_logger()
 MAX_CACHED_GRAMMARS = 256
 
 
 class GrammarStore:
-    """The vocabulary's ``TokenizerInfo`` and the deserialized grammars, by key. Building the
+    """The vocabulary's xgrammar compiler and the compiled grammars, by key. Building the
     vocabulary view takes about a second (xgrammar's import, the tokenizer): the executor service
-    starts it in a background thread at start (``start_loading``); a bare runner builds it at its
-    first grammar."""
+    starts it at start (``start_loading``); a bare runner builds it at its first grammar."""
 
     def __init__(self, model_path: str, vocab_size: int):
+        self.model_path = model_path
         self.vocab_size = vocab_size
-        self._info = None
-        self._error: str | None = None
-        self._cache: OrderedDict[str, object] = OrderedDict()
-        self._loader = threading.Thread(target=self._load, args=(model_path,), name="grammar-vocab", daemon=True)
-        self.stats = {"num_constrained_steps": 0, "num_constrained_rows": 0, "num_grammar_loads": 0,
-                      "grammar_load_seconds_total": 0.0}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiler: Future | None = None
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = {"num_constrained_steps": 0, "num_constrained_rows": 0, "num_grammar_compiles": 0,
+                      "grammar_compile_seconds_total": 0.0, "num_grammar_cache_hits": 0,
+                      "grammar_wait_seconds_total": 0.0}
 
     def start_loading(self) -> None:
-        if self._loader.ident is None:
-            self._loader.start()
+        if self._compiler is None:
+            self._compiler = self._pool.submit(self._make_compiler)
 
-    def _load(self, model_path: str) -> None:
+    def _make_compiler(self):
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        from services.grammar import tokenizer_info
+
+        path = Path(self.model_path)
         try:
-            from transformers import AutoTokenizer
-
-            from services.grammar import tokenizer_info
-
-            path = Path(model_path)
             if path.suffix == ".gguf":
                 hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             else:
                 hf = AutoTokenizer.from_pretrained(path)
-            self._info = tokenizer_info(hf, self.vocab_size, hf.eos_token_id)
         except Exception as exc:  # a model folder without a tokenizer serves no structured output
-            self._error = f"structured output needs the model's tokenizer: {exc}"
+            raise ValueError(f"structured output needs the model's tokenizer: {exc}") from exc
+        info = tokenizer_info(hf, self.vocab_size, hf.eos_token_id)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False, enable_dynamic_compilation=True)
 
-    def matcher(self, grammar: CompiledGrammar, output_token_ids: list[int]):
-        """A fresh matcher for ``grammar`` that has accepted ``output_token_ids``."""
+    def prepare(self, grammar: Grammar) -> Future:
+        """Start compiling ``grammar`` (once per key) in the worker thread; its future."""
+        self.start_loading()
+        with self._lock:
+            future = self._compiled.get(grammar.key)
+            if future is not None:
+                self._compiled.move_to_end(grammar.key)
+                self.stats["num_grammar_cache_hits"] += 1
+                return future
+            future = self._pool.submit(self._compile, grammar)
+            self._compiled[grammar.key] = future
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            return future
+
+    def _compile(self, grammar: Grammar):
+        from services.grammar import compile_grammar
+
+        t0 = time.perf_counter()
+        compiled = compile_grammar(self._compiler.result(), grammar)
+        with self._lock:
+            self.stats["num_grammar_compiles"] += 1
+            self.stats["grammar_compile_seconds_total"] += time.perf_counter() - t0
+        return compiled
+
+    def matcher(self, grammar: Grammar, output_token_ids: list[int]):
+        """A fresh matcher for ``grammar`` that has accepted ``output_token_ids`` (waits for the
+        compile when it has not finished yet)."""
         import xgrammar as xgr
 
-        compiled = self._compiled(grammar)
-        matcher = xgr.GrammarMatcher(compiled)
+        future = self.prepare(grammar)
+        if not future.done():
+            t0 = time.perf_counter()
+            future.result()
+            self.stats["grammar_wait_seconds_total"] += time.perf_counter() - t0
+        matcher = xgr.GrammarMatcher(future.result())
         for token_id in output_token_ids:
             if not matcher.accept_token(token_id):
                 raise ValueError(f"token {token_id} of the output does not fit its grammar")
         return matcher
-
-    def _compiled(self, grammar: CompiledGrammar):
-        import xgrammar as xgr
-
-        found = self._cache.get(grammar.key)
-        if found is not None:
-            self._cache.move_to_end(grammar.key)
-            return found
-        self.start_loading()
-        self._loader.join()
-        if self._info is None:
-            raise ValueError(self._error or "structured output is unavailable")
-        t0 = time.perf_counter()
-        compiled = xgr.CompiledGrammar.deserialize_json(grammar.data.decode(), self._info)
-        self.stats["num_grammar_loads"] += 1
-        self.stats["grammar_load_seconds_total"] += time.perf_counter() - t0
-        self._cache[grammar.key] = compiled
-        while len(self._cache) > MAX_CACHED_GRAMMARS:
-            self._cache.popitem(last=False)
-        return compiled
 
 
 _BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)

@@ -73,6 +73,19 @@ class GatewayMetrics:
                                             labels, registry=r).labels(model_name)
         self.spec_accepted_per_pos = Counter("folio:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position.", labels + ["position"], registry=r)
+        # structured output: the executor's compiles, cache and constrained work; the tokenizer's 400s
+        self.grammar_compiles = Counter("folio:grammar_compiles", "Grammars compiled (one per new spec).", labels,
+                                        registry=r).labels(model_name)
+        self.grammar_compile_seconds = Counter("folio:grammar_compile_seconds", "Time spent compiling grammars.",
+                                               labels, registry=r).labels(model_name)
+        self.grammar_cache_hits = Counter("folio:grammar_cache_hits", "Requests whose grammar was compiled already.",
+                                          labels, registry=r).labels(model_name)
+        self.grammar_errors = Counter("folio:grammar_errors", "Specs that could not be compiled (400s).", labels,
+                                      registry=r).labels(model_name)
+        self.constrained_steps = Counter("folio:constrained_steps", "Steps with at least one constrained row.",
+                                         labels, registry=r).labels(model_name)
+        self.constrained_rows = Counter("folio:constrained_rows", "Tokens sampled under a grammar.", labels,
+                                        registry=r).labels(model_name)
         self._last_totals: dict[str | tuple, float] = {}  # each cumulative stat's value at the last scrape
         self._success = Counter("folio:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
@@ -98,6 +111,17 @@ class GatewayMetrics:
             self.e2e.observe(now - timing.arrival)
             self.prompt_tokens.inc(delta.num_prompt_tokens)
             self._success.labels(self._model_name, delta.finish_reason).inc()
+
+    def set_grammar_stats(self, tokenizer: dict | None, executor: dict | None) -> None:
+        if tokenizer:
+            self._advance(self.grammar_errors, "grammar_errors", tokenizer.get("num_grammar_errors", 0))
+        if executor:
+            self._advance(self.grammar_compiles, "grammar_compiles", executor.get("num_grammar_compiles", 0))
+            self._advance(self.grammar_compile_seconds, "grammar_seconds",
+                          executor.get("grammar_compile_seconds_total", 0.0))
+            self._advance(self.grammar_cache_hits, "grammar_hits", executor.get("num_grammar_cache_hits", 0))
+            self._advance(self.constrained_steps, "constrained_steps", executor.get("num_constrained_steps", 0))
+            self._advance(self.constrained_rows, "constrained_rows", executor.get("num_constrained_rows", 0))
 
     def set_engine_stats(self, scheduler: dict | None, kvmanager: dict | None) -> None:
         if scheduler:

@@ -118,6 +118,10 @@ class GatewayService:
             self.ask_admin(ep.admin_scheduler, "stats", timeout), self.ask_admin(ep.admin_kvmanager, "stats", timeout)
         )
         self.metrics.set_engine_stats(scheduler, kvmanager)
+        tokenizer, executor = await asyncio.gather(
+            self.ask_admin(ep.admin_tokenizer, "stats", timeout), self.ask_admin(ep.admin_executor, "stats", timeout)
+        )
+        self.metrics.set_grammar_stats(tokenizer, executor)
 
     async def ask_admin(self, address: str, command: str, timeout: float) -> dict | None:
         """``AdminReply.data`` of a service, or None when it is absent, slow or says no."""

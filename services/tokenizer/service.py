@@ -10,8 +10,8 @@ Peers (``shared.config.Endpoints``):
 - ``recv_from_admin`` (ROUTER at ``admin_tokenizer``): ``stats``.
 
 All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
-The exception is structured output: a request whose grammar is not cached waits for its compile
-in a worker thread (``services/grammar.py``), and the loop goes on serving everybody else.
+The exception is structured output: a request whose spec was not seen before waits while a
+worker thread checks it (``services/grammar.py``), and the loop goes on serving everybody else.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from services.common import close_sockets, serve_admin
-from services.grammar import GrammarCompiler, GrammarError, tokenizer_info
+from services.grammar import GrammarChecker, GrammarError
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
 from services.tokenizer.text import RequestError, TextTokenizer
 from shared.config import TokenizerConfig
@@ -61,8 +61,7 @@ class TokenizerService:
         }
         self.stats = {"num_generate": 0, "num_aborts": 0, "num_token_batches": 0, "num_malformed": 0,
                       "num_rejected": 0}
-        self.grammars = GrammarCompiler(
-            lambda: tokenizer_info(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_id))
+        self.grammars = GrammarChecker()
         self.compiling: dict[str, GenerateRequest] = {}  # req_id -> a request waiting for its grammar
 
     async def run(self) -> None:
@@ -116,7 +115,7 @@ class TokenizerService:
         if grammar is not None:
             self._send(req, prompt_token_ids, prompt_text, msgspec.structs.replace(sampling, grammar=grammar))
             return
-        # a new grammar: compiled in a worker thread while the loop serves everybody else
+        # a new spec: checked in a worker thread while the loop serves everybody else
         self.compiling[req.req_id] = req
         future = self.grammars.submit(req.guided)
         loop = asyncio.get_running_loop()
@@ -125,7 +124,7 @@ class TokenizerService:
 
     def _grammar_done(self, req: GenerateRequest, prompt_token_ids, prompt_text, sampling, future) -> None:
         if self.compiling.pop(req.req_id, None) is None:
-            return  # aborted while it compiled
+            return  # aborted while it was checked
         exc = future.exception()
         if exc is not None:
             param = exc.param if isinstance(exc, GrammarError) else req.guided.param
