@@ -173,22 +173,31 @@ class ToolCallReader:
             if new_text:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]})
             return out
+        out = []
+        if self.mode == "auto":  # send the text that cannot be part of a call at once
+            cut = _hold_from(self.text[self.streamed:], at_start=not self.text[:self.streamed].strip())
+            if cut:
+                out.append({"content": self.text[self.streamed:self.streamed + cut]})
+                self.streamed += cut
         pending = self.text[self.streamed:]
-        if self.mode == "auto" and not _may_be_call(pending):
-            self.streamed = len(self.text)
-            return [{"content": pending}] if pending else []
         if not finished:
-            return []
+            return out
         content, self.calls = self.message(pending if self.mode == "auto" else self.text)
-        out = [{"content": content}] if content else []
+        out += [{"content": content}] if content else []
         for i, call in enumerate(self.calls):
             out.append({"tool_calls": [{"index": i, **call}]})
         return out
 
 
-def _may_be_call(text: str) -> bool:
-    """Whether text not yet sent could still turn into a tool call (auto mode holds it back)."""
-    head = text.lstrip()
-    if not head or "<tool_call>" in head:
-        return True
-    return any(m.startswith(head[: len(m)]) for m in ("<tool_call>", "<|python_tag|>")) or head.startswith("{")
+_MARKERS = ("<tool_call>", "<|python_tag|>")
+
+
+def _hold_from(text: str, at_start: bool) -> int:
+    """Where the part of ``text`` that may still become a tool call begins (``len(text)``: none
+    of it). A call begins at a marker, or, for Llama 3's bare JSON, at a ``{`` opening the reply."""
+    if at_start and (not text.strip() or text.lstrip().startswith("{")):
+        return 0
+    for i, ch in enumerate(text):
+        if ch == "<" and any(m.startswith(text[i:i + len(m)]) or text.startswith(m, i) for m in _MARKERS):
+            return i
+    return len(text)
