@@ -83,8 +83,7 @@ def main() -> None:
     constrained = decode_step_seconds(runner, prompts, msgspec.structs.replace(plain, grammar=grammar),
                                       args.new_tokens)
     parts = mask_parts(runner, grammar, args.batch)
-    print(f"batch {args.batch}, {args.new_tokens} new tokens, greedy; schema compiled once in {compile_s * 1e3:.0f} ms"
-          ")
+    print(f"batch {args.batch}, {args.new_tokens} new tokens, greedy; schema compiled once in {compile_s * 1e3:.0f} ms")
     print(f"decode step  unconstrained {free * 1e3:8.1f} ms   constrained {constrained * 1e3:8.1f} ms   "
           f"ratio {constrained / free:.3f}")
     print(f"grammar work per step (fill {args.batch} bitmasks + mask the logits): {parts * 1e3:.1f} ms")

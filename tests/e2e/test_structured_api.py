@@ -98,7 +98,8 @@ def test_tool_choice_named_and_required(client):
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_tool_calls_stream_as_deltas(client, tool_choice):
-    stream = chat(client, "Weather in Rome?", tools=TOOLS, tool_choice=tool_choice, stream=True, max_tokens=64)
+    stream = chat(client, "Weather in Rome?", tools=TOOLS, tool_choice=tool_choice, stream=True, max_tokens=64,
+                  parallel_tool_calls=False)
     calls: dict[int, dict] = {}
     reasons = []
     for chunk in stream:
