@@ -86,3 +86,24 @@ def test_max_tokens_mid_structure_finishes_with_length(chat_model, tok, grammars
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     text = tok.decode(out.token_ids)
     assert '{"people":[{"name":"'.startswith(text)  # cut inside the structure the grammar forced
+
+
+def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
+    from services.executor.runner import ModelRunner
+    from shared.config import RuntimeConfig
+    from shared.messages import NewRequestData, SamplingParams, StepPlan
+
+    config = RuntimeConfig(num_kv_blocks=16, block_size=16, device="cpu", dtype="float32",
+                           speculative_model="ngram", num_speculative_tokens=3)
+    runner = ModelRunner(config, chat_model)
+    grammar = grammars.check(GuidedSpec(kind="regex", spec="[a-z ]{1,40}"))
+    prompt = tok.hf.encode("the cat sat on the mat the cat sat on the mat the cat sat on the")
+    reqs = [NewRequestData(req_id=r, token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=[i * 4 + j for j in range(4)],
+                           sampling=SamplingParams(temperature=0.0, max_tokens=8, grammar=g))
+            for i, (r, g) in enumerate((("plain", None), ("constrained", grammar)))]
+    runner.execute(StepPlan(step_id=0, new_reqs=reqs, num_scheduled_tokens={r.req_id: len(prompt) for r in reqs}))
+    states = [runner.requests["plain"], runner.requests["constrained"]]
+    for state in states:  # the random model's token replaced by one that repeats the prompt
+        state.token_ids[-1] = prompt[-8]
+    plain, constrained = runner._propose(states)
+    assert plain and constrained == []  # n-gram lookup proposes for the plain row only

@@ -28,6 +28,7 @@ from shared.messages import (
     TextBatch,
     TokenBatch,
     TokenDelta,
+    ToolCall,
 )
 from shared.transport import Decoder, encode, make_socket
 from tests.services.frontend import admin_call, short_run_dir, text_tokenizer
@@ -161,3 +162,43 @@ async def test_main_serves_and_stops_on_sigterm():
         peers.close()
         ctx.destroy(linger=0)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_structured_specs_are_checked_once_and_bad_ones_answered(tokenizer_peers):
+    from shared.messages import GuidedSpec
+
+    service, peers, ctx, ep = tokenizer_peers
+    regex = GuidedSpec(kind="regex", spec="[0-9]{3}", param="guided_regex")
+    for req_id in ("g-0", "g-1"):
+        await peers.send(GenerateRequest(req_id=req_id, sampling=SamplingParams(), prompt="Code:", guided=regex))
+    got = [await peers.scheduler_gets(), await peers.scheduler_gets()]
+    assert {g.req_id for g in got} == {"g-0", "g-1"}
+    assert all(g.sampling.grammar.kind == "regex" and g.sampling.grammar.spec == "[0-9]{3}" for g in got)
+    assert service.grammars.stats["num_grammar_checks"] == 1
+    bad = GuidedSpec(kind="grammar", spec="root ::= missing", param="guided_grammar")
+    await peers.send(GenerateRequest(req_id="b-0", sampling=SamplingParams(), prompt="x", guided=bad,
+                                     fork_req_ids=["b-1"]))
+    errors = {d.req_id: d for _ in range(2) for d in (await peers.gateway_gets()).deltas}
+    assert set(errors) == {"b-0", "b-1"}
+    assert errors["b-0"].error_code == 400 and errors["b-0"].error_param == "guided_grammar"
+    assert "missing" in errors["b-0"].error
+    # a request aborted while its spec is checked never reaches the scheduler
+    slow = GuidedSpec(kind="regex", spec="[a-z]{2,9}")
+    await peers.send(GenerateRequest(req_id="c-0", sampling=SamplingParams(), prompt="x", guided=slow))
+    await peers.send(AbortRequest(req_id="c-0"))
+    assert isinstance(await peers.scheduler_gets(), AbortRequest)
+    await peers.send(GenerateRequest(req_id="d-0", sampling=SamplingParams(), prompt="x"))
+    assert (await peers.scheduler_gets()).req_id == "d-0"
+
+
+async def test_tools_reach_the_prompt(tokenizer_peers):
+    service, peers, ctx, ep = tokenizer_peers
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    msgs = [ChatMessage("user", "Weather?"),
+            ChatMessage("assistant", "", tool_calls=[ToolCall(id="c1", name="get_weather", arguments='{"city": "Oslo"}')]),
+            ChatMessage("tool", '{"temp": 3}', tool_call_id="c1")]
+    await peers.send(GenerateRequest(req_id="t-0", sampling=SamplingParams(), messages=msgs, tools=[tool]))
+    text = text_tokenizer().decode_with_specials((await peers.scheduler_gets()).prompt_token_ids)
+    assert '"name": "get_weather"' in text and "<tools>" in text  # SmolLM2's template: the Hermes form
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"temp": 3}\n</tool_response>' in text
