@@ -52,6 +52,7 @@ from services.executor.prepare import resolve_model  # noqa: E402
 from services.executor.runner import ModelRunner  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from shared.messages import SamplingParams  # noqa: E402
+from scripts.cpu_meter import CpuMeter  # noqa: E402
 from tests.e2e.conftest import Server, start_server, stop_server  # noqa: E402
 
 SECTIONS = ("throughput", "itl", "concurrency")  # in the order they run
@@ -86,36 +87,6 @@ def describe(jobs: list[Job]) -> str:
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-class CpuMeter:
-    """How much of the machine other work took: CPU seconds all processes spent busy (/proc/stat)
-    less those of this process and its children, over the wall time since the last ``lap``."""
-
-    def __init__(self):
-        self.last = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        import psutil
-
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-        machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
-        me = psutil.Process()
-        own = 0.0
-        for proc in [me, *me.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                t = proc.cpu_times()  # children_*: its descendants already reaped
-                own += t.user + t.system + t.children_user + t.children_system
-        return time.perf_counter(), machine, own
-
-    def lap(self) -> str:
-        now = self._sample()
-        (t0, machine0, own0), (t1, machine1, own1) = self.last, now
-        self.last = now
-        others = max(0.0, (machine1 - machine0) - (own1 - own0)) / ((t1 - t0) * os.cpu_count())
-        return f"{t1 - t0:.0f} s; other processes kept {100 * others:.0f}% of the CPUs busy meanwhile"
 
 
 def ms(seconds: float) -> str:

@@ -79,16 +79,20 @@ async def serve_router(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dic
 
 
 async def serve_admin(sock: zmq.asyncio.Socket, commands: dict[str, Callable[[dict], dict]], log) -> None:
-    """Answer ``AdminRequest``s: ``commands[name](args) -> data``; ``ping`` always works."""
+    """Answer ``AdminRequest``s: ``commands[name](args) -> data`` (or a coroutine giving it);
+    ``ping`` always works."""
     commands = {"ping": lambda args: {"pong": True}, **commands}
 
-    def dispatch(request: AdminRequest, envelope):
+    async def dispatch(request: AdminRequest, envelope):
         command = commands.get(request.command)
         if command is None:
             return AdminReply(ok=False, error=f"unknown command {request.command!r}; try {sorted(commands)}")
         try:
-            return AdminReply(ok=True, data=command(dict(request.args)))
-        except (KeyError, ValueError, TypeError) as exc:
+            data = command(dict(request.args))
+            if asyncio.iscoroutine(data):
+                data = await data
+            return AdminReply(ok=True, data=data)
+        except (KeyError, ValueError, TypeError, TimeoutError) as exc:
             return AdminReply(ok=False, error=f"{request.command}: {exc}")
 
     await serve_router(sock, _admin_decoder, {AdminRequest: dispatch}, log, "admin")

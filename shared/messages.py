@@ -12,10 +12,11 @@ Who talks with what (PUSH/PULL pipeline, then DEALER/ROUTER request/reply):
 - tokenizer -> gateway: ``TextBatch`` (text deltas, finish reasons, usage, errors);
 - scheduler -> executor: ``StepPlan``; executor -> scheduler: ``StepResult``;
 - any CLI -> a service's admin socket: ``AdminRequest``; reply: ``AdminReply``.
-The kvmanager's request/reply types are appended at the end of this module with the kvmanager,
-followed by the KV events it PUBlishes (``KVEventBatch`` of ``BlockStored``/``BlockRemoved``/
-``AllBlocksCleared``, vLLM's shapes) and the snapshot a router asks for (``KVSnapshotRequest`` ->
-``KVSnapshot``) when it starts or sees a gap in the events.
+The kvmanager's request/reply types (the scheduler's per-step allocator log, ``KVStepRequest``)
+are appended at the end of this module with the kvmanager, followed by the KV events it PUBlishes
+(``KVEventBatch`` of ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``, vLLM's shapes) and the
+snapshot a router asks for (``KVSnapshotRequest`` -> ``KVSnapshot``) when it starts or sees a gap
+in the events.
 """
 
 from __future__ import annotations
@@ -322,8 +323,10 @@ class AdminReply(msgspec.Struct, frozen=True, kw_only=True, tag="admin_reply"):
 
 # --------------------------------------------------------------------------- kvmanager
 # executor -> kvmanager: RegisterPool (reply PoolInfo); scheduler -> kvmanager: GetPool (answered
-# with PoolInfo once a pool is registered, so the scheduler waits without polling) and one
-# KVStepRequest per step (reply KVStepReply). All over the kvmanager's ROUTER (DEALER peers).
+# with PoolInfo once a pool is registered, so the scheduler waits without polling), KVReset
+# (reply PoolInfo) at each new sync epoch, and the KVStepRequest log of each step that changed
+# the tables (reply KVStepReply, read whenever it arrives). The kvmanager sends KVClearCache to
+# the scheduler unasked. All over the kvmanager's ROUTER (DEALER peers).
 
 
 class RegisterPool(msgspec.Struct, frozen=True, kw_only=True, tag="register_pool"):
@@ -350,70 +353,105 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
     max_model_len: int = 0
     num_free_blocks: int = 0
     num_host_blocks: int = 0
+    enable_prefix_caching: bool = True  # the kvmanager's setting: the scheduler's replica follows it
+
+
+# The step log: the allocator operations of one scheduler step, in the order the scheduler
+# applied them to its own replica while it planned the step (``shared/kv/steplog.py``). The
+# kvmanager applies the same log in the same order, so both hold the same tables and block ids.
+# Each op is a short array on the wire: [tag, fields...].
+
+
+class KVConfirm(msgspec.Struct, frozen=True, array_like=True, tag="c"):
+    """Every allocation so far counts as computed, except ``discard_req_ids``'s (their step failed):
+    the full blocks among them become findable in the prefix cache."""
+
+    discard_req_ids: list[str] = []
+
+
+class KVFree(msgspec.Struct, frozen=True, array_like=True, tag="f"):
+    """Release these tables (finished, aborted, preempted by recompute); unknown ids are fine."""
+
+    req_ids: list[str]
+
+
+class KVTruncate(msgspec.Struct, frozen=True, array_like=True, tag="t"):
+    """Keep only the blocks of the first ``num_tokens`` tokens (rejected draft tokens go back)."""
+
+    req_id: str
+    num_tokens: int
+
+
+class KVFork(msgspec.Struct, frozen=True, array_like=True, tag="k"):
+    """The child gets a copy of the parent's table (ref counts bumped, nothing copied yet);
+    ``num_tokens``: the tokens the parent's table holds KV for."""
+
+    parent_req_id: str
+    child_req_id: str
+    num_tokens: int
+
+
+class KVSwapOut(msgspec.Struct, frozen=True, array_like=True, tag="o"):
+    req_id: str
+
+
+class KVSwapIn(msgspec.Struct, frozen=True, array_like=True, tag="i"):
+    req_id: str
+
+
+class KVAllocate(msgspec.Struct, frozen=True, array_like=True, tag="a"):
+    """Grow the table to hold ``num_tokens`` tokens, writing from ``num_computed`` (a write into
+    a shared, partly filled block copies it). ``new_token_ids``: its tokens the allocator has not
+    seen, to hash the blocks they fill. A table new here starts with a prefix-cache lookup,
+    salted by ``cache_salt``."""
+
+    req_id: str
+    num_computed: int
+    num_tokens: int
+    new_token_ids: list[int] = []
+    cache_salt: str | None = None
+
+
+class KVClear(msgspec.Struct, frozen=True, array_like=True, tag="x"):
+    """Drop the free cached blocks (``folio kv clear``, routed through the log)."""
+
+
+KVOp = KVConfirm | KVFree | KVTruncate | KVFork | KVSwapOut | KVSwapIn | KVAllocate | KVClear
 
 
 class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
-    """scheduler -> kvmanager, once per step, applied in this order:
-
-    0. ``truncate`` ``(req_id, num_tokens)``: the table keeps only the blocks of its first
-       ``num_tokens`` tokens (the slots of rejected draft tokens go back); then every allocation
-       of earlier steps counts as computed (the scheduler asks only after the last step's result)
-       except those of ``discard_req_ids``: its full blocks become findable;
-    1. ``free_req_ids`` are released (finished, aborted, preempted by recompute), and so are
-       ``discard_req_ids``, whose last allocation was never computed (aborted while the kvmanager
-       answered, or its step failed), so that none of it is ever found in the cache;
-    2. ``swap_out_req_ids`` move their blocks to the host tier (preemption by swapping);
-    3. ``forks`` ``(parent_req_id, child_req_id, num_tokens)``: the child gets a copy of the
-       parent's table (ref counts bumped, nothing copied yet); ``num_tokens`` is how many tokens
-       the parent's table holds KV for (the kvmanager's own count lags after steps that needed no
-       new block), so that the next write into a shared, partly filled block is copied, and only
-       then;
-    4. ``swap_in_req_ids`` come back from the host tier into fresh device blocks;
-    5. each ``allocate`` entry ``(req_id, num_tokens)`` grows that request's table to hold
-       ``num_tokens`` tokens in total, all or nothing, in order. ``new_token_ids[req_id]`` are the
-       request's tokens the kvmanager has not seen yet (up to ``num_tokens``), so that it can hash
-       the blocks they fill. A request the kvmanager holds no table for starts with a prefix-cache
-       lookup (salted by ``cache_salts[req_id]``): its table begins with the cached blocks, and the
-       reply says how many tokens they hold.
-    """
+    """scheduler -> kvmanager, for each step whose log is not empty, sent without waiting for the
+    reply. ``generation``: the scheduler's sync epoch (set by ``KVReset``); a log of another
+    generation is not applied."""
 
     step_id: int
-    free_req_ids: list[str] = []
-    allocate: list[tuple[str, int]] = []
-    discard_req_ids: list[str] = []
-    new_token_ids: dict[str, list[int]] = {}
-    cache_salts: dict[str, str] = {}
-    forks: list[tuple[str, str, int]] = []
-    swap_out_req_ids: list[str] = []
-    swap_in_req_ids: list[str] = []
-    truncate: list[tuple[str, int]] = []
+    generation: int
+    ops: list[KVOp] = []
 
 
 class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"):
-    """``new_block_ids[req_id]``: the blocks appended to its table this step (only entries that got
-    some; for a request new to the kvmanager its whole table, cached blocks first);
-    ``num_cached_tokens[req_id]``: of a new request, the tokens those cached blocks already hold
-    (only entries with a hit);
-    ``failed_req_ids``: requests whose growth or swap-in did not fit (their tables are unchanged).
-    ``block_copies`` (src, dst), ``swap_out`` (device, host) and ``swap_in`` (host, device) are the
-    copies the executor makes before the step (they go into the ``StepPlan`` as they are);
-    ``block_tables[req_id]``: the whole table, after this step's growth, of every request whose
-    existing blocks changed (a forked child, a swap-in, a copy-on-write); the executor replaces
-    its table with it."""
+    """The kvmanager's state digest after applying the log (chained over every step since the
+    last reset); ``in_sync`` is False when it holds no state of that generation (it restarted, or
+    a new executor registered), and then nothing was applied."""
 
     step_id: int
-    new_block_ids: dict[str, list[int]] = {}
-    failed_req_ids: list[str] = []
-    num_free_blocks: int = 0
-    epoch: str = ""
-    num_cached_tokens: dict[str, int] = {}
-    block_copies: list[tuple[int, int]] = []
-    swap_out: list[tuple[int, int]] = []
-    swap_in: list[tuple[int, int]] = []
-    block_tables: dict[str, list[int]] = {}
-    # every request whose table shares blocks with another table: how many (releasing it gives back
-    # only the rest), so that the scheduler's free-block mirror never counts a shared block as freed
-    num_shared_blocks: dict[str, int] = {}
+    generation: int
+    digest: bytes = b""
+    in_sync: bool = True
+
+
+class KVReset(msgspec.Struct, frozen=True, kw_only=True, tag="kv_reset"):
+    """scheduler -> kvmanager: start a new sync epoch with empty tables (reply ``PoolInfo``, the
+    pool both sides build their allocator for). A kvmanager that knows no pool (it restarted)
+    adopts the one described here."""
+
+    generation: int
+    pool: PoolInfo
+
+
+class KVClearCache(msgspec.Struct, frozen=True, kw_only=True, tag="kv_clear_cache"):
+    """kvmanager -> scheduler (unasked, on its DEALER): ``folio kv clear`` was asked; the
+    scheduler puts a ``KVClear`` into its next step log."""
 
 
 # --------------------------------------------------------------------------- KV events

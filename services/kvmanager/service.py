@@ -1,10 +1,16 @@
-"""The kvmanager service: the block allocator behind one batched request per scheduler step.
+"""The kvmanager service: the owner of record of the KV blocks, fed by the scheduler's step log.
 
 Who talks to it, on its ROUTER (``Endpoints.kvmanager``), DEALER peers:
-- the executor, once at start: ``RegisterPool`` -> ``PoolInfo``. A new epoch voids everything the
-  old pool held: tables and cache are dropped and ``AllBlocksCleared`` is published;
-- the scheduler: ``GetPool`` -> ``PoolInfo`` (held until a pool is registered), then one
-  ``KVStepRequest`` -> ``KVStepReply`` per step (``apply_step``), whatever the batch size.
+- the executor, once at start: ``RegisterPool`` -> ``PoolInfo``. A new pool voids everything the
+  old pool held: tables and cache are dropped and ``AllBlocksCleared`` is published; the
+  scheduler, out of sync from then on, starts a new epoch;
+- the scheduler: ``GetPool`` -> ``PoolInfo`` (held until a pool is registered); ``KVReset`` ->
+  ``PoolInfo`` at each new sync epoch (empty tables on both sides; a kvmanager that restarted and
+  knows no pool adopts the scheduler's); then the ``KVStepRequest`` log of each step that changed
+  the tables, applied in order (``shared.kv.steplog``) -> ``KVStepReply`` with the state digest,
+  which the scheduler checks against its replica's without having waited for it.
+  ``folio kv clear`` goes the other way: ``KVClearCache`` asks the scheduler for a ``KVClear`` in
+  its next log, so that both allocators drop the same blocks at the same point.
 It PUBlishes the prefix cache's changes on ``Endpoints.kv_events`` (one ``KVEventBatch`` per step
 that changed it, numbered, vLLM's framing) for routers and dashboards, and answers
 ``KVSnapshotRequest`` on ``Endpoints.kv_snapshot`` with every hash the cache holds and the number
@@ -23,13 +29,17 @@ import zmq
 import zmq.asyncio
 
 from services.common import close_sockets, reply, serve_admin, serve_router
-from services.kvmanager.allocator import BlockAllocator, NoFreeBlocks
 from shared.config import KVManagerConfig
+from shared.kv.allocator import BlockAllocator
+from shared.kv.steplog import StepLog
 from shared.messages import (
     KV_EVENTS_TOPIC,
     AllBlocksCleared,
     GetPool,
+    KVClear,
+    KVClearCache,
     KVEventBatch,
+    KVReset,
     KVSnapshot,
     KVSnapshotRequest,
     KVStepReply,
@@ -42,57 +52,7 @@ from shared.transport import Decoder, encode, make_socket
 log = structlog.get_logger()
 
 BLOCK_MAP_WIDTH = 64  # blocks per line of ``folio kv blocks``
-
-
-def apply_step(alloc: BlockAllocator, msg: KVStepRequest, epoch: str = "") -> KVStepReply:
-    """One scheduler step against the allocator, in the order ``KVStepRequest`` documents. A
-    request whose part cannot be done (no blocks, unknown, swapped out) lands in
-    ``failed_req_ids`` with its table unchanged; the others go on."""
-    discard = set(msg.discard_req_ids)
-    for req_id, num_tokens in msg.truncate:
-        alloc.truncate(req_id, num_tokens)
-    alloc.confirm_computed(discard)  # the previous step ran: its blocks may now be found
-    for req_id in (*msg.free_req_ids, *msg.discard_req_ids):
-        alloc.free(req_id)
-    failed: list[str] = []
-    new_block_ids: dict[str, list[int]] = {}
-    rewritten: list[str] = []  # tables whose existing blocks changed: the reply gives them whole
-    for req_id in msg.swap_out_req_ids:
-        _attempt(failed, req_id, alloc.swap_out, req_id)
-    for parent_req_id, child_req_id, num_tokens in msg.forks:
-        if _attempt(failed, child_req_id, alloc.fork, parent_req_id, child_req_id, num_tokens) is not None:
-            rewritten.append(child_req_id)
-    for req_id in msg.swap_in_req_ids:
-        if _attempt(failed, req_id, alloc.swap_in, req_id) is not None:
-            rewritten.append(req_id)
-    num_cached: dict[str, int] = {}
-    for req_id, num_tokens in msg.allocate:
-        is_new = req_id not in alloc.seqs
-        num_copies = len(alloc.block_copies)
-        ids = _attempt(failed, req_id, alloc.allocate, req_id, num_tokens, msg.new_token_ids.get(req_id),
-                       msg.cache_salts.get(req_id))
-        if ids:
-            new_block_ids[req_id] = ids
-        if len(alloc.block_copies) > num_copies:
-            rewritten.append(req_id)  # copy-on-write replaced its last block
-        if is_new and req_id in alloc.seqs and alloc.seqs[req_id].num_cached_tokens:
-            num_cached[req_id] = alloc.seqs[req_id].num_cached_tokens
-    copies, swap_out, swap_in = alloc.take_copies()
-    tables = {req_id: alloc.block_table(req_id) for req_id in rewritten if req_id in alloc.seqs}
-    return KVStepReply(step_id=msg.step_id, new_block_ids=new_block_ids, failed_req_ids=failed,
-                       num_free_blocks=alloc.num_free_blocks, epoch=epoch, num_cached_tokens=num_cached,
-                       block_copies=copies, swap_out=swap_out, swap_in=swap_in, block_tables=tables,
-                       num_shared_blocks=alloc.shared_block_counts())
-
-
-def _attempt(failed: list[str], req_id: str, operation, *args):
-    """Run one allocator operation; on a refusal note ``req_id`` as failed and return None."""
-    try:
-        return operation(*args)
-    except (NoFreeBlocks, KeyError, ValueError) as exc:
-        log.info("kv operation refused", req_id=req_id, operation=operation.__name__, reason=str(exc))
-        failed.append(req_id)
-        return None
+CLEAR_TIMEOUT_S = 10.0  # ``folio kv clear`` waits this long for the scheduler's log to carry it
 
 
 class KVManagerService:
@@ -102,19 +62,28 @@ class KVManagerService:
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, config.endpoints.admin_kvmanager)
         self.send_to_subscribers = make_socket(ctx, zmq.PUB, config.endpoints.kv_events)
         self.recv_from_subscribers = make_socket(ctx, zmq.ROUTER, config.endpoints.kv_snapshot)
-        self.decoder = Decoder(RegisterPool, GetPool, KVStepRequest)
+        self.decoder = Decoder(RegisterPool, GetPool, KVReset, KVStepRequest)
         self.handlers = {
             RegisterPool: self.handle_register_pool,
             GetPool: self.handle_get_pool,
+            KVReset: self.handle_kv_reset,
             KVStepRequest: self.handle_kv_step,
         }
         self.admin_commands = {"stats": self.admin_stats, "seq": self.admin_seq, "blocks": self.admin_blocks,
                                "clear": self.admin_clear}
         self.pool: RegisterPool | None = None
-        self.allocator: BlockAllocator | None = None
+        self.kv: StepLog | None = None  # the allocator of record and its step log
+        self.generation: int | None = None  # the scheduler's sync epoch we hold the state of
+        self.scheduler_envelope: list[bytes] | None = None  # where KVClearCache goes
+        self.clear_waiters: list[asyncio.Future] = []  # ``clear`` admin calls, until the log carries it
         self.pool_waiters: list[list[bytes]] = []  # envelopes of GetPool asked before registration
         self.num_steps = 0
+        self.num_refused_ops = 0
         self.next_event_seq = 0
+
+    @property
+    def allocator(self) -> BlockAllocator | None:
+        return self.kv.alloc if self.kv is not None else None
 
     async def run(self) -> None:
         try:
@@ -157,45 +126,78 @@ class KVManagerService:
         p = self.pool
         return PoolInfo(num_blocks=p.num_blocks, block_size=p.block_size, bytes_per_block=p.bytes_per_block,
                         epoch=p.epoch, max_model_len=p.max_model_len,
-                        num_free_blocks=self.allocator.num_free_blocks, num_host_blocks=p.num_host_blocks)
+                        num_free_blocks=self.allocator.num_free_blocks, num_host_blocks=p.num_host_blocks,
+                        enable_prefix_caching=self.config.enable_prefix_caching)
 
-    async def handle_register_pool(self, msg: RegisterPool, envelope: list[bytes]) -> PoolInfo:
-        if self.pool is not None and self.pool.epoch != msg.epoch and self.allocator.seqs:
-            log.warning("executor restarted: dropping every block table", old_epoch=self.pool.epoch,
-                        new_epoch=msg.epoch, num_seqs=len(self.allocator.seqs))
-        if self.pool is None or self.pool != msg:
-            cleared = self.allocator is not None
-            self.pool = msg
-            self.allocator = BlockAllocator(msg.num_blocks, msg.block_size, msg.num_host_blocks,
-                                            enable_prefix_caching=self.config.enable_prefix_caching)
-            if cleared:
-                self.publish([AllBlocksCleared()])
-        log.info("pool registered", num_blocks=msg.num_blocks, block_size=msg.block_size,
-                 num_host_blocks=msg.num_host_blocks, bytes_per_block=msg.bytes_per_block, epoch=msg.epoch,
-                 enable_prefix_caching=self.config.enable_prefix_caching)
+    def reset_allocator(self, new_pool: bool = False) -> None:
+        """Empty tables and cache for the current pool; subscribers hear that everything went
+        (always for a new pool: its contents died with the old one)."""
+        cleared = self.kv is not None and (new_pool or bool(self.allocator.device.cached or self.allocator.seqs))
+        p = self.pool
+        self.kv = StepLog(BlockAllocator(p.num_blocks, p.block_size, p.num_host_blocks,
+                                         enable_prefix_caching=self.config.enable_prefix_caching))
+        if cleared:
+            self.publish([AllBlocksCleared()])
+
+    async def adopt_pool(self, pool: RegisterPool) -> PoolInfo:
+        self.pool = pool
+        self.reset_allocator(new_pool=True)
         info = self.pool_info()
         waiters, self.pool_waiters = self.pool_waiters, []
         for waiter in waiters:
             await reply(self.recv_from_peers, waiter, info)
         return info
 
+    async def handle_register_pool(self, msg: RegisterPool, envelope: list[bytes]) -> PoolInfo:
+        if self.pool is not None and self.pool.epoch != msg.epoch and self.allocator.seqs:
+            log.warning("executor restarted: dropping every block table", old_epoch=self.pool.epoch,
+                        new_epoch=msg.epoch, num_seqs=len(self.allocator.seqs))
+        log.info("pool registered", num_blocks=msg.num_blocks, block_size=msg.block_size,
+                 num_host_blocks=msg.num_host_blocks, bytes_per_block=msg.bytes_per_block, epoch=msg.epoch,
+                 enable_prefix_caching=self.config.enable_prefix_caching)
+        if self.pool is None or self.pool != msg:
+            self.generation = None  # the scheduler's tables are void: it starts a new epoch
+            return await self.adopt_pool(msg)
+        return self.pool_info()
+
     def handle_get_pool(self, msg: GetPool, envelope: list[bytes]) -> PoolInfo | None:
         if self.pool is None:
-            self.pool_waiters.append(envelope)  # answered by handle_register_pool
+            self.pool_waiters.append(envelope)  # answered by adopt_pool
             return None
+        return self.pool_info()
+
+    async def handle_kv_reset(self, msg: KVReset, envelope: list[bytes]) -> PoolInfo:
+        """A new sync epoch: empty tables here and in the scheduler's replica."""
+        self.scheduler_envelope = envelope
+        self.generation = msg.generation
+        if self.pool is None:  # restarted since the executor registered: take the scheduler's word
+            p = msg.pool
+            log.warning("no pool registered: adopting the scheduler's", num_blocks=p.num_blocks, epoch=p.epoch)
+            return await self.adopt_pool(RegisterPool(
+                num_blocks=p.num_blocks, block_size=p.block_size, bytes_per_block=p.bytes_per_block, epoch=p.epoch,
+                max_model_len=p.max_model_len, num_host_blocks=p.num_host_blocks))
+        self.reset_allocator()
+        log.info("new sync epoch: tables dropped", generation=msg.generation)
         return self.pool_info()
 
     def handle_kv_step(self, msg: KVStepRequest, envelope: list[bytes]) -> KVStepReply:
         self.num_steps += 1
-        if self.allocator is None:
-            log.warning("step before any pool was registered", step_id=msg.step_id)
-            return KVStepReply(step_id=msg.step_id, failed_req_ids=[r for r, _ in msg.allocate])
-        kv = apply_step(self.allocator, msg, self.pool.epoch)
-        if kv.failed_req_ids:
-            log.info("allocation failed", step_id=msg.step_id, req_ids=kv.failed_req_ids,
-                     num_free_blocks=kv.num_free_blocks)
+        self.scheduler_envelope = envelope
+        if self.kv is None or msg.generation != self.generation:
+            return KVStepReply(step_id=msg.step_id, generation=msg.generation, in_sync=False)
+        refused = self.kv.apply_all(msg.ops)
+        if refused:
+            self.num_refused_ops += len(refused)
+            log.warning("step log refused here: the replicas diverged", step_id=msg.step_id, refused=refused[:4])
+        cleared = [n for op, n in zip(msg.ops, self.kv.effects) if isinstance(op, KVClear)]
+        _, _, digest = self.kv.seal()
         self.publish()
-        return kv
+        for n in cleared:
+            for waiter in self.clear_waiters:
+                if not waiter.done():
+                    waiter.set_result(n)
+            self.clear_waiters = []
+        return KVStepReply(step_id=msg.step_id, generation=msg.generation, digest=digest)
 
     # ------------------------------------------------------------------ admin
     def admin_stats(self, args: dict) -> dict:
@@ -211,6 +213,8 @@ class KVManagerService:
             "max_model_len": self.pool.max_model_len,
             "num_steps": self.num_steps,
             "num_event_batches": self.next_event_seq,
+            "generation": self.generation,
+            "num_refused_ops": self.num_refused_ops,
         }
 
     def admin_seq(self, args: dict) -> dict:
@@ -236,7 +240,20 @@ class KVManagerService:
         return {"legend": ". free  c cached (free)  C cached (used)  1-9 used by that many tables  + more",
                 "device": rows(self.allocator.device), "host": rows(self.allocator.host)}
 
-    def admin_clear(self, args: dict) -> dict:
-        num = self.allocator.clear_cache() if self.allocator else 0
-        self.publish()
+    async def admin_clear(self, args: dict) -> dict:
+        """Drop the free cached blocks. With a scheduler in sync, the clear goes through its step log
+        (both allocators must drop the same blocks at the same point); without one, here and now."""
+        if self.kv is None:
+            return {"num_blocks_dropped": 0}
+        if self.generation is None or self.scheduler_envelope is None:
+            num = self.allocator.clear_cache()
+            self.publish()
+            return {"num_blocks_dropped": num}
+        waiter = asyncio.get_running_loop().create_future()
+        self.clear_waiters.append(waiter)
+        await reply(self.recv_from_peers, self.scheduler_envelope, KVClearCache())
+        try:
+            num = await asyncio.wait_for(waiter, CLEAR_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"the scheduler did not clear within {CLEAR_TIMEOUT_S} s") from None
         return {"num_blocks_dropped": num}

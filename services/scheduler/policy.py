@@ -8,29 +8,30 @@ Queue order is first come first served, or ``(priority, arrival)`` with the prio
 Without chunked prefill a prompt is computed whole: the first one of a step even beyond the
 budget, the others only while they fit.
 
-When a running sequence cannot grow, the last one in queue order gives its blocks back:
-preemption by recompute (its blocks are freed in this step's kvmanager call, frees come before
-allocations, the executor drops it and it waits, first in line, with the tokens it generated) or,
-with ``preemption_mode="swap"`` and room on the host tier, by swapping (its blocks are copied to
-host blocks in this step's call; it comes back, before any waiting request, into fresh device
-blocks and goes on where it stopped). Nothing new is admitted in a step that preempted.
+The scheduler plans with its own replica of the block allocator (``shared.kv``): ``schedule``
+applies each allocator operation to it as it decides it, so it knows exact block ids, prefix-cache
+hits and refusals while it plans. When a running sequence cannot grow (the allocator refuses,
+changing nothing), the last one in queue order gives its blocks back and the growth is tried
+again: preemption by recompute (its table is freed now, the executor drops it and it waits, first
+in line, with the tokens it generated) or, with ``preemption_mode="swap"`` and room on the host
+tier, by swapping (its blocks are copied to host blocks before the step; it comes back, before any
+waiting request, into fresh device blocks and goes on where it stopped). Nothing new is admitted
+in a step that preempted.
 
-The service drives one step as ``schedule`` -> kvmanager -> ``build_plan`` -> executor ->
-``update_from_result``. Free blocks are mirrored here, so the one kvmanager call normally succeeds;
-when it does not, the sequences it refused start over by recompute instead of crashing anything.
+The operations of a step form its log (``StepOutput.ops``), in the order they were applied: the
+service sends it to the kvmanager, the owner of record, which applies the same log and answers
+with a state digest, without the step waiting for it (``service.py``). The service drives one step
+as ``schedule`` -> ``build_plan`` -> executor -> ``update_from_result``.
 
-Prefix caching keeps that one call per step. A sequence new to the kvmanager is budgeted as if
-nothing were cached: ``num_new`` tokens from 0, ``cdiv(num_new, block_size)`` blocks. Its
-allocation entry carries its token ids, the kvmanager looks them up and answers how many tokens
-its first blocks already hold (``KVStepReply.num_cached_tokens``, whole blocks, capped so that at
-least one token of the entry is left to compute). ``build_plan`` then starts the sequence there.
-A hit never takes more free blocks than were counted; a released sequence is counted as giving
-back only the blocks no other table holds (``KVStepReply.num_shared_blocks``). Tokens reach the
-kvmanager with each allocation (``new_token_ids``: those it has not seen), so that it can hash
-blocks as they fill. Requests that want prompt logprobs send none: they neither hit nor feed the
-cache, since a cached prompt token would have no logprob.
+A sequence new to the allocator first looks up the prefix cache: it starts after the blocks
+found there (whole blocks, at least one token left to compute), and those tokens cost nothing
+from the token budget nor from the free blocks beyond reviving them. Tokens reach the allocator
+with each allocation (those it has not seen), so that it can hash blocks as they fill; blocks
+become findable once the step that computed them ran (``KVConfirm`` at the start of the next
+step). Requests that want prompt logprobs send none: they neither hit nor feed the cache, since a
+cached prompt token would have no logprob.
 
-Several sequences of one request share blocks through forks (``KVStepRequest.forks``): with
+Several sequences of one request share blocks through forks (``KVFork``): with
 ``n`` > 1 the first choice computes all but the last prompt token, then the others are forked
 from it and each computes that last token itself and samples its own continuation (the shared,
 partly filled last block is copied on the first write). Beam search (``beam.py``) keeps
@@ -44,13 +45,22 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from services.kvmanager.allocator import cdiv
 from services.scheduler.beam import BeamSearch
 from services.scheduler.request import FORKING, RUNNING, SWAPPED, WAITING, Request
+from shared.kv.allocator import BlockAllocator, cdiv
+from shared.kv.steplog import StepLog
 from shared.messages import (
     EngineRequest,
-    KVStepReply,
+    KVAllocate,
+    KVClear,
+    KVConfirm,
+    KVFork,
+    KVFree,
+    KVOp,
     KVStepRequest,
+    KVSwapIn,
+    KVSwapOut,
+    KVTruncate,
     NewRequestData,
     PoolInfo,
     RunningRequestData,
@@ -70,30 +80,16 @@ def _key(req: Request) -> tuple[int, int, int]:
 
 @dataclass
 class StepOutput:
-    """What ``schedule`` decided for one step, before the kvmanager gave block ids."""
+    """What ``schedule`` decided for one step, and the allocator log it applied to the replica."""
 
     step_id: int
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (sequence, num new tokens)
-    free_req_ids: list[str] = field(default_factory=list)
-    allocate: list[tuple[str, int]] = field(default_factory=list)  # (req_id, num tokens in total)
-    num_new_blocks: dict[str, int] = field(default_factory=dict)  # what each allocation should add
-    new_token_ids: dict[str, list[int]] = field(default_factory=dict)  # tokens the kvmanager has not seen
-    cache_salts: dict[str, str] = field(default_factory=dict)
-    discard_req_ids: list[str] = field(default_factory=list)  # freed, their last allocation never computed
-    forks: list[tuple[str, str, int]] = field(default_factory=list)  # (parent, child, parent's tokens)
-    swap_out_req_ids: list[str] = field(default_factory=list)
-    swap_in_req_ids: list[str] = field(default_factory=list)
-    truncate: list[tuple[str, int]] = field(default_factory=list)  # tables shrunk after rejected drafts
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
-    # each fork parent's shares_last_block before this step's forks, to restore if they are undone
-    parents_sharing: dict[str, bool] = field(default_factory=dict)
-
-    def kv_request(self) -> KVStepRequest:
-        return KVStepRequest(step_id=self.step_id, free_req_ids=self.free_req_ids, allocate=self.allocate,
-                             discard_req_ids=self.discard_req_ids, new_token_ids=self.new_token_ids,
-                             cache_salts=self.cache_salts, forks=self.forks,
-                             swap_out_req_ids=self.swap_out_req_ids, swap_in_req_ids=self.swap_in_req_ids,
-                             truncate=self.truncate)
+    ops: list[KVOp] = field(default_factory=list)  # the step log, in the order applied
+    digest: bytes = b""  # the replica's state digest after it
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -130,11 +126,7 @@ class Scheduler:
         self.max_model_len_limit = max_model_len
         self.max_model_len: int | None = max_model_len
         self.pool: PoolInfo | None = None
-        # Free blocks as the kvmanager will see them once our allocations land, plus the blocks of
-        # sequences whose release waits for the next kvmanager call.
-        self.num_free_blocks = 0
-        self.num_pending_free_blocks = 0
-        self.num_free_host_blocks = 0  # host blocks are never shared or cached: an exact mirror
+        self.kv: StepLog | None = None  # the allocator replica, set with the pool
         # the queues, each kept in queue order (``Request.key``)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -142,10 +134,13 @@ class Scheduler:
         self.unforked: list[Request] = []  # new beams, forked from their parent in the next call
         self.requests: dict[str, Request] = {}  # every sequence by req_id (beams by their own ids)
         self.groups: dict[str, BeamGroup] = {}  # beam searches by each of their choice ids
-        self.pending_free_req_ids: list[str] = []  # for the next kvmanager call
+        # applied at the start of the next step (``_settle``)
+        self.pending_free_req_ids: list[str] = []
         self.pending_discard_req_ids: list[str] = []  # the same, for tables whose last growth never ran
+        self.pending_truncate: list[tuple[str, int]] = []
+        self.pending_clear = False  # ``folio kv clear``: a KVClear in the next log
+        self.num_cache_blocks_cleared = 0
         self.pending_finished_req_ids: list[str] = []  # for the next StepPlan
-        self.pending_truncate: list[tuple[str, int]] = []  # for the next kvmanager call
         self.spec_accepted_per_pos: list[int] = []  # speculative decoding: accepted drafts by position
         self.next_step_id = 0
         self.next_arrival = 0
@@ -156,21 +151,30 @@ class Scheduler:
         self.counters = dict(num_steps=0, num_preemptions=0, num_swap_outs=0, num_swap_ins=0, num_forks=0,
                              num_prompt_tokens_total=0, num_generation_tokens_total=0,
                              num_requests_finished=0, num_requests_aborted=0, num_requests_rejected=0,
-                             num_executor_restarts=0, num_scheduled_tokens_total=0, num_scheduled_seqs_total=0,
+                             num_executor_restarts=0, num_epochs=0, num_digest_mismatches=0, num_scheduled_tokens_total=0, num_scheduled_seqs_total=0,
                              num_cached_tokens_total=0, num_spec_drafts=0, num_spec_draft_tokens=0,
                              num_spec_accepted_tokens=0)
 
     # ------------------------------------------------------------------ pool
     def set_pool(self, info: PoolInfo) -> None:
+        """A fresh, empty replica of the allocator for ``info``'s pool."""
         self.pool = info
-        self.num_free_blocks = info.num_free_blocks
-        self.num_free_host_blocks = info.num_host_blocks
+        self.kv = StepLog(BlockAllocator(info.num_blocks, info.block_size, info.num_host_blocks,
+                                         enable_prefix_caching=info.enable_prefix_caching, record_events=False))
         limits = [n for n in (self.max_model_len_limit, info.max_model_len) if n]
         self.max_model_len = min(limits) if limits else None
 
     @property
     def block_size(self) -> int:
         return self.pool.block_size
+
+    @property
+    def alloc(self) -> BlockAllocator:
+        return self.kv.alloc
+
+    def clear_cache(self) -> None:
+        """``folio kv clear``: both allocators drop their free cached blocks in the next step."""
+        self.pending_clear = True
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, msg: EngineRequest) -> list[TokenDelta]:
@@ -310,79 +314,64 @@ class Scheduler:
         queue.remove(req)
 
     def _release(self, req: Request) -> None:
-        """A sequence that is done: its blocks go in the next kvmanager call, its state in the next plan."""
+        """A sequence that is done: its blocks go at the start of the next step, its state in the next plan."""
         req.finished = True
         del self.requests[req.req_id]
         self.pending_free_req_ids.append(req.req_id)
         if req.on_executor:
             self.pending_finished_req_ids.append(req.req_id)
-        if req.status == SWAPPED:
-            self.num_free_host_blocks += req.num_blocks
-        else:
-            self.num_pending_free_blocks += req.num_blocks - req.num_shared_blocks
 
-    def _preempt(self, req: Request, out: StepOutput | None = None) -> None:
-        """``req`` gives its device blocks back: swapped to the host tier when the mode says so and
-        there is room, else by recompute."""
+    def _preempt(self, req: Request) -> None:
+        """``req`` gives its device blocks back now: swapped to the host tier when the mode says so
+        and there is room, else freed (it starts over by recompute)."""
         self.running.remove(req)
         self.counters["num_preemptions"] += 1
-        fork = next((f for f in out.forks if f[1] == req.req_id), None) if out is not None else None
-        if fork is not None:  # forked in this very call: undo it, it starts on its own
-            out.forks.remove(fork)
-            parent = self.requests.get(fork[0])
-            if parent is not None and not any(f[0] == fork[0] for f in out.forks):
-                parent.shares_last_block = out.parents_sharing[fork[0]]  # nobody shares it after all
-            req.reset_for_recompute()
-            self._enqueue(self.waiting, req, WAITING)
-            return
         if req.on_executor:
             self.pending_finished_req_ids.append(req.req_id)
             req.on_executor = False
-        self.num_pending_free_blocks += req.num_blocks - req.num_shared_blocks
-        if (out is not None and self.preemption_mode == "swap" and 0 < req.num_blocks <= self.num_free_host_blocks):
-            out.swap_out_req_ids.append(req.req_id)
-            self.num_free_host_blocks -= req.num_blocks
-            req.num_shared_blocks = 0  # its host copies are its own
-            req.table = []
-            req.spec_token_ids = []  # the executor forgets its proposal with it
+        req.spec_token_ids = []  # the executor forgets its proposal with it
+        seq = self.alloc.seqs.get(req.req_id)
+        if (self.preemption_mode == "swap" and seq is not None and seq.block_ids
+                and len(seq.block_ids) <= self.alloc.host.num_free_blocks):
+            self.kv.try_apply(KVSwapOut(req.req_id))
             self.counters["num_swap_outs"] += 1
             self._enqueue(self.swapped, req, SWAPPED)
             return
-        self.pending_free_req_ids.append(req.req_id)
+        self.kv.try_apply(KVFree([req.req_id]))
         req.reset_for_recompute()
         self._enqueue(self.waiting, req, WAITING)
 
-    def reset_pool(self, info: PoolInfo, held: dict[str, list[int]] | None = None) -> int:
-        """The executor restarted (a new epoch): its state and the old tables are gone. Every
-        running or swapped sequence starts over by recompute, first in line; ``held`` sequences
-        still hold blocks in the new tables (given in the call that revealed the restart).
-        Returns how many start over."""
+    def new_epoch(self, info: PoolInfo) -> int:
+        """Start over with empty tables (the executor restarted, the kvmanager restarted, or its
+        state digest differed from the replica's): a fresh replica for ``info``'s pool, and every
+        running or swapped sequence starts over by recompute, first in line, keeping its tokens.
+        The executor is told to drop what it holds. Returns how many start over."""
         restart = self.running + self.swapped
         self.running, self.swapped = [], []
+        self.pending_finished_req_ids += [r.req_id for r in (*restart, *self.waiting) if r.on_executor]
         for req in restart:
             req.reset_for_recompute()
             self._enqueue(self.waiting, req, WAITING)
         for req in self.waiting:
             req.on_executor = False
-        self.pending_finished_req_ids = []
-        self.pending_truncate = []
-        held = held or {}
+            req.num_computed_tokens = 0
+        self.pending_free_req_ids, self.pending_discard_req_ids, self.pending_truncate = [], [], []
         self.set_pool(info)
-        # the step that would have filled them never ran: their blocks must not be cached
-        self.pending_free_req_ids, self.pending_discard_req_ids = [], list(held)
-        self.num_pending_free_blocks = sum(map(len, held.values()))
-        self.counters["num_executor_restarts"] += 1
+        self.counters["num_epochs"] += 1
         return len(restart)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.swapped or self.unforked or self.pending_free_req_ids
-                    or self.pending_finished_req_ids or self.pending_discard_req_ids or self.pending_truncate)
+                    or self.pending_finished_req_ids or self.pending_discard_req_ids or self.pending_truncate
+                    or self.pending_clear)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> StepOutput | None:
-        """Pick this step's work; None when there is nothing to compute and nothing to free."""
+        """Pick this step's work, applying its allocator operations to the replica as it goes;
+        None when there is nothing to compute and nothing to tell the kvmanager or the executor."""
         out = StepOutput(step_id=self.next_step_id)
-        self._issue_forks(out)
+        self._settle()
+        self._issue_forks()
         budget = self.max_num_batched_tokens
         preempted = False
         whole_prefill_taken = False  # without chunked prefill: the first whole prompt may pass the budget
@@ -393,73 +382,109 @@ class Scheduler:
             if not num_new:
                 i += 1
                 continue
-            while True:
-                need, cow = self._blocks_needed(req, num_new)  # an undone fork may spare a copy
-                if need + cow <= self.num_free_blocks + self.num_pending_free_blocks:
-                    break
-                victim = self._victim(i, self._fork_parents(out))
-                if victim is None:
-                    break
-                self._preempt(victim, out)
+            grown = self._grow(req, num_new)
+            while not grown and (victim := self._victim(i)) is not None:
+                self._preempt(victim)
                 preempted = True
-            if need + cow <= self.num_free_blocks + self.num_pending_free_blocks:
-                whole_prefill_taken |= num_new > 1
-                self._take(out, req, num_new, need, cow)
-                budget -= num_new
-                i += 1
+                grown = self._grow(req, num_new)
+            if not grown:
+                self._preempt(req)  # nothing later in line was left to give way
+                preempted = True
                 continue
-            if req.req_id in self._fork_parents(out):
-                i += 1  # it is forked from this step (freed before forking): it waits, holding its blocks
-                continue
-            self._preempt(req, out)  # nothing later in line was left to give way
-            preempted = True
+            whole_prefill_taken |= num_new > 1
+            self._take(out, req, num_new)
+            budget -= num_new
+            i += 1
         num_seqs = self._num_seqs()
         while self.swapped and budget > 0 and not preempted:
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
-            need, cow = self._blocks_needed(req, num_new)
-            if (num_seqs + 1 > self.max_num_seqs
-                    or req.num_blocks + need > self.num_free_blocks + self.num_pending_free_blocks):
+            num_host = len(self.alloc.seqs[req.req_id].host_block_ids)
+            need = max(num_host, cdiv(req.num_computed_tokens + num_new, self.block_size))
+            if num_seqs + 1 > self.max_num_seqs or need > self.alloc.num_free_blocks:
                 break
             self.swapped.pop(0)
-            out.swap_in_req_ids.append(req.req_id)
-            self.num_free_host_blocks += req.num_blocks
-            self.num_free_blocks -= req.num_blocks
+            self.kv.try_apply(KVSwapIn(req.req_id))
             self.counters["num_swap_ins"] += 1
             self._enqueue(self.running, req, RUNNING)
-            self._take(out, req, num_new, need, 0)
-            budget -= num_new
+            if num_new and self._grow(req, num_new):
+                self._take(out, req, num_new)
+                budget -= num_new
             num_seqs += 1
         while self.waiting and budget > 0 and not preempted and not self.swapped:
             req = self.waiting[0]
+            self._find_cached(req)
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
-            if not num_new:
-                break  # without chunked prefill, a prompt that does not fit waits for the next step
-            need, cow = self._blocks_needed(req, num_new)
             cost = self._seq_cost(req)
-            if num_seqs + cost > self.max_num_seqs or need + cow > self.num_free_blocks + self.num_pending_free_blocks:
-                break  # nobody overtakes the head of the queue
+            # nobody overtakes the head of the queue; without chunked prefill a prompt that does
+            # not fit waits for the next step
+            if not num_new or num_seqs + cost > self.max_num_seqs or not self._grow(req, num_new):
+                req.num_computed_tokens = req.num_cached_tokens = 0
+                break
             self.waiting.pop(0)
             self._enqueue(self.running, req, RUNNING)
             num_seqs += cost
             if not req.admitted:
                 req.admitted = True
                 self.counters["num_prompt_tokens_total"] += req.num_prompt_tokens
+            self.counters["num_cached_tokens_total"] += req.num_cached_tokens
             whole_prefill_taken |= num_new > 1
-            self._take(out, req, num_new, need, cow)
+            self._take(out, req, num_new)
             budget -= num_new
-        # every pending release rides on this step's kvmanager call, before its allocations
-        out.free_req_ids, self.pending_free_req_ids = self.pending_free_req_ids, []
-        out.discard_req_ids, self.pending_discard_req_ids = self.pending_discard_req_ids, []
-        out.truncate, self.pending_truncate = self.pending_truncate, []
-        self.num_free_blocks += self.num_pending_free_blocks
-        self.num_pending_free_blocks = 0
         self.max_num_running = max(self.max_num_running, len(self.running))
-        if not (out.scheduled or out.free_req_ids or out.discard_req_ids or out.forks or out.swap_out_req_ids
-                or out.truncate or self.pending_finished_req_ids):
+        out.ops, (out.block_copies, out.swap_out, out.swap_in), out.digest = self.kv.seal()
+        if not (out.scheduled or out.ops or self.pending_finished_req_ids):
             return None
         self.next_step_id += 1
         return out
+
+    def _settle(self) -> None:
+        """What waited for this step, in the log's fixed order: tables shrunk after rejected drafts,
+        the last step's allocations confirmed as computed, releases, a cache clear."""
+        alloc = self.alloc
+        for req_id, num_tokens in self.pending_truncate:
+            if self.kv.try_apply(KVTruncate(req_id, num_tokens)) and req_id in self.requests:
+                self.requests[req_id].table_changed = True
+        if alloc.unconfirmed:
+            self.kv.try_apply(KVConfirm(self.pending_discard_req_ids))
+        released = self.pending_free_req_ids + self.pending_discard_req_ids
+        if released:
+            self.kv.try_apply(KVFree(released))
+        if self.pending_clear:
+            self.num_cache_blocks_cleared = self.kv.try_apply(KVClear())
+        self.pending_truncate, self.pending_free_req_ids, self.pending_discard_req_ids = [], [], []
+        self.pending_clear = False
+
+    def _find_cached(self, req: Request) -> None:
+        """A sequence new to the allocator starts after the blocks the prefix cache holds for it;
+        those tokens cost nothing from the token budget. Requests that want prompt logprobs
+        neither hit nor feed the cache (a cached prompt token would have no logprob)."""
+        if req.req_id in self.alloc.seqs or req.sampling.prompt_logprobs is not None:
+            return
+        end = req.num_prompt_tokens - 1 if req.pending_forks else req.num_tokens
+        # at least one token is left to compute: the last one, which samples
+        num_blocks = self.alloc.num_cached_blocks(req.all_token_ids, req.cache_salt, (end - 1) // self.block_size)
+        req.num_computed_tokens = req.num_cached_tokens = num_blocks * self.block_size
+
+    def _grow(self, req: Request, num_new: int) -> bool:
+        """Make room in ``req``'s table for its next ``num_new`` tokens (False: refused, nothing
+        changed). The tokens the allocator has not seen ride along, so that it hashes the blocks
+        they fill; draft tokens are not known until accepted."""
+        alloc, start = self.alloc, req.num_computed_tokens
+        end = start + num_new
+        if not alloc.changes_table(req.req_id, start, end):
+            return True
+        is_new = req.req_id not in alloc.seqs
+        known = min(end, req.num_tokens) if req.sampling.prompt_logprobs is None else req.num_kv_token_ids
+        num_copies = len(alloc.block_copies)
+        op = KVAllocate(req.req_id, start, end, req.token_slice(req.num_kv_token_ids, known),
+                        req.cache_salt if is_new else None)
+        if self.kv.try_apply(op) is None:
+            return False
+        req.num_kv_token_ids = max(req.num_kv_token_ids, known)
+        if len(alloc.block_copies) > num_copies:
+            req.table_changed = True  # copy-on-write replaced a block inside its table
+        return True
 
     def _num_new_tokens(self, req: Request, budget: int, whole_prefill_taken: bool) -> int:
         """Tokens ``req`` computes this step (0: none, or its whole prompt does not fit)."""
@@ -480,21 +505,9 @@ class Scheduler:
             remaining = min(remaining, self.long_prefill_token_threshold)
         return min(remaining, budget)
 
-    def _blocks_needed(self, req: Request, num_new: int) -> tuple[int, int]:
-        """(blocks its table grows by, 1 if its next write copies a shared last block)."""
-        growth = max(0, cdiv(req.num_computed_tokens + num_new, self.block_size) - req.num_blocks)
-        return growth, int(req.shares_last_block and num_new > 0)
-
-    @staticmethod
-    def _fork_parents(out: StepOutput) -> set[str]:
-        return {f[0] for f in out.forks}
-
-    def _victim(self, i: int, protected: set[str]) -> Request | None:
+    def _victim(self, i: int) -> Request | None:
         """The last sequence in queue order after position ``i`` (not yet scheduled this step)."""
-        for j in range(len(self.running) - 1, i, -1):
-            if self.running[j].req_id not in protected:
-                return self.running[j]
-        return None
+        return self.running[-1] if len(self.running) - 1 > i else None
 
     def _seq_cost(self, req: Request) -> int:
         """Against ``max_num_seqs``: a request with choices to fork counts them; a beam search
@@ -507,152 +520,84 @@ class Scheduler:
         groups = {r.group for r in self.running if r.group is not None}
         return sum(r.num_seqs for r in self.running if r.group is None) + sum(g.width for g in groups)
 
-    def _take(self, out: StepOutput, req: Request, num_new: int, need: int, cow: int) -> None:
-        if num_new == 0:
-            return  # swapped in while it waits for its beam siblings: nothing to compute yet
+    def _take(self, out: StepOutput, req: Request, num_new: int) -> None:
         out.scheduled.append((req, num_new))
         if num_new > 1 and req.num_tokens - req.num_computed_tokens == 1:
             out.spec_token_ids[req.req_id] = req.spec_token_ids[:num_new - 1]
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
-        if need > 0 or cow:
-            num_tokens = req.num_computed_tokens + num_new
-            out.allocate.append((req.req_id, num_tokens))
-            out.num_new_blocks[req.req_id] = need
-            is_first = req.num_blocks == 0
-            req.num_blocks += need
-            req.shares_last_block = False
-            self.num_free_blocks -= need + cow
-            if req.sampling.prompt_logprobs is None:
-                known = min(num_tokens, req.num_tokens)  # draft tokens are not known until accepted
-                out.new_token_ids[req.req_id] = req.all_token_ids[req.num_kv_token_ids:known]
-                req.num_kv_token_ids = known
-            if req.cache_salt is not None and is_first:
-                out.cache_salts[req.req_id] = req.cache_salt
 
     # ------------------------------------------------------------------ forks
-    def _issue_forks(self, out: StepOutput) -> None:
+    def _issue_forks(self) -> None:
         """Fork the choices of first choices that computed all but their last prompt token, and
         the new beams of the last step. A child whose parent lost its table starts on its own."""
         for req in list(self.running):
-            if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1 and req.num_blocks:
+            if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1 and self._holds_table(req):
                 for child in req.pending_forks:
-                    self._fork(out, req, child)
+                    self._fork(req, child)
                 req.pending_forks = []
         unforked, self.unforked = self.unforked, []
         for child in unforked:
             parent = child.fork_parent
-            if parent.status == RUNNING and parent.num_blocks and not parent.finished:
-                self._fork(out, parent, child)
+            if parent.status == RUNNING and not parent.finished and self._holds_table(parent):
+                self._fork(parent, child)
             else:
                 child.reset_for_recompute()
                 self._enqueue(self.waiting, child, WAITING)
 
-    def _fork(self, out: StepOutput, parent: Request, child: Request) -> None:
-        out.forks.append((parent.req_id, child.req_id, parent.num_computed_tokens))
-        out.parents_sharing.setdefault(parent.req_id, parent.shares_last_block)
+    def _holds_table(self, req: Request) -> bool:
+        seq = self.alloc.seqs.get(req.req_id)
+        return seq is not None and bool(seq.block_ids)
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        self.kv.try_apply(KVFork(parent.req_id, child.req_id, parent.num_computed_tokens))
         child.fork_parent = None
-        child.num_blocks = parent.num_blocks
-        child.num_shared_blocks = parent.num_shared_blocks = parent.num_blocks
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_kv_token_ids = parent.num_kv_token_ids
-        partial = parent.num_computed_tokens % self.block_size != 0
-        child.shares_last_block = partial
-        parent.shares_last_block |= partial
         child.admitted = True
         child.arrival_time, child.first_scheduled_time = parent.arrival_time, parent.first_scheduled_time
         self.counters["num_forks"] += 1
         self._enqueue(self.running, child, RUNNING)
 
-    # ------------------------------------------------------------------ the kvmanager's answer
-    def needs_kv_call(self, out: StepOutput) -> bool:
-        """Most decode steps cross no block boundary: then the kvmanager has nothing to do."""
-        return bool(out.allocate or out.free_req_ids or out.discard_req_ids or out.forks or out.swap_out_req_ids
-                    or out.swap_in_req_ids or out.truncate)
-
-    def build_plan(self, out: StepOutput, kv: KVStepReply | None) -> StepPlan:
-        """The executor's per-step diff, from this step's choices and the kvmanager's block ids."""
-        failed = set(kv.failed_req_ids) if kv is not None else set()
-        if failed:
-            self._recover_refused(out, failed)
-        new_block_ids = kv.new_block_ids if kv is not None else {}
-        tables = kv.block_tables if kv is not None else {}
-        if kv is not None:
-            self.num_free_blocks = kv.num_free_blocks  # the truth; releases since stay pending
-            for req in self.running:  # a shared block is not freed with one of its tables
-                req.num_shared_blocks = kv.num_shared_blocks.get(req.req_id, 0)
+    # ------------------------------------------------------------------ the executor's plan
+    def build_plan(self, out: StepOutput) -> StepPlan:
+        """The executor's per-step diff: new sequences in full, running ones as the blocks they
+        gained (their whole table when blocks inside it changed) and their counts."""
+        alloc = self.alloc
         new_reqs, running_reqs, num_scheduled = [], [], {}
-        kept = []
-        num_cached = kv.num_cached_tokens if kv is not None else {}
         for req, num_new in out.scheduled:
-            if req.finished and req.req_id in out.num_new_blocks:
-                self._discard(req.req_id)  # aborted while the kvmanager answered: never computed
-            if req.finished or req.req_id in failed:
-                continue  # aborted while the kvmanager answered, or refused blocks
-            if req.req_id in num_cached:
-                num_new = self._start_after_cached(req, num_new, num_cached[req.req_id])
-            table = tables.get(req.req_id)
-            block_ids = new_block_ids.get(req.req_id, [])
+            table = alloc.seqs[req.req_id].block_ids
             if req.on_executor:
+                changed = req.table_changed
                 running_reqs.append(RunningRequestData(
-                    req_id=req.req_id, new_block_ids=[] if table is not None else block_ids,
+                    req_id=req.req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
                     num_computed_tokens=req.num_computed_tokens, new_token_ids=req.unsent_token_ids,
-                    block_ids=table))
+                    block_ids=list(table) if changed else None))
             else:
                 new_reqs.append(NewRequestData(
                     req_id=req.req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
-                    sampling=req.sampling, block_ids=table if table is not None else req.table + block_ids,
-                    num_computed_tokens=req.num_computed_tokens, append_sampled=req.append_sampled))
+                    sampling=req.sampling, block_ids=list(table), num_computed_tokens=req.num_computed_tokens,
+                    append_sampled=req.append_sampled))
                 req.on_executor = True
-            req.unsent_token_ids, req.table = [], []
+            req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
             num_scheduled[req.req_id] = num_new
             req.num_computed_tokens += num_new
-            self.counters["num_scheduled_tokens_total"] += num_new
-            kept.append((req, num_new))
-        for req_id, table in tables.items():  # forked but not scheduled yet: keep its table for later
-            req = self.requests.get(req_id)
-            if req is not None and not req.on_executor:
-                req.table = table
-        out.scheduled = kept
         finished, self.pending_finished_req_ids = self.pending_finished_req_ids, []
-        self.counters["num_steps"] += 1
-        self.counters["num_scheduled_seqs_total"] += len(kept)
-        self.last_batch_size, self.last_num_scheduled_tokens = len(kept), sum(num_scheduled.values())
-        copies = dict(block_copies=kv.block_copies, swap_out=kv.swap_out, swap_in=kv.swap_in) if kv else {}
-        spec = {req_id: ids for req_id, ids in out.spec_token_ids.items() if req_id in num_scheduled}
+        c = self.counters
+        c["num_steps"] += 1
+        c["num_scheduled_seqs_total"] += len(out.scheduled)
+        self.last_batch_size, self.last_num_scheduled_tokens = len(out.scheduled), sum(num_scheduled.values())
+        c["num_scheduled_tokens_total"] += self.last_num_scheduled_tokens
         return StepPlan(step_id=out.step_id, new_reqs=new_reqs, running_reqs=running_reqs,
-                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished, spec_token_ids=spec, **copies)
+                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished,
+                        spec_token_ids=out.spec_token_ids, block_copies=out.block_copies,
+                        swap_out=out.swap_out, swap_in=out.swap_in)
 
-    def _recover_refused(self, out: StepOutput, failed: set[str]) -> None:
-        """The kvmanager refused part of this step (the mirror was off): the sequences it refused
-        drop whatever they hold and start over by recompute."""
-        for req in [r for r in self.requests.values() if r.req_id in failed and not r.finished]:
-            if req.status == FORKING:
-                continue
-            growth = out.num_new_blocks.get(req.req_id, 0)
-            self._dequeue(req)
-            if req.req_id in out.swap_in_req_ids or req.status == SWAPPED:
-                # still (or again) on the host tier: those host blocks come back with its release
-                self.num_free_host_blocks += req.num_blocks
-            else:
-                self.num_pending_free_blocks += max(0, req.num_blocks - growth - req.num_shared_blocks)
-            if req.on_executor:
-                self.pending_finished_req_ids.append(req.req_id)
-            self.pending_free_req_ids.append(req.req_id)
-            req.reset_for_recompute()
-            self.counters["num_preemptions"] += 1
-            self._enqueue(self.waiting, req, WAITING)
-
-    def _start_after_cached(self, req: Request, num_new: int, num_cached: int) -> int:
-        """A new sequence whose first blocks were cached starts after them; returns what is left
-        of its ``num_new`` tokens to compute (the kvmanager always leaves at least one)."""
-        req.num_computed_tokens = num_cached
-        req.num_cached_tokens = num_cached
-        self.counters["num_cached_tokens_total"] += num_cached
-        return num_new - num_cached
+    def kv_request(self, out: StepOutput, generation: int) -> KVStepRequest:
+        return KVStepRequest(step_id=out.step_id, generation=generation, ops=out.ops)
 
     def _discard(self, req_id: str) -> None:
-        """Its release moves to ``discard_req_ids``: the kvmanager must not index what never ran."""
+        """Its release becomes a discard: the allocator must not index what never ran."""
         if req_id in self.pending_free_req_ids:
             self.pending_free_req_ids.remove(req_id)
             self.pending_discard_req_ids.append(req_id)
@@ -718,13 +663,12 @@ class Scheduler:
 
     def _roll_back(self, req: Request) -> None:
         """After verification the KV of the last token and the accepted drafts is kept; the
-        rejected drafts' slots are not: the table shrinks back in the next kvmanager call."""
+        rejected drafts' slots are not: the table shrinks back first thing in the next step
+        (``KVTruncate``), and the executor then gets it whole."""
         req.num_computed_tokens = req.num_tokens - 1
-        keep = cdiv(req.num_computed_tokens, self.block_size)
-        if req.num_blocks > keep:
+        seq = self.alloc.seqs.get(req.req_id)
+        if seq is not None and len(seq.block_ids) > cdiv(req.num_computed_tokens, self.block_size):
             self.pending_truncate.append((req.req_id, req.num_computed_tokens))
-            self.num_pending_free_blocks += req.num_blocks - keep
-            req.num_blocks = keep
 
     def _queue_time(self, req: Request) -> float | None:
         if req.queue_time_sent or req.first_scheduled_time is None or not req.arrival_time:
@@ -811,9 +755,9 @@ class Scheduler:
             "num_waiting": len(self.waiting) + sum(len(r.pending_forks) for r in self.waiting),
             "num_swapped": len(self.swapped),
             **c,
-            "num_free_blocks": self.num_free_blocks + self.num_pending_free_blocks,
+            "num_free_blocks": self.alloc.num_free_blocks,
             "num_blocks_total": self.pool.num_blocks if self.pool else 0,
-            "num_free_host_blocks": self.num_free_host_blocks,
+            "num_free_host_blocks": self.alloc.host.num_free_blocks,
             "max_num_running": self.max_num_running,
             "last_batch_size": self.last_batch_size,
             "mean_batch_size": c["num_scheduled_seqs_total"] / steps,
@@ -839,6 +783,6 @@ class Scheduler:
             {"req_id": r.req_id, "status": r.status, "priority": r.key[0],
              "num_prompt_tokens": r.num_prompt_tokens, "num_output_tokens": len(r.output_token_ids),
              "num_computed_tokens": r.num_computed_tokens, "num_cached_tokens": r.num_cached_tokens,
-             "num_blocks": r.num_blocks, "beam_of": r.group.req_id if r.group is not None else None}
+             "num_blocks": len(self.alloc.block_table(r.req_id)), "beam_of": r.group.req_id if r.group is not None else None}
             for r in self.requests.values()
         ]

@@ -1,7 +1,7 @@
 """One sequence as the scheduler sees it: its tokens, how many are computed, how many blocks it holds.
 
-The scheduler keeps no block table (the kvmanager does) but mirrors each sequence's block count,
-so that it can plan a whole step, preemptions included, before the one kvmanager call. A client's
+Its block table lives in the scheduler's allocator replica (``shared.kv``), under ``req_id``; the
+request remembers only how much of it the executor was sent. A client's
 request is one sequence, or several: the choices of ``n`` > 1 (forked from the first once its
 prompt is computed) and the live beams of a beam search (``group``).
 """
@@ -24,24 +24,22 @@ class Request:
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_blocks: int = 0  # blocks its kvmanager table holds (a mirror)
     on_executor: bool = False  # the executor holds its state (it was sent as NewRequestData)
     finished: bool = False
     admitted: bool = False  # admitted at least once (prompt tokens counted)
     prompt_logprobs_sent: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
-    num_kv_token_ids: int = 0  # of its tokens, those the kvmanager was told (to hash full blocks)
+    num_kv_token_ids: int = 0  # of its tokens, those the allocator was told (to hash full blocks)
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
-    num_shared_blocks: int = 0  # of its blocks, those other tables hold too (as of the last kv reply)
     # its place in the queues: (priority, arrival order, rank among the sequences of one request)
     key: tuple[int, int, int] = (0, 0, 0)
     status: str = WAITING
     # n > 1: the other choices, forked from this one once all but its last prompt token are computed
     pending_forks: list["Request"] = field(default_factory=list)
-    fork_parent: "Request | None" = None  # set until the kvmanager forked this one from its parent
-    table: list[int] = field(default_factory=list)  # its whole table, kept while the executor lacks it
-    shares_last_block: bool = False  # forked with a partly filled last block: the next write copies it
+    fork_parent: "Request | None" = None  # set until it is forked from its parent
+    num_sent_blocks: int = 0  # of its table, the blocks the executor was sent
+    table_changed: bool = False  # blocks inside its table changed (copy-on-write, truncation): send it whole
     append_sampled: bool = True  # False for beams: the group picks their tokens
     unsent_token_ids: list[int] = field(default_factory=list)  # tokens appended here, for the executor
     group: object = None  # the BeamGroup of a beam
@@ -79,6 +77,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without joining the prompt and the output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
     def stop_reason(self, token_id: int) -> str | None:
         """Why the request ends after ``token_id`` was appended to its output, if it does.
         EOS and stop token ids say "stop" (EOS only without ``ignore_eos``); then ``max_tokens``."""
@@ -93,12 +100,10 @@ class Request:
     def reset_for_recompute(self) -> None:
         """Preempted by recompute: drop every block and the executor's state, keep the tokens."""
         self.num_computed_tokens = 0
-        self.num_blocks = 0
         self.on_executor = False
-        self.num_kv_token_ids = 0  # the kvmanager forgets the table, and its tokens with it
-        self.num_shared_blocks = 0
+        self.num_kv_token_ids = 0  # the allocator forgets the table, and its tokens with it
         self.fork_parent = None  # it starts over alone
-        self.table = []
-        self.shares_last_block = False
+        self.num_sent_blocks = 0
+        self.table_changed = False
         self.unsent_token_ids = []
         self.spec_token_ids = []

@@ -2,9 +2,14 @@
 
 Who talks to it:
 - the tokenizer PUSHes ``EngineRequest`` and ``AbortRequest`` into ``recv_from_tokenizer``;
-- each step it asks the kvmanager for blocks (``send_to_kvmanager``, DEALER: one ``KVStepRequest``,
-  skipped when the step needs no block and frees none), sends the ``StepPlan`` to the executor
-  (``send_to_executor``, DEALER) and PUSHes one ``TokenBatch`` to the tokenizer;
+- each step it plans with its allocator replica, sends the step's allocator log to the kvmanager
+  (``send_to_kvmanager``, DEALER: one ``KVStepRequest`` when the log is not empty, without
+  waiting), sends the ``StepPlan`` to the executor (``send_to_executor``, DEALER), waits for its
+  ``StepResult`` and PUSHes one ``TokenBatch`` to the tokenizer;
+- the kvmanager's replies are read as they come (``receive_from_kvmanager``): each step's state
+  digest is checked against the replica's; a mismatch, or a kvmanager that lost its state
+  (restarted), starts a new epoch (``new_epoch``: the one place that resynchronises, also used
+  when the executor restarts). ``KVClearCache`` (``folio kv clear``) puts a clear into the next log;
 - CLIs ask its admin ROUTER for ``stats``, ``requests``, ``abort``, ``drain`` (finish what was
   accepted, refuse new requests with 503) and ``resume``.
 The loop sleeps on an event when there is no work (never polls) and wakes on the next message.
@@ -20,12 +25,14 @@ import zmq
 import zmq.asyncio
 
 from services.common import close_sockets, serve_admin, sniff_req_id
-from services.scheduler.policy import Scheduler
+from services.scheduler.policy import Scheduler, StepOutput
 from shared.config import SchedulerConfig
 from shared.messages import (
     AbortRequest,
     EngineRequest,
     GetPool,
+    KVClearCache,
+    KVReset,
     KVStepReply,
     PoolInfo,
     StepResult,
@@ -39,6 +46,8 @@ log = structlog.get_logger()
 # A step that takes longer than this makes us ask the kvmanager whether the executor restarted
 # (a new pool epoch); a slow step is then simply waited for again.
 EXECUTOR_CHECK_S = 5.0
+# Step digests kept for replies still to come; a kvmanager that far behind is out of the picture.
+MAX_PENDING_DIGESTS = 10_000
 
 
 class SchedulerService:
@@ -51,7 +60,7 @@ class SchedulerService:
         self.send_to_executor = make_socket(ctx, zmq.DEALER, ep.executor)
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_scheduler)
         self.tokenizer_decoder = Decoder(EngineRequest, AbortRequest)
-        self.kvmanager_decoder = Decoder(PoolInfo, KVStepReply)
+        self.kvmanager_decoder = Decoder(PoolInfo, KVStepReply, KVClearCache)
         self.executor_decoder = Decoder(StepResult)
         self.handlers = {EngineRequest: self.handle_engine_request, AbortRequest: self.handle_abort_request}
         self.admin_commands = {"stats": self.admin_stats, "requests": self.admin_requests, "abort": self.admin_abort,
@@ -64,22 +73,28 @@ class SchedulerService:
         self.wake = asyncio.Event()
         self.pool_ready = False
         self.executor_check_s = EXECUTOR_CHECK_S
+        self.generation = 0  # the sync epoch with the kvmanager
+        self.pending_digests: dict[int, bytes] = {}  # step_id -> the replica's digest, until the reply
+        self.resync_reason: str | None = None  # set when the kvmanager's state is not the replica's
+        self.kv_reply: asyncio.Future | None = None  # a GetPool / KVReset waiting for its PoolInfo
         # where step time goes: the bench compares them with the executor's execute time
-        self.timers = {"step_seconds_total": 0.0, "kv_wait_seconds_total": 0.0, "executor_wait_seconds_total": 0.0,
-                       "last_step_seconds": 0.0}
+        self.timers = {"step_seconds_total": 0.0, "plan_seconds_total": 0.0, "update_seconds_total": 0.0,
+                       "executor_wait_seconds_total": 0.0, "last_step_seconds": 0.0}
 
     async def run(self) -> None:
+        receiver = asyncio.ensure_future(self.receive_from_kvmanager())
         try:
             await asyncio.gather(self.loop(), serve_admin(self.recv_from_admin, self.admin_commands, log))
         finally:
+            receiver.cancel()
             close_sockets(self.recv_from_tokenizer, self.send_to_tokenizer, self.send_to_kvmanager,
                           self.send_to_executor, self.recv_from_admin)
 
     # ------------------------------------------------------------------ the iteration loop
     async def loop(self) -> None:
         log.info("waiting for the executor's KV pool")
-        info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
-        self.scheduler.set_pool(info)
+        await self.new_epoch("start")
+        info = self.scheduler.pool
         self.pool_ready = True
         if self.config.preemption_mode == "swap" and not info.num_host_blocks:
             log.warning("--preemption-mode swap without a host tier (--num-host-blocks): preemption recomputes")
@@ -88,6 +103,8 @@ class SchedulerService:
         receiver = asyncio.ensure_future(self.receive_from_tokenizer())
         try:
             while True:
+                if self.resync_reason is not None:
+                    await self.new_epoch(self.resync_reason)
                 if not self.scheduler.has_work() or not await self.step():
                     self.wake.clear()
                     await self.wake.wait()
@@ -101,29 +118,93 @@ class SchedulerService:
         out = sched.schedule()
         if out is None:
             return False
-        kv = None
-        if sched.needs_kv_call(out):
-            t1 = time.perf_counter()
-            kv = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, out.kv_request(), KVStepReply,
-                                 out.step_id)
-            timers["kv_wait_seconds_total"] += time.perf_counter() - t1
-            if kv.epoch and kv.epoch != sched.pool.epoch:
-                await self.recover_from_restart(kv.new_block_ids)
-                return True
-        plan = sched.build_plan(out, kv)
-        t2 = time.perf_counter()
+        self.send_log(out)
+        plan = sched.build_plan(out)
+        t1 = time.perf_counter()
+        timers["plan_seconds_total"] += t1 - t0
         result = await self.call(self.send_to_executor, self.executor_decoder, plan, StepResult, out.step_id,
                                  check_s=self.executor_check_s)
-        timers["executor_wait_seconds_total"] += time.perf_counter() - t2
+        t2 = time.perf_counter()
+        timers["executor_wait_seconds_total"] += t2 - t1
         if result is None or (result.epoch and result.epoch != sched.pool.epoch):
-            await self.recover_from_restart()
+            sched.counters["num_executor_restarts"] += 1
+            await self.new_epoch("the executor restarted")
             return True
         deltas = sched.update_from_result(out, result)
         if deltas:
             await self.push_deltas(out.step_id, deltas)
-        timers["last_step_seconds"] = time.perf_counter() - t0
-        timers["step_seconds_total"] += timers["last_step_seconds"]
+        t3 = time.perf_counter()
+        timers["update_seconds_total"] += t3 - t2
+        timers["last_step_seconds"] = t3 - t0
+        timers["step_seconds_total"] += t3 - t0
         return True
+
+    def send_log(self, out: StepOutput) -> None:
+        """The step's allocator log to the kvmanager, not waited for: its digest is checked when
+        the reply comes. A log that cannot be queued is lost, and the kvmanager, out of step,
+        will say so (then a new epoch starts)."""
+        if not out.ops:
+            return
+        if len(self.pending_digests) >= MAX_PENDING_DIGESTS:
+            self.pending_digests.pop(next(iter(self.pending_digests)))
+        self.pending_digests[out.step_id] = out.digest
+        sent = self.send_to_kvmanager.send(encode(self.scheduler.kv_request(out, self.generation)), flags=zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            log.warning("kvmanager not keeping up: step log dropped", step_id=out.step_id)
+
+    async def new_epoch(self, reason: str) -> None:
+        """Empty tables on both sides, in step: the kvmanager resets (``KVReset``) and answers with
+        the pool, the replica starts over for it, and every running request recomputes (keeping its
+        tokens: nothing is lost). Used at start, after an executor restart, a digest mismatch or a
+        kvmanager that lost its state."""
+        self.generation += 1
+        self.pending_digests.clear()
+        self.resync_reason = None
+        sched = self.scheduler
+        pool = sched.pool or await self.kv_call(GetPool())
+        info = await self.kv_call(KVReset(generation=self.generation, pool=pool))
+        old = sched.pool.epoch if sched.pool else None
+        num = sched.new_epoch(info)
+        if reason != "start":
+            log.error("new epoch: running requests start over", reason=reason, old_epoch=old,
+                      new_epoch=info.epoch, generation=self.generation, num_requests=num)
+            self.wake.set()
+
+    async def kv_call(self, request, timeout_s: float | None = None) -> PoolInfo:
+        """A request the kvmanager answers with ``PoolInfo`` (read by ``receive_from_kvmanager``)."""
+        self.kv_reply = asyncio.get_running_loop().create_future()
+        await self.send_to_kvmanager.send(encode(request))
+        return await asyncio.wait_for(self.kv_reply, timeout_s)
+
+    async def receive_from_kvmanager(self) -> None:
+        while True:
+            data = await self.send_to_kvmanager.recv()
+            try:
+                msg = self.kvmanager_decoder.decode(data)
+            except MalformedMessage as exc:
+                log.warning("malformed reply dropped", socket="kvmanager", error=str(exc))
+                continue
+            if isinstance(msg, PoolInfo):
+                if self.kv_reply is not None and not self.kv_reply.done():
+                    self.kv_reply.set_result(msg)
+            elif isinstance(msg, KVClearCache):
+                self.scheduler.clear_cache()
+                self.wake.set()
+            else:
+                self.check_digest(msg)
+
+    def check_digest(self, reply: KVStepReply) -> None:
+        if reply.generation != self.generation or self.resync_reason is not None:
+            return  # about an epoch already left
+        expected = self.pending_digests.pop(reply.step_id, None)
+        if not reply.in_sync:
+            self.resync_reason = "the kvmanager lost its state (restarted, or a new pool)"
+        elif expected is not None and reply.digest != expected:
+            self.scheduler.counters["num_digest_mismatches"] += 1
+            self.resync_reason = "the kvmanager's state digest differs from the replica's"
+        if self.resync_reason is not None:
+            log.error("kvmanager out of sync", step_id=reply.step_id, reason=self.resync_reason)
+            self.wake.set()
 
     async def call(self, sock, decoder: Decoder, request, reply_type: type, step_id: int | None = None,
                    check_s: float | None = None):
@@ -148,16 +229,11 @@ class SchedulerService:
             return reply
 
     async def executor_restarted(self) -> bool:
-        info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
+        try:
+            info = await self.kv_call(GetPool(), timeout_s=self.executor_check_s)
+        except TimeoutError:
+            return False  # the kvmanager is away too: keep waiting for the executor
         return info.epoch != self.scheduler.pool.epoch
-
-    async def recover_from_restart(self, held: dict[str, list[int]] | None = None) -> None:
-        """A new executor knows nothing: every running request starts over by recompute."""
-        old = self.scheduler.pool.epoch
-        info = await self.call(self.send_to_kvmanager, self.kvmanager_decoder, GetPool(), PoolInfo)
-        num = self.scheduler.reset_pool(info, held)
-        log.error("the executor restarted: its requests start over", old_epoch=old, new_epoch=info.epoch,
-                  num_requests=num)
 
     async def push_deltas(self, step_id: int, deltas: list[TokenDelta]) -> None:
         await self.send_to_tokenizer.send(encode(TokenBatch(step_id=step_id, deltas=deltas)))
@@ -196,8 +272,9 @@ class SchedulerService:
             return {"pool_ready": False, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
                     **self.scheduler.counters}
         steps = max(1, self.scheduler.counters["num_steps"])
-        return {"pool_ready": True, **self.scheduler.stats(), **self.timers,
-                "mean_step_seconds": self.timers["step_seconds_total"] / steps}
+        return {"pool_ready": True, **self.scheduler.stats(), **self.timers, "generation": self.generation,
+                "mean_step_seconds": self.timers["step_seconds_total"] / steps,
+                "mean_plan_seconds": self.timers["plan_seconds_total"] / steps}
 
     def admin_requests(self, args: dict) -> dict:
         return {"requests": self.scheduler.describe_requests()}

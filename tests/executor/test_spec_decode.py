@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.executor.spec_decode import NgramProposer
-from services.kvmanager.allocator import cdiv
+from shared.kv.allocator import cdiv
+from shared.messages import KVTruncate
 from shared.config import RuntimeConfig
 from tests.conftest import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request
@@ -88,13 +89,17 @@ def test_rejected_drafts_give_their_slots_back(tiny_pair):
     for i, p in enumerate(repetitive_prompts(6, seed=3)):
         engine.add(engine_request(f"r{i}", p, 30, ignore_eos=True))
     shrunk = 0
-    while engine.step():
-        for req in engine.sched.running:  # the mirror holds what the kvmanager holds
-            if req.req_id in engine.alloc.seqs:
-                assert len(engine.alloc.block_table(req.req_id)) >= req.num_blocks
-        for req_id, num_tokens in engine.sched.pending_truncate:
-            shrunk += 1
-            assert engine.sched.requests[req_id].num_blocks == cdiv(num_tokens, engine.sched.block_size)
+    while True:
+        pending = dict(engine.sched.pending_truncate)
+        if not engine.step():
+            break
+        truncated = {op.req_id: op.num_tokens for op in engine.logs[-1] if isinstance(op, KVTruncate)}
+        assert truncated == pending  # the next log shrinks the tables first thing
+        shrunk += len(truncated)
+        for running in engine.plans[-1].running_reqs:
+            if running.req_id in truncated:  # blocks inside its table went: the executor gets it whole
+                assert running.block_ids == engine.alloc.block_table(running.req_id)
+                assert len(running.block_ids) >= cdiv(truncated[running.req_id], engine.sched.block_size)
     c = engine.sched.counters
     assert shrunk > 0  # some rejection left a block holding only rejected slots: it went back
     assert c["num_spec_accepted_tokens"] < c["num_spec_draft_tokens"]  # this draft is often wrong

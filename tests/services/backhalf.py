@@ -98,6 +98,14 @@ class BackHalf:
         new = ExecutorService(old.config, self.ctx)
         self.services[1], self.tasks[1] = new, asyncio.ensure_future(new.run())
 
+    async def restart_kvmanager(self) -> None:
+        """Stop the kvmanager and start a new, empty one on the same sockets (it knows no pool)."""
+        old_task, old = self.tasks[0], self.services[0]
+        old_task.cancel()
+        await asyncio.gather(old_task, return_exceptions=True)
+        new = KVManagerService(old.config, self.ctx)
+        self.services[0], self.tasks[0] = new, asyncio.ensure_future(new.run())
+
     async def admin(self, service: str, command: str, **args) -> AdminReply:
         return await admin_call(self.ctx, getattr(self.endpoints, f"admin_{service}"), command, **args)
 

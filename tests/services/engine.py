@@ -1,7 +1,7 @@
 """The scheduler's policy, the kvmanager's allocator and the executor's runner stepped in one
-process: the same calls the three services make each step (``schedule`` -> ``apply_step`` ->
-``build_plan`` -> ``execute`` -> ``update_from_result``), without sockets, so that tests can
-look at every step's plan and at the allocator between steps."""
+process: the same calls the three services make each step (``schedule`` -> the kvmanager applies
+the step log -> ``build_plan`` -> ``execute`` -> ``update_from_result``), without sockets, so that
+tests can look at every step's plan and at the allocator of record between steps."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.executor.runner import ModelRunner
-from services.kvmanager.allocator import BlockAllocator
-from services.kvmanager.service import apply_step
 from services.scheduler.policy import Scheduler
 from shared.config import RuntimeConfig
 from shared.messages import EngineRequest, PoolInfo, SamplingParams, StepPlan, TokenDelta
+from tests.services.kv_owner import Owner
 
 
 @dataclass
@@ -29,14 +28,16 @@ class LocalEngine:
                  enable_prefix_caching: bool = True, **options):
         pool = runner.pool
         self.runner = runner
-        self.alloc = BlockAllocator(pool.num_blocks, pool.block_size, pool.num_host_blocks,
-                                    enable_prefix_caching=enable_prefix_caching)
+        self.alloc = Owner(pool.num_blocks, pool.block_size, pool.num_host_blocks,
+                           enable_prefix_caching=enable_prefix_caching)
         self.sched = Scheduler(max_num_seqs, max_num_batched_tokens, **options)
         self.sched.set_pool(PoolInfo(num_blocks=pool.num_blocks, block_size=pool.block_size, bytes_per_block=1,
                                      epoch="e", max_model_len=runner.spec.max_position_embeddings,
-                                     num_free_blocks=pool.num_blocks, num_host_blocks=pool.num_host_blocks))
+                                     num_free_blocks=pool.num_blocks, num_host_blocks=pool.num_host_blocks,
+                                     enable_prefix_caching=enable_prefix_caching))
         self.outputs: dict[str, Output] = {}
         self.plans: list[StepPlan] = []
+        self.logs: list[list] = []  # each step's allocator log
 
     def add(self, msg: EngineRequest) -> None:
         for req_id in (msg.req_id, *msg.fork_req_ids):
@@ -47,8 +48,9 @@ class LocalEngine:
         out = self.sched.schedule()
         if out is None:
             return False
-        kv = apply_step(self.alloc, out.kv_request()) if self.sched.needs_kv_call(out) else None
-        plan = self.sched.build_plan(out, kv)
+        self.alloc.apply(out)
+        self.logs.append(out.ops)
+        plan = self.sched.build_plan(out)
         self.plans.append(plan)
         self._record(self.sched.update_from_result(out, self.runner.execute(plan)))
         return True

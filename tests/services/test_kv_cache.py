@@ -8,9 +8,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.kvmanager.allocator import BlockAllocator, NoFreeBlocks, hash_block
-from services.kvmanager.service import apply_step
-from shared.messages import BlockRemoved, BlockStored, KVStepRequest
+from shared.kv.allocator import BlockAllocator, NoFreeBlocks, hash_block
+from shared.kv.steplog import StepLog
+from shared.messages import (
+    BlockRemoved,
+    BlockStored,
+    KVAllocate,
+    KVConfirm,
+    KVFork,
+    KVFree,
+    KVSwapIn,
+    KVSwapOut,
+)
 
 
 def tokens(n: int, start: int = 100) -> list[int]:
@@ -64,7 +73,7 @@ def test_cache_salt_keeps_tenants_apart():
 def test_discarded_blocks_are_never_found():
     alloc = BlockAllocator(num_blocks=10, block_size=4)
     alloc.allocate("a", 9, tokens(9))
-    apply_step(alloc, KVStepRequest(step_id=1, discard_req_ids=["a"]))  # aborted before it ran
+    StepLog(alloc).apply_all([KVConfirm(["a"]), KVFree(["a"])])  # its step failed: discarded
     assert alloc.device.cached == {} and alloc.num_free_blocks == 10
     assert alloc.allocate("b", 9, tokens(9)) == [3, 4, 5]
 
@@ -193,25 +202,27 @@ def test_swap_out_and_in_move_tables_between_tiers():
     assert (stats["num_swapped_out_blocks"], stats["num_swapped_in_blocks"]) == (2, 2)
 
 
-def test_apply_step_orders_frees_swaps_forks_and_allocations():
-    alloc = BlockAllocator(num_blocks=4, block_size=4, num_host_blocks=4)
-    apply_step(alloc, KVStepRequest(step_id=0, allocate=[("a", 6), ("b", 8)], new_token_ids={"a": tokens(6)}))
-    reply = apply_step(alloc, KVStepRequest(step_id=1, swap_out_req_ids=["b"], forks=[("a", "a2", 6)],
-                                            allocate=[("a2", 7), ("c", 4)], new_token_ids={"a2": [1]}))
-    assert reply.swap_out == [(2, 0), (3, 1)]
-    assert reply.block_copies == [(1, 3)]  # b's device blocks are free again and reused this step
-    assert reply.new_block_ids == {"c": [2]}
-    # the forked child's table changed inside (copy-on-write of its last block): sent whole
-    assert reply.block_tables == {"a2": [0, 3]}
-    assert reply.failed_req_ids == [] and reply.num_free_blocks == 0
-    reply = apply_step(alloc, KVStepRequest(step_id=2, swap_in_req_ids=["b"]))
-    assert reply.failed_req_ids == ["b"] and reply.block_tables == {}
-    reply = apply_step(alloc, KVStepRequest(step_id=3, free_req_ids=["a", "a2", "c"], swap_in_req_ids=["b"],
-                                            allocate=[("b", 9)]))
-    assert reply.failed_req_ids == []
-    # swapped in (2 blocks) and grown by one: the whole table, the new block last
-    assert len(reply.block_tables["b"]) == 3 and reply.new_block_ids["b"] == reply.block_tables["b"][2:]
-    assert reply.swap_in and [d for _, d in reply.swap_in] == reply.block_tables["b"][:2]
+def test_the_step_log_gives_the_owner_the_replicas_blocks_and_digest():
+    replica = StepLog(BlockAllocator(num_blocks=4, block_size=4, num_host_blocks=4, record_events=False))
+    owner = StepLog(BlockAllocator(num_blocks=4, block_size=4, num_host_blocks=4))
+    assert replica.try_apply(KVAllocate("a", 0, 6, tokens(6))) == [0, 1]
+    assert replica.try_apply(KVAllocate("b", 0, 8)) == [2, 3]
+    assert replica.try_apply(KVAllocate("c", 0, 4)) is None  # refused: nothing changed, nothing logged
+    ops, _, digest = replica.seal()
+    assert len(ops) == 2 and owner.apply_all(ops) == [] and owner.seal()[2] == digest
+    for op in (KVConfirm([]), KVSwapOut("b"), KVFork("a", "a2", 6), KVAllocate("a2", 6, 7, [1]), KVAllocate("c", 0, 4)):
+        assert replica.try_apply(op) is not None
+    ops, (copies, swap_out, swap_in), digest = replica.seal()
+    assert swap_out == [(2, 0), (3, 1)] and swap_in == []
+    assert copies == [(1, 3)]  # a2 wrote into the shared, partly filled block: copied first
+    assert replica.alloc.block_table("a2") == [0, 3] and replica.alloc.block_table("c") == [2]
+    assert replica.try_apply(KVSwapIn("b")) is None  # two blocks needed, none free
+    assert owner.apply_all(ops) == [] and owner.seal()[2] == digest
+    assert owner.alloc.block_table("a2") == [0, 3] and owner.alloc.take_copies() == ([], [], [])
+    # an owner that diverged refuses an operation: the refusal enters its digest
+    assert owner.apply_all([KVAllocate("d", 0, 4)]) != []
+    assert replica.try_apply(KVFree(["a"])) == 2  # its table: [0, 1]
+    assert replica.seal()[2] != owner.seal()[2]
 
 
 # ---------------------------------------------------------------------------- invariants
@@ -340,7 +351,18 @@ async def test_events_are_published_numbered_and_admin_verbs_answer():
 
     from services.kvmanager.service import KVManagerService
     from shared.config import Endpoints, KVManagerConfig
-    from shared.messages import KV_EVENTS_TOPIC, AllBlocksCleared, KVEventBatch, KVStepReply, PoolInfo, RegisterPool
+    from shared.messages import (
+        KV_EVENTS_TOPIC,
+        AllBlocksCleared,
+        KVClear,
+        KVClearCache,
+        KVEventBatch,
+        KVReset,
+        KVStepReply,
+        KVStepRequest,
+        PoolInfo,
+        RegisterPool,
+    )
     from shared.transport import Decoder, encode, make_socket
     from tests.services.backhalf import admin_call, short_run_dir
 
@@ -352,21 +374,31 @@ async def test_events_are_published_numbered_and_admin_verbs_answer():
         sub = make_socket(ctx, zmq.SUB, ep.kv_events)
         sub.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC)
         peer = make_socket(ctx, zmq.DEALER, ep.kvmanager)
-        decoder = Decoder(PoolInfo, KVStepReply)
+        decoder = Decoder(PoolInfo, KVStepReply, KVClearCache)
+        replica = StepLog(BlockAllocator(6, 2, record_events=False))
 
         async def ask(message):
             await peer.send(encode(message))
             return decoder.decode(await asyncio.wait_for(peer.recv(), 5))
+
+        async def step(step_id, *ops):
+            for op in ops:
+                assert replica.try_apply(op) is not None
+            ops, _, digest = replica.seal()
+            reply = await ask(KVStepRequest(step_id=step_id, generation=1, ops=ops))
+            assert reply.in_sync and reply.digest == digest
+            return reply
 
         async def next_batch():
             topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
             return int.from_bytes(seq, "big"), Decoder(KVEventBatch).decode(payload)
 
         await asyncio.sleep(0.2)  # PUB/SUB: the subscription must arrive before the first event
-        await ask(RegisterPool(num_blocks=6, block_size=2, bytes_per_block=8, epoch="e1"))
-        await ask(KVStepRequest(step_id=0, allocate=[("a", 5)], new_token_ids={"a": [1, 2, 3, 4, 5]}))
-        reply = await ask(KVStepRequest(step_id=1, allocate=[("b", 5)], new_token_ids={"b": [1, 2, 3, 4, 6]}))
-        assert reply.num_cached_tokens == {"b": 4} and reply.new_block_ids["b"][:2] == [0, 1]
+        info = await ask(RegisterPool(num_blocks=6, block_size=2, bytes_per_block=8, epoch="e1"))
+        await ask(KVReset(generation=1, pool=info))
+        await step(0, KVAllocate("a", 0, 5, [1, 2, 3, 4, 5]))
+        await step(1, KVConfirm(), KVAllocate("b", 0, 5, [1, 2, 3, 4, 6]))
+        assert replica.alloc.seqs["b"].num_cached_tokens == 4 and replica.alloc.block_table("b")[:2] == [0, 1]
         seq, batch = await next_batch()
         (stored,) = batch.events
         assert seq == 0 and isinstance(stored, BlockStored)
@@ -380,8 +412,13 @@ async def test_events_are_published_numbered_and_admin_verbs_answer():
         stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
         assert (stats["num_prefix_cache_queries"], stats["num_prefix_cache_hits"]) == (10, 4)
 
-        await ask(KVStepRequest(step_id=2, free_req_ids=["a", "b"]))  # nothing new became full: no event
-        assert (await admin_call(ctx, ep.admin_kvmanager, "clear")).data == {"num_blocks_dropped": 2}
+        await step(2, KVConfirm(), KVFree(["a", "b"]))  # nothing new became full: no event
+        # ``folio kv clear`` goes through the scheduler's next log, so that both allocators drop it
+        clear = asyncio.ensure_future(admin_call(ctx, ep.admin_kvmanager, "clear"))
+        assert isinstance(decoder.decode(await asyncio.wait_for(peer.recv(), 5)), KVClearCache)
+        await step(3, KVClear())
+        assert (await clear).data == {"num_blocks_dropped": 2}
+        assert replica.alloc.device.cached == {}
         seq, batch = await next_batch()
         assert seq == 1 and isinstance(batch.events[0], BlockRemoved) and len(batch.events[0].block_hashes) == 2
         await ask(RegisterPool(num_blocks=6, block_size=2, bytes_per_block=8, epoch="e2"))

@@ -10,10 +10,23 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from services.kvmanager.allocator import BlockAllocator, NoFreeBlocks
+from shared.kv.allocator import BlockAllocator, NoFreeBlocks
 from services.kvmanager.service import KVManagerService
 from shared.config import Endpoints, KVManagerConfig
-from shared.messages import GetPool, KVStepReply, KVStepRequest, PoolInfo, RegisterPool
+from shared.kv.steplog import StepLog
+from shared.messages import (
+    GetPool,
+    KVAllocate,
+    KVClearCache,
+    KVConfirm,
+    KVFree,
+    KVReset,
+    KVStepReply,
+    KVStepRequest,
+    KVSwapOut,
+    PoolInfo,
+    RegisterPool,
+)
 from shared.transport import Decoder, encode, make_socket
 from tests.services.backhalf import admin_call, short_run_dir
 
@@ -71,11 +84,29 @@ async def kvmanager():
 
 async def ask(sock, message, timeout_s=5.0):
     await sock.send(encode(message))
-    return Decoder(PoolInfo, KVStepReply).decode(await asyncio.wait_for(sock.recv(), timeout_s))
+    return Decoder(PoolInfo, KVStepReply, KVClearCache).decode(await asyncio.wait_for(sock.recv(), timeout_s))
+
+
+class Scheduler:
+    """The scheduler's side: a replica planned against, its logs sent, the digests compared."""
+
+    def __init__(self, sock, info: PoolInfo, generation: int = 1):
+        self.sock, self.generation = sock, generation
+        self.log = StepLog(BlockAllocator(info.num_blocks, info.block_size, info.num_host_blocks, record_events=False))
+        self.next_step_id = 0
+
+    async def step(self, *ops, expect_in_sync=True) -> KVStepReply:
+        for op in ops:
+            assert self.log.try_apply(op) is not None
+        ops, _, digest = self.log.seal()
+        reply = await ask(self.sock, KVStepRequest(step_id=self.next_step_id, generation=self.generation, ops=ops))
+        self.next_step_id += 1
+        assert reply.in_sync == expect_in_sync and (reply.digest == digest) == expect_in_sync
+        return reply
 
 
 @pytest.mark.asyncio
-async def test_scheduler_waits_for_the_pool_then_allocates_and_frees(kvmanager):
+async def test_scheduler_waits_for_the_pool_then_its_logs_keep_both_allocators_equal(kvmanager):
     ctx, ep = kvmanager
     scheduler = make_socket(ctx, zmq.DEALER, ep.kvmanager)
     executor = make_socket(ctx, zmq.DEALER, ep.kvmanager)
@@ -87,35 +118,55 @@ async def test_scheduler_waits_for_the_pool_then_allocates_and_frees(kvmanager):
     assert info == PoolInfo(num_blocks=10, block_size=4, bytes_per_block=1024, epoch="e1", max_model_len=64,
                             num_free_blocks=10)
     assert Decoder(PoolInfo).decode(await asyncio.wait_for(scheduler.recv(), 5)) == info
-
-    reply = await ask(scheduler, KVStepRequest(step_id=0, allocate=[("a", 5), ("b", 12), ("c", 30)]))
-    assert reply == KVStepReply(step_id=0, new_block_ids={"a": [0, 1], "b": [2, 3, 4]}, failed_req_ids=["c"],
-                                num_free_blocks=5, epoch="e1")
-    # frees come before allocations in the same call
-    reply = await ask(scheduler, KVStepRequest(step_id=1, free_req_ids=["b"], allocate=[("a", 9), ("c", 16)]))
-    assert reply.new_block_ids == {"a": [5], "c": [6, 7, 8, 9]}
-    assert reply.failed_req_ids == [] and reply.num_free_blocks == 3
+    assert await ask(scheduler, KVReset(generation=1, pool=info)) == info
+    sched = Scheduler(scheduler, info)
+    await sched.step(KVAllocate("a", 0, 5), KVAllocate("b", 0, 12))
+    await sched.step(KVConfirm(), KVFree(["b"]), KVAllocate("a", 5, 9), KVAllocate("c", 0, 16))
+    # never-used blocks go first; b's join the tail of the free queue
+    assert sched.log.alloc.block_table("a") == [0, 1, 5] and sched.log.alloc.block_table("c") == [6, 7, 8, 9]
 
     stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
     assert (stats["num_blocks_total"], stats["num_blocks_used"], stats["num_blocks_free"], stats["block_size"]) == (10, 7, 3, 4)
     seq = (await admin_call(ctx, ep.admin_kvmanager, "seq", req_id="c")).data
     assert (seq["req_id"], seq["block_ids"], seq["num_blocks"]) == ("c", [6, 7, 8, 9], 4)
 
-    await ask(scheduler, KVStepRequest(step_id=2, free_req_ids=["a", "c"]))
+    # a log of another sync epoch is not applied
+    stale = Scheduler(scheduler, info, generation=7)
+    await stale.step(KVFree(["a", "c"]), expect_in_sync=False)
+    assert (await admin_call(ctx, ep.admin_kvmanager, "stats")).data["num_blocks_used"] == 7
+    await sched.step(KVConfirm(), KVFree(["a", "c"]))
     stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
-    assert stats["num_blocks_used"] == 0 and stats["num_seqs"] == 0
+    assert stats["num_blocks_used"] == 0 and stats["num_seqs"] == 0 and stats["num_refused_ops"] == 0
     scheduler.close(linger=0)
     executor.close(linger=0)
 
 
 @pytest.mark.asyncio
-async def test_a_new_epoch_resets_every_table(kvmanager):
+async def test_a_new_executor_pool_puts_the_scheduler_out_of_sync(kvmanager):
     ctx, ep = kvmanager
     peer = make_socket(ctx, zmq.DEALER, ep.kvmanager)
-    await ask(peer, RegisterPool(num_blocks=4, block_size=2, bytes_per_block=8, epoch="e1"))
-    await ask(peer, KVStepRequest(step_id=0, allocate=[("a", 8)]))
+    info = await ask(peer, RegisterPool(num_blocks=4, block_size=2, bytes_per_block=8, epoch="e1"))
+    await ask(peer, KVReset(generation=1, pool=info))
+    sched = Scheduler(peer, info)
+    await sched.step(KVAllocate("a", 0, 8))
     info = await ask(peer, RegisterPool(num_blocks=4, block_size=2, bytes_per_block=8, epoch="e2"))
     assert info.num_free_blocks == 4 and info.epoch == "e2"
+    await sched.step(KVFree(["a"]), expect_in_sync=False)
+    peer.close(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_kvmanager_adopts_the_schedulers_pool(kvmanager):
+    ctx, ep = kvmanager
+    peer = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+    info = PoolInfo(num_blocks=6, block_size=2, bytes_per_block=8, epoch="e1", max_model_len=32, num_host_blocks=2)
+    sched = Scheduler(peer, info, generation=3)
+    await sched.step(KVAllocate("a", 0, 3), expect_in_sync=False)  # it knows no pool, no epoch
+    sched.log = Scheduler(peer, info, generation=3).log  # the scheduler starts a new epoch
+    reply = await ask(peer, KVReset(generation=3, pool=info))
+    assert (reply.num_blocks, reply.num_host_blocks, reply.epoch, reply.num_free_blocks) == (6, 2, "e1", 6)
+    await sched.step(KVAllocate("a", 0, 3), KVSwapOut("a"))
+    assert (await admin_call(ctx, ep.admin_kvmanager, "stats")).data["num_host_blocks_used"] == 2
     peer.close(linger=0)
 
 

@@ -3,7 +3,7 @@ clears, snapshots) and by the real allocator's events, hashed with the shared ch
 
 from __future__ import annotations
 
-from services.kvmanager.allocator import BlockAllocator
+from shared.kv.allocator import BlockAllocator
 from services.router.index import KVIndex
 from services.router.replicas import Replica, parse_replica, read_load
 from services.router.routing import Router

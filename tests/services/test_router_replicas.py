@@ -17,7 +17,7 @@ from services.router.metrics import RouterMetrics
 from services.router.replicas import Replica, ReplicaSet
 from shared.block_hash import block_extra_keys, chain_block_hashes
 from shared.config import Endpoints, KVManagerConfig, RouterConfig
-from shared.messages import KVStepReply, KVStepRequest, PoolInfo, RegisterPool
+from shared.messages import KVAllocate, KVConfirm, KVFree, KVReset, KVStepReply, KVStepRequest, PoolInfo, RegisterPool
 from shared.transport import Decoder, encode, make_socket
 from tests.services.backhalf import short_run_dir
 
@@ -47,16 +47,17 @@ async def test_events_and_snapshots_of_a_real_kvmanager_build_the_same_view():
     sets = [ReplicaSet(config, index, RouterMetrics(), ctx) for index in (early, late)]
     try:
         scheduler = make_socket(ctx, zmq.DEALER, ep.kvmanager)
-        await ask(scheduler, RegisterPool(num_blocks=16, block_size=BS, bytes_per_block=64, epoch="e1"))
+        info = await ask(scheduler, RegisterPool(num_blocks=16, block_size=BS, bytes_per_block=64, epoch="e1"))
+        await ask(scheduler, KVReset(generation=1, pool=info))
         replica = Replica(name="http://replica:1", kv_events=ep.kv_events, kv_snapshot=ep.kv_snapshot)
         sets[0].add(replica)
         sets[0].resync(replica, "up")
         await wait_for(lambda: early.in_sync(replica.name), "the first snapshot")
         await asyncio.sleep(0.2)  # the SUB's subscription reaches the PUB
         prompt = list(range(1, 19))  # 4 full blocks
-        await ask(scheduler, KVStepRequest(step_id=0, allocate=[("a", 18)], new_token_ids={"a": prompt},
-                                           cache_salts={"a": "t"}))
-        await ask(scheduler, KVStepRequest(step_id=1, free_req_ids=["a"]))  # computed: indexed, then freed
+        await ask(scheduler, KVStepRequest(step_id=0, generation=1, ops=[KVAllocate("a", 0, 18, prompt, "t")]))
+        # computed: indexed, then freed
+        await ask(scheduler, KVStepRequest(step_id=1, generation=1, ops=[KVConfirm(), KVFree(["a"])]))
         expected = set(chain_block_hashes(prompt, BS, block_extra_keys("t")))
         await wait_for(lambda: early.view(replica.name).block_hashes == expected, "the stored blocks' events")
         # a router that joins now learns the same from a snapshot

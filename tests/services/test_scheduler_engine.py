@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.kvmanager.allocator import cdiv
+from shared.kv.allocator import cdiv
 from tests.services.engine import LocalEngine, alone, engine_request, make_runner
 
 BLOCK = 16

@@ -1,14 +1,14 @@
 """The batching policy alone (no sockets): token budget, sequence cap, preemption, refusals, finish reasons.
 
-The kvmanager's answers are produced by the real ``BlockAllocator``, as the service would get them.
+The scheduler plans with its allocator replica; each step's log is applied to an allocator of
+record, as the kvmanager does, and both must agree after every step.
 """
 
 from __future__ import annotations
 
-from services.kvmanager.allocator import BlockAllocator
-from services.kvmanager.service import apply_step
 from services.scheduler.policy import Scheduler
-from shared.messages import EngineRequest, KVStepReply, PoolInfo, SamplingParams, StepResult
+from shared.messages import EngineRequest, PoolInfo, SamplingParams, StepResult
+from tests.services.kv_owner import Owner
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=None,
@@ -16,7 +16,7 @@ def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
     sched = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len, **options)
     sched.set_pool(PoolInfo(num_blocks=num_blocks, block_size=block_size, bytes_per_block=1, epoch="e",
                             max_model_len=64, num_free_blocks=num_blocks, num_host_blocks=num_host_blocks))
-    return sched, BlockAllocator(num_blocks, block_size, num_host_blocks)
+    return sched, Owner(num_blocks, block_size, num_host_blocks)
 
 
 def request(req_id, num_prompt, max_tokens=4, **sampling):
@@ -24,14 +24,11 @@ def request(req_id, num_prompt, max_tokens=4, **sampling):
                          sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling), eos_token_id=0)
 
 
-def kv_answer(alloc: BlockAllocator, out) -> KVStepReply:
-    return apply_step(alloc, out.kv_request())
-
-
-def step(sched, alloc, token=7):
+def step(sched, alloc: Owner, token=7):
     """One step; every request that catches up samples ``token``. Returns (plan, deltas)."""
     out = sched.schedule()
-    plan = sched.build_plan(out, kv_answer(alloc, out) if sched.needs_kv_call(out) else None)
+    alloc.apply(out, sched.alloc)
+    plan = sched.build_plan(out)
     samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
     deltas = sched.update_from_result(out, StepResult(step_id=plan.step_id, req_ids=samplers,
                                                       sampled_token_ids=[[token]] * len(samplers)))
@@ -73,13 +70,13 @@ def test_preempts_the_newest_running_request_and_resumes_it_with_its_tokens():
     assert sched.counters["num_preemptions"] == 1
     assert plan.finished_req_ids == ["new"] and list(plan.num_scheduled_tokens) == ["old"]
     assert [r.req_id for r in sched.waiting] == ["new"]
-    while "old" in sched.requests:
-        step(sched, alloc)
     plan, _ = step(sched, alloc)
     resumed = plan.new_reqs[0]
     assert resumed.req_id == "new" and resumed.token_ids == [1, 2, 7, 7] and resumed.num_prompt_tokens == 2
-    # it starts over by recompute, except its first block: the prefix cache still held it
-    assert resumed.num_computed_tokens == 2 and plan.num_scheduled_tokens == {"new": 2}
+    # it starts over by recompute, except its first block: old holds the same one (the prefix
+    # cache finds it), so it needs a single free block and runs next to old at once
+    assert resumed.num_computed_tokens == 2 and resumed.block_ids == [0, 2]
+    assert plan.num_scheduled_tokens == {"old": 1, "new": 2} and sched.counters["num_preemptions"] == 1
 
 
 def test_refuses_what_can_never_fit():
@@ -115,21 +112,20 @@ def test_abort_frees_blocks_in_the_next_step_even_when_idle():
     assert alloc.num_used_blocks == 0 and sched.schedule() is None
 
 
-def test_an_executor_restart_sends_every_running_request_back_to_recompute():
+def test_a_new_epoch_sends_every_running_request_back_to_recompute():
     sched, alloc = make(num_blocks=8, block_size=4)
     sched.add_request(request("a", 5, max_tokens=3))
     sched.add_request(request("b", 3, max_tokens=3))
     step(sched, alloc, token=9)
-    # the kvmanager's next answer came from a new pool (epoch "e2"): b already holds a block there
-    fresh = BlockAllocator(8, 4)
-    fresh.allocate("b", 4)
-    info = PoolInfo(num_blocks=8, block_size=4, bytes_per_block=1, epoch="e2", num_free_blocks=7)
-    assert sched.reset_pool(info, {"b": [0]}) == 2
-    assert [r.req_id for r in sched.waiting] == ["a", "b"] and sched.num_pending_free_blocks == 1
+    # the executor restarted (or the kvmanager's digest differed): both allocators start empty
+    info = PoolInfo(num_blocks=8, block_size=4, bytes_per_block=1, epoch="e2", num_free_blocks=8)
+    assert sched.new_epoch(info) == 2
+    assert [r.req_id for r in sched.waiting] == ["a", "b"] and sched.alloc.num_free_blocks == 8
+    fresh = Owner(8, 4)
     plan, _ = step(sched, fresh, token=9)
-    assert plan.finished_req_ids == []  # the new executor never knew them
-    assert [(r.req_id, r.token_ids, r.block_ids) for r in plan.new_reqs] == [
-        ("a", [1, 2, 3, 4, 5, 9], [1, 2]), ("b", [1, 2, 3, 9], [3])]  # b's old block went back first
+    assert plan.finished_req_ids == ["a", "b"]  # an executor that did not restart drops what it held
+    assert [(r.req_id, r.token_ids, r.block_ids, r.num_computed_tokens) for r in plan.new_reqs] == [
+        ("a", [1, 2, 3, 4, 5, 9], [0, 1], 0), ("b", [1, 2, 3, 9], [2], 0)]
     while sched.has_work():
         step(sched, fresh)
-    assert fresh.num_free_blocks == 8 and sched.counters["num_executor_restarts"] == 1
+    assert fresh.num_free_blocks == 8 and sched.counters["num_epochs"] == 1

@@ -1,23 +1,23 @@
-"""The scheduler with prefix caching, against the real allocator (``apply_step``, what the
-kvmanager runs): new requests start after their cached blocks, the one kv call per step still
-always fits, and tables whose growth never ran are discarded instead of cached."""
+"""The scheduler with prefix caching, planning with its allocator replica while an allocator of
+record applies its logs (what the kvmanager runs): new requests start after their cached blocks,
+cached tokens cost nothing from the budget or the free blocks, and tables whose growth never ran
+are discarded instead of cached."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.kvmanager.allocator import BlockAllocator
-from services.kvmanager.service import apply_step
 from services.scheduler.policy import Scheduler
 from shared.messages import EngineRequest, PoolInfo, SamplingParams, StepResult
+from tests.services.kv_owner import Owner
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64):
     sched = Scheduler(max_num_seqs, max_num_batched_tokens)
     sched.set_pool(PoolInfo(num_blocks=num_blocks, block_size=block_size, bytes_per_block=1, epoch="e",
                             max_model_len=256, num_free_blocks=num_blocks))
-    return sched, BlockAllocator(num_blocks, block_size)
+    return sched, Owner(num_blocks, block_size)
 
 
 def request(req_id, prompt, max_tokens=2, **sampling):
@@ -25,18 +25,15 @@ def request(req_id, prompt, max_tokens=2, **sampling):
                          sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling))
 
 
-def kv_call(alloc, out):
-    return apply_step(alloc, out.kv_request())
-
-
-def step(sched, alloc, token=7):
+def step(sched, alloc, token=7, fail=()):
+    """One step; the requests in ``fail`` get no token back (the executor failed them)."""
     out = sched.schedule()
-    reply = kv_call(alloc, out) if sched.needs_kv_call(out) else None
-    plan = sched.build_plan(out, reply)
-    samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
+    alloc.apply(out, sched.alloc)
+    plan = sched.build_plan(out)
+    samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens and r.req_id not in fail]
     deltas = sched.update_from_result(out, StepResult(step_id=plan.step_id, req_ids=samplers,
                                                       sampled_token_ids=[[token]] * len(samplers)))
-    return plan, deltas, reply
+    return plan, deltas
 
 
 PREFIX = list(range(10, 22))  # 12 tokens: 3 full blocks of 4
@@ -47,27 +44,43 @@ def test_a_new_request_starts_after_its_cached_blocks():
     sched.add_request(request("a", PREFIX + [1, 2]))
     step(sched, alloc)  # a's prefill: blocks 0..3
     sched.add_request(request("b", PREFIX + [3]))
-    plan, deltas, reply = step(sched, alloc)
+    plan, deltas = step(sched, alloc)
     (new,) = plan.new_reqs
-    assert reply.num_cached_tokens == {"b": 12}
     assert new.num_computed_tokens == 12 and new.block_ids[:3] == [0, 1, 2]
     assert plan.num_scheduled_tokens == {"a": 1, "b": 1}  # b computes only its last token
-    assert sched.num_free_blocks == alloc.num_free_blocks
     assert [d.num_cached_tokens for d in deltas if d.req_id == "b"] == [12]
     assert sched.counters["num_cached_tokens_total"] == 12
 
 
-def test_a_request_aborted_while_the_kvmanager_answers_is_discarded_not_cached():
+def test_a_mostly_cached_prompt_joins_running_work_without_preempting_anyone():
+    """A 40-token prompt whose first 36 tokens are cached, arriving while 3 requests decode in a
+    pool with 3 free blocks and a budget of 8 tokens: it needs 1 new block and 4 tokens."""
+    sched, alloc = make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    system = list(range(100, 136))  # 9 full blocks
+    sched.add_request(request("warm", system + [1], max_tokens=1))
+    while sched.has_work():
+        step(sched, alloc)
+    for i in range(3):  # each holds 1 block and grows into a 2nd
+        sched.add_request(request(f"run{i}", [200 + i] * 3, max_tokens=4))
+    step(sched, alloc)
+    # 9 free blocks hold the cached prompt, 3 blocks are running work: 4 fresh ones are left
+    assert sched.alloc.num_free_blocks == 13 and len(sched.alloc.device.free_queue) == 4
+    sched.add_request(request("cached", system + [7, 8, 9, 10], max_tokens=2))
+    plan, _ = step(sched, alloc)
+    assert set(plan.num_scheduled_tokens) == {"run0", "run1", "run2", "cached"}
+    assert plan.num_scheduled_tokens["cached"] == 4 and plan.new_reqs[0].num_computed_tokens == 36
+    assert sched.counters["num_preemptions"] == 0
+    while sched.has_work():
+        step(sched, alloc)
+    assert sched.counters["num_preemptions"] == 0
+
+
+def test_a_request_whose_step_failed_is_discarded_not_cached():
     sched, alloc = make()
     sched.add_request(request("a", PREFIX + [1]))
-    out = sched.schedule()
-    reply = kv_call(alloc, out)
-    sched.abort("a")  # arrives while the kv reply is on its way
-    plan = sched.build_plan(out, reply)
-    assert plan.new_reqs == []
-    out = sched.schedule()
-    assert out.discard_req_ids == ["a"] and out.free_req_ids == []
-    kv_call(alloc, out)
+    _, deltas = step(sched, alloc, fail={"a"})  # the executor returned nothing for it
+    assert [d.finish_reason for d in deltas] == ["error"]
+    step(sched, alloc)
     assert alloc.device.cached == {} and alloc.num_free_blocks == 16
 
 
@@ -76,8 +89,8 @@ def test_prompt_logprobs_requests_neither_hit_nor_feed_the_cache():
     sched.add_request(request("a", PREFIX + [1], prompt_logprobs=1))
     step(sched, alloc)
     sched.add_request(request("b", PREFIX + [1]))
-    plan, _, reply = step(sched, alloc)
-    assert reply.num_cached_tokens == {} and plan.new_reqs[0].num_computed_tokens == 0
+    plan, _ = step(sched, alloc)
+    assert plan.new_reqs[0].num_computed_tokens == 0 and alloc.device.cached == {}
 
 
 requests_st = st.lists(
@@ -88,7 +101,7 @@ requests_st = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(requests_st, st.integers(8, 24), st.integers(2, 32), st.integers(1, 4))
-def test_with_prefix_hits_every_kv_call_fits_and_every_request_completes(reqs, num_blocks, budget, max_num_seqs):
+def test_with_prefix_hits_the_replica_stays_the_owners_and_every_request_completes(reqs, num_blocks, budget, max_num_seqs):
     sched, alloc = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     prefixes = [[], PREFIX[:5], PREFIX, PREFIX + PREFIX[:6]]
     expected, finished = {}, {}
@@ -102,12 +115,10 @@ def test_with_prefix_hits_every_kv_call_fits_and_every_request_completes(reqs, n
             if step_no > 10:
                 break
             continue
-        reply = kv_call(alloc, out) if sched.needs_kv_call(out) else None
-        assert reply is None or reply.failed_req_ids == []  # hits never take more than the mirror counted
-        plan = sched.build_plan(out, reply)
+        alloc.apply(out, sched.alloc)
+        plan = sched.build_plan(out)
         assert sum(plan.num_scheduled_tokens.values()) <= budget
         assert all(n > 0 for n in plan.num_scheduled_tokens.values())
-        assert sched.num_free_blocks == alloc.num_free_blocks
         samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
         result = StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=[[5]] * len(samplers))
         for delta in sched.update_from_result(out, result):
@@ -115,5 +126,5 @@ def test_with_prefix_hits_every_kv_call_fits_and_every_request_completes(reqs, n
     assert {r: len(t) for r, t in finished.items()} == expected
     out = sched.schedule()
     if out is not None:
-        kv_call(alloc, out)
+        alloc.apply(out, sched.alloc)
     assert alloc.device.num_used_blocks == 0

@@ -133,3 +133,45 @@ async def test_a_restarted_executor_makes_running_requests_start_over(tiny_model
                 break
             await asyncio.sleep(0.05)
         assert (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] == 0
+
+
+async def _run_with_a_mid_run_event(tiny_model_dir, reference, event) -> tuple[dict, dict]:
+    """Run every prompt (and a long one); after 10 tokens, ``event(bh)``; returns the outputs'
+    check and the final scheduler and kvmanager stats."""
+    runner = ModelRunner(RuntimeConfig(model=tiny_model_dir, dtype="float32", device="cpu", block_size=4,
+                                       num_kv_blocks=64), tiny_model_dir)
+    long_reference = generate(runner, [LONG_PROMPT], greedy(LONG_MAX_TOKENS))[0]
+    async with back_half(tiny_model_dir, num_kv_blocks=128, block_size=4) as bh:
+        req_ids = [f"req-{i}" for i in range(len(PROMPTS))] + ["req-long"]
+        for req_id, prompt, m in zip(req_ids, PROMPTS + [LONG_PROMPT], MAX_TOKENS + [LONG_MAX_TOKENS]):
+            await bh.submit(req_id, prompt, greedy(m))
+        while sum(len(d.token_ids) for b in bh.batches for d in b.deltas) < 10:
+            bh.batches.append(Decoder(TokenBatch).decode(await asyncio.wait_for(bh.from_scheduler.recv(), 30)))
+        before = {r: [t for b in bh.batches for d in b.deltas if d.req_id == r for t in d.token_ids] for r in req_ids}
+        assert len(before["req-long"]) < LONG_MAX_TOKENS  # it is mid-generation now
+        await event(bh)
+        after = await bh.collect(req_ids)
+        assert [before[r] + after[r][0] for r in req_ids] == reference + [long_reference]
+        for _ in range(100):  # the last step's frees reach the kvmanager in the scheduler's next log
+            kv = (await bh.admin("kvmanager", "stats")).data
+            if kv["num_blocks_used"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return (await bh.admin("scheduler", "stats")).data, kv
+
+
+@pytest.mark.asyncio
+async def test_a_kvmanager_killed_under_load_costs_a_new_epoch_and_loses_nothing(tiny_model_dir, reference):
+    stats, kv = await _run_with_a_mid_run_event(tiny_model_dir, reference, lambda bh: bh.restart_kvmanager())
+    assert stats["num_epochs"] == 2 and stats["num_executor_restarts"] == 0  # the start, then the restart
+    assert kv["num_blocks_used"] == 0 and kv["generation"] == stats["generation"] and kv["num_refused_ops"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_diverged_kvmanager_is_caught_by_the_digest(tiny_model_dir, reference):
+    async def diverge(bh):
+        bh.services[0].allocator.device.take(1)  # a block the replica knows nothing of
+
+    stats, kv = await _run_with_a_mid_run_event(tiny_model_dir, reference, diverge)
+    assert stats["num_digest_mismatches"] == 1 and stats["num_epochs"] == 2
+    assert kv["num_blocks_used"] == 0 and kv["generation"] == stats["generation"]

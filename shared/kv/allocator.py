@@ -1,8 +1,8 @@
 """The block allocator: one block table per request over a device tier and a host tier.
 
-Pure bookkeeping, no sockets and no tensors: the kvmanager service drives it with the scheduler's
-per-step request (``apply_step`` in ``service.py``). Block ids are the handles of the executor's
-pools. What it adds to ``block_pool.BlockPool``'s counting:
+Pure, deterministic bookkeeping, no sockets and no tensors: the scheduler plans with a replica of
+it and the kvmanager owns the record, both driven by the same step log (``steplog.py``). Block
+ids are the handles of the executor's pools. What it adds to ``block_pool.BlockPool``'s counting:
 
 - prefix caching: a full block is named by a chained hash of (parent hash, its token ids, extra
   keys such as the request's cache salt): ``shared.block_hash``, which the router uses too. A
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kvmanager.block_pool import BlockPool, CachedBlock, NoFreeBlocks
-from shared.block_hash import block_extra_keys, chain_block_hashes, hash_block
+from shared.block_hash import block_extra_keys, hash_block
+from shared.kv.block_pool import BlockPool, CachedBlock, NoFreeBlocks
 from shared.messages import BlockStored
 
 __all__ = ["BlockAllocator", "NoFreeBlocks", "Sequence", "cdiv", "hash_block"]
@@ -51,7 +51,7 @@ class Sequence:
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, record_events: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -59,10 +59,12 @@ class BlockAllocator:
         self.enable_prefix_caching = enable_prefix_caching
         self.device = BlockPool(num_blocks, block_size, "GPU")
         self.host = BlockPool(num_host_blocks, block_size, "CPU")
+        self.device.record_events = self.host.record_events = record_events
         self.seqs: dict[str, Sequence] = {}
         self.block_copies: list[tuple[int, int]] = []
         self.swap_out_pairs: list[tuple[int, int]] = []
         self.swap_in_pairs: list[tuple[int, int]] = []
+        self.unconfirmed: dict[str, None] = {}  # sequences allocated since the last confirm (in order)
         self.counters = dict(num_prefix_cache_queries=0, num_prefix_cache_hits=0, num_cow_copies=0,
                              num_swapped_out_blocks=0, num_swapped_in_blocks=0)
 
@@ -94,24 +96,50 @@ class BlockAllocator:
         return max(0, cdiv(num_tokens, self.block_size) - (len(seq.block_ids) if seq else 0))
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(req_id, num_tokens) + self._needs_cow(req_id, num_tokens) <= self.num_free_blocks
+        seq = self.seqs.get(req_id)
+        cow = self._needs_cow(seq, seq.num_tokens, num_tokens) if seq else 0
+        return self.num_new_blocks(req_id, num_tokens) + cow <= self.num_free_blocks
+
+    def changes_table(self, req_id: str, num_computed: int, num_tokens: int) -> bool:
+        """Whether writing tokens [num_computed, num_tokens) needs an allocation: a sequence new
+        here, a new block, or a copy of a shared last block. Most decode steps need none."""
+        seq = self.seqs.get(req_id)
+        if seq is None or seq.host_block_ids is not None:
+            return True
+        return cdiv(num_tokens, self.block_size) > len(seq.block_ids) or bool(self._needs_cow(seq, num_computed, num_tokens))
+
+    def num_cached_blocks(self, token_ids: list[int], cache_salt: str | None, max_blocks: int) -> int:
+        """How many blocks a sequence new here would find cached (nothing changes)."""
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return 0
+        extra_keys = block_extra_keys(cache_salt)
+        hashes: list[bytes] = []
+        bs = self.block_size
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra_keys))
+            if self.device.lookup(hashes[-1]) is None:
+                break
+        return len(self._match_prefix(hashes, token_ids, max_blocks))
 
     # ------------------------------------------------------------------ growing a table
     def allocate(self, req_id: str, num_tokens: int, new_token_ids: list[int] | None = None,
-                 cache_salt: str | None = None) -> list[int]:
-        """Grow ``req_id``'s table to hold ``num_tokens`` tokens; all or nothing. Returns the block
-        ids appended (for a sequence new here: its whole table, cached blocks first, and
-        ``seqs[req_id].num_cached_tokens`` says how many tokens those hold)."""
+                 cache_salt: str | None = None, num_computed: int | None = None) -> list[int]:
+        """Grow ``req_id``'s table to hold ``num_tokens`` tokens; all or nothing (``NoFreeBlocks``
+        changes nothing). ``num_computed``: where this step's writes start (default: the tokens
+        the table held at its last allocation); a write into a shared, partly filled block copies
+        it first. Returns the block ids appended (for a sequence new here: its whole table, cached
+        blocks first, and ``seqs[req_id].num_cached_tokens`` says how many tokens those hold)."""
         seq = self.seqs.get(req_id)
         if seq is not None and seq.host_block_ids is not None:
             raise ValueError(f"{req_id} is swapped out: swap it in before it grows")
         is_new = seq is None
         if is_new:
             seq = Sequence(req_id, extra_keys=block_extra_keys(cache_salt))
-        token_ids = seq.token_ids + list(new_token_ids or ())
-        hashes = self._extend_hashes(seq, token_ids)
-        hits = self._match_prefix(hashes, token_ids, (num_tokens - 1) // self.block_size) if is_new else []
-        cow = self._needs_cow(req_id, num_tokens)
+        new_token_ids = list(new_token_ids or ())
+        new_hashes = self._new_hashes(seq, new_token_ids)
+        hits = self._match_prefix(new_hashes, new_token_ids, (num_tokens - 1) // self.block_size) if is_new else []
+        start = seq.num_tokens if num_computed is None else num_computed
+        cow = self._needs_cow(seq, start, num_tokens)
         num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_ids) - len(hits)) + cow
         num_revived = sum(1 for b in hits if self.device.ref_counts[b] == 0)
         if num_fresh + num_revived > self.device.num_free_blocks:
@@ -119,12 +147,14 @@ class BlockAllocator:
         for block_id in hits:
             self.device.touch(block_id)
         if cow:
-            self._copy_on_write(seq)
+            self._copy_on_write(seq, start)
         fresh = self.device.take(num_fresh - cow)
         new_ids = hits + fresh
         seq.block_ids.extend(new_ids)
-        seq.token_ids, seq.block_hashes = token_ids, hashes
+        seq.token_ids.extend(new_token_ids)
+        seq.block_hashes.extend(new_hashes)
         seq.num_tokens = max(seq.num_tokens, num_tokens)  # its blocks are indexed once computed
+        self.unconfirmed[req_id] = None
         if is_new:
             self.seqs[req_id] = seq
             seq.num_indexed_blocks = len(hits)
@@ -133,10 +163,19 @@ class BlockAllocator:
             self.counters["num_prefix_cache_hits"] += seq.num_cached_tokens
         return new_ids
 
-    def _extend_hashes(self, seq: Sequence, token_ids: list[int]) -> list[bytes]:
-        if not self.enable_prefix_caching:
-            return seq.block_hashes
-        return chain_block_hashes(token_ids, self.block_size, seq.extra_keys, seq.block_hashes)
+    def _new_hashes(self, seq: Sequence, new_token_ids: list[int]) -> list[bytes]:
+        """Hashes of the blocks ``new_token_ids`` fill, after the ones ``seq`` has."""
+        if not self.enable_prefix_caching or not new_token_ids:
+            return []
+        bs = self.block_size
+        done = len(seq.block_hashes)
+        tail = seq.token_ids[done * bs:] + new_token_ids  # the tokens past its last hashed block
+        hashes: list[bytes] = []
+        parent = seq.block_hashes[-1] if done else None
+        for i in range(len(tail) // bs):
+            parent = hash_block(parent, tail[i * bs:(i + 1) * bs], seq.extra_keys)
+            hashes.append(parent)
+        return hashes
 
     def _match_prefix(self, hashes: list[bytes], token_ids: list[int], max_blocks: int) -> list[int]:
         """The longest run of cached blocks that starts the sequence, each verified."""
@@ -152,13 +191,16 @@ class BlockAllocator:
         return hits
 
     def confirm_computed(self, discard_req_ids=()) -> None:
-        """Every allocation so far has been computed (the scheduler asks again only after the last
-        step's result), except those of ``discard_req_ids``: index the blocks that became full.
-        Indexing only computed blocks means a hit never points at KV still being written, or at
-        KV that never will be (a request aborted while its blocks were allocated)."""
+        """Every allocation so far has been computed (the executor runs steps in order: what
+        reads these blocks runs after what wrote them), except those of ``discard_req_ids``:
+        index the blocks that became full. Indexing only computed blocks means a hit never points
+        at KV that never will be written (a request whose step failed)."""
         discard = set(discard_req_ids)
-        for req_id, seq in self.seqs.items():
-            if req_id not in discard and seq.host_block_ids is None and seq.num_computed_tokens < seq.num_tokens:
+        unconfirmed, self.unconfirmed = self.unconfirmed, {}
+        for req_id in unconfirmed:
+            seq = self.seqs.get(req_id)
+            if (seq is not None and req_id not in discard and seq.host_block_ids is None
+                    and seq.num_computed_tokens < seq.num_tokens):
                 seq.num_computed_tokens = seq.num_tokens
                 self._index_full_blocks(seq)
 
@@ -181,7 +223,7 @@ class BlockAllocator:
         seq.num_indexed_blocks = max(seq.num_indexed_blocks, num_full)
 
     def _store_event(self, seq: Sequence, run: list[int]) -> None:
-        if not run:
+        if not run or not self.device.record_events:
             return
 
         bs, first = self.block_size, run[0]
@@ -191,16 +233,15 @@ class BlockAllocator:
             token_ids=seq.token_ids[first * bs:(run[-1] + 1) * bs], block_size=bs))
 
     # ------------------------------------------------------------------ sharing
-    def _needs_cow(self, req_id: str, num_tokens: int) -> int:
-        """1 when the next write lands in a shared, partly filled last block, else 0."""
-        seq = self.seqs.get(req_id)
-        if seq is None or not seq.block_ids or num_tokens <= seq.num_tokens or seq.num_tokens % self.block_size == 0:
+    def _needs_cow(self, seq: Sequence, start: int, num_tokens: int) -> int:
+        """1 when a write from token ``start`` lands in a shared, partly filled block, else 0."""
+        bs = self.block_size
+        if num_tokens <= start or start % bs == 0 or start // bs >= len(seq.block_ids):
             return 0
-        last = seq.block_ids[seq.num_tokens // self.block_size]
-        return int(self.device.ref_counts[last] > 1)
+        return int(self.device.ref_counts[seq.block_ids[start // bs]] > 1)
 
-    def _copy_on_write(self, seq: Sequence) -> None:
-        index = seq.num_tokens // self.block_size
+    def _copy_on_write(self, seq: Sequence, start: int) -> None:
+        index = start // self.block_size
         src = seq.block_ids[index]
         (dst,) = self.device.take(1)
         self.device.release([src])
@@ -293,17 +334,6 @@ class BlockAllocator:
         self.swap_in_pairs.extend(pairs)
         self.counters["num_swapped_in_blocks"] += len(pairs)
         return pairs
-
-    def shared_block_counts(self) -> dict[str, int]:
-        """For each device table holding blocks other tables hold too: how many. One pass over the
-        tables per step; cheap next to a forward pass, and it keeps the scheduler's mirror exact."""
-        refs = self.device.ref_counts
-        counts = {}
-        for req_id, seq in self.seqs.items():
-            num = sum(1 for block_id in seq.block_ids if refs[block_id] > 1)
-            if num:
-                counts[req_id] = num
-        return counts
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """(block_copies, swap_out, swap_in) gathered since the last call, for one step's reply."""

@@ -13,7 +13,7 @@ blocks in the order given: the allocator passes them deepest first, so that a se
 evicted before its head (a tail is only useful together with its head).
 
 Every change to the index is recorded in ``events`` (``BlockStored``/``BlockRemoved``) for the
-kvmanager to publish once per step.
+kvmanager to publish once per step (the scheduler's replica drops them).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class BlockPool:
         self.cached: dict[int, CachedBlock] = {}  # block_id -> its indexed contents (used or free)
         self.block_id_by_hash: dict[bytes, int] = {}
         self.events: list[BlockStored | BlockRemoved] = []
+        self.record_events = True  # False in the scheduler's replica: only the owner publishes
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ counts
@@ -82,7 +83,7 @@ class BlockPool:
                 self.num_evictions += 1
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
-        if evicted:
+        if evicted and self.record_events:
             self.events.append(BlockRemoved(block_hashes=evicted, medium=self.medium))
         return block_ids
 
@@ -131,7 +132,7 @@ class BlockPool:
         dropped = [self._unindex(block_id) for block_id in self.cached_queue]
         self.free_queue.extend(self.cached_queue)
         self.cached_queue.clear()
-        if dropped:
+        if dropped and self.record_events:
             self.events.append(BlockRemoved(block_hashes=dropped, medium=self.medium))
         return len(dropped)
 

@@ -1,0 +1,186 @@
+"""Benchmark: what the scheduler and the kvmanager cost per step, against an executor that answers at once.
+
+The real services run as processes (``folio run kvmanager``, ``folio run scheduler``) on ipc://
+sockets. This script plays the executor (it registers a pool and answers each ``StepPlan`` at
+once: one token, 7, for every request that caught up) and the tokenizer (it pushes the requests
+and pulls the ``TokenBatch``es). With the executor's own time taken out, the time from sending
+step N's result to receiving step N+1's plan is what the services cost on the critical path of
+every step: the scheduler reading the result, updating its requests, pushing the tokens, planning
+with its allocator replica, sending the step log and encoding the plan.
+
+    flock /tmp/folio-bench.lock .venv/bin/python scripts/bench_scheduler.py [--num-requests 256]
+
+Prints that gap (median, p90, mean) over the steps that ran exactly ``--num-requests`` decodes,
+the scheduler's own planning and update time per step (its stats), the plan's size on the wire,
+and the CPU share other processes took meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zmq  # noqa: E402
+import zmq.asyncio  # noqa: E402
+
+from scripts.cpu_meter import CpuMeter  # noqa: E402
+from shared.config import Endpoints  # noqa: E402
+from shared.messages import (  # noqa: E402
+    AdminReply,
+    AdminRequest,
+    EngineRequest,
+    PoolInfo,
+    RegisterPool,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+)
+from shared.transport import Decoder, encode, make_socket  # noqa: E402
+
+EPOCH = "bench"
+
+
+class FakeExecutor:
+    """Answers every plan at once; records the gap between its answer and the next plan."""
+
+    def __init__(self, ctx, ep: Endpoints, num_requests: int):
+        self.sock = make_socket(ctx, zmq.ROUTER, ep.executor)
+        self.kv = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+        self.num_requests = num_requests
+        self.state: dict[str, list[int]] = {}  # req_id -> [num tokens, num computed]
+        self.gaps: list[float] = []  # seconds from a result to the next plan, full decode steps only
+        self.plan_bytes: list[int] = []
+        self.num_steps = 0
+
+    async def register(self, num_blocks: int, block_size: int) -> None:
+        await self.kv.send(encode(RegisterPool(num_blocks=num_blocks, block_size=block_size, bytes_per_block=1,
+                                               epoch=EPOCH, max_model_len=8192)))
+        Decoder(PoolInfo).decode(await self.kv.recv())
+
+    async def serve(self) -> None:
+        decoder = Decoder(StepPlan)
+        sent_at = None
+        while True:
+            envelope_and_data = await self.sock.recv_multipart()
+            received_at = time.perf_counter()
+            plan = decoder.decode(envelope_and_data[-1])
+            counts = plan.num_scheduled_tokens
+            full_decode = len(counts) == self.num_requests and sum(counts.values()) == self.num_requests
+            if sent_at is not None and full_decode:
+                self.gaps.append(received_at - sent_at)
+                self.plan_bytes.append(len(envelope_and_data[-1]))
+            result = self.execute(plan)
+            await self.sock.send_multipart([*envelope_and_data[:-1], encode(result)])
+            sent_at = time.perf_counter()
+            self.num_steps += 1
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        state = self.state
+        for req_id in plan.finished_req_ids:
+            state.pop(req_id, None)
+        for new in plan.new_reqs:
+            state[new.req_id] = [len(new.token_ids), new.num_computed_tokens]
+        for running in plan.running_reqs:
+            s = state[running.req_id]
+            s[0] += len(running.new_token_ids)
+            s[1] = running.num_computed_tokens
+        samplers = []
+        for req_id, n in plan.num_scheduled_tokens.items():
+            s = state[req_id]
+            s[1] += n
+            if s[1] >= s[0]:
+                samplers.append(req_id)
+                s[0] += 1
+        return StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=[[7]] * len(samplers),
+                          epoch=EPOCH)
+
+
+async def admin(ctx, address: str, command: str) -> dict:
+    sock = make_socket(ctx, zmq.DEALER, address)
+    try:
+        await sock.send(encode(AdminRequest(command=command)))
+        return Decoder(AdminReply).decode(await asyncio.wait_for(sock.recv(), 30)).data
+    finally:
+        sock.close(linger=0)
+
+
+async def run(args, ep: Endpoints) -> None:
+    ctx = zmq.asyncio.Context()
+    executor = FakeExecutor(ctx, ep, args.num_requests)
+    to_scheduler = make_socket(ctx, zmq.PUSH, ep.scheduler_in)
+    from_scheduler = make_socket(ctx, zmq.PULL, ep.tokenizer_in)
+    num_blocks = args.num_requests * -(-(args.prompt_len + args.max_tokens) // args.block_size) + 64
+    await executor.register(num_blocks, args.block_size)
+    server = asyncio.ensure_future(executor.serve())
+    rng = random.Random(0)
+    meter = CpuMeter()
+    for i in range(args.num_requests):
+        prompt = [rng.randrange(1, 30000) for _ in range(args.prompt_len)]
+        await to_scheduler.send(encode(EngineRequest(
+            req_id=f"r{i}", prompt_token_ids=prompt, eos_token_id=0,
+            sampling=SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))))
+    finished, num_tokens, decoder = 0, 0, Decoder(TokenBatch)
+    t0 = time.perf_counter()
+    while finished < args.num_requests:
+        batch = decoder.decode(await asyncio.wait_for(from_scheduler.recv(), 120))
+        for delta in batch.deltas:
+            num_tokens += len(delta.token_ids)
+            finished += delta.finish_reason is not None
+    wall = time.perf_counter() - t0
+    stats = await admin(ctx, ep.admin_scheduler, "stats")
+    cpu = meter.lap()
+    server.cancel()
+    gaps = sorted(executor.gaps)
+    steps = max(1, stats["num_steps"])
+    print(f"{args.num_requests} requests, prompts of {args.prompt_len} tokens, {args.max_tokens} tokens each, "
+          f"block size {args.block_size}: {executor.num_steps} steps, {num_tokens} tokens in {wall:.1f} s")
+    print(f"critical path per step at {args.num_requests} running decodes ({len(gaps)} steps): "
+          f"median {1e3 * statistics.median(gaps):.3f} ms, p90 {1e3 * gaps[int(0.9 * len(gaps))]:.3f} ms, "
+          f"mean {1e3 * statistics.fmean(gaps):.3f} ms")
+    print(f"scheduler, per step (all steps): planning {1e3 * stats['plan_seconds_total'] / steps:.3f} ms, "
+          f"update and push {1e3 * stats['update_seconds_total'] / steps:.3f} ms; "
+          f"plan on the wire: {statistics.median(executor.plan_bytes):.0f} bytes")
+    print(f"CPU: {cpu}")
+    ctx.destroy(linger=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--scheduler-args", default="", help="more flags for the scheduler")
+    args = parser.parse_args()
+    run_dir = tempfile.mkdtemp(prefix="folio-bs-", dir="/tmp")
+    env = {**os.environ, "FOLIO_RUN_DIR": run_dir}
+    root = Path(__file__).resolve().parents[1]
+    scheduler_flags = ["--max-num-seqs", str(args.num_requests), "--max-num-batched-tokens", "8192",
+                       *args.scheduler_args.split()]
+    procs = [subprocess.Popen([sys.executable, "-m", f"services.{name}.main", "--log-level", "warning", *flags],
+                              cwd=root, env=env)
+             for name, flags in (("kvmanager", []), ("scheduler", scheduler_flags))]
+    try:
+        asyncio.run(run(args, Endpoints.ipc(run_dir)))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
