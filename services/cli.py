@@ -7,8 +7,10 @@
 - ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
   ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
   ``folio router stats|replicas`` (``--json``):
-  ask a running service's admin socket;
-- ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks).
+  ask a running service's admin socket, found by ``--port`` (the server's HTTP port: its run
+  folder is /tmp/folio-PORT) or ``--run-dir``;
+- ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks);
+  ``folio health gateway --http URL`` asks the gateway's ``/health`` instead, which pings them all.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 
 import zmq
 
-from shared.config import Endpoints
+from shared.config import Endpoints, default_run_dir
 from shared.messages import AdminReply, AdminRequest
 from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
@@ -54,13 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
         _add_admin_flags(admin)
     health = sub.add_parser("health", help="exit 0 when SERVICE answers on its admin socket")
     health.add_argument("service", choices=RUNNABLE)
+    health.add_argument("--http", default=None, metavar="URL",
+                        help="ask this /health URL instead (200: every service answers)")
     _add_admin_flags(health)
     return parser
 
 
 def _add_admin_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the reply's data as JSON")
-    parser.add_argument("--run-dir", default=None, help="the serve run folder (default: from the environment)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", default=None, help="the serve run folder (default: from the environment)")
+    where.add_argument("--port", type=int, default=None, help="the HTTP port of the server to ask")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
 
 
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare_main(["--force"] if args.force else [])
     if args.command == "health":
+        if args.http:
+            return http_health(args.http, args.timeout)
         reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
         return 0 if reply is not None else 1
     service, _ = ADMIN_VERBS[args.command]
@@ -94,7 +102,26 @@ def run_service(name: str, argv: list[str]) -> int:
 
 
 def _endpoints(args: argparse.Namespace) -> Endpoints:
-    return Endpoints.ipc(args.run_dir) if args.run_dir else Endpoints.from_env()
+    if args.run_dir:
+        return Endpoints.ipc(args.run_dir)
+    if args.port is not None:
+        return Endpoints.ipc(default_run_dir(args.port))
+    return Endpoints.from_env()
+
+
+def http_health(url: str, timeout_s: float) -> int:
+    """0 when ``url`` answers 200; else 1, printing what it said (the services that are down)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"folio: {url}: {exc.code} {exc.read().decode(errors='replace')[:500]}", file=sys.stderr)
+    except OSError as exc:
+        print(f"folio: {url}: {exc}", file=sys.stderr)
+    return 1
 
 
 def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
@@ -121,7 +148,7 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
         call_args["req_id"] = args.req_id
     reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
     if reply is None:
-        print(f"folio: the {service} did not answer within {args.timeout:g}s (is it running? --run-dir?)",
+        print(f"folio: the {service} did not answer within {args.timeout:g}s (is it running? --port? --run-dir?)",
               file=sys.stderr)
         return 1
     if not reply.ok:

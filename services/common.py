@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import uuid
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -24,6 +25,9 @@ from shared.transport import Decoder, MalformedMessage, encode
 Handler = Callable[[object, list[bytes]], Awaitable[object | None] | object | None]
 
 _admin_decoder = Decoder(AdminRequest)
+# this process's name for itself: a ``ping`` answers it, so that a prober tells a restarted service
+# (a new instance, its state gone) from one that was only slow (in a container the pid is always 1)
+INSTANCE = uuid.uuid4().hex
 
 
 def sniff_req_id(data: bytes) -> str | None:
@@ -81,7 +85,7 @@ async def serve_router(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dic
 async def serve_admin(sock: zmq.asyncio.Socket, commands: dict[str, Callable[[dict], dict]], log) -> None:
     """Answer ``AdminRequest``s: ``commands[name](args) -> data`` (or a coroutine giving it);
     ``ping`` always works."""
-    commands = {"ping": lambda args: {"pong": True}, **commands}
+    commands = {"ping": lambda args: {"pong": True, "instance": INSTANCE}, **commands}
 
     async def dispatch(request: AdminRequest, envelope):
         command = commands.get(request.command)

@@ -2,27 +2,32 @@
 
 The model is resolved (prepared if needed) once, here, and every service gets its folder. Each
 child runs ``folio run NAME`` with the flags that concern it; the sockets live in one run folder
-(``--run-dir``, default ``$FOLIO_RUN_DIR`` or /tmp/folio). Ctrl-C or SIGTERM stops them all; when
-one dies, we say which and why (exit code or signal) and stop the others. Children are in their own
-process group (a Ctrl-C reaches only us, and we stop them in order) and get SIGTERM if we vanish.
+(``--run-dir``; default ``$FOLIO_RUN_DIR``, else one folder per port, /tmp/folio-PORT), claimed
+with a lock held for the server's life, so two servers can never share sockets.
+
+``supervise.Supervisor`` restarts a child that dies (with backoff, at most ``--max-restarts`` a
+minute per service; past that everything stops with a message); ``--no-restart`` stops everything
+at the first death instead. Ctrl-C or SIGTERM stops them all: the gateway first, which drains its
+streams, then the rest. Children are in their own process group (a Ctrl-C reaches only us) and get
+SIGTERM if we vanish.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, Endpoints, run_dir_from_env
+from shared.config import DEFAULT_MODEL_NAME, Endpoints, default_run_dir
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")  # start order
-STOP_TIMEOUT_S = 10.0
+LOCK_NAME = "serve.lock"
 _PR_SET_PDEATHSIG = 1
 
 # which serve flag goes to which service (dest name -> services); the model goes to all that load it
@@ -52,11 +57,11 @@ _FLAG_TARGETS = {
     "long_prefill_token_threshold": ("scheduler",),
     "preemption_mode": ("scheduler",),
     "scheduling_policy": ("scheduler",),
+    "request_timeout": ("gateway",),
+    "max_queue_len": ("gateway",),
+    "max_concurrent_requests": ("gateway",),
+    "max_body_bytes": ("gateway",),
 }
-
-
-class _Stop(Exception):
-    """Raised from the SIGTERM/SIGINT handler to leave the wait for children."""
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -73,11 +78,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse cached KV blocks of shared prompt prefixes (default: on)")
     add_scheduling_args(parser, defaults_none=True)
-    parser.add_argument("--run-dir", default=None, help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR or /tmp/folio)")
+    parser.add_argument("--run-dir", default=None,
+                        help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR, else /tmp/folio-PORT)")
     parser.add_argument("--kv-events-port", type=int, default=None,
                         help="publish the KV events over tcp on --host:PORT (for a router; default: ipc only)")
     parser.add_argument("--kv-snapshot-port", type=int, default=None,
                         help="the KV snapshot socket routers resync from (default: --kv-events-port + 1)")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="stop everything when a service dies instead of restarting it")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restarts of one service within a minute before everything stops")
+    from services.gateway.main import add_limit_args
+
+    add_limit_args(parser, defaults_none=True)
     parser.add_argument("--log-json", action="store_true", help="every service logs JSON lines")
     parser.add_argument("--log-level", default="info")
 
@@ -116,53 +129,56 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent's own shutdown still stops them
 
 
-def describe_exit(status: int) -> str:
-    if status < 0:
-        return f"was killed by {signal.Signals(-status).name}"
-    return f"exited with code {status}"
-
-
 def serve(args: argparse.Namespace) -> int:
     from services.executor.prepare import resolve_model
+    from services.supervise import Supervisor
 
     try:
         model_path = str(resolve_model(args.model))
     except FileNotFoundError as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
-    run_dir = Path(args.run_dir) if args.run_dir else run_dir_from_env()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if _someone_answers(Endpoints.ipc(run_dir)):
-        print(f"folio: another folio is serving in {run_dir}; stop it or pass --run-dir", file=sys.stderr)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.port)
+    lock = claim_run_dir(run_dir)
+    if lock is None:
         return 1
-    for stale in run_dir.glob("*.sock"):
-        stale.unlink()
-    env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir), **kv_events_env(args)}
-    if args.api_key:
-        env["FOLIO_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
-
-    def on_signal(signum, frame):
-        raise _Stop(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    procs: dict[str, subprocess.Popen] = {}
-    code = 0
     try:
-        for name in SERVICES:
-            cmd = [sys.executable, "-m", "services.cli", "run", name, *service_argv(name, args, model_path)]
-            procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        if _someone_answers(Endpoints.ipc(run_dir)):  # services started by hand, without the lock
+            print(f"folio: another folio is serving in {run_dir}; stop it or pass --run-dir", file=sys.stderr)
+            return 1
+        for stale in run_dir.glob("*.sock"):
+            stale.unlink()
+        env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir), **kv_events_env(args)}
+        if args.api_key:
+            env["FOLIO_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+        commands = {name: [sys.executable, "-m", "services.cli", "run", name, *service_argv(name, args, model_path)]
+                    for name in SERVICES}
+        supervisor = Supervisor(commands, env, restart=not args.no_restart, max_restarts=args.max_restarts,
+                                preexec_fn=_die_with_parent)
         print(f"folio: starting {model_path} (sockets in {run_dir}); Ctrl-C stops", file=sys.stderr, flush=True)
         threading.Thread(target=_say_when_ready, args=(Endpoints.ipc(run_dir), args), daemon=True).start()
-        code = _wait_for_a_death(procs)
-    except _Stop as stop:
-        print(f"folio: {stop} received, stopping the services", file=sys.stderr, flush=True)
+        return supervisor.run()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-        _stop_all(procs)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return code
+        os.close(lock)
+
+
+def claim_run_dir(run_dir: Path) -> int | None:
+    """Lock ``run_dir`` for this server's life (the kernel drops the lock when we die, however we
+    die); None, with a message, when another server holds it. Atomic: of two servers started at
+    the same instant on one folder exactly one gets it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        print(f"folio: another folio (pid {holder}) is serving in {run_dir}; stop it, or pass another "
+              f"--port or --run-dir", file=sys.stderr)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _someone_answers(endpoints: Endpoints) -> bool:
@@ -185,37 +201,3 @@ def _say_when_ready(endpoints: Endpoints, args: argparse.Namespace) -> None:
             time.sleep(0.2)
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     print(f"folio: ready at http://{host}:{args.port}/v1", file=sys.stderr, flush=True)
-
-
-def _wait_for_a_death(procs: dict[str, subprocess.Popen]) -> int:
-    """Block until a child exits (no polling: os.wait), say which and why; 1 for the caller."""
-    by_pid = {p.pid: name for name, p in procs.items()}
-    while True:
-        pid, status = os.wait()
-        name = by_pid.get(pid)
-        if name is None:
-            continue
-        procs[name].returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-        print(f"folio: the {name} service {describe_exit(procs[name].returncode)}; stopping the others",
-              file=sys.stderr, flush=True)
-        return 1
-
-
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    """SIGTERM every live child, newest first; SIGKILL what is still there after the timeout."""
-    alive = [(n, p) for n, p in reversed(procs.items()) if p.returncode is None]
-    for _, proc in alive:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for name, proc in alive:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"folio: the {name} service did not stop in {STOP_TIMEOUT_S:.0f}s; killing it", file=sys.stderr)
-            proc.kill()
-            proc.wait()
-        if proc.returncode not in (0, -signal.SIGTERM):
-            print(f"folio: the {name} service {describe_exit(proc.returncode)} while stopping", file=sys.stderr)

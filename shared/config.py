@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PORT = 8000
 
 
 def cache_dir() -> Path:
@@ -90,13 +91,14 @@ class Endpoints:
 
     @staticmethod
     def from_env() -> "Endpoints":
-        """``FOLIO_ENDPOINTS=tcp`` (compose) or ``FOLIO_RUN_DIR`` (ipc, default /tmp/folio);
-        ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the KV event stream and
-        its snapshot socket elsewhere (``folio serve --kv-events-port``: tcp for a router)."""
+        """``FOLIO_ENDPOINTS=tcp`` (compose) or ``FOLIO_RUN_DIR`` (ipc, default: the folder of a
+        server on port 8000); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
+        KV event stream and its snapshot socket elsewhere (``folio serve --kv-events-port``: tcp for
+        a router)."""
         if os.environ.get("FOLIO_ENDPOINTS", "ipc") == "tcp":
             endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")))
         else:
-            endpoints = Endpoints.ipc(os.environ.get("FOLIO_RUN_DIR", "/tmp/folio"))
+            endpoints = Endpoints.ipc(default_run_dir(DEFAULT_PORT))
         moved = {name: os.environ.get(var) for name, var in (("kv_events", "FOLIO_KV_EVENTS_ENDPOINT"),
                                                              ("kv_snapshot", "FOLIO_KV_SNAPSHOT_ENDPOINT"))}
         return replace(endpoints, **{name: value for name, value in moved.items() if value})
@@ -165,6 +167,13 @@ class GatewayConfig:
     port: int = 8000
     api_key: str | None = None  # None: no auth
     admin_timeout_s: float = 0.25  # /metrics asks the scheduler and kvmanager; never wait long
+    request_timeout_s: float = 600.0  # a request's whole life, queue included (0: no limit)
+    max_queue_len: int = 1024  # requests accepted that have no output yet; past it: 429
+    max_concurrent_requests: int = 4096  # open generation requests (streams included); past it: 429
+    max_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413
+    # whose admin sockets /health pings; a request needs every one of them
+    probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
+    drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
     log_json: bool = False
     log_level: str = "info"
 
@@ -206,6 +215,8 @@ def api_key_from_env() -> str | None:
     return os.environ.get("FOLIO_API_KEY") or None
 
 
-def run_dir_from_env() -> Path:
-    """Where ``folio serve`` puts its ``ipc://`` sockets unless told: ``$FOLIO_RUN_DIR``."""
-    return Path(os.environ.get("FOLIO_RUN_DIR", "/tmp/folio"))
+def default_run_dir(port: int) -> Path:
+    """Where ``folio serve --port PORT`` puts its ``ipc://`` sockets unless told: ``$FOLIO_RUN_DIR``,
+    else a folder of its own per port, so that servers on two ports run side by side."""
+    explicit = os.environ.get("FOLIO_RUN_DIR")
+    return Path(explicit) if explicit else Path(f"/tmp/folio-{port}")

@@ -330,8 +330,10 @@ class AdminReply(msgspec.Struct, frozen=True, kw_only=True, tag="admin_reply"):
 
 
 class RegisterPool(msgspec.Struct, frozen=True, kw_only=True, tag="register_pool"):
-    """executor -> kvmanager at start: the pool it allocated. A new ``epoch`` (one per executor
-    start) resets every block table: the old pool's contents are gone."""
+    """executor -> kvmanager at start, then again every few seconds (so that a restarted
+    kvmanager learns the pool; the same message again changes nothing): the pool it allocated. A
+    new ``epoch`` (one per executor start) resets every block table: the old pool's contents are
+    gone."""
 
     num_blocks: int
     block_size: int

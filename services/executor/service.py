@@ -4,7 +4,9 @@ Who talks to it:
 - the scheduler sends a ``StepPlan`` to its ROUTER (``recv_from_scheduler``) and gets the
   ``StepResult``; steps are executed one at a time, in arrival order;
 - at start it registers its KV pool with the kvmanager (``send_to_kvmanager``, DEALER) under a
-  fresh epoch, so that the kvmanager drops tables from an earlier executor's pool;
+  fresh epoch, so that the kvmanager drops tables from an earlier executor's pool; then it sends
+  the same registration every ``REGISTER_EVERY_S``, so that a restarted kvmanager learns the pool
+  (to one that knows it already, it changes nothing);
 - CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import structlog
@@ -26,6 +29,7 @@ from shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
 from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
 log = structlog.get_logger()
+REGISTER_EVERY_S = 1.0
 
 
 class ExecutorService:
@@ -42,43 +46,51 @@ class ExecutorService:
         self.handlers = {StepPlan: self.handle_step_plan}
         self.admin_commands = {"stats": self.admin_stats}
         self.num_steps = 0
+        # one thread for every step: per-thread device state (CUDA's current stream) stays put
+        self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.execute_seconds_total = 0.0
 
     async def run(self) -> None:
         try:
             await asyncio.gather(
-                self.register_pool(),
+                self.keep_pool_registered(),
                 serve_router(self.recv_from_scheduler, self.decoder, self.handlers, log, "scheduler"),
                 serve_admin(self.recv_from_admin, self.admin_commands, log),
             )
         finally:
             close_sockets(self.recv_from_scheduler, self.send_to_kvmanager, self.recv_from_admin)
 
-    async def register_pool(self) -> None:
-        """Tell the kvmanager what pool exists; the scheduler starts planning once it knows."""
+    async def keep_pool_registered(self) -> None:
+        """Tell the kvmanager what pool exists (the scheduler starts planning once it knows), and
+        keep telling it: a kvmanager that restarts knows nothing until it hears this again."""
         runner = self.runner
-        message = RegisterPool(num_blocks=runner.pool.num_blocks, block_size=runner.pool.block_size,
-                               bytes_per_block=runner.pool_shape.bytes_per_block, epoch=self.epoch,
-                               max_model_len=runner.spec.max_position_embeddings,
-                               num_host_blocks=runner.pool.num_host_blocks)
-        await self.send_to_kvmanager.send(encode(message))
+        message = encode(RegisterPool(num_blocks=runner.pool.num_blocks, block_size=runner.pool.block_size,
+                                      bytes_per_block=runner.pool_shape.bytes_per_block, epoch=self.epoch,
+                                      max_model_len=runner.spec.max_position_embeddings,
+                                      num_host_blocks=runner.pool.num_host_blocks))
         decoder = Decoder(PoolInfo)
+        registered = False
         while True:
-            data = await self.send_to_kvmanager.recv()
-            try:
-                info = decoder.decode(data)
-            except MalformedMessage as exc:
-                log.warning("malformed reply dropped", socket="kvmanager", error=str(exc))
-                continue
-            if info.epoch == self.epoch:
-                log.info("pool registered", num_blocks=info.num_blocks, block_size=info.block_size, epoch=self.epoch)
-                return
+            await self.send_to_kvmanager.send(message)
+            while await self.send_to_kvmanager.poll(int(REGISTER_EVERY_S * 1000), zmq.POLLIN):
+                try:
+                    info = decoder.decode(await self.send_to_kvmanager.recv())
+                except MalformedMessage as exc:
+                    log.warning("malformed reply dropped", socket="kvmanager", error=str(exc))
+                    continue
+                if info.epoch == self.epoch and not registered:
+                    registered = True
+                    log.info("pool registered", num_blocks=info.num_blocks, block_size=info.block_size,
+                             epoch=self.epoch)
 
-    def handle_step_plan(self, plan: StepPlan, envelope: list[bytes]) -> StepResult:
+    async def handle_step_plan(self, plan: StepPlan, envelope: list[bytes]) -> StepResult:
         self.num_steps += 1
         t0 = time.perf_counter()
         try:
-            return msgspec.structs.replace(self.runner.execute(plan), epoch=self.epoch)
+            # off the event loop: its admin socket answers pings (health) during a long step; the
+            # router awaits each step, so steps still run one at a time
+            result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.execute, plan)
+            return msgspec.structs.replace(result, epoch=self.epoch)
         except Exception:
             # a plan that does not fit our state: answer anyway (the scheduler fails the requests
             # that got no token) rather than leave it waiting forever

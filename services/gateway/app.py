@@ -16,13 +16,9 @@ from services.gateway.service import GatewayService
 from shared.config import GatewayConfig
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
-# long prompts as token-id lists run to a few hundred KB of JSON
-MAX_BODY_BYTES = 32 * 1024 * 1024
-
-
 def build_app(service: GatewayService) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware(service.config.api_key)],
-                          client_max_size=MAX_BODY_BYTES)
+                          client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     add_routes(app)
 
@@ -36,11 +32,14 @@ def build_app(service: GatewayService) -> web.Application:
 
 
 async def serve(config: GatewayConfig) -> None:
-    """Serve HTTP until cancelled (``run_until_signal`` cancels it on SIGTERM/SIGINT)."""
-    app = build_app(GatewayService(config))
+    """Serve HTTP until cancelled (``run_until_signal`` cancels it on SIGTERM/SIGINT). Then stop
+    listening, give open requests ``drain_timeout_s`` to finish (new ones on open connections get
+    503), cancel what is left (their handlers abort them) and close the sockets."""
+    service = GatewayService(config)
+    app = build_app(service)
     # handler cancellation: a client that hangs up mid-request cancels its handler, whose
     # ``finally`` aborts the request (and so frees its KV blocks) without waiting for a write to fail
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.drain_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -48,4 +47,6 @@ async def serve(config: GatewayConfig) -> None:
     try:
         await asyncio.Event().wait()
     finally:
+        service.draining = True
+        log.info("draining", num_open=service.num_open, drain_timeout_s=config.drain_timeout_s)
         await runner.cleanup()

@@ -1,5 +1,11 @@
 """The HTTP routes of the gateway: OpenAI's completions, chat completions and models, plus
-``/health`` and ``/metrics``, and the middlewares for the API key and for error objects.
+``/health``, ``/ready``, ``/live`` and ``/metrics``, and the middlewares for the API key and for
+error objects.
+
+Probes follow the Kubernetes convention: ``/live`` says only that the gateway's loop runs (a
+liveness failure restarts the container, which would not mend a service behind it); ``/health``
+and ``/ready`` say whether a request can be served now: every service answered its ping
+(``health.HealthMonitor``) and the gateway is not draining, else 503 naming what is down.
 
 ``app.py`` mounts these on an aiohttp application that holds the ``GatewayService`` under
 ``SERVICE``. Every route that generates submits its choices, reads their mailbox (``streaming.py``)
@@ -8,6 +14,7 @@ and, whatever happens (client gone, error), aborts what did not finish.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 import uuid
@@ -69,11 +76,6 @@ def _check_model(service: GatewayService, model: str | None) -> str:
     return name
 
 
-def _finish(service: GatewayService, mailbox) -> None:
-    for req_id in list(mailbox.unfinished):
-        service.abort(req_id)
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     req = parse(await request.read(), CompletionRequest)
@@ -88,6 +90,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, response_fn,
                    best_of: int | None = None) -> web.StreamResponse:
     """Stream the choices or wait for them all; abort what did not finish, whatever happens."""
+    service = request.app[SERVICE]
+    timeout_s = service.config.request_timeout_s
+    timer = asyncio.get_running_loop().call_later(
+        timeout_s, service.fail, mailbox, f"the request did not finish within --request-timeout {timeout_s:g}s", 504,
+    ) if timeout_s > 0 else None
     try:
         if req.stream:
             return await stream_fn(request, mailbox, meta, req)
@@ -99,7 +106,9 @@ async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, respons
             deltas = _best_of(deltas, best_of, meta.n, keep_logprobs=req.logprobs is not None)
         return web.json_response(response_fn(meta, deltas, usage.usage()))
     finally:
-        _finish(request.app[SERVICE], mailbox)
+        if timer is not None:
+            timer.cancel()
+        service.release(mailbox)
 
 
 def _best_of(deltas: dict, best_of: int, n: int, keep_logprobs: bool) -> dict:
@@ -185,7 +194,16 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
+    """200 while a request can be served; else 503 naming the services that do not answer."""
+    service = request.app[SERVICE]
+    report = service.health.report()
+    if service.draining:
+        report["status"] = "draining"
+    return web.json_response(report, status=200 if report["status"] == "ok" else 503)
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -199,4 +217,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)

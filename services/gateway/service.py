@@ -6,15 +6,20 @@ Peers (``shared.config.Endpoints``):
 - ``recv_from_admin`` (ROUTER at ``admin_gateway``): ``stats``;
 - the scheduler's and kvmanager's admin sockets, asked for ``stats`` at each ``/metrics`` scrape
   through a short-lived DEALER (a late reply then dies with its socket instead of answering the
-  next question).
+  next question); every service's admin socket, pinged by ``health.HealthMonitor``.
 
 The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
+``submit`` refuses work up front: 503 while a service is down, 429 past ``--max-queue-len`` queued
+or ``--max-concurrent-requests`` open requests. ``fail`` ends a request's unfinished choices with
+an error delta (and aborts them, freeing their blocks): on a deadline, or when the tokenizer or
+scheduler that held them is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 
 import msgspec
 import structlog
@@ -22,13 +27,16 @@ import zmq
 import zmq.asyncio
 
 from services.common import close_sockets, serve_admin
+from services.gateway.health import HealthMonitor
 from services.gateway.mailbox import OutputMailbox
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import ApiError
 from shared.config import GatewayConfig
-from shared.messages import AbortRequest, AdminReply, AdminRequest, GenerateRequest, TextBatch
+from shared.messages import AbortRequest, AdminReply, AdminRequest, GenerateRequest, TextBatch, TextDelta
 from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
+NUM_REMEMBERED_STRAYS = 4096  # req_ids of stray deltas already aborted (bounded)
 
 
 class GatewayService:
@@ -39,19 +47,29 @@ class GatewayService:
         self.mailboxes: dict[str, OutputMailbox] = {}  # req_id -> its HTTP request's mailbox
         self.decoder = Decoder(TextBatch)
         self.handlers = {TextBatch: self.handle_text_batch}
-        self.stats = {"num_requests": 0, "num_aborts": 0, "num_malformed": 0}
+        self.stats = {"num_requests": 0, "num_aborts": 0, "num_malformed": 0, "num_refused_busy": 0,
+                      "num_refused_unavailable": 0, "num_failed": 0, "num_stray_aborts": 0}
         self.started_at = int(time.time())
         self._tasks: list[asyncio.Task] = []
         self.send_to_tokenizer = self.recv_from_tokenizer = self.recv_from_admin = None
+        ep = config.endpoints
+        self.health = HealthMonitor({name: getattr(ep, f"admin_{name}") for name in config.probed_services},
+                                    self.ask_admin, self.on_lost)
+        self.queued: set[OutputMailbox] = set()  # accepted, no output yet
+        self.num_open = 0  # generation requests between submit and their response's end
+        self.draining = False
+        self._strays: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> None:
         ep = self.config.endpoints
         self.send_to_tokenizer = make_socket(self.ctx, zmq.PUSH, ep.tokenizer_in)
         self.recv_from_tokenizer = make_socket(self.ctx, zmq.PULL, ep.gateway_in)
         self.recv_from_admin = make_socket(self.ctx, zmq.ROUTER, ep.admin_gateway)
+        await self.health.probe_all()
         self._tasks = [
             asyncio.ensure_future(self._receive()),
             asyncio.ensure_future(serve_admin(self.recv_from_admin, {"stats": self.admin_stats}, log)),
+            asyncio.ensure_future(self.health.run()),
         ]
 
     async def stop(self) -> None:
@@ -82,16 +100,48 @@ class GatewayService:
         for delta in batch.deltas:
             mailbox = self.mailboxes.get(delta.req_id)
             if mailbox is None:
-                continue  # its client is gone; the abort is on its way
+                self._abort_stray(delta)
+                continue
+            self.queued.discard(mailbox)
             mailbox.put(delta)
             self.metrics.on_delta(mailbox.timing[delta.req_id], delta, now)
             if delta.finish_reason is not None:
                 del self.mailboxes[delta.req_id]
 
+    def _abort_stray(self, delta: TextDelta) -> None:
+        """Output for a request nobody here waits for: its client left (the abort is on its way),
+        or it was sent before this gateway restarted. Abort it once, so that it stops using the
+        engine instead of running to max_tokens."""
+        if delta.finish_reason is not None or delta.req_id in self._strays:
+            return
+        self._strays[delta.req_id] = None
+        if len(self._strays) > NUM_REMEMBERED_STRAYS:
+            self._strays.popitem(last=False)
+        self.stats["num_stray_aborts"] += 1
+        self.send_to_tokenizer.send(encode(AbortRequest(req_id=delta.req_id)))
+
+    def admit(self) -> None:
+        """Refuse a new request up front (ApiError) when it could not be served now."""
+        config = self.config
+        down = self.health.down()
+        if self.draining or down:
+            self.stats["num_refused_unavailable"] += 1
+            why = "the server is shutting down" if self.draining else f"unavailable: {', '.join(down)} not answering"
+            raise ApiError(f"{why}; retry later", 503, type_="server_error", code="service_unavailable")
+        if len(self.queued) >= config.max_queue_len or self.num_open >= config.max_concurrent_requests:
+            self.stats["num_refused_busy"] += 1
+            limit = ("--max-queue-len", config.max_queue_len) if len(self.queued) >= config.max_queue_len else \
+                ("--max-concurrent-requests", config.max_concurrent_requests)
+            raise ApiError(f"the server is busy ({limit[0]} {limit[1]} reached); retry later", 429,
+                           type_="server_error", code="too_many_requests")
+
     def submit(self, reqs: list[GenerateRequest]) -> OutputMailbox:
         """Send the requests; the mailbox holds every choice, forked ones (``fork_req_ids``) included."""
+        self.admit()
         choice_ids = [choice_id for r in reqs for choice_id in (r.req_id, *r.fork_req_ids)]
         mailbox = OutputMailbox(choice_ids)
+        self.queued.add(mailbox)
+        self.num_open += 1
         for choice_id in choice_ids:
             self.mailboxes[choice_id] = mailbox
         for req in reqs:
@@ -109,8 +159,35 @@ class GatewayService:
         self.send_to_tokenizer.send(encode(AbortRequest(req_id=req_id)))
         log.info("request aborted", req_id=req_id)
 
+    def release(self, mailbox: OutputMailbox) -> None:
+        """The response is over: abort what did not finish, forget the mailbox."""
+        self.queued.discard(mailbox)
+        self.num_open -= 1
+        for req_id in list(mailbox.unfinished):
+            self.abort(req_id)
+
+    def fail(self, mailbox: OutputMailbox, message: str, code: int) -> None:
+        """End every unfinished choice of ``mailbox`` with an error (and abort it, which frees its
+        blocks): a plain HTTP error before a stream began, an error event after."""
+        self.queued.discard(mailbox)
+        unfinished = list(mailbox.unfinished)
+        if unfinished:
+            self.stats["num_failed"] += 1
+            log.warning("request failed", req_ids=unfinished, reason=message)
+        for req_id in unfinished:
+            self.abort(req_id)
+            mailbox.put(TextDelta(req_id=req_id, finish_reason="error", error=message, error_code=code))
+
+    def on_lost(self, name: str, why: str) -> None:
+        """The tokenizer or scheduler lost (or may have lost) every request in flight."""
+        mailboxes = set(self.mailboxes.values())
+        log.error("service lost: failing the requests in flight", service=name, why=why, num_requests=len(mailboxes))
+        for mailbox in mailboxes:
+            self.fail(mailbox, f"the {name} {why}; the request was lost, retry it", 503)
+
     def admin_stats(self, args: dict) -> dict:
-        return {**self.stats, "num_unfinished": len(self.mailboxes)}
+        return {**self.stats, "num_unfinished": len(self.mailboxes), "num_queued": len(self.queued),
+                "num_open": self.num_open, "down": self.health.down()}
 
     async def refresh_engine_stats(self) -> None:
         ep, timeout = self.config.endpoints, self.config.admin_timeout_s

@@ -152,10 +152,10 @@ class KVManagerService:
         if self.pool is not None and self.pool.epoch != msg.epoch and self.allocator.seqs:
             log.warning("executor restarted: dropping every block table", old_epoch=self.pool.epoch,
                         new_epoch=msg.epoch, num_seqs=len(self.allocator.seqs))
-        log.info("pool registered", num_blocks=msg.num_blocks, block_size=msg.block_size,
-                 num_host_blocks=msg.num_host_blocks, bytes_per_block=msg.bytes_per_block, epoch=msg.epoch,
-                 enable_prefix_caching=self.config.enable_prefix_caching)
-        if self.pool is None or self.pool != msg:
+        if self.pool is None or self.pool != msg:  # the same again is the executor's heartbeat
+            log.info("pool registered", num_blocks=msg.num_blocks, block_size=msg.block_size,
+                     num_host_blocks=msg.num_host_blocks, bytes_per_block=msg.bytes_per_block, epoch=msg.epoch,
+                     enable_prefix_caching=self.config.enable_prefix_caching)
             self.generation = None  # the scheduler's tables are void: it starts a new epoch
             return await self.adopt_pool(msg)
         return self.pool_info()

@@ -17,6 +17,7 @@ worker thread checks it (``services/grammar.py``), and the loop goes on serving 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 import msgspec
 import structlog
@@ -39,6 +40,7 @@ from shared.messages import (
 from shared.transport import Decoder, MalformedMessage, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
+NUM_REMEMBERED_ENDED = 4096  # req_ids recently aborted here, whose late tokens need no new abort
 
 
 class TokenizerService:
@@ -60,9 +62,10 @@ class TokenizerService:
             TokenBatch: self.handle_token_batch,
         }
         self.stats = {"num_generate": 0, "num_aborts": 0, "num_token_batches": 0, "num_malformed": 0,
-                      "num_rejected": 0}
+                      "num_rejected": 0, "num_stray_aborts": 0}
         self.grammars = GrammarChecker()
         self.compiling: dict[str, GenerateRequest] = {}  # req_id -> a request waiting for its grammar
+        self.ended: OrderedDict[str, None] = OrderedDict()
 
     async def run(self) -> None:
         """Serve until cancelled (SIGTERM/SIGINT cancel it from ``main``)."""
@@ -160,6 +163,7 @@ class TokenizerService:
         """The gateway's client went away: forget the request, tell the scheduler to free it."""
         self.stats["num_aborts"] += 1
         self.compiling.pop(abort.req_id, None)
+        self._ended(abort.req_id)
         self.outputs.remove(abort.req_id)
         self.send_to_scheduler.send(encode(abort))
         log.info("request aborted", req_id=abort.req_id, reason=abort.reason)
@@ -169,11 +173,23 @@ class TokenizerService:
         deltas, aborts, unknown = self.outputs.process(batch)
         for abort in aborts:
             log.debug("stop string hit", req_id=abort.req_id)
+            self._ended(abort.req_id)
             self.send_to_scheduler.send(encode(abort))
-        if unknown:
-            log.debug("tokens of finished requests dropped", req_ids=unknown)
+        for req_id in unknown:
+            if req_id in self.ended:
+                continue  # its abort is on its way: a step was already under way
+            # from before this tokenizer restarted: nobody waits for it; stop it using the engine
+            self._ended(req_id)
+            self.stats["num_stray_aborts"] += 1
+            log.info("tokens of an unknown request: aborting it", req_id=req_id)
+            self.send_to_scheduler.send(encode(AbortRequest(req_id=req_id)))
         if deltas:
             self.send_to_gateway.send(encode(TextBatch(deltas=deltas)))
+
+    def _ended(self, req_id: str) -> None:
+        self.ended[req_id] = None
+        if len(self.ended) > NUM_REMEMBERED_ENDED:
+            self.ended.popitem(last=False)
 
     def admin_stats(self, args: dict) -> dict:
         return {**self.stats, **self.grammars.stats, "num_requests": len(self.outputs.requests),

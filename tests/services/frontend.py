@@ -151,7 +151,8 @@ async def front_half(script=None, api_key: str | None = None, served_model_name:
     tok_service = TokenizerService(TokenizerConfig(endpoints=endpoints), tokenizer, ctx)
     scheduler = ScriptedScheduler(ctx, endpoints, script or script_tokens(), step_s)
     gw_service = GatewayService(GatewayConfig(endpoints=endpoints, api_key=api_key,
-                                              served_model_name=served_model_name, admin_timeout_s=0.1), ctx)
+                                              served_model_name=served_model_name, admin_timeout_s=0.1,
+                                              probed_services=("tokenizer",)), ctx)
     app = build_app(gw_service)
     tasks = [asyncio.ensure_future(tok_service.run()), asyncio.ensure_future(scheduler.run())]
     try:

@@ -1,15 +1,18 @@
-"""``folio``: serve starts the five services as processes and stops them cleanly, reports a child
-that dies (which and why) and stops the rest; flags reach the services that own them."""
+"""``folio``: serve starts the five services as processes and stops them cleanly; a child that
+dies is restarted (with ``--no-restart``: reported, which and why, and the rest stopped); run
+folders are claimed atomically and are per port by default; flags reach the services that own them."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import psutil
@@ -37,14 +40,18 @@ def free_port() -> int:
 
 
 class Serve:
-    def __init__(self, model: str):
-        self.run_dir = short_run_dir()
+    def __init__(self, model: str, *flags: str, run_dir: str | None = None):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--run-dir", self.run_dir,
+        self.run_dir = run_dir or short_run_dir()
+        where = ["--run-dir", self.run_dir] if run_dir != "default" else []
+        if run_dir == "default":
+            self.run_dir = f"/tmp/folio-{self.port}"
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, *where,
                "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "64", "--dtype", "float32",
-               "--block-size", "8", "--max-num-seqs", "8"]
+               "--block-size", "8", "--max-num-seqs", "8", *flags]
         self.log = tempfile.TemporaryFile("a+")  # children share it: appends only; a pipe could fill and block
-        self.proc = subprocess.Popen(cmd, stderr=self.log)
+        env = {k: v for k, v in os.environ.items() if k != "FOLIO_RUN_DIR"}
+        self.proc = subprocess.Popen(cmd, stderr=self.log, env=env)
         self.endpoints = Endpoints.ipc(self.run_dir)
 
     def children(self) -> list[psutil.Process]:
@@ -59,6 +66,7 @@ class Serve:
         assert not waiting, f"not answering: {waiting}"
         while admin_call(self.endpoints, "kvmanager", "stats", {}, 1).data["registered"] is False:
             time.sleep(0.1)
+        wait_healthy(self.port)  # the gateway's own probes saw them all
 
     def stderr(self) -> str:
         self.log.seek(0)
@@ -106,7 +114,7 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
         # a second serve on the same run folder refuses instead of stealing the sockets
         other = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", tiny_chat_model,
                                 "--run-dir", serve.run_dir], capture_output=True, text=True, timeout=60)
-        assert other.returncode == 1 and "another folio is serving" in other.stderr
+        assert other.returncode == 1 and f"another folio (pid {serve.proc.pid}) is serving" in other.stderr
         serve.proc.send_signal(signal.SIGTERM)
         code, err = serve.finish()
     finally:
@@ -117,8 +125,8 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
 
 
-def test_serve_says_which_child_died_and_stops_the_others(tiny_chat_model):
-    serve = Serve(tiny_chat_model)
+def test_serve_without_restarts_says_which_child_died_and_stops_the_others(tiny_chat_model):
+    serve = Serve(tiny_chat_model, "--no-restart")
     try:
         serve.wait_ready()
         children = {c.cmdline()[4]: c for c in serve.children()}  # python -m services.cli run NAME
@@ -177,3 +185,91 @@ def test_admin_commands_report_a_missing_service(capsys):
         assert folio(["health", "scheduler", "--run-dir", run_dir, "--timeout", "0.2"]) == 1
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def completion(port: int, prompt: str = "Hello", max_tokens: int = 5, timeout_s: float = 60) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        return json.load(resp)
+
+
+def wait_healthy(port: int, timeout_s: float = STARTUP_TIMEOUT_S) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                return json.load(resp)
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("/health never said 200")
+
+
+def test_serve_restarts_a_dead_service_and_health_tells_the_truth(tiny_chat_model):
+    serve = Serve(tiny_chat_model, "--max-restarts", "1")
+    try:
+        serve.wait_ready()
+        assert wait_healthy(serve.port)["status"] == "ok"
+        before = completion(serve.port)["choices"][0]["text"]
+        children = {c.cmdline()[4]: c for c in serve.children()}
+        children["tokenizer"].send_signal(signal.SIGKILL)
+        # within the probe deadline /health names the dead service, and a request gets 503 at once
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{serve.port}/health", timeout=2).close()
+            except urllib.error.HTTPError as exc:
+                body = json.load(exc)
+                if exc.code == 503 and "tokenizer" in body["down"]:
+                    break
+            assert time.monotonic() < deadline, "/health did not notice the dead tokenizer"
+            time.sleep(0.1)
+        assert wait_healthy(serve.port, 60)["status"] == "ok"  # restarted
+        assert completion(serve.port)["choices"][0]["text"] == before
+        assert "the tokenizer service was killed by SIGKILL; restarting it" in serve.stderr()
+        assert folio(["health", "tokenizer", "--run-dir", serve.run_dir, "--timeout", "2"]) == 0
+        # a second death within the minute passes --max-restarts 1: everything stops, with a message
+        [child for child in serve.children() if child.cmdline()[4] == "tokenizer"][0].send_signal(signal.SIGKILL)
+        code, err = serve.finish()
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+    assert code == 1
+    assert "its 2th death within 60s (--max-restarts 1); stopping everything" in err
+
+
+def test_two_servers_on_two_ports_run_side_by_side_and_a_folder_is_claimed_once(tiny_chat_model, capsys):
+    first, second = Serve(tiny_chat_model, run_dir="default"), Serve(tiny_chat_model, run_dir="default")
+    try:
+        for serve in (first, second):
+            serve.wait_ready()
+            assert completion(serve.port)["usage"]["completion_tokens"] == 5
+        # the admin CLI finds each by its port
+        for serve in (first, second):
+            assert folio(["gateway", "stats", "--json", "--port", str(serve.port)]) == 0
+            assert json.loads(capsys.readouterr().out)["num_requests"] == 1
+        # two servers started at the same instant on one folder: exactly one claims it
+        race_dir = short_run_dir()
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", tiny_chat_model, "--run-dir", race_dir,
+               "--host", "127.0.0.1", "--num-kv-blocks", "16", "--dtype", "float32"]
+        racers = [subprocess.Popen([*cmd, "--port", str(free_port())], stderr=subprocess.PIPE, text=True)
+                  for _ in range(2)]
+        loser = None
+        deadline = time.monotonic() + 60
+        while loser is None and time.monotonic() < deadline:
+            loser = next((r for r in racers if r.poll() is not None), None)
+            time.sleep(0.05)
+        winner = next(r for r in racers if r is not loser)
+        assert loser is not None and loser.returncode == 1
+        assert "is serving in" in loser.stderr.read()
+        assert winner.poll() is None
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(timeout=30) == 0
+        shutil.rmtree(race_dir, ignore_errors=True)
+    finally:
+        for serve in (first, second):
+            if serve.proc.poll() is None:
+                serve.proc.send_signal(signal.SIGTERM)
+        for serve in (first, second):
+            assert serve.finish()[0] == 0

@@ -48,7 +48,7 @@ async def test_main_serves_http_and_stops_on_sigterm():
         async with aiohttp.ClientSession() as http:
             for _ in range(300):
                 try:
-                    async with http.get(f"{base}/health") as r:
+                    async with http.get(f"{base}/live") as r:
                         if r.status == 200:
                             break
                 except aiohttp.ClientConnectionError:

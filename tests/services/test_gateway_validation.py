@@ -159,13 +159,25 @@ async def test_api_key_required_when_set(gateway_client):
     # validation runs after auth: a good key with a bad body gets the 400
     r = await client.post("/v1/completions", json={"prompt": "x", "n": 0}, headers={"Authorization": "Bearer sekret"})
     assert r.status == 400
-    assert (await client.get("/health")).status == 200  # probes need no key
+    assert (await client.get("/live")).status == 200  # probes need no key
+    assert (await client.get("/health")).status == 503
 
 
-async def test_health_and_models(gateway_client):
+async def test_health_names_the_services_that_do_not_answer(gateway_client):
     client = await gateway_client()
-    r = await client.get("/health")
-    assert r.status == 200
+    r = await client.get("/health")  # nothing behind this gateway
+    assert r.status == 503
+    body = await r.json()
+    assert body["status"] == "unavailable"
+    assert sorted(body["down"]) == ["executor", "kvmanager", "scheduler", "tokenizer"]
+    assert (await client.get("/ready")).status == 503
+    assert (await client.get("/live")).status == 200
+    # a request that would need them gets 503 at once, as an OpenAI error object
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status == 503
+    body = await r.json()
+    validate(body, "ErrorResponse")
+    assert body["error"]["code"] == "service_unavailable" and "scheduler" in body["error"]["message"]
     r = await client.get("/v1/models")
     body = await r.json()
     validate(body, "ListModelsResponse")

@@ -65,8 +65,8 @@ def test_a_replica_is_a_pod_of_the_five_services_over_tcp_with_a_gpu_and_gateway
     assert hosts <= set(pod["hostAliases"][0]["hostnames"]) and pod["hostAliases"][0]["ip"] == "127.0.0.1"
     assert by_name["executor"]["resources"]["limits"]["nvidia.com/gpu"] == 1
     gateway = by_name["gateway"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert gateway[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}  # every service answers
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}  # the gateway itself
     kv_ports = {p["name"]: p["containerPort"] for p in by_name["kvmanager"]["ports"]}
     assert kv_ports == {"kv-events": port_of(TCP.kv_events), "kv-snapshot": port_of(TCP.kv_snapshot)}
     annotations = replica["spec"]["template"]["metadata"]["annotations"]

@@ -1,0 +1,89 @@
+"""The gateway's view of the services behind it: who answers, and who restarted.
+
+One task per service (``GatewayService.start`` runs them) pings its admin socket every
+``PROBE_INTERVAL_S`` with a ``PING_TIMEOUT_S`` deadline and keeps the answer; readers never wait on
+a probe, so probing never slows serving, and what ``/health`` reports is never older than about a
+second (an interval plus a deadline). A ping's reply names the process instance
+(``services.common.INSTANCE``), which tells a restart from a pause.
+
+Who reads it:
+- ``/health`` and ``/ready``: 200 only while every service answered within ``DOWN_AFTER_S``,
+  else 503 with a JSON body naming those that did not;
+- ``GatewayService.submit``: new requests get 503 while any service is down;
+- ``GatewayService.on_lost``, called from here: the tokenizer and scheduler hold in-flight
+  requests' state, so when one of them restarts (a new instance) or stays silent past
+  ``STALL_S``, the gateway ends those requests with an error. The executor and kvmanager hold
+  nothing a request cannot recompute: their in-flight requests wait (bounded by
+  ``--request-timeout``) and then complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+STATEFUL = ("tokenizer", "scheduler")  # their restart loses the requests in flight
+PROBE_INTERVAL_S = 0.5
+PING_TIMEOUT_S = 0.5
+DOWN_AFTER_S = 1.5  # about two missed pings: one late answer on a busy machine is not a crash
+STALL_S = 5.0  # a tokenizer or scheduler silent this long fails its in-flight requests
+
+# (admin address, command, timeout) -> the reply's data, or None when absent, slow or refusing
+AskAdmin = Callable[[str, str, float], Awaitable[dict | None]]
+
+
+@dataclass
+class ServiceHealth:
+    last_ok: float | None = None  # monotonic time of the last answer
+    instance: str | None = None
+    stall_reported: bool = False
+
+
+class HealthMonitor:
+    def __init__(self, addresses: dict[str, str], ask: AskAdmin, on_lost: Callable[[str, str], None]):
+        self.addresses, self.ask, self.on_lost = addresses, ask, on_lost
+        self.states = {name: ServiceHealth() for name in addresses}
+
+    async def probe_all(self) -> None:
+        """One round at once (the gateway's start: it knows the truth before its first request)."""
+        replies = await asyncio.gather(*(self.ask(a, "ping", PING_TIMEOUT_S) for a in self.addresses.values()))
+        now = time.monotonic()
+        for name, reply in zip(self.addresses, replies):
+            self.record(name, reply, now)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._watch(name) for name in self.addresses))
+
+    async def _watch(self, name: str) -> None:
+        while True:
+            t0 = time.monotonic()
+            self.record(name, await self.ask(self.addresses[name], "ping", PING_TIMEOUT_S), time.monotonic())
+            await asyncio.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - t0)))
+
+    def record(self, name: str, reply: dict | None, now: float) -> None:
+        state = self.states[name]
+        if reply is not None:
+            instance = reply.get("instance")
+            if state.instance is not None and instance != state.instance and name in STATEFUL:
+                self.on_lost(name, "restarted")
+            state.last_ok, state.instance, state.stall_reported = now, instance, False
+            return
+        silent = now - state.last_ok if state.last_ok is not None else 0.0
+        if name in STATEFUL and silent > STALL_S and not state.stall_reported:
+            state.stall_reported = True
+            self.on_lost(name, f"has not answered for {silent:.0f}s")
+
+    def down(self, now: float | None = None) -> list[str]:
+        """The services that did not answer within ``DOWN_AFTER_S`` (or never did)."""
+        now = time.monotonic() if now is None else now
+        return [name for name, s in self.states.items() if s.last_ok is None or now - s.last_ok > DOWN_AFTER_S]
+
+    def report(self) -> dict:
+        now = time.monotonic()
+        down = self.down(now)
+        services = {name: {"status": "down" if name in down else "ok",
+                           "last_answer_s_ago": None if s.last_ok is None else round(now - s.last_ok, 3)}
+                    for name, s in self.states.items()}
+        return {"status": "unavailable" if down else "ok", "down": down, "services": services}
