@@ -39,7 +39,7 @@ async def serve(config: GatewayConfig) -> None:
     app = build_app(service)
     # handler cancellation: a client that hangs up mid-request cancels its handler, whose
     # ``finally`` aborts the request (and so frees its KV blocks) without waiting for a write to fail
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.drain_timeout_s)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -47,6 +47,21 @@ async def serve(config: GatewayConfig) -> None:
     try:
         await asyncio.Event().wait()
     finally:
-        service.draining = True
-        log.info("draining", num_open=service.num_open, drain_timeout_s=config.drain_timeout_s)
+        await drain(service, site, config.drain_timeout_s)
         await runner.cleanup()
+
+
+async def drain(service: GatewayService, site: web.TCPSite, timeout_s: float) -> None:
+    """Stop listening and let open requests finish; past ``timeout_s`` the rest end with an error
+    (an error event, then the end of the stream) instead of a cut connection."""
+    service.draining = True  # requests on connections still open get 503
+    log.info("draining", num_open=service.num_open, drain_timeout_s=timeout_s)
+    await site.stop()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while service.num_open and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if service.num_open:
+        num = service.fail_all("the server is shutting down; retry the request", 503)
+        log.warning("drain deadline passed: open requests end with an error", num_requests=num)
+        await asyncio.sleep(0.5)  # their handlers write the error event and end the streams

@@ -178,12 +178,16 @@ class GatewayService:
             self.abort(req_id)
             mailbox.put(TextDelta(req_id=req_id, finish_reason="error", error=message, error_code=code))
 
+    def fail_all(self, message: str, code: int) -> int:
+        mailboxes = set(self.mailboxes.values())
+        for mailbox in mailboxes:
+            self.fail(mailbox, message, code)
+        return len(mailboxes)
+
     def on_lost(self, name: str, why: str) -> None:
         """The tokenizer or scheduler lost (or may have lost) every request in flight."""
-        mailboxes = set(self.mailboxes.values())
-        log.error("service lost: failing the requests in flight", service=name, why=why, num_requests=len(mailboxes))
-        for mailbox in mailboxes:
-            self.fail(mailbox, f"the {name} {why}; the request was lost, retry it", 503)
+        num = self.fail_all(f"the {name} {why}; the request was lost, retry it", 503)
+        log.error("service lost: the requests in flight failed", service=name, why=why, num_requests=num)
 
     def admin_stats(self, args: dict) -> dict:
         return {**self.stats, "num_unfinished": len(self.mailboxes), "num_queued": len(self.queued),

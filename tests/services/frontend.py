@@ -137,7 +137,7 @@ class FrontHalf:
 
 @asynccontextmanager
 async def front_half(script=None, api_key: str | None = None, served_model_name: str | None = None,
-                     max_model_len: int | None = None, step_s: float = 0.005):
+                     max_model_len: int | None = None, step_s: float = 0.005, **gateway_options):
     from services.gateway.app import build_app
     from services.gateway.service import GatewayService
     from services.tokenizer.service import TokenizerService
@@ -152,7 +152,7 @@ async def front_half(script=None, api_key: str | None = None, served_model_name:
     scheduler = ScriptedScheduler(ctx, endpoints, script or script_tokens(), step_s)
     gw_service = GatewayService(GatewayConfig(endpoints=endpoints, api_key=api_key,
                                               served_model_name=served_model_name, admin_timeout_s=0.1,
-                                              probed_services=("tokenizer",)), ctx)
+                                              probed_services=("tokenizer",), **gateway_options), ctx)
     app = build_app(gw_service)
     tasks = [asyncio.ensure_future(tok_service.run()), asyncio.ensure_future(scheduler.run())]
     try:

@@ -1,0 +1,151 @@
+"""Soak: sustained load on a real ``folio serve`` while a service is killed every N seconds.
+
+Requests arrive as a Poisson process at ``--rate`` per second, above what the server can do, so
+the queue limit (``--max-queue-len``) is exercised and refuses some with 429. Every
+``--kill-every`` seconds the next service of ``--kill`` (in turn) gets SIGKILL; ``folio serve``
+restarts it. Each request has a client deadline (``--request-timeout`` plus a margin).
+
+Reported:
+- completed (the whole answer), errored (a clear error: an HTTP error object, 429 and 503
+  included, or an error event in the stream), lost (neither: a dropped connection or a client
+  deadline passed; must be 0);
+- p50/p99 latency of the completed ones;
+- each service's resident memory at the start and the end (a restarted service is a new
+  process: its pid is shown), and the KV blocks in use once the load stops (must be 0);
+- how busy other processes kept the CPUs meanwhile.
+
+    python scripts/bench_soak.py --duration 600            # the README figure
+    python scripts/bench_soak.py --duration 60 --check     # CI's minute: exit 1 on a loss or leak
+
+The gateway is not killed by default: its crash drops its connections by design (README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp  # noqa: E402
+import psutil  # noqa: E402
+
+from scripts.bench_serving import CpuMeter, pct  # noqa: E402
+from tests.faults.harness import SERVICES, Served, start_serve, stream, workload_specs  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    p.add_argument("--rate", type=float, default=20.0, help="mean arrivals per second (Poisson)")
+    p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills")
+    p.add_argument("--kill", default="executor,kvmanager,scheduler,tokenizer", help="services killed in turn")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-queue-len", type=int, default=16)
+    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--model", default=None, help="a model folder (default: a tiny random model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true", help="exit 1 when a request was lost or a block leaked")
+    return p.parse_args(argv)
+
+
+def tiny_model() -> str:
+    from services.executor.prepare import prepare_default_model
+    from tests.services.backhalf import write_tiny_chat_model
+
+    return write_tiny_chat_model(tempfile.mkdtemp(prefix="folio-soak-"), str(prepare_default_model()))
+
+
+def memory(served: Served) -> dict[str, tuple[int, float]]:
+    """Service -> (pid, resident MiB)."""
+    out = {}
+    for name in SERVICES:
+        try:
+            proc = served.child(name)
+            out[name] = (proc.pid, proc.memory_info().rss / 2**20)
+        except (LookupError, psutil.Error):
+            out[name] = (0, float("nan"))
+    return out
+
+
+async def killer(served: Served, names: list[str], every_s: float, stop: asyncio.Event, log: list[str]) -> None:
+    i = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+            return
+        except TimeoutError:
+            pass
+        name = names[i % len(names)]
+        i += 1
+        try:
+            served.child(name).kill()
+            log.append(f"{time.strftime('%H:%M:%S')} killed the {name}")
+        except (LookupError, psutil.Error):
+            log.append(f"{time.strftime('%H:%M:%S')} no {name} to kill (restarting)")
+
+
+async def load(served: Served, args) -> tuple[Counter, list[float], Counter]:
+    rng = random.Random(args.seed)
+    specs = workload_specs(args.max_tokens)
+    deadline_s = args.request_timeout + 15
+    tasks: list[asyncio.Task] = []
+    stop = asyncio.Event()
+    kills: list[str] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        kill_task = asyncio.ensure_future(killer(served, args.kill.split(","), args.kill_every, stop, kills))
+        t_end = time.monotonic() + args.duration
+        while time.monotonic() < t_end:
+            route, body = specs[rng.randrange(len(specs))]
+            tasks.append(asyncio.ensure_future(stream(http, served.base, route, body, deadline_s)))
+            await asyncio.sleep(rng.expovariate(args.rate))
+        stop.set()
+        await kill_task
+        outcomes = await asyncio.gather(*tasks)
+    for line in kills:
+        print(line)
+    kinds = Counter("completed" if o.kind == "ok" else "errored" if o.kind == "error" else "lost" for o in outcomes)
+    statuses = Counter(o.status for o in outcomes if o.kind == "error")
+    return kinds, [o.elapsed_s for o in outcomes if o.kind == "ok"], statuses
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    served = start_serve(args.model or tiny_model(), "--num-kv-blocks", "1024", "--max-num-seqs", "64",
+                         "--max-queue-len", str(args.max_queue_len), "--request-timeout", str(args.request_timeout),
+                         "--max-restarts", "1000")
+    try:
+        meter = CpuMeter()
+        mem_start = memory(served)
+        kinds, latencies, statuses = asyncio.run(load(served, args))
+        served.wait_healthy()
+        leaked = served.wait_idle(60)["num_blocks_used"]
+        mem_end = memory(served)
+        print(f"soak: {args.duration:.0f} s at {args.rate:g} req/s, a kill every {args.kill_every:g} s "
+              f"({args.kill}); {meter.lap()}")
+        total = sum(kinds.values())
+        print(f"requests: {total}  completed {kinds['completed']}  errored {kinds['errored']} "
+              f"(by status: {dict(sorted(statuses.items()))})  lost {kinds['lost']}")
+        print(f"latency of the completed: p50 {pct(latencies, 0.5):.2f} s  p99 {pct(latencies, 0.99):.2f} s")
+        print(f"KV blocks in use after the load: {leaked}")
+        print("resident memory (MiB), start -> end:")
+        for name in SERVICES:
+            (pid0, mb0), (pid1, mb1) = mem_start[name], mem_end[name]
+            again = "" if pid0 == pid1 else f" (restarted: pid {pid0} -> {pid1})"
+            print(f"  {name:<10} {mb0:7.1f} -> {mb1:7.1f}{again}")
+    finally:
+        served.stop()
+    if args.check and (kinds["lost"] or leaked):
+        print("soak: FAILED (a request was lost or a block leaked)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Schemathesis, a property-based API fuzzer, against a real ``folio serve``'s
+``/v1/completions`` and ``/v1/chat/completions``, generating bodies from the OpenAI OpenAPI
+description beside the checkout (valid ones and, in its negative mode, invalid ones). No answer may
+be a server error (5xx) and none may hang (each call has a 30 s deadline). A tiny random model
+with a 48-token context keeps every valid request short; a few hundred examples run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.services.openai_schema import SPEC
+
+if SPEC is None:
+    pytest.skip("the OpenAI OpenAPI description is not beside this checkout", allow_module_level=True)
+
+import schemathesis  # noqa: E402
+import yaml  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+
+from tests.faults.harness import start_serve  # noqa: E402
+
+MAX_EXAMPLES = 150  # per operation
+CALL_TIMEOUT_S = 30
+
+
+def _operations() -> dict:
+    """The description cut to the two POST operations folio serves (loading all of it takes long)."""
+    spec = yaml.load(SPEC.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    paths = {p: {"post": spec["paths"][p]["post"]} for p in ("/completions", "/chat/completions")}
+    return {"openapi": spec["openapi"], "info": spec["info"], "paths": paths, "components": spec["components"]}
+
+
+schema = schemathesis.openapi.from_dict(_operations())
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory, smollm_dir):
+    from tests.services.backhalf import write_tiny_chat_model
+
+    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
+    srv = start_serve(model, "--num-kv-blocks", "512", "--max-model-len", "48", "--max-num-seqs", "256")
+    yield srv
+    assert srv.stop() == 0, srv.stderr()[-3000:]
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_no_server_error_and_no_hang(case, fuzz_server):
+    response = case.call(base_url=f"{fuzz_server.base}/v1", timeout=CALL_TIMEOUT_S)
+    case.validate_response(response, checks=[not_a_server_error])

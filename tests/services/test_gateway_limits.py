@@ -1,0 +1,83 @@
+"""The gateway's limits and deadlines, with the real tokenizer and a scripted scheduler: 413 past
+the body limit, 429 past the queue and open-request limits, the request timeout (an error, and
+the request aborted), and a lost tokenizer or scheduler failing the requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tests.services.frontend import front_half, wait_for
+from tests.services.openai_schema import validate
+
+pytestmark = pytest.mark.asyncio
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+async def test_a_body_past_the_limit_gets_413():
+    async with front_half(max_body_bytes=2000) as fh, TestClient(TestServer(fh.app)) as client:
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 5000})
+        assert r.status == 413
+        validate(await r.json(), "ErrorResponse")
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 2})
+        assert r.status == 200
+
+
+async def test_past_the_queue_limit_new_requests_get_429():
+    async with front_half(max_queue_len=1) as fh, TestClient(TestServer(fh.app)) as client:
+        fh.scheduler.paused = True  # the first request stays queued: no output yet
+        first = asyncio.ensure_future(client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:",
+                                                                            "max_tokens": 3}))
+        await wait_for(lambda: len(fh.scheduler.received) == 1)
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 3})
+        assert r.status == 429
+        body = await r.json()
+        validate(body, "ErrorResponse")
+        assert body["error"]["code"] == "too_many_requests" and "--max-queue-len 1" in body["error"]["message"]
+        fh.scheduler.paused = False
+        assert (await first).status == 200
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 3})
+        assert r.status == 200  # the queue emptied: admitted again
+
+
+async def test_past_the_open_request_limit_new_requests_get_429():
+    async with front_half(max_concurrent_requests=1, step_s=0.05) as fh, TestClient(TestServer(fh.app)) as client:
+        r1 = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 40,
+                                                         "stream": True})
+        assert r1.status == 200
+        await r1.content.readline()  # streaming: running, not queued
+        r2 = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 3})
+        assert r2.status == 429 and "--max-concurrent-requests 1" in (await r2.json())["error"]["message"]
+        await r1.read()
+
+
+async def test_the_request_timeout_ends_a_request_with_an_error_and_aborts_it():
+    async with front_half(request_timeout_s=0.5, step_s=0.1) as fh, TestClient(TestServer(fh.app)) as client:
+        fh.scheduler.paused = True
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 3})
+        assert r.status == 504
+        body = await r.json()
+        validate(body, "ErrorResponse")
+        assert "--request-timeout 0.5s" in body["error"]["message"]
+        await wait_for(lambda: len(fh.scheduler.aborts) == 1)  # its blocks would be freed
+        # mid-stream: an error event, then the end of the stream
+        fh.scheduler.paused = False
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 500,
+                                                        "stream": True, "ignore_eos": True})
+        text = (await r.read()).decode()
+        assert r.status == 200 and '"error"' in text and text.rstrip().endswith("data: [DONE]")
+
+
+async def test_a_restarted_tokenizer_fails_the_requests_in_flight():
+    async with front_half(step_s=0.05) as fh, TestClient(TestServer(fh.app)) as client:
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 200,
+                                                        "stream": True, "ignore_eos": True})
+        await r.content.readline()
+        health = fh.gateway.health
+        health.record("tokenizer", {"pong": True, "instance": "another"}, asyncio.get_running_loop().time())
+        text = (await r.read()).decode()
+        assert "the tokenizer restarted; the request was lost" in text and text.rstrip().endswith("data: [DONE]")
+        await wait_for(lambda: len(fh.scheduler.aborts) == 1)
