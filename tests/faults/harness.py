@@ -44,6 +44,7 @@ class Served:
     port: int
     run_dir: str
     log: object
+    model_name: str = ""
 
     @property
     def base(self) -> str:
