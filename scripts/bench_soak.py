@@ -10,8 +10,9 @@ Reported:
   included, or an error event in the stream), lost (neither: a dropped connection or a client
   deadline passed; must be 0);
 - p50/p99 latency of the completed ones;
-- each service's resident memory at the start and the end (a restarted service is a new
-  process: its pid is shown), and the KV blocks in use once the load stops (must be 0);
+- each service's resident memory at the start (after a warm-up) and the end: a restarted service
+  is a new process (its pid is shown), whose figure is that of its own life only; and the KV
+  blocks in use once the load stops (must be 0);
 - how busy other processes kept the CPUs meanwhile.
 
     python scripts/bench_soak.py --duration 600            # the README figure
@@ -91,6 +92,11 @@ async def killer(served: Served, names: list[str], every_s: float, stop: asyncio
             log.append(f"{time.strftime('%H:%M:%S')} no {name} to kill (restarting)")
 
 
+async def warm_up(served: Served, max_tokens: int) -> None:
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(stream(http, served.base, route, body, 120) for route, body in workload_specs(max_tokens)))
+
+
 async def load(served: Served, args) -> tuple[Counter, list[float], Counter]:
     rng = random.Random(args.seed)
     specs = workload_specs(args.max_tokens)
@@ -121,6 +127,7 @@ def main(argv=None) -> int:
                          "--max-queue-len", str(args.max_queue_len), "--request-timeout", str(args.request_timeout),
                          "--max-restarts", "1000")
     try:
+        asyncio.run(warm_up(served, args.max_tokens))  # memory at the start: after each kind of request ran once
         meter = CpuMeter()
         mem_start = memory(served)
         kinds, latencies, statuses = asyncio.run(load(served, args))
