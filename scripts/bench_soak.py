@@ -94,7 +94,8 @@ async def killer(served: Served, names: list[str], every_s: float, stop: asyncio
 
 async def warm_up(served: Served, max_tokens: int) -> None:
     async with aiohttp.ClientSession() as http:
-        await asyncio.gather(*(stream(http, served.base, route, body, 120) for route, body in workload_specs(max_tokens)))
+        specs = workload_specs(max_tokens)
+        await asyncio.gather(*(stream(http, served.base, route, body, 120) for route, body in specs))
 
 
 async def load(served: Served, args) -> tuple[Counter, list[float], Counter]:
