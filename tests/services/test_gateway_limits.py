@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.services.frontend import front_half, wait_for
+from tests.services.frontend import SCRIPT_TEXT, front_half, text_tokenizer, wait_for
 from tests.services.openai_schema import validate
 
 pytestmark = pytest.mark.asyncio
@@ -72,7 +72,8 @@ async def test_the_request_timeout_ends_a_request_with_an_error_and_aborts_it():
 
 
 async def test_a_restarted_tokenizer_fails_the_requests_in_flight():
-    async with front_half(step_s=0.05) as fh, TestClient(TestServer(fh.app)) as client:
+    script = text_tokenizer().hf.encode(SCRIPT_TEXT * 20)  # long enough to be in flight
+    async with front_half(script=lambda req: script, step_s=0.05) as fh, TestClient(TestServer(fh.app)) as client:
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 200,
                                                         "stream": True, "ignore_eos": True})
         await r.content.readline()
