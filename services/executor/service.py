@@ -58,6 +58,7 @@ class ExecutorService:
                 serve_admin(self.recv_from_admin, self.admin_commands, log),
             )
         finally:
+            self.step_thread.shutdown(wait=False)
             close_sockets(self.recv_from_scheduler, self.send_to_kvmanager, self.recv_from_admin)
 
     async def keep_pool_registered(self) -> None:
