@@ -64,4 +64,6 @@ async def drain(service: GatewayService, site: web.TCPSite, timeout_s: float) ->
     if service.num_open:
         num = service.fail_all("the server is shutting down; retry the request", 503)
         log.warning("drain deadline passed: open requests end with an error", num_requests=num)
-        await asyncio.sleep(0.5)  # their handlers write the error event and end the streams
+        deadline = loop.time() + 1.5  # their handlers write the error event and end the streams
+        while service.num_open and loop.time() < deadline:
+            await asyncio.sleep(0.05)
