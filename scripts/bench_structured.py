@@ -1,8 +1,9 @@
 """The cost of structured output per decode step: a batch whose every row follows a JSON schema
 against the same batch unconstrained, same run, same prompts, greedy.
 
-Decode time per step is ``(time(NEW tokens) - time(1 token)) / (NEW - 1)`` (prefill left out), in
-the runtime driven in-process (``services.executor.offline``). Also prints the grammar's own parts
+Decode time per step is the median over the decode steps (the prefill step left out) of the
+runtime driven in-process (``services.executor.offline``); the two runs alternate, twice each, so
+that drifting load from other processes hits both alike. Also prints the grammar's own parts
 per step at that batch size: filling the matchers' bitmasks and masking the logits.
 
     python scripts/bench_structured.py [--model PATH] [--batch 64] [--new-tokens 24]
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,14 +40,22 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "notes", "rating"]}
 
 
-def decode_step_seconds(runner, prompts, params: SamplingParams, new_tokens: int) -> float:
-    def once(n):
-        t0 = time.perf_counter()
-        generate(runner, prompts, msgspec.structs.replace(params, max_tokens=n))
-        return time.perf_counter() - t0
+def decode_step_times(runner, prompts, params: SamplingParams, new_tokens: int) -> list[float]:
+    times: list[float] = []
+    execute = runner.execute
 
-    once(2)  # warm-up
-    return (once(new_tokens) - once(1)) / (new_tokens - 1)
+    def timed(plan):
+        t0 = time.perf_counter()
+        result = execute(plan)
+        times.append(time.perf_counter() - t0)
+        return result
+
+    runner.execute = timed
+    try:
+        generate(runner, prompts, msgspec.structs.replace(params, max_tokens=new_tokens))
+    finally:
+        runner.execute = execute
+    return times[1:]  # the first step is the prefill
 
 
 def mask_parts(runner, grammar, batch: int, steps: int = 10) -> float:
@@ -79,12 +89,16 @@ def main() -> None:
     prompts += prompts[: args.batch - len(prompts)]
     meter = CpuMeter()
     plain = SamplingParams(temperature=0.0, ignore_eos=True)
-    free = decode_step_seconds(runner, prompts, plain, args.new_tokens)
-    constrained = decode_step_seconds(runner, prompts, msgspec.structs.replace(plain, grammar=grammar),
-                                      args.new_tokens)
+    guided = msgspec.structs.replace(plain, grammar=grammar)
+    decode_step_times(runner, prompts[:4], guided, 2)  # warm-up
+    free_steps, constrained_steps = [], []
+    for _ in range(2):
+        free_steps += decode_step_times(runner, prompts, plain, args.new_tokens)
+        constrained_steps += decode_step_times(runner, prompts, guided, args.new_tokens)
+    free, constrained = statistics.median(free_steps), statistics.median(constrained_steps)
     parts = mask_parts(runner, grammar, args.batch)
     print(f"batch {args.batch}, {args.new_tokens} new tokens, greedy; schema compiled once in {compile_s * 1e3:.0f} ms")
-    print(f"decode step  unconstrained {free * 1e3:8.1f} ms   constrained {constrained * 1e3:8.1f} ms   "
+    print(f"median decode step  unconstrained {free * 1e3:8.1f} ms   constrained {constrained * 1e3:8.1f} ms   "
           f"ratio {constrained / free:.3f}")
     print(f"grammar work per step (fill {args.batch} bitmasks + mask the logits): {parts * 1e3:.1f} ms")
     print(f"{meter.lap()}")
