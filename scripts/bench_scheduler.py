@@ -12,7 +12,9 @@ with its allocator replica, sending the step log and encoding the plan.
 
 Prints that gap (median, p90, mean) over the steps that ran exactly ``--num-requests`` decodes,
 the scheduler's own planning and update time per step (its stats), the plan's size on the wire,
-and the CPU share other processes took meanwhile.
+and the CPU share other processes took meanwhile. Then the same decode steps in one process,
+without sockets (plan, encode the plan and the log, decode a result, update, encode the tokens),
+as CPU time per step: a figure that other work on the machine disturbs much less than wall time.
 """
 
 from __future__ import annotations
@@ -156,6 +158,41 @@ async def run(args, ep: Endpoints) -> None:
     ctx.destroy(linger=0)
 
 
+def in_process(args) -> None:
+    from services.scheduler.policy import Scheduler
+
+    sched = Scheduler(args.num_requests, 8192)
+    sched.set_pool(PoolInfo(num_blocks=args.num_requests * 64, block_size=args.block_size, bytes_per_block=1,
+                            epoch=EPOCH, max_model_len=8192))
+    rng = random.Random(0)
+    for i in range(args.num_requests):
+        sched.add_request(EngineRequest(
+            req_id=f"r{i}", prompt_token_ids=[rng.randrange(1, 30000) for _ in range(args.prompt_len)], eos_token_id=0,
+            sampling=SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)))
+    decoder = Decoder(StepResult)
+
+    def step() -> None:
+        out = sched.schedule()
+        if out.ops:
+            encode(sched.kv_request(out, 1))
+        plan = sched.build_plan(out)
+        encode(plan)
+        ids = list(plan.num_scheduled_tokens)
+        result = decoder.decode(encode(StepResult(step_id=plan.step_id, req_ids=ids, sampled_token_ids=[[7]] * len(ids),
+                                                  epoch=EPOCH)))
+        encode(TokenBatch(step_id=out.step_id, deltas=sched.update_from_result(out, result)))
+
+    for _ in range(5):  # the prefills, then decodes only
+        step()
+    num_steps = 200
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(num_steps):
+        step()
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    print(f"in one process, {args.num_requests} decodes per step: {1e3 * cpu / num_steps:.3f} ms of CPU time per "
+          f"step ({1e3 * wall / num_steps:.3f} ms wall)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=256)
@@ -174,6 +211,9 @@ def main() -> None:
              for name, flags in (("kvmanager", []), ("scheduler", scheduler_flags))]
     try:
         asyncio.run(run(args, Endpoints.ipc(run_dir)))
+        meter = CpuMeter()
+        in_process(args)
+        print(f"CPU: {meter.lap()}")
     finally:
         for proc in procs:
             proc.terminate()

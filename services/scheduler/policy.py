@@ -632,7 +632,8 @@ class Scheduler:
             deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=logprobs,
                                      prompt_logprobs=prompt_lp, finish_reason=reason,
                                      num_prompt_tokens=req.num_prompt_tokens,
-                                     num_cached_tokens=req.num_cached_tokens, queue_time_s=self._queue_time(req)))
+                                     num_cached_tokens=req.num_cached_tokens,
+                                     queue_time_s=None if req.queue_time_sent else self._queue_time(req)))
             if reason is not None:
                 self._release(req)
                 released = True

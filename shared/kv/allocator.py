@@ -106,7 +106,13 @@ class BlockAllocator:
         seq = self.seqs.get(req_id)
         if seq is None or seq.host_block_ids is not None:
             return True
-        return cdiv(num_tokens, self.block_size) > len(seq.block_ids) or bool(self._needs_cow(seq, num_computed, num_tokens))
+        bs, num_blocks = self.block_size, len(seq.block_ids)
+        if num_tokens > num_blocks * bs:
+            return True
+        # (the inline form of ``_needs_cow``: this runs for every scheduled sequence, every step)
+        index = num_computed // bs
+        return (num_computed % bs != 0 and num_tokens > num_computed and index < num_blocks
+                and self.device.ref_counts[seq.block_ids[index]] > 1)
 
     def num_cached_blocks(self, token_ids: list[int], cache_salt: str | None, max_blocks: int) -> int:
         """How many blocks a sequence new here would find cached (nothing changes)."""
