@@ -1,0 +1,106 @@
+"""Presence, frequency and repetition penalties as per-row state, kept incrementally.
+
+The runner's persistent batch gives each request a row; ``PenaltyState`` keeps, per row:
+- ``bias`` [rows, vocab]: ``-(frequency * count + presence)`` on every token the request has
+  generated, 0 elsewhere (the additive part of the penalties, applied with one add);
+- ``counts`` [rows, vocab] int32, behind the bias;
+- ``seen`` [rows, vocab] bool: prompt and output tokens, for the repetition penalty.
+A request that joins writes its row once from its history; each step adds the sampled tokens with
+a few index operations over the sampled rows, so nothing is rebuilt from whole outputs. The tensors
+live on the executor's device and are allocated on first use (a batch that never asks for a
+penalty pays nothing). ``tensors_from_rows`` builds the same [n, vocab] tensors from token lists,
+for callers without persistent rows (verification, drafts, tests). The sampler applies both kinds
+in ``sampler.process_logits``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def has_penalties(params) -> bool:
+    """Whether the token history changes this request's distribution (only penalties read it)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+
+
+def _row_tensors(vocab: int, params, prompt_ids, output_ids, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts, bias, seen) of one request, each [vocab], from its token lists."""
+    counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+    if len(output_ids):
+        ids = torch.as_tensor(output_ids, dtype=torch.long, device=device)
+        counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+    generated = counts > 0
+    bias = -(params.frequency_penalty * counts.float() + params.presence_penalty * generated.float())
+    seen = generated.clone()
+    if params.repetition_penalty != 1.0 and len(prompt_ids):
+        seen[torch.as_tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    return counts, bias, seen
+
+
+def tensors_from_rows(rows, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(bias [n, vocab], seen [n, vocab] or None when no row has a repetition penalty)."""
+    parts = [_row_tensors(vocab, r.params, r.prompt_token_ids, r.output_token_ids, device) for r in rows]
+    bias = torch.stack([b for _, b, _ in parts])
+    want_seen = any(r.params.repetition_penalty != 1.0 for r in rows)
+    return bias, (torch.stack([s for _, _, s in parts]) if want_seen else None)
+
+
+class PenaltyState:
+    """Penalty tensors for ``num_rows`` persistent rows (see the module docstring)."""
+
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device):
+        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
+        self.bias: torch.Tensor | None = None  # [num_rows, vocab] fp32
+        self.counts: torch.Tensor | None = None  # [num_rows, vocab] int32
+        self.seen: torch.Tensor | None = None  # [num_rows, vocab] bool
+
+    @property
+    def allocated(self) -> bool:
+        return self.bias is not None
+
+    def _allocate(self) -> None:
+        shape = (self.num_rows, self.vocab_size)
+        self.bias = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
+    def grow(self, num_rows: int) -> None:
+        if num_rows <= self.num_rows:
+            return
+        extra = num_rows - self.num_rows
+        self.num_rows = num_rows
+        if self.allocated:
+            pad = lambda t: torch.cat([t, torch.zeros((extra, self.vocab_size), dtype=t.dtype, device=t.device)])
+            self.bias, self.counts, self.seen = pad(self.bias), pad(self.counts), pad(self.seen)
+
+    def set_row(self, row: int, params, prompt_ids, output_ids) -> None:
+        """A request joins row ``row`` (new, resumed or forked): its penalties from its history."""
+        if not has_penalties(params):
+            if self.allocated:  # the row may hold a previous request's state; it must read as none
+                self.bias[row].zero_()
+                self.counts[row].zero_()
+                self.seen[row].zero_()
+            return
+        if not self.allocated:
+            self._allocate()
+        counts, bias, seen = _row_tensors(self.vocab_size, params, prompt_ids, output_ids, self.device)
+        self.counts[row], self.bias[row], self.seen[row] = counts, bias, seen
+
+    def record(self, rows: torch.Tensor, token_ids: torch.Tensor, frequency: torch.Tensor,
+               presence: torch.Tensor) -> None:
+        """Tokens just generated: ``rows``, ``token_ids``, ``frequency``, ``presence`` are [n]
+        (a row may repeat, as a verification appends several tokens). Rows without penalties get
+        a zero bias and a ``seen`` mark that their repetition penalty of 1 ignores."""
+        if not self.allocated or rows.numel() == 0:
+            return
+        index = (rows, token_ids)
+        self.counts.index_put_(index, torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
+        count = self.counts[index].float()
+        self.bias[index] = -(frequency * count + presence)
+        self.seen[index] = True
+
+    def gather(self, rows: torch.Tensor, want_seen: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bias, seen) of the step's sampling rows, [n, vocab] each."""
+        if not self.allocated:
+            self._allocate()
+        return self.bias.index_select(0, rows), (self.seen.index_select(0, rows) if want_seen else None)

@@ -1,0 +1,193 @@
+"""The sampler as it was before the batched one: one row's Python at a time, histories rebuilt
+from whole token lists every step. Kept for the tests only, as the reference the batched sampler
+(services/executor/sampler.py) must reproduce: the same greedy tokens, the same seeded draws.
+
+Order (vLLM's): penalties on the raw logits -> greedy rows take the argmax -> temperature ->
+min-p, top-k, top-p masks -> a draw. The draw is the exponential race (``argmax(p / E)`` with
+``E ~ Exp(1)``), which samples exactly from ``p``; each seeded request draws its noise from its
+own ``torch.Generator``, seeded afresh for every draw from (seed, output position): the same seed
+gives the same tokens whatever else is in the batch, and a request that starts over (preempted,
+swapped, its executor restarted) or is forked draws exactly what it would have drawn.
+Logprobs are reported from the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.messages import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for the draw of output token ``position`` (splitmix64 of the pair)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def token_logprobs(
+    logprobs: torch.Tensor,  # [n, vocab_size] log-softmax of the raw logits
+    token_ids: torch.Tensor,  # [n] the tokens chosen at those positions
+    num_top: list[int],  # per row, how many alternatives to report
+) -> list[TokenLogprobs]:
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [n]
+    ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
+    k = max(num_top, default=0)
+    top_vals, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
+    out = []
+    for i, n in enumerate(num_top):
+        out.append(
+            TokenLogprobs(
+                token_id=int(token_ids[i]),
+                logprob=float(chosen[i]),
+                rank=int(ranks[i]),
+                top_token_ids=top_ids[i, :n].tolist() if n else [],
+                top_logprobs=top_vals[i, :n].tolist() if n else [],
+            )
+        )
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Presence/frequency penalties count generated tokens; repetition covers prompt + output."""
+    batch, vocab = logits.shape
+    device = logits.device
+    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
+    repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
+    counts = torch.zeros((batch, vocab), dtype=logits.dtype, device=device)
+    seen = torch.zeros((batch, vocab), dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        if r.output_token_ids:
+            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+            counts[i].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+        if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
+            seen[i, torch.tensor(r.prompt_token_ids, dtype=torch.long, device=device)] = True
+    seen |= counts > 0
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) every token outside each row's min-p, top-k and top-p sets."""
+    device = logits.device
+    vocab = logits.shape[1]
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    need_k = any(r.params.top_k is not None and r.params.top_k < vocab for r in rows)
+    need_p = any(r.params.top_p < 1.0 for r in rows)
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_k:
+        k = torch.tensor([min(r.params.top_k or vocab, vocab) for r in rows], device=device)
+        remove |= torch.arange(vocab, device=device)[None, :] >= k[:, None]
+    if need_p:
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # drop a token once the mass of the tokens before it already reaches top_p
+        before = probs.cumsum(dim=-1) - probs
+        remove |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # rows without top-p keep every token
+    remove[:, 0] = False  # the best token always survives
+    return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether the token history changes this request's distribution (only penalties read it)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+
+
+def penalised_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``apply_penalties`` where some row asks for a penalty (it builds per-row history tensors,
+    which a batch without penalties should not pay for)."""
+    if any(has_penalties(r.params) for r in rows):
+        return apply_penalties(logits, rows)
+    return logits
+
+
+def _sampled_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then the min-p/top-k/top-p masks, then softmax, on penalised logits. Greedy
+    rows are scaled at temperature 1 only so that the batch stays one tensor; callers ignore them."""
+    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=logits.device)
+    return apply_top_k_top_p_min_p(logits / temps[:, None], rows).softmax(dim=-1)
+
+
+def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[n, vocab] fp32 logits -> [n, vocab] the distribution ``sample`` draws each row from.
+
+    Penalties (with the row's own output history), temperature, min-p/top-k/top-p, softmax; a
+    greedy row becomes a one-hot at the argmax of its penalised logits, which is the token
+    ``sample`` picks for it. Speculative verification needs these rows as explicit distributions
+    (p in min(1, p/q)); keeping them here, built from the same pieces as ``sample``, is what makes
+    it the same p.
+    """
+    logits = penalised_logits(logits, rows)
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(logits.dtype)
+    if bool(greedy.all()):
+        return one_hot
+    return torch.where(greedy[:, None], one_hot, _sampled_probs(logits, rows))
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """``logits``: [num_rows, vocab_size] fp32, one row per request that samples this step."""
+    raw_logprobs = None
+    want_logprobs = [r.params.logprobs for r in rows]
+    if any(n is not None for n in want_logprobs):
+        raw_logprobs = logits.log_softmax(dim=-1)
+    logits = penalised_logits(logits, rows)
+    greedy = [r.params.greedy for r in rows]
+    token_ids = logits.argmax(dim=-1)
+    if not all(greedy):
+        probs = _sampled_probs(logits, rows)
+        noise = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(rows):
+            if r.generator is not None and not greedy[i]:
+                r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
+                noise[i].exponential_(generator=r.generator)
+        drawn = (probs / noise).argmax(dim=-1)
+        token_ids = torch.where(torch.tensor(greedy, device=logits.device), token_ids, drawn)
+    logprob_rows: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        idx = [i for i, n in enumerate(want_logprobs) if n is not None]
+        sel = torch.tensor(idx, device=logits.device)
+        reported = token_logprobs(raw_logprobs[sel], token_ids[sel], [want_logprobs[i] for i in idx])
+        for i, lp in zip(idx, reported):
+            logprob_rows[i] = lp
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprob_rows)

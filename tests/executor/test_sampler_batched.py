@@ -1,0 +1,143 @@
+"""The batched sampler against the per-row sampler it replaced (tests/executor/reference_sampler.py):
+the same greedy tokens, the same seeded draws, the same processed distributions, and unseeded draws
+that follow them (chi-square), through the window, the full-row and the sorted-row paths."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from services.executor import sampler
+from services.executor.penalties import PenaltyState
+from services.executor.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs, sample
+from shared.messages import SamplingParams
+from tests.executor import reference_sampler as ref
+
+CPU = torch.device("cpu")
+VOCAB = 600
+
+
+def random_params(rng: random.Random, seeded: bool) -> SamplingParams:
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.5, 0.8, 1.0, 1.7]),
+        top_p=rng.choice([1.0, 1.0, 0.95, 0.6, 0.3]),
+        top_k=rng.choice([None, None, 1, 5, 40, 400]),
+        min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.7]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.3]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+        seed=rng.randrange(2**40) if seeded else None,
+    )
+
+
+def random_case(seed: int, n: int, seeded: bool):
+    rng = random.Random(seed)
+    params = [random_params(rng, seeded) for _ in range(n)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 8))] for _ in range(n)]
+    outputs = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 12))] for _ in range(n)]
+    # peaked rows (a nucleus inside the window) and flat ones (past it)
+    scale = torch.tensor([rng.choice([0.5, 3.0, 8.0]) for _ in range(n)])[:, None]
+    logits = torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
+    return logits, params, prompts, outputs
+
+
+def rows_for(module, params, prompts, outputs):
+    return [module.SamplingRow(p, make_generator(p.seed, CPU), pr, out) for p, pr, out in zip(params, prompts, outputs)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_and_seeded_draws_equal_the_per_row_sampler(seed):
+    logits, params, prompts, outputs = random_case(seed, 48, seeded=True)
+    ours = sample(logits, rows_for(sampler, params, prompts, outputs))
+    theirs = ref.sample(logits, rows_for(ref, params, prompts, outputs))
+    assert ours.token_ids == theirs.token_ids
+    assert any(not p.greedy for p in params) and any(p.greedy for p in params)
+
+
+def test_seeded_draws_equal_through_the_sorted_fallback(monkeypatch):
+    monkeypatch.setattr(sampler, "WINDOW", 4)  # nearly every top-p row goes past the window
+    for seed in range(3):
+        logits, params, prompts, outputs = random_case(100 + seed, 32, seeded=True)
+        ours = sample(logits, rows_for(sampler, params, prompts, outputs)).token_ids
+        assert ours == ref.sample(logits, rows_for(ref, params, prompts, outputs)).token_ids
+
+
+@pytest.mark.parametrize("window", [4, 256])
+def test_processed_probs_equal_the_per_row_sampler(monkeypatch, window):
+    monkeypatch.setattr(sampler, "WINDOW", window)
+    logits, params, prompts, outputs = random_case(7, 64, seeded=False)
+    ours = processed_probs(logits, rows_for(sampler, params, prompts, outputs))
+    theirs = ref.processed_probs(logits, rows_for(ref, params, prompts, outputs))
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+
+
+@pytest.mark.parametrize("window", [3, 256])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8),  # the whole row
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, min_p=0.1, top_p=0.97),
+])
+def test_unseeded_draws_follow_the_processed_distribution(monkeypatch, window, params):
+    monkeypatch.setattr(sampler, "WINDOW", window)
+    base = torch.full((1, VOCAB), -30.0)
+    base[0, :8] = torch.tensor([2.0, 1.6, 1.3, 1.0, 0.7, 0.5, 0.2, 0.0])
+    n = 6000
+    rows = [SamplingRow(params, None, [], [])] * n
+    p = processed_probs(base, rows[:1])[0]
+    torch.testing.assert_close(p, ref.processed_probs(base, [ref.SamplingRow(params, None, [], [])])[0])
+    got = torch.bincount(torch.tensor(sample(base.repeat(n, 1), rows).token_ids), minlength=VOCAB).double()
+    support = p > 1e-4
+    assert got[~support].sum() == 0
+    expected = p[support].double() * n
+    chi2 = float(((got[support] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_P001[int(support.sum()) - 1]
+
+
+def test_a_mixed_batch_keeps_each_rows_rule():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)) * 4
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=0.0, presence_penalty=50.0), SamplingParams(temperature=1.0, top_p=1e-6),
+              SamplingParams(temperature=0.7, min_p=0.999), SamplingParams(temperature=0.0)]
+    outputs = [[], [], [int(logits[2].argmax())], [], [], []]
+    out = sample(logits, [SamplingRow(p, None, [], o) for p, o in zip(params, outputs)]).token_ids
+    best = logits.argmax(-1).tolist()
+    assert out[:2] == best[:2] and out[3:] == best[3:]  # greedy, top-k 1, a tiny top-p, min-p near 1
+    assert out[2] == int(logits[2].topk(2).indices[1])  # the penalised best gives way
+
+
+def test_incremental_penalties_equal_the_ones_rebuilt_from_the_history():
+    rng = random.Random(5)
+    params = [random_params(rng, seeded=False) for _ in range(8)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(5)] for _ in range(8)]
+    outputs = [[rng.randrange(VOCAB) for _ in range(3)] for _ in range(8)]
+    state = PenaltyState(num_rows=10, vocab_size=VOCAB, device=CPU)
+    rows = torch.tensor([9, 0, 3, 2, 1, 4, 5, 8])  # persistent rows in any order
+    for row, p, pr, out in zip(rows.tolist(), params, prompts, outputs):
+        state.set_row(row, p, pr, out)
+    table = torch.tensor([sampler.param_row(p, VOCAB) for p in params])
+    for _ in range(20):  # tokens generated one step at a time, repeats included
+        new = torch.tensor([rng.randrange(40) for _ in range(8)])
+        state.record(rows, new, table[:, sampler.FREQUENCY], table[:, sampler.PRESENCE])
+        for out, t in zip(outputs, new.tolist()):
+            out.append(t)
+    bias, seen = state.gather(rows, want_seen=True)
+    rebuilt = SamplingBatch.from_rows([SamplingRow(p, None, pr, o) for p, pr, o in zip(params, prompts, outputs)],
+                                      VOCAB, CPU)
+    torch.testing.assert_close(bias, rebuilt.bias)
+    rep = torch.tensor([p.repetition_penalty != 1.0 for p in params])
+    assert rep.any() and torch.equal(seen[rep], rebuilt.seen[rep])  # other rows' marks go unread
+    logits = torch.randn(8, VOCAB)
+    greedy = SamplingBatch(table, np.ones(8, dtype=bool), table.numpy(), [], bias, seen)
+    assert torch.equal(sampler.sample_batch(logits, greedy),
+                       torch.tensor(ref.sample(logits, [ref.SamplingRow(
+                           SamplingParams(temperature=0.0, presence_penalty=p.presence_penalty,
+                                          frequency_penalty=p.frequency_penalty,
+                                          repetition_penalty=p.repetition_penalty), None, pr, o)
+                           for p, pr, o in zip(params, prompts, outputs)]).token_ids))
