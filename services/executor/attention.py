@@ -37,6 +37,8 @@ class AttentionMetadata:
     query_lens_list: list[int] = field(default_factory=list)
     seq_lens_list: list[int] = field(default_factory=list)
     positions: torch.Tensor | None = None  # [num_tokens] int64, each new token's position
+    # whether some slots are padding (negative): None = unknown, look at the device
+    padded: bool | None = None
     # backend-private plan (built lazily by the backend, once per step)
     plan: object | None = None
 
@@ -55,6 +57,7 @@ class AttentionMetadata:
     ) -> "AttentionMetadata":
         """Tensors built on the host, then moved once. ``slot_mapping=None`` derives each new
         token's slot from its sequence's block table (the usual case)."""
+        padded = None if slot_mapping is not None else False
         num_seqs = len(query_lens)
         max_blocks = max((len(t) for t in block_tables), default=1) or 1
         table = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
@@ -81,6 +84,7 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_list=list(query_lens),
             seq_lens_list=list(seq_lens),
+            padded=padded,
         )
 
 
@@ -159,10 +163,7 @@ class TorchAttentionBackend:
                     mask=(k_pos[None, :] <= q_pos[:, None])[None, None],
                 )
             )
-        write_idx = None
-        if bool((meta.slot_mapping < 0).any()):
-            write_idx = torch.nonzero(meta.slot_mapping >= 0).flatten()
-        meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=write_idx)
+        meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=_write_idx(meta))
         return meta.plan
 
     def write_kv(
@@ -173,12 +174,13 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        plan = self.plan(meta)
+        # only the padding rows matter here: the attention plan waits for ``attend``
+        write_idx = meta.plan.write_idx if isinstance(meta.plan, _TorchPlan) else _write_idx(meta)
         slots = meta.slot_mapping
-        if plan.write_idx is not None:
-            slots = slots[plan.write_idx]
-            key = key[plan.write_idx]
-            value = value[plan.write_idx]
+        if write_idx is not None:
+            slots = slots[write_idx]
+            key = key[write_idx]
+            value = value[write_idx]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
@@ -244,6 +246,13 @@ class TorchAttentionBackend:
     def swap_in(self, host_caches, kv_caches, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs: host pool -> device pool, every layer."""
         _copy_between(host_caches, kv_caches, pairs)
+
+
+def _write_idx(meta: AttentionMetadata) -> torch.Tensor | None:
+    """Rows whose slot is real, when some are padding; None when all are real."""
+    if meta.padded is False or not bool((meta.slot_mapping < 0).any()):
+        return None
+    return torch.nonzero(meta.slot_mapping >= 0).flatten()
 
 
 def _copy_between(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:

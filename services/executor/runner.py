@@ -8,39 +8,51 @@ generator), flattens the step into one varlen batch, runs the model and samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 
 from services.executor.attention import AttentionMetadata, TorchAttentionBackend
+from services.executor.input_batch import NO_LOGPROBS, InputBatch, StepInputs
 from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from services.executor.loader import load_model, resolve_dtype
 from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
 from services.executor.rejection import verify
-from services.executor.sampler import SamplingRow, make_generator, sample, token_logprobs
+from services.executor.sampler import FREQUENCY, PRESENCE, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from services.executor.spec_decode import Proposal, make_proposer
 from services.executor.structured import GrammarStore, advance
 from shared.config import RuntimeConfig
 from shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 
-@dataclass
 class RequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    append_sampled: bool = True  # False for beams: the scheduler sends their tokens
-    proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
-    matcher: object | None = None  # structured output: its grammar's state after its tokens
+    """What the runner keeps of a request besides its row of the persistent batch."""
+
+    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: SamplingParams, append_sampled: bool):
+        self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
+        self.append_sampled = append_sampled  # False for beams: the scheduler sends their tokens
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
+        self.proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
+        self.matcher: object | None = None  # structured output: its grammar's state after its tokens
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.batch.generators[self.row]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.batch.num_prompt[self.row])
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self.batch.num_computed[self.row])
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.batch.tokens(self.row).tolist()
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.batch.tokens(self.row)[self.num_prompt_tokens :].tolist()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,8 +97,11 @@ class ModelRunner:
         )
         self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.requests: dict[str, RequestState] = {}
+        self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
+        self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
         self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend, self.pool.num_blocks)
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
+        self._constrained: set[str] = set()  # requests with a grammar
 
     # ------------------------------------------------------------------ pool sizing
     def _decide_num_blocks(self) -> int:
@@ -126,35 +141,31 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ request state
     def _add_request(self, new: NewRequestData) -> None:
-        self.requests[new.req_id] = RequestState(
-            req_id=new.req_id,
-            token_ids=list(new.token_ids),
-            num_prompt_tokens=new.num_prompt_tokens,
-            sampling=new.sampling,
-            block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
-            generator=make_generator(new.sampling.seed, self.device),
-            append_sampled=new.append_sampled,
-        )
+        if new.req_id in self.requests:
+            self._drop(new.req_id)
+        row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
+                             new.block_ids, new.sampling, new.append_sampled)
+        self.requests[new.req_id] = RequestState(new.req_id, row, self.batch, new.sampling, new.append_sampled)
+        if new.sampling.prompt_logprobs is not None:
+            self._want_prompt_lp.add(new.req_id)
         if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
             self.grammars.prepare(new.sampling.grammar)
+            self._constrained.add(new.req_id)
+
+    def _drop(self, req_id: str) -> None:
+        if self.requests.pop(req_id, None) is not None:
+            self.batch.remove(req_id)
+        self._want_prompt_lp.discard(req_id)
+        self._constrained.discard(req_id)
+        if self.proposer is not None:
+            self.proposer.drop(req_id)
 
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-            if self.proposer is not None:
-                self.proposer.drop(req_id)
+            self._drop(req_id)
         for new in plan.new_reqs:
             self._add_request(new)
-        for running in plan.running_reqs:
-            state = self.requests.get(running.req_id)
-            if state is None:
-                raise KeyError(f"step {plan.step_id} names unknown request {running.req_id!r}")
-            if running.block_ids is not None:
-                state.block_ids = list(running.block_ids)  # copy-on-write changed blocks inside it
-            state.block_ids.extend(running.new_block_ids)
-            state.token_ids.extend(running.new_token_ids)
-            state.num_computed_tokens = running.num_computed_tokens
+        self.batch.apply_running(plan.running_reqs, plan.step_id)
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """The kvmanager's copies, before the step reads the pool: swap-outs first (the blocks
@@ -174,114 +185,136 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         self._update_states(plan)
         self._copy_blocks(plan)
-        states = [self.requests[req_id] for req_id in plan.num_scheduled_tokens]
-        if not states:
+        if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id)
-        counts = [plan.num_scheduled_tokens[s.req_id] for s in states]
-        bs = self.pool.block_size
-
-        input_ids: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []  # flattened index of each sampling sequence's last token (and drafts)
-        samplers: list[RequestState] = []
-        drafts: list[list[int]] = []  # per sampler: the drafts it verifies (empty: plain sampling)
-        prompt_lp: list[tuple[RequestState, int, int]] = []  # (state, first row, num rows)
-        for state, n in zip(states, counts):
-            spec = plan.spec_token_ids.get(state.req_id, [])
-            start = state.num_computed_tokens
-            end = start + n - len(spec)  # the real tokens it computes; its drafts follow them
-            if end > len(state.token_ids) or (spec and end != len(state.token_ids)):
-                raise ValueError(f"{state.req_id}: {n} tokens scheduled but only {len(state.token_ids) - start} to compute")
-            if (start + n + bs - 1) // bs > len(state.block_ids):
-                raise ValueError(f"{state.req_id}: {start + n} tokens need more than its {len(state.block_ids)} blocks")
-            row0 = len(input_ids)
-            input_ids.extend(state.token_ids[start:end])
-            input_ids.extend(spec)
-            seq_lens.append(start + n)
-            if state.sampling.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
-                num = min(end, state.num_prompt_tokens - 1) - start
-                prompt_lp.append((state, row0, num))
-            if end == len(state.token_ids):
-                sample_rows.extend(range(len(input_ids) - len(spec) - 1, len(input_ids)))
-                samplers.append(state)
-                drafts.append(spec)
-
-        meta = AttentionMetadata.build(counts, seq_lens, [s.block_ids for s in states], None, bs, self.device)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            meta.positions,
-            self.pool.kv_caches,
-            meta,
-            self.backend,
-        )
-        for state, n in zip(states, counts):
-            state.num_computed_tokens += n
-        result_prompt_lp = self._prompt_logprobs(hidden, prompt_lp)
-
-        if not samplers:
+        step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids)
+        hidden = self.model(step.input_ids, step.meta.positions, self.pool.kv_caches, step.meta, self.backend)
+        req_ids = list(plan.num_scheduled_tokens)
+        result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
+        self.batch.num_computed[step.rows] += step.counts
+        if not step.samples.any():
             return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        for state in samplers:  # a fresh matcher replays what the request has generated
-            if state.sampling.grammar is not None and state.matcher is None:
-                state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
-        tokens, logprobs = self._sample(logits, samplers, drafts)
-        self._advance_grammars(samplers, tokens)
-        for state, new in zip(samplers, tokens):
-            if state.append_sampled:
-                if state.proposal is not None:  # the draft's cache keeps the accepted drafts only
-                    self.proposer.rollback(state.req_id, len(state.token_ids) + len(new) - 1)
-                state.token_ids.extend(new)
+        logits = self.model.compute_logits(hidden.index_select(0, step.logits_idx))
+        samplers = [req_ids[i] for i in np.flatnonzero(step.samples)] if not step.samples.all() else req_ids
+        constrained = self._matchers(samplers)
+        tokens, logprobs = self._sample(logits, step, samplers, plan, constrained)
+        if constrained:
+            self._advance_grammars(samplers, tokens)
         return StepResult(
             step_id=plan.step_id,
-            req_ids=[s.req_id for s in samplers],
+            req_ids=samplers,
             sampled_token_ids=tokens,
             logprobs=logprobs,
             prompt_logprobs=result_prompt_lp,
-            spec_token_ids=self._propose(samplers),
+            spec_token_ids=self._propose([self.requests[r] for r in samplers]) if self.proposer else [],
         )
 
-    def _sample(self, logits: torch.Tensor, samplers: list[RequestState], drafts: list[list[int]]):
-        """Plain sampling for the rows without drafts; verification (rejection sampling) for the
-        others. ``logits`` holds one row per plain sampler and ``len(drafts) + 1`` per verifier."""
-        tokens: list[list[int]] = [[] for _ in samplers]
-        logprobs: list[list[TokenLogprobs] | None] = [None] * len(samplers)
-        offsets, row = [], 0
-        for spec in drafts:
-            offsets.append(row)
-            row += len(spec) + 1
-        plain = [i for i, spec in enumerate(drafts) if not spec]
-        if plain:
-            rows = [SamplingRow(samplers[i].sampling, samplers[i].generator,
-                                samplers[i].token_ids[: samplers[i].num_prompt_tokens], samplers[i].output_token_ids,
-                                samplers[i].matcher)
-                    for i in plain]
-            out = sample(logits[torch.tensor([offsets[i] for i in plain], device=logits.device)], rows)
-            for i, token_id, lp in zip(plain, out.token_ids, out.logprobs):
-                tokens[i] = [token_id]
-                logprobs[i] = [lp] if lp is not None else None
-        spec_idx = [i for i, spec in enumerate(drafts) if spec]
-        if spec_idx:
-            target = torch.cat([logits[offsets[i]:offsets[i] + len(drafts[i]) + 1] for i in spec_idx])
-            q = []
-            for i in spec_idx:
-                proposal = samplers[i].proposal
-                if proposal is None or proposal.token_ids[:len(drafts[i])] != drafts[i]:
-                    raise ValueError(f"{samplers[i].req_id}: the drafts to verify are not the ones proposed")
-                q.append(proposal.probs[:len(drafts[i])] if proposal.probs is not None else None)
-            rows = [SamplingRow(samplers[i].sampling, samplers[i].generator,
-                                samplers[i].token_ids[: samplers[i].num_prompt_tokens], samplers[i].output_token_ids)
-                    for i in spec_idx]
-            for i, accepted in zip(spec_idx, verify(target, [drafts[i] for i in spec_idx], q, rows)):
-                tokens[i] = accepted
-        return tokens, logprobs
+    def _matchers(self, samplers: list[str]) -> bool:
+        """Whether some sampler has a grammar; a fresh matcher replays what its request generated."""
+        if not self._constrained:
+            return False
+        found = False
+        for req_id in self._constrained.intersection(samplers):
+            state = self.requests[req_id]
+            if state.matcher is None:
+                state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
+            found = True
+        return found
 
-    def _advance_grammars(self, samplers: list[RequestState], tokens: list[list[int]]) -> None:
-        constrained = [i for i, s in enumerate(samplers) if s.matcher is not None]
+    def _advance_grammars(self, samplers: list[str], tokens: list[list[int]]) -> None:
+        constrained = [i for i, r in enumerate(samplers) if self.requests[r].matcher is not None]
         if constrained:
             self.grammars.stats["num_constrained_steps"] += 1
             self.grammars.stats["num_constrained_rows"] += len(constrained)
-            advance([samplers[i].matcher for i in constrained], [tokens[i] for i in constrained],
-                    [samplers[i].req_id for i in constrained])
+            advance([self.requests[samplers[i]].matcher for i in constrained], [tokens[i] for i in constrained],
+                    [samplers[i] for i in constrained])
+
+    def _sample(self, logits: torch.Tensor, step: StepInputs, samplers: list[str], plan: StepPlan,
+                constrained: bool):
+        """The batched sampler for the rows without drafts; verification (rejection sampling) for
+        the others. ``logits`` holds one row per plain sampler and ``drafts + 1`` per verifier."""
+        spec = step.num_spec[step.samples]  # per sampler
+        plain = spec == 0
+        num_logits = spec + 1
+        offsets = np.cumsum(num_logits) - num_logits
+        plain_logits = logits if plain.all() else logits.index_select(
+            0, torch.as_tensor(offsets[plain], device=logits.device))
+        matchers = [self.requests[samplers[i]].matcher for i in np.flatnonzero(plain)] if constrained else None
+        tokens_dev = self._sample_plain(plain_logits, step, matchers) if plain.any() else torch.zeros(0, dtype=torch.long)
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(samplers)
+        want = self.batch.num_logprobs[step.sample_rows]
+        plain_pos = np.flatnonzero(plain)
+        if (want != NO_LOGPROBS).any():
+            idx = np.flatnonzero(want != NO_LOGPROBS)
+            sel = torch.as_tensor(idx, device=logits.device)
+            reported = token_logprobs(plain_logits[sel].log_softmax(dim=-1), tokens_dev[sel], want[idx].tolist())
+            for i, lp in zip(idx, reported):
+                logprobs[plain_pos[i]] = [lp]
+        plain_tokens = tokens_dev.cpu().numpy()  # the step's one wait on the device
+        appends = self.batch.appends[step.sample_rows]
+        self._rollback_drafts([samplers[i] for i in plain_pos], plain_tokens, appends)
+        self.batch.append_sampled(step.sample_rows[appends], plain_tokens[appends])
+        if plain.all():
+            return [[t] for t in plain_tokens.tolist()], logprobs
+        tokens: list[list[int]] = [[] for _ in samplers]
+        for i, t in zip(plain_pos, plain_tokens.tolist()):
+            tokens[i] = [t]
+        spec_pos = np.flatnonzero(~plain)
+        for i, accepted in zip(spec_pos, self._verify(logits, [self.requests[samplers[i]] for i in spec_pos],
+                                                       [int(offsets[i]) for i in spec_pos], plan)):
+            tokens[i] = accepted
+        return tokens, logprobs
+
+    def _sample_plain(self, logits: torch.Tensor, step: StepInputs, matchers: list | None) -> torch.Tensor:
+        rows, batch = step.sample_rows, self.batch
+        sampling = SamplingBatch(step.sample_params, batch.greedy[rows], batch.params[rows], batch.seeded(rows),
+                                 matchers=matchers)
+        penalised = bool(batch.penalised[rows].any())
+        if penalised:
+            sampling.bias, sampling.seen = batch.penalties.gather(step.sample_rows_dev, bool(batch.repetition[rows].any()))
+        tokens = sample_batch(logits, sampling)
+        if penalised or batch.penalties.allocated:
+            batch.penalties.record(step.sample_rows_dev, tokens, step.sample_params[:, FREQUENCY],
+                                   step.sample_params[:, PRESENCE])
+        batch.last_sampled.index_copy_(0, step.sample_rows_dev, tokens)
+        return tokens
+
+    def _rollback_drafts(self, req_ids: list[str], tokens: np.ndarray, appends: np.ndarray) -> None:
+        """A request that had a proposal but verified none of it: the draft's cache drops them."""
+        if self.proposer is None:
+            return
+        for req_id, append in zip(req_ids, appends):
+            state = self.requests[req_id]
+            if append and state.proposal is not None:
+                self.proposer.rollback(req_id, int(self.batch.num_tokens[state.row]))
+
+    def _verify(self, logits: torch.Tensor, states: list[RequestState], offsets: list[int], plan: StepPlan):
+        drafts = [plan.spec_token_ids[s.req_id] for s in states]
+        target = torch.cat([logits[o : o + len(d) + 1] for o, d in zip(offsets, drafts)])
+        q = []
+        for state, d in zip(states, drafts):
+            proposal = state.proposal
+            if proposal is None or proposal.token_ids[: len(d)] != d:
+                raise ValueError(f"{state.req_id}: the drafts to verify are not the ones proposed")
+            q.append(proposal.probs[: len(d)] if proposal.probs is not None else None)
+        rows = [SamplingRow(s.sampling, s.generator, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
+                for s in states]
+        out = verify(target, drafts, q, rows)
+        for state, new in zip(states, out):
+            if state.append_sampled:
+                self.proposer.rollback(state.req_id, int(self.batch.num_tokens[state.row]) + len(new) - 1)
+                self.batch.append_tokens(state.row, new)
+                self._record(state, new)
+        return out
+
+    def _record(self, state: RequestState, new: list[int]) -> None:
+        """Penalty counts and the last sampled token of a verified request."""
+        device = self.batch.last_sampled.device
+        rows = torch.full((len(new),), state.row, dtype=torch.long, device=device)
+        params = torch.as_tensor(self.batch.params[state.row], device=device)
+        tokens = torch.as_tensor(new, dtype=torch.long, device=device)
+        self.batch.penalties.record(rows, tokens, params[FREQUENCY].expand(len(new)), params[PRESENCE].expand(len(new)))
+        self.batch.last_sampled[state.row] = new[-1]
 
     def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
         """Drafts for each sampler's next step (none for beams, logprob requests, or when the
@@ -300,18 +333,30 @@ class ModelRunner:
             state.proposal = proposal
         return [s.proposal.token_ids if s.proposal is not None else [] for s in samplers]
 
-    def _prompt_logprobs(self, hidden, wanted) -> dict[str, list[TokenLogprobs | None]]:
+    def _prompt_logprobs(self, hidden, step: StepInputs, req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
         """Logprobs of prompt tokens 1.. given their prefix; the first prompt token has none."""
         done: dict[str, list[TokenLogprobs | None]] = {}
-        for state, row0, num in wanted:
+        if not self._want_prompt_lp:
+            return done
+        starts = np.cumsum(step.counts) - step.counts
+        for i, req_id in enumerate(req_ids):
+            if req_id not in self._want_prompt_lp:
+                continue
+            state = self.requests[req_id]
+            start = int(self.batch.num_computed[state.row])
+            num = min(start + int(step.counts[i] - step.num_spec[i]), state.num_prompt_tokens - 1) - start
+            if num <= 0:
+                continue
             if not state.prompt_logprobs:
                 state.prompt_logprobs.append(None)
+            row0 = int(starts[i])
             lp = self.model.compute_logits(hidden[row0 : row0 + num]).log_softmax(dim=-1)
-            start = len(state.prompt_logprobs)  # index of the first prompt token these predict
-            targets = torch.tensor(state.token_ids[start : start + num], device=lp.device)
+            first = len(state.prompt_logprobs)  # index of the first prompt token these predict
+            targets = torch.as_tensor(state.token_ids[first : first + num], device=lp.device)
             state.prompt_logprobs.extend(token_logprobs(lp, targets, [state.sampling.prompt_logprobs] * num))
             if len(state.prompt_logprobs) == state.num_prompt_tokens:
-                done[state.req_id] = state.prompt_logprobs
+                done[req_id] = state.prompt_logprobs
+                self._want_prompt_lp.discard(req_id)
         return done
 
     # ------------------------------------------------------------------ helpers

@@ -1,0 +1,198 @@
+"""The executor's own cost per step: the real runner with a null model.
+
+The null model keeps what the runner drives (embedding lookup, the KV write of every layer, the
+final LM head) and drops the layers' arithmetic: what is left is the host work of a step
+(applying the plan's diffs to the persistent batch, gathering inputs and attention metadata, the
+copy to the device, the sampler, appending the sampled tokens) plus the smallest device work
+that has to go with it. It runs a vocabulary of 512 so that the sampler's arithmetic does not
+hide its overhead. Decode steps at batch 1, 64 and 256, greedy and with temperature 0.8, top-p
+0.95 and presence/frequency/repetition penalties; ms per step for each.
+
+    python scripts/bench_step.py [--steps 40] [--profile] [--device cuda]
+
+With ``--device cuda`` it also runs the random-weight Llama-3.2-1B shape (hidden 2048, 16 layers,
+32 heads, 8 KV heads, vocabulary 49,152, bf16) in process, eager and with CUDA graphs, and prints
+tokens/s and ms per step. The last line is always ``host ms/step at B=256: X`` (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.executor.runner import ModelRunner  # noqa: E402
+from shared.config import RuntimeConfig  # noqa: E402
+from shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
+                         repetition_penalty=1.1, max_tokens=1 << 20, ignore_eos=True)
+PROMPT_LEN, BLOCK_SIZE = 16, 16
+
+
+class CpuMeter:
+    """Share of the machine's CPUs that other processes kept busy since the last ``lap``."""
+
+    def __init__(self):
+        self.last = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        import psutil
+
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        t = psutil.Process().cpu_times()
+        return time.perf_counter(), machine, t.user + t.system
+
+    def lap(self) -> float:
+        now = self._sample()
+        (t0, m0, own0), (t1, m1, own1) = self.last, now
+        self.last = now
+        return max(0.0, (m1 - m0) - (own1 - own0)) / ((t1 - t0) * os.cpu_count())
+
+
+class NullModel(torch.nn.Module):
+    """The runner's model interface with layers that only write their K/V (a slice of the input)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.spec = model, model.spec
+
+    def forward(self, input_ids, positions, kv_caches, meta, backend):
+        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        kv = x[:, : self.spec.num_kv_heads * self.spec.head_dim].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        for k_cache, v_cache in kv_caches:
+            backend.write_kv(kv, kv, k_cache, v_cache, meta)
+        return x
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+def null_runner(folder: str, device: str, max_num_seqs: int) -> ModelRunner:
+    from tests.conftest import write_tiny_model
+
+    path = write_tiny_model(folder, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            max_position_embeddings=4096)
+    config = RuntimeConfig(device=device, dtype="float32", num_kv_blocks=max_num_seqs * 8, max_num_seqs=max_num_seqs,
+                           block_size=BLOCK_SIZE, attention_backend="torch")
+    runner = ModelRunner(config, path)
+    runner.model = NullModel(runner.model)
+    return runner
+
+
+def decode_steps(runner: ModelRunner, batch: int, params: SamplingParams, steps: int, profile: cProfile.Profile | None):
+    """Prefill ``batch`` prompts, then time ``steps`` decode steps; returns seconds per step."""
+    rng = torch.Generator().manual_seed(batch)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    blocks = {r: [i * 8] for i, r in enumerate(ids)}
+    new = [NewRequestData(req_id=r, token_ids=torch.randint(0, 512, (PROMPT_LEN,), generator=rng).tolist(),
+                          num_prompt_tokens=PROMPT_LEN, sampling=params, block_ids=blocks[r]) for r in ids]
+    runner.execute(StepPlan(step_id=0, new_reqs=new, num_scheduled_tokens={r: PROMPT_LEN for r in ids}))
+    computed, elapsed = PROMPT_LEN, 0.0
+    for step in range(1, steps + 1):
+        grow = computed % BLOCK_SIZE == 0  # the token computed now opens a block
+        running = [RunningRequestData(req_id=r, new_block_ids=[blocks[r][0] + computed // BLOCK_SIZE] if grow else [],
+                                      num_computed_tokens=computed) for r in ids]
+        plan = StepPlan(step_id=step, running_reqs=running, num_scheduled_tokens={r: 1 for r in ids})
+        if profile is not None:
+            profile.enable()
+        t0 = time.perf_counter()
+        runner.execute(plan)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed += time.perf_counter() - t0
+        if profile is not None:
+            profile.disable()
+        computed += 1
+    runner.execute(StepPlan(step_id=steps + 1, finished_req_ids=ids))
+    return elapsed / steps
+
+
+def run_null(args) -> float:
+    meter = CpuMeter()
+    greedy_256 = 0.0
+    with tempfile.TemporaryDirectory() as folder:
+        runner = null_runner(folder, args.device, 256)
+        decode_steps(runner, 8, GREEDY, 4, None)  # warm-up
+        print(f"null model on {runner.device}, torch threads {torch.get_num_threads()}, {args.steps} decode steps")
+        print(f"{'batch':>5} {'greedy ms':>10} {'sampled ms':>11} {'ratio':>6}")
+        for batch in (1, 64, 256):
+            prof = cProfile.Profile() if args.profile and batch == 256 else None
+            g = min(decode_steps(runner, batch, GREEDY, args.steps, prof) for _ in range(args.repeats))
+            if prof is not None:
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+            prof = cProfile.Profile() if args.profile and batch == 256 else None
+            s = min(decode_steps(runner, batch, SAMPLED, args.steps, prof) for _ in range(args.repeats))
+            if prof is not None:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            print(f"{batch:>5} {g * 1e3:>10.3f} {s * 1e3:>11.3f} {s / g:>6.2f}", flush=True)
+            if batch == 256:
+                greedy_256 = g
+    print(f"other processes kept {100 * meter.lap():.0f}% of the CPUs busy meanwhile")
+    return greedy_256 * 1e3
+
+
+def run_cuda_1b(args) -> None:
+    """The 1B shape in process, eager and with graphs (needs a GPU)."""
+    from services.executor.offline import generate
+    from tests.conftest import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_tiny_model(folder, vocab_size=49152, hidden_size=2048, intermediate_size=8192,
+                                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                max_position_embeddings=4096)
+        for eager in (True, False):
+            config = RuntimeConfig(device="cuda", dtype="bfloat16", max_num_seqs=256, enforce_eager=eager)
+            runner = ModelRunner(config, path)
+            for batch in (1, 64, 256):
+                prompts = [[(i * 7 + j) % 49152 for j in range(128)] for i in range(batch)]
+                for params in (GREEDY, SAMPLED):
+                    def once(n, p=params):
+                        p = SamplingParams(**{**{f: getattr(p, f) for f in p.__struct_fields__}, "max_tokens": n})
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        generate(runner, prompts, p)
+                        torch.cuda.synchronize()
+                        return time.perf_counter() - t0
+                    once(2)
+                    dt = (once(65) - once(1)) / 64
+                    kind = "greedy" if params is GREEDY else "sampled"
+                    print(f"1B {'eager' if eager else 'graphs'} B={batch} {kind}: {batch / dt:,.0f} tok/s, "
+                          f"{dt * 1e3:.2f} ms/step", flush=True)
+            del runner
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case; the fastest counts")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--profile", action="store_true", help="cProfile the B=256 steps")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: the step's small ops never wait on a busy core)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    greedy_256 = run_null(args)
+    if args.device == "cuda":
+        with contextlib.suppress(KeyboardInterrupt):
+            run_cuda_1b(args)
+    print(f"host ms/step at B=256: {greedy_256:.3f}")
+
+
+if __name__ == "__main__":
+    main()
