@@ -273,7 +273,7 @@ class ModelRunner:
         if penalised:
             sampling.bias, sampling.seen = batch.penalties.gather(step.sample_rows_dev, bool(batch.repetition[rows].any()))
         tokens = sample_batch(logits, sampling)
-        if penalised or batch.penalties.allocated:
+        if penalised:  # rows without penalties never read their state: it is reset when a row is reused
             batch.penalties.record(step.sample_rows_dev, tokens, step.sample_params[:, FREQUENCY],
                                    step.sample_params[:, PRESENCE])
         batch.last_sampled.index_copy_(0, step.sample_rows_dev, tokens)
