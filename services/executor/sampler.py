@@ -129,9 +129,13 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- top-k/p
-def _keep_threshold(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, window: int):
+def _keep_threshold(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, window: int,
+                    exact: np.ndarray | None = None):
     """Per row, ``tau`` such that the kept tokens are ``probs >= tau`` (None: keep all), and
-    ``closes`` [m]: whether the kept set lies within the window (``vals``, ``idx``: its sorted top)."""
+    ``closes`` [m]: whether the kept set lies within the window (``vals``, ``idx``: its sorted top).
+    A row whose top-p or top-k cut lies past the window gets its exact ``tau`` from a sort of its
+    own when ``exact`` (host bool [m]) marks it or is None; otherwise its ``tau`` is left to the
+    caller (``_draw_past_window`` draws such rows without it)."""
     m, vocab = probs.shape
     need_k = bool((host[:, TOP_K] < vocab).any())
     need_p = bool((host[:, TOP_P] < 1.0).any())
@@ -159,6 +163,8 @@ def _keep_threshold(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray,
     tau = torch.where(closes, vals.gather(1, (num_kept - 1)[:, None]).squeeze(1), min_cut)
     if k < vocab:  # rows whose cut lies past the window are sorted alone (CPU only: this reads the device)
         lost = ~closes & ((top_p < 1.0) | (top_k < vocab))
+        if exact is not None:
+            lost &= torch.as_tensor(exact, device=lost.device)
         rows = torch.nonzero(lost).flatten()
         if rows.numel():
             sub_tau, _, _, _ = _keep_threshold(probs[rows], params[rows], host[rows.cpu().numpy()], vocab)
@@ -173,24 +179,75 @@ def _inverse_cdf(weights: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cum, u, right=True).clamp_(max=weights.shape[1] - 1).squeeze(1)
 
 
-def _draw_unseeded(probs: torch.Tensor, tau, closes, vals, idx) -> torch.Tensor:
+def _draw_unseeded(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, tau, closes, vals, idx):
     if tau is None:
         return _inverse_cdf(probs)
     drawn = idx.gather(1, _inverse_cdf(vals * (vals >= tau[:, None]))[:, None]).squeeze(1)
     if vals.shape[1] < probs.shape[1]:
-        rows = torch.nonzero(~closes).flatten()  # kept sets wider than the window draw from the whole row
-        if rows.numel():
+        vocab = probs.shape[1]
+        wide = ~closes  # kept sets wider than the window: the whole row
+        cut = wide & ((params[:, TOP_P] < 1.0) | (params[:, TOP_K] < vocab))  # ... and their cut is unknown
+        rows = torch.nonzero(wide & ~cut).flatten()
+        if rows.numel():  # min-p or nothing: tau is exact
             sub, sub_tau = probs[rows], tau[rows]
             drawn.index_copy_(0, rows, _inverse_cdf(sub * (sub >= sub_tau[:, None])))
+        rows = torch.nonzero(cut).flatten()
+        if rows.numel():
+            drawn.index_copy_(0, rows, _draw_past_window(probs[rows], params[rows], host[rows.cpu().numpy()]))
     return drawn
+
+
+def _draw_past_window(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, max_rounds: int = 64):
+    """Rows whose top-p cut lies past the window, drawn without finding the cut (FlashInfer's
+    sorting-free rejection): draw x from the tokens above a pivot; keep it when the mass of the
+    tokens more likely than x is below top-p (x is in the nucleus), else raise the pivot to x and
+    draw again. A kept draw is distributed as p on the nucleus, since every pivot lies below it;
+    each round keeps a row with probability at least top-p. Rows with a top-k past the window, or
+    left after ``max_rounds``, are sorted."""
+    m, vocab = probs.shape
+    min_cut = probs.amax(-1) * params[:, MIN_P]
+    region = probs >= min_cut[:, None]  # what min-p leaves; top-p is taken on it, renormalised
+    mass = (probs * region).sum(-1)
+    limit = params[:, TOP_P] * mass
+    lower = torch.where(min_cut > 0, min_cut, torch.zeros_like(min_cut))
+    strict = torch.zeros(m, dtype=torch.bool, device=probs.device)  # the pivot itself is out
+    out = torch.empty(m, dtype=torch.long, device=probs.device)
+    todo = torch.nonzero(params[:, TOP_K] >= vocab).flatten()
+    for _ in range(max_rounds):
+        if not todo.numel():
+            break
+        p, lo, st = probs[todo], lower[todo], strict[todo]
+        x = _inverse_cdf(p * torch.where(st[:, None], p > lo[:, None], p >= lo[:, None]))
+        px = p.gather(1, x[:, None])
+        above = (p * (p > px)).sum(-1)
+        ok = above < limit[todo]
+        out.index_copy_(0, todo[ok], x[ok])
+        redo = todo[~ok]
+        lower.index_copy_(0, redo, px.squeeze(1)[~ok])
+        strict.index_fill_(0, redo, True)
+        todo = redo
+    rest = torch.ones(m, dtype=torch.bool, device=probs.device)
+    rest[params[:, TOP_K] >= vocab] = False
+    rest[todo] = True
+    rows = torch.nonzero(rest).flatten()
+    if rows.numel():
+        sub = probs[rows]
+        sub_tau, _, _, _ = _keep_threshold(sub, params[rows], host[rows.cpu().numpy()], vocab)
+        out.index_copy_(0, rows, _inverse_cdf(sub * (sub >= sub_tau[:, None])))
+    return out
 
 
 def _masked(x: torch.Tensor, probs: torch.Tensor, tau) -> torch.Tensor:
     return x if tau is None else x.masked_fill(probs < tau[:, None], float("-inf"))
 
 
-def _random_rows(logits: torch.Tensor, batch: SamplingBatch):
-    """Temperature-scaled logits, probabilities and kept-set threshold of the non-greedy rows."""
+def _window(vocab: int) -> int:
+    return min(WINDOW, max(16, vocab // 16))
+
+
+def _random_rows(logits: torch.Tensor, batch: SamplingBatch, exact_all: bool):
+    """Temperature-scaled logits, probabilities and kept-set threshold of the non-greedy rows
+    (exact for every row when ``exact_all``, else for the seeded ones)."""
     rand = None
     params, host = batch.params, batch.host_params
     if batch.greedy.any():
@@ -199,8 +256,13 @@ def _random_rows(logits: torch.Tensor, batch: SamplingBatch):
         logits, params, host = logits.index_select(0, rand), params.index_select(0, rand), host[keep]
     x = logits / params[:, TEMPERATURE, None]
     probs = x.softmax(dim=-1)
-    window = WINDOW if probs.device.type == "cpu" else probs.shape[1]
-    return rand, x, probs, _keep_threshold(probs, params, host, window)
+    window = _window(probs.shape[1]) if probs.device.type == "cpu" else probs.shape[1]
+    exact = None
+    if not exact_all:
+        exact = np.zeros(len(host), dtype=bool)
+        where = np.cumsum(~batch.greedy) - 1
+        exact[[int(where[i]) for i, _, _ in batch.seeded]] = True
+    return rand, x, probs, params, host, _keep_threshold(probs, params, host, window, exact)
 
 
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -208,8 +270,8 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits = process_logits(logits, batch)
     if batch.greedy.all():
         return logits.argmax(dim=-1)
-    rand, x, probs, (tau, closes, vals, idx) = _random_rows(logits, batch)
-    drawn = _draw_unseeded(probs, tau, closes, vals, idx)
+    rand, x, probs, params, host, (tau, closes, vals, idx) = _random_rows(logits, batch, exact_all=False)
+    drawn = _draw_unseeded(probs, params, host, tau, closes, vals, idx)
     if batch.seeded:
         # rows of the seeded requests inside the random subset
         where = np.cumsum(~batch.greedy) - 1
@@ -238,7 +300,7 @@ def processed_probs_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.T
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(logits.dtype)
     if batch.greedy.all():
         return one_hot
-    rand, x, probs, (tau, _, _, _) = _random_rows(logits, batch)
+    rand, x, probs, _, _, (tau, _, _, _) = _random_rows(logits, batch, exact_all=True)
     out = _masked(x, probs, tau).softmax(dim=-1)
     if rand is None:
         return out
