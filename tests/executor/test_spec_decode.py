@@ -120,6 +120,7 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
     """After a verification that accepted one draft and then chose another token, the draft's
     next proposal equals a fresh draft's for the same tokens: no rejected token's KV survives."""
     from services.executor.attention import TorchAttentionBackend
+    from services.executor.input_batch import InputBatch
     from services.executor.runner import RequestState
     from services.executor.spec_decode import DraftModelProposer
     from shared.messages import SamplingParams
@@ -130,12 +131,14 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
         return DraftModelProposer(draft, 3, 64, 4, 64, torch.device("cpu"), torch.float32, TorchAttentionBackend())
 
     prompt = repetitive_prompts(1, seed=11)[0]
-    state = RequestState("a", list(prompt), len(prompt), SamplingParams(temperature=0.0), [], 0, None)
+    batch = InputBatch(1, 64, 4, torch.device("cpu"))
+    row = batch.add("a", list(prompt), len(prompt), 0, [], SamplingParams(temperature=0.0))
+    state = RequestState("a", row, batch, SamplingParams(temperature=0.0), True)
     used = proposer()
     first = used.propose([state])[0].token_ids
     other = (first[1] + 1) % 64  # the target accepted the first draft, then chose something else
     used.rollback("a", len(prompt) + 1)
-    state.token_ids += [first[0], other]
+    batch.append_tokens(row, [first[0], other])
     again = used.propose([state])[0]
     fresh = proposer().propose([state])[0]
     assert again.token_ids == fresh.token_ids

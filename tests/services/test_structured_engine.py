@@ -104,6 +104,6 @@ def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
     runner.execute(StepPlan(step_id=0, new_reqs=reqs, num_scheduled_tokens={r.req_id: len(prompt) for r in reqs}))
     states = [runner.requests["plain"], runner.requests["constrained"]]
     for state in states:  # the random model's token replaced by one that repeats the prompt
-        state.token_ids[-1] = prompt[-8]
+        runner.batch.token_ids[state.row, runner.batch.num_tokens[state.row] - 1] = prompt[-8]
     plain, constrained = runner._propose(states)
     assert plain and constrained == []  # n-gram lookup proposes for the plain row only
