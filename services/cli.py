@@ -4,6 +4,7 @@
 - ``folio run SERVICE [flags]``: one service alone (what each compose container runs), or the
   router in front of many replicas (``folio run router --replica URL ...``);
 - ``folio prepare [--force]``: convert the packaged default model once;
+- ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
 - ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
   ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
   ``folio router stats|replicas`` (``--json``):
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="start the five services and the HTTP API"))
     run = sub.add_parser("run", help="run one service alone", add_help=False)
     run.add_argument("service", choices=RUNNABLE)
+    sub.add_parser("quantize", help="write a quantized model folder (awq, int4, int8)", add_help=False)
     prepare = sub.add_parser("prepare", help="prepare the packaged default model")
     prepare.add_argument("--force", action="store_true")
     for cli_name, (service, verbs) in ADMIN_VERBS.items():
@@ -76,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     # `run` hands every flag after the service name to that service's own parser
     if len(argv) >= 2 and argv[0] == "run" and argv[1] in RUNNABLE:
         return run_service(argv[1], argv[2:])
+    if argv and argv[0] == "quantize":  # its own parser, as for run
+        from services.executor.quantize import main as quantize_main
+
+        return quantize_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         from services.serve import serve

@@ -36,6 +36,7 @@ _FLAG_TARGETS = {
     "host": ("gateway",),
     "port": ("gateway",),
     "dtype": ("executor",),
+    "quantization": ("executor",),
     "device": ("executor",),
     "block_size": ("executor",),
     "num_kv_blocks": ("executor",),

@@ -25,6 +25,7 @@ class RuntimeConfig:
 
     model: str = DEFAULT_MODEL_NAME  # a model folder, a .gguf file, or the default model's name
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "auto"  # auto (the checkpoint's own) | none | int8 | int4 | awq | fp8
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides any budget

@@ -1,7 +1,9 @@
 """Weight loading: a Hugging Face folder (config.json + safetensors) or a GGUF file.
 
 The executor's runtime calls ``load_model``; ``prepare.py`` uses ``load_gguf_state`` to turn the
-packaged GGUF into a model folder once. Checkpoint names are mapped onto our module names here:
+packaged GGUF into a model folder once. A checkpoint's own quantization (GGUF Q4_1, an AWQ folder,
+folio's int8 folders, or the GGUF a prepared folder came from) is read through
+``quant_formats.py`` and served as it is unless ``--quantization`` says otherwise. Checkpoint names are mapped onto our module names here:
 q/k/v and gate/up are concatenated into the fused projections, and the ``model.`` prefix goes.
 """
 
@@ -13,6 +15,11 @@ from pathlib import Path
 import torch
 
 from services.executor.model import LlamaForCausalLM, ModelSpec
+from services.executor.quant_formats import (
+    FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, quantize_int4,
+    quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,
+)
+from services.executor.quant_linear import quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,18 +99,115 @@ def remap_state_dict(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[st
     return out
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build our model from a model folder or a .gguf file, weights in ``dtype`` on ``device``."""
-    path = Path(path)
+def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, dict]:
+    """(config, dense HF-named state, the checkpoint's own quantization, its quantized linears).
+
+    Quantized linears are also dequantized into the dense state, so ``--quantization none`` (and
+    everything that is not a projection) always has its weights."""
     if path.suffix == ".gguf":
         config, state = load_gguf_state(path)
+        method, quant = read_gguf_quant(path, config)
+        return config, state, method, quant
+    config = load_hf_config(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # transformers would try to quantize on its own
+    state = read_safetensors(path)
+    qconfig = folder_quant_config(path) or {}
+    kind = qconfig.get("quant_method")
+    if kind == "awq":
+        if qconfig.get("bits", 4) != 4 or qconfig.get("version", "gemm").lower() != "gemm":
+            raise ValueError(f"only 4-bit AWQ in the GEMM layout is supported, not {qconfig}")
+        quant = read_awq_state(state, int(qconfig["group_size"]))
+        method = "awq"
+    elif kind == FOLIO_INT8:
+        quant, method = read_int8_state(state), "int8"
+    elif kind is not None:
+        raise ValueError(f"unsupported quantization_config quant_method {kind!r} (awq and {FOLIO_INT8} load)")
     else:
-        config = load_hf_config(path)
-        state = read_safetensors(path)
+        source = prepared_source(path)
+        method, quant = read_gguf_quant(source, config) if source else ("none", {})
+    for name, w in quant.items():
+        base = name[: -len(".weight")]
+        for suffix in (".qweight", ".qzeros", ".scales", ".weight_scale"):
+            state.pop(base + suffix, None)
+        if name not in state or not state[name].is_floating_point():
+            state[name] = w.dequantize()  # a prepared folder has these already (the same values)
+    return config, state, method, quant
+
+
+def prepared_source(folder: Path) -> Path | None:
+    """The GGUF a prepared folder was dequantized from, when it is still there."""
+    from services.executor.prepare import MARKER, default_model_dir, packaged_gguf
+
+    marker = folder / MARKER
+    if not marker.exists():
+        return None
+    source = json.loads(marker.read_text()).get("source") or ""
+    if source.endswith(".gguf") and Path(source).exists():
+        return Path(source)
+    if folder.resolve() == default_model_dir().resolve():  # prepared by another install of the package
+        try:
+            return packaged_gguf()
+        except FileNotFoundError:
+            return None
+    return None
+
+
+def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size: int) -> dict:
+    """Our fused projection names -> their int4/int8 weights, taken from the checkpoint when it
+    holds them in the wanted form, else rounded to nearest from the dense weights."""
+
+    def one(name: str):
+        w = quant.get(name)
+        if method in ("int4", "awq") and isinstance(w, Int4Weight):
+            return w
+        if method == "int8" and isinstance(w, Int8Weight):
+            return w
+        if method == "awq":
+            raise ValueError("--quantization awq needs an AWQ checkpoint; make one with folio quantize --method awq")
+        dense = state[name]
+        return quantize_int8(dense) if method == "int8" else quantize_int4(dense, group_size)
+
+    out = {}
+    for i in range(spec.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        out[dst + "self_attn.qkv_proj"] = concat_rows([one(f"{src}self_attn.{p}_proj.weight") for p in "qkv"])
+        out[dst + "self_attn.o_proj"] = one(src + "self_attn.o_proj.weight")
+        out[dst + "mlp.gate_up_proj"] = concat_rows([one(src + "mlp.gate_proj.weight"), one(src + "mlp.up_proj.weight")])
+        out[dst + "mlp.down_proj"] = one(src + "mlp.down_proj.weight")
+    return out
+
+
+def resolve_quantization(requested: str, checkpoint: str, device: torch.device) -> str:
+    """``auto`` keeps the checkpoint's own quantization; the rest are checked against the device."""
+    if requested not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization {requested!r}; choose one of {', '.join(QUANT_METHODS)}")
+    method = checkpoint if requested == "auto" else requested
+    if method == "fp8":
+        raise ValueError("fp8 weights need a CUDA GPU with FP8 support (sm_89+); this build serves fp8 nowhere yet")
+    if method != "none" and device.type != "cpu":
+        raise ValueError(f"--quantization {method} runs on the CPU only in this build; use none on {device.type}")
+    return method
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+               group_size: int = 32) -> LlamaForCausalLM:
+    """Build our model from a model folder or a .gguf file, weights in ``dtype`` on ``device``.
+
+    ``quantization``: ``auto`` (the checkpoint's own), ``none`` (dense), ``int8``, ``int4`` (group
+    ``group_size``) or ``awq``; the method chosen is ``model.quantization``."""
+    path = Path(path)
+    config, state, checkpoint_method, quant = read_checkpoint(path)
+    method = resolve_quantization(quantization, checkpoint_method, device)
     spec = ModelSpec.from_hf_config(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, config)
-    model.load_state_dict(remap_state_dict(state, spec), strict=True, assign=True)
+    fused = remap_state_dict(state, spec)
+    model.load_state_dict(fused, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.init_rope(dtype, device)
+    model.quantization = method
+    if method != "none":
+        head = fused["embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+        quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size), quantize_int8(head))
     return model

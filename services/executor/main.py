@@ -20,6 +20,10 @@ def add_runtime_args(parser: argparse.ArgumentParser, include_model: bool = True
         parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
                             help="the default model's name, a model folder or a .gguf")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=d.quantization,
+                        choices=["auto", "none", "int8", "int4", "awq", "fp8"],
+                        help="weights: auto keeps the checkpoint's own (the default model: int4); none dequantizes "
+                             "to --dtype; int8/int4 round to nearest at load time (CPU: bf16 activations)")
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides budgets)")
@@ -44,7 +48,7 @@ def add_runtime_args(parser: argparse.ArgumentParser, include_model: bool = True
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    return RuntimeConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, block_size=args.block_size,
                          num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_memory_bytes,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

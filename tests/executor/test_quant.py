@@ -1,0 +1,157 @@
+"""Quantized weights: the formats (Q4_1 repack, AutoAWQ packing, round to nearest), the packed CPU
+layers against their dequantized reference, and loading quantized models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.executor.quant_formats import (
+    AWQ_ORDER, Int4Weight, awq_to_int4, int4_to_awq, pack_awq, quantize_int4, quantize_int8, read_gguf_quant,
+    unpack_awq,
+)
+from services.executor.quant_linear import PACKED_MAX_ROWS, QuantLinear
+
+
+def test_awq_packing_round_trips_in_autoawq_nibble_order():
+    values = torch.randint(0, 16, (6, 24))
+    packed = pack_awq(values)
+    assert packed.dtype == torch.int32 and packed.shape == (6, 3)
+    assert torch.equal(unpack_awq(packed), values.to(torch.uint8))
+    # nibble i (bits 4i..4i+3) of each word holds column AWQ_ORDER[i] of its eight
+    word = pack_awq(torch.arange(8).reshape(1, 8))[0, 0].item() & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == list(AWQ_ORDER) == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def test_awq_tensors_round_trip_through_int4():
+    w = quantize_int4(torch.randn(64, 96), 32)
+    awq = int4_to_awq(w)
+    assert awq["qweight"].shape == (96, 8) and awq["qzeros"].shape == (3, 8) and awq["scales"].shape == (3, 64)
+    back = awq_to_int4(awq["qweight"], awq["qzeros"], awq["scales"], 32)
+    assert torch.equal(back.q, w.q)
+    # scales are stored fp16 in the AWQ layout
+    torch.testing.assert_close(back.dequantize(), w.dequantize(), rtol=2e-3, atol=2e-3)
+
+
+def test_round_to_nearest_errors_are_within_half_a_step():
+    w = torch.randn(32, 128)
+    q4 = quantize_int4(w, 64)
+    step = q4.scale.repeat_interleave(64, dim=1)
+    assert ((q4.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    q8 = quantize_int8(w)
+    assert ((q8.dequantize() - w).abs() <= q8.scale.unsqueeze(1) / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="not a multiple of group size 128; use 32 or 64"):
+        quantize_int4(torch.randn(8, 576), 128)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, PACKED_MAX_ROWS, 40])
+def test_packed_layer_matches_its_dequantized_reference(bits, rows):
+    torch.manual_seed(bits * 100 + rows)
+    w = torch.randn(96, 128) * 0.05
+    qw = quantize_int4(w, 32) if bits == 4 else quantize_int8(w)
+    bias = torch.randn(96)
+    layer = QuantLinear(qw, bias)
+    x = torch.randn(rows, 128)
+    ref = torch.nn.functional.linear(x.bfloat16().float(), qw.dequantize().bfloat16().float(), bias)
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 96)
+    # bf16 activations and scales: a few bf16 ulps of the output's scale
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_int4_layer_uses_the_zero_point():
+    # a constant weight row: all of it sits in zero, none in q - 8
+    qw = Int4Weight(torch.full((16, 64), 8, dtype=torch.uint8), torch.ones(16, 2), torch.full((16, 2), 0.5), 32)
+    out = QuantLinear(qw)(torch.ones(1, 64))
+    torch.testing.assert_close(out, torch.full((1, 16), 32.0))
+
+
+def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
+    from pathlib import Path
+
+    from services.executor.loader import load_hf_config, read_safetensors
+    from services.executor.prepare import packaged_gguf
+
+    dense = read_safetensors(Path(smollm_dir))  # transformers' own dequantization of the GGUF
+    method, quant = read_gguf_quant(packaged_gguf(), load_hf_config(Path(smollm_dir)))
+    assert method == "int4" and len(quant) == 7 * 30
+    for name, w in quant.items():
+        assert w.group_size == 32 and w.q.max() <= 15
+        torch.testing.assert_close(w.dequantize(), dense[name], rtol=0, atol=1e-6)
+
+
+def _logits(model, ids):
+    from services.executor.attention import AttentionMetadata, TorchAttentionBackend
+
+    spec, n = model.spec, len(ids)
+    shape = (n, 1, spec.num_kv_heads, spec.head_dim)
+    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
+    meta = AttentionMetadata.build([n], [n], [list(range(n))], None, 1)
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), meta.positions, kv, meta, TorchAttentionBackend()))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "awq"])
+def test_folio_quantize_writes_a_folder_that_loads_back(tmp_path, tiny_model_dir, method):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from services.executor.loader import load_model
+    from services.executor.quantize import main
+
+    out = tmp_path / method
+    assert main(["--method", method, "--group-size", "32", "--calibration-tokens", "64", tiny_model_dir, str(out)]) == 0
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    state = load_file(out / "model.safetensors")
+    if method == "int8":
+        assert qconfig["quant_method"] == "folio-int8"
+        assert state["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    else:  # AutoAWQ GEMM layout, as transformers describes it
+        assert qconfig["quant_method"] == "awq" and qconfig["bits"] == 4 and qconfig["group_size"] == 32
+        assert qconfig["zero_point"] is True and qconfig["version"] == "gemm"
+        # down_proj: in 96, out 64
+        assert state["model.layers.0.mlp.down_proj.qweight"].shape == (96, 8)
+        assert state["model.layers.0.mlp.down_proj.qzeros"].shape == (3, 8)
+        assert state["model.layers.0.mlp.down_proj.scales"].shape == (3, 64)
+        assert state["model.layers.0.mlp.down_proj.scales"].dtype == torch.float16
+    served = load_model(out, torch.float32, torch.device("cpu"), "auto")
+    assert served.quantization == ("int8" if method == "int8" else "awq")
+    dense = load_model(out, torch.float32, torch.device("cpu"), "none")  # the folder's weights, dequantized
+    assert dense.quantization == "none"
+    original = load_model(Path(tiny_model_dir), torch.float32, torch.device("cpu"), "none")
+    ids = [1, 5, 9, 33, 2, 7, 100, 64]
+    served_logits, dense_logits = _logits(served, ids), _logits(dense, ids)
+    cos = torch.nn.functional.cosine_similarity
+    # served = its dequantized weights up to bf16 activations (and the int8 LM head)
+    assert cos(served_logits, dense_logits, dim=-1).min() > 0.995
+    # and a 4-bit random-weight model drifts from the original, but stays the same function
+    assert cos(dense_logits, _logits(original, ids), dim=-1).min() > (0.99 if method == "int8" else 0.8)
+
+
+def test_folio_quantize_refuses_a_group_size_that_does_not_fit(tmp_path, tiny_model_dir, capsys):
+    from services.executor.quantize import main
+
+    assert main(["--method", "int4", "--group-size", "64", tiny_model_dir, str(tmp_path / "x")]) == 2
+    assert "96 input channels, not a multiple of group size 64; use 32" in capsys.readouterr().err
+
+
+def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_dir):
+    from services.executor.offline import generate
+    from services.executor.runner import ModelRunner
+    from shared.config import RuntimeConfig
+    from shared.messages import SamplingParams
+
+    outputs = {}
+    for method in ("none", "int8", "int4"):
+        runner = ModelRunner(RuntimeConfig(num_kv_blocks=16, block_size=4, quantization=method), tiny_model_dir)
+        assert runner.stats()["quantization"] == method
+        # 12-token prompt: its prefill takes the dense rows, its decode the packed kernels
+        outputs[method] = generate(runner, [list(range(3, 15))], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert all(len(o) == 6 for o in outputs.values())
+    with pytest.raises(ValueError, match="fp8 weights need a CUDA GPU"):
+        ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization="fp8"), tiny_model_dir)
+    with pytest.raises(ValueError, match="needs an AWQ checkpoint"):
+        ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization="awq"), tiny_model_dir)
