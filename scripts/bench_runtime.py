@@ -1,24 +1,30 @@
-"""Decode throughput of folio's runtime against transformers ``generate`` (static batch), same run.
+"""Decode throughput of folio's runtime, fp32 and quantized, against transformers ``generate``
+(static batch), all in the same run.
 
-For each batch size, both generate NEW tokens greedily from the same short prompts; decode time is
-``time(NEW tokens) - time(1 token)`` so prefill is left out on both sides. Prints tokens/s and the
-ratio folio / transformers.
+For each batch size, each generates NEW tokens greedily from the same short prompts; decode time is
+``time(NEW tokens) - time(1 token)`` so prefill is left out. Prints tokens/s of transformers, of
+folio with ``--quantization none`` (fp32) and of each quantized mode with its ratio to fp32.
 
     python scripts/bench_runtime.py [--model PATH] [--batch-sizes 1 8 32] [--new-tokens 64]
+                                    [--quantizations int4 int8]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from services.executor.offline import generate
-from services.executor.prepare import resolve_model
-from services.executor.runner import ModelRunner
-from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
-from shared.messages import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from services.executor.offline import generate  # noqa: E402
+from services.executor.prepare import resolve_model  # noqa: E402
+from services.executor.runner import ModelRunner  # noqa: E402
+from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
+from shared.messages import SamplingParams  # noqa: E402
 
 WORDS = "the a river mountain city code model light quiet storm paper engine story garden".split()
 
@@ -59,24 +65,37 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--quantizations", nargs="+", default=["int4", "int8"],
+                        help="modes timed against fp32 (--quantization none) in the same run")
+    parser.add_argument("--no-transformers", action="store_true", help="leave the transformers column out")
     args = parser.parse_args()
 
+    from bench_serving import CpuMeter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    meter = CpuMeter()
     path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.pad_token_id = tokenizer.eos_token_id
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=2048), str(path))
+    hf = None
+    if not args.no_transformers:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf.generation_config.pad_token_id = tokenizer.eos_token_id
+    modes = ["none", *args.quantizations]
+    runners = {m: ModelRunner(RuntimeConfig(num_kv_blocks=2048, quantization=m), str(path)) for m in modes}
     decoded = args.new_tokens - 1
-    print(f"model={path.name} dtype=float32 threads={torch.get_num_threads()} new_tokens={args.new_tokens}")
-    print(f"{'batch':>5} {'folio tok/s':>12} {'transformers tok/s':>19} {'ratio':>7}")
+    print(f"model={path.name} dtype=float32 threads={torch.get_num_threads()} new_tokens={args.new_tokens} "
+          f"(none = fp32 weights; quantized layers take bf16 activations)")
+    head = f"{'batch':>5} {'transformers':>12} {'none (fp32)':>12}" + "".join(f" {m:>16}" for m in modes[1:])
+    print(head + "   tokens/s (x: against none)")
     with torch.inference_mode():
         for batch in args.batch_sizes:
             prompts = make_prompts(tokenizer, batch)
-            folio = batch * decoded / time_folio(runner, prompts, args.new_tokens)
-            ref = batch * decoded / time_hf(hf, prompts, args.new_tokens)
-            print(f"{batch:>5} {folio:>12.1f} {ref:>19.1f} {folio / ref:>6.2f}x", flush=True)
+            ref = batch * decoded / time_hf(hf, prompts, args.new_tokens) if hf is not None else float("nan")
+            rates = {m: batch * decoded / time_folio(runners[m], prompts, args.new_tokens) for m in modes}
+            row = f"{batch:>5} {ref:>12.1f} {rates['none']:>12.1f}"
+            row += "".join(f" {rates[m]:>8.1f} ({rates[m] / rates['none']:.2f}x)" for m in modes[1:])
+            print(row, flush=True)
+    print(meter.lap())
 
 
 if __name__ == "__main__":

@@ -208,6 +208,5 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     model.init_rope(dtype, device)
     model.quantization = method
     if method != "none":
-        head = fused["embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
-        quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size), quantize_int8(head))
+        quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size))
     return model

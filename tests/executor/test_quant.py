@@ -155,3 +155,17 @@ def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_d
         ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization="fp8"), tiny_model_dir)
     with pytest.raises(ValueError, match="needs an AWQ checkpoint"):
         ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization="awq"), tiny_model_dir)
+
+
+def test_lm_head_refines_its_top_logits_exactly():
+    from services.executor.quant_linear import REFINE_TOP, Bf16Linear
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(500, 64), torch.randn(3, 64)
+    exact = x @ weight.t()
+    out = Bf16Linear(weight)(x)
+    top = exact.topk(REFINE_TOP // 2, dim=-1).indices  # surely inside the bf16 pass's top 64
+    torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    rest = torch.ones_like(out, dtype=torch.bool).scatter_(1, exact.topk(100, dim=-1).indices, False)
+    assert not torch.allclose(out[rest], exact[rest], rtol=1e-5, atol=1e-5)  # the tail stays bf16
+    torch.testing.assert_close(out, exact, rtol=2e-2, atol=0.1)
