@@ -81,7 +81,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         hf.generation_config.pad_token_id = tokenizer.eos_token_id
     modes = ["none", *args.quantizations]
-    runners = {m: ModelRunner(RuntimeConfig(num_kv_blocks=2048, quantization=m), str(path)) for m in modes}
+    runners = {m: ModelRunner(RuntimeConfig(num_kv_blocks=512, quantization=m), str(path)) for m in modes}
     decoded = args.new_tokens - 1
     print(f"model={path.name} dtype=float32 threads={torch.get_num_threads()} new_tokens={args.new_tokens} "
           f"(none = fp32 weights; quantized layers take bf16 activations)")

@@ -4,10 +4,10 @@ Decode rows go through torch's packed kernels (``_weight_int4pack_mm_for_cpu`` f
 ``_weight_int8pack_mm`` for per-channel int8). Those kernels are fast only with bf16 activations
 (fp32 ones are 10-30x slower), so a quantized layer casts its input to bf16 and its output back:
 the rest of the model (residual stream, norms, attention, the KV pool) stays in the model's dtype
-(fp32 on the CPU by default). The packed kernels lose to a dense bf16 GEMM once a call has more
-than ``PACKED_MAX_ROWS`` rows (prefill chunks, big batches), so layers also keep their weight
-dequantized to bf16 for those calls (2 bytes per weight on top of the packed 0.5 or 1: memory is
-not what this CPU path saves; decode bandwidth is).
+(fp32 on the CPU by default). The packed kernels lose to a dense GEMM once a call has more
+than ``PACKED_MAX_ROWS`` rows (prefill chunks, big batches); those calls go through an fp32
+oneDNN-packed copy of the same dequantized weights (4 bytes per weight on top of the packed 0.5 or
+1: memory is not what this CPU path saves; decode bandwidth is).
 
 ``loader.py`` calls ``quantize_model``; ``runner.py`` leaves these layers out of oneDNN packing.
 """
@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.executor.model import cpu_linear_packing_available
 from services.executor.quant_formats import Int4Weight, Int8Weight
 
-# Rows above which the dense bf16 GEMM beats the packed kernels on this CPU (2 cores, AVX-512 bf16;
-# scripts/bench_quant_linear.py measures it: SmolLM2's shapes cross over between 8 and 16 rows).
+# Rows above which a dense GEMM beats the packed kernels: about 8 in a one-thread measurement of
+# SmolLM2's 1536x576 shape on this CPU (AVX-512 bf16); bench_runtime.py shows batches 1, 8 and 32.
 PACKED_MAX_ROWS = 8
 ACT_DTYPE = torch.bfloat16
 REFINE_TOP = 64  # logits per row the LM head recomputes exactly (see Bf16Linear)
@@ -38,25 +39,34 @@ class QuantLinear(nn.Module):
 
     max_packed_rows = PACKED_MAX_ROWS  # scripts/eval_quant.py raises it to score the packed path alone
 
-    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None,
-                 dense: torch.Tensor | None = None):
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.q.shape
         self.bits = 4 if isinstance(weight, Int4Weight) else 8
         if self.bits == 4:
             self.group_size = weight.group_size
             self.packed, self.scale_zero = int4_pack_for_cpu(weight)
+            served = Int4Weight(weight.q, self.scale_zero[..., 0].t().float(), self.scale_zero[..., 1].t().float(),
+                                weight.group_size)
         else:
             self.packed = weight.q.contiguous()
             self.scale = weight.scale.to(ACT_DTYPE)
-        # rows past PACKED_MAX_ROWS go through a dense bf16 copy (the dequantized weight)
-        self.dense = (weight.dequantize() if dense is None else dense).to(ACT_DTYPE)
+            served = Int8Weight(weight.q, self.scale.float())
+        # Rows past max_packed_rows: the very weights the packed kernel sees (bf16 scales), in fp32
+        # and oneDNN-packed, with the same bf16 input and output rounding, so that a sequence's
+        # tokens do not depend on whether it shared its step with others (batch invariance).
+        dense = served.dequantize()
+        self.dense = torch.ops.mkldnn._reorder_linear_weight(dense, None) if cpu_linear_packing_available() else dense
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
         xa = x.to(ACT_DTYPE)
         if x.shape[0] > self.max_packed_rows:
-            y = torch.nn.functional.linear(xa, self.dense)
+            x32 = xa.float()
+            if cpu_linear_packing_available():
+                y = torch.ops.mkldnn._linear_pointwise(x32, self.dense, None, "none", [], "").to(ACT_DTYPE)
+            else:
+                y = torch.nn.functional.linear(x32, self.dense).to(ACT_DTYPE)
         elif self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scale_zero)
         else:
@@ -103,8 +113,7 @@ def quantize_model(model, weights: dict[str, Int4Weight | Int8Weight]) -> None:
     for name, w in weights.items():
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
-        layer = getattr(parent, attr)
-        setattr(parent, attr, QuantLinear(w, layer.bias, layer.weight))
+        setattr(parent, attr, QuantLinear(w, getattr(parent, attr).bias))
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.packed_lm_head = Bf16Linear(weight)
     model.lm_head = None

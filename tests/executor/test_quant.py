@@ -67,6 +67,7 @@ def test_int4_layer_uses_the_zero_point():
     torch.testing.assert_close(out, torch.full((1, 16), 32.0))
 
 
+@pytest.mark.slow
 def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
     from pathlib import Path
 

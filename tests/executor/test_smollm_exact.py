@@ -91,7 +91,7 @@ def test_prompts_are_varied(case):
 
 
 def run(smollm_dir, prompts, block_size=16, chunk_size=None, alone=False):
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=600, block_size=block_size), smollm_dir)
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=600, block_size=block_size, quantization="none"), smollm_dir)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     if alone:
         return [generate(runner, [p], params)[0] for p in prompts]
