@@ -77,10 +77,15 @@ def stop_server(server: Server) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(smollm_dir):
+def default_server(smollm_dir):
     srv = start_server(smollm_dir, "--num-kv-blocks", "512", "--max-num-batched-tokens", "512")
     yield srv
     stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="session")

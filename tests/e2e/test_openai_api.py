@@ -12,6 +12,26 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module", params=["auto", "none"])
+def server(request, smollm_dir):
+    """This file runs against the default server (int4: the packaged Q4_1 GGUF repacked) and
+    against ``--quantization none`` (fp32); the other e2e files use the default one only."""
+    from tests.e2e.conftest import start_server, stop_server
+
+    if request.param == "auto":
+        yield request.getfixturevalue("default_server")
+        return
+    srv = start_server(smollm_dir, "--num-kv-blocks", "512", "--max-num-batched-tokens", "512",
+                       "--quantization", request.param)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
@@ -41,7 +61,7 @@ def test_completion_greedy_stream_equals_non_stream_and_reports_usage(client):
     assert chunks[-1].choices == []
 
 
-def test_chat_greedy_matches_the_in_process_runtime(client, smollm_dir):
+def test_chat_greedy_matches_the_in_process_runtime(client, server, smollm_dir):
     from transformers import AutoTokenizer
 
     from services.executor.offline import generate
@@ -53,7 +73,9 @@ def test_chat_greedy_matches_the_in_process_runtime(client, smollm_dir):
     tok = AutoTokenizer.from_pretrained(smollm_dir)
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=16), smollm_dir)
+    quantization = server.admin("executor", "stats")["quantization"]
+    assert quantization in ("int4", "none")
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization=quantization), smollm_dir)
     expected = generate(runner, [ids], SamplingParams(temperature=0, max_tokens=20), eos_token_id=tok.eos_token_id)[0]
     expected_text = tok.decode([t for t in expected if t != tok.eos_token_id], skip_special_tokens=True)
     assert reply.choices[0].message.role == "assistant"
