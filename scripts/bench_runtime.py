@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.executor.offline import generate  # noqa: E402
 from services.executor.prepare import resolve_model  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="leave the transformers column out")
     args = parser.parse_args()
 
-    from bench_serving import CpuMeter
+    from scripts.cpu_meter import CpuMeter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     meter = CpuMeter()

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from bench_serving import CpuMeter
+    from scripts.cpu_meter import CpuMeter
 
     path = resolve_model(args.model)
     meter = CpuMeter()
