@@ -3,7 +3,8 @@
 The executor's runtime calls ``load_model``; ``prepare.py`` uses ``load_gguf_state`` to turn the
 packaged GGUF into a model folder once. A checkpoint's own quantization (GGUF Q4_1, an AWQ folder,
 folio's int8 folders, or the GGUF a prepared folder came from) is read through
-``quant_formats.py`` and served as it is unless ``--quantization`` says otherwise. Checkpoint names are mapped onto our module names here:
+``quant_formats.py`` and served as it is unless ``--quantization`` says otherwise.
+Checkpoint names are mapped onto our module names here:
 q/k/v and gate/up are concatenated into the fused projections, and the ``model.`` prefix goes.
 """
 
@@ -173,7 +174,7 @@ def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size:
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         out[dst + "self_attn.qkv_proj"] = concat_rows([one(f"{src}self_attn.{p}_proj.weight") for p in "qkv"])
         out[dst + "self_attn.o_proj"] = one(src + "self_attn.o_proj.weight")
-        out[dst + "mlp.gate_up_proj"] = concat_rows([one(src + "mlp.gate_proj.weight"), one(src + "mlp.up_proj.weight")])
+        out[dst + "mlp.gate_up_proj"] = concat_rows([one(src + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
         out[dst + "mlp.down_proj"] = one(src + "mlp.down_proj.weight")
     return out
 

@@ -49,8 +49,10 @@ def calibration_text(path: Path, num_tokens: int, seed: int) -> list[list[int]]:
         prompts = [torch.randint(vocab, (8,), generator=gen).tolist() for _ in CALIBRATION_PROMPTS]
     new = max(1, num_tokens // len(prompts))
     blocks = len(prompts) * ((max(map(len, prompts)) + new) // 16 + 2)
-    runner = ModelRunner(RuntimeConfig(quantization="none", dtype="float32", device="cpu", num_kv_blocks=blocks), str(path))
-    params = [SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=seed + i) for i in range(len(prompts))]
+    runner = ModelRunner(RuntimeConfig(quantization="none", dtype="float32", device="cpu", num_kv_blocks=blocks),
+                         str(path))
+    params = [SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=seed + i)
+              for i in range(len(prompts))]
     outs = generate(runner, prompts, params)
     return [p + o for p, o in zip(prompts, outs)]
 
@@ -90,7 +92,8 @@ def quantize(model_path: Path, out: Path, method: str, group_size: int, num_toke
         model = load_model(model_path, torch.float32, torch.device("cpu"), "none")
         seqs = calibration_text(model_path, num_tokens, seed) if method == "awq" else []
         with tqdm(total=model.spec.num_layers, desc=method, unit="layer", disable=quiet) as bar:
-            quant, changed = awq_quantize(model, seqs, group_size, search=method == "awq", progress=lambda: bar.update(1))
+            quant, changed = awq_quantize(model, seqs, group_size, search=method == "awq",
+                                          progress=lambda: bar.update(1))
         out_state.update(changed)
         for name, w in quant.items():
             base = name[: -len(".weight")]
