@@ -4,8 +4,7 @@ The reference (``--quantization none``, fp32) samples continuations of varied pr
 the text is the same every run; cached under the folio cache folder). Then the reference and each
 configuration teacher-force that text, and for every predicted position we compare the two
 next-token distributions: mean KL(P_ref || P_q), how often the top-1 token agrees, and the ratio
-of perplexities (quantized / reference) on the text. Quantized layers are scored on the packed
-(decode) kernels, the path whose logits are sampled from.
+of perplexities (quantized / reference) on the text.
 
 Exits 1 when a configuration misses its target (see TARGETS), so CI can run it as a gate.
 
@@ -31,7 +30,6 @@ import torch  # noqa: E402
 from services.executor.attention import AttentionMetadata  # noqa: E402
 from services.executor.loader import load_model  # noqa: E402
 from services.executor.prepare import resolve_model  # noqa: E402
-from services.executor.quant_linear import QuantLinear  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration
@@ -143,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     seqs = reference_text(reference, tokenizer, path, args.num_tokens, args.seed)
     ref_lp = [log_probs(reference, s) for s in seqs]
     del reference
-    QuantLinear.max_packed_rows = 1 << 30  # score the decode kernels
     print(f"model={path.name} reference=fp32 (--quantization none) text={sum(len(s) - 1 for s in seqs)} tokens "
           f"in {len(seqs)} sampled sequences")
     print(f"| config | served as | mean KLD | top-1 agree | PPL ratio | target | |")

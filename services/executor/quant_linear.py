@@ -4,10 +4,12 @@ Decode rows go through torch's packed kernels (``_weight_int4pack_mm_for_cpu`` f
 ``_weight_int8pack_mm`` for per-channel int8). Those kernels are fast only with bf16 activations
 (fp32 ones are 10-30x slower), so a quantized layer casts its input to bf16 and its output back:
 the rest of the model (residual stream, norms, attention, the KV pool) stays in the model's dtype
-(fp32 on the CPU by default). The packed kernels lose to a dense GEMM once a call has more
-than ``PACKED_MAX_ROWS`` rows (prefill chunks, big batches); those calls go through an fp32
-oneDNN-packed copy of the same dequantized weights (4 bytes per weight on top of the packed 0.5 or
-1: memory is not what this CPU path saves; decode bandwidth is).
+(fp32 on the CPU by default). Every call, prefill chunks included, goes through the packed
+kernels: they are row-invariant (a row's result is bitwise the same whatever else is in the call,
+tested), so a sequence's tokens do not depend on the batch it shared a step with. A dense GEMM for
+calls above ~8 rows (where the packed kernels lose to it) broke that: 32 concurrent greedy streams
+stopped equalling their solo outputs. So there is no row threshold, and no dense copy: a weight
+costs 0.5 (int4) or 1 (int8) byte plus its scales.
 
 ``loader.py`` calls ``quantize_model``; ``runner.py`` leaves these layers out of oneDNN packing.
 """
@@ -17,12 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.executor.model import cpu_linear_packing_available
 from services.executor.quant_formats import Int4Weight, Int8Weight
 
-# Rows above which a dense GEMM beats the packed kernels: about 8 in a one-thread measurement of
-# SmolLM2's 1536x576 shape on this CPU (AVX-512 bf16); bench_runtime.py shows batches 1, 8 and 32.
-PACKED_MAX_ROWS = 8
 ACT_DTYPE = torch.bfloat16
 REFINE_TOP = 64  # logits per row the LM head recomputes exactly (see Bf16Linear)
 
@@ -37,8 +35,6 @@ def int4_pack_for_cpu(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W held int4 (grouped) or int8 (per channel)."""
 
-    max_packed_rows = PACKED_MAX_ROWS  # scripts/eval_quant.py raises it to score the packed path alone
-
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.q.shape
@@ -46,28 +42,14 @@ class QuantLinear(nn.Module):
         if self.bits == 4:
             self.group_size = weight.group_size
             self.packed, self.scale_zero = int4_pack_for_cpu(weight)
-            served = Int4Weight(weight.q, self.scale_zero[..., 0].t().float(), self.scale_zero[..., 1].t().float(),
-                                weight.group_size)
         else:
             self.packed = weight.q.contiguous()
             self.scale = weight.scale.to(ACT_DTYPE)
-            served = Int8Weight(weight.q, self.scale.float())
-        # Rows past max_packed_rows: the very weights the packed kernel sees (bf16 scales), in fp32
-        # and oneDNN-packed, with the same bf16 input and output rounding, so that a sequence's
-        # tokens do not depend on whether it shared its step with others (batch invariance).
-        dense = served.dequantize()
-        self.dense = torch.ops.mkldnn._reorder_linear_weight(dense, None) if cpu_linear_packing_available() else dense
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
         xa = x.to(ACT_DTYPE)
-        if x.shape[0] > self.max_packed_rows:
-            x32 = xa.float()
-            if cpu_linear_packing_available():
-                y = torch.ops.mkldnn._linear_pointwise(x32, self.dense, None, "none", [], "").to(ACT_DTYPE)
-            else:
-                y = torch.nn.functional.linear(x32, self.dense).to(ACT_DTYPE)
-        elif self.bits == 4:
+        if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scale_zero)
         else:
             y = torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scale)
