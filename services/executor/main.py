@@ -48,7 +48,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, include_model: bool = True
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    return RuntimeConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, block_size=args.block_size,
+    return RuntimeConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                         block_size=args.block_size,
                          num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_memory_bytes,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
