@@ -262,9 +262,12 @@ def _copy_between(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
         return
     src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches[0][0].device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches[0][0].device)
+    # asynchronous only towards a GPU: a device-to-host copy must be complete before the host
+    # scatter reads it
+    non_blocking = dst_caches[0][0].device.type == "cuda"
     for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
-        dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device, non_blocking=True))
-        dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device, non_blocking=True))
+        dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device, non_blocking=non_blocking))
+        dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device, non_blocking=non_blocking))
 
 
 def dense_causal_attention(

@@ -35,7 +35,9 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 def make_runner(model_dir, num_kv_blocks=256, block_size=4, **spec):
     from services.executor.runner import ModelRunner
 
-    config = RuntimeConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, device="cpu", dtype="float32", **spec)
+    # the dense weights (``none``): the SmolLM2 identity checks compare against fp32 plain decoding
+    config = RuntimeConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, device="cpu", dtype="float32",
+                           quantization="none", **spec)
     return ModelRunner(config, model_dir)
 
 

@@ -72,7 +72,8 @@ class LocalEngine:
 def make_runner(model_dir: str, num_kv_blocks: int, block_size: int = 16, num_host_blocks: int = 0,
                 max_num_batched_tokens: int = 512) -> ModelRunner:
     config = RuntimeConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
-                           max_num_batched_tokens=max_num_batched_tokens, device="cpu", dtype="float32")
+                           max_num_batched_tokens=max_num_batched_tokens, device="cpu", dtype="float32",
+                           quantization="none")  # SmolLM2 oracles compare with transformers in fp32
     return ModelRunner(config, model_dir)
 
 

@@ -74,7 +74,8 @@ def test_a_large_schema_compiles_beside_the_steps(chat_model, tok):  # noqa: F81
         during.append(time.perf_counter() - t0)
     compile_s = runner.grammars.stats["grammar_compile_seconds_total"] - warm_s
     assert runner.grammars.stats["num_grammar_compiles"] == 2  # the warm-up's, then the schema's, once
-    assert runner.grammars.stats["grammar_wait_seconds_total"] == 0.0  # no step waited for it
+    # no step waited for it (beyond a sliver when the compile ends just as the request first samples)
+    assert runner.grammars.stats["grammar_wait_seconds_total"] < 0.1 * compile_s, runner.grammars.stats
     # the steps around the compile kept their pace (a stalled loop would show the compile's length)
     assert max(during) < max(4 * usual, usual + 0.5 * compile_s), (usual, during, compile_s)
     engine.run()
