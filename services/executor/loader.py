@@ -184,6 +184,8 @@ def resolve_quantization(requested: str, checkpoint: str, device: torch.device) 
     if requested not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {requested!r}; choose one of {', '.join(QUANT_METHODS)}")
     method = checkpoint if requested == "auto" else requested
+    if requested == "auto" and device.type != "cpu":
+        method = "none"  # the packed layers are CPU kernels: elsewhere auto serves the dense weights
     if method == "fp8":
         raise ValueError("fp8 weights need a CUDA GPU with FP8 support (sm_89+); this build serves fp8 nowhere yet")
     if method != "none" and device.type != "cpu":

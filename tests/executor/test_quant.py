@@ -182,3 +182,12 @@ def test_packed_layers_are_row_invariant(bits):
     for i in range(0, 70, 9):
         assert torch.equal(layer(x[i:i + 1]), full[i:i + 1])
         assert torch.equal(layer(x[i:i + 3]), full[i:i + 3])
+
+
+def test_auto_keeps_the_checkpoint_format_on_the_cpu_and_serves_dense_weights_elsewhere():
+    from services.executor.loader import resolve_quantization
+
+    assert resolve_quantization("auto", "int4", torch.device("cpu")) == "int4"
+    assert resolve_quantization("auto", "int4", torch.device("cuda")) == "none"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("int4", "none", torch.device("cuda"))
