@@ -65,7 +65,7 @@ def test_a_large_schema_compiles_beside_the_steps(chat_model, tok):  # noqa: F81
     usual = statistics.median(gaps)
     # its long prompt is computed in chunks (the token budget): the compile runs meanwhile
     grammar = check_spec(GuidedSpec(kind="json_schema", spec=json.dumps(large_schema(150))))
-    prompt = tok.hf.encode("Fill in the form. " * 30)
+    prompt = tok.hf.encode("Fill in the form. " * 60)  # ~300 tokens: a dozen chunked steps
     engine.add(engine_request("big", prompt, max_tokens=30, eos_token_id=tok.eos_token_id, grammar=grammar))
     during = []
     while runner.grammars.stats["num_grammar_compiles"] == 1 or not engine.outputs["big"].token_ids:
@@ -74,8 +74,9 @@ def test_a_large_schema_compiles_beside_the_steps(chat_model, tok):  # noqa: F81
         during.append(time.perf_counter() - t0)
     compile_s = runner.grammars.stats["grammar_compile_seconds_total"] - warm_s
     assert runner.grammars.stats["num_grammar_compiles"] == 2  # the warm-up's, then the schema's, once
-    # no step waited for it (beyond a sliver when the compile ends just as the request first samples)
-    assert runner.grammars.stats["grammar_wait_seconds_total"] < 0.1 * compile_s, runner.grammars.stats
+    # the compile overlapped the steps: its request waited for at most a part of it at its first
+    # sample (a blocking compile waits for all of it); a quiet machine compiles this in ~30 ms
+    assert runner.grammars.stats["grammar_wait_seconds_total"] < 0.5 * compile_s, runner.grammars.stats
     # the steps around the compile kept their pace (a stalled loop would show the compile's length)
     assert max(during) < max(4 * usual, usual + 0.5 * compile_s), (usual, during, compile_s)
     engine.run()
