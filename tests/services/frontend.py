@@ -154,6 +154,14 @@ async def front_half(script=None, api_key: str | None = None, served_model_name:
                                               served_model_name=served_model_name, admin_timeout_s=0.1,
                                               probed_services=("tokenizer",), **gateway_options), ctx)
     app = build_app(gw_service)
+
+    async def until_probed(app):
+        # a busy machine may start the tokenizer's admin socket after the gateway's first probe:
+        # the test's first request must not meet a 503 for a service that is merely starting
+        await wait_for(lambda: not gw_service.health.down(), timeout_s=60.0)
+        yield
+
+    app.cleanup_ctx.append(until_probed)  # after the gateway's own start
     tasks = [asyncio.ensure_future(tok_service.run()), asyncio.ensure_future(scheduler.run())]
     try:
         yield FrontHalf(ctx, endpoints, tok_service, scheduler, gw_service, app, tasks)
