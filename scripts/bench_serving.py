@@ -48,10 +48,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.executor.offline import generate  # noqa: E402
-from services.executor.prepare import resolve_model  # noqa: E402
 from services.executor.runner import ModelRunner  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from shared.messages import SamplingParams  # noqa: E402
+from shared.models import resolve_model  # noqa: E402
 from scripts.cpu_meter import CpuMeter  # noqa: E402
 from tests.e2e.conftest import Server, start_server, stop_server  # noqa: E402
 

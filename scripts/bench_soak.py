@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_model() -> str:
-    from services.executor.prepare import prepare_default_model
+    from shared.models import prepare_default_model
     from tests.services.backhalf import write_tiny_chat_model
 
     return write_tiny_chat_model(tempfile.mkdtemp(prefix="folio-soak-"), str(prepare_default_model()))

@@ -10,7 +10,7 @@ the ratio, and the mean accepted length (tokens per verification: accepted draft
 - n-gram prompt lookup on a repetitive workload: copy or extract from a long document given in
   the prompt, where the output repeats the input;
 - a draft model: SmolLM2's own first ``--draft-layers`` layers with its embeddings and head
-  (``prepare.truncate_layers``; an early-exit draft, not one trained for the job), on the same
+  (``shared.models.truncate_layers``; an early-exit draft, not one trained for the job), on the same
   workload;
 - the target as its own draft ("self"): every draft is accepted, so it shows the ceiling of the
   accepted length and what drafting at the target's cost does to the speed.
@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor.prepare import resolve_model, truncate_layers  # noqa: E402
 from services.executor.runner import ModelRunner  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir  # noqa: E402
+from shared.models import resolve_model, truncate_layers  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request  # noqa: E402
 
 DOCUMENT = (

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 from services.executor.attention import AttentionMetadata  # noqa: E402
 from services.executor.loader import load_model  # noqa: E402
-from services.executor.prepare import resolve_model  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
+from shared.models import resolve_model  # noqa: E402
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration
 TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.98), "awq": (0.05, 0.90), "int4-g": (None, None)}

@@ -21,11 +21,9 @@ import importlib
 import json
 import sys
 
-import zmq
-
+from shared import loops
 from shared.config import Endpoints, default_run_dir
-from shared.messages import AdminReply, AdminRequest
-from shared.transport import Decoder, MalformedMessage, encode, make_socket
+from shared.messages import AdminReply
 
 RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
 # admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         parser.error(f"run needs a service: {', '.join(RUNNABLE)}")
     if args.command == "prepare":
-        from services.executor.prepare import main as prepare_main
+        from shared.models import main as prepare_main
 
         return prepare_main(["--force"] if args.force else [])
     if args.command == "health":
@@ -132,17 +130,7 @@ def http_health(url: str, timeout_s: float) -> int:
 
 def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
     """One AdminRequest to ``service``'s admin socket; None when it does not answer in time."""
-    ctx = zmq.Context.instance()
-    sock = make_socket(ctx, zmq.DEALER, getattr(endpoints, f"admin_{service}"))
-    try:
-        sock.send(encode(AdminRequest(command=command, args=call_args)))
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        return Decoder(AdminReply).decode(sock.recv())
-    except MalformedMessage:
-        return None
-    finally:
-        sock.close(linger=0)
+    return loops.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s)
 
 
 def admin_command(args: argparse.Namespace, service: str) -> int:

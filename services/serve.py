@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from shared.config import DEFAULT_MODEL_NAME, Endpoints, default_run_dir
+from shared.loops import admin_call
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")  # start order
 LOCK_NAME = "serve.lock"
@@ -131,7 +132,7 @@ def _die_with_parent() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from services.executor.prepare import resolve_model
+    from shared.models import resolve_model
     from services.supervise import Supervisor
 
     try:
@@ -183,19 +184,16 @@ def claim_run_dir(run_dir: Path) -> int | None:
 
 
 def _someone_answers(endpoints: Endpoints) -> bool:
-    from services.cli import admin_call
-
     return Path(endpoints.admin_kvmanager.removeprefix("ipc://")).exists() and \
-        admin_call(endpoints, "kvmanager", "ping", {}, 0.3) is not None
+        admin_call(endpoints.admin_kvmanager, "ping", {}, 0.3) is not None
 
 
 def _say_when_ready(endpoints: Endpoints, args: argparse.Namespace) -> None:
     """Startup only (a side thread): print one line once every service answers and the pool is up."""
-    from services.cli import admin_call
-
     waiting = list(SERVICES)
     while waiting:
-        reply = admin_call(endpoints, waiting[0], "stats" if waiting[0] == "scheduler" else "ping", {}, 1.0)
+        reply = admin_call(getattr(endpoints, f"admin_{waiting[0]}"),
+                           "stats" if waiting[0] == "scheduler" else "ping", {}, 1.0)
         if reply is not None and reply.data.get("pool_ready", True):
             waiting.pop(0)
         else:

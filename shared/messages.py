@@ -25,7 +25,7 @@ import msgspec
 
 
 class Grammar(msgspec.Struct, frozen=True, kw_only=True):
-    """A structured-output spec the tokenizer checked (``services/grammar.py``); the executor
+    """A structured-output spec the tokenizer checked (``shared/grammar.py``); the executor
     compiles it against the vocabulary once per ``key`` (a hash of kind and spec)."""
 
     key: str

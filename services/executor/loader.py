@@ -1,6 +1,6 @@
 """Weight loading: a Hugging Face folder (config.json + safetensors) or a GGUF file.
 
-The executor's runtime calls ``load_model``; ``prepare.py`` uses ``load_gguf_state`` to turn the
+The executor's runtime calls ``load_model``; ``shared/models.py`` uses ``load_gguf_state`` to turn the
 packaged GGUF into a model folder once. A checkpoint's own quantization (GGUF Q4_1, an AWQ folder,
 folio's int8 folders, or the GGUF a prepared folder came from) is read through
 ``quant_formats.py`` and served as it is unless ``--quantization`` says otherwise.
@@ -21,6 +21,7 @@ from services.executor.quant_formats import (
     quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,
 )
 from services.executor.quant_linear import quantize_model
+from shared.models import load_gguf_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,17 +57,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     for name in files:
         state.update(load_file(folder / name))
     return state
-
-
-def load_gguf_state(path: Path) -> tuple[object, dict[str, torch.Tensor]]:
-    """Dequantize a GGUF checkpoint through transformers; returns (config, HF-named state dict)."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    config = hf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are dequantized now
-    return config, {k: v.detach() for k, v in hf_model.state_dict().items()}
 
 
 def remap_state_dict(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -138,7 +128,7 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
 
 def prepared_source(folder: Path) -> Path | None:
     """The GGUF a prepared folder was dequantized from, when it is still there."""
-    from services.executor.prepare import MARKER, default_model_dir, packaged_gguf
+    from shared.models import MARKER, default_model_dir, packaged_gguf
 
     marker = folder / MARKER
     if not marker.exists():

@@ -8,9 +8,10 @@ import sys
 
 import zmq.asyncio
 
-from services.common import add_common_args, run_until_signal
 from shared.config import DEFAULT_MODEL_NAME, Endpoints, ExecutorServiceConfig, RuntimeConfig, log_json_from_env
+from shared.flags import add_common_args
 from shared.logs import setup_logging
+from shared.loops import run_until_signal
 
 
 def add_runtime_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
@@ -61,7 +62,7 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
 
 
 def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argparse.Namespace]:
-    from services.executor.prepare import resolve_model
+    from shared.models import resolve_model
 
     parser = argparse.ArgumentParser(prog="folio run executor", description="the model runtime service")
     add_runtime_args(parser)

@@ -22,11 +22,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.common import close_sockets, serve_admin, serve_router
 from services.executor.runner import ModelRunner
 from shared.config import ExecutorServiceConfig
+from shared.loops import close_sockets, receive_reply, serve_admin, serve_router
 from shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
-from shared.transport import Decoder, MalformedMessage, encode, make_socket
+from shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()
 REGISTER_EVERY_S = 1.0
@@ -73,12 +73,9 @@ class ExecutorService:
         registered = False
         while True:
             await self.send_to_kvmanager.send(message)
-            while await self.send_to_kvmanager.poll(int(REGISTER_EVERY_S * 1000), zmq.POLLIN):
-                try:
-                    info = decoder.decode(await self.send_to_kvmanager.recv())
-                except MalformedMessage as exc:
-                    log.warning("malformed reply dropped", socket="kvmanager", error=str(exc))
-                    continue
+            # every reply until a silence of REGISTER_EVERY_S, then tell it again
+            while (info := await receive_reply(self.send_to_kvmanager, decoder, log, REGISTER_EVERY_S,
+                                               socket_name="kvmanager")) is not None:
                 if info.epoch == self.epoch and not registered:
                     registered = True
                     log.info("pool registered", num_blocks=info.num_blocks, block_size=info.block_size,

@@ -186,7 +186,7 @@ def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype,
         raise ValueError("--speculative-model needs --num-speculative-tokens of at least 1")
     if name == "ngram":
         return NgramProposer(k, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-    from services.executor.prepare import resolve_model
+    from shared.models import resolve_model
 
     num_blocks = config.num_draft_kv_blocks or num_target_blocks
     return DraftModelProposer(str(resolve_model(name)), k, target_spec.vocab_size, config.block_size, num_blocks,

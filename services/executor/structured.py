@@ -1,7 +1,7 @@
 """Structured output in the executor: grammars compiled against the vocabulary, a matcher per
 request, and the allowed-token mask.
 
-The tokenizer service checks each request's spec (``services/grammar.py``) and sends it in
+The tokenizer service checks each request's spec (``shared/grammar.py``) and sends it in
 ``SamplingParams.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
 (an LRU), with xgrammar's dynamic compilation (token masks computed as states are first visited,
 so even a large schema compiles in tens of milliseconds). The compile starts in a worker thread
@@ -58,7 +58,7 @@ class GrammarStore:
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
-        from services.grammar import tokenizer_info
+        from shared.grammar import tokenizer_info
 
         path = Path(self.model_path)
         try:
@@ -87,7 +87,7 @@ class GrammarStore:
             return future
 
     def _compile(self, grammar: Grammar):
-        from services.grammar import compile_grammar
+        from shared.grammar import compile_grammar
 
         t0 = time.perf_counter()
         compiled = compile_grammar(self._compiler.result(), grammar)

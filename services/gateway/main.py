@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import sys
 
-from services.common import add_common_args
 from shared.config import (
     DEFAULT_MODEL_NAME,
     Endpoints,
@@ -17,6 +16,7 @@ from shared.config import (
     api_key_from_env,
     log_json_from_env,
 )
+from shared.flags import add_common_args
 from shared.logs import setup_logging
 
 
@@ -68,7 +68,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.common import run_until_signal
+    from shared.loops import run_until_signal
     from services.gateway.app import serve
 
     config = parse_config(argv)

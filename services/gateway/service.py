@@ -21,19 +21,18 @@ import asyncio
 import time
 from collections import OrderedDict
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
-from services.common import close_sockets, serve_admin
 from services.gateway.health import HealthMonitor
 from services.gateway.mailbox import OutputMailbox
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from shared.config import GatewayConfig
-from shared.messages import AbortRequest, AdminReply, AdminRequest, GenerateRequest, TextBatch, TextDelta
-from shared.transport import Decoder, MalformedMessage, encode, make_socket
+from shared.loops import ask_admin, close_sockets, serve_admin, serve_pull
+from shared.messages import AbortRequest, GenerateRequest, TextBatch, TextDelta
+from shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 NUM_REMEMBERED_STRAYS = 4096  # req_ids of stray deltas already aborted (bounded)
@@ -81,19 +80,11 @@ class GatewayService:
         close_sockets(self.send_to_tokenizer, self.recv_from_tokenizer, self.recv_from_admin)
 
     async def _receive(self) -> None:
-        while True:
-            data = await self.recv_from_tokenizer.recv()
-            try:
-                message = self.decoder.decode(data)
-            except MalformedMessage as exc:
-                self.stats["num_malformed"] += 1
-                log.warning("malformed message dropped", error=str(exc), num_bytes=len(data),
-                            req_ids=_sniff_req_ids(data))
-                continue
-            try:
-                self.handlers[type(message)](message)
-            except Exception:
-                log.exception("handler failed; message dropped", type=type(message).__name__)
+        await serve_pull(self.recv_from_tokenizer, self.decoder, self.handlers, log, "tokenizer",
+                         on_malformed=self._count_malformed)
+
+    def _count_malformed(self) -> None:
+        self.stats["num_malformed"] += 1
 
     def handle_text_batch(self, batch: TextBatch) -> None:
         now = time.monotonic()
@@ -206,28 +197,5 @@ class GatewayService:
 
     async def ask_admin(self, address: str, command: str, timeout: float) -> dict | None:
         """``AdminReply.data`` of a service, or None when it is absent, slow or says no."""
-        sock = make_socket(self.ctx, zmq.DEALER, address)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            await sock.send(encode(AdminRequest(command=command)))
-            if not await sock.poll(int(timeout * 1000), zmq.POLLIN):
-                return None
-            reply = msgspec.msgpack.decode(await sock.recv(), type=AdminReply)
-            return reply.data if reply.ok else None
-        except (zmq.ZMQError, msgspec.MsgspecError) as exc:
-            log.debug("admin query failed", address=address, error=str(exc))
-            return None
-        finally:
-            sock.close()
-
-
-def _sniff_req_ids(data: bytes) -> list[str] | None:
-    """The req_ids in a batch that failed validation, when it is readable msgpack at all."""
-    try:
-        raw = msgspec.msgpack.decode(data)
-    except msgspec.MsgspecError:
-        return None
-    deltas = raw.get("deltas") if isinstance(raw, dict) else None
-    if not isinstance(deltas, list):
-        return None
-    return [d["req_id"] for d in deltas if isinstance(d, dict) and isinstance(d.get("req_id"), str)]
+        reply = await ask_admin(self.ctx, address, command, None, timeout, log)
+        return reply.data if reply is not None and reply.ok else None

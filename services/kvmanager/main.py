@@ -8,9 +8,10 @@ import sys
 
 import zmq.asyncio
 
-from services.common import add_common_args, run_until_signal
 from shared.config import Endpoints, KVManagerConfig, log_json_from_env
+from shared.flags import add_common_args
 from shared.logs import setup_logging
+from shared.loops import run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[KVManagerConfig, argparse.Namespace]:

@@ -28,10 +28,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.common import close_sockets, reply, serve_admin, serve_router
 from shared.config import KVManagerConfig
 from shared.kv.allocator import BlockAllocator
 from shared.kv.steplog import StepLog
+from shared.loops import close_sockets, reply, serve_admin, serve_router
 from shared.messages import (
     KV_EVENTS_TOPIC,
     AllBlocksCleared,

@@ -10,8 +10,8 @@ import argparse
 import asyncio
 import sys
 
-from services.common import add_common_args
 from shared.config import DEFAULT_MODEL_NAME, Endpoints, RouterConfig, log_json_from_env
+from shared.flags import add_common_args
 from shared.logs import setup_logging
 
 
@@ -71,7 +71,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 def main(argv: list[str] | None = None) -> int:
     import zmq.asyncio
 
-    from services.common import run_until_signal
+    from shared.loops import run_until_signal
     from services.router.prompt import PromptEncoder
     from services.router.service import RouterService
 
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     log = setup_logging("router", config.log_json, config.log_level)
     encoder = None
     if config.policy == "cache_aware":
-        from services.executor.prepare import resolve_model
-        from services.tokenizer.text import TextTokenizer
+        from shared.models import resolve_model
+        from shared.text import TextTokenizer
 
         try:
             encoder = PromptEncoder(TextTokenizer(resolve_model(config.model)))

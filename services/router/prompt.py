@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from services.tokenizer.text import TextTokenizer
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from shared.text import TextTokenizer
 
 
 class PromptEncoder:

@@ -30,8 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.router.index import KVIndex
 from shared.config import RouterConfig
+from shared.loops import request
 from shared.messages import KV_EVENTS_TOPIC, KVEventBatch, KVSnapshot, KVSnapshotRequest
-from shared.transport import Decoder, MalformedMessage, encode, make_socket
+from shared.transport import Decoder, MalformedMessage, make_socket
 
 log = structlog.get_logger()
 
@@ -232,16 +233,19 @@ class ReplicaSet:
     async def _resync(self, replica: Replica) -> None:
         dealer = make_socket(self.ctx, zmq.DEALER, replica.kv_snapshot)
         try:
-            await dealer.send(encode(KVSnapshotRequest()))
-            snapshot = self._snapshot_decoder.decode(await asyncio.wait_for(dealer.recv(), SNAPSHOT_TIMEOUT_S))
-        except (asyncio.TimeoutError, MalformedMessage, zmq.ZMQError) as exc:
-            log.warning("no kv snapshot; the replica's view starts empty", replica=replica.name,
-                        error=type(exc).__name__)
+            snapshot = await request(dealer, KVSnapshotRequest(), self._snapshot_decoder, log, SNAPSHOT_TIMEOUT_S,
+                                     socket_name="kv_snapshot")
+        except zmq.ZMQError as exc:
+            snapshot, error = None, type(exc).__name__
+        else:
+            error = "TimeoutError"
+        finally:
+            dealer.close(linger=0)
+        if snapshot is None:
+            log.warning("no kv snapshot; the replica's view starts empty", replica=replica.name, error=error)
             if replica.name in self.replicas:
                 self.index.start_empty(replica.name)
             return
-        finally:
-            dealer.close(linger=0)
         if replica.name in self.replicas:
             self.index.apply_snapshot(replica.name, snapshot)
             self.metrics.indexed_blocks.labels(replica.name).set(len(self.index.view(replica.name).block_hashes))

@@ -24,13 +24,13 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from services.common import close_sockets, serve_admin
 from services.router.index import KVIndex
 from services.router.metrics import RouterMetrics
 from services.router.prompt import PromptEncoder
 from services.router.replicas import Replica, ReplicaSet
 from services.router.routing import Decision, Router
 from shared.config import RouterConfig
+from shared.loops import close_sockets, serve_admin
 from shared.transport import make_socket
 
 log = structlog.get_logger()

@@ -24,9 +24,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.common import close_sockets, serve_admin, sniff_req_id
 from services.scheduler.policy import Scheduler, StepOutput
 from shared.config import SchedulerConfig
+from shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
 from shared.messages import (
     AbortRequest,
     EngineRequest,
@@ -39,7 +39,7 @@ from shared.messages import (
     TokenBatch,
     TokenDelta,
 )
-from shared.transport import Decoder, MalformedMessage, encode, make_socket
+from shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()
 
@@ -122,8 +122,7 @@ class SchedulerService:
         plan = sched.build_plan(out)
         t1 = time.perf_counter()
         timers["plan_seconds_total"] += t1 - t0
-        result = await self.call(self.send_to_executor, self.executor_decoder, plan, StepResult, out.step_id,
-                                 check_s=self.executor_check_s)
+        result = await self.call_executor(plan, out.step_id, self.executor_check_s)
         t2 = time.perf_counter()
         timers["executor_wait_seconds_total"] += t2 - t1
         if result is None or (result.epoch and result.epoch != sched.pool.epoch):
@@ -177,21 +176,19 @@ class SchedulerService:
         return await asyncio.wait_for(self.kv_reply, timeout_s)
 
     async def receive_from_kvmanager(self) -> None:
-        while True:
-            data = await self.send_to_kvmanager.recv()
-            try:
-                msg = self.kvmanager_decoder.decode(data)
-            except MalformedMessage as exc:
-                log.warning("malformed reply dropped", socket="kvmanager", error=str(exc))
-                continue
-            if isinstance(msg, PoolInfo):
-                if self.kv_reply is not None and not self.kv_reply.done():
-                    self.kv_reply.set_result(msg)
-            elif isinstance(msg, KVClearCache):
-                self.scheduler.clear_cache()
-                self.wake.set()
-            else:
-                self.check_digest(msg)
+        """The kvmanager's messages as they come: ``PoolInfo`` answers ``kv_call``, ``KVClearCache``
+        clears the cache in the next log, ``KVStepReply`` carries a step's digest."""
+        await serve_pull(self.send_to_kvmanager, self.kvmanager_decoder,
+                         {PoolInfo: self.handle_pool_info, KVClearCache: self.handle_clear_cache,
+                          KVStepReply: self.check_digest}, log, "kvmanager")
+
+    def handle_pool_info(self, info: PoolInfo) -> None:
+        if self.kv_reply is not None and not self.kv_reply.done():
+            self.kv_reply.set_result(info)
+
+    def handle_clear_cache(self, msg: KVClearCache) -> None:
+        self.scheduler.clear_cache()
+        self.wake.set()
 
     def check_digest(self, reply: KVStepReply) -> None:
         if reply.generation != self.generation or self.resync_reason is not None:
@@ -206,27 +203,17 @@ class SchedulerService:
             log.error("kvmanager out of sync", step_id=reply.step_id, reason=self.resync_reason)
             self.wake.set()
 
-    async def call(self, sock, decoder: Decoder, request, reply_type: type, step_id: int | None = None,
-                   check_s: float | None = None):
-        """One request/reply on a DEALER: malformed or stale replies are logged and skipped. With
-        ``check_s``, a reply slower than that checks for an executor restart (None if it did)."""
-        await sock.send(encode(request))
+    async def call_executor(self, plan, step_id: int, check_s: float):
+        """The plan's ``StepResult`` (malformed or stale replies are skipped); a reply slower than
+        ``check_s`` checks for an executor restart (None if it did)."""
+        await self.send_to_executor.send(encode(plan))
         while True:
-            if check_s is not None:
-                while not await sock.poll(int(check_s * 1000), zmq.POLLIN):
-                    if await self.executor_restarted():
-                        return None
-            data = await sock.recv()
-            try:
-                reply = decoder.decode(data)
-            except MalformedMessage as exc:
-                log.warning("malformed reply dropped", type=reply_type.__name__, error=str(exc))
-                continue
-            if not isinstance(reply, reply_type) or (step_id is not None and reply.step_id != step_id):
-                log.warning("unexpected reply dropped", expected=reply_type.__name__, got=type(reply).__name__,
-                            step_id=step_id)
-                continue
-            return reply
+            result = await receive_reply(self.send_to_executor, self.executor_decoder, log, check_s,
+                                         accept=lambda r: r.step_id == step_id, socket_name="executor")
+            if result is not None:
+                return result
+            if await self.executor_restarted():
+                return None
 
     async def executor_restarted(self) -> bool:
         try:
@@ -240,18 +227,7 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ from the tokenizer
     async def receive_from_tokenizer(self) -> None:
-        while True:
-            data = await self.recv_from_tokenizer.recv()
-            try:
-                msg = self.tokenizer_decoder.decode(data)
-            except MalformedMessage as exc:
-                log.warning("malformed message dropped", socket="tokenizer", error=str(exc), num_bytes=len(data),
-                            req_id=sniff_req_id(data))
-                continue
-            try:
-                await self.handlers[type(msg)](msg)
-            except Exception:
-                log.exception("handler failed; message dropped", req_id=getattr(msg, "req_id", None))
+        await serve_pull(self.recv_from_tokenizer, self.tokenizer_decoder, self.handlers, log, "tokenizer")
 
     async def handle_engine_request(self, msg: EngineRequest) -> None:
         refusals = self.scheduler.add_request(msg)

@@ -9,13 +9,13 @@ import argparse
 import asyncio
 import sys
 
-from services.common import add_common_args
 from shared.config import (
     DEFAULT_MODEL_NAME,
     Endpoints,
     TokenizerConfig,
     log_json_from_env,
 )
+from shared.flags import add_common_args
 from shared.logs import setup_logging
 
 
@@ -31,10 +31,10 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.common import run_until_signal
-    from services.executor.prepare import resolve_model
+    from shared.loops import run_until_signal
+    from shared.models import resolve_model
     from services.tokenizer.service import TokenizerService
-    from services.tokenizer.text import TextTokenizer
+    from shared.text import TextTokenizer
 
     config = parse_config(argv)
     log = setup_logging("tokenizer", config.log_json, config.log_level)

@@ -11,7 +11,7 @@ Peers (``shared.config.Endpoints``):
 
 All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
 The exception is structured output: a request whose spec was not seen before waits while a
-worker thread checks it (``services/grammar.py``), and the loop goes on serving everybody else.
+worker thread checks it (``shared/grammar.py``), and the loop goes on serving everybody else.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.common import close_sockets, serve_admin
-from services.grammar import GrammarChecker, GrammarError
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
-from services.tokenizer.text import RequestError, TextTokenizer
 from shared.config import TokenizerConfig
+from shared.grammar import GrammarChecker, GrammarError
+from shared.loops import close_sockets, serve_admin, serve_pull
 from shared.messages import (
     AbortRequest,
     EngineRequest,
@@ -37,7 +36,8 @@ from shared.messages import (
     TextDelta,
     TokenBatch,
 )
-from shared.transport import Decoder, MalformedMessage, encode, make_socket
+from shared.text import RequestError, TextTokenizer
+from shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 NUM_REMEMBERED_ENDED = 4096  # req_ids recently aborted here, whose late tokens need no new abort
@@ -74,8 +74,8 @@ class TokenizerService:
         log.info("tokenizer ready", max_model_len=self.tokenizer.max_model_len,
                  inbox=self.config.endpoints.tokenizer_in)
         try:
-            while True:
-                self.dispatch(await self.recv_from_pipeline.recv())
+            await serve_pull(self.recv_from_pipeline, self.decoder, self.handlers, log, "pipeline",
+                             on_malformed=self._count_malformed, on_error=self._on_handler_error)
         finally:
             admin.cancel()
 
@@ -83,22 +83,14 @@ class TokenizerService:
         self.grammars.close()
         close_sockets(self.recv_from_pipeline, self.send_to_scheduler, self.send_to_gateway, self.recv_from_admin)
 
-    def dispatch(self, data: bytes) -> None:
-        """Decode and handle one message; a malformed one or a failing handler never stops us."""
-        try:
-            message = self.decoder.decode(data)
-        except MalformedMessage as exc:
-            self.stats["num_malformed"] += 1
-            log.warning("malformed message dropped", error=str(exc), num_bytes=len(data), req_id=_sniff_req_id(data))
-            return
-        try:
-            self.handlers[type(message)](message)
-        except Exception:
-            log.exception("handler failed; message dropped", type=type(message).__name__,
-                          req_id=getattr(message, "req_id", None))
-            if isinstance(message, GenerateRequest):
-                for choice_id in (message.req_id, *message.fork_req_ids):
-                    self._reply_error(choice_id, "internal error while tokenizing", 500)
+    def _count_malformed(self) -> None:
+        self.stats["num_malformed"] += 1
+
+    def _on_handler_error(self, message) -> None:
+        """A request whose handling failed still gets an answer: an error for each of its choices."""
+        if isinstance(message, GenerateRequest):
+            for choice_id in (message.req_id, *message.fork_req_ids):
+                self._reply_error(choice_id, "internal error while tokenizing", 500)
 
     def handle_generate(self, req: GenerateRequest) -> None:
         self.stats["num_generate"] += 1
@@ -199,11 +191,3 @@ class TokenizerService:
         delta = TextDelta(req_id=req_id, finish_reason="error", error=message, error_code=code, error_param=param)
         self.send_to_gateway.send(encode(TextBatch(deltas=[delta])))
 
-
-def _sniff_req_id(data: bytes) -> str | None:
-    """The req_id of a message that failed validation, when it is readable msgpack at all."""
-    try:
-        raw = msgspec.msgpack.decode(data)
-    except msgspec.MsgspecError:
-        return None
-    return raw.get("req_id") if isinstance(raw, dict) and isinstance(raw.get("req_id"), str) else None

@@ -72,7 +72,7 @@ def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
     from pathlib import Path
 
     from services.executor.loader import load_hf_config, read_safetensors
-    from services.executor.prepare import packaged_gguf
+    from shared.models import packaged_gguf
 
     dense = read_safetensors(Path(smollm_dir))  # transformers' own dequantization of the GGUF
     method, quant = read_gguf_quant(packaged_gguf(), load_hf_config(Path(smollm_dir)))

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from services.executor.spec_decode import NgramProposer
+from shared.config import RuntimeConfig
 from shared.kv.allocator import cdiv
 from shared.messages import KVTruncate
-from shared.config import RuntimeConfig
 from tests.conftest import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request
 
@@ -256,7 +256,7 @@ def smollm_prompts(smollm_dir):
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts, tmp_path_factory, proposer):
     """The issue's check: SmolLM2-135M-Instruct, greedy, alone (batch 1) and all together."""
-    from services.executor.prepare import truncate_layers
+    from shared.models import truncate_layers
 
     prompts, eos = smollm_prompts
     reqs = [engine_request(f"p{i}", p, n, eos_token_id=eos) for i, (p, n) in enumerate(prompts)]

@@ -18,7 +18,8 @@ from services.executor.service import ExecutorService
 from services.kvmanager.service import KVManagerService
 from services.scheduler.service import SchedulerService
 from shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
-from shared.messages import AdminReply, AdminRequest, EngineRequest, SamplingParams, TokenBatch
+from shared.loops import QUIET, ask_admin
+from shared.messages import AdminReply, EngineRequest, SamplingParams, TokenBatch
 from shared.transport import Decoder, encode, make_socket
 
 
@@ -39,13 +40,9 @@ def short_run_dir() -> str:
 
 
 async def admin_call(ctx: zmq.asyncio.Context, address: str, command: str, timeout_s: float = 5.0, **args) -> AdminReply:
-    sock = make_socket(ctx, zmq.DEALER, address)
-    try:
-        await sock.send(encode(AdminRequest(command=command, args=args)))
-        data = await asyncio.wait_for(sock.recv(), timeout_s)
-        return Decoder(AdminReply).decode(data)
-    finally:
-        sock.close(linger=0)
+    reply = await ask_admin(ctx, address, command, args, timeout_s, QUIET)
+    assert reply is not None, f"{address} did not answer {command!r} within {timeout_s}s"
+    return reply
 
 
 class BackHalf:

@@ -17,10 +17,10 @@ import zmq
 import zmq.asyncio
 
 from shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, TokenizerConfig
+from shared.loops import QUIET, ask_admin
 from shared.messages import (
     AbortRequest,
     AdminReply,
-    AdminRequest,
     EngineRequest,
     TokenBatch,
     TokenDelta,
@@ -34,8 +34,8 @@ SCRIPT_TEXT = " The answer is 42. END of the story, told twice over and over aga
 @lru_cache(maxsize=1)
 def text_tokenizer():
     """The real SmolLM2 tokenizer (loaded once per test process: ~1 s)."""
-    from services.executor.prepare import resolve_model
-    from services.tokenizer.text import TextTokenizer
+    from shared.models import resolve_model
+    from shared.text import TextTokenizer
 
     return TextTokenizer(resolve_model(DEFAULT_MODEL_NAME))
 
@@ -185,12 +185,9 @@ def _with_max_model_len(tokenizer, max_model_len: int):
 
 
 async def admin_call(ctx, address: str, command: str, timeout_s: float = 5.0) -> AdminReply:
-    sock = make_socket(ctx, zmq.DEALER, address)
-    try:
-        await sock.send(encode(AdminRequest(command=command)))
-        return Decoder(AdminReply).decode(await asyncio.wait_for(sock.recv(), timeout_s))
-    finally:
-        sock.close(linger=0)
+    reply = await ask_admin(ctx, address, command, None, timeout_s, QUIET)
+    assert reply is not None, f"{address} did not answer {command!r} within {timeout_s}s"
+    return reply
 
 
 async def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.01) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from services.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
+from shared.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
 from shared.messages import GuidedSpec  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_engine import chat_model, tok  # noqa: E402,F401  (fixtures)

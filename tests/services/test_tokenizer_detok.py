@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
-from services.tokenizer.text import RequestError
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
+from shared.text import RequestError
 from tests.services.frontend import text_tokenizer
 
 MIXED = "Hello 😀 世界 café — naïve 🧑‍🚀 done.\n  Indented ∑ 日本語のテキスト"

@@ -1,7 +1,9 @@
-"""The model's tokenizer as the tokenizer service uses it: the HF tokenizer and chat template of a
-model folder (or .gguf file), prompt encoding, the context-length check, and token bytes.
+"""The model's tokenizer: the HF tokenizer and chat template of a model folder (or .gguf file),
+prompt encoding, the context-length check, and token bytes.
 
-``service.py`` builds one ``TextTokenizer`` at start; tests build it directly (~1 s for SmolLM2).
+The tokenizer service (``services/tokenizer/service.py``) builds one ``TextTokenizer`` at start;
+the router builds one to hash prompts as the replicas do (``services/router/prompt.py``); tests
+build it directly (~1 s for SmolLM2).
 """
 
 from __future__ import annotations

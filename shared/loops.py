@@ -1,0 +1,234 @@
+"""The socket loops every service runs, written once: serve a ROUTER (decode, dispatch by type,
+reply to the sender's envelope), serve a single-frame socket (PULL or DEALER: receive, decode,
+dispatch), request/reply with a deadline (the admin calls of the gateway, the CLI and the
+launcher; the scheduler's and executor's calls to their peers), answer admin requests, and run
+until SIGTERM/SIGINT.
+
+Malformed messages are logged and dropped here, once, naming the request(s) they were about when
+the bytes are readable msgpack at all (``sniff_req_ids``); a failing handler is logged and the
+loop goes on, so each service only writes handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from shared.messages import AdminReply, AdminRequest
+from shared.transport import Decoder, MalformedMessage, encode, make_socket
+
+# A ROUTER handler gets the decoded message and the sender's envelope (routing frames); it returns
+# the reply to send, or None when there is none (yet: a deferred reply keeps the envelope).
+Handler = Callable[[object, list[bytes]], Awaitable[object | None] | object | None]
+# A single-frame socket's handler gets the message alone; nothing goes back on that socket.
+StreamHandler = Callable[[object], Awaitable[None] | None]
+
+_admin_decoder = Decoder(AdminRequest)
+_admin_reply_decoder = Decoder(AdminReply)
+# this process's name for itself: a ``ping`` answers it, so that a prober tells a restarted service
+# (a new instance, its state gone) from one that was only slow (in a container the pid is always 1)
+INSTANCE = uuid.uuid4().hex
+# for callers whose output is the reply alone (the CLI): failures there are a None, not a log line
+QUIET = structlog.wrap_logger(structlog.ReturnLogger(), processors=[])
+
+
+def sniff_req_ids(data: bytes) -> dict:
+    """Log fields naming the request(s) of a message that failed validation: ``req_id`` of a
+    message about one request, ``req_ids`` of a batch of deltas; empty when unreadable."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.MsgspecError:
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    if isinstance(raw.get("req_id"), str):
+        return {"req_id": raw["req_id"]}
+    deltas = raw.get("deltas")
+    if isinstance(deltas, list):
+        return {"req_ids": [d["req_id"] for d in deltas if isinstance(d, dict) and isinstance(d.get("req_id"), str)]}
+    return {}
+
+
+async def _call(handler, *args):
+    result = handler(*args)
+    if asyncio.iscoroutine(result):
+        result = await result
+    return result
+
+
+def _decode(decoder: Decoder, data: bytes, log, socket_name: str, on_malformed: Callable[[], None] | None):
+    """The message in ``data``, or None (logged, counted) when it is malformed."""
+    try:
+        return decoder.decode(data)
+    except MalformedMessage as exc:
+        if on_malformed is not None:
+            on_malformed()
+        log.warning("malformed message dropped", socket=socket_name, error=str(exc), num_bytes=len(data),
+                    **sniff_req_ids(data))
+        return None
+
+
+async def reply(sock: zmq.asyncio.Socket, envelope: list[bytes], message) -> None:
+    """Send ``message`` back along ``envelope`` (a DEALER's identity, or REQ's identity + empty)."""
+    try:
+        await sock.send_multipart([*envelope, encode(message)])
+    except zmq.ZMQError:
+        pass  # the peer went away (ROUTER_MANDATORY): nobody is left to tell
+
+
+async def serve_router(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dict[type, Handler], log,
+                       socket_name: str) -> None:
+    """Receive forever on a ROUTER; a malformed or unhandled message is logged and dropped."""
+    while True:
+        frames = await sock.recv_multipart()
+        envelope, payload = frames[:-1], frames[-1]
+        message = _decode(decoder, payload, log, socket_name, None)
+        if message is None:
+            continue
+        handler = handlers.get(type(message))
+        if handler is None:
+            log.warning("unexpected message dropped", socket=socket_name, type=type(message).__name__)
+            continue
+        try:
+            result = await _call(handler, message, envelope)
+        except Exception:
+            log.exception("handler failed; message dropped", socket=socket_name, type=type(message).__name__,
+                          req_id=getattr(message, "req_id", None))
+            continue
+        if result is not None:
+            await reply(sock, envelope, result)
+
+
+async def serve_pull(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dict[type, StreamHandler], log,
+                     socket_name: str, on_malformed: Callable[[], None] | None = None,
+                     on_error: Callable[[object], None] | None = None) -> None:
+    """Receive forever on a single-frame socket (a PULL, or a DEALER's unsolicited messages) and
+    dispatch each message by its type. ``on_malformed`` counts a dropped message; ``on_error``
+    gets a message whose handler raised (after the log line), to tell its request."""
+    while True:
+        data = await sock.recv()
+        message = _decode(decoder, data, log, socket_name, on_malformed)
+        if message is None:
+            continue
+        try:
+            await _call(handlers[type(message)], message)
+        except Exception:
+            log.exception("handler failed; message dropped", socket=socket_name, type=type(message).__name__,
+                          req_id=getattr(message, "req_id", None))
+            if on_error is not None:
+                on_error(message)
+
+
+async def receive_reply(sock: zmq.asyncio.Socket, decoder: Decoder, log, timeout_s: float | None = None,
+                        accept: Callable[[object], bool] | None = None, socket_name: str = ""):
+    """The next well-formed reply on a DEALER that ``accept`` takes (malformed or stale ones are
+    logged and skipped); None when none came within ``timeout_s`` (None: wait for ever)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        if deadline is not None:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                return None
+        data = await sock.recv()
+        try:
+            message = decoder.decode(data)
+        except MalformedMessage as exc:
+            log.warning("malformed reply dropped", socket=socket_name, error=str(exc))
+            continue
+        if accept is not None and not accept(message):
+            log.warning("unexpected reply dropped", socket=socket_name, got=type(message).__name__)
+            continue
+        return message
+
+
+async def request(sock: zmq.asyncio.Socket, message, decoder: Decoder, log, timeout_s: float | None = None,
+                  accept: Callable[[object], bool] | None = None, socket_name: str = ""):
+    """Send ``message`` on a DEALER and wait for its reply (``receive_reply``)."""
+    await sock.send(encode(message))
+    return await receive_reply(sock, decoder, log, timeout_s, accept, socket_name)
+
+
+async def ask_admin(ctx: zmq.asyncio.Context, address: str, command: str, args: dict | None, timeout_s: float,
+                    log) -> AdminReply | None:
+    """One ``AdminRequest`` to the admin socket at ``address`` on a socket of its own; None when
+    nobody answers in time."""
+    sock = make_socket(ctx, zmq.DEALER, address)
+    try:
+        return await request(sock, AdminRequest(command=command, args=args or {}), _admin_reply_decoder, log,
+                             timeout_s, socket_name="admin")
+    except zmq.ZMQError as exc:
+        log.debug("admin query failed", address=address, error=str(exc))
+        return None
+    finally:
+        sock.close(linger=0)
+
+
+def admin_call(address: str, command: str, args: dict | None, timeout_s: float, log=QUIET) -> AdminReply | None:
+    """``ask_admin`` for code without an event loop (the CLI, the launcher's side thread)."""
+
+    async def ask() -> AdminReply | None:
+        ctx = zmq.asyncio.Context()
+        try:
+            return await ask_admin(ctx, address, command, args, timeout_s, log)
+        finally:
+            ctx.term()
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(ask())
+    with ThreadPoolExecutor(1) as worker:  # called from a coroutine: its loop is busy running it
+        return worker.submit(asyncio.run, ask()).result()
+
+
+async def serve_admin(sock: zmq.asyncio.Socket, commands: dict[str, Callable[[dict], dict]], log) -> None:
+    """Answer ``AdminRequest``s: ``commands[name](args) -> data`` (or a coroutine giving it);
+    ``ping`` always works."""
+    commands = {"ping": lambda args: {"pong": True, "instance": INSTANCE}, **commands}
+
+    async def dispatch(request: AdminRequest, envelope):
+        command = commands.get(request.command)
+        if command is None:
+            return AdminReply(ok=False, error=f"unknown command {request.command!r}; try {sorted(commands)}")
+        try:
+            return AdminReply(ok=True, data=await _call(command, dict(request.args)))
+        except (KeyError, ValueError, TypeError, TimeoutError) as exc:
+            return AdminReply(ok=False, error=f"{request.command}: {exc}")
+
+    await serve_router(sock, _admin_decoder, {AdminRequest: dispatch}, log, "admin")
+
+
+async def run_until_signal(main: Awaitable, log) -> int:
+    """Run ``main`` until it ends or SIGTERM/SIGINT arrives; either way cancel it cleanly."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.ensure_future(main)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not task.done():
+        log.info("stopping")
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return 0
+    task.result()  # re-raise what ended it
+    return 0
+
+
+def close_sockets(*socks: zmq.Socket) -> None:
+    for sock in socks:
+        sock.close()
