@@ -8,6 +8,13 @@ cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 python=${PYTHON:-python3}
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+  # the live KV page's test drives Debian's headless chromium (a browser build from elsewhere
+  # cannot be fetched); the test fails, saying so, when it is missing
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+      -o DPkg::Lock::Timeout=300 chromium; } >/dev/null 2>&1 || echo "setup: could not install chromium" >&2
+fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip

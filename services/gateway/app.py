@@ -11,6 +11,7 @@ import asyncio
 import structlog
 from aiohttp import web
 
+from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
 from services.gateway.service import GatewayService
 from shared.config import GatewayConfig
@@ -21,6 +22,7 @@ def build_app(service: GatewayService) -> web.Application:
                           client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     add_routes(app)
+    add_dashboard_routes(app, service)
 
     async def lifetime(app: web.Application):
         await service.start()

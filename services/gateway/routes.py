@@ -1,6 +1,6 @@
 """The HTTP routes of the gateway: OpenAI's completions, chat completions and models, plus
-``/health``, ``/ready``, ``/live`` and ``/metrics``, and the middlewares for the API key and for
-error objects.
+``/health``, ``/ready``, ``/live`` and ``/metrics``, and the middlewares for the API key (on
+``/v1/`` and the live KV page's data, ``dashboard.py``) and for error objects.
 
 Probes follow the Kubernetes convention: ``/live`` says only that the gateway's loop runs (a
 liveness failure restarts the container, which would not mend a service behind it); ``/health``
@@ -53,10 +53,13 @@ async def error_middleware(request: web.Request, handler):
         return web.json_response(ApiError("internal server error", 500, type_="server_error").body(), status=500)
 
 
+PROTECTED_PREFIXES = ("/v1/", "/dashboard/api/")  # the live KV page itself holds no data
+
+
 def auth_middleware(api_key: str | None):
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if api_key and request.path.startswith("/v1/"):
+        if api_key and request.path.startswith(PROTECTED_PREFIXES):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 err = ApiError("Incorrect API key provided.", 401, code="invalid_api_key")

@@ -5,8 +5,8 @@ Peers (``shared.config.Endpoints``):
 - ``recv_from_tokenizer`` (PULL, bound at ``gateway_in``): ``TextBatch``;
 - ``recv_from_admin`` (ROUTER at ``admin_gateway``): ``stats``;
 - the scheduler's and kvmanager's admin sockets, asked for ``stats`` at each ``/metrics`` scrape
-  through a short-lived DEALER (a late reply then dies with its socket instead of answering the
-  next question); every service's admin socket, pinged by ``health.HealthMonitor``.
+  and by the live KV page (``dashboard.py``: also ``map`` and ``seq``) through a short-lived
+  DEALER (a late reply then dies with its socket instead of answering the next question); every service's admin socket, pinged by ``health.HealthMonitor``.
 
 The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
 ``submit`` refuses work up front: 503 while a service is down, 429 past ``--max-queue-len`` queued
@@ -195,7 +195,7 @@ class GatewayService:
         )
         self.metrics.set_grammar_stats(tokenizer, executor)
 
-    async def ask_admin(self, address: str, command: str, timeout: float) -> dict | None:
+    async def ask_admin(self, address: str, command: str, timeout: float, args: dict | None = None) -> dict | None:
         """``AdminReply.data`` of a service, or None when it is absent, slow or says no."""
-        reply = await ask_admin(self.ctx, address, command, None, timeout, log)
+        reply = await ask_admin(self.ctx, address, command, args, timeout, log)
         return reply.data if reply is not None and reply.ok else None

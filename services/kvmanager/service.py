@@ -16,7 +16,8 @@ that changed it, numbered, vLLM's framing) for routers and dashboards, and answe
 ``KVSnapshotRequest`` on ``Endpoints.kv_snapshot`` with every hash the cache holds and the number
 of the next batch, so a router that starts late or misses batches rebuilds its view.
 Its admin ROUTER (``Endpoints.admin_kvmanager``) answers ``stats``, ``seq`` (a block table),
-``blocks`` (a map of both tiers) and ``clear`` (drop the free cached blocks).
+``blocks`` (a map of both tiers), ``map`` (the same, aggregated for the gateway's live KV page:
+``blockmap.py``) and ``clear`` (drop the free cached blocks).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.kvmanager.blockmap import DEFAULT_MAX_CELLS, block_map
 from shared.config import KVManagerConfig
 from shared.kv.allocator import BlockAllocator
 from shared.kv.steplog import StepLog
@@ -70,7 +72,7 @@ class KVManagerService:
             KVStepRequest: self.handle_kv_step,
         }
         self.admin_commands = {"stats": self.admin_stats, "seq": self.admin_seq, "blocks": self.admin_blocks,
-                               "clear": self.admin_clear}
+                               "map": self.admin_map, "clear": self.admin_clear}
         self.pool: RegisterPool | None = None
         self.kv: StepLog | None = None  # the allocator of record and its step log
         self.generation: int | None = None  # the scheduler's sync epoch we hold the state of
@@ -226,6 +228,7 @@ class KVManagerService:
         return {"req_id": req_id, "known": True, "block_ids": list(seq.block_ids), "num_blocks": len(seq.block_ids),
                 "num_tokens": seq.num_tokens, "num_cached_tokens": seq.num_cached_tokens,
                 "num_shared_blocks": sum(1 for b in seq.block_ids if refs[b] > 1),
+                "block_ref_counts": [refs[b] for b in seq.block_ids],
                 "host_block_ids": seq.host_block_ids or [], "swapped_out": seq.host_block_ids is not None}
 
     def admin_blocks(self, args: dict) -> dict:
@@ -239,6 +242,15 @@ class KVManagerService:
 
         return {"legend": ". free  c cached (free)  C cached (used)  1-9 used by that many tables  + more",
                 "device": rows(self.allocator.device), "host": rows(self.allocator.host)}
+
+    def admin_map(self, args: dict) -> dict:
+        """Both tiers in at most ``max_cells`` cells, and the requests' table sizes (the live KV page)."""
+        if self.allocator is None:
+            return {"registered": False}
+        max_cells = args.get("max_cells", DEFAULT_MAX_CELLS)
+        if not isinstance(max_cells, int) or isinstance(max_cells, bool) or max_cells < 1:
+            raise ValueError(f"max_cells must be a positive integer, got {max_cells!r}")
+        return {"registered": True, **block_map(self.allocator, max_cells)}
 
     async def admin_clear(self, args: dict) -> dict:
         """Drop the free cached blocks. With a scheduler in sync, the clear goes through its step log

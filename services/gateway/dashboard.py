@@ -1,0 +1,173 @@
+"""The live KV page: ``GET /dashboard`` and the JSON it polls.
+
+- ``/dashboard`` and ``/dashboard/static/*``: the page (``static/``: hand-written HTML, JS and CSS,
+  shipped as package data; nothing comes from elsewhere). They hold no data, so they need no key.
+- ``/dashboard/api/state?since=T&cells=N``: what the page draws, gathered from the admin sockets:
+  the kvmanager's ``map`` (both tiers in at most N cells, ``services/kvmanager/blockmap.py``) and
+  the samples of the engine's figures taken after ``since``.
+- ``/dashboard/api/seq?req_id=R``: one request's block table (the kvmanager's ``seq``).
+Both API routes sit behind ``--api-key`` like ``/v1/`` (``routes.auth_middleware``); the page takes
+the key from its ``?key=`` parameter or asks for it, and sends it as a bearer token.
+
+``History`` samples the scheduler's and kvmanager's ``stats`` once a second into a ring of the last
+five minutes, only while somebody watches (a poll in the last ``IDLE_STOP_S``): an unwatched
+gateway asks nothing. Rates (step time, batch size, token-budget use, prefix hit rate,
+preemptions) are differences of the services' running totals between two samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from importlib import resources
+
+from aiohttp import web
+
+from services.gateway.protocol import ApiError
+
+SAMPLE_INTERVAL_S = 1.0
+HISTORY_LEN = 300  # samples: five minutes
+IDLE_STOP_S = 30.0  # no poll for this long: stop sampling
+STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+# the scheduler's running totals the samples difference
+_TOTALS = ("num_steps", "step_seconds_total", "num_scheduled_seqs_total", "num_scheduled_tokens_total",
+           "num_preemptions")
+
+
+def sample(now: float, sched: dict | None, kv: dict | None, prev: dict | None) -> dict:
+    """One point of every plot; ``prev``: the sample before (None: the first)."""
+    sched, kv = sched or {}, kv or {}
+    totals = {k: sched.get(k, 0) or 0 for k in _TOTALS}
+    totals["hits"] = kv.get("num_prefix_cache_hits", 0) or 0
+    totals["queries"] = kv.get("num_prefix_cache_queries", 0) or 0
+    point = {"t": round(now, 2), "running": sched.get("num_running"), "waiting": sched.get("num_waiting"),
+             "swapped": sched.get("num_swapped"), "kv_usage": kv.get("usage"), "step_ms": None,
+             "batch_size": None, "budget_use": None, "hit_rate": None, "preemptions": None, "dt": None, "_totals": totals}
+    if prev is None or any(totals[k] < prev["_totals"][k] for k in totals):  # the first, or a restart
+        return point
+    d = {k: totals[k] - prev["_totals"][k] for k in totals}
+    point["dt"] = round(now - prev["t"], 3)
+    budget = sched.get("max_num_batched_tokens") or 0
+    if d["num_steps"]:
+        point["step_ms"] = 1000.0 * d["step_seconds_total"] / d["num_steps"]
+        point["batch_size"] = d["num_scheduled_seqs_total"] / d["num_steps"]
+        point["budget_use"] = d["num_scheduled_tokens_total"] / d["num_steps"] / budget if budget else None
+    else:
+        point["batch_size"] = point["budget_use"] = 0.0
+    point["hit_rate"] = d["hits"] / d["queries"] if d["queries"] else None
+    point["preemptions"] = d["num_preemptions"]
+    return point
+
+
+class History:
+    """The last ``HISTORY_LEN`` samples, taken while the page is watched."""
+
+    def __init__(self, service):
+        self.service = service
+        self.samples: deque[dict] = deque(maxlen=HISTORY_LEN)
+        self.last_stats: tuple[dict | None, dict | None] = (None, None)
+        self.last_poll = 0.0
+        self.task: asyncio.Task | None = None
+
+    async def take(self) -> None:
+        ep, timeout = self.service.config.endpoints, self.service.config.admin_timeout_s
+        sched, kv = await asyncio.gather(self.service.ask_admin(ep.admin_scheduler, "stats", timeout),
+                                         self.service.ask_admin(ep.admin_kvmanager, "stats", timeout))
+        prev = self.samples[-1] if self.samples else None
+        self.samples.append(sample(time.time(), sched, kv, prev))
+        self.last_stats = (sched, kv)
+
+    async def watched(self) -> None:
+        """A poll: sample now when nothing is known yet, and keep sampling for a while."""
+        self.last_poll = time.monotonic()
+        if self.task is None or self.task.done():
+            if not self.samples or time.time() - self.samples[-1]["t"] > SAMPLE_INTERVAL_S:
+                await self.take()
+            self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while time.monotonic() - self.last_poll < IDLE_STOP_S:
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+            await self.take()
+
+    def since(self, t: float) -> list[dict]:
+        return [{k: v for k, v in s.items() if k != "_totals"} for s in self.samples if s["t"] > t]
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+HISTORY = web.AppKey("dashboard_history", History)
+
+
+def _query_number(request: web.Request, name: str, default, kind=float):
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ApiError(f"{name} must be a number, got {raw!r}", 400, param=name) from None
+
+
+async def page(request: web.Request) -> web.Response:
+    text = resources.files(__package__).joinpath("static/dashboard.html").read_text()
+    return web.Response(text=text, content_type="text/html", headers={"Cache-Control": "no-cache"})
+
+
+async def static(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name not in STATIC:
+        raise web.HTTPNotFound()
+    text = resources.files(__package__).joinpath(f"static/{name}").read_text()
+    return web.Response(text=text, content_type=STATIC[name], headers={"Cache-Control": "no-cache"})
+
+
+async def state(request: web.Request) -> web.Response:
+    history = request.app[HISTORY]
+    service = history.service
+    since = _query_number(request, "since", 0.0)
+    cells = _query_number(request, "cells", 2048, int)
+    if not 1 <= cells <= 8192:
+        raise ApiError(f"cells must be between 1 and 8192, got {cells}", 400, param="cells")
+    await history.watched()
+    ep = service.config.endpoints
+    kv_map = await service.ask_admin(ep.admin_kvmanager, "map", 2 * service.config.admin_timeout_s,
+                                     {"max_cells": cells})
+    sched, kv = history.last_stats
+    now = {k: (sched or {}).get(k) for k in ("num_running", "num_waiting", "num_swapped", "num_preemptions",
+                                             "max_num_seqs", "max_num_batched_tokens", "num_steps")}
+    now.update({k: (kv or {}).get(k) for k in ("num_blocks_total", "num_blocks_used", "num_blocks_cached",
+                                               "num_blocks_free", "block_size", "prefix_cache_hit_rate",
+                                               "num_host_blocks_total", "num_host_blocks_used", "usage")})
+    return web.json_response({"model": service.config.model_name, "time": time.time(),
+                              "interval_s": SAMPLE_INTERVAL_S, "down": service.health.down(),
+                              "now": now, "map": kv_map, "samples": history.since(since)})
+
+
+async def seq(request: web.Request) -> web.Response:
+    service = request.app[HISTORY].service
+    req_id = request.query.get("req_id")
+    if not req_id:
+        raise ApiError("req_id is required", 400, param="req_id")
+    ep = service.config.endpoints
+    table = await service.ask_admin(ep.admin_kvmanager, "seq", 2 * service.config.admin_timeout_s, {"req_id": req_id})
+    if table is None:
+        raise ApiError("the kvmanager did not answer", 503, type_="server_error")
+    return web.json_response(table)
+
+
+def add_dashboard_routes(app: web.Application, service) -> None:
+    app[HISTORY] = History(service)
+
+    async def stop_sampling(app: web.Application) -> None:
+        await app[HISTORY].stop()
+
+    app.on_cleanup.append(stop_sampling)
+    app.router.add_get("/dashboard", page)
+    app.router.add_get("/dashboard/static/{name}", static)
+    app.router.add_get("/dashboard/api/state", state)
+    app.router.add_get("/dashboard/api/seq", seq)
