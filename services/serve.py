@@ -24,62 +24,18 @@ import threading
 import time
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, Endpoints, default_run_dir
+from shared.config import LAUNCHED, Endpoints, default_run_dir
+from shared.flags import add_launcher_flags, forwarded_argv
 from shared.loops import admin_call
 
-SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")  # start order
+SERVICES = LAUNCHED  # start order
 LOCK_NAME = "serve.lock"
 _PR_SET_PDEATHSIG = 1
 
-# which serve flag goes to which service (dest name -> services); the model goes to all that load it
-_FLAG_TARGETS = {
-    "served_model_name": ("gateway",),
-    "host": ("gateway",),
-    "port": ("gateway",),
-    "dtype": ("executor",),
-    "quantization": ("executor",),
-    "device": ("executor",),
-    "block_size": ("executor",),
-    "num_kv_blocks": ("executor",),
-    "kv_cache_memory_bytes": ("executor",),
-    "gpu_memory_utilization": ("executor",),
-    "attention_backend": ("executor",),
-    "max_num_seqs": ("executor", "scheduler"),
-    "max_num_batched_tokens": ("executor", "scheduler"),
-    "max_model_len": ("scheduler", "tokenizer"),
-    "log_level": SERVICES,
-    "enable_prefix_caching": ("kvmanager",),
-    "num_host_blocks": ("executor",),
-    "speculative_model": ("executor",),
-    "num_speculative_tokens": ("executor",),
-    "ngram_prompt_lookup_max": ("executor",),
-    "ngram_prompt_lookup_min": ("executor",),
-    "speculative_disable_by_batch_size": ("executor",),
-    "enable_chunked_prefill": ("scheduler",),
-    "long_prefill_token_threshold": ("scheduler",),
-    "preemption_mode": ("scheduler",),
-    "scheduling_policy": ("scheduler",),
-    "request_timeout": ("gateway",),
-    "max_queue_len": ("gateway",),
-    "max_concurrent_requests": ("gateway",),
-    "max_body_bytes": ("gateway",),
-}
-
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from services.executor.main import add_runtime_args
-    from services.scheduler.main import add_scheduling_args
-
-    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name, a model folder or a .gguf")
-    parser.add_argument("--served-model-name", default=None, help="the model name clients use")
-    parser.add_argument("--host", default="0.0.0.0", help="HTTP address of the gateway")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
-    add_runtime_args(parser, include_model=False)
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="reuse cached KV blocks of shared prompt prefixes (default: on)")
-    add_scheduling_args(parser, defaults_none=True)
+    """Every flag of the five services (declared on the config fields), and the launcher's own."""
+    add_launcher_flags(parser)
     parser.add_argument("--run-dir", default=None,
                         help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR, else /tmp/folio-PORT)")
     parser.add_argument("--kv-events-port", type=int, default=None,
@@ -90,27 +46,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="stop everything when a service dies instead of restarting it")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts of one service within a minute before everything stops")
-    from services.gateway.main import add_limit_args
-
-    add_limit_args(parser, defaults_none=True)
-    parser.add_argument("--log-json", action="store_true", help="every service logs JSON lines")
-    parser.add_argument("--log-level", default="info")
 
 
 def service_argv(name: str, args: argparse.Namespace, model_path: str) -> list[str]:
-    """The flags ``folio run NAME`` gets: those that concern it, only when they were given."""
-    argv = ["--model", model_path] if name in ("executor", "tokenizer", "gateway") else []
-    for dest, targets in _FLAG_TARGETS.items():
-        value = getattr(args, dest)
-        if name in targets and value is not None:
-            flag = f"--{dest.replace('_', '-')}"
-            if isinstance(value, bool):  # an on/off flag: --x or --no-x
-                argv.append(flag if value else f"--no-{flag[2:]}")
-            else:
-                argv += [flag, str(value)]
-    if args.log_json:
-        argv.append("--log-json")
-    return argv
+    """The flags ``folio run NAME`` gets: those that concern it, only when they were given; the
+    model as the folder it resolved to."""
+    return forwarded_argv(name, argparse.Namespace(**{**vars(args), "model": model_path}))
 
 
 def kv_events_env(args: argparse.Namespace) -> dict[str, str]:

@@ -1,13 +1,70 @@
-"""Configuration: frozen dataclasses, and the only place that reads the environment."""
+"""Configuration: frozen dataclasses, and the only place that reads the environment.
+
+Every command-line flag is declared here, once, as metadata on the config field it sets
+(``flag(default, help, services)``): its name, help, and which services take it.
+``shared/flags.py`` generates every service's parser, the launcher's (``folio serve``) and what
+the launcher forwards to each service from these declarations. A field that another config also
+has (``max_num_seqs`` in ``RuntimeConfig`` and ``SchedulerConfig``) is declared on one of them and
+filled by name in the other.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PORT = 8000
+
+
+LAUNCHED = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")  # what ``folio serve`` starts, in order
+ALL_SERVICES = (*LAUNCHED, "router")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag, declared once on the config field it sets."""
+
+    help: str
+    services: tuple[str, ...]  # whose parsers take it; ``folio serve`` takes it and forwards it to them
+    name: str = ""  # default: --the-field-name
+    aliases: tuple[str, ...] = ()  # other spellings (e.g. "-tp"); ``folio serve`` forwards the name
+    type: Callable | None = None  # default: from the field's annotation
+    choices: tuple | None = None
+    action: str | None = None  # "store_true"; "append" (repeatable); bool fields default to --x/--no-x
+    metavar: str | None = None
+    env: Callable[[], object] | None = None  # where the value comes from when the flag is not given
+    forward: bool = True  # False: ``folio serve`` hands it over in the environment, not the command line
+    launcher_default: bool = False  # ``folio serve`` reads it itself: it has a default there, always forwarded
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+
+def flag(default, help: str, services: tuple[str, ...], **kw):
+    """A config field's default, with the flag that sets it."""
+    return field(default=default, metadata={"flag": Flag(help=help, services=services, **kw)})
+
+
+def log_json_from_env() -> bool:
+    return os.environ.get("FOLIO_LOG_JSON", "0") in ("1", "true", "yes")
+
+
+def api_key_from_env() -> str | None:
+    """``FOLIO_API_KEY`` when ``--api-key`` is not given (keeps the key out of process lists)."""
+    return os.environ.get("FOLIO_API_KEY") or None
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """How every service logs (each service's config carries these fields too)."""
+
+    log_json: bool = flag(False, "log JSON lines instead of console text", ALL_SERVICES, action="store_true",
+                          env=log_json_from_env)
+    log_level: str = flag("info", "debug, info, warning, error", ALL_SERVICES, launcher_default=True)
 
 
 def cache_dir() -> Path:
@@ -21,26 +78,37 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """What the executor's model runtime needs to start."""
+    """What the executor's model runtime needs to start. ``max_num_seqs`` and
+    ``max_num_batched_tokens`` are the scheduler's flags (``SchedulerConfig``), sized for here too."""
 
-    model: str = DEFAULT_MODEL_NAME  # a model folder, a .gguf file, or the default model's name
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto (the checkpoint's own) | none | int8 | int4 | awq | fp8
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides any budget
-    num_host_blocks: int = 0  # the host tier that swapped-out blocks go to (0: no swapping)
-    kv_cache_bytes: int | None = None  # CPU budget; default: a fraction of free memory
-    gpu_memory_utilization: float = 0.9
+    model: str = flag(DEFAULT_MODEL_NAME, "the default model's name, a model folder or a .gguf",
+                      ("executor", "tokenizer", "gateway", "router"), launcher_default=True)
+    dtype: str = flag("auto", "weights and activations", ("executor",),
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str = flag("auto", "weights: auto keeps the checkpoint's own (the default model: int4); none "
+                             "dequantizes to --dtype; int8/int4 round to nearest at load time (CPU: bf16 activations)",
+                             ("executor",), choices=("auto", "none", "int8", "int4", "awq", "fp8"))
+    device: str = flag("auto", "auto, cpu, cuda or cuda:N", ("executor",))
+    block_size: int = flag(16, "tokens per KV block (the router: the replicas', until their snapshots say it)",
+                           ("executor", "router"))
+    num_kv_blocks: int | None = flag(None, "KV pool size in blocks (overrides budgets)", ("executor",))
+    num_host_blocks: int = flag(0, "host-memory KV blocks that preemption by swapping copies blocks to (0: none)",
+                                ("executor",))
+    kv_cache_bytes: int | None = flag(None, "KV pool budget in bytes (CPU; default: a fraction of free memory)",
+                                      ("executor",), name="--kv-cache-memory-bytes")
+    gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory the weights and the pool may use",
+                                         ("executor",))
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    attention_backend: str = "auto"  # auto | torch | cuda
-    # speculative decoding: a draft model folder, or "ngram" (prompt lookup); None: off
-    speculative_model: str | None = None
-    num_speculative_tokens: int = 0
-    ngram_prompt_lookup_max: int = 4  # the longest suffix n-gram looked up
-    ngram_prompt_lookup_min: int = 1
-    speculative_disable_by_batch_size: int = 0  # no drafts while this many requests sample (0: never off)
+    attention_backend: str = flag("auto", "paged attention: our CUDA kernels or the torch reference",
+                                  ("executor",), choices=("auto", "torch", "cuda"))
+    speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
+                                         "or 'ngram' (prompt lookup); default: off", ("executor",))
+    num_speculative_tokens: int = flag(0, "draft tokens proposed per step", ("executor",))
+    ngram_prompt_lookup_max: int = flag(4, "longest n-gram the ngram proposer matches", ("executor",))
+    ngram_prompt_lookup_min: int = flag(1, "shortest n-gram the ngram proposer matches", ("executor",))
+    speculative_disable_by_batch_size: int = flag(0, "propose nothing while this many requests sample in a step "
+                                                  "(0: always propose)", ("executor",))
     num_draft_kv_blocks: int | None = None  # the draft model's own pool (default: as many as the target's)
 
 
@@ -105,10 +173,6 @@ class Endpoints:
         return replace(endpoints, **{name: value for name, value in moved.items() if value})
 
 
-def log_json_from_env() -> bool:
-    return os.environ.get("FOLIO_LOG_JSON", "0") in ("1", "true", "yes")
-
-
 # --------------------------------------------------------------------------- back-half services
 
 
@@ -118,7 +182,8 @@ class KVManagerConfig:
 
     endpoints: Endpoints
     log_json: bool = False
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = flag(True, "reuse the KV of cached full blocks across requests (default: on)",
+                                       ("kvmanager",))
 
 
 @dataclass(frozen=True)
@@ -126,13 +191,19 @@ class SchedulerConfig:
     """The scheduler's batching limits (vLLM's flag names) and where its peers are."""
 
     endpoints: Endpoints
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context length, from the registered pool
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # most tokens one prefill takes per step (0: the budget)
-    preemption_mode: str = "recompute"  # or "swap" (to the executor's host tier)
-    scheduling_policy: str = "fcfs"  # or "priority" (lower value first, then arrival)
+    max_num_seqs: int = flag(256, "most requests running in one step", ("scheduler", "executor"))
+    max_num_batched_tokens: int = flag(2048, "token budget of one step (prefill chunks and decodes together)",
+                                       ("scheduler", "executor"))
+    max_model_len: int | None = flag(None, "longest prompt + completion (default: the model's context length)",
+                                     ("scheduler", "tokenizer"))
+    enable_chunked_prefill: bool = flag(True, "split long prompts across steps, mixed with decodes (default: on)",
+                                        ("scheduler",))
+    long_prefill_token_threshold: int = flag(0, "most tokens one prefill takes per step (0: up to the token budget)",
+                                             ("scheduler",))
+    preemption_mode: str = flag("recompute", "when blocks run out: free and recompute later, or swap to the host "
+                                "tier (--num-host-blocks)", ("scheduler",), choices=("recompute", "swap"))
+    scheduling_policy: str = flag("fcfs", "queue order: arrival, or the request's priority (lower first) then "
+                                  "arrival", ("scheduler",), choices=("fcfs", "priority"))
     log_json: bool = False
 
 
@@ -163,15 +234,21 @@ class GatewayConfig:
 
     endpoints: Endpoints
     model: str = DEFAULT_MODEL_NAME
-    served_model_name: str | None = None  # None: the default model's name or the folder's name
-    host: str = "0.0.0.0"
-    port: int = 8000
-    api_key: str | None = None  # None: no auth
+    served_model_name: str | None = flag(None, "the model name clients use (default: the model's name or folder "
+                                         "name)", ("gateway",))
+    host: str = flag("0.0.0.0", "HTTP address to listen on", ("gateway", "router"), launcher_default=True)
+    port: int = flag(8000, "HTTP port (the gateway: 8000, the router: 8080)", ("gateway", "router"),
+                     launcher_default=True)
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every request (or $FOLIO_API_KEY)",
+                               ("gateway",), env=api_key_from_env, forward=False)
     admin_timeout_s: float = 0.25  # /metrics asks the scheduler and kvmanager; never wait long
-    request_timeout_s: float = 600.0  # a request's whole life, queue included (0: no limit)
-    max_queue_len: int = 1024  # requests accepted that have no output yet; past it: 429
-    max_concurrent_requests: int = 4096  # open generation requests (streams included); past it: 429
-    max_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413
+    request_timeout_s: float = flag(600.0, "seconds a request may take in all, queue included; 0: no limit "
+                                    "(default 600)", ("gateway",), name="--request-timeout")
+    max_queue_len: int = flag(1024, "requests accepted but without output yet; more get 429 (default 1024)",
+                              ("gateway",))
+    max_concurrent_requests: int = flag(4096, "open generation requests, streams included; more get 429 "
+                                        "(default 4096)", ("gateway",))
+    max_body_bytes: int = flag(32 * 1024 * 1024, "larger request bodies get 413 (default 33554432)", ("gateway",))
     # whose admin sockets /health pings; a request needs every one of them
     probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
     drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
@@ -191,29 +268,34 @@ class RouterConfig:
 
     endpoints: Endpoints  # only its admin socket is its own
     model: str = DEFAULT_MODEL_NAME  # the replicas' model: the router tokenizes prompts as they do
-    replicas: tuple[str, ...] = ()  # "URL[,kv_events_port=P][,kv_snapshot_port=Q]"
-    replica_dns: str | None = None  # "NAME:PORT" of a headless Service: every address is a replica
-    kv_events_port: int = 5555  # where a replica's kvmanager publishes (the tcp layout's ports)
-    kv_snapshot_port: int = 5561
+    replicas: tuple[str, ...] = flag((), "a replica's HTTP base URL (repeat for more); its kvmanager's ports default "
+                                     "to --kv-events-port and --kv-snapshot-port on the same host", ("router",),
+                                     name="--replica", action="append",
+                                     metavar="URL[,kv_events_port=P][,kv_snapshot_port=Q]")
+    replica_dns: str | None = flag(None, "every address NAME resolves to is a replica on PORT (a Kubernetes "
+                                   "headless Service)", ("router",), metavar="NAME:PORT")
+    kv_events_port: int = flag(5555, "where replicas publish KV events (default: the tcp layout's, 5555)",
+                               ("router",))
+    kv_snapshot_port: int = flag(5561, "where replicas answer KV snapshots (default: the tcp layout's, 5561)",
+                                 ("router",))
     host: str = "0.0.0.0"
     port: int = 8080
-    policy: str = "cache_aware"  # or least_loaded, round_robin (baselines)
+    policy: str = flag("cache_aware", "cache_aware (default), or the baselines least_loaded and round_robin",
+                       ("router",), choices=("cache_aware", "least_loaded", "round_robin"))
     block_size: int = 16  # until a replica's snapshot says otherwise
     # the cost of one request already running or waiting on a replica, in prompt tokens to compute
-    load_cost_tokens: int = 256
-    poll_interval_s: float = 0.5  # how often each replica's /metrics is read (load, liveness)
-    dns_interval_s: float = 5.0
+    load_cost_tokens: int = flag(256, "what one running or waiting request on a replica weighs, in prompt tokens "
+                                 "to compute", ("router",))
+    poll_interval_s: float = flag(0.5, "seconds between reads of each replica's /metrics (load and liveness)",
+                                  ("router",), name="--poll-interval")
+    dns_interval_s: float = flag(5.0, "seconds between lookups of --replica-dns", ("router",), name="--dns-interval")
     connect_timeout_s: float = 2.0
-    max_attempts: int = 3  # replicas a request may be tried on before the client gets an error
-    poll_timeout_s: float = 3.0  # a /metrics slower than this is a slow poll
+    max_attempts: int = flag(3, "replicas a request is tried on before the client gets a 503", ("router",))
+    poll_timeout_s: float = flag(3.0, "a poll slower than this is slow; 3 slow polls in a row mark the replica down",
+                                 ("router",), name="--poll-timeout")
     slow_polls_to_down: int = 3  # in a row: then the replica is down (hung), not just busy
     log_json: bool = False
     log_level: str = "info"
-
-
-def api_key_from_env() -> str | None:
-    """``FOLIO_API_KEY`` when ``--api-key`` is not given (keeps the key out of process lists)."""
-    return os.environ.get("FOLIO_API_KEY") or None
 
 
 def default_run_dir(port: int) -> Path:

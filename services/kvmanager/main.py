@@ -8,20 +8,15 @@ import sys
 
 import zmq.asyncio
 
-from shared.config import Endpoints, KVManagerConfig, log_json_from_env
-from shared.flags import add_common_args
+from shared.config import Endpoints, KVManagerConfig
+from shared.flags import config_values, service_parser
 from shared.logs import setup_logging
 from shared.loops import run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[KVManagerConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="folio run kvmanager", description="the KV block allocator service")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV of cached full blocks across requests (default: on)")
-    add_common_args(parser)
-    args = parser.parse_args(argv)
-    return KVManagerConfig(endpoints=Endpoints.from_env(), log_json=args.log_json or log_json_from_env(),
-                           enable_prefix_caching=args.enable_prefix_caching), args
+    args = service_parser("kvmanager", "the KV block allocator service").parse_args(argv)
+    return KVManagerConfig(endpoints=Endpoints.from_env(), **config_values(KVManagerConfig, args, "kvmanager")), args
 
 
 async def serve(config: KVManagerConfig) -> None:

@@ -5,29 +5,17 @@ Sockets come from the environment (``shared.config.Endpoints.from_env``), as for
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 
-from shared.config import (
-    DEFAULT_MODEL_NAME,
-    Endpoints,
-    TokenizerConfig,
-    log_json_from_env,
-)
-from shared.flags import add_common_args
+from shared.config import Endpoints, TokenizerConfig
+from shared.flags import config_values, service_parser
 from shared.logs import setup_logging
 
 
 def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
-    parser = argparse.ArgumentParser(prog="folio run tokenizer", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the default model's name or a model folder")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="context length (default: the model's max_position_embeddings)")
-    add_common_args(parser)  # --log-json, --log-level
-    args = parser.parse_args(argv)
-    return TokenizerConfig(endpoints=Endpoints.from_env(), model=args.model, max_model_len=args.max_model_len,
-                           log_json=args.log_json or log_json_from_env(), log_level=args.log_level)
+    args = service_parser("tokenizer", __doc__.splitlines()[0]).parse_args(argv)
+    return TokenizerConfig(endpoints=Endpoints.from_env(), **config_values(TokenizerConfig, args, "tokenizer"))
 
 
 def main(argv: list[str] | None = None) -> int:
