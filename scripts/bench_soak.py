@@ -13,6 +13,9 @@ Reported:
 - each service's resident memory at the start (after a warm-up) and the end: a restarted service
   is a new process (its pid is shown), whose figure is that of its own life only; and the KV
   blocks in use once the load stops (must be 0);
+- the gateway's resident memory every ``--mem-every`` seconds (it is never killed, so its figures
+  span the whole run): a leak grows in every interval, while the allocator's and aiohttp's bounded
+  caches settle after the first minutes, which the second half's growth shows;
 - how busy other processes kept the CPUs meanwhile.
 
     python scripts/bench_soak.py --duration 600            # the README figure
@@ -52,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--model", default=None, help="a model folder (default: a tiny random model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mem-every", type=float, default=60.0, help="seconds between the gateway's memory samples")
     p.add_argument("--check", action="store_true", help="exit 1 when a request was lost or a block leaked")
     return p.parse_args(argv)
 
@@ -98,7 +102,17 @@ async def warm_up(served: Served, max_tokens: int) -> None:
         await asyncio.gather(*(stream(http, served.base, route, body, 120) for route, body in specs))
 
 
-async def load(served: Served, args) -> tuple[Counter, list[float], Counter]:
+async def sample_memory(served: Served, every_s: float, stop: asyncio.Event, samples: list[float]) -> None:
+    while True:
+        samples.append(memory(served)["gateway"][1])
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+            return
+        except TimeoutError:
+            pass
+
+
+async def load(served: Served, args, gateway_mib: list[float]) -> tuple[Counter, list[float], Counter]:
     rng = random.Random(args.seed)
     specs = workload_specs(args.max_tokens)
     deadline_s = args.request_timeout + 15
@@ -107,6 +121,7 @@ async def load(served: Served, args) -> tuple[Counter, list[float], Counter]:
     kills: list[str] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         kill_task = asyncio.ensure_future(killer(served, args.kill.split(","), args.kill_every, stop, kills))
+        mem_task = asyncio.ensure_future(sample_memory(served, args.mem_every, stop, gateway_mib))
         t_end = time.monotonic() + args.duration
         while time.monotonic() < t_end:
             route, body = specs[rng.randrange(len(specs))]
@@ -114,6 +129,7 @@ async def load(served: Served, args) -> tuple[Counter, list[float], Counter]:
             await asyncio.sleep(rng.expovariate(args.rate))
         stop.set()
         await kill_task
+        await mem_task
         outcomes = await asyncio.gather(*tasks)
     for line in kills:
         print(line)
@@ -131,7 +147,8 @@ def main(argv=None) -> int:
         asyncio.run(warm_up(served, args.max_tokens))  # memory at the start: after each kind of request ran once
         meter = CpuMeter()
         mem_start = memory(served)
-        kinds, latencies, statuses = asyncio.run(load(served, args))
+        gateway_mib: list[float] = []
+        kinds, latencies, statuses = asyncio.run(load(served, args, gateway_mib))
         served.wait_healthy()
         leaked = served.wait_idle(60)["num_blocks_used"]
         mem_end = memory(served)
@@ -147,6 +164,12 @@ def main(argv=None) -> int:
             (pid0, mb0), (pid1, mb1) = mem_start[name], mem_end[name]
             again = "" if pid0 == pid1 else f" (restarted: pid {pid0} -> {pid1})"
             print(f"  {name:<10} {mb0:7.1f} -> {mb1:7.1f}{again}")
+        gateway_mib.append(mem_end["gateway"][1])
+        half = gateway_mib[len(gateway_mib) // 2]
+        print(f"gateway resident memory every {args.mem_every:g} s (MiB): "
+              + " ".join(f"{mb:.1f}" for mb in gateway_mib))
+        print(f"gateway growth: first half {half - gateway_mib[0]:+.1f} MiB, "
+              f"second half {gateway_mib[-1] - half:+.1f} MiB")
     finally:
         served.stop()
     if args.check and (kinds["lost"] or leaked):

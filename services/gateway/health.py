@@ -8,7 +8,8 @@ second (an interval plus a deadline). A ping's reply names the process instance
 
 Who reads it:
 - ``/health`` and ``/ready``: 200 only while every service answered within ``DOWN_AFTER_S``,
-  else 503 with a JSON body naming those that did not;
+  else 503 with a JSON body naming those that did not (output arriving from the tokenizer counts
+  as an answer: a busy loop may answer a ping late, but it is not down);
 - ``GatewayService.submit``: new requests get 503 while any service is down;
 - ``GatewayService.on_lost``, called from here: the tokenizer and scheduler hold in-flight
   requests' state, so when one of them restarts (a new instance) or stays silent past
@@ -74,6 +75,13 @@ class HealthMonitor:
         if name in STATEFUL and silent > STALL_S and not state.stall_reported:
             state.stall_reported = True
             self.on_lost(name, f"has not answered for {silent:.0f}s")
+
+    def heard_from(self, name: str, now: float) -> None:
+        """Output arrived from ``name``: it is alive even if a busy event loop answers its pings
+        late (a tokenizer detokenizing a large step). Restarts are still told by the pings."""
+        state = self.states.get(name)
+        if state is not None and state.last_ok is not None:
+            state.last_ok = max(state.last_ok, now)
 
     def down(self, now: float | None = None) -> list[str]:
         """The services that did not answer within ``DOWN_AFTER_S`` (or never did)."""

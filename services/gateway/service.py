@@ -88,6 +88,7 @@ class GatewayService:
 
     def handle_text_batch(self, batch: TextBatch) -> None:
         now = time.monotonic()
+        self.health.heard_from("tokenizer", now)
         for delta in batch.deltas:
             mailbox = self.mailboxes.get(delta.req_id)
             if mailbox is None:

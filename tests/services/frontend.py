@@ -74,6 +74,7 @@ class ScriptedScheduler:
         if isinstance(msg, AbortRequest):
             self.aborts.append(msg)
             self.requests.pop(msg.req_id, None)
+            self._tokens.pop(msg.req_id, None)
             return
         # as the scheduler does: each choice of the prompt is a request, seeded ``seed + i``
         for i, req_id in enumerate((msg.req_id, *msg.fork_req_ids)):
@@ -106,7 +107,7 @@ class ScriptedScheduler:
                 num_prompt_tokens=len(req.prompt_token_ids) if first else 0,
             ))
             if finish:
-                del self.requests[req_id]
+                del self.requests[req_id], self._tokens[req_id]
         self._step_id += 1
         return TokenBatch(step_id=self._step_id, deltas=deltas)
 
