@@ -2,12 +2,12 @@
 
 - ``/dashboard`` and ``/dashboard/static/*``: the page (``static/``: hand-written HTML, JS and CSS,
   shipped as package data; nothing comes from elsewhere). They hold no data, so they need no key.
-- ``/dashboard/api/state?since=T&cells=N``: what the page draws, gathered from the admin sockets:
-  the kvmanager's ``map`` (both tiers in at most N cells, ``services/kvmanager/blockmap.py``) and
-  the samples of the engine's figures taken after ``since``.
-- ``/dashboard/api/seq?req_id=R``: one request's block table (the kvmanager's ``seq``).
-Both API routes sit behind ``--api-key`` like ``/v1/`` (``routes.auth_middleware``); the page takes
-the key from its ``?key=`` parameter or asks for it, and sends it as a bearer token.
+- ``/dashboard/api/state?since=T&cells=N&req_id=R``: what the page draws, gathered from the admin
+  sockets: the kvmanager's ``map`` (both tiers in at most N cells, ``services/kvmanager/blockmap.py``,
+  and the block table of request R, the one hovered or clicked, taken at the same moment) and the
+  samples of the engine's figures taken after ``since``.
+It sits behind ``--api-key`` like ``/v1/`` (``routes.auth_middleware``); the page takes the key
+from its ``?key=`` parameter or asks for it, and sends it as a bearer token.
 
 ``History`` samples the scheduler's and kvmanager's ``stats`` once a second into a ring of the last
 five minutes, only while somebody watches (a poll in the last ``IDLE_STOP_S``): an unwatched
@@ -135,8 +135,10 @@ async def state(request: web.Request) -> web.Response:
         raise ApiError(f"cells must be between 1 and 8192, got {cells}", 400, param="cells")
     await history.watched()
     ep = service.config.endpoints
-    kv_map = await service.ask_admin(ep.admin_kvmanager, "map", 2 * service.config.admin_timeout_s,
-                                     {"max_cells": cells})
+    args = {"max_cells": cells}
+    if request.query.get("req_id"):
+        args["req_id"] = request.query["req_id"]
+    kv_map = await service.ask_admin(ep.admin_kvmanager, "map", 2 * service.config.admin_timeout_s, args)
     sched, kv = history.last_stats
     now = {k: (sched or {}).get(k) for k in ("num_running", "num_waiting", "num_swapped", "num_preemptions",
                                              "max_num_seqs", "max_num_batched_tokens", "num_steps")}
@@ -146,18 +148,6 @@ async def state(request: web.Request) -> web.Response:
     return web.json_response({"model": service.config.model_name, "time": time.time(),
                               "interval_s": SAMPLE_INTERVAL_S, "down": service.health.down(),
                               "now": now, "map": kv_map, "samples": history.since(since)})
-
-
-async def seq(request: web.Request) -> web.Response:
-    service = request.app[HISTORY].service
-    req_id = request.query.get("req_id")
-    if not req_id:
-        raise ApiError("req_id is required", 400, param="req_id")
-    ep = service.config.endpoints
-    table = await service.ask_admin(ep.admin_kvmanager, "seq", 2 * service.config.admin_timeout_s, {"req_id": req_id})
-    if table is None:
-        raise ApiError("the kvmanager did not answer", 503, type_="server_error")
-    return web.json_response(table)
 
 
 def add_dashboard_routes(app: web.Application, service) -> None:
@@ -170,4 +160,3 @@ def add_dashboard_routes(app: web.Application, service) -> None:
     app.router.add_get("/dashboard", page)
     app.router.add_get("/dashboard/static/{name}", static)
     app.router.add_get("/dashboard/api/state", state)
-    app.router.add_get("/dashboard/api/seq", seq)

@@ -5,7 +5,7 @@ Peers (``shared.config.Endpoints``):
 - ``recv_from_tokenizer`` (PULL, bound at ``gateway_in``): ``TextBatch``;
 - ``recv_from_admin`` (ROUTER at ``admin_gateway``): ``stats``;
 - the scheduler's and kvmanager's admin sockets, asked for ``stats`` at each ``/metrics`` scrape
-  and by the live KV page (``dashboard.py``: also ``map`` and ``seq``) through a short-lived
+  and by the live KV page (``dashboard.py``: also ``map``) through a short-lived
   DEALER (a late reply then dies with its socket instead of answering the next question); every service's admin socket, pinged by ``health.HealthMonitor``.
 
 The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.

@@ -244,13 +244,16 @@ class KVManagerService:
                 "device": rows(self.allocator.device), "host": rows(self.allocator.host)}
 
     def admin_map(self, args: dict) -> dict:
-        """Both tiers in at most ``max_cells`` cells, and the requests' table sizes (the live KV page)."""
+        """Both tiers in at most ``max_cells`` cells, the requests' table sizes and, given a
+        ``req_id``, its table (the live KV page: all from the same moment)."""
         if self.allocator is None:
             return {"registered": False}
         max_cells = args.get("max_cells", DEFAULT_MAX_CELLS)
         if not isinstance(max_cells, int) or isinstance(max_cells, bool) or max_cells < 1:
             raise ValueError(f"max_cells must be a positive integer, got {max_cells!r}")
-        return {"registered": True, **block_map(self.allocator, max_cells)}
+        req_id = args.get("req_id")
+        table = self.admin_seq({"req_id": req_id}) if isinstance(req_id, str) else None
+        return {"registered": True, **block_map(self.allocator, max_cells), "table": table}
 
     async def admin_clear(self, args: dict) -> dict:
         """Drop the free cached blocks. With a scheduler in sync, the clear goes through its step log

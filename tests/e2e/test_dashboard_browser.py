@@ -1,5 +1,5 @@
 """The live KV page in a real headless Chromium (Debian's, driven by Playwright) against a running
-``folio serve`` (tiny random model with SmolLM2's tokenizer, 128 blocks, an API key): while a
+``folio serve`` (tiny random model with SmolLM2's tokenizer, 128 blocks, a host tier, an API key): while a
 forked request (n=2) runs among other traffic, the grid shows blocks shared with ref count 2 and
 hovering the request shows its block table; after it finishes, its blocks show as cached.
 Screenshots land in ``tests/artifacts/`` (git-ignored)."""
@@ -37,7 +37,7 @@ def chromium() -> str:
 def server(tmp_path_factory, smollm_dir):
     model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-dash"), smollm_dir, max_position_embeddings=1024)
     srv = start_server(model, "--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "128",
-                       "--block-size", "16", "--max-num-seqs", "8", "--api-key", KEY)
+                       "--block-size", "16", "--max-num-seqs", "8", "--num-host-blocks", "16", "--api-key", KEY)
     yield srv
     stop_server(srv)
 
@@ -78,7 +78,12 @@ def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
             row = page.locator("#requests tbody tr", has=page.locator("td:nth-child(3):not(:text-is('0'))")).first
             row.hover()
             page.wait_for_selector("#table-view:not([hidden]) .chip.shared", timeout=10_000)
-            assert page.locator("#device-grid .cell.hl").count() >= page.locator("#table-blocks .chip.shared").count()
+            # the table and the grid come from one snapshot: one outlined cell per block of the table
+            outlined, chips, shared_chips = page.evaluate(
+                "[document.querySelectorAll('#device-grid .cell.hl').length,"
+                " document.querySelectorAll('#table-blocks .chip').length,"
+                " document.querySelectorAll('#table-blocks .chip.shared').length]")
+            assert outlined == chips and shared_chips >= 8  # the prompt's full blocks at least
             page.screenshot(path=str(ARTIFACTS / "dashboard-fork.png"), full_page=True)
             result = fork.join_result()
             for t in traffic:
@@ -93,7 +98,14 @@ def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
             page.wait_for_function("document.querySelector('#plot-step_ms').dataset.value !== ''", timeout=20_000)
             assert page.locator("#plots .plot").count() == 9
             assert page.locator("#plot-step_ms polyline").get_attribute("points")
+            assert page.locator("#host-grid .cell.s-free").count() == 16  # the host tier, unused
             page.screenshot(path=str(ARTIFACTS / "dashboard-after.png"), full_page=True)
+            # the key in the address once: the page uses it and drops it from the address bar
+            keyed = browser.new_page()
+            keyed.goto(origin + f"/dashboard?key={KEY}&cells=32")
+            keyed.wait_for_selector("#device-grid .cell.s-cached", timeout=20_000)
+            assert keyed.locator("#device-grid .cell").count() == 32  # four blocks a cell
+            assert KEY not in keyed.url and keyed.locator("#key-form").is_hidden()
         finally:
             browser.close()
 

@@ -10,7 +10,10 @@ const PLOTS = [
 const $ = (id) => document.getElementById(id);
 const page = new URLSearchParams(location.search);
 const cells = page.get("cells") || "2048";
-let samples = [], lastT = 0, map = null, shown = null, pinned = null, timer = null;
+let samples = [], lastT = 0, map = null, timer = null, inFlight = false, again = false;
+// the request whose table is shown (hovered, or pinned by a click): each poll asks for its table
+// with the map, so that both come from one moment of the pool
+let wanted = null, pinned = null;
 
 // The key: ?key=K once (then dropped from the address bar), or typed into the form on a 401.
 if (page.has("key")) {
@@ -38,22 +41,35 @@ async function getJSON(path) {
 
 async function poll() {
   clearTimeout(timer);
+  if (inFlight) { again = true; return; }  // one request at a time; the next one right after
+  inFlight = true;
+  let waitForKey = false;
   try {
-    const s = await getJSON(`/dashboard/api/state?since=${lastT}&cells=${cells}`);
+    const table = wanted ? "&req_id=" + encodeURIComponent(wanted) : "";
+    const s = await getJSON(`/dashboard/api/state?since=${lastT}&cells=${cells}${table}`);
     $("model").textContent = s.model;
     for (const p of s.samples) samples.push(p);
     if (samples.length) lastT = samples[samples.length - 1].t;
     samples = samples.filter((p) => p.t > s.time - WINDOW_S);
-    if (s.map && s.map.registered) { map = s.map; drawPool(s.map, s.now); drawRequests(s.map); }
+    if (s.map && s.map.registered) {
+      map = s.map;
+      drawPool(s.map, s.now);
+      drawRequests(s.map);
+      drawTable(s.map.table);
+    }
     drawPlots(s.time);
     const down = s.down.length ? " · down: " + s.down.join(", ") : "";
     setStatus("updated " + new Date(s.time * 1000).toLocaleTimeString() + down, !!s.down.length);
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   } catch (err) {
     setStatus(err.message, true);
-    if (err.auth) { $("key-form").hidden = false; return; }  // wait for the key
+    waitForKey = !!err.auth;
+    $("key-form").hidden = !waitForKey;
+  } finally {
+    inFlight = false;
   }
-  timer = setTimeout(poll, POLL_MS);
+  if (!waitForKey) timer = setTimeout(poll, again ? 0 : POLL_MS);
+  again = false;
 }
 
 function setStatus(text, bad) {
@@ -61,8 +77,9 @@ function setStatus(text, bad) {
   $("status").classList.toggle("error", bad);
 }
 
-// One element per cell; a cell stands for blocks_per_cell consecutive blocks and takes the colour
-// of the state most of them are in (ties: shared, owned, cached, free).
+// One element per cell; a cell stands for blocks_per_cell consecutive blocks. It takes the colour
+// of the state most of its held or cached blocks are in (ties: shared, owned, cached), paler the
+// more of its blocks are free, so that a few busy blocks in a large range still show.
 function cellsOf(grid, tier) {
   if (grid.children.length !== tier.num_cells) {
     grid.replaceChildren(...Array.from({ length: tier.num_cells }, (_, i) => {
@@ -89,8 +106,10 @@ function drawPool(m, now) {
     const n = { shared: d.shared[i], owned: d.owned[i], cached: d.cached[i] };
     n.free = size - n.shared - n.owned - n.cached;
     let state = "shared";
-    for (const k of ["owned", "cached", "free"]) if (n[k] > n[state]) state = k;
+    for (const k of ["owned", "cached"]) if (n[k] > n[state]) state = k;
+    if (n[state] === 0) state = "free";
     const el = els[i];
+    el.style.opacity = state === "free" || size === 1 ? "" : (0.35 + 0.65 * (size - n.free) / size).toFixed(2);
     el.className = "cell s-" + state + (el.classList.contains("hl") ? " hl" : "");
     el.dataset.state = state;
     el.dataset.refs = d.max_refs[i];
@@ -109,7 +128,6 @@ function drawPool(m, now) {
     hel[i].title = `host blocks ${a}–${b}: ${used} hold swapped-out tables`;
   }
   $("host-summary").textContent = h.num_blocks ? `${h.num_blocks} blocks` : "none (no swap space)";
-  if (shown) highlight(shown);
 }
 
 // Rows are kept per request and updated in place, so that the row under the mouse stays hovered.
@@ -126,46 +144,49 @@ function drawRequests(m) {
       tr.dataset.req = s.req_id;
       tr.innerHTML = "<td></td><td></td><td></td><td></td>";
       tr.firstChild.title = s.req_id;
-      tr.addEventListener("mouseenter", () => showTable(s.req_id));
-      tr.addEventListener("mouseleave", () => (pinned ? showTable(pinned) : hideTable()));
-      tr.addEventListener("click", () => { pinned = pinned === s.req_id ? null : s.req_id; drawRequests(map); });
+      tr.addEventListener("mouseenter", () => want(s.req_id));
+      tr.addEventListener("mouseleave", () => want(pinned));
+      tr.addEventListener("click", () => { pinned = pinned === s.req_id ? null : s.req_id; markPinned(); want(s.req_id); });
       rows.set(s.req_id, tr);
       body.append(tr);
     }
-    tr.className = s.req_id === pinned ? "selected" : "";
     const name = s.req_id.length > 24 ? s.req_id.slice(0, 9) + "…" + s.req_id.slice(-12) : s.req_id;
     const values = [name, s.num_blocks + (s.swapped_out ? " (host)" : ""), s.num_shared_blocks, s.num_tokens];
     values.forEach((v, i) => { if (tr.children[i].textContent !== String(v)) tr.children[i].textContent = v; });
   }
   if (pinned && !live.has(pinned)) pinned = null;
-  if (shown && !live.has(shown.req_id)) hideTable();  // it finished: its table is gone
-  else if (shown) showTable(shown.req_id);  // it may have grown
+  if (wanted && !live.has(wanted)) wanted = pinned;  // it finished: its table is gone
+  markPinned();
 }
 
-let wanted = null;  // the table last asked for: a late answer for another one is dropped
-async function showTable(reqId) {
+function markPinned() {
+  for (const [reqId, tr] of rows) tr.className = reqId === pinned ? "selected" : "";
+}
+
+function want(reqId) {
+  if (reqId === wanted) return;
   wanted = reqId;
-  let t;
-  try { t = await getJSON("/dashboard/api/seq?req_id=" + encodeURIComponent(reqId)); } catch (err) { return; }
-  if (wanted !== reqId) return;
-  shown = Object.assign(t, { req_id: reqId });
+  if (!wanted) drawTable(null);
+  poll();  // now, not at the next tick
+}
+
+function drawTable(t) {
+  if (!t || t.req_id !== wanted || !t.known) {
+    $("table-view").hidden = true;
+    highlight(null);
+    return;
+  }
   $("table-view").hidden = false;
-  $("table-req").textContent = reqId + (t.known ? "" : " (gone)");
+  $("table-req").textContent = t.req_id;
   const ids = t.swapped_out ? t.host_block_ids : t.block_ids;
   $("table-blocks").replaceChildren(...ids.map((b, i) => {
     const el = document.createElement("span"), refs = t.swapped_out ? 1 : t.block_ref_counts[i];
     el.className = "chip" + (refs > 1 ? " shared" : "");
     el.textContent = b;
-    el.title = `logical block ${i} → ${t.swapped_out ? "host" : ""} block ${b}, ref count ${refs}`;
+    el.title = `logical block ${i} → ${t.swapped_out ? "host " : ""}block ${b}, ref count ${refs}`;
     return el;
   }));
   highlight(t);
-}
-
-function hideTable() {
-  shown = wanted = null;
-  $("table-view").hidden = true;
-  highlight(null);
 }
 
 function highlight(t) {
@@ -200,7 +221,7 @@ function drawPlots(nowT) {
       `${(300 - 300 * (nowT - t) / span).toFixed(1)},${(46 - 44 * v / top).toFixed(1)}`).join(" "));
     const last = pts.length ? pts[pts.length - 1][1] : null;
     div.querySelector(".value").textContent = last === null ? "–" :
-      (Number.isInteger(last) ? last : last.toFixed(unit === "%" ? 0 : 2)) + (unit === "%" ? "%" : unit === "ms" ? " ms" : "");
+      (Number.isInteger(last) ? last : last.toFixed(unit === "%" ? 0 : 2)) + (unit === "%" ? "%" : unit ? " " + unit : "");
     div.dataset.value = last === null ? "" : String(last);
   }
 }
