@@ -97,3 +97,24 @@ async def test_the_page_is_served_without_a_key_and_its_data_only_with_it(client
     for bad in ("cells=0", "cells=x", "since=soon"):
         r = await client.get(f"/dashboard/api/state?{bad}", headers=auth)
         assert r.status == 400, bad
+
+
+def test_the_wheel_ships_the_page(tmp_path):
+    """``pip install .`` must carry the page's files (package data), not only the Python modules."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    src = tmp_path / "src"  # a copy: a build/ folder left in the checkout could hold the files already
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".whl", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "tests"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for name in ("dashboard.html", "dashboard.js", "dashboard.css"):
+        assert any(n.endswith(f"gateway/static/{name}") for n in names), (name, [n for n in names if "gateway" in n])
