@@ -69,27 +69,34 @@ class History:
         self.last_stats: tuple[dict | None, dict | None] = (None, None)
         self.last_poll = 0.0
         self.task: asyncio.Task | None = None
+        self.lock = asyncio.Lock()  # one sample at a time, in order
+
+    def age(self) -> float:
+        return time.time() - self.samples[-1]["t"] if self.samples else float("inf")
 
     async def take(self) -> None:
-        ep, timeout = self.service.config.endpoints, self.service.config.admin_timeout_s
-        sched, kv = await asyncio.gather(self.service.ask_admin(ep.admin_scheduler, "stats", timeout),
-                                         self.service.ask_admin(ep.admin_kvmanager, "stats", timeout))
-        prev = self.samples[-1] if self.samples else None
-        self.samples.append(sample(time.time(), sched, kv, prev))
-        self.last_stats = (sched, kv)
+        async with self.lock:
+            ep, timeout = self.service.config.endpoints, self.service.config.admin_timeout_s
+            sched, kv = await asyncio.gather(self.service.ask_admin(ep.admin_scheduler, "stats", timeout),
+                                             self.service.ask_admin(ep.admin_kvmanager, "stats", timeout))
+            prev = self.samples[-1] if self.samples else None
+            self.samples.append(sample(time.time(), sched, kv, prev))
+            self.last_stats = (sched, kv)
 
     async def watched(self) -> None:
-        """A poll: sample now when nothing is known yet, and keep sampling for a while."""
+        """A poll: a sample no older than half an interval (the page's figures then match its
+        block map), and sampling goes on for a while (a browser slows the timers of a hidden tab)."""
         self.last_poll = time.monotonic()
         if self.task is None or self.task.done():
-            if not self.samples or time.time() - self.samples[-1]["t"] > SAMPLE_INTERVAL_S:
-                await self.take()
             self.task = asyncio.ensure_future(self._run())
+        if self.age() >= SAMPLE_INTERVAL_S / 2:
+            await self.take()
 
     async def _run(self) -> None:
         while time.monotonic() - self.last_poll < IDLE_STOP_S:
-            await asyncio.sleep(SAMPLE_INTERVAL_S)
-            await self.take()
+            await asyncio.sleep(max(0.05, SAMPLE_INTERVAL_S - self.age()))
+            if self.age() >= 0.9 * SAMPLE_INTERVAL_S:
+                await self.take()
 
     def since(self, t: float) -> list[dict]:
         return [{k: v for k, v in s.items() if k != "_totals"} for s in self.samples if s["t"] > t]
@@ -133,12 +140,13 @@ async def state(request: web.Request) -> web.Response:
     cells = _query_number(request, "cells", 2048, int)
     if not 1 <= cells <= 8192:
         raise ApiError(f"cells must be between 1 and 8192, got {cells}", 400, param="cells")
-    await history.watched()
     ep = service.config.endpoints
     args = {"max_cells": cells}
     if request.query.get("req_id"):
         args["req_id"] = request.query["req_id"]
-    kv_map = await service.ask_admin(ep.admin_kvmanager, "map", 2 * service.config.admin_timeout_s, args)
+    # the figures and the map asked at once: what the page shows is of one moment
+    _, kv_map = await asyncio.gather(history.watched(), service.ask_admin(
+        ep.admin_kvmanager, "map", 2 * service.config.admin_timeout_s, args))
     sched, kv = history.last_stats
     now = {k: (sched or {}).get(k) for k in ("num_running", "num_waiting", "num_swapped", "num_preemptions",
                                              "max_num_seqs", "max_num_batched_tokens", "num_steps")}

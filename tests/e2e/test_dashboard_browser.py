@@ -1,5 +1,5 @@
 """The live KV page in a real headless Chromium (Debian's, driven by Playwright) against a running
-``folio serve`` (tiny random model with SmolLM2's tokenizer, 128 blocks, a host tier, an API key): while a
+``folio serve`` (tiny random model with SmolLM2's tokenizer, 256 blocks, a host tier, an API key): while a
 forked request (n=2) runs among other traffic, the grid shows blocks shared with ref count 2 and
 hovering the request shows its block table; after it finishes, its blocks show as cached.
 Screenshots land in ``tests/artifacts/`` (git-ignored)."""
@@ -36,7 +36,7 @@ def chromium() -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm_dir):
     model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-dash"), smollm_dir, max_position_embeddings=1024)
-    srv = start_server(model, "--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "128",
+    srv = start_server(model, "--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "256",
                        "--block-size", "16", "--max-num-seqs", "8", "--num-host-blocks", "16", "--api-key", KEY)
     yield srv
     stop_server(srv)
@@ -66,10 +66,10 @@ def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
             page.fill("#key-input", KEY)
             page.click("#key-form button")
             page.wait_for_selector("#device-grid .cell", timeout=20_000)
-            assert page.locator("#device-grid .cell").count() == 128  # one cell per block
-            assert page.locator("#device-grid .cell.s-free").count() == 128
+            assert page.locator("#device-grid .cell").count() == 256  # one cell per block
+            assert page.locator("#device-grid .cell.s-free").count() == 256
             fork = run_in_background(lambda: post(server.base_url, {
-                "prompt": PROMPT, "n": 2, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0, "seed": 1}))
+                "prompt": PROMPT, "n": 2, "max_tokens": 700, "ignore_eos": True, "temperature": 1.0, "seed": 1}))
             traffic = [run_in_background(lambda i=i: post(server.base_url, {
                 "prompt": f"request {i} of the background traffic", "max_tokens": 64, "ignore_eos": True}))
                 for i in range(3)]
@@ -77,7 +77,7 @@ def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
             page.wait_for_selector('#device-grid .cell.s-shared[data-refs="2"]', timeout=60_000)
             row = page.locator("#requests tbody tr", has=page.locator("td:nth-child(3):not(:text-is('0'))")).first
             row.hover()
-            page.wait_for_selector("#table-view:not([hidden]) .chip.shared", timeout=10_000)
+            page.wait_for_selector("#table-view:not([hidden]) .chip.shared", timeout=20_000)
             # the table and the grid come from one snapshot: one outlined cell per block of the table
             outlined, chips, shared_chips = page.evaluate(
                 "[document.querySelectorAll('#device-grid .cell.hl').length,"
@@ -102,9 +102,9 @@ def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
             page.screenshot(path=str(ARTIFACTS / "dashboard-after.png"), full_page=True)
             # the key in the address once: the page uses it and drops it from the address bar
             keyed = browser.new_page()
-            keyed.goto(origin + f"/dashboard?key={KEY}&cells=32")
+            keyed.goto(origin + f"/dashboard?key={KEY}&cells=64")
             keyed.wait_for_selector("#device-grid .cell.s-cached", timeout=20_000)
-            assert keyed.locator("#device-grid .cell").count() == 32  # four blocks a cell
+            assert keyed.locator("#device-grid .cell").count() == 64  # four blocks a cell
             assert KEY not in keyed.url and keyed.locator("#key-form").is_hidden()
         finally:
             browser.close()

@@ -53,7 +53,7 @@ async function poll() {
     samples = samples.filter((p) => p.t > s.time - WINDOW_S);
     if (s.map && s.map.registered) {
       map = s.map;
-      drawPool(s.map, s.now);
+      drawPool(s.map);
       drawRequests(s.map);
       drawTable(s.map.table);
     }
@@ -99,7 +99,7 @@ function cellRange(tier, i) {
   return [first, Math.min(tier.num_blocks, first + tier.blocks_per_cell) - 1];
 }
 
-function drawPool(m, now) {
+function drawPool(m) {
   const d = m.device, els = cellsOf($("device-grid"), d), big = d.num_cells <= 512;
   for (let i = 0; i < d.num_cells; i++) {
     const [a, b] = cellRange(d, i), size = b - a + 1;
@@ -118,8 +118,9 @@ function drawPool(m, now) {
       `${n.owned} owned, ${n.shared} shared (max refs ${d.max_refs[i]}), ${n.cached} cached, ${n.free} free`;
   }
   $("cell-note").textContent = d.blocks_per_cell > 1 ? `one cell = ${d.blocks_per_cell} blocks` : "one cell = one block";
+  const sum = (xs) => xs.reduce((a, b) => a + b, 0), used = sum(d.owned) + sum(d.shared), cached = sum(d.cached);
   $("device-summary").textContent = `${d.num_blocks} blocks of ${m.block_size} tokens · ` +
-    `${now.num_blocks_used ?? "?"} used, ${now.num_blocks_cached ?? "?"} cached, ${now.num_blocks_free ?? "?"} free`;
+    `${used} used, ${cached} cached, ${d.num_blocks - used - cached} free`;
   const h = m.host, hel = cellsOf($("host-grid"), h);
   for (let i = 0; i < h.num_cells; i++) {
     const [a, b] = cellRange(h, i), used = h.used[i];
