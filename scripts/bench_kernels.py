@@ -180,7 +180,7 @@ def bench_prefill(backend, copy_bps: float) -> list[dict]:
 
 
 def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
-    from services.executor.offline import generate
+    from folio.engine import generate
     from services.executor.runner import ModelRunner
     from shared.config import RuntimeConfig
     from shared.messages import SamplingParams
@@ -201,7 +201,7 @@ def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
         generate(runner, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm up, compile
         torch.cuda.synchronize()
         start = time.perf_counter()
-        outputs = generate(runner, prompts, params, chunk_size=512)
+        outputs = generate(runner, prompts, params, max_num_batched_tokens=512)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         result[name] = {"tokens_per_s": sum(map(len, outputs)) / seconds, "seconds": seconds}

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor.offline import generate  # noqa: E402
+from folio.engine import generate  # noqa: E402
 from services.executor.runner import ModelRunner  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from shared.messages import SamplingParams  # noqa: E402

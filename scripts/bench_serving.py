@@ -5,8 +5,8 @@ Every figure is a ratio against a baseline run here, on this machine, in this ru
 
 - throughput: a mixed workload (prompts 16..160 tokens, outputs 8..80, all sent at once). Served
   folio (``folio serve``, one streaming HTTP client per request) against
-  (a) the executor runtime driven in-process (``services.executor.offline``, all requests in one
-      batch): the cost of services and sockets;
+  (a) the same engine in-process (``folio.LLM``: the same scheduler, KV pool, token budget and
+      detokenization, no sockets), all requests queued at once: the cost of services and sockets;
   (b) ``transformers`` static batching: the requests in arrival order in fixed batches of
       ``--hf-batch-size``, each left-padded to its longest prompt and run until its longest
       output (``min_new_tokens`` = ``max_new_tokens``); only each request's own output counts as
@@ -47,10 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.executor.offline import generate  # noqa: E402
-from services.executor.runner import ModelRunner  # noqa: E402
+from folio import LLM, SamplingParams  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
-from shared.messages import SamplingParams  # noqa: E402
 from shared.models import resolve_model  # noqa: E402
 from scripts.cpu_meter import CpuMeter  # noqa: E402
 from tests.e2e.conftest import Server, start_server, stop_server  # noqa: E402
@@ -94,12 +92,12 @@ def ms(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------- in-process baselines
-def run_in_process(path: str, jobs: list[Job], num_kv_blocks: int) -> float:
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=num_kv_blocks), path)
+def run_in_process(path: str, jobs: list[Job], num_kv_blocks: int, max_num_batched_tokens: int) -> float:
+    llm = LLM(path, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in jobs]
-    generate(runner, [jobs[0][0]], params[0])  # warm-up
+    llm.generate({"prompt_token_ids": jobs[0][0]}, params[0], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
-    generate(runner, [p for p, _ in jobs], params)
+    llm.generate([{"prompt_token_ids": p} for p, _ in jobs], params, use_tqdm=False)
     return time.perf_counter() - t0
 
 
@@ -233,15 +231,16 @@ def common_flags(args, num_kv_blocks: int, max_num_batched_tokens: int) -> list[
 
 # ---------------------------------------------------------------------------- section: throughput
 def section_throughput(args, path: str, jobs: list[Job], warmup: list[int], pad_id: int, servers: Servers) -> None:
-    print(f"\n== throughput: served folio vs in-process runtime vs transformers static batches of {args.hf_batch_size}")
+    print(f"\n== throughput: served folio vs in-process folio.LLM vs transformers static batches of "
+          f"{args.hf_batch_size}")
     out_tokens = sum(n for _, n in jobs)
     hf_s = run_hf_static(path, jobs, args.hf_batch_size, pad_id)
-    local_s = run_in_process(path, jobs, args.num_kv_blocks)
+    local_s = run_in_process(path, jobs, args.num_kv_blocks, args.max_num_batched_tokens)
     server = servers.get(*common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens))
     served_s, results = asyncio.run(run_served(server.base_url, jobs, warmup))
 
     print(f"{'':<26} {'req/s':>8} {'useful out tok/s':>17}")
-    for name, seconds in ((f"transformers static B={args.hf_batch_size}", hf_s), ("in-process runtime", local_s),
+    for name, seconds in ((f"transformers static B={args.hf_batch_size}", hf_s), ("in-process folio.LLM", local_s),
                           ("served folio", served_s)):
         print(f"{name:<26} {len(jobs) / seconds:>8.2f} {out_tokens / seconds:>17.1f}")
     print(f"served / transformers static throughput: {hf_s / served_s:.2f}x")

@@ -1,7 +1,7 @@
 """Speculative decoding, measured in one run: decode tokens/s with and without speculation.
 
 The engine is the real scheduler policy, block allocator and model runner stepped in this process
-(``tests/services/engine.py``'s ``LocalEngine``: the services' step without sockets), greedy, on
+(``folio.engine.EngineCore``: the services' step without sockets), greedy, on
 SmolLM2-135M-Instruct. Decode tokens/s counts the tokens generated after every request of the
 batch has its first token (prefill excluded) over the time they took. For each proposer, at batch
 1 and at a larger batch, it prints tokens/s without speculation (the baseline, same run), with it,
@@ -27,10 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from folio.engine import EngineCore  # noqa: E402
 from services.executor.runner import ModelRunner  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir  # noqa: E402
+from shared.messages import EngineRequest, SamplingParams  # noqa: E402
 from shared.models import resolve_model, truncate_layers  # noqa: E402
-from tests.services.engine import LocalEngine, engine_request  # noqa: E402
 
 DOCUMENT = (
     "The harbor town of Westmere keeps three lighthouses. The north light was built in 1821 from grey "
@@ -58,19 +59,22 @@ def workload(tokenizer, num: int) -> list[list[int]]:
 
 def decode_rate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, eos: int) -> tuple[float, float, list]:
     """(decode tokens/s, mean accepted length, outputs)."""
-    engine = LocalEngine(runner, max_num_batched_tokens=4096)
+    engine = EngineCore(runner, max_num_batched_tokens=4096)
+    outputs: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        engine.add(engine_request(f"b{i}", p, max_tokens, eos_token_id=eos))
+        engine.add_request(EngineRequest(req_id=f"b{i}", prompt_token_ids=p, eos_token_id=eos,
+                                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
     t0 = tokens0 = None
-    while engine.step():
-        outputs = engine.outputs.values()
-        if t0 is None and all(o.token_ids for o in outputs):
-            t0, tokens0 = time.perf_counter(), sum(len(o.token_ids) for o in outputs)
+    while (deltas := engine.step()) is not None:
+        for d in deltas:
+            outputs[d.req_id].extend(d.token_ids)
+        if t0 is None and all(outputs.values()):
+            t0, tokens0 = time.perf_counter(), sum(map(len, outputs.values()))
     elapsed = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in engine.outputs.values()) - tokens0
-    c = engine.sched.counters
+    tokens = sum(map(len, outputs.values())) - tokens0
+    c = engine.scheduler.counters
     accepted = 1 + c["num_spec_accepted_tokens"] / c["num_spec_drafts"] if c["num_spec_drafts"] else float("nan")
-    return tokens / elapsed, accepted, [engine.outputs[f"b{i}"].token_ids for i in range(len(prompts))]
+    return tokens / elapsed, accepted, [outputs[f"b{i}"] for i in range(len(prompts))]
 
 
 def main() -> None:

@@ -148,7 +148,7 @@ def run_null(args) -> float:
 
 def run_cuda_1b(args) -> None:
     """The 1B shape in process (needs a GPU)."""
-    from services.executor.offline import generate
+    from folio.engine import generate
     from tests.conftest import write_tiny_model
 
     with tempfile.TemporaryDirectory() as folder:

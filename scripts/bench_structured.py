@@ -2,8 +2,8 @@
 against the same batch unconstrained, same run, same prompts, greedy.
 
 Decode time per step is the median over the decode steps (the prefill step left out) of the
-runtime driven in-process (``services.executor.offline``); the two runs alternate, twice each, so
-that drifting load from other processes hits both alike. Also prints the grammar's own parts
+engine driven in-process (``folio.engine.generate``: the real scheduler, no sockets); the two runs
+alternate, twice each, so that drifting load from other processes hits both alike. Also prints the grammar's own parts
 per step at that batch size: filling the matchers' bitmasks and masking the logits.
 
     python scripts/bench_structured.py [--model PATH] [--batch 64] [--new-tokens 24]
@@ -24,7 +24,7 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from scripts.bench_serving import CpuMeter  # noqa: E402
-from services.executor.offline import generate  # noqa: E402
+from folio.engine import generate  # noqa: E402
 from services.executor.runner import ModelRunner  # noqa: E402
 from services.executor.structured import apply_grammar_masks  # noqa: E402
 from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402

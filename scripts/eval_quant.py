@@ -53,7 +53,7 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
     cache = cache_dir() / "eval" / f"{model_tag(path)}-{num_tokens}-{seed}.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    from services.executor.offline import generate
+    from folio.engine import generate
     from services.executor.runner import ModelRunner
     from shared.config import RuntimeConfig
     from shared.messages import SamplingParams

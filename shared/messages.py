@@ -10,6 +10,8 @@ Who talks with what (PUSH/PULL pipeline, then DEALER/ROUTER request/reply):
 - tokenizer -> scheduler: ``EngineRequest``, ``AbortRequest`` (client gone, stop string hit);
 - scheduler -> tokenizer: ``TokenBatch`` (new tokens of many requests per step);
 - tokenizer -> gateway: ``TextBatch`` (text deltas, finish reasons, usage, errors);
+- gateway -> tokenizer -> gateway: ``TokenizeRequest``/``DetokenizeRequest`` -> ``TokenizeReply``
+  (``/tokenize``, ``/detokenize``), on the same PUSH/PULL pipeline;
 - scheduler -> executor: ``StepPlan``; executor -> scheduler: ``StepResult``;
 - any CLI -> a service's admin socket: ``AdminRequest``; reply: ``AdminReply``.
 The kvmanager's request/reply types (the scheduler's per-step allocator log, ``KVStepRequest``)
@@ -277,6 +279,7 @@ class TextLogprob(msgspec.Struct, frozen=True, kw_only=True):
     text_offset: int = 0
     # the token's raw bytes, only when ``token`` is part of a character (its text shows U+FFFD)
     token_bytes: list[int] | None = None
+    rank: int | None = None  # of the token among the whole vocabulary (1: the most likely)
 
 
 class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -303,6 +306,40 @@ class TextBatch(msgspec.Struct, frozen=True, kw_only=True, tag="text_batch"):
     """tokenizer -> gateway: text deltas of many requests in one message."""
 
     deltas: list[TextDelta]
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True, tag="tokenize"):
+    """gateway -> tokenizer (``/tokenize``): the token ids of a prompt or of a chat rendered by
+    the chat template (exactly one of ``prompt`` and ``messages``); reply ``TokenizeReply``."""
+
+    req_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True, tag="detokenize"):
+    """gateway -> tokenizer (``/detokenize``): the text of token ids; reply ``TokenizeReply``."""
+
+    req_id: str
+    token_ids: list[int]
+
+
+class TokenizeReply(msgspec.Struct, frozen=True, kw_only=True, tag="tokenize_reply", omit_defaults=True):
+    """tokenizer -> gateway: the answer to a ``TokenizeRequest`` (``token_ids``, ``token_strs``
+    when asked) or a ``DetokenizeRequest`` (``text``), or why there is none (``error``)."""
+
+    req_id: str
+    token_ids: list[int] = []
+    token_strs: list[str] | None = None
+    text: str | None = None
+    max_model_len: int = 0
+    error: str | None = None
+    error_code: int = 400
+    error_param: str | None = None
 
 
 # --------------------------------------------------------------------------- admin

@@ -1,5 +1,6 @@
 """The model's tokenizer: the HF tokenizer and chat template of a model folder (or .gguf file),
-prompt encoding, the context-length check, and token bytes.
+prompt encoding, the context-length check, token bytes, and the answers of ``/tokenize`` and
+``/detokenize``.
 
 The tokenizer service (``services/tokenizer/service.py``) builds one ``TextTokenizer`` at start;
 the router builds one to hash prompts as the replicas do (``services/router/prompt.py``); tests
@@ -12,7 +13,16 @@ import json
 import re
 from pathlib import Path
 
-from shared.messages import ChatMessage, GenerateRequest
+import msgspec
+
+from shared.messages import (
+    ChatMessage,
+    DetokenizeRequest,
+    GenerateRequest,
+    SamplingParams,
+    TokenizeReply,
+    TokenizeRequest,
+)
 
 
 class RequestError(Exception):
@@ -69,20 +79,54 @@ class TextTokenizer:
     def encode_request(self, req: GenerateRequest) -> tuple[list[int], str | None]:
         """(prompt token ids, prompt text when there is one)."""
         if req.prompt_token_ids is not None:
-            bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+            self.check_token_ids(req.prompt_token_ids, "prompt")
             return list(req.prompt_token_ids), None
         if req.messages is not None:
-            messages, extra = render_tools(req.messages, req.tools, self.hf.chat_template or "")
-            try:
-                text = self.hf.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                   tokenize=False, **extra)
-            except Exception as exc:  # jinja raises anything a template author wrote
-                raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+            text = self.render_chat(req.messages, req.tools, req.add_generation_prompt)
             # the template already holds BOS and the role markers
             return self.hf.encode(text, add_special_tokens=False), text
         return self.hf.encode(req.prompt or ""), req.prompt
+
+    def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """The conversation as the chat template writes it, or RequestError."""
+        rendered, extra = render_tools(messages, tools, self.hf.chat_template or "")
+        try:
+            return self.hf.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                               **extra)
+        except Exception as exc:  # jinja raises anything a template author wrote
+            raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
+        """``/tokenize``: a chat's special tokens come from its template, so ``add_special_tokens``
+        adds more only when asked (vLLM's defaults: True for a prompt, False for a chat)."""
+        text = req.prompt or ""
+        if req.messages is not None:
+            text = self.render_chat(req.messages, req.tools, req.add_generation_prompt)
+        token_ids = self.hf.encode(text, add_special_tokens=req.add_special_tokens)
+        token_strs = self.hf.convert_ids_to_tokens(token_ids) if req.return_token_strs else None
+        return TokenizeReply(req_id=req.req_id, token_ids=token_ids, token_strs=token_strs,
+                             max_model_len=self.max_model_len)
+
+    def detokenize(self, req: DetokenizeRequest) -> TokenizeReply:
+        """``/detokenize``: the text of the ids, special tokens included (as vLLM decodes them)."""
+        self.check_token_ids(req.token_ids, "tokens")
+        return TokenizeReply(req_id=req.req_id, text=self.decode_with_specials(req.token_ids),
+                             max_model_len=self.max_model_len)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+
+    def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None, SamplingParams]:
+        """(prompt token ids, prompt text when there is one, the sampling params with the
+        max_tokens the context allows), or RequestError."""
+        prompt_token_ids, prompt_text = self.encode_request(req)
+        max_tokens = self.fit_max_tokens(req, len(prompt_token_ids))
+        sampling = req.sampling
+        if max_tokens != sampling.max_tokens:
+            sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
+        return prompt_token_ids, prompt_text, sampling
 
     def fit_max_tokens(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
         """max_tokens the request may have, or RequestError when it does not fit the context."""

@@ -35,7 +35,7 @@ def calibration_text(path: Path, num_tokens: int, seed: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from services.executor.loader import load_hf_config
-    from services.executor.offline import generate
+    from folio.engine import generate
     from services.executor.runner import ModelRunner
     from shared.config import RuntimeConfig
     from shared.messages import SamplingParams

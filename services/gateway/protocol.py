@@ -1,6 +1,6 @@
 """The OpenAI request bodies the gateway accepts, validated declaratively, and its error objects.
 
-``routes.py`` decodes each body with ``parse(body, CompletionRequest | ChatCompletionRequest)``:
+``routes.py`` decodes each body with ``parse(body, CompletionRequest)`` (or another request type):
 types and ranges are ``msgspec`` annotations on the structs below; rules that tie fields together
 are the ``(param, is_bad, message)`` rows of ``_COMMON_RULES``/``_COMPLETION_RULES``/``_CHAT_RULES``.
 Anything wrong becomes an ``ApiError`` that the routes turn into an OpenAI error object.
@@ -166,6 +166,34 @@ class ChatCompletionRequest(_Params, kw_only=True):
     add_generation_prompt: bool = True
 
 
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
+    """``/tokenize`` of a prompt (vLLM's body)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True):
+    """``/tokenize`` of a conversation through the chat template (vLLM's body)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template holds them already
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``/detokenize`` (vLLM's body)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 Rule = tuple[str, Callable[[msgspec.Struct], bool], str]
 
 
@@ -224,11 +252,13 @@ _COMPLETION_RULES: list[Rule] = [
     ("use_beam_search", lambda r: r.use_beam_search and _num_guided(r) > 0,
      "structured output (response_format, guided_*) is not supported with use_beam_search"),
 ]
+_TEXT_PARTS_ONLY: Rule = (
+    "messages", lambda r: any(p.type != "text" for m in r.messages if isinstance(m.content, list) for p in m.content),
+    "only text content parts are supported")
 _CHAT_RULES: list[Rule] = [
     ("top_logprobs", lambda r: r.top_logprobs is not None and not r.logprobs,
      "top_logprobs requires logprobs to be true"),
-    ("messages", lambda r: any(p.type != "text" for m in r.messages if isinstance(m.content, list) for p in m.content),
-     "only text content parts are supported"),
+    _TEXT_PARTS_ONLY,
     ("tool_choice", lambda r: _forces_tools(r) and not r.tools,
      "tool_choice required or a named function needs tools"),
     ("tool_choice", lambda r: _tool_choice_name(r) is not None
@@ -239,13 +269,18 @@ _CHAT_RULES: list[Rule] = [
     ("tools", lambda r: r.tools is not None and len({t.function.name for t in r.tools}) != len(r.tools),
      "tool function names must be unique"),
 ]
-_RULES = {CompletionRequest: _COMMON_RULES + _COMPLETION_RULES, ChatCompletionRequest: _COMMON_RULES + _CHAT_RULES}
+_TOKENIZE_CHAT_RULES: list[Rule] = [
+    ("continue_final_message", lambda r: r.continue_final_message, "continue_final_message is not supported"),
+    _TEXT_PARTS_ONLY,
+]
+_RULES = {CompletionRequest: _COMMON_RULES + _COMPLETION_RULES, ChatCompletionRequest: _COMMON_RULES + _CHAT_RULES,
+          TokenizeCompletionRequest: [], TokenizeChatRequest: _TOKENIZE_CHAT_RULES, DetokenizeRequest: []}
 
 _PATH = re.compile(r"at `\$\.([^`]+)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
-def parse(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]):
+def parse(body: bytes, kind: type[msgspec.Struct]):
     """Decode and validate a request body, or raise ``ApiError`` (400) naming the bad field."""
     try:
         req = msgspec.json.decode(body, type=kind)

@@ -1,6 +1,7 @@
-"""The HTTP routes of the gateway: OpenAI's completions, chat completions and models, plus
-``/health``, ``/ready``, ``/live`` and ``/metrics``, and the middlewares for the API key (on
-``/v1/`` and the live KV page's data, ``dashboard.py``) and for error objects.
+"""The HTTP routes of the gateway: OpenAI's completions, chat completions and models, vLLM's
+``/tokenize`` and ``/detokenize``, plus ``/health``, ``/ready``, ``/live`` and ``/metrics``, and the
+middlewares for the API key (on ``/v1/``, ``/tokenize``, ``/detokenize`` and the live KV page's
+data, ``dashboard.py``) and for error objects.
 
 Probes follow the Kubernetes convention: ``/live`` says only that the gateway's loop runs (a
 liveness failure restarts the container, which would not mend a service behind it); ``/health``
@@ -26,11 +27,20 @@ from aiohttp import web
 
 from services.gateway import convert, responses
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from services.gateway.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse,
+)
 from services.gateway.responses import ResponseMeta, UsageCounter
 from services.gateway.service import GatewayService
 from services.gateway.streaming import collect, stream
 from services.gateway.structured import ToolCallReader
+from shared import messages
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 SERVICE = web.AppKey("service", GatewayService)
@@ -53,7 +63,8 @@ async def error_middleware(request: web.Request, handler):
         return web.json_response(ApiError("internal server error", 500, type_="server_error").body(), status=500)
 
 
-PROTECTED_PREFIXES = ("/v1/", "/dashboard/api/")  # the live KV page itself holds no data
+# the live KV page itself holds no data; /tokenize and /detokenize cost the tokenizer work
+PROTECTED_PREFIXES = ("/v1/", "/dashboard/api/", "/tokenize", "/detokenize")
 
 
 def auth_middleware(api_key: str | None):
@@ -190,6 +201,49 @@ def _tool_chunk_choices(reader: ToolCallReader, index: int, delta) -> list[dict]
     return choices
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: a prompt, or a chat through the template; the ids, their count and the
+    context length (``token_strs`` too when asked)."""
+    service = request.app[SERVICE]
+    body = await request.read()
+    chat = _has_field(body, "messages")
+    req = parse(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+    _check_model(service, req.model)
+    fields = {"prompt": req.prompt} if not chat else {
+        "messages": [convert.chat_message(m) for m in req.messages], "add_generation_prompt": req.add_generation_prompt,
+        "tools": [msgspec.to_builtins(t) for t in req.tools] if req.tools else None}
+    reply = _tokenizer_answer(await service.tokenize(messages.TokenizeRequest(
+        req_id=f"tok-{uuid.uuid4().hex}", add_special_tokens=req.add_special_tokens,
+        return_token_strs=req.return_token_strs, **fields)))
+    return web.json_response({"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
+                              "tokens": reply.token_ids, "token_strs": reply.token_strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/detokenize``: the text of token ids, special tokens included."""
+    service = request.app[SERVICE]
+    req = parse(await request.read(), DetokenizeRequest)
+    _check_model(service, req.model)
+    reply = _tokenizer_answer(await service.tokenize(messages.DetokenizeRequest(
+        req_id=f"detok-{uuid.uuid4().hex}", token_ids=req.tokens)))
+    return web.json_response({"prompt": reply.text})
+
+
+def _has_field(body: bytes, name: str) -> bool:
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return False  # parse() says what is wrong with it
+    return isinstance(decoded, dict) and name in decoded
+
+
+def _tokenizer_answer(reply: messages.TokenizeReply) -> messages.TokenizeReply:
+    if reply.error is not None:
+        type_ = "invalid_request_error" if reply.error_code < 500 else "server_error"
+        raise ApiError(reply.error, reply.error_code, param=reply.error_param, type_=type_)
+    return reply
+
+
 async def models(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     return web.json_response(responses.models_response(service.config.model_name, service.config.model,
@@ -219,6 +273,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", health)
     app.router.add_get("/live", live)

@@ -1,8 +1,9 @@
 """The gateway's side of the sockets: requests out to the tokenizer, text back into mailboxes.
 
 Peers (``shared.config.Endpoints``):
-- ``send_to_tokenizer`` (PUSH to ``tokenizer_in``): ``GenerateRequest``, ``AbortRequest``;
-- ``recv_from_tokenizer`` (PULL, bound at ``gateway_in``): ``TextBatch``;
+- ``send_to_tokenizer`` (PUSH to ``tokenizer_in``): ``GenerateRequest``, ``AbortRequest``,
+  ``TokenizeRequest``/``DetokenizeRequest``;
+- ``recv_from_tokenizer`` (PULL, bound at ``gateway_in``): ``TextBatch``, ``TokenizeReply``;
 - ``recv_from_admin`` (ROUTER at ``admin_gateway``): ``stats``;
 - the scheduler's and kvmanager's admin sockets, asked for ``stats`` at each ``/metrics`` scrape
   and by the live KV page (``dashboard.py``: also ``map``) through a short-lived
@@ -31,7 +32,15 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from shared.config import GatewayConfig
 from shared.loops import ask_admin, close_sockets, serve_admin, serve_pull
-from shared.messages import AbortRequest, GenerateRequest, TextBatch, TextDelta
+from shared.messages import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TextBatch,
+    TextDelta,
+    TokenizeReply,
+    TokenizeRequest,
+)
 from shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
@@ -44,8 +53,9 @@ class GatewayService:
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.metrics = GatewayMetrics(config.model_name)
         self.mailboxes: dict[str, OutputMailbox] = {}  # req_id -> its HTTP request's mailbox
-        self.decoder = Decoder(TextBatch)
-        self.handlers = {TextBatch: self.handle_text_batch}
+        self.decoder = Decoder(TextBatch, TokenizeReply)
+        self.handlers = {TextBatch: self.handle_text_batch, TokenizeReply: self.handle_tokenize_reply}
+        self.tokenizing: dict[str, asyncio.Future] = {}  # req_id -> its /tokenize or /detokenize reply
         self.stats = {"num_requests": 0, "num_aborts": 0, "num_malformed": 0, "num_refused_busy": 0,
                       "num_refused_unavailable": 0, "num_failed": 0, "num_stray_aborts": 0}
         self.started_at = int(time.time())
@@ -99,6 +109,28 @@ class GatewayService:
             self.metrics.on_delta(mailbox.timing[delta.req_id], delta, now)
             if delta.finish_reason is not None:
                 del self.mailboxes[delta.req_id]
+
+    async def tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> TokenizeReply:
+        """Ask the tokenizer (``/tokenize``, ``/detokenize``); 503 while it is down or lost, 504
+        past ``--request-timeout``."""
+        if self.draining or "tokenizer" in self.health.down():
+            raise ApiError("unavailable: tokenizer not answering; retry later", 503, type_="server_error",
+                           code="service_unavailable")
+        future = self.tokenizing[request.req_id] = asyncio.get_running_loop().create_future()
+        try:
+            self.send_to_tokenizer.send(encode(request))
+            timeout_s = self.config.request_timeout_s or None
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise ApiError(f"the tokenizer did not answer within --request-timeout {timeout_s:g}s", 504,
+                           type_="server_error") from None
+        finally:
+            self.tokenizing.pop(request.req_id, None)
+
+    def handle_tokenize_reply(self, reply: TokenizeReply) -> None:
+        future = self.tokenizing.get(reply.req_id)
+        if future is not None and not future.done():
+            future.set_result(reply)
 
     def _abort_stray(self, delta: TextDelta) -> None:
         """Output for a request nobody here waits for: its client left (the abort is on its way),
@@ -179,6 +211,11 @@ class GatewayService:
     def on_lost(self, name: str, why: str) -> None:
         """The tokenizer or scheduler lost (or may have lost) every request in flight."""
         num = self.fail_all(f"the {name} {why}; the request was lost, retry it", 503)
+        if name == "tokenizer":
+            for future in self.tokenizing.values():
+                if not future.done():
+                    future.set_exception(ApiError(f"the tokenizer {why}; retry the request", 503,
+                                                  type_="server_error", code="service_unavailable"))
         log.error("service lost: the requests in flight failed", service=name, why=why, num_requests=num)
 
     def admin_stats(self, args: dict) -> dict:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.tokenizer.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker
 from shared.messages import (
     AbortRequest,
@@ -47,13 +49,18 @@ class TokenTexts:
         return entry
 
     def logprob(self, lp: TokenLogprobs, text_offset: int) -> TextLogprob:
+        """The chosen token always appears among ``top`` (OpenAI: "the API will always return the
+        logprob of the sampled token"), after the top-n when it is not one of them: up to n + 1
+        entries, and exactly one for ``logprobs=0`` (what lm-eval's loglikelihood requests read)."""
         top = []
         for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
             text, raw = self.text_and_bytes(token_id)
             top.append(TopLogprob(text, value, token_id, raw))
         text, raw = self.text_and_bytes(lp.token_id)
+        if lp.token_id not in lp.top_token_ids:
+            top.append(TopLogprob(text, lp.logprob, lp.token_id, raw))
         return TextLogprob(token=text, token_id=lp.token_id, logprob=lp.logprob, top=top, text_offset=text_offset,
-                           token_bytes=raw)
+                           token_bytes=raw, rank=lp.rank)
 
 
 @dataclass
@@ -117,6 +124,14 @@ class OutputProcessor:
             text_offset=len(echo_text) if echo_text else 0,
             num_prompt_tokens=len(prompt_token_ids),
         )
+
+    def add_choices(self, req: GenerateRequest, prompt_token_ids: list[int], eos_token_id: int | None,
+                    prompt_text: str | None) -> None:
+        """Register ``req`` and its forked choices (``fork_req_ids``): they share the prompt, not
+        the text state."""
+        for choice_id in (req.req_id, *req.fork_req_ids):
+            choice = req if choice_id == req.req_id else msgspec.structs.replace(req, req_id=choice_id, fork_req_ids=[])
+            self.add_request(choice, prompt_token_ids, eos_token_id, prompt_text)
 
     def remove(self, req_id: str) -> RequestState | None:
         return self.requests.pop(req_id, None)

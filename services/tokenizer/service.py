@@ -6,7 +6,8 @@ Peers (``shared.config.Endpoints``):
   the tokens of the same request are seen in the order they arrived;
 - ``send_to_scheduler`` (PUSH to ``scheduler_in``): ``EngineRequest``, ``AbortRequest``;
 - ``send_to_gateway`` (PUSH to ``gateway_in``): ``TextBatch`` (one per ``TokenBatch``) and error
-  deltas for requests that cannot run (prompt + max_tokens beyond the context, bad token ids);
+  deltas for requests that cannot run (prompt + max_tokens beyond the context, bad token ids),
+  and the ``TokenizeReply`` to each ``TokenizeRequest``/``DetokenizeRequest`` of the gateway;
 - ``recv_from_admin`` (ROUTER at ``admin_tokenizer``): ``stats``.
 
 All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
@@ -30,11 +31,14 @@ from shared.grammar import GrammarChecker, GrammarError
 from shared.loops import close_sockets, serve_admin, serve_pull
 from shared.messages import (
     AbortRequest,
+    DetokenizeRequest,
     EngineRequest,
     GenerateRequest,
     TextBatch,
     TextDelta,
     TokenBatch,
+    TokenizeReply,
+    TokenizeRequest,
 )
 from shared.text import RequestError, TextTokenizer
 from shared.transport import Decoder, encode, make_socket
@@ -55,13 +59,15 @@ class TokenizerService:
         self.send_to_scheduler = make_socket(self.ctx, zmq.PUSH, ep.scheduler_in)
         self.send_to_gateway = make_socket(self.ctx, zmq.PUSH, ep.gateway_in)
         self.recv_from_admin = make_socket(self.ctx, zmq.ROUTER, ep.admin_tokenizer)
-        self.decoder = Decoder(GenerateRequest, AbortRequest, TokenBatch)
+        self.decoder = Decoder(GenerateRequest, AbortRequest, TokenBatch, TokenizeRequest, DetokenizeRequest)
         self.handlers = {
             GenerateRequest: self.handle_generate,
             AbortRequest: self.handle_abort,
             TokenBatch: self.handle_token_batch,
+            TokenizeRequest: self.handle_tokenize,
+            DetokenizeRequest: self.handle_tokenize,
         }
-        self.stats = {"num_generate": 0, "num_aborts": 0, "num_token_batches": 0, "num_malformed": 0,
+        self.stats = {"num_generate": 0, "num_tokenize": 0, "num_aborts": 0, "num_token_batches": 0, "num_malformed": 0,
                       "num_rejected": 0, "num_stray_aborts": 0}
         self.grammars = GrammarChecker()
         self.compiling: dict[str, GenerateRequest] = {}  # req_id -> a request waiting for its grammar
@@ -91,18 +97,17 @@ class TokenizerService:
         if isinstance(message, GenerateRequest):
             for choice_id in (message.req_id, *message.fork_req_ids):
                 self._reply_error(choice_id, "internal error while tokenizing", 500)
+        elif isinstance(message, (TokenizeRequest, DetokenizeRequest)):
+            self.send_to_gateway.send(encode(TokenizeReply(req_id=message.req_id,
+                                                           error="internal error while tokenizing", error_code=500)))
 
     def handle_generate(self, req: GenerateRequest) -> None:
         self.stats["num_generate"] += 1
         try:
-            prompt_token_ids, prompt_text = self.tokenizer.encode_request(req)
-            max_tokens = self.tokenizer.fit_max_tokens(req, len(prompt_token_ids))
+            prompt_token_ids, prompt_text, sampling = self.tokenizer.prepare(req)
         except RequestError as exc:
             self._reject(req, str(exc), exc.param)
             return
-        sampling = req.sampling
-        if max_tokens != sampling.max_tokens:
-            sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
         if req.guided is None:
             self._send(req, prompt_token_ids, prompt_text, sampling)
             return
@@ -134,9 +139,7 @@ class TokenizerService:
             self._reply_error(choice_id, message, 400, param)
 
     def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, sampling) -> None:
-        for choice_id in (req.req_id, *req.fork_req_ids):  # the choices share the prompt, not the text state
-            choice = req if choice_id == req.req_id else msgspec.structs.replace(req, req_id=choice_id, fork_req_ids=[])
-            self.outputs.add_request(choice, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
+        self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
         engine_req = EngineRequest(
             req_id=req.req_id,
             prompt_token_ids=prompt_token_ids,
@@ -150,6 +153,16 @@ class TokenizerService:
         )
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))
+
+    def handle_tokenize(self, req: TokenizeRequest | DetokenizeRequest) -> None:
+        """``/tokenize`` and ``/detokenize``: answered at once, on the gateway's pipeline."""
+        self.stats["num_tokenize"] += 1
+        try:
+            reply = (self.tokenizer.tokenize(req) if isinstance(req, TokenizeRequest)
+                     else self.tokenizer.detokenize(req))
+        except RequestError as exc:
+            reply = TokenizeReply(req_id=req.req_id, error=str(exc), error_param=exc.param)
+        self.send_to_gateway.send(encode(reply))
 
     def handle_abort(self, abort: AbortRequest) -> None:
         """The gateway's client went away: forget the request, tell the scheduler to free it."""

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.executor.kernel_backend import KernelAttentionBackend
-from services.executor.offline import generate
+from tests.executor.toy_driver import generate
 from services.executor.runner import ModelRunner
 from shared.config import RuntimeConfig
 from shared.messages import SamplingParams

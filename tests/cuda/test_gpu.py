@@ -130,7 +130,7 @@ def test_runs_on_torch_current_stream(cuda_backend_cls):
 
 
 def _greedy(model_dir, backend: str, dtype: str):
-    from services.executor.offline import generate
+    from tests.executor.toy_driver import generate
     from services.executor.runner import ModelRunner
     from shared.config import RuntimeConfig
     from shared.messages import SamplingParams

@@ -64,7 +64,7 @@ def test_completion_greedy_stream_equals_non_stream_and_reports_usage(client):
 def test_chat_greedy_matches_the_in_process_runtime(client, server, smollm_dir):
     from transformers import AutoTokenizer
 
-    from services.executor.offline import generate
+    from tests.executor.toy_driver import generate
     from services.executor.runner import ModelRunner
     from shared.config import RuntimeConfig
     from shared.messages import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.offline import generate
+from tests.executor.toy_driver import generate
 from services.executor.runner import ModelRunner
 from shared.config import RuntimeConfig
 from shared.messages import SamplingParams

@@ -140,7 +140,7 @@ def test_folio_quantize_refuses_a_group_size_that_does_not_fit(tmp_path, tiny_mo
 
 
 def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_dir):
-    from services.executor.offline import generate
+    from tests.executor.toy_driver import generate
     from services.executor.runner import ModelRunner
     from shared.config import RuntimeConfig
     from shared.messages import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.executor.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
-from services.executor.offline import generate
+from tests.executor.toy_driver import generate
 from services.executor.runner import ModelRunner
 from shared.config import RuntimeConfig
 from shared.messages import NewRequestData, SamplingParams, StepPlan

@@ -1,7 +1,7 @@
-"""The scheduler's policy, the kvmanager's allocator and the executor's runner stepped in one
-process: the same calls the three services make each step (``schedule`` -> the kvmanager applies
-the step log -> ``build_plan`` -> ``execute`` -> ``update_from_result``), without sockets, so that
-tests can look at every step's plan and at the allocator of record between steps."""
+"""The engine in one process (``folio.engine.EngineCore``: the scheduler's policy, its allocator
+replica and the executor's runner, stepped as the services step them), with an allocator of record
+fed each step's log as the kvmanager is (``kv_owner.Owner``), and every step's plan and log kept,
+so that tests can look at every step and at the allocator of record between steps."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from folio.engine import EngineCore
 from services.executor.runner import ModelRunner
-from services.scheduler.policy import Scheduler
 from shared.config import RuntimeConfig
-from shared.messages import EngineRequest, PoolInfo, SamplingParams, StepPlan, TokenDelta
+from shared.messages import EngineRequest, SamplingParams, StepPlan, TokenDelta
 from tests.services.kv_owner import Owner
 
 
@@ -23,18 +23,15 @@ class Output:
     error: str | None = None
 
 
-class LocalEngine:
+class LocalEngine(EngineCore):
     def __init__(self, runner: ModelRunner, max_num_seqs: int = 256, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, **options):
+        super().__init__(runner, max_num_seqs, max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                         **options)
         pool = runner.pool
-        self.runner = runner
+        self.sched = self.scheduler
         self.alloc = Owner(pool.num_blocks, pool.block_size, pool.num_host_blocks,
                            enable_prefix_caching=enable_prefix_caching)
-        self.sched = Scheduler(max_num_seqs, max_num_batched_tokens, **options)
-        self.sched.set_pool(PoolInfo(num_blocks=pool.num_blocks, block_size=pool.block_size, bytes_per_block=1,
-                                     epoch="e", max_model_len=runner.spec.max_position_embeddings,
-                                     num_free_blocks=pool.num_blocks, num_host_blocks=pool.num_host_blocks,
-                                     enable_prefix_caching=enable_prefix_caching))
         self.outputs: dict[str, Output] = {}
         self.plans: list[StepPlan] = []
         self.logs: list[list] = []  # each step's allocator log
@@ -42,22 +39,23 @@ class LocalEngine:
     def add(self, msg: EngineRequest) -> None:
         for req_id in (msg.req_id, *msg.fork_req_ids):
             self.outputs[req_id] = Output()
-        self._record(self.sched.add_request(msg))
+        self._record(self.add_request(msg))
 
-    def step(self) -> bool:
-        out = self.sched.schedule()
-        if out is None:
-            return False
+    def on_plan(self, out, plan: StepPlan) -> None:
         self.alloc.apply(out)
         self.logs.append(out.ops)
-        plan = self.sched.build_plan(out)
         self.plans.append(plan)
-        self._record(self.sched.update_from_result(out, self.runner.execute(plan)))
+
+    def step(self) -> bool:
+        deltas = super().step()
+        if deltas is None:
+            return False
+        self._record(deltas)
         return True
 
     def run(self, max_steps: int = 100_000) -> dict[str, Output]:
         for _ in range(max_steps):
-            if not self.sched.has_work() or not self.step():
+            if not self.has_work() or not self.step():
                 break
         return self.outputs
 

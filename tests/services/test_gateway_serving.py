@@ -174,6 +174,40 @@ async def test_echo_with_logprobs_and_token_prompt():
         assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
 
 
+async def test_echo_with_logprobs_0_returns_each_chosen_token_in_top_logprobs():
+    """lm-eval's loglikelihood request: ``echo, logprobs=0, max_tokens=1``; OpenAI always returns the
+    chosen token's logprob, so each position's top_logprobs holds exactly that token."""
+    async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
+        prompt_ids = text_tokenizer().hf.encode("Hello there friend")
+        req = {"model": MODEL, "prompt": "Hello there friend", "max_tokens": 1, "echo": True, "logprobs": 0}
+        for stream in (False, True):
+            r = await client.post("/v1/completions", json={**req, "stream": stream})
+            if stream:
+                chunks = [c for c in await sse_events(r) if c != "[DONE]"]
+                lp = {k: [v for c in chunks if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"][k]]
+                      for k in ("tokens", "token_logprobs", "top_logprobs")}
+            else:
+                lp = (await r.json())["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == len(prompt_ids) + 1
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+                assert top == {token: value}, stream
+
+
+async def test_chat_top_logprobs_0_still_returns_the_chosen_token():
+    async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
+        req = {"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 0, "max_tokens": 4}
+        body = await (await client.post("/v1/chat/completions", json=req)).json()
+        content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == 4
+        assert all(x["top_logprobs"] == [{"token": x["token"], "logprob": x["logprob"], "bytes": x["bytes"]}]
+                   for x in content)
+        chunks = [c for c in await sse_events(await client.post("/v1/chat/completions", json={**req, "stream": True}))
+                  if c != "[DONE]" and c["choices"] and c["choices"][0]["logprobs"]]
+        streamed = [x for c in chunks for x in c["choices"][0]["logprobs"]["content"]]
+        assert streamed == content
+
+
 async def test_context_too_long_is_a_400_streamed_or_not():
     async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
         for stream in (False, True):

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import structlog
 
-from services.executor.offline import generate
+from tests.executor.toy_driver import generate
 from services.executor.runner import ModelRunner
 from shared.config import RuntimeConfig
 from shared.messages import SamplingParams, TokenBatch

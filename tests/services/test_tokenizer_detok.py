@@ -148,6 +148,17 @@ def test_logprobs_become_token_text_with_alternatives(tok):
     assert raw.decode() == " café 😀"
 
 
+def test_a_chosen_token_outside_the_top_n_is_added_after_them(tok):
+    """OpenAI returns the chosen token's logprob always: up to n + 1 alternatives, one for n = 0."""
+    texts = TokenTexts(tok.decode_with_specials, tok.raw_bytes)
+    outside = texts.logprob(TokenLogprobs(30, -4.0, 3, [28, 220], [-0.5, -1.0]), 0)
+    assert [(t.token_id, t.logprob) for t in outside.top] == [(28, -0.5), (220, -1.0), (30, -4.0)]
+    inside = texts.logprob(TokenLogprobs(220, -1.0, 2, [28, 220], [-0.5, -1.0]), 0)
+    assert [t.token_id for t in inside.top] == [28, 220]
+    alone = texts.logprob(TokenLogprobs(30, -4.0, 3, [], []), 0)
+    assert [(t.token, t.logprob, t.token_id) for t in alone.top] == [(alone.token, -4.0, 30)]
+
+
 def test_echo_sends_prompt_text_and_prompt_logprobs_once(tok):
     proc = processor(tok)
     add(tok, proc, prompt="Hi there", echo=True)

@@ -1,4 +1,5 @@
-"""Drive the runtime in-process, without the services: for tests and benchmarks.
+"""A toy driver of the model runner, the oracle of the runner's own tests: it has no policy to
+get wrong. (The real engine in one process is ``folio.engine``.)
 
 A deliberately simple driver: blocks come from a free list in order, every request runs until it
 has ``max_tokens`` new tokens (or hits EOS unless ``ignore_eos``), prompts are fed in chunks of at
@@ -57,7 +58,7 @@ def generate(
                 n = min(n, chunk_size)
             need = (s.num_computed + n + bs - 1) // bs - len(s.blocks)
             if need > len(free):
-                raise RuntimeError("offline driver ran out of KV blocks")
+                raise RuntimeError("the toy driver ran out of KV blocks")
             new_blocks = [free.pop() for _ in range(need)]
             s.blocks.extend(new_blocks)
             if not s.started:

@@ -1,0 +1,182 @@
+"""``folio.LLM``: the offline API, vLLM's shape.
+
+    from folio import LLM, SamplingParams
+    llm = LLM(model="SmolLM2-135M-Instruct", num_kv_blocks=512)
+    for out in llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8)):
+        print(out.outputs[0].text)
+
+It runs the services' scheduler, allocator replica (prefix cache included), model runner and
+tokenizer code in this process, without sockets (``engine.LLMEngine``), so that a prompt gets the
+tokens and text that ``folio serve`` would return for it. ``generate`` and ``chat`` queue every
+prompt at once and step the engine until all are done, with a progress bar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import msgspec
+
+from folio.engine import EngineCore, LLMEngine
+from folio.outputs import RequestBuilder, RequestOutput
+from folio.sampling_params import SamplingParams
+from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
+
+# engine arguments: the config fields ``folio serve``'s flags set, by the flag's name with underscores
+_RUNTIME_ARGS = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"model"}
+_SCHEDULER_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"endpoints", "log_json"}
+_ALIASES = {f.metadata["flag"].dest: f.name for f in dataclasses.fields(RuntimeConfig)
+            if "flag" in f.metadata and f.metadata["flag"].name}  # --kv-cache-memory-bytes sets kv_cache_bytes
+_ENGINE_ARGS = _RUNTIME_ARGS | _SCHEDULER_ARGS | {"enable_prefix_caching"} | set(_ALIASES)
+
+
+def engine_configs(model: str, options: dict) -> tuple[RuntimeConfig, dict]:
+    """(the runtime's config, ``EngineCore``'s keyword arguments) from ``LLM``'s engine arguments."""
+    unknown = sorted(set(options) - _ENGINE_ARGS)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(_ENGINE_ARGS))}")
+    options = {_ALIASES.get(k, k): v for k, v in options.items()}
+    runtime = RuntimeConfig(model=model, **{k: v for k, v in options.items() if k in _RUNTIME_ARGS})
+    core = {k: v for k, v in options.items() if k in _SCHEDULER_ARGS or k == "enable_prefix_caching"}
+    core["max_num_seqs"], core["max_num_batched_tokens"] = runtime.max_num_seqs, runtime.max_num_batched_tokens
+    return runtime, core
+
+
+class LLM:
+    """A model and its engine in this process. ``engine_args``: ``folio serve``'s flags with
+    underscores (``num_kv_blocks``, ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``,
+    ``preemption_mode``, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
+        from shared.models import resolve_model
+        from services.executor.runner import ModelRunner
+        from shared.text import TextTokenizer
+
+        runtime, core_args = engine_configs(model, engine_args)
+        model_path = str(resolve_model(model))
+        runner = ModelRunner(runtime, model_path)
+        core = EngineCore(runner, **core_args)
+        self.engine = LLMEngine(core, TextTokenizer(model_path, core.max_model_len))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
+        return self.engine.tokenizer.hf
+
+    def stats(self) -> dict:
+        """The scheduler's statistics since this LLM started: steps, tokens, preemptions, forks,
+        prefix-cache hits (``num_cached_tokens_total``, ``prefix_cache_hit_rate``), free blocks."""
+        return self.engine.core.stats()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt: a string, a list of token ids, or a dict with ``prompt`` or
+        ``prompt_token_ids``; a list of those; one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([_prompt_fields(p) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None
+             ) -> list[RequestOutput]:
+        """Reply to a conversation (a list of ``{"role", "content"}`` messages) or to each of a
+        list of conversations, through the model's chat template, as ``/v1/chat/completions`` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        fields = [{"messages": _chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools}
+                  for c in conversations]
+        return self._run(fields, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[dict], params, use_tqdm: bool) -> list[RequestOutput]:
+        params = params if params is not None else SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        builders = self._add_all(prompts, params)
+        by_seq = {seq_id: b for b in builders for seq_id in b.index}
+        try:
+            self._step_until_done(builders, by_seq, use_tqdm)
+        except BaseException:
+            for seq_id in by_seq:
+                self.engine.abort(seq_id)
+            raise
+        while self.engine.has_work() and self.engine.step() is not None:
+            pass  # the finished requests' blocks go back (and to the prefix cache) now
+        errors = [e for b in builders for e in b.errors]
+        if errors:
+            raise RuntimeError(f"the engine failed a request: {errors[0]}")
+        return [b.build() for b in builders]
+
+    def _add_all(self, prompts: list[dict], params: list[SamplingParams]) -> list[RequestBuilder]:
+        """Queue every prompt; a prompt that cannot run raises ValueError and queues nothing."""
+        from shared.text import RequestError
+
+        builders: list[RequestBuilder] = []
+        for i, (fields, sp) in enumerate(zip(prompts, params)):
+            request_id = str(next(self._ids))
+            req = msgspec.structs.replace(sp.to_generate_request(request_id, **fields), arrival_time=time.time())
+            try:
+                prompt_token_ids, prompt_text, refusals = self.engine.add_request(req)
+            except RequestError as exc:
+                refusals = [exc]
+            else:
+                builders.append(RequestBuilder(request_id, [req.req_id, *req.fork_req_ids], prompt_text,
+                                               prompt_token_ids, sp.n, sp.logprobs is not None))
+            if refusals:
+                for seq_id in (seq_id for b in builders for seq_id in b.index):
+                    self.engine.abort(seq_id)
+                error = refusals[0] if isinstance(refusals[0], RequestError) else refusals[0].error
+                raise ValueError(f"prompt {i}: {error}")
+        return builders
+
+    def _step_until_done(self, builders: list[RequestBuilder], by_seq: dict[str, RequestBuilder],
+                         use_tqdm: bool) -> None:
+        from tqdm.auto import tqdm
+
+        num_unfinished = len(builders)
+        num_output_tokens = 0
+        start = time.perf_counter()
+        with tqdm(total=len(builders), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
+            while num_unfinished:
+                deltas = self.engine.step()
+                if deltas is None:
+                    raise RuntimeError("the engine has unfinished requests but nothing to schedule")
+                for delta in deltas:
+                    builder = by_seq.get(delta.req_id)
+                    if builder is None:
+                        continue
+                    was_finished = builder.finished
+                    builder.add(delta)
+                    num_output_tokens += len(delta.token_ids)
+                    if builder.finished and not was_finished:
+                        num_unfinished -= 1
+                        bar.update(1)
+                        bar.set_postfix_str(f"output: {num_output_tokens / (time.perf_counter() - start):.1f} tok/s")
+
+
+def _prompt_fields(prompt) -> dict:
+    """A prompt as the GenerateRequest fields that carry it."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return {"prompt_token_ids": list(prompt["prompt_token_ids"])}
+        if "prompt" in prompt:
+            return {"prompt": prompt["prompt"]}
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return {"prompt_token_ids": list(prompt)}
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+
+def _chat_messages(conversation: list[dict]) -> list:
+    """OpenAI-style message dicts, checked and read as the gateway reads them."""
+    from services.gateway.convert import chat_message
+    from services.gateway.protocol import ChatMessageIn
+
+    try:
+        return [chat_message(m) for m in msgspec.convert(conversation, list[ChatMessageIn])]
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid messages: {exc}") from None
+

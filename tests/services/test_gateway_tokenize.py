@@ -1,0 +1,86 @@
+"""vLLM's ``/tokenize`` and ``/detokenize`` through the gateway and the real tokenizer service over
+``ipc://`` sockets (SmolLM2's tokenizer and chat template): shapes, defaults, errors, the API key."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tests.services.frontend import front_half, text_tokenizer
+from tests.services.openai_schema import validate
+
+pytestmark = pytest.mark.asyncio
+
+MODEL = "SmolLM2-135M-Instruct"
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+async def test_tokenize_a_prompt_and_detokenize_it_back():
+    hf = text_tokenizer().hf
+    async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
+        r = await client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world, café 😀"})
+        body = await r.json()
+        assert r.status == 200, body
+        ids = hf.encode("Hello world, café 😀")
+        assert body == {"count": len(ids), "max_model_len": 8192, "tokens": ids, "token_strs": None}
+        r = await client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+        body = await r.json()
+        assert body["token_strs"] == hf.convert_ids_to_tokens(hf.encode("Hello world"))
+        r = await client.post("/detokenize", json={"model": MODEL, "tokens": ids})
+        assert (await r.json()) == {"prompt": "Hello world, café 😀"}
+        # special tokens are text too: what /tokenize of a chat gave decodes to the template's text
+        im_end = hf.convert_tokens_to_ids("<|im_end|>")
+        r = await client.post("/detokenize", json={"tokens": [im_end]})
+        assert (await r.json())["prompt"] == "<|im_end|>"
+        assert fh.tokenizer.stats["num_tokenize"] == 4
+
+
+async def test_tokenize_a_chat_renders_the_template_as_chat_completions_do():
+    tok = text_tokenizer()
+    async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
+        body = await (await client.post("/tokenize", json={"model": MODEL, "messages": MSGS})).json()
+        await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2})
+        (sent,) = fh.scheduler.received
+        assert body["tokens"] == sent.prompt_token_ids and body["count"] == len(sent.prompt_token_ids)
+        without = await (await client.post("/tokenize", json={"messages": MSGS, "add_generation_prompt": False})).json()
+        assert body["tokens"][: without["count"]] == without["tokens"] and without["count"] < body["count"]
+        assert tok.decode_with_specials(body["tokens"]).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("path,req,status,param", [
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": MSGS, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"prompt": "x"}, 400, "tokens"),
+])
+async def test_bad_bodies_get_an_openai_error(path, req, status, param):
+    async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
+        r = await client.post(path, json=req)
+        body = await r.json()
+        assert r.status == status, body
+        validate(body, "ErrorResponse")
+        assert body["error"]["param"] == param
+        r = await client.post("/tokenize", data=b"{not json")
+        assert r.status == 400
+        r = await client.post("/tokenize", json={"prompt": "still serving"})
+        assert r.status == 200  # the tokenizer kept serving
+
+
+async def test_tokenize_is_behind_the_api_key_and_answers_503_without_a_tokenizer():
+    async with front_half(api_key="sekret") as fh, TestClient(TestServer(fh.app)) as client:
+        for path, req in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            r = await client.post(path, json=req)
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+            r = await client.post(path, json=req, headers={"Authorization": "Bearer sekret"})
+            assert r.status == 200
+        fh.tasks[0].cancel()  # the tokenizer service stops answering
+        await asyncio.sleep(0.5)  # a ping already on its way is answered or given up by now
+        fh.gateway.health.states["tokenizer"].last_ok = None
+        r = await client.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer sekret"})
+        assert r.status == 503
