@@ -128,6 +128,7 @@ class GatewayService:
             self.tokenizing.pop(request.req_id, None)
 
     def handle_tokenize_reply(self, reply: TokenizeReply) -> None:
+        self.health.heard_from("tokenizer", time.monotonic())
         future = self.tokenizing.get(reply.req_id)
         if future is not None and not future.done():
             future.set_result(reply)
