@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+SHORT_CHUNK_ROWS = 16  # chunks this short (verification: k + 1 tokens) attend row by row, as decodes
+
 
 @dataclass
 class AttentionMetadata:
@@ -90,7 +92,8 @@ class AttentionMetadata:
 
 @dataclass
 class _DecodeGroup:
-    """Sequences with one new token each: attended as one padded batch."""
+    """Tokens attended one query row each, as one padded batch: decode tokens, and the tokens of
+    short chunks (each with the keys up to its own position)."""
 
     token_idx: torch.Tensor  # [num_decode] rows of q that belong to this group
     block_tables: torch.Tensor  # [num_decode, max_blocks]
@@ -99,7 +102,7 @@ class _DecodeGroup:
 
 @dataclass
 class _ChunkSeq:
-    """A sequence with several new tokens (prefill chunk, verification): attended alone."""
+    """A sequence with more than ``SHORT_CHUNK_ROWS`` new tokens (a prefill chunk): attended alone."""
 
     start: int
     end: int
@@ -121,8 +124,9 @@ class TorchAttentionBackend:
     Attention for a sequence gathers its blocks through the block table into a transient
     workspace (what a kernel does in registers and shared memory) and runs SDPA with a mask that
     is causal against the cached context. Nothing outlives the call: the pool is the only KV
-    storage. Decode tokens (one per sequence) go as one padded batch; multi-token chunks go one
-    sequence at a time, since each is already a matrix-sized piece of work.
+    storage. Decode tokens and the tokens of short chunks (verification) go as one padded batch,
+    one query row each; longer chunks go one sequence at a time, since each is already a
+    matrix-sized piece of work.
     """
 
     name = "torch"
@@ -133,36 +137,33 @@ class TorchAttentionBackend:
         device = meta.block_tables.device
         bs = meta.block_size
         starts = meta.query_start_loc.tolist()
-        decode_rows = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
-        decode = None
-        if decode_rows:
-            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            lens = meta.seq_lens[rows].long()
-            max_blocks = (max(meta.seq_lens_list[b] for b in decode_rows) + bs - 1) // bs
-            tables = meta.block_tables[rows, :max_blocks].long()
-            key_pos = torch.arange(max_blocks * bs, device=device)
-            decode = _DecodeGroup(
-                token_idx=meta.query_start_loc[rows].long(),
-                block_tables=tables,
-                key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
-            )
+        # (row of q, sequence, keys this token sees): decode tokens, and each token of a short
+        # chunk (speculative verification) as if it were decoded alone, so that a verified token
+        # is computed exactly as plain decoding computes it. SDPA with several query rows runs
+        # another kernel, whose last bits differ; with bf16 activations (the quantized layers)
+        # such a bit can flip a near-tie and change a greedy output.
+        rows: list[tuple[int, int, int]] = []
         chunks = []
         for b, n in enumerate(meta.query_lens_list):
-            if n <= 1:
-                continue
             seq_len = meta.seq_lens_list[b]
-            num_blocks = (seq_len + bs - 1) // bs
-            q_pos = torch.arange(seq_len - n, seq_len, device=device)
-            k_pos = torch.arange(seq_len, device=device)
-            chunks.append(
-                _ChunkSeq(
-                    start=starts[b],
-                    end=starts[b] + n,
-                    block_ids=meta.block_tables[b, :num_blocks].long(),
-                    seq_len=seq_len,
-                    mask=(k_pos[None, :] <= q_pos[:, None])[None, None],
-                )
-            )
+            if 0 < n <= SHORT_CHUNK_ROWS:
+                rows += [(starts[b] + i, b, seq_len - n + 1 + i) for i in range(n)]
+            elif n > SHORT_CHUNK_ROWS:
+                k_pos = torch.arange(seq_len, device=device)
+                q_pos = k_pos[seq_len - n:]
+                chunks.append(_ChunkSeq(start=starts[b], end=starts[b] + n,
+                                        block_ids=meta.block_tables[b, :(seq_len + bs - 1) // bs].long(),
+                                        seq_len=seq_len, mask=(k_pos[None, :] <= q_pos[:, None])[None, None]))
+        decode = None
+        if rows:
+            # torch's CPU SDPA splits a batch of one sequence differently over threads than a
+            # larger batch (other last bits): one row attends as a batch of two
+            rows = rows * 2 if len(rows) == 1 else rows
+            token_idx, seqs, lens = (torch.tensor(col, dtype=torch.long, device=device) for col in zip(*rows))
+            max_blocks = (max(r[2] for r in rows) + bs - 1) // bs
+            key_pos = torch.arange(max_blocks * bs, device=device)
+            decode = _DecodeGroup(token_idx=token_idx, block_tables=meta.block_tables[seqs, :max_blocks].long(),
+                                  key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :])
         meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=_write_idx(meta))
         return meta.plan
 
