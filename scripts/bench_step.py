@@ -11,8 +11,9 @@ hide its overhead. Decode steps at batch 1, 64 and 256, greedy and with temperat
     python scripts/bench_step.py [--steps 40] [--profile] [--device cuda]
 
 With ``--device cuda`` it also runs the random-weight Llama-3.2-1B shape (hidden 2048, 16 layers,
-32 heads, 8 KV heads, vocabulary 49,152, bf16) in process (eager: the executor has no CUDA graphs
-yet), and prints tokens/s and ms per step. The last line is always ``host ms/step at B=256: X`` (greedy).
+32 heads, 8 KV heads, vocabulary 49,152, bf16) in process, eager (``enforce_eager``) and with CUDA
+graphs of the decode step, and prints tokens/s and ms per step of each (``--modes`` picks them).
+The last line is always ``host ms/step at B=256: X`` (greedy).
 """
 
 from __future__ import annotations
@@ -155,9 +156,13 @@ def run_cuda_1b(args) -> None:
         path = write_tiny_model(folder, vocab_size=49152, hidden_size=2048, intermediate_size=8192,
                                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                                 max_position_embeddings=4096)
-        for mode in ("eager",):
-            config = RuntimeConfig(device="cuda", dtype="bfloat16", max_num_seqs=256)
+        for mode in args.modes:
+            config = RuntimeConfig(device="cuda", dtype="bfloat16", max_num_seqs=256, enforce_eager=mode == "eager")
+            t0 = time.perf_counter()
             runner = ModelRunner(config, path)
+            graphs = runner.graphs
+            print(f"1B {mode}: started in {time.perf_counter() - t0:.1f} s; graphs of batches "
+                  f"{graphs.buckets if graphs else 'none'}", flush=True)
             for batch in (1, 64, 256):
                 prompts = [[(i * 7 + j) % 49152 for j in range(128)] for i in range(batch)]
                 for params in (GREEDY, SAMPLED):
@@ -171,8 +176,9 @@ def run_cuda_1b(args) -> None:
                     once(2)
                     dt = (once(65) - once(1)) / 64
                     kind = "greedy" if params is GREEDY else "sampled"
+                    replays = f", {graphs.num_replays} graph replays so far" if graphs else ""
                     print(f"1B {mode} B={batch} {kind}: {batch / dt:,.0f} tok/s, "
-                          f"{dt * 1e3:.2f} ms/step", flush=True)
+                          f"{dt * 1e3:.2f} ms/step{replays}", flush=True)
             del runner
             torch.cuda.empty_cache()
 
@@ -183,11 +189,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the fastest counts")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--profile", action="store_true", help="cProfile the B=256 steps")
+    parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"],
+                        help="--device cuda: the 1B shape eager, with CUDA graphs, or both")
+    parser.add_argument("--skip-null", action="store_true", help="--device cuda: only the 1B shape")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the step's small ops never wait on a busy core)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    greedy_256 = run_null(args)
+    greedy_256 = run_null(args) if not args.skip_null else float("nan")
     if args.device == "cuda":
         with contextlib.suppress(KeyboardInterrupt):
             run_cuda_1b(args)

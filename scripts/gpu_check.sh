@@ -15,8 +15,13 @@
 #    project's cuda12/cuda13 extra when it is not, which needs a package index);
 # 4. runs the gpu-marked tests of tests/cuda (every kernel instance, decode split and unsplit,
 #    GQA groups, the largest step, cache write, copy-on-write, swap, executor cuda vs torch);
-# 5. runs scripts/bench_kernels.py (copy bandwidth; decode GB/s and prefill TFLOP/s against
-#    contiguous SDPA). Figures land in $OUT (or /tmp/folio_gpu_check) as well.
+#    (the fused layer kernels against torch, greedy tokens with CUDA graphs against eager);
+# 5. runs scripts/bench_kernels.py --quick (copy bandwidth; decode GB/s and prefill TFLOP/s against
+#    contiguous SDPA);
+# 6. runs scripts/bench_fused.py (the fused layer kernels against the torch ops, GB/s);
+# 7. runs scripts/bench_step.py --device cuda --skip-null (the 1B shape, eager and with CUDA
+#    graphs: tok/s and ms per step at batch 1, 64, 256). Figures land in $OUT (or
+#    /tmp/folio_gpu_check) as well. The timeouts add up to 5 minutes 10 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(msgspec pyzmq structlog gguf)
@@ -65,12 +70,20 @@ fi
 "$PY" -c "import pytest" 2>/dev/null || "$PY" -m pip install -q pytest pytest-timeout
 
 echo "== gpu tests (tests/cuda -m gpu)"
-timeout 180 "$PY" -m pytest -q -m "gpu and not slow" tests/cuda -p no:cacheprovider -o addopts="" \
+timeout 150 "$PY" -m pytest -q -m "gpu and not slow" tests/cuda -p no:cacheprovider -o addopts="" \
   --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmark"
-timeout 150 "$PY" scripts/bench_kernels.py --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.txt"
+timeout 60 "$PY" scripts/bench_kernels.py --quick --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== fused layer kernels"
+timeout 25 "$PY" scripts/bench_fused.py --json "$OUT_DIR/fused.json" 2>&1 | tee "$OUT_DIR/fused.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== executor step, 1B shape: eager vs CUDA graphs"
+timeout 75 "$PY" scripts/bench_step.py --device cuda --skip-null 2>&1 | tee "$OUT_DIR/step.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done (status $status); figures in $OUT_DIR"

@@ -102,6 +102,8 @@ class RuntimeConfig:
     max_num_seqs: int = 256
     attention_backend: str = flag("auto", "paged attention: our CUDA kernels or the torch reference",
                                   ("executor",), choices=("auto", "torch", "cuda"))
+    enforce_eager: bool = flag(False, "no CUDA graphs: every step launches its kernels from Python (GPU; the CPU is "
+                               "always eager)", ("executor",), action="store_true")
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
                                          "or 'ngram' (prompt lookup); default: off", ("executor",))
     num_speculative_tokens: int = flag(0, "draft tokens proposed per step", ("executor",))

@@ -5,6 +5,7 @@
 #include "decode_attention.cu"
 #include "prefill_attention.cu"
 #include "cache_ops.cu"
+#include "fused_ops.cu"
 
 #include "emu_instances.inc"
 

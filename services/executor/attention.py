@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.executor.layer_ops import TORCH_LAYER_OPS
+
 SHORT_CHUNK_ROWS = 16  # chunks this short (verification: k + 1 tokens) attend row by row, as decodes
 
 
@@ -130,6 +132,7 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    layer_ops = TORCH_LAYER_OPS  # the model's norms, RoPE and activation: plain torch
 
     def plan(self, meta: AttentionMetadata) -> _TorchPlan:
         if isinstance(meta.plan, _TorchPlan):

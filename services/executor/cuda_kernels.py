@@ -19,7 +19,7 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
 # module name -> source file; each module is compiled separately (only the instances a model needs)
 MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.cu", "prefill": "prefill_attention.cu",
-                "cache": "cache_ops.cu"}
+                "cache": "cache_ops.cu", "fused": "fused_ops.cu"}
 
 # storage dtype name (torch's) -> C++ type in the kernels
 DTYPES = {"float32": "float", "float16": "folio::f16", "bfloat16": "folio::bf16"}
@@ -38,6 +38,9 @@ PARTITION_SIZE = 512
 REDUCE_THREADS = 128
 WRITE_THREADS = 128
 COPY_THREADS = 256
+NORM_THREADS = 256
+ACT_THREADS = 256
+ROPE_THREADS = 128
 
 # Our options. CuPy's RawModule adds its own (see cupy_nvrtc_options); -std=c++17 for constexpr
 # and alignas; no --use_fast_math: the kernels call __expf where they want the fast exponential.
@@ -81,6 +84,22 @@ def write_kv_name(dtype: str) -> str:
 
 
 COPY_BLOCKS_NAME = "folio::copy_blocks"
+FUSED_KERNELS = ("add_rms_norm", "silu_and_mul", "rope_write_kv")  # cuda/fused_ops.cu, templated on T
+
+
+@dataclass(frozen=True)
+class FusedNames:
+    """Name expressions of the fused elementwise kernels for one dtype."""
+
+    add_rms_norm: str
+    silu_and_mul: str
+    rope_write_kv: str
+
+
+def fused_names(dtype: str) -> FusedNames:
+    if dtype not in DTYPES:
+        raise UnsupportedKernelError(f"no fused kernels for dtype {dtype} (built: {', '.join(DTYPES)})")
+    return FusedNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in FUSED_KERNELS))
 
 
 @functools.cache  # asked once per layer and step
@@ -110,6 +129,8 @@ def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
 
 
 def module_of(name: str) -> str:
+    if name.split("<")[0].removeprefix("folio::") in FUSED_KERNELS:
+        return "fused"
     if name.startswith("folio::paged_decode"):
         return "decode"
     if name.startswith("folio::paged_prefill"):
@@ -129,6 +150,7 @@ def all_name_expressions() -> dict[str, list[str]]:
                     names["prefill"].append(prefill_name(dtype, head, block))
         names["attention"].append(reduce_name(dtype))
         names["cache"].append(write_kv_name(dtype))
+        names["fused"].extend(vars(fused_names(dtype)).values())
     names["cache"].append(COPY_BLOCKS_NAME)
     return names
 
@@ -178,7 +200,7 @@ def _raw_module(module: str, names: tuple[str, ...], device_id: int):
     return mod
 
 
-def compiled_kernel(name: str, names: KernelNames, device_id: int):
+def compiled_kernel(name: str, names: KernelNames | FusedNames, device_id: int):
     """A launchable ``cupy.RawKernel`` for ``name``; compiles its module (with the configuration's
     other instances of that module) on first use in this process."""
     module = module_of(name)

@@ -20,6 +20,7 @@ import torch
 
 from services.executor import cuda_kernels as ck
 from services.executor.attention import AttentionMetadata
+from services.executor.layer_ops import KernelLayerOps
 from services.executor.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -41,6 +42,7 @@ class KernelAttentionBackend:
         self.split = split  # None: decide per step; True/False: force (tests, benchmarks)
         self.partition_size = partition_size  # keys per split when forced, and the chunk kernel's
         self._address_tables: dict[tuple, torch.Tensor] = {}
+        self.layer_ops = KernelLayerOps(launcher)  # the fused kernels of cuda/fused_ops.cu
 
     # ------------------------------------------------------------------ planning
     def names(self, dtype: torch.dtype, head_size: int, block_size: int) -> ck.KernelNames:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.executor.attention import AttentionMetadata
+from services.executor.layer_ops import TORCH_LAYER_OPS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -88,13 +89,6 @@ def rope_cos_sin(config, max_positions: int, dtype: torch.dtype) -> tuple[torch.
     return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -102,10 +96,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, then back to the activation dtype, as the reference does
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return TORCH_LAYER_OPS.rms_norm(x, self)
 
 
 class Attention(nn.Module):
@@ -120,14 +111,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        backend.write_kv(k, v, k_cache, v_cache, meta)
+        # rotates q and k, writes k and v into the pool (one fused kernel on the kernel backend)
+        q = backend.layer_ops.rope_write_kv(self.qkv_proj(x), self, rope, k_cache, v_cache, meta, backend)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -139,9 +126,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops=TORCH_LAYER_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -152,9 +138,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, normed, residual, rope, k_cache, v_cache, meta, backend, next_norm: RMSNorm):
+        """``normed`` is this layer's input norm of ``residual``; returns the new residual and its
+        norm by ``next_norm`` (the next layer's input norm, or the final one): each residual add
+        is fused with the norm that follows it."""
+        ops = backend.layer_ops
+        h = self.self_attn(normed, rope, k_cache, v_cache, meta, backend)
+        residual, normed = ops.add_rms_norm(h, residual, self.post_attention_layernorm)
+        return ops.add_rms_norm(self.mlp(normed, ops), residual, next_norm)
 
 
 class PackedLinear(nn.Module):
@@ -223,12 +214,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.rope_sin[positions].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, backend)
-        return self.norm(x)
+        ops = backend.layer_ops
+        residual = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        rope = ops.rope_inputs(self, positions)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        normed = ops.rms_norm(residual, self.layers[0].input_layernorm)
+        for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
+            residual, normed = layer(normed, residual, rope, k_cache, v_cache, meta, backend, next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab_size] fp32
         if self.packed_lm_head is not None:

@@ -12,7 +12,10 @@ import numpy as np
 import torch
 
 from services.executor.attention import AttentionMetadata, TorchAttentionBackend
+from services.executor.cuda_graphs import DecodeGraphs, graph_buckets
+from services.executor.cuda_kernels import DECODE_MAX_GROUP
 from services.executor.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from services.executor.kernel_backend import KernelAttentionBackend
 from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from services.executor.loader import load_model, resolve_dtype
 from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
@@ -102,6 +105,29 @@ class ModelRunner:
         self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend, self.pool.num_blocks)
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar
+        self.graphs = DecodeGraphs(self.model, self.backend, self.pool.kv_caches, config.block_size,
+                                   self._graph_table_width(), self._graph_buckets(), self.device) \
+            if self._uses_graphs() else None
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _uses_graphs(self) -> bool:
+        """Graphs of the decode step: on a GPU, with the kernel backend (the torch backend plans on
+        the host from per-step lists), for GQA groups the decode kernel takes, unless enforce_eager."""
+        return (not self.config.enforce_eager and self.device.type == "cuda"
+                and isinstance(self.backend, KernelAttentionBackend)
+                and self.spec.num_heads // self.spec.num_kv_heads <= DECODE_MAX_GROUP)
+
+    def _graph_buckets(self) -> list[int]:
+        return graph_buckets(self.config.max_num_seqs)
+
+    def _graph_table_width(self) -> int:
+        """Blocks per sequence of the graphs' static table: the model's longest context."""
+        return -(-self.spec.max_position_embeddings // self.config.block_size)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step)
+        return self.model(step.input_ids, step.meta.positions, self.pool.kv_caches, step.meta, self.backend)
 
     # ------------------------------------------------------------------ pool sizing
     def _decide_num_blocks(self) -> int:
@@ -110,34 +136,42 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = self.config.kv_cache_bytes or cpu_kv_budget_bytes()
             return blocks_for_budget(budget, self.pool_shape)
-        peak = self._profile_gpu_peak()
+        peak, activations = self._profile_gpu_peak()
+        if self._uses_graphs():
+            # the graphs' private memory pool outlives the step: it holds the activations of the
+            # largest decode bucket (captured first; the smaller ones reuse its pool). Estimated
+            # from the profiled activations, scaled to the bucket's tokens.
+            peak += int(activations * min(1.0, self._graph_buckets()[-1] / self.config.max_num_batched_tokens))
         total = torch.cuda.get_device_properties(self.device).total_memory
         return gpu_num_blocks(total, self.config.gpu_memory_utilization, peak, self.pool_shape)
 
-    def _profile_gpu_peak(self) -> int:
-        """Peak memory (weights + activations, no KV) of a forward pass at the largest batch."""
+    def _profile_gpu_peak(self) -> tuple[int, int]:
+        """Peak memory (weights + activations, no KV) of a forward pass at the largest batch, and
+        the activations' share of it."""
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
         bs = self.config.block_size
         lens = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
         blocks_per_seq = [(n + bs - 1) // bs for n in lens]
         scratch = KVPool(self.pool_shape, sum(blocks_per_seq), self.device)
+        scratch_bytes = scratch.num_bytes
         tables, start = [], 0
         for nb in blocks_per_seq:
             tables.append(list(range(start, start + nb)))
             start += nb
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         meta = AttentionMetadata.build(lens, lens, tables, None, bs, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             hidden = self.model(ids, meta.positions, scratch.kv_caches, meta, self.backend)
             self.model.compute_logits(hidden[-num_seqs:])
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch.num_bytes
+        peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
         torch.cuda.empty_cache()
-        return peak
+        return peak - scratch_bytes, peak - before
 
     # ------------------------------------------------------------------ request state
     def _add_request(self, new: NewRequestData) -> None:
@@ -188,7 +222,7 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id)
         step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids)
-        hidden = self.model(step.input_ids, step.meta.positions, self.pool.kv_caches, step.meta, self.backend)
+        hidden = self._forward(step)
         req_ids = list(plan.num_scheduled_tokens)
         result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
         self.batch.num_computed[step.rows] += step.counts
@@ -371,5 +405,7 @@ class ModelRunner:
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.model.quantization,
             "attention_backend": self.backend.name,
+            "cuda_graph_buckets": self.graphs.buckets if self.graphs is not None else [],
+            "num_graph_replays": self.graphs.num_replays if self.graphs is not None else 0,
             **self.grammars.stats,
         }

@@ -101,6 +101,10 @@ def test_python_constants_match_the_kernel_sources():
     cache = ck.module_source("cache")
     assert f"__launch_bounds__({ck.WRITE_THREADS}) write_kv(" in cache
     assert f"__launch_bounds__({ck.COPY_THREADS}) copy_blocks(" in cache
+    fused = ck.module_source("fused")
+    for name, value in (("NORM_THREADS", ck.NORM_THREADS), ("ACT_THREADS", ck.ACT_THREADS),
+                        ("ROPE_THREADS", ck.ROPE_THREADS)):
+        assert re.search(rf"constexpr int {name} = {value};", fused), name
 
 
 def test_sources_are_self_contained():

@@ -41,4 +41,5 @@ def test_greedy_tokens_equal_torch_backend(model_dir, emu_launcher, split):
     assert got == expected
     launched = {name.split("<")[0] for name, _, _ in emu_launcher.launches}
     assert {"folio::paged_decode", "folio::paged_attention"} <= launched  # decode steps and prefill chunks
+    assert {"folio::add_rms_norm", "folio::rope_write_kv", "folio::silu_and_mul"} <= launched  # fused layer ops
     assert "folio::paged_attention_reduce" in launched or not split

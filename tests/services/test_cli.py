@@ -158,7 +158,7 @@ def test_each_service_accepts_the_flags_serve_forwards(tiny_chat_model, monkeypa
                               "--preemption-mode", "swap", "--no-enable-chunked-prefill",
                               "--scheduling-policy", "priority", "--long-prefill-token-threshold", "64",
                               "--speculative-model", "ngram", "--num-speculative-tokens", "3",
-                              "--ngram-prompt-lookup-max", "5", "--log-level", "warning"])
+                              "--ngram-prompt-lookup-max", "5", "--log-level", "warning", "--enforce-eager"])
     argv = {name: service_argv(name, args, tiny_chat_model) for name in SERVICES}
     monkeypatch.setenv("FOLIO_RUN_DIR", "/tmp/folio-flags")
     ex = executor_config(argv["executor"])[0]
@@ -166,6 +166,8 @@ def test_each_service_accepts_the_flags_serve_forwards(tiny_chat_model, monkeypa
     assert ex.model_path == tiny_chat_model and ex.log_json
     assert (ex.runtime.speculative_model, ex.runtime.num_speculative_tokens) == ("ngram", 3)
     assert ex.runtime.ngram_prompt_lookup_max == 5
+    assert ex.runtime.enforce_eager
+    assert not executor_config(["--model", tiny_chat_model])[0].runtime.enforce_eager  # graphs by default
     sc = scheduler_config(argv["scheduler"])[0]
     assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len) == (3, 99, 200)
     assert (sc.preemption_mode, sc.enable_chunked_prefill, sc.scheduling_policy) == ("swap", False, "priority")

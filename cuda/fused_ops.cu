@@ -1,0 +1,178 @@
+// Fused elementwise kernels of a decoder layer: RMSNorm with the residual add, RoPE with the
+// KV-cache write, and SiLU times the gate. Each replaces several torch ops (and their launches and
+// round trips through memory) by one pass. They round where the torch reference (model.py) rounds,
+// so in 16-bit types they agree with it up to the order of the RMS sum and the exponential.
+// See cuda/LAYOUT.md.
+#include "common.cuh"
+
+namespace folio {
+
+constexpr int NORM_THREADS = 256;
+constexpr int ACT_THREADS = 256;
+constexpr int ROPE_THREADS = 128;
+
+// x rounded to T and widened back: where the reference rounds an intermediate result.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&out)[16 / sizeof(T)]) {
+  const vec16<T> v = *reinterpret_cast<const vec16<T>*>(p);
+#pragma unroll
+  for (int i = 0; i < 16 / (int)sizeof(T); ++i) out[i] = to_float(v.e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store16(T* p, const float (&in)[16 / sizeof(T)]) {
+  vec16<T> v;
+#pragma unroll
+  for (int i = 0; i < 16 / (int)sizeof(T); ++i) v.e[i] = from_float<T>(in[i]);
+  *reinterpret_cast<vec16<T>*>(p) = v;
+}
+
+// The sum of v over the block (NORM_THREADS threads), returned to every thread.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[NORM_THREADS / WARP_SIZE];
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < NORM_THREADS / WARP_SIZE; ++w) total += partial[w];
+  __syncthreads();  // partial is reused by the next call
+  return total;
+}
+
+// One CUDA block per token. With add != 0: residual <- x + residual (rounded to T, as the
+// reference's add), out <- RMSNorm(residual) * weight. With add == 0: out <- RMSNorm(x) * weight
+// (residual unused). fp32 statistics; the normalized row is rounded to T before the weight, as the
+// reference does. Rows are read and written as 16-byte vectors (hidden * sizeof(T) % 16 == 0);
+// the second pass re-reads the row the first pass wrote (from L1/L2).
+template <typename T>
+__global__ void __launch_bounds__(NORM_THREADS) add_rms_norm(
+    T* __restrict__ out,             // [num_tokens, hidden], contiguous
+    T* __restrict__ residual,        // [num_tokens, hidden], contiguous; updated in place (add)
+    const T* __restrict__ x,         // [num_tokens, hidden], token stride x_stride
+    const T* __restrict__ weight,    // [hidden]
+    int hidden, long long x_stride, float eps, int add) {
+  constexpr int VEC = 16 / sizeof(T);
+  const long long token = blockIdx.x;
+  const T* src = x + token * x_stride;
+  T* res = residual + token * hidden;
+  float sum_sq = 0.f;
+  for (int c = threadIdx.x * VEC; c < hidden; c += NORM_THREADS * VEC) {
+    float v[VEC];
+    load16<T>(src + c, v);
+    if (add) {
+      float r[VEC];
+      load16<T>(res + c, r);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = round_to<T>(v[i] + r[i]);
+      store16<T>(res + c, v);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sum_sq += v[i] * v[i];
+  }
+  const float inv_rms = 1.f / sqrtf(block_sum(sum_sq) / hidden + eps);
+  const T* normed_src = add ? res : src;
+  T* dst = out + token * hidden;
+  for (int c = threadIdx.x * VEC; c < hidden; c += NORM_THREADS * VEC) {
+    float v[VEC], w[VEC];
+    load16<T>(normed_src + c, v);
+    load16<T>(weight + c, w);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = w[i] * round_to<T>(v[i] * inv_rms);
+    store16<T>(dst + c, v);
+  }
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, d + i]: the gate and up halves of the fused gate_up projection.
+// silu is rounded to T before the product, as the reference's F.silu(gate) * up. __fdividef:
+// the IEEE division's slow path spilled registers (fp32, sm_90); for a gate below about -88 the
+// denominator overflows to inf and the result is 0, which silu's limit is.
+// Grid (num_tokens), one block per token; d * sizeof(T) % 16 == 0.
+template <typename T>
+__global__ void __launch_bounds__(ACT_THREADS) silu_and_mul(
+    T* __restrict__ out,        // [num_tokens, d], contiguous
+    const T* __restrict__ x,    // [num_tokens, 2 * d], token stride x_stride
+    int d, long long x_stride) {
+  constexpr int VEC = 16 / sizeof(T);
+  const long long token = blockIdx.x;
+  const T* gate = x + token * x_stride;
+  const T* up = gate + d;
+  for (int c = threadIdx.x * VEC; c < d; c += ACT_THREADS * VEC) {
+    float g[VEC], u[VEC];
+    load16<T>(gate + c, g);
+    load16<T>(up + c, u);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) g[i] = round_to<T>(__fdividef(g[i], 1.f + __expf(-g[i]))) * u[i];
+    store16<T>(out + token * d + c, g);
+  }
+}
+
+// Rotates the query and key heads of one token (rotate-half RoPE, cos/sin from the model's table,
+// so every scaling type the table was built with, llama3 included) and writes the rotated key and
+// the value into the token's pool slot: the reference's apply_rope on q and k plus write_kv, in one
+// pass. The rotated query goes to q_out (heads contiguous, as the attention kernels read it).
+// Work unit = one 16-byte vector of a head's first half and the matching vector of its second
+// half, or one 16-byte vector of the value row. Padding tokens (slot < 0) rotate q, write nothing.
+// Grid (num_tokens), one block per token; (head_dim / 2) * sizeof(T) % 16 == 0.
+template <typename T>
+__global__ void __launch_bounds__(ROPE_THREADS) rope_write_kv(
+    T* __restrict__ q_out,                    // [num_tokens, num_heads, head_dim], contiguous
+    T* __restrict__ k_cache,                  // [num_blocks, block_size, num_kv_heads, head_dim]
+    T* __restrict__ v_cache,                  // [num_blocks, block_size, num_kv_heads, head_dim]
+    const T* __restrict__ qkv,                // [num_tokens, (num_heads + 2 num_kv_heads) head_dim], stride
+    const long long* __restrict__ positions,  // [num_tokens]
+    const T* __restrict__ cos_table,          // [max_positions, head_dim]
+    const T* __restrict__ sin_table,          // [max_positions, head_dim]
+    const long long* __restrict__ slot_mapping,  // [num_tokens]; negative = padding
+    int num_heads, int num_kv_heads, int head_dim, long long qkv_stride) {
+  constexpr int VEC = 16 / sizeof(T);
+  const long long token = blockIdx.x;
+  const long long slot = slot_mapping[token];
+  const int half = head_dim / 2, vecs_per_half = half / VEC;
+  const T* row = qkv + token * qkv_stride;
+  const T* cos_row = cos_table + positions[token] * head_dim;
+  const T* sin_row = sin_table + positions[token] * head_dim;
+  const long long kv_row = (long long)num_kv_heads * head_dim;
+  const int num_rotations = (num_heads + num_kv_heads) * vecs_per_half;
+  const int num_units = num_rotations + (slot >= 0 ? num_kv_heads * head_dim / VEC : 0);
+  for (int u = threadIdx.x; u < num_units; u += ROPE_THREADS) {
+    if (u >= num_rotations) {  // a vector of the value row, copied as it is
+      const int c = (u - num_rotations) * VEC;
+      *reinterpret_cast<vec16<T>*>(v_cache + slot * kv_row + c) =
+          *reinterpret_cast<const vec16<T>*>(row + (long long)(num_heads + num_kv_heads) * head_dim + c);
+      continue;
+    }
+    const int head = u / vecs_per_half, c = (u % vecs_per_half) * VEC;
+    const T* src = row + (long long)head * head_dim;
+    float lo[VEC], hi[VEC], cl[VEC], ch[VEC], sl[VEC], sh[VEC], out_lo[VEC], out_hi[VEC];
+    load16<T>(src + c, lo);
+    load16<T>(src + half + c, hi);
+    load16<T>(cos_row + c, cl);
+    load16<T>(cos_row + half + c, ch);
+    load16<T>(sin_row + c, sl);
+    load16<T>(sin_row + half + c, sh);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {  // x * cos + rotate_half(x) * sin, each product rounded to T
+      out_lo[i] = round_to<T>(lo[i] * cl[i]) + round_to<T>(-hi[i] * sl[i]);
+      out_hi[i] = round_to<T>(hi[i] * ch[i]) + round_to<T>(lo[i] * sh[i]);
+    }
+    T* dst;
+    if (head < num_heads) {
+      dst = q_out + (token * num_heads + head) * head_dim;
+    } else if (slot >= 0) {
+      dst = k_cache + slot * kv_row + (long long)(head - num_heads) * head_dim;
+    } else {
+      continue;
+    }
+    store16<T>(dst + c, out_lo);
+    store16<T>(dst + half + c, out_hi);
+  }
+}
+
+}  // namespace folio
