@@ -24,7 +24,9 @@ import bisect
 import torch
 
 from services.executor.attention import AttentionMetadata
+from services.executor.cuda_kernels import DECODE_MAX_GROUP
 from services.executor.input_batch import StepInputs
+from services.executor.kernel_backend import KernelAttentionBackend
 
 MAX_GRAPH_BATCH = 256
 
@@ -40,6 +42,30 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
     """The smallest bucket that holds ``num_seqs`` sequences (None: above the largest)."""
     i = bisect.bisect_left(buckets, num_seqs)
     return buckets[i] if i < len(buckets) else None
+
+
+def uses_graphs(config, spec, backend, device: torch.device) -> bool:
+    """On a GPU with the kernel backend (the torch backend plans on the host from per-step lists),
+    for GQA groups the decode kernel takes, unless ``enforce_eager``."""
+    return (not config.enforce_eager and device.type == "cuda" and isinstance(backend, KernelAttentionBackend)
+            and spec.num_heads // spec.num_kv_heads <= DECODE_MAX_GROUP)
+
+
+def graph_memory_estimate(config, activation_bytes: int) -> int:
+    """Bytes the graphs keep: their private pool holds the activations of the largest bucket
+    (captured first; the smaller ones reuse its pool), estimated from the profiled forward's
+    activations at ``max_num_batched_tokens`` tokens, scaled to the bucket's."""
+    largest = graph_buckets(config.max_num_seqs)[-1]
+    return int(activation_bytes * min(1.0, largest / config.max_num_batched_tokens))
+
+
+def make_decode_graphs(config, model, backend, kv_caches, device: torch.device) -> "DecodeGraphs | None":
+    """The runner's graphs, captured now, or None where they do not apply. The static table is as
+    wide as the model's longest context."""
+    if not uses_graphs(config, model.spec, backend, device):
+        return None
+    width = -(-model.spec.max_position_embeddings // config.block_size)
+    return DecodeGraphs(model, backend, kv_caches, config.block_size, width, graph_buckets(config.max_num_seqs), device)
 
 
 class DecodeGraphs:
@@ -123,6 +149,7 @@ class DecodeGraphs:
         return self.model(self.input_ids[:bucket], meta.positions, self.kv_caches, meta, self.backend)
 
     # ------------------------------------------------------------------ start
+    @torch.inference_mode()  # as the steps run: no autograd state recorded into the graphs
     def _capture_all(self) -> None:
         """Largest bucket first, all in one memory pool (replays never overlap, so graphs may
         share their intermediate buffers)."""

@@ -12,10 +12,8 @@ import numpy as np
 import torch
 
 from services.executor.attention import AttentionMetadata, TorchAttentionBackend
-from services.executor.cuda_graphs import DecodeGraphs, graph_buckets
-from services.executor.cuda_kernels import DECODE_MAX_GROUP
+from services.executor.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from services.executor.input_batch import NO_LOGPROBS, InputBatch, StepInputs
-from services.executor.kernel_backend import KernelAttentionBackend
 from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from services.executor.loader import load_model, resolve_dtype
 from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
@@ -105,24 +103,7 @@ class ModelRunner:
         self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend, self.pool.num_blocks)
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar
-        self.graphs = DecodeGraphs(self.model, self.backend, self.pool.kv_caches, config.block_size,
-                                   self._graph_table_width(), self._graph_buckets(), self.device) \
-            if self._uses_graphs() else None
-
-    # ------------------------------------------------------------------ CUDA graphs
-    def _uses_graphs(self) -> bool:
-        """Graphs of the decode step: on a GPU, with the kernel backend (the torch backend plans on
-        the host from per-step lists), for GQA groups the decode kernel takes, unless enforce_eager."""
-        return (not self.config.enforce_eager and self.device.type == "cuda"
-                and isinstance(self.backend, KernelAttentionBackend)
-                and self.spec.num_heads // self.spec.num_kv_heads <= DECODE_MAX_GROUP)
-
-    def _graph_buckets(self) -> list[int]:
-        return graph_buckets(self.config.max_num_seqs)
-
-    def _graph_table_width(self) -> int:
-        """Blocks per sequence of the graphs' static table: the model's longest context."""
-        return -(-self.spec.max_position_embeddings // self.config.block_size)
+        self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(step):
@@ -137,11 +118,8 @@ class ModelRunner:
             budget = self.config.kv_cache_bytes or cpu_kv_budget_bytes()
             return blocks_for_budget(budget, self.pool_shape)
         peak, activations = self._profile_gpu_peak()
-        if self._uses_graphs():
-            # the graphs' private memory pool outlives the step: it holds the activations of the
-            # largest decode bucket (captured first; the smaller ones reuse its pool). Estimated
-            # from the profiled activations, scaled to the bucket's tokens.
-            peak += int(activations * min(1.0, self._graph_buckets()[-1] / self.config.max_num_batched_tokens))
+        if uses_graphs(self.config, self.spec, self.backend, self.device):
+            peak += graph_memory_estimate(self.config, activations)
         total = torch.cuda.get_device_properties(self.device).total_memory
         return gpu_num_blocks(total, self.config.gpu_memory_utilization, peak, self.pool_shape)
 
