@@ -30,7 +30,7 @@ def test_fused_kernels(launcher, dtype):
 
 
 def _generate(model_dir, enforce_eager: bool):
-    from services.executor.offline import generate
+    from tests.executor.toy_driver import generate
     from services.executor.runner import ModelRunner
     from shared.config import RuntimeConfig
     from shared.messages import SamplingParams

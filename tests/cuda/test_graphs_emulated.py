@@ -13,7 +13,7 @@ from services.executor.attention import AttentionMetadata
 from services.executor.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
 from services.executor.input_batch import StepInputs
 from services.executor.kernel_backend import KernelAttentionBackend
-from services.executor.offline import generate
+from tests.executor.toy_driver import generate
 from services.executor.runner import ModelRunner
 from shared.config import RuntimeConfig
 from shared.messages import SamplingParams
