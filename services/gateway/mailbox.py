@@ -4,7 +4,9 @@ handler that writes the response.
 ``GatewayService.handle_text_batch`` puts every ``TextDelta`` into the mailbox of its HTTP request;
 the route handler (``streaming.py``) takes everything that piled up in one go. A slow reader (a
 client draining its SSE stream slowly) never blocks the socket reader and never grows a queue:
-deltas of the same choice merge into one (vLLM V1's ``RequestOutputCollector`` idea).
+deltas of the same choice merge into one (vLLM V1's ``RequestOutputCollector`` idea). They are
+kept as a short list and joined once when the reader takes them, so that a step costs the socket
+reader an append per delta, not a rebuilt delta.
 """
 
 from __future__ import annotations
@@ -15,29 +17,37 @@ from dataclasses import dataclass
 
 from shared.messages import TextDelta
 
+MAX_UNMERGED = 64  # deltas of one choice kept apart before they are merged anyway
+
 
 def merge_deltas(a: TextDelta, b: TextDelta) -> TextDelta:
     """``a`` then ``b`` of the same request as one delta."""
+    return merge_all([a, b])
 
-    def cat(x, y):
-        return y if x is None else x if y is None else x + y
 
+def merge_all(deltas: list[TextDelta]) -> TextDelta:
+    """Several deltas of the same request, in order, as one (joined once, not pairwise)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    first = deltas[0]
+    logprobs = [d.logprobs for d in deltas if d.logprobs is not None]
+    errors = [d for d in deltas if d.error]
     return TextDelta(
-        req_id=a.req_id,
-        text=a.text + b.text,
-        token_ids=a.token_ids + b.token_ids,
-        logprobs=cat(a.logprobs, b.logprobs),
-        prompt_text=a.prompt_text if a.prompt_text is not None else b.prompt_text,
-        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-        finish_reason=b.finish_reason or a.finish_reason,
-        stop_reason=b.stop_reason if b.stop_reason is not None else a.stop_reason,
-        num_prompt_tokens=max(a.num_prompt_tokens, b.num_prompt_tokens),
-        num_output_tokens=max(a.num_output_tokens, b.num_output_tokens),
-        num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens),
-        error=b.error or a.error,
-        error_code=b.error_code if b.error else a.error_code,
-        error_param=b.error_param if b.error else a.error_param,
-        queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
+        req_id=first.req_id,
+        text="".join([d.text for d in deltas]),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        logprobs=[lp for lps in logprobs for lp in lps] if logprobs else None,
+        prompt_text=next((d.prompt_text for d in deltas if d.prompt_text is not None), None),
+        prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+        finish_reason=next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None),
+        stop_reason=next((d.stop_reason for d in reversed(deltas) if d.stop_reason is not None), None),
+        num_prompt_tokens=max(d.num_prompt_tokens for d in deltas),
+        num_output_tokens=max(d.num_output_tokens for d in deltas),
+        num_cached_tokens=max(d.num_cached_tokens for d in deltas),
+        error=errors[-1].error if errors else None,
+        error_code=errors[-1].error_code if errors else first.error_code,
+        error_param=errors[-1].error_param if errors else first.error_param,
+        queue_time_s=next((d.queue_time_s for d in deltas if d.queue_time_s is not None), None),
     )
 
 
@@ -58,23 +68,28 @@ class OutputMailbox:
         now = time.monotonic()
         self.timing = {req_id: ChoiceTiming(arrival=now) for req_id in req_ids}
         self.unfinished = set(req_ids)
-        self._pending: dict[int, TextDelta] = {}
+        self._pending: dict[int, list[TextDelta]] = {}
         self._ready = asyncio.Event()
 
     def put(self, delta: TextDelta) -> None:
-        i = self.index[delta.req_id]
-        prev = self._pending.get(i)
-        self._pending[i] = delta if prev is None else merge_deltas(prev, delta)
+        pending = self._pending.get(self.index[delta.req_id])
+        if pending is None:
+            self._pending[self.index[delta.req_id]] = [delta]
+        elif len(pending) < MAX_UNMERGED:
+            pending.append(delta)  # merged once, when the reader takes them
+        else:  # a reader that stalls (a slow client) holds one merged delta, not a growing list
+            pending[:] = [merge_all([*pending, delta])]
         if delta.finish_reason is not None:
             self.unfinished.discard(delta.req_id)
         self._ready.set()
 
     async def get(self) -> dict[int, TextDelta]:
-        """Everything that arrived since the last call (waits while nothing did)."""
+        """Everything that arrived since the last call, one merged delta per choice (waits while
+        nothing did)."""
         await self._ready.wait()
         self._ready.clear()
         out, self._pending = self._pending, {}
-        return out
+        return {i: merge_all(deltas) for i, deltas in out.items()}
 
     @property
     def done(self) -> bool:

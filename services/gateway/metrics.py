@@ -91,8 +91,12 @@ class GatewayMetrics:
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
 
+    def on_batch(self, num_tokens: int) -> None:
+        """A batch of deltas brought ``num_tokens`` new tokens: counted once per batch, not per delta."""
+        self.generation_tokens.inc(num_tokens)
+
     def on_delta(self, timing: ChoiceTiming, delta: TextDelta, now: float) -> None:
-        """One choice's delta arrived at monotonic time ``now``."""
+        """One choice's delta arrived at monotonic time ``now`` (its tokens count in ``on_batch``)."""
         num_new = len(delta.token_ids)
         if num_new:
             if timing.first_token is None:
@@ -104,7 +108,6 @@ class GatewayMetrics:
                 for _ in range(num_new):
                     self.itl.observe(gap)
             timing.last_token = now
-            self.generation_tokens.inc(num_new)
         if delta.queue_time_s is not None:
             self.queue_time.observe(delta.queue_time_s)
         if delta.finish_reason is not None and delta.error is None:

@@ -99,16 +99,20 @@ class GatewayService:
     def handle_text_batch(self, batch: TextBatch) -> None:
         now = time.monotonic()
         self.health.heard_from("tokenizer", now)
+        mailboxes, queued, on_delta = self.mailboxes, self.queued, self.metrics.on_delta
+        num_tokens = 0
         for delta in batch.deltas:
-            mailbox = self.mailboxes.get(delta.req_id)
+            mailbox = mailboxes.get(delta.req_id)
             if mailbox is None:
                 self._abort_stray(delta)
                 continue
-            self.queued.discard(mailbox)
+            queued.discard(mailbox)
             mailbox.put(delta)
-            self.metrics.on_delta(mailbox.timing[delta.req_id], delta, now)
+            on_delta(mailbox.timing[delta.req_id], delta, now)
+            num_tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
-                del self.mailboxes[delta.req_id]
+                del mailboxes[delta.req_id]
+        self.metrics.on_batch(num_tokens)
 
     async def tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> TokenizeReply:
         """Ask the tokenizer (``/tokenize``, ``/detokenize``); 503 while it is down or lost, 504

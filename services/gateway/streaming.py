@@ -15,7 +15,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.gateway.mailbox import OutputMailbox, merge_deltas
+from services.gateway.mailbox import OutputMailbox, merge_all
 from services.gateway.protocol import ApiError
 from services.gateway.responses import UsageCounter
 from shared.messages import TextDelta
@@ -34,18 +34,21 @@ def raise_if_error(outputs: dict[int, TextDelta]) -> None:
 
 async def collect(mailbox: OutputMailbox) -> dict[int, TextDelta]:
     """Every choice's whole output, one merged delta per choice index."""
-    merged: dict[int, TextDelta] = {}
+    parts: dict[int, list[TextDelta]] = {}
     while True:
         outputs = await mailbox.get()
         raise_if_error(outputs)
         for i, delta in outputs.items():
-            merged[i] = delta if i not in merged else merge_deltas(merged[i], delta)
+            parts.setdefault(i, []).append(delta)
         if mailbox.done:
-            return merged
+            return {i: merge_all(deltas) for i, deltas in parts.items()}
 
 
 class SseWriter:
-    """``data: {json}`` events over a chunked response, ``data: [DONE]`` at the end."""
+    """``data: {json}`` events over a chunked response, ``data: [DONE]`` at the end.
+
+    Events are gathered with ``add`` and leave in one ``flush``: one write (one chunk, one
+    system call) per stream per step, whatever the number of choices and events in it."""
 
     def __init__(self, request: web.Request):
         self.request = request
@@ -53,16 +56,24 @@ class SseWriter:
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+        self._pending: list[bytes] = []
 
     async def prepare(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, obj: dict) -> None:
-        await self.response.write(b"data: " + _json.encode(obj) + b"\n\n")
+    def add(self, obj: dict) -> None:
+        self._pending += (b"data: ", _json.encode(obj), b"\n\n")
+
+    async def flush(self) -> None:
+        if self._pending:
+            data, self._pending = b"".join(self._pending), []
+            await self.response.write(data)
 
     async def done(self) -> None:
-        await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+        """The pending events, ``[DONE]`` and the stream's end, in one write."""
+        self._pending.append(b"data: [DONE]\n\n")
+        data, self._pending = b"".join(self._pending), []
+        await self.response.write_eof(data)
 
 
 # (choice index, its merged delta) -> the chunks to send for it
@@ -79,18 +90,19 @@ async def stream(request: web.Request, mailbox: OutputMailbox, make_chunks: Chun
     usage = UsageCounter(n)
     try:
         while True:
-            for index, delta in sorted(outputs.items()):
+            for index, delta in sorted(outputs.items()) if len(outputs) > 1 else outputs.items():
                 usage.add(index, delta)
                 if delta.error is not None:  # failed after the stream began: say so in-band
-                    await sse.send(ApiError(delta.error, status=delta.error_code, param=delta.error_param).body())
+                    sse.add(ApiError(delta.error, status=delta.error_code, param=delta.error_param).body())
                     continue
                 for chunk in make_chunks(index, delta):
-                    await sse.send(chunk)
+                    sse.add(chunk)
             if mailbox.done:
                 break
+            await sse.flush()
             outputs = await mailbox.get()
         if usage_chunk is not None:
-            await sse.send(usage_chunk(usage.usage()))
+            sse.add(usage_chunk(usage.usage()))
         await sse.done()
     except ConnectionError:
         log.info("client went away mid-stream", req_id=next(iter(mailbox.index), None))

@@ -65,6 +65,11 @@ class StopChecker:
         self._stop = [s for s in stop if s]
         self._held = ""
 
+    @property
+    def active(self) -> bool:
+        """There are stop strings to look for (else ``feed`` passes text through)."""
+        return bool(self._stop)
+
     def feed(self, text: str) -> tuple[str, str | None]:
         """Add new text; return (text safe to emit, the stop string that matched or None).
 

@@ -76,6 +76,8 @@ class RequestState:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     sent_first: bool = False
+    # its next token needs only detokenizing: the first delta (echo) went out, no stop strings
+    plain: bool = False
 
     @property
     def req_id(self) -> str:
@@ -139,26 +141,48 @@ class OutputProcessor:
     def process(self, batch: TokenBatch) -> tuple[list[TextDelta], list[AbortRequest], list[str]]:
         """(text deltas for the gateway, stop-string aborts for the scheduler, unknown req ids).
 
+        One pass over the step's deltas. Most of them are one decoded token of a running request
+        that needs nothing but its text (no stop strings, logprobs, echo or finish): those take a
+        short path straight to their ``TextDelta``; the others fold through ``_apply``, which
+        gives the same text for the same tokens.
+
         Unknown ids are normal right after a stop string or a client abort: the scheduler's step
         was already under way when it heard of it.
         """
-        pending: dict[str, _Pending] = {}
+        outputs: dict[str, TextDelta | _Pending] = {}
         aborts: list[AbortRequest] = []
         unknown: list[str] = []
+        requests = self.requests
         for delta in batch.deltas:
-            state = self.requests.get(delta.req_id)
+            req_id = delta.req_id
+            state = requests.get(req_id)
             if state is None:
-                unknown.append(delta.req_id)
+                unknown.append(req_id)
                 continue
-            out = pending.setdefault(delta.req_id, _Pending())
+            out = outputs.get(req_id)
+            token_ids = delta.token_ids
+            if (out is None and state.plain and len(token_ids) == 1 and delta.finish_reason is None
+                    and delta.logprobs is None and delta.prompt_logprobs is None and delta.queue_time_s is None
+                    and not delta.num_prompt_tokens):
+                state.num_output_tokens += 1
+                outputs[req_id] = TextDelta(
+                    req_id=req_id, text=state.detokenizer.add(token_ids[0]), token_ids=token_ids,
+                    num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=state.num_output_tokens,
+                    num_cached_tokens=state.num_cached_tokens)
+                continue
+            if out is None:
+                out = outputs[req_id] = _Pending()
+            elif isinstance(out, TextDelta):  # its second delta in this batch: fold the first in
+                out = outputs[req_id] = _Pending(text=[out.text], token_ids=list(out.token_ids))
             if out.finish_reason is not None:
                 continue  # finished earlier in this same batch (a stop string)
             if self._apply(state, delta, out) and delta.finish_reason is None:
-                aborts.append(AbortRequest(req_id=delta.req_id, reason="stop"))
-        deltas = [self._text_delta(self.requests[req_id], out) for req_id, out in pending.items()]
-        for req_id, out in pending.items():
+                aborts.append(AbortRequest(req_id=req_id, reason="stop"))
+        deltas = [out if isinstance(out, TextDelta) else self._text_delta(requests[req_id], out)
+                  for req_id, out in outputs.items()]
+        for req_id, out in outputs.items():
             if out.finish_reason is not None:
-                del self.requests[req_id]
+                del requests[req_id]
         return deltas, aborts, unknown
 
     def _apply(self, state: RequestState, delta: TokenDelta, out: _Pending) -> bool:
@@ -215,6 +239,7 @@ class OutputProcessor:
         prompt_text = None
         if not state.sent_first:
             state.sent_first = True
+            state.plain = not state.stop.active
             prompt_text = state.prompt_text
         return TextDelta(
             req_id=state.req_id,
