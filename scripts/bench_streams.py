@@ -302,6 +302,7 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
         await services.wait_ready()
         meter = _cpu_meter()
         cpu_before = services.cpu_seconds()
+        own_before, children_before = time.process_time(), _children_cpu()
         steps_before, late_before = backend.num_steps, backend.num_late_steps
         client = await asyncio.create_subprocess_exec(
             sys.executable, str(Path(__file__).resolve()), "--client", "--port", str(services.port),
@@ -309,6 +310,9 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
             "--timeout", str(timeout_s), stdout=asyncio.subprocess.PIPE, cwd=ROOT)
         out, _ = await client.communicate()
         cpu_after = services.cpu_seconds()
+        cpu_after["backend (this process)"] = time.process_time() - own_before
+        cpu_after["clients"] = _children_cpu() - children_before  # the reaped client process
+        cpu_before["backend (this process)"] = cpu_before["clients"] = 0.0
         result = json.loads(out)
         result["others"] = meter.lap() if meter is not None else "unmeasured"
         result["cpu_s"] = {name: cpu_after[name] - cpu_before[name] for name in cpu_after}
@@ -322,6 +326,13 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
         backend.close()
         ctx.destroy(linger=0)
         services.stop()
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _cpu_meter():
