@@ -199,7 +199,8 @@ def free_port() -> int:
 
 
 def run_clients(port: int, num_streams: int, max_tokens: int, model: str, timeout_s: float) -> dict:
-    """Open ``num_streams`` streaming completions at once and read them all to their end.
+    """Open ``num_streams`` streaming completions at once and read them all to their end (one
+    refused with a 503 is sent again).
 
     Returns the times (first request sent, last stream ended), and per stream its text, finish
     reasons, completion tokens (from the usage chunk) and number of SSE events."""
@@ -209,30 +210,42 @@ def run_clients(port: int, num_streams: int, max_tokens: int, model: str, timeou
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     sel = selectors.DefaultSelector()
     received: list[list[bytes]] = [[] for _ in range(num_streams)]
-    started = time.perf_counter()
-    for i in range(num_streams):
+
+    def open_stream(i: int) -> None:
         sock = socket.create_connection(("127.0.0.1", port))
         sock.sendall(head + body)
         sock.setblocking(False)
         sel.register(sock, selectors.EVENT_READ, i)
-    open_streams, ended = num_streams, started
+
+    started = time.perf_counter()
+    for i in range(num_streams):
+        open_stream(i)
+    open_streams, ended, num_retried = num_streams, started, 0
     deadline = started + timeout_s
     while open_streams and time.perf_counter() < deadline:
         for key, _ in sel.select(timeout=1.0):
+            i = key.data
             try:
                 data = key.fileobj.recv(1 << 16)
             except BlockingIOError:
                 continue
             if data:
-                received[key.data].append(data)
+                received[i].append(data)
                 continue
             sel.unregister(key.fileobj)
             key.fileobj.close()
+            if received[i] and received[i][0].startswith(b"HTTP/1.1 503"):
+                # what a client does: on a loaded machine the gateway may miss a service's pings
+                # and refuse new requests for a moment ("retry later")
+                received[i] = []
+                num_retried += 1
+                open_stream(i)
+                continue
             open_streams -= 1
             ended = time.perf_counter()
     for key in list(sel.get_map().values()):
         key.fileobj.close()
-    return {"started": started, "ended": ended, "num_unfinished": open_streams,
+    return {"started": started, "ended": ended, "num_unfinished": open_streams, "num_retried_503": num_retried,
             "streams": [parse_stream(b"".join(chunks)) for chunks in received]}
 
 
@@ -371,7 +384,8 @@ def main() -> int:
     print(f"{args.num_streams} SSE streams x {args.max_tokens} tokens, backend step every {args.step_ms:g} ms "
           f"(offers {offered:,.0f} tokens/s while all run)")
     print(f"streamed {tokens:,} tokens in {seconds:.2f} s: {tokens / seconds:,.0f} tokens/s; "
-          f"{sum(s['num_events'] for s in streams):,} SSE events; {len(bad)} streams wrong or unfinished")
+          f"{sum(s['num_events'] for s in streams):,} SSE events; {len(bad)} streams wrong or unfinished; "
+          f"{result['num_retried_503']} requests sent again after a 503")
     print(f"backend: {result['num_steps']} steps ({result['num_steps'] / seconds:.1f}/s), "
           f"{result['num_late_steps']} times more than a step behind")
     print("CPU during the run: " + ", ".join(f"{k} {v:.2f} s ({1e6 * v / max(tokens, 1):.1f} us per token)"
