@@ -40,6 +40,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
                          repetition_penalty=1.1, max_tokens=1 << 20, ignore_eos=True)
 PROMPT_LEN, BLOCK_SIZE = 16, 16
+# the issue's SmolLM2 case: temperature 0.8, top-p 0.95 and a presence penalty
+SMOLLM_SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, max_tokens=1 << 20,
+                                ignore_eos=True)
 
 
 class CpuMeter:
@@ -147,6 +150,22 @@ def run_null(args) -> float:
     return greedy_256 * 1e3
 
 
+def run_smollm(args) -> None:
+    """SmolLM2-135M-Instruct on the CPU at batch 64: decode steps greedy and sampled."""
+    from shared.models import prepare_default_model
+
+    config = RuntimeConfig(device="cpu", num_kv_blocks=64 * 8, max_num_seqs=64, block_size=BLOCK_SIZE,
+                           quantization=args.smollm_quantization)
+    runner = ModelRunner(config, str(prepare_default_model(quiet=True)))
+    decode_steps(runner, 8, GREEDY, 2, None)  # warm-up
+    meter = CpuMeter()
+    g = min(decode_steps(runner, 64, GREEDY, args.steps, None) for _ in range(args.repeats))
+    s = min(decode_steps(runner, 64, SMOLLM_SAMPLED, args.steps, None) for _ in range(args.repeats))
+    print(f"SmolLM2 ({runner.model.quantization}) B=64: greedy {g * 1e3:.1f} ms/step, sampled (t 0.8, top-p 0.95, "
+          f"presence 0.5) {s * 1e3:.1f} ms/step, ratio {s / g:.3f}; other processes kept "
+          f"{100 * meter.lap():.0f}% of the CPUs busy meanwhile", flush=True)
+
+
 def run_cuda_1b(args) -> None:
     """The 1B shape in process (needs a GPU)."""
     from folio.engine import generate
@@ -191,12 +210,16 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the B=256 steps")
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"],
                         help="--device cuda: the 1B shape eager, with CUDA graphs, or both")
-    parser.add_argument("--skip-null", action="store_true", help="--device cuda: only the 1B shape")
+    parser.add_argument("--skip-null", action="store_true", help="only the other cases (--smollm, the 1B shape)")
+    parser.add_argument("--smollm", action="store_true", help="also SmolLM2 at batch 64 on the CPU, greedy vs sampled")
+    parser.add_argument("--smollm-quantization", default="auto", help="its weights (auto: the packaged int4)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the step's small ops never wait on a busy core)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     greedy_256 = run_null(args) if not args.skip_null else float("nan")
+    if args.smollm:
+        run_smollm(args)
     if args.device == "cuda":
         with contextlib.suppress(KeyboardInterrupt):
             run_cuda_1b(args)
