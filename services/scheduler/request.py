@@ -1,18 +1,29 @@
-"""One sequence as the scheduler sees it: its tokens, how many are computed, how many blocks it holds.
+"""One request as the scheduler sees it: its tokens, how many are computed, how many blocks it
+holds, and where it is in its life (``Status``).
 
 Its block table lives in the scheduler's allocator replica (``shared.kv``), under ``req_id``; the
-request remembers only how much of it the executor was sent. A client's
-request is one sequence, or several: the choices of ``n`` > 1 (forked from the first once its
-prompt is computed) and the live beams of a beam search (``group``).
+request remembers only how much of it the executor was sent. What a client asked for is one
+request, or several under their own ids: the choices of ``n`` > 1 (forked from the first once its
+prompt is computed) and the live beams of a beam search (``group``; ``forks.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from shared.messages import EngineRequest, SamplingParams
 
-RUNNING, WAITING, SWAPPED, FORKING = "running", "waiting", "swapped", "forking"
+
+class Status(str, Enum):
+    """Where a request is: in one of the scheduler's three queues, waiting to be forked from its
+    parent (a choice of ``n`` or a new beam, in no queue), or finished (its blocks going back)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FORKING = "forking"
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -25,7 +36,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     on_executor: bool = False  # the executor holds its state (it was sent as NewRequestData)
-    finished: bool = False
     admitted: bool = False  # admitted at least once (prompt tokens counted)
     prompt_logprobs_sent: bool = False
     stop_token_ids: frozenset[int] = frozenset()
@@ -34,7 +44,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
     # its place in the queues: (priority, arrival order, rank among the sequences of one request)
     key: tuple[int, int, int] = (0, 0, 0)
-    status: str = WAITING
+    status: Status = Status.WAITING
     # n > 1: the other choices, forked from this one once all but its last prompt token are computed
     pending_forks: list["Request"] = field(default_factory=list)
     fork_parent: "Request | None" = None  # set until it is forked from its parent
@@ -59,6 +69,10 @@ class Request:
             stop_token_ids=frozenset(sampling.stop_token_ids),
             cache_salt=msg.cache_salt,
         )
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
 
     @property
     def num_seqs(self) -> int:

@@ -24,7 +24,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.scheduler.policy import Scheduler, StepOutput
+from services.scheduler.exchange import StepOutput
+from services.scheduler.policy import Scheduler
+from services.scheduler.stats import describe_requests, scheduler_stats
 from shared.config import SchedulerConfig
 from shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
 from shared.messages import (
@@ -248,16 +250,16 @@ class SchedulerService:
             return {"pool_ready": False, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
                     **self.scheduler.counters}
         steps = max(1, self.scheduler.counters["num_steps"])
-        return {"pool_ready": True, **self.scheduler.stats(), **self.timers, "generation": self.generation,
+        return {"pool_ready": True, **scheduler_stats(self.scheduler), **self.timers, "generation": self.generation,
                 "mean_step_seconds": self.timers["step_seconds_total"] / steps,
                 "mean_plan_seconds": self.timers["plan_seconds_total"] / steps}
 
     def admin_requests(self, args: dict) -> dict:
-        return {"requests": self.scheduler.describe_requests()}
+        return {"requests": describe_requests(self.scheduler)}
 
     def admin_abort(self, args: dict) -> dict:
         req_id = args["req_id"]
-        group = self.scheduler.groups.get(req_id)
+        group = self.scheduler.forks.groups.get(req_id)
         choice_ids = list(group.choice_ids) if group is not None else [req_id]
         if not self.scheduler.abort(req_id):
             raise KeyError(f"no request {req_id!r} (finished already, or never here)")

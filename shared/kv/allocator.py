@@ -25,7 +25,7 @@ from shared.block_hash import block_extra_keys, hash_block
 from shared.kv.block_pool import BlockPool, CachedBlock, NoFreeBlocks
 from shared.messages import BlockStored
 
-__all__ = ["BlockAllocator", "NoFreeBlocks", "Sequence", "cdiv", "hash_block"]
+__all__ = ["BlockAllocator", "NoFreeBlocks", "RequestTable", "cdiv", "hash_block"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -33,7 +33,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(eq=False)
-class Sequence:
+class RequestTable:
     """A request's table. ``num_tokens``: the tokens its table holds KV for (computed or being
     computed this step); ``token_ids``: the tokens the scheduler told us of (at least those)."""
 
@@ -60,7 +60,7 @@ class BlockAllocator:
         self.device = BlockPool(num_blocks, block_size, "GPU")
         self.host = BlockPool(num_host_blocks, block_size, "CPU")
         self.device.record_events = self.host.record_events = record_events
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, RequestTable] = {}
         self.block_copies: list[tuple[int, int]] = []
         self.swap_out_pairs: list[tuple[int, int]] = []
         self.swap_in_pairs: list[tuple[int, int]] = []
@@ -140,7 +140,7 @@ class BlockAllocator:
             raise ValueError(f"{req_id} is swapped out: swap it in before it grows")
         is_new = seq is None
         if is_new:
-            seq = Sequence(req_id, extra_keys=block_extra_keys(cache_salt))
+            seq = RequestTable(req_id, extra_keys=block_extra_keys(cache_salt))
         new_token_ids = list(new_token_ids or ())
         new_hashes = self._new_hashes(seq, new_token_ids)
         hits = self._match_prefix(new_hashes, new_token_ids, (num_tokens - 1) // self.block_size) if is_new else []
@@ -169,7 +169,7 @@ class BlockAllocator:
             self.counters["num_prefix_cache_hits"] += seq.num_cached_tokens
         return new_ids
 
-    def _new_hashes(self, seq: Sequence, new_token_ids: list[int]) -> list[bytes]:
+    def _new_hashes(self, seq: RequestTable, new_token_ids: list[int]) -> list[bytes]:
         """Hashes of the blocks ``new_token_ids`` fill, after the ones ``seq`` has."""
         if not self.enable_prefix_caching or not new_token_ids:
             return []
@@ -210,7 +210,7 @@ class BlockAllocator:
                 seq.num_computed_tokens = seq.num_tokens
                 self._index_full_blocks(seq)
 
-    def _index_full_blocks(self, seq: Sequence) -> None:
+    def _index_full_blocks(self, seq: RequestTable) -> None:
         """Offer the sequence's newly full, computed blocks to the index; one BlockStored per run."""
         if not self.enable_prefix_caching:
             return
@@ -228,7 +228,7 @@ class BlockAllocator:
         self._store_event(seq, run)
         seq.num_indexed_blocks = max(seq.num_indexed_blocks, num_full)
 
-    def _store_event(self, seq: Sequence, run: list[int]) -> None:
+    def _store_event(self, seq: RequestTable, run: list[int]) -> None:
         if not run or not self.device.record_events:
             return
 
@@ -239,14 +239,14 @@ class BlockAllocator:
             token_ids=seq.token_ids[first * bs:(run[-1] + 1) * bs], block_size=bs))
 
     # ------------------------------------------------------------------ sharing
-    def _needs_cow(self, seq: Sequence, start: int, num_tokens: int) -> int:
+    def _needs_cow(self, seq: RequestTable, start: int, num_tokens: int) -> int:
         """1 when a write from token ``start`` lands in a shared, partly filled block, else 0."""
         bs = self.block_size
         if num_tokens <= start or start % bs == 0 or start // bs >= len(seq.block_ids):
             return 0
         return int(self.device.ref_counts[seq.block_ids[start // bs]] > 1)
 
-    def _copy_on_write(self, seq: Sequence, start: int) -> None:
+    def _copy_on_write(self, seq: RequestTable, start: int) -> None:
         index = start // self.block_size
         src = seq.block_ids[index]
         (dst,) = self.device.take(1)
@@ -271,7 +271,7 @@ class BlockAllocator:
             parent.num_tokens = num_tokens
         for block_id in parent.block_ids:
             self.device.touch(block_id)
-        self.seqs[child_req_id] = Sequence(
+        self.seqs[child_req_id] = RequestTable(
             child_req_id, block_ids=list(parent.block_ids), token_ids=list(parent.token_ids),
             num_tokens=parent.num_tokens, num_computed_tokens=parent.num_computed_tokens,
             extra_keys=parent.extra_keys, block_hashes=list(parent.block_hashes), num_indexed_blocks=parent.num_indexed_blocks, num_cached_tokens=parent.num_cached_tokens)

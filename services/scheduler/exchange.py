@@ -1,0 +1,181 @@
+"""The executor's side of a step, for ``policy.Scheduler``: the plan it is sent and its result.
+
+``build_plan`` turns what ``schedule`` decided into the executor's per-step diff (new requests in
+full, running ones as the blocks they gained); ``update_from_result`` appends the sampled tokens,
+finishes what is done (stop tokens, ``max_tokens``, a failed step), hands beams' candidates to their
+group (``forks.py``), counts accepted drafts and shrinks tables back after rejected ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.forks import BeamGroup
+from services.scheduler.request import Request
+from shared.kv.allocator import cdiv
+from shared.messages import (
+    KVOp,
+    KVStepRequest,
+    NewRequestData,
+    RunningRequestData,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+)
+
+
+@dataclass
+class StepOutput:
+    """What ``schedule`` decided for one step, and the allocator log it applied to the replica."""
+
+    step_id: int
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (sequence, num new tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
+    ops: list[KVOp] = field(default_factory=list)  # the step log, in the order applied
+    digest: bytes = b""  # the replica's state digest after it
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ExecutorExchange:
+    """Mixed into ``policy.Scheduler``: the executor's plan and result."""
+
+    def build_plan(self, out: StepOutput) -> StepPlan:
+        """The executor's per-step diff: new requests in full, running ones as the blocks they
+        gained (their whole table when blocks inside it changed) and their counts."""
+        alloc = self.alloc
+        new_reqs, running_reqs, num_scheduled = [], [], {}
+        for req, num_new in out.scheduled:
+            table = alloc.seqs[req.req_id].block_ids
+            if req.on_executor:
+                changed = req.table_changed
+                running_reqs.append(RunningRequestData(
+                    req_id=req.req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
+                    num_computed_tokens=req.num_computed_tokens, new_token_ids=req.unsent_token_ids,
+                    block_ids=list(table) if changed else None))
+            else:
+                new_reqs.append(NewRequestData(
+                    req_id=req.req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                    sampling=req.sampling, block_ids=list(table), num_computed_tokens=req.num_computed_tokens,
+                    append_sampled=req.append_sampled))
+                req.on_executor = True
+            req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
+            num_scheduled[req.req_id] = num_new
+            req.num_computed_tokens += num_new
+        finished, self.pending_finished_req_ids = self.pending_finished_req_ids, []
+        c = self.counters
+        c["num_steps"] += 1
+        c["num_scheduled_seqs_total"] += len(out.scheduled)
+        self.last_batch_size, self.last_num_scheduled_tokens = len(out.scheduled), sum(num_scheduled.values())
+        c["num_scheduled_tokens_total"] += self.last_num_scheduled_tokens
+        return StepPlan(step_id=out.step_id, new_reqs=new_reqs, running_reqs=running_reqs,
+                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished,
+                        spec_token_ids=out.spec_token_ids, block_copies=out.block_copies,
+                        swap_out=out.swap_out, swap_in=out.swap_in)
+
+    def kv_request(self, out: StepOutput, generation: int) -> KVStepRequest:
+        return KVStepRequest(step_id=out.step_id, generation=generation, ops=out.ops)
+
+    def update_from_result(self, out: StepOutput, result: StepResult) -> list[TokenDelta]:
+        """Append sampled tokens, finish requests that are done; one delta per request that moved."""
+        deltas: list[TokenDelta] = []
+        released = False
+        prompt_lps = result.prompt_logprobs
+        reported: set[str] = set()
+        groups: list[BeamGroup] = []
+        for idx, req_id in enumerate(result.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.finished:
+                continue  # aborted while the step ran
+            reported.add(req_id)
+            logprobs = result.logprobs[idx] if idx < len(result.logprobs) else None
+            if req.group is not None:
+                if logprobs:
+                    self.forks.report_beam(req, logprobs[-1], groups)
+                continue
+            sampled = result.sampled_token_ids[idx]
+            drafts = out.spec_token_ids.get(req_id)
+            if drafts:
+                self._count_accepted(len(drafts), len(sampled) - 1)
+            req.spec_token_ids = result.spec_token_ids[idx] if idx < len(result.spec_token_ids) else []
+            token_ids, reason = self._append(req, sampled)
+            prompt_lp = None
+            if req_id in prompt_lps and not req.prompt_logprobs_sent:
+                prompt_lp, req.prompt_logprobs_sent = prompt_lps[req_id], True
+            deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=logprobs,
+                                     prompt_logprobs=prompt_lp, finish_reason=reason,
+                                     num_prompt_tokens=req.num_prompt_tokens,
+                                     num_cached_tokens=req.num_cached_tokens,
+                                     queue_time_s=None if req.queue_time_sent else self.queue_time(req)))
+            if reason is not None:
+                self.release(req)
+                released = True
+                self.counters["num_requests_finished"] += 1
+            elif drafts:
+                self._roll_back(req)
+        for group in groups:
+            deltas.extend(self.forks.advance_beams(group))
+            released = True
+        for req, _ in out.scheduled:
+            # caught up with its tokens yet got none: the executor failed it; never leave it stuck
+            if not req.finished and req.num_computed_tokens >= req.num_tokens and req.req_id not in reported:
+                deltas.extend(self._fail(req))
+                released = True
+        if released:
+            self.running = [r for r in self.running if not r.finished]
+        return deltas
+
+    def _append(self, req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """Append sampled tokens up to the first that ends the request."""
+        for n, token_id in enumerate(token_ids, start=1):
+            req.output_token_ids.append(token_id)
+            self.counters["num_generation_tokens_total"] += 1
+            reason = req.stop_reason(token_id)
+            if reason is not None:
+                return token_ids[:n], reason
+        return token_ids, None
+
+    def _fail(self, req: Request) -> list[TokenDelta]:
+        error = "the executor did not return a token for this request"
+        if req.group is not None:
+            group = req.group
+            self.forks.end_group(group)
+            ids = group.choice_ids
+        else:
+            self.release(req)
+            ids = [req.req_id]
+        self._discard(req.req_id)  # its step failed: its blocks may hold nothing
+        return [TokenDelta(req_id=i, token_ids=[], finish_reason="error", error=error,
+                           num_prompt_tokens=req.num_prompt_tokens) for i in ids]
+
+    def _discard(self, req_id: str) -> None:
+        """Its release becomes a discard: the allocator must not index what never ran."""
+        if req_id in self.pending_free_req_ids:
+            self.pending_free_req_ids.remove(req_id)
+            self.pending_discard_req_ids.append(req_id)
+
+    def _roll_back(self, req: Request) -> None:
+        """After verification the KV of the last token and the accepted drafts is kept; the
+        rejected drafts' slots are not: the table shrinks back first thing in the next step
+        (``KVTruncate``), and the executor then gets it whole."""
+        req.num_computed_tokens = req.num_tokens - 1
+        seq = self.alloc.seqs.get(req.req_id)
+        if seq is not None and len(seq.block_ids) > cdiv(req.num_computed_tokens, self.block_size):
+            self.pending_truncate.append((req.req_id, req.num_computed_tokens))
+
+    def queue_time(self, req: Request) -> float | None:
+        if req.queue_time_sent or req.first_scheduled_time is None or not req.arrival_time:
+            return None
+        req.queue_time_sent = True
+        return max(0.0, req.first_scheduled_time - req.arrival_time)
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        c = self.counters
+        c["num_spec_drafts"] += 1
+        c["num_spec_draft_tokens"] += num_drafts
+        c["num_spec_accepted_tokens"] += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
