@@ -17,7 +17,9 @@ from __future__ import annotations
 import time
 
 from services.executor.runner import ModelRunner
-from services.scheduler.policy import Scheduler, StepOutput
+from services.scheduler.exchange import StepOutput
+from services.scheduler.policy import Scheduler
+from services.scheduler.stats import scheduler_stats
 from services.tokenizer.outputs import OutputProcessor, TokenTexts
 from shared.text import TextTokenizer
 from shared.messages import (
@@ -82,7 +84,7 @@ class EngineCore:
     def stats(self) -> dict:
         """The scheduler's statistics (``folio scheduler stats`` shows the same), with the prefix
         cache's hit rate over every admitted prompt token."""
-        stats = self.scheduler.stats()
+        stats = scheduler_stats(self.scheduler)
         stats["prefix_cache_hit_rate"] = stats["num_cached_tokens_total"] / max(1, stats["num_prompt_tokens_total"])
         stats["execute_seconds_total"] = self.execute_seconds_total
         return stats
