@@ -69,7 +69,7 @@ class OutputMailbox:
         self.timing = {req_id: ChoiceTiming(arrival=now) for req_id in req_ids}
         self.unfinished = set(req_ids)
         self._pending: dict[int, list[TextDelta]] = {}
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits in ``get``
 
     def put(self, delta: TextDelta) -> None:
         pending = self._pending.get(self.index[delta.req_id])
@@ -81,13 +81,19 @@ class OutputMailbox:
             pending[:] = [merge_all([*pending, delta])]
         if delta.finish_reason is not None:
             self.unfinished.discard(delta.req_id)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> dict[int, TextDelta]:
         """Everything that arrived since the last call, one merged delta per choice (waits while
         nothing did)."""
-        await self._ready.wait()
-        self._ready.clear()
+        if not self._pending:  # a bare future: the reader is woken once per step at most
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         out, self._pending = self._pending, {}
         return {i: merge_all(deltas) for i, deltas in out.items()}
 
