@@ -112,6 +112,11 @@ class RuntimeConfig:
     speculative_disable_by_batch_size: int = flag(0, "propose nothing while this many requests sample in a step "
                                                   "(0: always propose)", ("executor",))
     num_draft_kv_blocks: int | None = None  # the draft model's own pool (default: as many as the target's)
+    tensor_parallel_size: int = flag(1, "split the model over this many devices (CPU: processes sharing the cores)",
+                                     ("executor",), aliases=("-tp",))
+    distributed_executor_backend: str = flag("mp", "how tensor-parallel ranks 1.. start: mp (processes here) or ray "
+                                             "(actors; RAY_ADDRESS: an existing cluster, else a local one)",
+                                             ("executor",), choices=("mp", "ray"))
 
 
 @dataclass(frozen=True)

@@ -544,3 +544,17 @@ class KVSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="kv_snapshot"):
     block_size: int
     block_hashes: list[bytes]
     epoch: str = ""
+
+
+# --------------------------------------------------------------------------- executor's worker group
+
+
+class WorkerStep(msgspec.Struct, frozen=True, kw_only=True, tag="worker_step"):
+    """Rank 0 of a tensor-parallel executor -> every other rank, one broadcast per step (inside
+    the worker group's process group, never on a socket): the plan, and the tokens rank 0
+    appended in the step before (the other ranks do not sample). ``command``: "step", "stats"
+    (each rank reports its device, memory and step times) or "stop"."""
+
+    command: str = "step"
+    plan: StepPlan | None = None
+    appended: list[tuple[str, list[int]]] = []

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from services.executor.model import LlamaForCausalLM, ModelSpec
+from services.executor.parallel import Comm, Shard, check_shardable
 from services.executor.quant_formats import (
     FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, quantize_int4,
     quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,
@@ -184,12 +185,17 @@ def resolve_quantization(requested: str, checkpoint: str, device: torch.device) 
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-               group_size: int = 32) -> LlamaForCausalLM:
+               group_size: int = 32, shard: Shard = Shard(), comm: Comm | None = None) -> LlamaForCausalLM:
     """Build our model from a model folder or a .gguf file, weights in ``dtype`` on ``device``.
 
     ``quantization``: ``auto`` (the checkpoint's own), ``none`` (dense), ``int8``, ``int4`` (group
-    ``group_size``) or ``awq``; the method chosen is ``model.quantization``."""
+    ``group_size``) or ``awq``; the method chosen is ``model.quantization``. With a ``shard`` of
+    more than one rank, only this rank's slices (``sharded_load.py``)."""
     path = Path(path)
+    if shard.size > 1:
+        from services.executor.sharded_load import load_sharded
+
+        return load_sharded(path, dtype, device, quantization, shard, comm)
     config, state, checkpoint_method, quant = read_checkpoint(path)
     method = resolve_quantization(quantization, checkpoint_method, device)
     spec = ModelSpec.from_hf_config(config)

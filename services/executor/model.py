@@ -8,6 +8,10 @@ llama3 included), so ours is the same as the reference implementation's.
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up projections
 are fused into one GEMM each (``loader.py`` concatenates them at load time).
+
+With tensor parallelism (``parallel.Shard``) each rank builds the same modules at its shard's
+sizes: its query and KV heads, its part of the intermediate size and of the vocabulary; ``comm``
+sums the row-parallel outputs and gathers the logits.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from services.executor.attention import AttentionMetadata
 from services.executor.layer_ops import TORCH_LAYER_OPS
+from services.executor.parallel import Comm, Shard
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -100,14 +105,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, shard: Shard = Shard(), comm: Comm | None = None):
         super().__init__()
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        h0, h1 = shard.split(spec.num_heads, "the number of attention heads")
+        kv0, kv1 = shard.kv_heads(spec.num_heads, spec.num_kv_heads)
+        self.num_heads = h1 - h0  # this rank's query heads
+        self.num_kv_heads = kv1 - kv0
         self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_size = self.num_heads * spec.head_dim
+        self.kv_size = self.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
+        self.comm = comm
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
 
@@ -116,27 +124,31 @@ class Attention(nn.Module):
         # rotates q and k, writes k and v into the pool (one fused kernel on the kernel backend)
         q = backend.layer_ops.rope_write_kv(self.qkv_proj(x), self, rope, k_cache, v_cache, meta, backend)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))  # row-parallel: a partial sum
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, shard: Shard = Shard(), comm: Comm | None = None):
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        i0, i1 = shard.split(spec.intermediate_size, "the intermediate size")
+        self.intermediate_size = i1 - i0  # this rank's part
+        self.comm = comm
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops=TORCH_LAYER_OPS) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # row-parallel: a partial sum
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, shard: Shard = Shard(), comm: Comm | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, shard, comm)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, shard, comm)
 
     def forward(self, normed, residual, rope, k_cache, v_cache, meta, backend, next_norm: RMSNorm):
         """``normed`` is this layer's input norm of ``residual``; returns the new residual and its
@@ -180,24 +192,46 @@ def pack_linears_for_cpu(model: "LlamaForCausalLM") -> None:
                 setattr(parent, attr, PackedLinear(getattr(parent, attr)))
     if model.packed_lm_head is not None:
         return
-    head = model.lm_head or nn.Linear(model.spec.hidden_size, model.spec.vocab_size, bias=False, device="meta")
+    rows = model.embed_tokens.weight.shape[0]  # this rank's part of the vocabulary
+    head = model.lm_head or nn.Linear(model.spec.hidden_size, rows, bias=False, device="meta")
     if model.lm_head is None:  # tied: the embedding table stays for lookups, the head gets a packed copy
         head.weight = model.embed_tokens.weight
     model.packed_lm_head = PackedLinear(head)
     model.lm_head = None
 
 
+class VocabEmbedding(nn.Embedding):
+    """The embedding table, or this rank's rows of it: ids outside them look up zeros and the
+    all-reduce adds the rank that holds them (exactly: the other terms are zeros)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard = Shard(), comm: Comm | None = None):
+        self.vocab_start, self.vocab_end, rows = shard.vocab(vocab_size)
+        super().__init__(rows, hidden_size)
+        self.comm = comm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mine, input_ids - self.vocab_start, 0)
+        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.comm.all_reduce(x)
+
+
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (tied to the embeddings or not)."""
 
-    def __init__(self, spec: ModelSpec, hf_config):
+    def __init__(self, spec: ModelSpec, hf_config, shard: Shard = Shard(), comm: Comm | None = None):
         super().__init__()
         self.spec = spec
         self.hf_config = hf_config
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.shard = shard
+        self.comm = comm if shard.size > 1 else None
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, shard, self.comm)
+        self.layers = nn.ModuleList(DecoderLayer(spec, shard, self.comm) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        rows = self.embed_tokens.weight.shape[0]
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, rows, bias=False)
         self.packed_lm_head: nn.Module | None = None  # oneDNN-packed or quantized
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -225,6 +259,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab_size] fp32
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self.packed_lm_head(hidden).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        if self.comm is None:
+            return logits
+        # every rank gets the whole rows (all of them run the same prompt-logprob code); padding goes
+        return self.comm.all_gather_cat(logits)[:, : self.spec.vocab_size]

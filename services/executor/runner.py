@@ -4,9 +4,16 @@ The executor service wraps this behind its socket. The scheduler sends per-step 
 ``StepPlan``: new requests in full, running ones as new block ids and counts); the runner keeps
 what it needs of each request between steps (its tokens, block table, sampling params and seeded
 generator), flattens the step into one varlen batch, runs the model and samples.
+
+With tensor parallelism every rank has a runner over its shard (``workers.py`` drives them):
+rank 0 samples in ``execute`` and notes the tokens it appended; the other ranks ``follow`` the
+same plan, run the same forward pass and logits (the collectives), and append rank 0's tokens
+when the next plan brings them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -17,6 +24,7 @@ from services.executor.input_batch import NO_LOGPROBS, InputBatch, StepInputs
 from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from services.executor.loader import load_model, resolve_dtype
 from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
+from services.executor.parallel import Comm, Shard
 from services.executor.rejection import verify
 from services.executor.sampler import FREQUENCY, PRESENCE, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from services.executor.spec_decode import Proposal, make_proposer
@@ -80,11 +88,15 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, config: RuntimeConfig, model_path: str):
+    def __init__(self, config: RuntimeConfig, model_path: str, shard: Shard = Shard(), comm: Comm | None = None,
+                 device: torch.device | None = None):
+        if shard.size > 1:  # decode graphs would have to capture the collectives: eager steps only
+            config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
-        self.device = resolve_device(config.device)
+        self.shard, self.comm = shard, comm
+        self.device = device if device is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(model_path, self.dtype, self.device, config.quantization)
+        self.model = load_model(model_path, self.dtype, self.device, config.quantization, shard=shard, comm=comm)
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_packing_available():
             pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
@@ -92,7 +104,7 @@ class ModelRunner:
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
-            num_kv_heads=self.spec.num_kv_heads,
+            num_kv_heads=self.model.layers[0].self_attn.num_kv_heads,  # this rank's KV heads
             head_dim=self.spec.head_dim,
             dtype=self.dtype,
         )
@@ -100,7 +112,10 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
-        self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend, self.pool.num_blocks)
+        # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
+        self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend,
+                                      self.pool.num_blocks) if shard.rank == 0 else None
+        self.appended: list[tuple[str, list[int]]] | None = [] if shard.size > 1 else None
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
@@ -112,6 +127,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ pool sizing
     def _decide_num_blocks(self) -> int:
+        """The same block ids on every rank: the smallest pool any rank can hold."""
+        num_blocks = self._local_num_blocks()
+        return num_blocks if self.comm is None else self.comm.all_min(num_blocks)
+
+    def _local_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cpu":
@@ -195,15 +215,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self._update_states(plan)
-        self._copy_blocks(plan)
-        if not plan.num_scheduled_tokens:
+        forward = self._step_forward(plan)
+        if forward is None:
             return StepResult(step_id=plan.step_id)
-        step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids)
-        hidden = self._forward(step)
-        req_ids = list(plan.num_scheduled_tokens)
-        result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
-        self.batch.num_computed[step.rows] += step.counts
+        hidden, step, req_ids, result_prompt_lp = forward
         if not step.samples.any():
             return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_idx))
@@ -220,6 +235,37 @@ class ModelRunner:
             prompt_logprobs=result_prompt_lp,
             spec_token_ids=self._propose([self.requests[r] for r in samplers]) if self.proposer else [],
         )
+
+    def _step_forward(self, plan: StepPlan):
+        """The plan's diffs, copies and forward pass (and prompt logprobs): what every rank runs."""
+        self._update_states(plan)
+        self._copy_blocks(plan)
+        if not plan.num_scheduled_tokens:
+            return None
+        step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids)
+        hidden = self._forward(step)
+        req_ids = list(plan.num_scheduled_tokens)
+        result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
+        self.batch.num_computed[step.rows] += step.counts
+        return hidden, step, req_ids, result_prompt_lp
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan, appended: list[tuple[str, list[int]]]) -> None:
+        """A rank other than 0: rank 0's tokens of the last step, then this step without sampling
+        (the logits are computed all the same: their gather is a collective)."""
+        for req_id, token_ids in appended:
+            state = self.requests.get(req_id)
+            if state is not None:
+                self.batch.append_tokens(state.row, token_ids)
+        forward = self._step_forward(plan)
+        if forward is not None and forward[1].samples.any():
+            hidden, step = forward[0], forward[1]
+            self.model.compute_logits(hidden.index_select(0, step.logits_idx))
+
+    def take_appended(self) -> list[tuple[str, list[int]]]:
+        """Rank 0: the tokens it appended since the last call, for the other ranks."""
+        out, self.appended = self.appended or [], []
+        return out
 
     def _matchers(self, samplers: list[str]) -> bool:
         """Whether some sampler has a grammar; a fresh matcher replays what its request generated."""
@@ -266,6 +312,8 @@ class ModelRunner:
         appends = self.batch.appends[step.sample_rows]
         self._rollback_drafts([samplers[i] for i in plain_pos], plain_tokens, appends)
         self.batch.append_sampled(step.sample_rows[appends], plain_tokens[appends])
+        if self.appended is not None:
+            self.appended.extend((samplers[i], [int(plain_tokens[j])]) for j, i in enumerate(plain_pos) if appends[j])
         if plain.all():
             return [[t] for t in plain_tokens.tolist()], logprobs
         tokens: list[list[int]] = [[] for _ in samplers]
@@ -317,6 +365,8 @@ class ModelRunner:
                 self.proposer.rollback(state.req_id, int(self.batch.num_tokens[state.row]) + len(new) - 1)
                 self.batch.append_tokens(state.row, new)
                 self._record(state, new)
+                if self.appended is not None:
+                    self.appended.append((state.req_id, list(new)))
         return out
 
     def _record(self, state: RequestState, new: list[int]) -> None:
@@ -385,5 +435,25 @@ class ModelRunner:
             "attention_backend": self.backend.name,
             "cuda_graph_buckets": self.graphs.buckets if self.graphs is not None else [],
             "num_graph_replays": self.graphs.num_replays if self.graphs is not None else 0,
+            "tensor_parallel_size": self.shard.size,
             **self.grammars.stats,
         }
+
+    def rank_stats(self) -> dict:
+        """This rank's device and memory: its resident weights and its KV pool."""
+        weights = sum(t.numel() * t.element_size() for t in resident_tensors(self.model))
+        return {"rank": self.shard.rank, "device": str(self.device), "weight_bytes": weights,
+                "kv_pool_bytes": self.pool.num_bytes, "num_kv_heads": self.pool_shape.num_kv_heads}
+
+
+def resident_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every distinct tensor a model keeps (parameters, buffers, packed weights held as plain
+    attributes, the RoPE tables), each counted once."""
+    seen: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for value in vars(mod).values():
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                seen.setdefault(id(value), value)
+        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            seen.setdefault(id(t), t)
+    return list(seen.values())

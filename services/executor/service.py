@@ -7,7 +7,12 @@ Who talks to it:
   fresh epoch, so that the kvmanager drops tables from an earlier executor's pool; then it sends
   the same registration every ``REGISTER_EVERY_S``, so that a restarted kvmanager learns the pool
   (to one that knows it already, it changes nothing);
-- CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend).
+- CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend; with
+  ``--tensor-parallel-size`` > 1 each rank's device, memory and step time, asked between steps).
+
+With ``--tensor-parallel-size N`` > 1 the runner is ``workers.ParallelRunner``: this process is
+rank 0 of N; a dead rank ends this process (exit code 1), so that its supervisor starts a new
+executor under a new epoch and the scheduler recomputes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from services.executor.runner import ModelRunner
+from services.executor.workers import WorkerGroupError
 from shared.config import ExecutorServiceConfig
 from shared.loops import close_sockets, receive_reply, serve_admin, serve_router
 from shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
@@ -35,7 +41,7 @@ REGISTER_EVERY_S = 1.0
 class ExecutorService:
     def __init__(self, config: ExecutorServiceConfig, ctx: zmq.asyncio.Context, runner: ModelRunner | None = None):
         self.config = config
-        self.runner = runner if runner is not None else ModelRunner(config.runtime, config.model_path)
+        self.runner = runner if runner is not None else make_runner(config)
         self.runner.grammars.start_loading()  # the vocabulary for structured output, off the step path
         self.epoch = uuid.uuid4().hex
         ep = config.endpoints
@@ -59,6 +65,8 @@ class ExecutorService:
             )
         finally:
             self.step_thread.shutdown(wait=False)
+            if hasattr(self.runner, "close"):
+                self.runner.close()
             close_sockets(self.recv_from_scheduler, self.send_to_kvmanager, self.recv_from_admin)
 
     async def keep_pool_registered(self) -> None:
@@ -89,6 +97,8 @@ class ExecutorService:
             # router awaits each step, so steps still run one at a time
             result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.execute, plan)
             return msgspec.structs.replace(result, epoch=self.epoch)
+        except WorkerGroupError:
+            raise  # on_failure ends the process: an answer would only say the step went wrong
         except Exception:
             # a plan that does not fit our state: answer anyway (the scheduler fails the requests
             # that got no token) rather than leave it waiting forever
@@ -97,6 +107,22 @@ class ExecutorService:
         finally:
             self.execute_seconds_total += time.perf_counter() - t0
 
-    def admin_stats(self, args: dict) -> dict:
-        return {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps,
-                "execute_seconds_total": self.execute_seconds_total}
+    async def admin_stats(self, args: dict) -> dict:
+        stats = {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps,
+                 "execute_seconds_total": self.execute_seconds_total}
+        if hasattr(self.runner, "rank_reports"):  # a collective: on the step thread, between steps
+            loop = asyncio.get_running_loop()
+            stats["ranks"] = await loop.run_in_executor(self.step_thread, self.runner.rank_reports)
+        return stats
+
+
+def make_runner(config: ExecutorServiceConfig):
+    """One ``ModelRunner``, or rank 0 of a tensor-parallel worker group."""
+    size = config.runtime.tensor_parallel_size
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size must be 1 or more, got {size}")
+    if size == 1:
+        return ModelRunner(config.runtime, config.model_path)
+    from services.executor.workers import ParallelRunner
+
+    return ParallelRunner(config.runtime, config.model_path)
