@@ -103,5 +103,13 @@ def test_a_dead_rank_restarts_the_executor(tp_server):
     client = openai.OpenAI(base_url=tp_server.base_url, api_key="unused", max_retries=0, timeout=120)
     tp_server.wait_for(lambda: tp_server.admin("scheduler", "stats").get("pool_ready", True), timeout_s=60,
                        what="the new pool")
-    completion = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0)
+
+    def served():  # the gateway says 503 "retry later" until its probes have seen the new executor
+        try:
+            return client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0)
+        except openai.InternalServerError as exc:
+            assert exc.status_code == 503, exc
+            return None
+
+    completion = tp_server.wait_for(served, timeout_s=60, what="the gateway to serve again")
     assert completion.usage.completion_tokens == 4
