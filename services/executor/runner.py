@@ -438,22 +438,3 @@ class ModelRunner:
             "tensor_parallel_size": self.shard.size,
             **self.grammars.stats,
         }
-
-    def rank_stats(self) -> dict:
-        """This rank's device and memory: its resident weights and its KV pool."""
-        weights = sum(t.numel() * t.element_size() for t in resident_tensors(self.model))
-        return {"rank": self.shard.rank, "device": str(self.device), "weight_bytes": weights,
-                "kv_pool_bytes": self.pool.num_bytes, "num_kv_heads": self.pool_shape.num_kv_heads}
-
-
-def resident_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every distinct tensor a model keeps (parameters, buffers, packed weights held as plain
-    attributes, the RoPE tables), each counted once."""
-    seen: dict[int, torch.Tensor] = {}
-    for mod in module.modules():
-        for value in vars(mod).values():
-            if isinstance(value, torch.Tensor) and value.device.type != "meta":
-                seen.setdefault(id(value), value)
-        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
-            seen.setdefault(id(t), t)
-    return list(seen.values())

@@ -66,11 +66,28 @@ class StepTimer:
         self.last_seconds = seconds
 
 
+def resident_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every distinct tensor a model keeps (parameters, buffers, packed weights held as plain
+    attributes, the RoPE tables), each counted once."""
+    seen: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for value in vars(mod).values():
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                seen.setdefault(id(value), value)
+        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
 def rank_report(runner: ModelRunner, timer: StepTimer) -> dict:
-    """One rank's row of ``folio executor stats``."""
+    """One rank's row of ``folio executor stats``: its device, resident weights, KV pool, process
+    memory (bytes allocated on a GPU) and step times."""
     device = runner.device
     memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else psutil.Process().memory_info().rss
-    return {**runner.rank_stats(), "host": socket.gethostname(), "memory_bytes": memory,
+    weights = sum(t.numel() * t.element_size() for t in resident_tensors(runner.model))
+    return {"rank": runner.shard.rank, "device": str(device), "weight_bytes": weights,
+            "kv_pool_bytes": runner.pool.num_bytes, "num_kv_heads": runner.pool_shape.num_kv_heads,
+            "host": socket.gethostname(), "memory_bytes": memory,
             "num_threads": torch.get_num_threads(), "num_steps": timer.num_steps,
             "step_seconds_total": round(timer.seconds_total, 6), "last_step_ms": round(timer.last_seconds * 1e3, 3)}
 
@@ -146,9 +163,14 @@ class MpWorkers:
     def stop(self, timeout_s: float) -> None:
         for proc in self.procs:
             proc.join(timeout_s)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """End the ranks now."""
+        for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
-                proc.join(timeout_s)
+                proc.join(5.0)
 
 
 class RayWorkers:
@@ -162,7 +184,8 @@ class RayWorkers:
 
         from services.executor.ray_worker import RayWorker
 
-        if not ray.is_initialized():
+        self.started_cluster = not ray.is_initialized()  # a local one, which must end with us
+        if self.started_cluster:
             ray.init(ignore_reinit_error=True, log_to_driver=False)
         self.ray = ray
         gpu = resolve_device(config.device).type == "cuda"
@@ -193,12 +216,18 @@ class RayWorkers:
         return f"rank {self.refs.index(ready[0]) + 1} returned"
 
     def stop(self, timeout_s: float) -> None:
+        self.ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """End the actors now (and the local cluster this process started)."""
         from ray.util.placement_group import remove_placement_group
 
-        self.ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
         for actor in self.actors:
             self.ray.kill(actor)
         remove_placement_group(self.group)
+        if self.started_cluster:
+            self.ray.shutdown()
 
 
 # --------------------------------------------------------------------------- rank 0
@@ -250,6 +279,10 @@ class ParallelRunner:
     def _fail(self, reason: str) -> None:
         if self.failed is None:
             self.failed = reason
+            try:  # the ranks left would wait in a collective forever
+                self.workers.abandon()
+            except Exception as exc:
+                log.warning("ending the other ranks failed", error=str(exc))
             self.on_failure(reason)
 
     def _broadcast(self, message: WorkerStep) -> None:
@@ -282,11 +315,12 @@ class ParallelRunner:
         if self.closing:
             return
         self.closing = True
-        if self.failed is None:
-            try:
-                self.comm.broadcast_bytes(self.encoder.encode(WorkerStep(command="stop")))
-            except RuntimeError:
-                pass
+        if self.failed is not None:
+            return  # the ranks were ended when the group failed
+        try:
+            self.comm.broadcast_bytes(self.encoder.encode(WorkerStep(command="stop")))
+        except RuntimeError:
+            pass
         self.workers.stop(timeout_s)
 
 

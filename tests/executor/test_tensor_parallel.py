@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from services.executor.parallel import Shard
-from services.executor.runner import ModelRunner, resident_tensors
-from services.executor.workers import ParallelRunner
+from services.executor.runner import ModelRunner
+from services.executor.workers import ParallelRunner, resident_tensors
 from shared.config import RuntimeConfig
 from shared.messages import BeamSearchParams
 from tests.conftest import write_tiny_model
