@@ -92,8 +92,10 @@ def ms(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------- in-process baselines
-def run_in_process(path: str, jobs: list[Job], num_kv_blocks: int, max_num_batched_tokens: int) -> float:
-    llm = LLM(path, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens)
+def run_in_process(path: str, jobs: list[Job], args) -> float:
+    """``folio.LLM`` with the throughput server's flags (``common_flags``)."""
+    llm = LLM(path, num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=max(256, args.num_requests), max_model_len=args.max_model_len)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in jobs]
     llm.generate({"prompt_token_ids": jobs[0][0]}, params[0], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -235,7 +237,7 @@ def section_throughput(args, path: str, jobs: list[Job], warmup: list[int], pad_
           f"{args.hf_batch_size}")
     out_tokens = sum(n for _, n in jobs)
     hf_s = run_hf_static(path, jobs, args.hf_batch_size, pad_id)
-    local_s = run_in_process(path, jobs, args.num_kv_blocks, args.max_num_batched_tokens)
+    local_s = run_in_process(path, jobs, args)
     server = servers.get(*common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens))
     served_s, results = asyncio.run(run_served(server.base_url, jobs, warmup))
 
