@@ -39,6 +39,9 @@ def engine_configs(model: str, options: dict) -> tuple[RuntimeConfig, dict]:
         raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(_ENGINE_ARGS))}")
     options = {_ALIASES.get(k, k): v for k, v in options.items()}
     runtime = RuntimeConfig(model=model, **{k: v for k, v in options.items() if k in _RUNTIME_ARGS})
+    if getattr(runtime, "tensor_parallel_size", 1) != 1:
+        raise ValueError("the offline API runs the model in this one process: tensor_parallel_size must be 1 "
+                         "(folio serve -tp N splits it over N processes)")
     core = {k: v for k, v in options.items() if k in _SCHEDULER_ARGS or k == "enable_prefix_caching"}
     core["max_num_seqs"], core["max_num_batched_tokens"] = runtime.max_num_seqs, runtime.max_num_batched_tokens
     return runtime, core

@@ -161,6 +161,8 @@ def test_bad_input_raises_and_the_engine_goes_on(llm):
         SamplingParams(n=3, best_of=2)
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM("unused", no_such_flag=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        LLM("unused", tensor_parallel_size=2)
     (out,) = llm.generate("fine", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
     stats = llm.stats()
