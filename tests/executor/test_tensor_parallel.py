@@ -4,7 +4,7 @@ Two tiny random models: a Llama whose heads, KV heads and intermediate size divi
 odd vocabulary, so the last rank's vocabulary rows are padded), and a Qwen2 (q/k/v biases) with
 one KV head, which both ranks must hold, and tied embeddings. Every check compares a TP=2 group
 with a TP=1 runner on the same requests, stepped by the real scheduler and allocator
-(``LocalEngine``): greedy and seeded outputs token for token, prompt logprobs, beams and
+(``LocalEngine``): greedy and seeded outputs token for token, prompt logprobs, beams, swapping and
 speculative decoding; then each rank's resident weights against the whole model's.
 """
 
@@ -65,7 +65,7 @@ def even_group(even_model):
 
 @pytest.fixture(scope="module")
 def mqa_group(mqa_model):
-    group = Group(mqa_model)
+    group = Group(mqa_model, num_host_blocks=64)
     yield group
     group.close()
     assert not group.failures
@@ -135,6 +135,27 @@ def test_speculative_decoding_is_unchanged(even_model, even_group):
     plain = outputs(ModelRunner(config(even_model), even_model), reqs)
     assert {k: v for k, v in ours.items() if k.startswith("g")} == {k: v for k, v in plain.items() if k.startswith("g")}
     assert even_group.runner.runner.proposer is not None
+
+
+def test_swapping_acts_on_every_ranks_pool(mqa_model, mqa_group):
+    """More than the pool holds (96 blocks of 4 tokens), preempted by swapping to each rank's host
+    tier and back: the same tokens as one rank."""
+    import random
+
+    rng = random.Random(3)
+    reqs = [engine_request(f"w{i}", [rng.randrange(1, 128) for _ in range(rng.randint(10, 30))], 24,
+                           ignore_eos=True, **({} if i % 2 else dict(temperature=0.8, seed=i)))
+            for i in range(12)]
+
+    def run(runner):
+        engine = LocalEngine(runner, max_num_batched_tokens=32, preemption_mode="swap")
+        for r in reqs:
+            engine.add(r)
+        return {k: v.token_ids for k, v in engine.run().items()}, engine.sched.counters["num_swap_outs"]
+
+    ours, num_swap_outs = run(mqa_group.runner)
+    assert num_swap_outs > 0
+    assert ours == run(ModelRunner(config(mqa_model, num_host_blocks=64), mqa_model))[0]
 
 
 def _weight_bytes(tensors) -> int:
