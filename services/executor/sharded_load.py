@@ -2,10 +2,8 @@
 
 From a safetensors folder each rank reads only its slices: ``safe_open(...).get_slice(name)``
 memory-maps the file and copies only the rows or columns asked for, so no rank ever holds the
-whole model. A GGUF file is dequantized whole by ``transformers`` and then sliced: its blocks
-quantize runs of 32 or more values along a row and ``transformers`` offers no partial read, so a
-rank holds the whole dense model while it loads (then frees it); prepare a folder first (the
-default model is one) to avoid that peak.
+whole model. A GGUF file is read the same way (``gguf_slices.py``): each rank takes its slice of
+the quantized blocks from the memory-mapped file and dequantizes only that.
 
 Quantized weights are not sharded yet: ``--quantization auto`` serves the dense weights (a
 prepared folder holds them), any other method than ``none`` is refused with a message.
@@ -19,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from services.executor.loader import load_gguf_state, load_hf_config
+from services.executor.gguf_slices import GGUFSlices
+from services.executor.loader import load_hf_config
 from services.executor.model import LlamaForCausalLM, ModelSpec
 from services.executor.parallel import Comm, Shard, check_shardable
 from services.executor.quant_formats import folder_quant_config
@@ -82,19 +81,6 @@ class SafetensorsSlices:
         return piece[start:end] if dim == 0 else piece[:, start:end]
 
 
-class StateSlices:
-    """The same reads from a state dict already in memory (a dequantized GGUF)."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        self.state = state
-
-    def read(self, name: str, dim: int | None, start: int, end: int) -> torch.Tensor:
-        if name not in self.state:
-            raise KeyError(f"checkpoint lacks {name}")
-        t = self.state[name]
-        return t if dim is None else t.narrow(dim, start, end - start).clone()
-
-
 def _check_quantization(quantization: str, path: Path) -> None:
     if quantization not in ("auto", "none"):
         raise ValueError(f"--quantization {quantization} does not shard yet: with --tensor-parallel-size > 1 "
@@ -111,8 +97,10 @@ def load_sharded(path: Path, dtype: torch.dtype, device: torch.device, quantizat
     _check_quantization(quantization, path)
     with ExitStack() as stack:
         if path.suffix == ".gguf":
-            config, state = load_gguf_state(path)
-            reader = StateSlices(state)
+            config = load_hf_config(path)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            reader = GGUFSlices(path, config)
         else:
             config = load_hf_config(path)
             if hasattr(config, "quantization_config"):
