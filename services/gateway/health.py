@@ -38,6 +38,7 @@ AskAdmin = Callable[[str, str, float], Awaitable[dict | None]]
 @dataclass
 class ServiceHealth:
     last_ok: float | None = None  # monotonic time of the last answer
+    failing: bool = False  # the latest ping went unanswered (or was refused)
     instance: str | None = None
     stall_reported: bool = False
 
@@ -69,8 +70,9 @@ class HealthMonitor:
             instance = reply.get("instance")
             if state.instance is not None and instance != state.instance and name in STATEFUL:
                 self.on_lost(name, "restarted")
-            state.last_ok, state.instance, state.stall_reported = now, instance, False
+            state.last_ok, state.instance, state.stall_reported, state.failing = now, instance, False, False
             return
+        state.failing = True
         silent = now - state.last_ok if state.last_ok is not None else 0.0
         if name in STATEFUL and silent > STALL_S and not state.stall_reported:
             state.stall_reported = True
@@ -81,12 +83,15 @@ class HealthMonitor:
         late (a tokenizer detokenizing a large step). Restarts are still told by the pings."""
         state = self.states.get(name)
         if state is not None and state.last_ok is not None:
-            state.last_ok = max(state.last_ok, now)
+            state.last_ok, state.failing = max(state.last_ok, now), False
 
     def down(self, now: float | None = None) -> list[str]:
-        """The services that did not answer within ``DOWN_AFTER_S`` (or never did)."""
+        """The services that never answered, or whose latest ping failed and that have not
+        answered for ``DOWN_AFTER_S``. Silence alone is not enough: when the gateway's own loop
+        was blocked, nobody asked, and the services are not to blame."""
         now = time.monotonic() if now is None else now
-        return [name for name, s in self.states.items() if s.last_ok is None or now - s.last_ok > DOWN_AFTER_S]
+        return [name for name, s in self.states.items()
+                if s.last_ok is None or (s.failing and now - s.last_ok > DOWN_AFTER_S)]
 
     def report(self) -> dict:
         now = time.monotonic()
