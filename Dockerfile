@@ -20,6 +20,7 @@ WORKDIR /app
 # torch first, from its own index: the largest layer, rebuilt only when the version changes
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY pyproject.toml ./
+COPY folio ./folio
 COPY shared ./shared
 COPY services ./services
 COPY cuda ./cuda

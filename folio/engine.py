@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import time
 
-from services.executor.runner import ModelRunner
-from services.scheduler.exchange import StepOutput
-from services.scheduler.policy import Scheduler
-from services.scheduler.stats import scheduler_stats
-from services.tokenizer.outputs import OutputProcessor, TokenTexts
-from shared.text import TextTokenizer
-from shared.messages import (
+from folio.services.executor.runner import ModelRunner
+from folio.services.scheduler.exchange import StepOutput
+from folio.services.scheduler.policy import Scheduler
+from folio.services.scheduler.stats import scheduler_stats
+from folio.services.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
     PoolInfo,
@@ -32,6 +31,7 @@ from shared.messages import (
     TokenBatch,
     TokenDelta,
 )
+from folio.shared.text import TextTokenizer
 
 
 class EngineCore:

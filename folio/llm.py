@@ -22,7 +22,7 @@ import msgspec
 from folio.engine import EngineCore, LLMEngine
 from folio.outputs import RequestBuilder, RequestOutput
 from folio.sampling_params import SamplingParams
-from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
 
 # engine arguments: the config fields ``folio serve``'s flags set, by the flag's name with underscores
 _RUNTIME_ARGS = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"model"}
@@ -53,9 +53,9 @@ class LLM:
     ``preemption_mode``, ...)."""
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
-        from shared.models import resolve_model
-        from services.executor.runner import ModelRunner
-        from shared.text import TextTokenizer
+        from folio.shared.models import resolve_model
+        from folio.services.executor.runner import ModelRunner
+        from folio.shared.text import TextTokenizer
 
         runtime, core_args = engine_configs(model, engine_args)
         model_path = str(resolve_model(model))
@@ -113,7 +113,7 @@ class LLM:
 
     def _add_all(self, prompts: list[dict], params: list[SamplingParams]) -> list[RequestBuilder]:
         """Queue every prompt; a prompt that cannot run raises ValueError and queues nothing."""
-        from shared.text import RequestError
+        from folio.shared.text import RequestError
 
         builders: list[RequestBuilder] = []
         for i, (fields, sp) in enumerate(zip(prompts, params)):
@@ -175,8 +175,8 @@ def _prompt_fields(prompt) -> dict:
 
 def _chat_messages(conversation: list[dict]) -> list:
     """OpenAI-style message dicts, checked and read as the gateway reads them."""
-    from services.gateway.convert import chat_message
-    from services.gateway.protocol import ChatMessageIn
+    from folio.services.gateway.convert import chat_message
+    from folio.services.gateway.protocol import ChatMessageIn
 
     try:
         return [chat_message(m) for m in msgspec.convert(conversation, list[ChatMessageIn])]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import TextDelta, TextLogprob
+from folio.shared.messages import TextDelta, TextLogprob
 
 
 @dataclass

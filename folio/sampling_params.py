@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared import messages
+from folio.shared import messages
 
 
 @dataclass(frozen=True)

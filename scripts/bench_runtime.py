@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from folio.engine import generate  # noqa: E402
-from services.executor.runner import ModelRunner  # noqa: E402
-from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
-from shared.messages import SamplingParams  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
+from folio.shared.messages import SamplingParams  # noqa: E402
+from folio.shared.models import resolve_model  # noqa: E402
 
 WORDS = "the a river mountain city code model light quiet storm paper engine story garden".split()
 

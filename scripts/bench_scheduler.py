@@ -37,8 +37,8 @@ import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
 from scripts.cpu_meter import CpuMeter  # noqa: E402
-from shared.config import Endpoints  # noqa: E402
-from shared.messages import (  # noqa: E402
+from folio.shared.config import Endpoints  # noqa: E402
+from folio.shared.messages import (  # noqa: E402
     AdminReply,
     AdminRequest,
     EngineRequest,
@@ -49,7 +49,7 @@ from shared.messages import (  # noqa: E402
     StepResult,
     TokenBatch,
 )
-from shared.transport import Decoder, encode, make_socket  # noqa: E402
+from folio.shared.transport import Decoder, encode, make_socket  # noqa: E402
 
 EPOCH = "bench"
 
@@ -159,7 +159,7 @@ async def run(args, ep: Endpoints) -> None:
 
 
 def in_process(args) -> None:
-    from services.scheduler.policy import Scheduler
+    from folio.services.scheduler.policy import Scheduler
 
     sched = Scheduler(args.num_requests, 8192)
     sched.set_pool(PoolInfo(num_blocks=args.num_requests * 64, block_size=args.block_size, bytes_per_block=1,
@@ -206,7 +206,7 @@ def main() -> None:
     root = Path(__file__).resolve().parents[1]
     scheduler_flags = ["--max-num-seqs", str(args.num_requests), "--max-num-batched-tokens", "8192",
                        *args.scheduler_args.split()]
-    procs = [subprocess.Popen([sys.executable, "-m", f"services.{name}.main", "--log-level", "warning", *flags],
+    procs = [subprocess.Popen([sys.executable, "-m", f"folio.services.{name}.main", "--log-level", "warning", *flags],
                               cwd=root, env=env)
              for name, flags in (("kvmanager", []), ("scheduler", scheduler_flags))]
     try:

@@ -10,7 +10,7 @@ the ratio, and the mean accepted length (tokens per verification: accepted draft
 - n-gram prompt lookup on a repetitive workload: copy or extract from a long document given in
   the prompt, where the output repeats the input;
 - a draft model: SmolLM2's own first ``--draft-layers`` layers with its embeddings and head
-  (``shared.models.truncate_layers``; an early-exit draft, not one trained for the job), on the same
+  (``folio.shared.models.truncate_layers``; an early-exit draft, not one trained for the job), on the same
   workload;
 - the target as its own draft ("self"): every draft is accepted, so it shows the ceiling of the
   accepted length and what drafting at the target's cost does to the speed.
@@ -28,10 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from folio.engine import EngineCore  # noqa: E402
-from services.executor.runner import ModelRunner  # noqa: E402
-from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir  # noqa: E402
-from shared.messages import EngineRequest, SamplingParams  # noqa: E402
-from shared.models import resolve_model, truncate_layers  # noqa: E402
+from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir  # noqa: E402
+from folio.shared.messages import EngineRequest, SamplingParams  # noqa: E402
+from folio.shared.models import resolve_model, truncate_layers  # noqa: E402
 
 DOCUMENT = (
     "The harbor town of Westmere keeps three lighthouses. The north light was built in 1821 from grey "

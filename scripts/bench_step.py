@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.executor.runner import ModelRunner  # noqa: E402
-from shared.config import RuntimeConfig  # noqa: E402
-from shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan  # noqa: E402
+from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.shared.config import RuntimeConfig  # noqa: E402
+from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
@@ -152,7 +152,7 @@ def run_null(args) -> float:
 
 def run_smollm(args) -> None:
     """SmolLM2-135M-Instruct on the CPU at batch 64: decode steps greedy and sampled."""
-    from shared.models import prepare_default_model
+    from folio.shared.models import prepare_default_model
 
     config = RuntimeConfig(device="cpu", num_kv_blocks=64 * 8, max_num_seqs=64, block_size=BLOCK_SIZE,
                            quantization=args.smollm_quantization)

@@ -39,10 +39,10 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
-from shared.config import DEFAULT_MODEL_NAME, Endpoints  # noqa: E402
-from shared.loops import QUIET, serve_admin  # noqa: E402
-from shared.messages import AbortRequest, EngineRequest, TokenBatch, TokenDelta  # noqa: E402
-from shared.transport import Decoder, encode, make_socket  # noqa: E402
+from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints  # noqa: E402
+from folio.shared.loops import QUIET, serve_admin  # noqa: E402
+from folio.shared.messages import AbortRequest, EngineRequest, TokenBatch, TokenDelta  # noqa: E402
+from folio.shared.transport import Decoder, encode, make_socket  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # what every stream says, over and over: accents, CJK and an emoji split over several tokens
@@ -137,7 +137,7 @@ class Services:
             # with a profile folder, each service runs under cProfile (written when it stops)
             profile = ["-m", "cProfile", "-o", f"{profile_dir}/{name}.prof"] if profile_dir else []
             self.procs[name] = subprocess.Popen(
-                [sys.executable, *profile, "-m", "services.cli", "run", name, *common, *extra], cwd=ROOT, env=env)
+                [sys.executable, *profile, "-m", "folio.services.cli", "run", name, *common, *extra], cwd=ROOT, env=env)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until the gateway's /ready says every service answers (the backend must be running)."""
@@ -302,8 +302,8 @@ def _client_main(args) -> int:
 async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float, timeout_s: float = 300.0,
                     profile_dir: str | None = None) -> dict:
     """Start the services and the backend, run the clients' process, return what happened."""
-    from shared.models import resolve_model
-    from shared.text import TextTokenizer
+    from folio.shared.models import resolve_model
+    from folio.shared.text import TextTokenizer
 
     tokenizer = TextTokenizer(resolve_model(model))
     token_ids = tokenizer.hf.encode(SCRIPT_TEXT, add_special_tokens=False)

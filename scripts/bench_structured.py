@@ -25,12 +25,12 @@ import torch  # noqa: E402
 
 from scripts.bench_serving import CpuMeter  # noqa: E402
 from folio.engine import generate  # noqa: E402
-from services.executor.runner import ModelRunner  # noqa: E402
-from services.executor.structured import apply_grammar_masks  # noqa: E402
-from shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
-from shared.grammar import check_spec  # noqa: E402
-from shared.messages import GuidedSpec, SamplingParams  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.services.executor.structured import apply_grammar_masks  # noqa: E402
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
+from folio.shared.grammar import check_spec  # noqa: E402
+from folio.shared.messages import GuidedSpec, SamplingParams  # noqa: E402
+from folio.shared.models import resolve_model  # noqa: E402
 
 # long enough that no row completes its structure within the measured tokens
 SCHEMA = {"type": "object", "properties": {

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.executor.attention import AttentionMetadata  # noqa: E402
-from services.executor.loader import load_model  # noqa: E402
-from shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from folio.services.executor.attention import AttentionMetadata  # noqa: E402
+from folio.services.executor.loader import load_model  # noqa: E402
+from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
+from folio.shared.models import resolve_model  # noqa: E402
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration
 TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.98), "awq": (0.05, 0.90), "int4-g": (None, None)}
@@ -54,9 +54,9 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
     if cache.exists():
         return json.loads(cache.read_text())
     from folio.engine import generate
-    from services.executor.runner import ModelRunner
-    from shared.config import RuntimeConfig
-    from shared.messages import SamplingParams
+    from folio.services.executor.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import SamplingParams
 
     num_seqs = len(PROMPTS)
     new = math.ceil(num_tokens / num_seqs)
@@ -82,7 +82,7 @@ def log_probs(model, seq: list[int], block_size: int = 16) -> torch.Tensor:
     dtype = model.embed_tokens.weight.dtype
     kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)]
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], None, block_size)
-    from services.executor.attention import TorchAttentionBackend
+    from folio.services.executor.attention import TorchAttentionBackend
 
     hidden = model(torch.tensor(seq), meta.positions, kv, meta, TorchAttentionBackend())
     return model.compute_logits(hidden[:-1]).log_softmax(-1)

@@ -21,9 +21,9 @@ import importlib
 import json
 import sys
 
-from shared import loops
-from shared.config import Endpoints, default_run_dir
-from shared.messages import AdminReply
+from folio.shared import loops
+from folio.shared.config import Endpoints, default_run_dir
+from folio.shared.messages import AdminReply
 
 RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
 # admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
@@ -39,7 +39,7 @@ _NEEDS_REQ_ID = {"seq", "abort"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.serve import add_serve_args
+    from folio.services.serve import add_serve_args
 
     parser = argparse.ArgumentParser(prog="folio", description="serve LLMs with a paged KV cache and continuous batching")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,18 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) >= 2 and argv[0] == "run" and argv[1] in RUNNABLE:
         return run_service(argv[1], argv[2:])
     if argv and argv[0] == "quantize":  # its own parser, as for run
-        from services.executor.quantize import main as quantize_main
+        from folio.services.executor.quantize import main as quantize_main
 
         return quantize_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from services.serve import serve
+        from folio.services.serve import serve
 
         return serve(args)
     if args.command == "run":
         parser.error(f"run needs a service: {', '.join(RUNNABLE)}")
     if args.command == "prepare":
-        from shared.models import main as prepare_main
+        from folio.shared.models import main as prepare_main
 
         return prepare_main(["--force"] if args.force else [])
     if args.command == "health":
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_service(name: str, argv: list[str]) -> int:
-    module = importlib.import_module(f"services.{name}.main")
+    module = importlib.import_module(f"folio.services.{name}.main")
     return module.main(argv) or 0
 
 

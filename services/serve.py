@@ -24,9 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from shared.config import LAUNCHED, Endpoints, default_run_dir
-from shared.flags import add_launcher_flags, forwarded_argv
-from shared.loops import admin_call
+from folio.shared.config import LAUNCHED, Endpoints, default_run_dir
+from folio.shared.flags import add_launcher_flags, forwarded_argv
+from folio.shared.loops import admin_call
 
 SERVICES = LAUNCHED  # start order
 LOCK_NAME = "serve.lock"
@@ -73,8 +73,8 @@ def _die_with_parent() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from shared.models import resolve_model
-    from services.supervise import Supervisor
+    from folio.shared.models import resolve_model
+    from folio.services.supervise import Supervisor
 
     try:
         model_path = str(resolve_model(args.model))
@@ -94,7 +94,7 @@ def serve(args: argparse.Namespace) -> int:
         env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir), **kv_events_env(args)}
         if args.api_key:
             env["FOLIO_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
-        commands = {name: [sys.executable, "-m", "services.cli", "run", name, *service_argv(name, args, model_path)]
+        commands = {name: [sys.executable, "-m", "folio.services.cli", "run", name, *service_argv(name, args, model_path)]
                     for name in SERVICES}
         supervisor = Supervisor(commands, env, restart=not args.no_restart, max_restarts=args.max_restarts,
                                 preexec_fn=_die_with_parent)

@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 from functools import cache
 
-from shared.config import (
+from folio.shared.config import (
     LAUNCHED,
     Flag,
     GatewayConfig,

@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from shared.messages import Grammar, GuidedSpec
+from folio.shared.messages import Grammar, GuidedSpec
 
 MAX_CACHED_GRAMMARS = 256
 

@@ -22,8 +22,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from shared.messages import AdminReply, AdminRequest
-from shared.transport import Decoder, MalformedMessage, encode, make_socket
+from folio.shared.messages import AdminReply, AdminRequest
+from folio.shared.transport import Decoder, MalformedMessage, encode, make_socket
 
 # A ROUTER handler gets the decoded message and the sender's envelope (routing frames); it returns
 # the reply to send, or None when there is none (yet: a deferred reply keeps the envelope).

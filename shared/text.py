@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.messages import (
+from folio.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     GenerateRequest,

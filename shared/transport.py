@@ -1,7 +1,7 @@
 """Sockets and the codec: one factory decides bind/connect, high-water marks and linger.
 
 Every service builds its sockets here (``make_socket``) on a ``zmq.asyncio.Context`` and sends
-and receives messages of ``shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
+and receives messages of ``folio.shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
 by the pattern: a PULL that many push into binds; a ROUTER binds; a PUB binds; the rest connect.
 """
 

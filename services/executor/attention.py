@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from services.executor.layer_ops import TORCH_LAYER_OPS
+from folio.services.executor.layer_ops import TORCH_LAYER_OPS
 
 SHORT_CHUNK_ROWS = 16  # chunks this short (verification: k + 1 tokens) attend row by row, as decodes
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.executor.quant_formats import Int4Weight, check_group_size, quantize_int4
+from folio.services.executor.quant_formats import Int4Weight, check_group_size, quantize_int4
 
 NUM_ALPHAS = 20
 CLIP_RATIOS = [1.0 - 0.025 * i for i in range(21)]  # 1.0 down to 0.5
@@ -67,7 +67,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tens
 
 def _capture_inputs(model, seqs: list[list[int]]) -> dict[str, list[torch.Tensor]]:
     """Every projection's input rows over the calibration sequences (forward pre-hooks)."""
-    from services.executor.attention import AttentionMetadata, TorchAttentionBackend
+    from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
 
     captured: dict[str, list[torch.Tensor]] = {}
     hooks = []

@@ -13,8 +13,8 @@ from __future__ import annotations
 import cupy  # noqa: F401  (the optional dependency: ImportError here means "use torch")
 import torch
 
-from services.executor import cuda_kernels as ck
-from services.executor.kernel_backend import KernelAttentionBackend, make_host_pool
+from folio.services.executor import cuda_kernels as ck
+from folio.services.executor.kernel_backend import KernelAttentionBackend, make_host_pool
 
 __all__ = ["CudaAttentionBackend", "CupyLauncher", "make_host_pool"]
 

@@ -23,10 +23,10 @@ import bisect
 
 import torch
 
-from services.executor.attention import AttentionMetadata
-from services.executor.cuda_kernels import DECODE_MAX_GROUP
-from services.executor.input_batch import StepInputs
-from services.executor.kernel_backend import KernelAttentionBackend
+from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.cuda_kernels import DECODE_MAX_GROUP
+from folio.services.executor.input_batch import StepInputs
+from folio.services.executor.kernel_backend import KernelAttentionBackend
 
 MAX_GRAPH_BATCH = 256
 

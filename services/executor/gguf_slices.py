@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.executor.quant_formats import GGUF_LINEARS
+from folio.services.executor.quant_formats import GGUF_LINEARS
 
 _NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.executor.attention import AttentionMetadata
-from services.executor.penalties import PenaltyState, has_penalties
-from services.executor.sampler import NUM_PARAMS, make_generator, param_row, position_seed
+from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.penalties import PenaltyState, has_penalties
+from folio.services.executor.sampler import NUM_PARAMS, make_generator, param_row, position_seed
 
 NO_LOGPROBS = -1
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.executor import cuda_kernels as ck
-from services.executor.attention import AttentionMetadata
-from services.executor.layer_ops import KernelLayerOps
-from services.executor.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
+from folio.services.executor import cuda_kernels as ck
+from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
+from folio.services.executor.layer_ops import KernelLayerOps
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.executor import cuda_kernels as ck
-from services.executor.attention import AttentionMetadata
+from folio.services.executor import cuda_kernels as ck
+from folio.services.executor.attention import AttentionMetadata
 
 MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.executor import cuda_kernels as ck
+from folio.services.executor import cuda_kernels as ck
 
 
 def _ptr(tensor: torch.Tensor) -> np.uint64:

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from services.executor.model import LlamaForCausalLM, ModelSpec
-from services.executor.parallel import Comm, Shard, check_shardable
-from services.executor.quant_formats import (
+from folio.services.executor.model import LlamaForCausalLM, ModelSpec
+from folio.services.executor.parallel import Comm, Shard, check_shardable
+from folio.services.executor.quant_formats import (
     FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, quantize_int4,
     quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,
 )
-from services.executor.quant_linear import quantize_model
-from shared.models import load_gguf_state
+from folio.services.executor.quant_linear import quantize_model
+from folio.shared.models import load_gguf_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -129,7 +129,7 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
 
 def prepared_source(folder: Path) -> Path | None:
     """The GGUF a prepared folder was dequantized from, when it is still there."""
-    from shared.models import MARKER, default_model_dir, packaged_gguf
+    from folio.shared.models import MARKER, default_model_dir, packaged_gguf
 
     marker = folder / MARKER
     if not marker.exists():
@@ -193,7 +193,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     more than one rank, only this rank's slices (``sharded_load.py``)."""
     path = Path(path)
     if shard.size > 1:
-        from services.executor.sharded_load import load_sharded
+        from folio.services.executor.sharded_load import load_sharded
 
         return load_sharded(path, dtype, device, quantization, shard, comm)
     config, state, checkpoint_method, quant = read_checkpoint(path)

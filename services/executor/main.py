@@ -8,14 +8,14 @@ import sys
 
 import zmq.asyncio
 
-from shared.config import Endpoints, ExecutorServiceConfig, RuntimeConfig
-from shared.flags import config_values, service_parser
-from shared.logs import setup_logging
-from shared.loops import run_until_signal
+from folio.shared.config import Endpoints, ExecutorServiceConfig, RuntimeConfig
+from folio.shared.flags import config_values, service_parser
+from folio.shared.logs import setup_logging
+from folio.shared.loops import run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argparse.Namespace]:
-    from shared.models import resolve_model
+    from folio.shared.models import resolve_model
 
     args = service_parser("executor", "the model runtime service").parse_args(argv)
     runtime = RuntimeConfig(**config_values(RuntimeConfig, args, "executor"))
@@ -26,7 +26,7 @@ def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argpars
 
 
 async def serve(config: ExecutorServiceConfig, log) -> None:
-    from services.executor.service import ExecutorService
+    from folio.services.executor.service import ExecutorService
 
     ctx = zmq.asyncio.Context()
     try:

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.attention import AttentionMetadata
-from services.executor.layer_ops import TORCH_LAYER_OPS
-from services.executor.parallel import Comm, Shard
+from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.layer_ops import TORCH_LAYER_OPS
+from folio.services.executor.parallel import Comm, Shard
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.executor.quant_formats import Int4Weight, Int8Weight
+from folio.services.executor.quant_formats import Int4Weight, Int8Weight
 
 ACT_DTYPE = torch.bfloat16
 REFINE_TOP = 64  # logits per row the LM head recomputes exactly (see Bf16Linear)

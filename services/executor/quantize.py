@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from services.executor.quant_formats import FOLIO_INT8, int4_to_awq, quantize_int8
+from folio.services.executor.quant_formats import FOLIO_INT8, int4_to_awq, quantize_int8
 
 CALIBRATION_PROMPTS = [
     "Write a short story about a lighthouse keeper.", "Explain how vaccines train the immune system.",
@@ -34,11 +34,11 @@ def calibration_text(path: Path, num_tokens: int, seed: int) -> list[list[int]]:
     """The model's own sampled continuations (temperature 1, seeded) of CALIBRATION_PROMPTS."""
     from transformers import AutoTokenizer
 
-    from services.executor.loader import load_hf_config
+    from folio.services.executor.loader import load_hf_config
     from folio.engine import generate
-    from services.executor.runner import ModelRunner
-    from shared.config import RuntimeConfig
-    from shared.messages import SamplingParams
+    from folio.services.executor.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import SamplingParams
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -69,8 +69,8 @@ def quantize(model_path: Path, out: Path, method: str, group_size: int, num_toke
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from services.executor.awq import awq_quantize
-    from services.executor.loader import load_hf_config, read_checkpoint
+    from folio.services.executor.awq import awq_quantize
+    from folio.services.executor.loader import load_hf_config, read_checkpoint
 
     if method not in ("awq", "int4", "int8"):
         raise ValueError(f"unknown method {method!r}; choose awq, int4 or int8")
@@ -87,7 +87,7 @@ def quantize(model_path: Path, out: Path, method: str, group_size: int, num_toke
             out_state[name], out_state[name + "_scale"] = w.q, w.scale
         qconfig = {"quant_method": FOLIO_INT8, "bits": 8, "group_size": -1, "symmetric": True}
     else:
-        from services.executor.loader import load_model
+        from folio.services.executor.loader import load_model
 
         model = load_model(model_path, torch.float32, torch.device("cpu"), "none")
         seqs = calibration_text(model_path, num_tokens, seed) if method == "awq" else []
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="the default model's name or a model folder")
     parser.add_argument("out", help="the folder to write")
     args = parser.parse_args(argv)
-    from shared.models import resolve_model
+    from folio.shared.models import resolve_model
 
     try:
         path = quantize(resolve_model(args.model), Path(args.out), args.method, args.group_size,

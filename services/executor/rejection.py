@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.sampler import SamplingRow, has_penalties, position_seed, processed_probs
+from folio.services.executor.sampler import SamplingRow, has_penalties, position_seed, processed_probs
 
 __all__ = ["num_accepted", "processed_probs", "verify"]
 

@@ -18,19 +18,19 @@ import dataclasses
 import numpy as np
 import torch
 
-from services.executor.attention import AttentionMetadata, TorchAttentionBackend
-from services.executor.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
-from services.executor.input_batch import NO_LOGPROBS, InputBatch, StepInputs
-from services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
-from services.executor.loader import load_model, resolve_dtype
-from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
-from services.executor.parallel import Comm, Shard
-from services.executor.rejection import verify
-from services.executor.sampler import FREQUENCY, PRESENCE, SamplingBatch, SamplingRow, sample_batch, token_logprobs
-from services.executor.spec_decode import Proposal, make_proposer
-from services.executor.structured import GrammarStore, advance
-from shared.config import RuntimeConfig
-from shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
+from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
+from folio.services.executor.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
+from folio.services.executor.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from folio.services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.services.executor.loader import load_model, resolve_dtype
+from folio.services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
+from folio.services.executor.parallel import Comm, Shard
+from folio.services.executor.rejection import verify
+from folio.services.executor.sampler import FREQUENCY, PRESENCE, SamplingBatch, SamplingRow, sample_batch, token_logprobs
+from folio.services.executor.spec_decode import Proposal, make_proposer
+from folio.services.executor.structured import GrammarStore, advance
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 
 class RequestState:
@@ -79,7 +79,7 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype):
             raise ValueError("the cuda attention backend needs a CUDA device")
         return TorchAttentionBackend()
     try:
-        from services.executor.cuda_backend import CudaAttentionBackend
+        from folio.services.executor.cuda_backend import CudaAttentionBackend
     except ImportError as exc:
         if name == "cuda":
             raise ValueError(f"the cuda attention backend is unavailable: {exc}") from exc

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.executor.penalties import has_penalties, tensors_from_rows
-from services.executor.structured import apply_grammar_masks
-from shared.messages import SamplingParams, TokenLogprobs
+from folio.services.executor.penalties import has_penalties, tensors_from_rows
+from folio.services.executor.structured import apply_grammar_masks
+from folio.shared.messages import SamplingParams, TokenLogprobs
 
 __all__ = ["SamplingBatch", "SamplingRow", "SamplerOutput", "has_penalties", "make_generator", "position_seed",
            "process_logits", "processed_probs", "processed_probs_batch", "sample", "sample_batch",

@@ -27,12 +27,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.executor.runner import ModelRunner
-from services.executor.workers import WorkerGroupError
-from shared.config import ExecutorServiceConfig
-from shared.loops import close_sockets, receive_reply, serve_admin, serve_router
-from shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
-from shared.transport import Decoder, encode, make_socket
+from folio.services.executor.runner import ModelRunner
+from folio.services.executor.workers import WorkerGroupError
+from folio.shared.config import ExecutorServiceConfig
+from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_router
+from folio.shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
+from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()
 REGISTER_EVERY_S = 1.0
@@ -123,6 +123,6 @@ def make_runner(config: ExecutorServiceConfig):
         raise ValueError(f"--tensor-parallel-size must be 1 or more, got {size}")
     if size == 1:
         return ModelRunner(config.runtime, config.model_path)
-    from services.executor.workers import ParallelRunner
+    from folio.services.executor.workers import ParallelRunner
 
     return ParallelRunner(config.runtime, config.model_path)

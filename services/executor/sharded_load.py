@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from services.executor.gguf_slices import GGUFSlices
-from services.executor.loader import load_hf_config
-from services.executor.model import LlamaForCausalLM, ModelSpec
-from services.executor.parallel import Comm, Shard, check_shardable
-from services.executor.quant_formats import folder_quant_config
+from folio.services.executor.gguf_slices import GGUFSlices
+from folio.services.executor.loader import load_hf_config
+from folio.services.executor.model import LlamaForCausalLM, ModelSpec
+from folio.services.executor.parallel import Comm, Shard, check_shardable
+from folio.services.executor.quant_formats import folder_quant_config
 
 # (checkpoint name, dim to slice or None for the whole tensor, start, end)
 Part = tuple[str, int | None, int, int]

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from services.executor.attention import AttentionMetadata
-from services.executor.kv_pool import KVPool, PoolShape
-from services.executor.loader import load_model
-from services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
-from services.executor.rejection import processed_probs
-from services.executor.sampler import SamplingRow, position_seed
+from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.kv_pool import KVPool, PoolShape
+from folio.services.executor.loader import load_model
+from folio.services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
+from folio.services.executor.rejection import processed_probs
+from folio.services.executor.sampler import SamplingRow, position_seed
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # drafts draw from another stream than the target's samples
 
@@ -186,7 +186,7 @@ def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype,
         raise ValueError("--speculative-model needs --num-speculative-tokens of at least 1")
     if name == "ngram":
         return NgramProposer(k, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-    from shared.models import resolve_model
+    from folio.shared.models import resolve_model
 
     num_blocks = config.num_draft_kv_blocks or num_target_blocks
     return DraftModelProposer(str(resolve_model(name)), k, target_spec.vocab_size, config.block_size, num_blocks,

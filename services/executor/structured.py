@@ -28,7 +28,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from shared.messages import Grammar
+from folio.shared.messages import Grammar
 
 log = structlog.get_logger()
 MAX_CACHED_GRAMMARS = 256
@@ -58,7 +58,7 @@ class GrammarStore:
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
-        from shared.grammar import tokenizer_info
+        from folio.shared.grammar import tokenizer_info
 
         path = Path(self.model_path)
         try:
@@ -87,7 +87,7 @@ class GrammarStore:
             return future
 
     def _compile(self, grammar: Grammar):
-        from shared.grammar import compile_grammar
+        from folio.shared.grammar import compile_grammar
 
         t0 = time.perf_counter()
         compiled = compile_grammar(self._compiler.result(), grammar)

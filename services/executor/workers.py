@@ -30,10 +30,10 @@ import psutil
 import structlog
 import torch
 
-from services.executor.parallel import Comm, Shard, check_shardable, connect, serve_store
-from services.executor.runner import ModelRunner, resolve_device
-from shared.config import RuntimeConfig
-from shared.messages import WorkerStep
+from folio.services.executor.parallel import Comm, Shard, check_shardable, connect, serve_store
+from folio.services.executor.runner import ModelRunner, resolve_device
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import WorkerStep
 
 log = structlog.get_logger()
 BACKENDS = ("mp", "ray")
@@ -182,7 +182,7 @@ class RayWorkers:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from services.executor.ray_worker import RayWorker
+        from folio.services.executor.ray_worker import RayWorker
 
         self.started_cluster = not ray.is_initialized()  # a local one, which must end with us
         if self.started_cluster:
@@ -328,8 +328,8 @@ def _check_model(model_path: str, size: int) -> None:
     """Refuse a model that does not split ``size`` ways before any rank starts."""
     from pathlib import Path
 
-    from services.executor.loader import load_hf_config
-    from services.executor.model import ModelSpec
+    from folio.services.executor.loader import load_hf_config
+    from folio.services.executor.model import ModelSpec
 
     if size < 2:
         raise ValueError(f"a worker group needs a tensor-parallel size of 2 or more, got {size}")

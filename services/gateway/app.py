@@ -11,10 +11,10 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from services.gateway.dashboard import add_dashboard_routes
-from services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
-from services.gateway.service import GatewayService
-from shared.config import GatewayConfig
+from folio.services.gateway.dashboard import add_dashboard_routes
+from folio.services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
+from folio.services.gateway.service import GatewayService
+from folio.shared.config import GatewayConfig
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 def build_app(service: GatewayService) -> web.Application:

@@ -14,9 +14,9 @@ import time
 
 import msgspec
 
-from services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
-from services.gateway.structured import guided_spec, tool_mode
-from shared.messages import BeamSearchParams, ChatMessage, GenerateRequest, SamplingParams, ToolCall
+from folio.services.gateway.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from folio.services.gateway.structured import guided_spec, tool_mode
+from folio.shared.messages import BeamSearchParams, ChatMessage, GenerateRequest, SamplingParams, ToolCall
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -24,7 +24,7 @@ from importlib import resources
 
 from aiohttp import web
 
-from services.gateway.protocol import ApiError
+from folio.services.gateway.protocol import ApiError
 
 SAMPLE_INTERVAL_S = 1.0
 HISTORY_LEN = 300  # samples: five minutes

@@ -15,7 +15,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from shared.messages import TextDelta
+from folio.shared.messages import TextDelta
 
 MAX_UNMERGED = 64  # deltas of one choice kept apart before they are merged anyway
 

@@ -1,6 +1,6 @@
 """``folio run gateway``: parse flags into ``GatewayConfig`` and serve HTTP until SIGTERM/SIGINT.
 
-Sockets come from the environment (``shared.config.Endpoints.from_env``), as for every service.
+Sockets come from the environment (``folio.shared.config.Endpoints.from_env``), as for every service.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from shared.config import Endpoints, GatewayConfig
-from shared.flags import config_values, service_parser
-from shared.logs import setup_logging
+from folio.shared.config import Endpoints, GatewayConfig
+from folio.shared.flags import config_values, service_parser
+from folio.shared.logs import setup_logging
 
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
@@ -19,8 +19,8 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.loops import run_until_signal
-    from services.gateway.app import serve
+    from folio.shared.loops import run_until_signal
+    from folio.services.gateway.app import serve
 
     config = parse_config(argv)
     log = setup_logging("gateway", config.log_json, config.log_level)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services.gateway.mailbox import ChoiceTiming
-from shared.messages import TextDelta
+from folio.services.gateway.mailbox import ChoiceTiming
+from folio.shared.messages import TextDelta
 
 # vLLM's buckets, so dashboards built for it read ours
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

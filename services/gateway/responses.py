@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import TextDelta, TextLogprob, TopLogprob
+from folio.shared.messages import TextDelta, TextLogprob, TopLogprob
 
 
 @dataclass

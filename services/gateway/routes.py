@@ -25,9 +25,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.gateway import convert, responses
-from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.protocol import (
+from folio.services.gateway import convert, responses
+from folio.services.gateway.metrics import CONTENT_TYPE
+from folio.services.gateway.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,11 +36,11 @@ from services.gateway.protocol import (
     TokenizeCompletionRequest,
     parse,
 )
-from services.gateway.responses import ResponseMeta, UsageCounter
-from services.gateway.service import GatewayService
-from services.gateway.streaming import collect, stream
-from services.gateway.structured import ToolCallReader
-from shared import messages
+from folio.services.gateway.responses import ResponseMeta, UsageCounter
+from folio.services.gateway.service import GatewayService
+from folio.services.gateway.streaming import collect, stream
+from folio.services.gateway.structured import ToolCallReader
+from folio.shared import messages
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 SERVICE = web.AppKey("service", GatewayService)

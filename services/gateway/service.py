@@ -1,6 +1,6 @@
 """The gateway's side of the sockets: requests out to the tokenizer, text back into mailboxes.
 
-Peers (``shared.config.Endpoints``):
+Peers (``folio.shared.config.Endpoints``):
 - ``send_to_tokenizer`` (PUSH to ``tokenizer_in``): ``GenerateRequest``, ``AbortRequest``,
   ``TokenizeRequest``/``DetokenizeRequest``;
 - ``recv_from_tokenizer`` (PULL, bound at ``gateway_in``): ``TextBatch``, ``TokenizeReply``;
@@ -26,13 +26,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.gateway.health import HealthMonitor
-from services.gateway.mailbox import OutputMailbox
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import ApiError
-from shared.config import GatewayConfig
-from shared.loops import ask_admin, close_sockets, serve_admin, serve_pull
-from shared.messages import (
+from folio.services.gateway.health import HealthMonitor
+from folio.services.gateway.mailbox import OutputMailbox
+from folio.services.gateway.metrics import GatewayMetrics
+from folio.services.gateway.protocol import ApiError
+from folio.shared.config import GatewayConfig
+from folio.shared.loops import ask_admin, close_sockets, serve_admin, serve_pull
+from folio.shared.messages import (
     AbortRequest,
     DetokenizeRequest,
     GenerateRequest,
@@ -41,7 +41,7 @@ from shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
-from shared.transport import Decoder, encode, make_socket
+from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 NUM_REMEMBERED_STRAYS = 4096  # req_ids of stray deltas already aborted (bounded)

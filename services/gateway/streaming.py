@@ -15,10 +15,10 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.gateway.mailbox import OutputMailbox, merge_all
-from services.gateway.protocol import ApiError
-from services.gateway.responses import UsageCounter
-from shared.messages import TextDelta
+from folio.services.gateway.mailbox import OutputMailbox, merge_all
+from folio.services.gateway.protocol import ApiError
+from folio.services.gateway.responses import UsageCounter
+from folio.shared.messages import TextDelta
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 _json = msgspec.json.Encoder()

@@ -17,8 +17,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from shared.messages import GuidedSpec
+from folio.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from folio.shared.messages import GuidedSpec
 
 ANY_OBJECT = {"type": "object"}
 

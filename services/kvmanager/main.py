@@ -8,10 +8,10 @@ import sys
 
 import zmq.asyncio
 
-from shared.config import Endpoints, KVManagerConfig
-from shared.flags import config_values, service_parser
-from shared.logs import setup_logging
-from shared.loops import run_until_signal
+from folio.shared.config import Endpoints, KVManagerConfig
+from folio.shared.flags import config_values, service_parser
+from folio.shared.logs import setup_logging
+from folio.shared.loops import run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[KVManagerConfig, argparse.Namespace]:
@@ -20,7 +20,7 @@ def parse_config(argv: list[str] | None) -> tuple[KVManagerConfig, argparse.Name
 
 
 async def serve(config: KVManagerConfig) -> None:
-    from services.kvmanager.service import KVManagerService
+    from folio.services.kvmanager.service import KVManagerService
 
     ctx = zmq.asyncio.Context()
     try:

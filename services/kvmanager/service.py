@@ -7,7 +7,7 @@ Who talks to it, on its ROUTER (``Endpoints.kvmanager``), DEALER peers:
 - the scheduler: ``GetPool`` -> ``PoolInfo`` (held until a pool is registered); ``KVReset`` ->
   ``PoolInfo`` at each new sync epoch (empty tables on both sides; a kvmanager that restarted and
   knows no pool adopts the scheduler's); then the ``KVStepRequest`` log of each step that changed
-  the tables, applied in order (``shared.kv.steplog``) -> ``KVStepReply`` with the state digest,
+  the tables, applied in order (``folio.shared.kv.steplog``) -> ``KVStepReply`` with the state digest,
   which the scheduler checks against its replica's without having waited for it.
   ``folio kv clear`` goes the other way: ``KVClearCache`` asks the scheduler for a ``KVClear`` in
   its next log, so that both allocators drop the same blocks at the same point.
@@ -29,12 +29,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.kvmanager.blockmap import DEFAULT_MAX_CELLS, block_map
-from shared.config import KVManagerConfig
-from shared.kv.allocator import BlockAllocator
-from shared.kv.steplog import StepLog
-from shared.loops import close_sockets, reply, serve_admin, serve_router
-from shared.messages import (
+from folio.services.kvmanager.blockmap import DEFAULT_MAX_CELLS, block_map
+from folio.shared.config import KVManagerConfig
+from folio.shared.kv.allocator import BlockAllocator
+from folio.shared.kv.steplog import StepLog
+from folio.shared.loops import close_sockets, reply, serve_admin, serve_router
+from folio.shared.messages import (
     KV_EVENTS_TOPIC,
     AllBlocksCleared,
     GetPool,
@@ -49,7 +49,7 @@ from shared.messages import (
     PoolInfo,
     RegisterPool,
 )
-from shared.transport import Decoder, encode, make_socket
+from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()
 

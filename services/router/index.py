@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
+from folio.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 DEVICE_MEDIUM = "GPU"  # what the kvmanager calls its device tier, on a CPU too
 MAX_PENDING_BATCHES = 10_000  # kept while a snapshot is awaited; past that the view starts empty

@@ -1,6 +1,6 @@
 """``folio run router``: parse flags into ``RouterConfig`` and route HTTP until SIGTERM/SIGINT.
 
-Its admin socket comes from the environment (``shared.config.Endpoints.from_env``), as for every
+Its admin socket comes from the environment (``folio.shared.config.Endpoints.from_env``), as for every
 service; the replicas come from ``--replica`` (repeatable) and ``--replica-dns``.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from shared.config import Endpoints, RouterConfig
-from shared.flags import config_values, service_parser
-from shared.logs import setup_logging
+from folio.shared.config import Endpoints, RouterConfig
+from folio.shared.flags import config_values, service_parser
+from folio.shared.logs import setup_logging
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
-    from services.router.replicas import parse_replica
+    from folio.services.router.replicas import parse_replica
 
     parser = service_parser("router", __doc__.splitlines()[0])
     args = parser.parse_args(argv)
@@ -36,16 +36,16 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 def main(argv: list[str] | None = None) -> int:
     import zmq.asyncio
 
-    from shared.loops import run_until_signal
-    from services.router.prompt import PromptEncoder
-    from services.router.service import RouterService
+    from folio.shared.loops import run_until_signal
+    from folio.services.router.prompt import PromptEncoder
+    from folio.services.router.service import RouterService
 
     config = parse_config(argv)
     log = setup_logging("router", config.log_json, config.log_level)
     encoder = None
     if config.policy == "cache_aware":
-        from shared.models import resolve_model
-        from shared.text import TextTokenizer
+        from folio.shared.models import resolve_model
+        from folio.shared.text import TextTokenizer
 
         try:
             encoder = PromptEncoder(TextTokenizer(resolve_model(config.model)))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams
-from shared.text import TextTokenizer
+from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from folio.shared.text import TextTokenizer
 
 
 class PromptEncoder:

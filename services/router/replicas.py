@@ -28,11 +28,11 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.router.index import KVIndex
-from shared.config import RouterConfig
-from shared.loops import request
-from shared.messages import KV_EVENTS_TOPIC, KVEventBatch, KVSnapshot, KVSnapshotRequest
-from shared.transport import Decoder, MalformedMessage, make_socket
+from folio.services.router.index import KVIndex
+from folio.shared.config import RouterConfig
+from folio.shared.loops import request
+from folio.shared.messages import KV_EVENTS_TOPIC, KVEventBatch, KVSnapshot, KVSnapshotRequest
+from folio.shared.transport import Decoder, MalformedMessage, make_socket
 
 log = structlog.get_logger()
 

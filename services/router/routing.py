@@ -5,16 +5,16 @@ not tokenize them) and the replicas already tried. The cost of a replica is the 
 would still have to compute (those past the prefix its cache holds, from ``KVIndex``) plus
 ``load_cost_tokens`` for every request it is running or holding in its queue. The cheapest wins;
 among equals the next in turn after the last one chosen, so uniform traffic spreads evenly.
-Block hashes are ``shared.block_hash``'s, the kvmanager's own, salted the same way.
+Block hashes are ``folio.shared.block_hash``'s, the kvmanager's own, salted the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.index import KVIndex
-from services.router.replicas import Replica
-from shared.block_hash import block_extra_keys, chain_block_hashes
+from folio.services.router.index import KVIndex
+from folio.services.router.replicas import Replica
+from folio.shared.block_hash import block_extra_keys, chain_block_hashes
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 

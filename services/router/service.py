@@ -24,14 +24,14 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from services.router.index import KVIndex
-from services.router.metrics import RouterMetrics
-from services.router.prompt import PromptEncoder
-from services.router.replicas import Replica, ReplicaSet
-from services.router.routing import Decision, Router
-from shared.config import RouterConfig
-from shared.loops import close_sockets, serve_admin
-from shared.transport import make_socket
+from folio.services.router.index import KVIndex
+from folio.services.router.metrics import RouterMetrics
+from folio.services.router.prompt import PromptEncoder
+from folio.services.router.replicas import Replica, ReplicaSet
+from folio.services.router.routing import Decision, Router
+from folio.shared.config import RouterConfig
+from folio.shared.loops import close_sockets, serve_admin
+from folio.shared.transport import make_socket
 
 log = structlog.get_logger()
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.forks import BeamGroup
-from services.scheduler.request import Request
-from shared.kv.allocator import cdiv
-from shared.messages import (
+from folio.services.scheduler.forks import BeamGroup
+from folio.services.scheduler.request import Request
+from folio.shared.kv.allocator import cdiv
+from folio.shared.messages import (
     KVOp,
     KVStepRequest,
     NewRequestData,

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.beam import BeamSearch
-from services.scheduler.request import Request, Status
-from shared.messages import EngineRequest, KVFork, SamplingParams, TokenDelta
+from folio.services.scheduler.beam import BeamSearch
+from folio.services.scheduler.request import Request, Status
+from folio.shared.messages import EngineRequest, KVFork, SamplingParams, TokenDelta
 
 
 @dataclass(eq=False)

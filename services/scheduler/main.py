@@ -8,10 +8,10 @@ import sys
 
 import zmq.asyncio
 
-from shared.config import Endpoints, SchedulerConfig
-from shared.flags import config_values, service_parser
-from shared.logs import setup_logging
-from shared.loops import run_until_signal
+from folio.shared.config import Endpoints, SchedulerConfig
+from folio.shared.flags import config_values, service_parser
+from folio.shared.logs import setup_logging
+from folio.shared.loops import run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[SchedulerConfig, argparse.Namespace]:
@@ -20,7 +20,7 @@ def parse_config(argv: list[str] | None) -> tuple[SchedulerConfig, argparse.Name
 
 
 async def serve(config: SchedulerConfig) -> None:
-    from services.scheduler.service import SchedulerService
+    from folio.services.scheduler.service import SchedulerService
 
     ctx = zmq.asyncio.Context()
     try:

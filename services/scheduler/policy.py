@@ -8,7 +8,7 @@ Queue order is first come first served, or ``(priority, arrival)`` with the prio
 Without chunked prefill a prompt is computed whole: the first one of a step even beyond the
 budget, the others only while they fit.
 
-The scheduler plans with its own replica of the block allocator (``shared.kv``): ``schedule``
+The scheduler plans with its own replica of the block allocator (``folio.shared.kv``): ``schedule``
 applies each allocator operation to it as it decides it, so it knows exact block ids, prefix-cache
 hits and refusals while it plans. When a running sequence cannot grow (the allocator refuses,
 changing nothing), the last one in queue order gives its blocks back and the growth is tried
@@ -41,12 +41,12 @@ from __future__ import annotations
 import bisect
 import time
 
-from services.scheduler.exchange import ExecutorExchange, StepOutput
-from services.scheduler.forks import Forks
-from services.scheduler.request import Request, Status
-from shared.kv.allocator import BlockAllocator, cdiv
-from shared.kv.steplog import StepLog
-from shared.messages import (
+from folio.services.scheduler.exchange import ExecutorExchange, StepOutput
+from folio.services.scheduler.forks import Forks
+from folio.services.scheduler.request import Request, Status
+from folio.shared.kv.allocator import BlockAllocator, cdiv
+from folio.shared.kv.steplog import StepLog
+from folio.shared.messages import (
     EngineRequest,
     KVAllocate,
     KVClear,

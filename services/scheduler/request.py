@@ -1,7 +1,7 @@
 """One request as the scheduler sees it: its tokens, how many are computed, how many blocks it
 holds, and where it is in its life (``Status``).
 
-Its block table lives in the scheduler's allocator replica (``shared.kv``), under ``req_id``; the
+Its block table lives in the scheduler's allocator replica (``folio.shared.kv``), under ``req_id``; the
 request remembers only how much of it the executor was sent. What a client asked for is one
 request, or several under their own ids: the choices of ``n`` > 1 (forked from the first once its
 prompt is computed) and the live beams of a beam search (``group``; ``forks.py``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shared.messages import EngineRequest, SamplingParams
+from folio.shared.messages import EngineRequest, SamplingParams
 
 
 class Status(str, Enum):

@@ -24,12 +24,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.scheduler.exchange import StepOutput
-from services.scheduler.policy import Scheduler
-from services.scheduler.stats import describe_requests, scheduler_stats
-from shared.config import SchedulerConfig
-from shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
-from shared.messages import (
+from folio.services.scheduler.exchange import StepOutput
+from folio.services.scheduler.policy import Scheduler
+from folio.services.scheduler.stats import describe_requests, scheduler_stats
+from folio.shared.config import SchedulerConfig
+from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
+from folio.shared.messages import (
     AbortRequest,
     EngineRequest,
     GetPool,
@@ -41,7 +41,7 @@ from shared.messages import (
     TokenBatch,
     TokenDelta,
 )
-from shared.transport import Decoder, encode, make_socket
+from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()
 

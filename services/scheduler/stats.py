@@ -6,7 +6,7 @@ keeps its queues; what is derived from them for people is built here, when asked
 
 from __future__ import annotations
 
-from services.scheduler.policy import Scheduler
+from folio.services.scheduler.policy import Scheduler
 
 
 def scheduler_stats(sched: Scheduler) -> dict:

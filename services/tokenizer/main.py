@@ -1,6 +1,6 @@
 """``folio run tokenizer``: parse flags into ``TokenizerConfig`` and serve until SIGTERM/SIGINT.
 
-Sockets come from the environment (``shared.config.Endpoints.from_env``), as for every service.
+Sockets come from the environment (``folio.shared.config.Endpoints.from_env``), as for every service.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from shared.config import Endpoints, TokenizerConfig
-from shared.flags import config_values, service_parser
-from shared.logs import setup_logging
+from folio.shared.config import Endpoints, TokenizerConfig
+from folio.shared.flags import config_values, service_parser
+from folio.shared.logs import setup_logging
 
 
 def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
@@ -19,10 +19,10 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.loops import run_until_signal
-    from shared.models import resolve_model
-    from services.tokenizer.service import TokenizerService
-    from shared.text import TextTokenizer
+    from folio.shared.loops import run_until_signal
+    from folio.shared.models import resolve_model
+    from folio.services.tokenizer.service import TokenizerService
+    from folio.shared.text import TextTokenizer
 
     config = parse_config(argv)
     log = setup_logging("tokenizer", config.log_json, config.log_level)

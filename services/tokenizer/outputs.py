@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.tokenizer.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker
-from shared.messages import (
+from folio.services.tokenizer.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker
+from folio.shared.messages import (
     AbortRequest,
     GenerateRequest,
     TextDelta,

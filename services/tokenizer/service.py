@@ -1,6 +1,6 @@
 """The tokenizer service: text in, token ids to the scheduler; token ids back, text to the gateway.
 
-Peers (``shared.config.Endpoints``):
+Peers (``folio.shared.config.Endpoints``):
 - ``recv_from_pipeline`` (PULL, bound at ``tokenizer_in``): ``GenerateRequest``/``AbortRequest``
   from the gateway and ``TokenBatch`` from the scheduler share one inbox, so a client abort and
   the tokens of the same request are seen in the order they arrived;
@@ -25,11 +25,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.tokenizer.outputs import OutputProcessor, TokenTexts
-from shared.config import TokenizerConfig
-from shared.grammar import GrammarChecker, GrammarError
-from shared.loops import close_sockets, serve_admin, serve_pull
-from shared.messages import (
+from folio.services.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.shared.config import TokenizerConfig
+from folio.shared.grammar import GrammarChecker, GrammarError
+from folio.shared.loops import close_sockets, serve_admin, serve_pull
+from folio.shared.messages import (
     AbortRequest,
     DetokenizeRequest,
     EngineRequest,
@@ -40,8 +40,8 @@ from shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
-from shared.text import RequestError, TextTokenizer
-from shared.transport import Decoder, encode, make_socket
+from folio.shared.text import RequestError, TextTokenizer
+from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 NUM_REMEMBERED_ENDED = 4096  # req_ids recently aborted here, whose late tokens need no new abort

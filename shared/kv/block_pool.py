@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from shared.messages import BlockRemoved, BlockStored
+from folio.shared.messages import BlockRemoved, BlockStored
 
 
 class NoFreeBlocks(Exception):

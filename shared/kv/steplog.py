@@ -21,8 +21,8 @@ import hashlib
 
 import msgspec
 
-from shared.kv.allocator import BlockAllocator, NoFreeBlocks
-from shared.messages import KVAllocate, KVClear, KVConfirm, KVFork, KVFree, KVOp, KVSwapIn, KVSwapOut, KVTruncate
+from folio.shared.kv.allocator import BlockAllocator, NoFreeBlocks
+from folio.shared.messages import KVAllocate, KVClear, KVConfirm, KVFork, KVFree, KVOp, KVSwapIn, KVSwapOut, KVTruncate
 
 _encode = msgspec.msgpack.Encoder().encode
 

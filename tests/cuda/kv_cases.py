@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from services.executor.attention import AttentionMetadata, TorchAttentionBackend
+from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
 
 
 @dataclass

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from services.executor.kernel_backend import KernelAttentionBackend
-from tests.executor.toy_driver import generate
-from services.executor.runner import ModelRunner
-from shared.config import RuntimeConfig
-from shared.messages import SamplingParams
+from folio.services.executor.kernel_backend import KernelAttentionBackend
+from folio.services.executor.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import SamplingParams
 from tests.conftest import write_tiny_model
+from tests.executor.toy_driver import generate
 
 
 @pytest.fixture(scope="module")

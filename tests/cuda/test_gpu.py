@@ -13,9 +13,9 @@ import itertools
 import pytest
 import torch
 
-from services.executor import cuda_kernels as ck
-from services.executor.attention import TorchAttentionBackend
-from services.executor.kernel_backend import make_host_pool
+from folio.services.executor import cuda_kernels as ck
+from folio.services.executor.attention import TorchAttentionBackend
+from folio.services.executor.kernel_backend import make_host_pool
 from tests.cuda.kv_cases import TOLERANCE, fresh_meta, make_step, reference_attention
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ INSTANCES = list(itertools.product(ck.DTYPES, ck.HEAD_SIZES, ck.BLOCK_SIZES))
 @pytest.fixture(scope="module")
 def cuda_backend_cls():
     pytest.importorskip("cupy")
-    from services.executor.cuda_backend import CudaAttentionBackend
+    from folio.services.executor.cuda_backend import CudaAttentionBackend
 
     return CudaAttentionBackend
 
@@ -69,7 +69,7 @@ def test_decode_split_and_unsplit_long_context(cuda_backend_cls, group):
 def test_largest_step_runs(cuda_backend_cls):
     """A 140,000-token step (35 chunks of 4,000 tokens, GQA 4): 70,000 chunk work items, more
     than grid y allows; the whole grid runs and the last sequence matches a dense oracle."""
-    from services.executor.attention import dense_causal_attention
+    from folio.services.executor.attention import dense_causal_attention
 
     q_len = 4000
     step = make_step([q_len] * 35, [q_len] * 35, num_heads=4, num_kv_heads=1, head_dim=64, block_size=32,
@@ -131,9 +131,9 @@ def test_runs_on_torch_current_stream(cuda_backend_cls):
 
 def _greedy(model_dir, backend: str, dtype: str):
     from tests.executor.toy_driver import generate
-    from services.executor.runner import ModelRunner
-    from shared.config import RuntimeConfig
-    from shared.messages import SamplingParams
+    from folio.services.executor.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import SamplingParams
 
     config = RuntimeConfig(device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16, attention_backend=backend)
     runner = ModelRunner(config, model_dir)

@@ -16,7 +16,7 @@ IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 @pytest.fixture(scope="module")
 def launcher():
     pytest.importorskip("cupy")
-    from services.executor.cuda_backend import CupyLauncher
+    from folio.services.executor.cuda_backend import CupyLauncher
 
     return CupyLauncher()
 
@@ -31,9 +31,9 @@ def test_fused_kernels(launcher, dtype):
 
 def _generate(model_dir, enforce_eager: bool):
     from tests.executor.toy_driver import generate
-    from services.executor.runner import ModelRunner
-    from shared.config import RuntimeConfig
-    from shared.messages import SamplingParams
+    from folio.services.executor.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import SamplingParams
 
     config = RuntimeConfig(device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
                            attention_backend="cuda", max_num_seqs=16, enforce_eager=enforce_eager)

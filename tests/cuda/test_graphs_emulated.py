@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.executor.attention import AttentionMetadata
-from services.executor.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
-from services.executor.input_batch import StepInputs
-from services.executor.kernel_backend import KernelAttentionBackend
-from tests.executor.toy_driver import generate
-from services.executor.runner import ModelRunner
-from shared.config import RuntimeConfig
-from shared.messages import SamplingParams
+from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
+from folio.services.executor.input_batch import StepInputs
+from folio.services.executor.kernel_backend import KernelAttentionBackend
+from folio.services.executor.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import SamplingParams
 from tests.conftest import write_tiny_model
+from tests.executor.toy_driver import generate
 
 
 def test_buckets():

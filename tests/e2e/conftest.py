@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.cli import admin_call
-from shared.config import Endpoints
+from folio.services.cli import admin_call
+from folio.shared.config import Endpoints
 
 
 def free_port() -> int:
@@ -47,7 +47,7 @@ def start_server(model: str, *flags: str, ready_timeout_s: float = 180.0) -> Ser
 
     run_dir = tempfile.mkdtemp(prefix="folio-e2e-", dir="/tmp")
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "folio.services.cli", "serve", "--model", model, "--port", str(port),
            "--host", "127.0.0.1", "--run-dir", run_dir, "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"

@@ -65,9 +65,9 @@ def test_chat_greedy_matches_the_in_process_runtime(client, server, smollm_dir):
     from transformers import AutoTokenizer
 
     from tests.executor.toy_driver import generate
-    from services.executor.runner import ModelRunner
-    from shared.config import RuntimeConfig
-    from shared.messages import SamplingParams
+    from folio.services.executor.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import SamplingParams
 
     reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
     tok = AutoTokenizer.from_pretrained(smollm_dir)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import SamplingParams, TokenLogprobs
+from folio.shared.messages import SamplingParams, TokenLogprobs
 
 
 @dataclass

@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.executor.attention import AttentionMetadata
-from services.executor.input_batch import InputBatch
-from services.executor.sampler import NUM_PARAMS, param_row
-from shared.messages import NewRequestData, RunningRequestData, SamplingParams
+from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.input_batch import InputBatch
+from folio.services.executor.sampler import NUM_PARAMS, param_row
+from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams
 
 VOCAB, BS = 97, 4
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.quant_formats import (
+from folio.services.executor.quant_formats import (
     AWQ_ORDER, Int4Weight, awq_to_int4, int4_to_awq, pack_awq, quantize_int4, quantize_int8, read_gguf_quant,
     unpack_awq,
 )
-from services.executor.quant_linear import QuantLinear
+from folio.services.executor.quant_linear import QuantLinear
 
 
 def test_awq_packing_round_trips_in_autoawq_nibble_order():
@@ -71,8 +71,8 @@ def test_int4_layer_uses_the_zero_point():
 def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
     from pathlib import Path
 
-    from services.executor.loader import load_hf_config, read_safetensors
-    from shared.models import packaged_gguf
+    from folio.services.executor.loader import load_hf_config, read_safetensors
+    from folio.shared.models import packaged_gguf
 
     dense = read_safetensors(Path(smollm_dir))  # transformers' own dequantization of the GGUF
     method, quant = read_gguf_quant(packaged_gguf(), load_hf_config(Path(smollm_dir)))
@@ -83,7 +83,7 @@ def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
 
 
 def _logits(model, ids):
-    from services.executor.attention import AttentionMetadata, TorchAttentionBackend
+    from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
 
     spec, n = model.spec, len(ids)
     shape = (n, 1, spec.num_kv_heads, spec.head_dim)
@@ -100,8 +100,8 @@ def test_folio_quantize_writes_a_folder_that_loads_back(tmp_path, tiny_model_dir
 
     from safetensors.torch import load_file
 
-    from services.executor.loader import load_model
-    from services.executor.quantize import main
+    from folio.services.executor.loader import load_model
+    from folio.services.executor.quantize import main
 
     out = tmp_path / method
     assert main(["--method", method, "--group-size", "32", "--calibration-tokens", "64", tiny_model_dir, str(out)]) == 0
@@ -133,7 +133,7 @@ def test_folio_quantize_writes_a_folder_that_loads_back(tmp_path, tiny_model_dir
 
 
 def test_folio_quantize_refuses_a_group_size_that_does_not_fit(tmp_path, tiny_model_dir, capsys):
-    from services.executor.quantize import main
+    from folio.services.executor.quantize import main
 
     assert main(["--method", "int4", "--group-size", "64", tiny_model_dir, str(tmp_path / "x")]) == 2
     assert "96 input channels, not a multiple of group size 64; use 32" in capsys.readouterr().err
@@ -141,9 +141,9 @@ def test_folio_quantize_refuses_a_group_size_that_does_not_fit(tmp_path, tiny_mo
 
 def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_dir):
     from tests.executor.toy_driver import generate
-    from services.executor.runner import ModelRunner
-    from shared.config import RuntimeConfig
-    from shared.messages import SamplingParams
+    from folio.services.executor.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import SamplingParams
 
     outputs = {}
     for method in ("none", "int8", "int4"):
@@ -158,7 +158,7 @@ def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_d
 
 
 def test_lm_head_refines_its_top_logits_exactly():
-    from services.executor.quant_linear import REFINE_TOP, Bf16Linear
+    from folio.services.executor.quant_linear import REFINE_TOP, Bf16Linear
 
     torch.manual_seed(0)
     weight, x = torch.randn(500, 64), torch.randn(3, 64)
@@ -185,7 +185,7 @@ def test_packed_layers_are_row_invariant(bits):
 
 
 def test_auto_keeps_the_checkpoint_format_on_the_cpu_and_serves_dense_weights_elsewhere():
-    from services.executor.loader import resolve_quantization
+    from folio.services.executor.loader import resolve_quantization
 
     assert resolve_quantization("auto", "int4", torch.device("cpu")) == "int4"
     assert resolve_quantization("auto", "int4", torch.device("cuda")) == "none"

@@ -38,9 +38,9 @@ import math
 import pytest
 import torch
 
-from services.executor.rejection import num_accepted, verify
-from services.executor.sampler import SamplingRow, make_generator, processed_probs, sample
-from shared.messages import SamplingParams
+from folio.services.executor.rejection import num_accepted, verify
+from folio.services.executor.sampler import SamplingRow, make_generator, processed_probs, sample
+from folio.shared.messages import SamplingParams
 
 VOCAB = 6
 NUM_SAMPLES = 20_000

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from services.executor.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.services.executor.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.services.executor.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import NewRequestData, SamplingParams, StepPlan
 from tests.executor.toy_driver import generate
-from services.executor.runner import ModelRunner
-from shared.config import RuntimeConfig
-from shared.messages import NewRequestData, SamplingParams, StepPlan
 
 PROMPTS = [[5, 9, 14, 2, 77, 3], list(range(10, 50)), [101], [7] * 19, [60, 61, 62, 63, 64, 65, 66, 67, 68]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -61,7 +61,7 @@ def test_prompt_logprobs_match_a_full_forward_across_chunks(tiny_model_dir):
     for step, (start, n) in enumerate([(0, 15), (15, 15), (30, 10)]):
         new = [NewRequestData(req_id="r", token_ids=prompt, num_prompt_tokens=len(prompt), sampling=params,
                               block_ids=[0, 1, 2])] if step == 0 else []
-        from shared.messages import RunningRequestData
+        from folio.shared.messages import RunningRequestData
 
         running = [] if step == 0 else [RunningRequestData(req_id="r", new_block_ids=[], num_computed_tokens=start)]
         result = runner.execute(StepPlan(step_id=step, new_reqs=new, running_reqs=running, num_scheduled_tokens={"r": n}))
@@ -86,7 +86,7 @@ def test_bad_plans_are_clear_errors(tiny_model_dir):
     long = NewRequestData(req_id="b", token_ids=list(range(20)), num_prompt_tokens=20, sampling=GREEDY, block_ids=[1])
     with pytest.raises(ValueError, match="need more than its 1 blocks"):
         runner.execute(StepPlan(step_id=1, new_reqs=[long], num_scheduled_tokens={"b": 20}))
-    from shared.messages import RunningRequestData
+    from folio.shared.messages import RunningRequestData
 
     with pytest.raises(KeyError, match="unknown request 'zzz'"):
         runner.execute(StepPlan(step_id=2, running_reqs=[RunningRequestData(req_id="zzz", new_block_ids=[], num_computed_tokens=0)]))

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from services.executor.sampler import SamplingRow, make_generator, sample
-from shared.messages import SamplingParams
+from folio.services.executor.sampler import SamplingRow, make_generator, sample
+from folio.shared.messages import SamplingParams
 
 VOCAB = 50
 

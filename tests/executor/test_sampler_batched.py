@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.executor import sampler
-from services.executor.penalties import PenaltyState
-from services.executor.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs, sample
-from shared.messages import SamplingParams
+from folio.services.executor import sampler
+from folio.services.executor.penalties import PenaltyState
+from folio.services.executor.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs, sample
+from folio.shared.messages import SamplingParams
 from tests.executor import reference_sampler as ref
 
 CPU = torch.device("cpu")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from folio.services.executor.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import SamplingParams
 from tests.executor.toy_driver import generate
-from services.executor.runner import ModelRunner
-from shared.config import RuntimeConfig
-from shared.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 

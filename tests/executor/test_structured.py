@@ -14,9 +14,9 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from services.executor.sampler import SamplingRow, sample  # noqa: E402
-from services.executor.structured import advance, apply_grammar_masks, unpack_bitmask  # noqa: E402
-from shared.messages import SamplingParams  # noqa: E402
+from folio.services.executor.sampler import SamplingRow, sample  # noqa: E402
+from folio.services.executor.structured import advance, apply_grammar_masks, unpack_bitmask  # noqa: E402
+from folio.shared.messages import SamplingParams  # noqa: E402
 
 EOS = 0
 VOCAB = ["<eos>", "a", "b", "c", "ab", "ba", "abc", "cc", "d", "0", "1", "12", "x", "-", "-1", "aa", "bb",

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.executor.gguf_slices import GGUFSlices
-from services.executor.loader import load_hf_config, read_safetensors
-from services.executor.runner import ModelRunner
-from services.executor.workers import ParallelRunner
-from shared.config import RuntimeConfig
-from shared.models import packaged_gguf
+from folio.services.executor.gguf_slices import GGUFSlices
+from folio.services.executor.loader import load_hf_config, read_safetensors
+from folio.services.executor.runner import ModelRunner
+from folio.services.executor.workers import ParallelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.models import packaged_gguf
 from tests.services.engine import LocalEngine, engine_request
 
 
@@ -76,8 +76,8 @@ def _rss_anon() -> int:
 
 def _load_one_rank(rank: int, size: int, out) -> None:
     """In a fresh process: load one rank's shard while a thread samples anonymous resident memory."""
-    from services.executor.loader import load_model
-    from services.executor.parallel import Shard
+    from folio.services.executor.loader import load_model
+    from folio.services.executor.parallel import Shard
 
     path = packaged_gguf()
     load_hf_config(path)  # the imports and the config parse, before the baseline

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.executor.runner import ModelRunner
-from shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
+from folio.services.executor.runner import ModelRunner
+from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
 
 
 @dataclass

@@ -13,14 +13,14 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from services.executor.runner import ModelRunner
-from services.executor.service import ExecutorService
-from services.kvmanager.service import KVManagerService
-from services.scheduler.service import SchedulerService
-from shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
-from shared.loops import QUIET, ask_admin
-from shared.messages import AdminReply, EngineRequest, SamplingParams, TokenBatch
-from shared.transport import Decoder, encode, make_socket
+from folio.services.executor.runner import ModelRunner
+from folio.services.executor.service import ExecutorService
+from folio.services.kvmanager.service import KVManagerService
+from folio.services.scheduler.service import SchedulerService
+from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
+from folio.shared.loops import QUIET, ask_admin
+from folio.shared.messages import AdminReply, EngineRequest, SamplingParams, TokenBatch
+from folio.shared.transport import Decoder, encode, make_socket
 
 
 def write_tiny_chat_model(folder, tokenizer_dir, max_position_embeddings: int = 256) -> str:

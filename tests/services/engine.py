@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from folio.engine import EngineCore
-from services.executor.runner import ModelRunner
-from shared.config import RuntimeConfig
-from shared.messages import EngineRequest, SamplingParams, StepPlan, TokenDelta
+from folio.services.executor.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import EngineRequest, SamplingParams, StepPlan, TokenDelta
 from tests.services.kv_owner import Owner
 
 

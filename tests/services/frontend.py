@@ -16,9 +16,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, TokenizerConfig
-from shared.loops import QUIET, ask_admin
-from shared.messages import (
+from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, TokenizerConfig
+from folio.shared.loops import QUIET, ask_admin
+from folio.shared.messages import (
     AbortRequest,
     AdminReply,
     EngineRequest,
@@ -26,7 +26,7 @@ from shared.messages import (
     TokenDelta,
     TokenLogprobs,
 )
-from shared.transport import Decoder, encode, make_socket
+from folio.shared.transport import Decoder, encode, make_socket
 
 SCRIPT_TEXT = " The answer is 42. END of the story, told twice over and over again until the end."
 
@@ -34,8 +34,8 @@ SCRIPT_TEXT = " The answer is 42. END of the story, told twice over and over aga
 @lru_cache(maxsize=1)
 def text_tokenizer():
     """The real SmolLM2 tokenizer (loaded once per test process: ~1 s)."""
-    from shared.models import resolve_model
-    from shared.text import TextTokenizer
+    from folio.shared.models import resolve_model
+    from folio.shared.text import TextTokenizer
 
     return TextTokenizer(resolve_model(DEFAULT_MODEL_NAME))
 
@@ -139,9 +139,9 @@ class FrontHalf:
 @asynccontextmanager
 async def front_half(script=None, api_key: str | None = None, served_model_name: str | None = None,
                      max_model_len: int | None = None, step_s: float = 0.005, **gateway_options):
-    from services.gateway.app import build_app
-    from services.gateway.service import GatewayService
-    from services.tokenizer.service import TokenizerService
+    from folio.services.gateway.app import build_app
+    from folio.services.gateway.service import GatewayService
+    from folio.services.tokenizer.service import TokenizerService
 
     run_dir = short_run_dir()
     endpoints = Endpoints.ipc(run_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.messages import BeamSearchParams
+from folio.shared.messages import BeamSearchParams
 from tests.conftest import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request, make_runner
 

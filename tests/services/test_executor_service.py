@@ -11,12 +11,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.executor.runner import ModelRunner
-from services.executor.service import ExecutorService
-from services.kvmanager.service import KVManagerService
-from shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig
-from shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan, StepResult
-from shared.transport import Decoder, encode, make_socket
+from folio.services.executor.runner import ModelRunner
+from folio.services.executor.service import ExecutorService
+from folio.services.kvmanager.service import KVManagerService
+from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig
+from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan, StepResult
+from folio.shared.transport import Decoder, encode, make_socket
 from tests.services.backhalf import admin_call, short_run_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from services.serve import SERVICES, add_serve_args, service_argv
-from shared.config import GatewayConfig, RouterConfig, RuntimeConfig, SchedulerConfig, TokenizerConfig
-from shared.flags import SERVICE_CONFIGS, config_values, declared, flags_for, service_parser
+from folio.services.serve import SERVICES, add_serve_args, service_argv
+from folio.shared.config import GatewayConfig, RouterConfig, RuntimeConfig, SchedulerConfig, TokenizerConfig
+from folio.shared.flags import SERVICE_CONFIGS, config_values, declared, flags_for, service_parser
 
 
 def test_each_flag_is_declared_once():
@@ -24,7 +24,7 @@ def test_each_flag_is_declared_once():
 
 
 def test_router_policies_match_the_routing_module():
-    from services.router.routing import POLICIES
+    from folio.services.router.routing import POLICIES
 
     (policy,) = [d for d in declared() if d.flag.name == "--policy"]
     assert tuple(policy.flag.choices) == POLICIES

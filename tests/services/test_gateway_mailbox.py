@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.gateway.mailbox import MAX_UNMERGED, OutputMailbox
-from shared.messages import TextDelta, TextLogprob
+from folio.services.gateway.mailbox import MAX_UNMERGED, OutputMailbox
+from folio.shared.messages import TextDelta, TextLogprob
 
 
 def _lp(token_id: int) -> TextLogprob:

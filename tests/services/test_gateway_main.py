@@ -1,4 +1,4 @@
-"""``python -m services.gateway.main`` as a process: flags reach the config, HTTP on a real port,
+"""``python -m folio.services.gateway.main`` as a process: flags reach the config, HTTP on a real port,
 and SIGTERM stops it cleanly (exit 0)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.gateway.main import parse_config
+from folio.services.gateway.main import parse_config
 from tests.services.frontend import short_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_flags_reach_the_config():
 async def test_main_serves_http_and_stops_on_sigterm():
     run_dir, port = short_run_dir(), free_port()
     env = {**os.environ, "FOLIO_RUN_DIR": run_dir, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.gateway.main", "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "folio.services.gateway.main", "--host", "127.0.0.1", "--port",
                              str(port), "--api-key", "k", "--served-model-name", "m"],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"

@@ -12,8 +12,8 @@ import pytest
 import zmq
 from aiohttp.test_utils import TestClient, TestServer
 
-from shared.messages import AdminReply
-from shared.transport import encode, make_socket
+from folio.shared.messages import AdminReply
+from folio.shared.transport import encode, make_socket
 from tests.services.frontend import SCRIPT_TEXT, admin_call, front_half, text_tokenizer, wait_for
 from tests.services.openai_schema import validate
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
-from services.gateway.structured import ToolCallReader, guided_spec, parse_auto
+from folio.services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from folio.services.gateway.structured import ToolCallReader, guided_spec, parse_auto
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

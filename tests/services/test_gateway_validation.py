@@ -11,9 +11,9 @@ import pytest_asyncio
 import zmq.asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.app import build_app
-from services.gateway.service import GatewayService
-from shared.config import Endpoints, GatewayConfig
+from folio.services.gateway.app import build_app
+from folio.services.gateway.service import GatewayService
+from folio.shared.config import Endpoints, GatewayConfig
 from tests.services.frontend import short_run_dir
 from tests.services.openai_schema import validate
 

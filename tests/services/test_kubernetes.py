@@ -13,8 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.cli import RUNNABLE
-from shared.config import Endpoints, RouterConfig
+from folio.services.cli import RUNNABLE
+from folio.shared.config import Endpoints, RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
@@ -81,7 +81,7 @@ def test_the_router_finds_replicas_through_a_headless_service_on_the_ports_they_
     assert ports["kv-events"] == defaults.kv_events_port == port_of(TCP.kv_events)
     assert ports["kv-snapshot"] == defaults.kv_snapshot_port == port_of(TCP.kv_snapshot)
     router = containers(find("Deployment", "router"))["router"]
-    from services.router.main import parse_config
+    from folio.services.router.main import parse_config
 
     config = parse_config(router["command"][3:])
     assert config.replica_dns == f"{headless['metadata']['name']}:{ports['http']}"
@@ -101,4 +101,4 @@ def test_service_commands_parse_with_their_own_flags():
 
     for deployment in (find("Deployment", "replica"), find("Deployment", "router")):
         for c in containers(deployment).values():
-            importlib.import_module(f"services.{c['command'][2]}.main").parse_config(c["command"][3:])
+            importlib.import_module(f"folio.services.{c['command'][2]}.main").parse_config(c["command"][3:])

@@ -8,9 +8,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shared.kv.allocator import BlockAllocator, NoFreeBlocks, hash_block
-from shared.kv.steplog import StepLog
-from shared.messages import (
+from folio.shared.kv.allocator import BlockAllocator, NoFreeBlocks, hash_block
+from folio.shared.kv.steplog import StepLog
+from folio.shared.messages import (
     BlockRemoved,
     BlockStored,
     KVAllocate,
@@ -349,9 +349,9 @@ async def test_events_are_published_numbered_and_admin_verbs_answer():
     import zmq
     import zmq.asyncio
 
-    from services.kvmanager.service import KVManagerService
-    from shared.config import Endpoints, KVManagerConfig
-    from shared.messages import (
+    from folio.services.kvmanager.service import KVManagerService
+    from folio.shared.config import Endpoints, KVManagerConfig
+    from folio.shared.messages import (
         KV_EVENTS_TOPIC,
         AllBlocksCleared,
         KVClear,
@@ -363,7 +363,7 @@ async def test_events_are_published_numbered_and_admin_verbs_answer():
         PoolInfo,
         RegisterPool,
     )
-    from shared.transport import Decoder, encode, make_socket
+    from folio.shared.transport import Decoder, encode, make_socket
     from tests.services.backhalf import admin_call, short_run_dir
 
     run_dir = short_run_dir()
@@ -444,7 +444,7 @@ def alloc_hashes_of(token_ids: list[int], block_size: int) -> list[bytes]:
 
 
 def test_metrics_count_prefix_cache_queries_and_hits_in_tokens():
-    from services.gateway.metrics import GatewayMetrics
+    from folio.services.gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics("m")
     metrics.set_engine_stats(None, {"num_blocks_total": 10, "num_blocks_used": 4, "num_blocks_cached": 3,
@@ -461,8 +461,8 @@ def test_metrics_count_prefix_cache_queries_and_hits_in_tokens():
 def test_cache_salt_travels_from_the_http_request_to_the_generate_request():
     import msgspec
 
-    from services.gateway.convert import chat_generate_requests
-    from services.gateway.protocol import ChatCompletionRequest
+    from folio.services.gateway.convert import chat_generate_requests
+    from folio.services.gateway.protocol import ChatCompletionRequest
 
     req = msgspec.json.decode(b'{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "tenant-a", "n": 2}',
                               type=ChatCompletionRequest)

@@ -10,11 +10,11 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from shared.kv.allocator import BlockAllocator, NoFreeBlocks
-from services.kvmanager.service import KVManagerService
-from shared.config import Endpoints, KVManagerConfig
-from shared.kv.steplog import StepLog
-from shared.messages import (
+from folio.services.kvmanager.service import KVManagerService
+from folio.shared.config import Endpoints, KVManagerConfig
+from folio.shared.kv.allocator import BlockAllocator, NoFreeBlocks
+from folio.shared.kv.steplog import StepLog
+from folio.shared.messages import (
     GetPool,
     KVAllocate,
     KVClearCache,
@@ -27,7 +27,7 @@ from shared.messages import (
     PoolInfo,
     RegisterPool,
 )
-from shared.transport import Decoder, encode, make_socket
+from folio.shared.transport import Decoder, encode, make_socket
 from tests.services.backhalf import admin_call, short_run_dir
 
 # ---------------------------------------------------------------------------- the allocator

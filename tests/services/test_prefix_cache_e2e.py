@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.executor.runner import ModelRunner
-from shared.config import RuntimeConfig
-from shared.messages import SamplingParams
+from folio.services.executor.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import SamplingParams
 from tests.services.backhalf import back_half
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]

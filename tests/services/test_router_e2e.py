@@ -107,7 +107,7 @@ def test_uniform_traffic_without_shared_prefixes_is_balanced(stack):
     assert sum(counts) == len(prompts)
     assert abs(counts[0] - counts[1]) <= 0.2 * max(counts), counts
     # the admin CLI and /metrics tell the same
-    cli = subprocess.run([sys.executable, "-m", "services.cli", "router", "replicas", "--json", "--run-dir",
+    cli = subprocess.run([sys.executable, "-m", "folio.services.cli", "router", "replicas", "--json", "--run-dir",
                           router.run_dir], capture_output=True, text=True, timeout=60)
     rows = {row["replica"]: row for row in json.loads(cli.stdout)["replicas"]}
     assert cli.returncode == 0 and set(rows) == {a.url, b.url} and all(row["up"] for row in rows.values())

@@ -3,12 +3,12 @@ clears, snapshots) and by the real allocator's events, hashed with the shared ch
 
 from __future__ import annotations
 
-from services.router.index import KVIndex
-from services.router.replicas import Replica, parse_replica, read_load
-from services.router.routing import Router
-from shared.block_hash import block_extra_keys, chain_block_hashes
-from shared.kv.allocator import BlockAllocator
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
+from folio.services.router.index import KVIndex
+from folio.services.router.replicas import Replica, parse_replica, read_load
+from folio.services.router.routing import Router
+from folio.shared.block_hash import block_extra_keys, chain_block_hashes
+from folio.shared.kv.allocator import BlockAllocator
+from folio.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 BS = 4
 
@@ -185,9 +185,9 @@ def test_round_robin_alternates_whatever_the_cache():
 def test_prompts_are_tokenized_as_the_tokenizer_service_does(smollm_dir):
     """Chat (template included), text and token-id prompts give the ids the replica computes; a
     body the router cannot read gives None (routed by load) instead of an error."""
-    from services.router.prompt import PromptEncoder
-    from shared.text import TextTokenizer
-    from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+    from folio.services.router.prompt import PromptEncoder
+    from folio.shared.text import TextTokenizer
+    from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 
     tokenizer = TextTokenizer(smollm_dir)
     encoder = PromptEncoder(tokenizer)

@@ -11,14 +11,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.kvmanager.service import KVManagerService
-from services.router.index import KVIndex
-from services.router.metrics import RouterMetrics
-from services.router.replicas import Replica, ReplicaSet
-from shared.block_hash import block_extra_keys, chain_block_hashes
-from shared.config import Endpoints, KVManagerConfig, RouterConfig
-from shared.messages import KVAllocate, KVConfirm, KVFree, KVReset, KVStepReply, KVStepRequest, PoolInfo, RegisterPool
-from shared.transport import Decoder, encode, make_socket
+from folio.services.kvmanager.service import KVManagerService
+from folio.services.router.index import KVIndex
+from folio.services.router.metrics import RouterMetrics
+from folio.services.router.replicas import Replica, ReplicaSet
+from folio.shared.block_hash import block_extra_keys, chain_block_hashes
+from folio.shared.config import Endpoints, KVManagerConfig, RouterConfig
+from folio.shared.messages import KVAllocate, KVConfirm, KVFree, KVReset, KVStepReply, KVStepRequest, PoolInfo, RegisterPool
+from folio.shared.transport import Decoder, encode, make_socket
 from tests.services.backhalf import short_run_dir
 
 BS = 4
@@ -128,7 +128,7 @@ async def test_dns_discovery_adds_and_drops_replicas_as_addresses_change(monkeyp
 async def test_with_no_replica_up_the_router_answers_503_and_is_not_healthy():
     from aiohttp.test_utils import TestClient, TestServer
 
-    from services.router.service import RouterService
+    from folio.services.router.service import RouterService
 
     run_dir = short_run_dir()
     ctx = zmq.asyncio.Context()
@@ -163,7 +163,7 @@ async def test_a_request_held_by_a_replica_that_goes_down_is_retried_on_another(
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from services.router.service import RouterService
+    from folio.services.router.service import RouterService
 
     async def hang(request):
         await asyncio.sleep(3600)

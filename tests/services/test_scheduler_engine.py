@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from shared.kv.allocator import cdiv
+from folio.shared.kv.allocator import cdiv
 from tests.services.engine import LocalEngine, alone, engine_request, make_runner
 
 BLOCK = 16

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import msgspec
 
-from shared.kv.allocator import BlockAllocator
-from shared.messages import PoolInfo, StepResult
+from folio.shared.kv.allocator import BlockAllocator
+from folio.shared.messages import PoolInfo, StepResult
 from tests.services.kv_owner import Owner
 from tests.services.test_scheduler_policy import make, request
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from shared.messages import SamplingParams
+from folio.shared.messages import SamplingParams
 from tests.services.backhalf import back_half
 from tests.services.engine import alone, engine_request, make_runner
 

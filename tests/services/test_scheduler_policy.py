@@ -6,8 +6,8 @@ record, as the kvmanager does, and both must agree after every step.
 
 from __future__ import annotations
 
-from services.scheduler.policy import Scheduler
-from shared.messages import EngineRequest, PoolInfo, SamplingParams, StepResult
+from folio.services.scheduler.policy import Scheduler
+from folio.shared.messages import EngineRequest, PoolInfo, SamplingParams, StepResult
 from tests.services.kv_owner import Owner
 
 

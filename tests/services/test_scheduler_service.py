@@ -8,11 +8,11 @@ import asyncio
 import pytest
 import structlog
 
+from folio.services.executor.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import SamplingParams, TokenBatch
+from folio.shared.transport import Decoder, encode
 from tests.executor.toy_driver import generate
-from services.executor.runner import ModelRunner
-from shared.config import RuntimeConfig
-from shared.messages import SamplingParams, TokenBatch
-from shared.transport import Decoder, encode
 from tests.services.backhalf import back_half
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 5, [10, 11], list(range(20, 50)), [3] * 9, [60, 61, 62, 63]]

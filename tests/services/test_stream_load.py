@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from scripts.bench_streams import run_bench
-from shared.config import DEFAULT_MODEL_NAME
+from folio.shared.config import DEFAULT_MODEL_NAME
 
 NUM_STREAMS = 512
 MAX_TOKENS = 18  # past the script's split characters (数据流, 🚀), which must arrive whole

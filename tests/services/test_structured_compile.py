@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from shared.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
-from shared.messages import GuidedSpec  # noqa: E402
+from folio.shared.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
+from folio.shared.messages import GuidedSpec  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_engine import chat_model, tok  # noqa: E402,F401  (fixtures)
 

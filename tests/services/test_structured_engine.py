@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from shared.grammar import GrammarChecker  # noqa: E402
-from shared.messages import GuidedSpec  # noqa: E402
+from folio.shared.grammar import GrammarChecker  # noqa: E402
+from folio.shared.messages import GuidedSpec  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.frontend import text_tokenizer  # noqa: E402
 from tests.services.structured_schemas import SCHEMAS  # noqa: E402
@@ -89,9 +89,9 @@ def test_max_tokens_mid_structure_finishes_with_length(chat_model, tok, grammars
 
 
 def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
-    from services.executor.runner import ModelRunner
-    from shared.config import RuntimeConfig
-    from shared.messages import NewRequestData, SamplingParams, StepPlan
+    from folio.services.executor.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import NewRequestData, SamplingParams, StepPlan
 
     config = RuntimeConfig(num_kv_blocks=16, block_size=16, device="cpu", dtype="float32",
                            speculative_model="ngram", num_speculative_tokens=3)

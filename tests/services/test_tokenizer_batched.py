@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.outputs import OutputProcessor, TokenTexts
-from shared.messages import GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
+from folio.services.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.shared.messages import GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
 from tests.services.frontend import text_tokenizer
 
 PIECES = ["Hello", " 😀", " 世界", " café", " —", " naïve", " 🧑‍🚀", " END", "\n", " stop", "ST", "OP", " ∑", "日本語"]

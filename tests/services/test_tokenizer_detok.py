@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
-from services.tokenizer.outputs import OutputProcessor, TokenTexts
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
-from shared.text import RequestError
+from folio.services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
+from folio.services.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
+from folio.shared.text import RequestError
 from tests.services.frontend import text_tokenizer
 
 MIXED = "Hello 😀 世界 café — naïve 🧑‍🚀 done.\n  Indented ∑ 日本語のテキスト"

@@ -17,9 +17,9 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from services.tokenizer.service import TokenizerService
-from shared.config import Endpoints, TokenizerConfig
-from shared.messages import (
+from folio.services.tokenizer.service import TokenizerService
+from folio.shared.config import Endpoints, TokenizerConfig
+from folio.shared.messages import (
     AbortRequest,
     ChatMessage,
     EngineRequest,
@@ -30,7 +30,7 @@ from shared.messages import (
     TokenDelta,
     ToolCall,
 )
-from shared.transport import Decoder, encode, make_socket
+from folio.shared.transport import Decoder, encode, make_socket
 from tests.services.frontend import admin_call, short_run_dir, text_tokenizer
 
 pytestmark = pytest.mark.asyncio
@@ -146,7 +146,7 @@ async def test_garbage_is_dropped_and_the_service_keeps_serving(tokenizer_peers)
 async def test_main_serves_and_stops_on_sigterm():
     run_dir = short_run_dir()
     env = {**os.environ, "FOLIO_RUN_DIR": run_dir, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer.main", "--max-model-len", "64"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "folio.services.tokenizer.main", "--max-model-len", "64"], env=env,
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ctx = zmq.asyncio.Context()
     peers = Peers(ctx, Endpoints.ipc(run_dir))
@@ -165,7 +165,7 @@ async def test_main_serves_and_stops_on_sigterm():
 
 
 async def test_structured_specs_are_checked_once_and_bad_ones_answered(tokenizer_peers):
-    from shared.messages import GuidedSpec
+    from folio.shared.messages import GuidedSpec
 
     service, peers, ctx, ep = tokenizer_peers
     regex = GuidedSpec(kind="regex", spec="[0-9]{3}", param="guided_regex")

@@ -1,0 +1,44 @@
+"""``pip install .`` puts one top-level import package, ``folio``, into site-packages: the project's
+``services/`` and ``shared/`` folders become ``folio.services`` and ``folio.shared``, so that no
+other installed project named ``services`` or ``shared`` can shadow them (nor we them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pip_install_puts_one_top_level_package(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(ROOT)], check=True, timeout=600,
+                   stdout=subprocess.DEVNULL)
+    top = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
+    assert top == ["folio"], top
+    tracked = subprocess.run(["git", "ls-files", "services", "shared"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    modules = [f for f in tracked if f.endswith(".py")]
+    missing = [f for f in modules if not (target / "folio" / f).exists()]
+    assert modules and missing == [], missing  # every module of the two folders is installed under folio/
+    # the installed copy is what imports, from anywhere; the old top-level names are gone
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    probe = ("import importlib.util, folio.services.cli, folio.shared.config, folio.services.gateway.app\n"
+             "print(folio.services.cli.__file__)\n"
+             "print(importlib.util.find_spec('services'), importlib.util.find_spec('shared'))\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert out[0].startswith(str(target / "folio" / "services")), out
+    assert out[1] == "None None", out
+    # the console script runs the installed CLI
+    help_text = subprocess.run([sys.executable, str(target / "bin" / "folio"), "serve", "--help"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "--max-num-seqs" in help_text
+    # and finds each service by its module path (what ``folio serve`` starts)
+    for service in ("kvmanager", "gateway"):
+        usage = subprocess.run([sys.executable, str(target / "bin" / "folio"), "run", service, "--help"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=120).stdout
+        assert f"folio run {service}" in usage
