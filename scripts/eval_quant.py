@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     del reference
     print(f"model={path.name} reference=fp32 (--quantization none) text={sum(len(s) - 1 for s in seqs)} tokens "
           f"in {len(seqs)} sampled sequences")
-    print(f"| config | served as | mean KLD | top-1 agree | PPL ratio | target | |")
+    print("| config | served as | mean KLD | top-1 agree | PPL ratio | target | |")
     print("|---|---|---|---|---|---|---|")
     results, failed = {}, []
     for name in args.configs:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from folio.services.executor.model import LlamaForCausalLM, ModelSpec
-from folio.services.executor.parallel import Comm, Shard, check_shardable
+from folio.services.executor.parallel import Comm, Shard
 from folio.services.executor.quant_formats import (
     FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, quantize_int4,
     quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,

@@ -5,7 +5,6 @@ padded GEMMs of a graph may round differently in 16-bit types)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.cuda.fused_cases import DTYPES, check_add_rms_norm, check_rope_write_kv, check_silu_and_mul
 
