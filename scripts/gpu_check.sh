@@ -15,13 +15,16 @@
 #    project's cuda12/cuda13 extra when it is not, which needs a package index);
 # 4. runs the gpu-marked tests of tests/cuda (every kernel instance, decode split and unsplit,
 #    GQA groups, the largest step, cache write, copy-on-write, swap, executor cuda vs torch);
-#    (the fused layer kernels against torch, greedy tokens with CUDA graphs against eager);
+#    (the fused layer kernels against torch, greedy tokens with CUDA graphs against eager;
+#    the W4A16 kernels and FP8 weights against torch);
 # 5. runs scripts/bench_kernels.py --quick (copy bandwidth; decode GB/s and prefill TFLOP/s against
 #    contiguous SDPA);
 # 6. runs scripts/bench_fused.py (the fused layer kernels against the torch ops, GB/s);
 # 7. runs scripts/bench_step.py --device cuda --skip-null (the 1B shape, eager and with CUDA
-#    graphs: tok/s and ms per step at batch 1, 64, 256). Figures land in $OUT (or
-#    /tmp/folio_gpu_check) as well. The timeouts add up to 5 minutes 10 s.
+#    graphs: tok/s and ms per step at batch 1, 64, 256);
+# 8. runs scripts/bench_quant_gpu.py (one 1B-shape layer's projections: AWQ W4A16 at batch 1, 8,
+#    256 and FP8 weights at 1, 256 against bf16). Figures land in $OUT (or /tmp/folio_gpu_check)
+#    as well. The timeouts add up to 5 minutes 40 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(msgspec pyzmq structlog gguf)
@@ -84,6 +87,10 @@ timeout 25 "$PY" scripts/bench_fused.py --json "$OUT_DIR/fused.json" 2>&1 | tee 
 
 echo "== executor step, 1B shape: eager vs CUDA graphs"
 timeout 75 "$PY" scripts/bench_step.py --device cuda --skip-null 2>&1 | tee "$OUT_DIR/step.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== quantized projections (AWQ W4A16, FP8) against bf16"
+timeout 30 "$PY" scripts/bench_quant_gpu.py --json "$OUT_DIR/quant.json" 2>&1 | tee "$OUT_DIR/quant.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done (status $status); figures in $OUT_DIR"

@@ -86,7 +86,8 @@ class RuntimeConfig:
     dtype: str = flag("auto", "weights and activations", ("executor",),
                       choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str = flag("auto", "weights: auto keeps the checkpoint's own (the default model: int4); none "
-                             "dequantizes to --dtype; int8/int4 round to nearest at load time (CPU: bf16 activations)",
+                             "dequantizes to --dtype; int8/int4 round to nearest at load time (CPU: bf16 activations); "
+                             "a GPU takes awq/int4 (W4A16 kernel) and fp8 (sm_89+)",
                              ("executor",), choices=("auto", "none", "int8", "int4", "awq", "fp8"))
     device: str = flag("auto", "auto, cpu, cuda or cuda:N", ("executor",))
     block_size: int = flag(16, "tokens per KV block (the router: the replicas', until their snapshots say it)",

@@ -6,6 +6,7 @@
 #include "prefill_attention.cu"
 #include "cache_ops.cu"
 #include "fused_ops.cu"
+#include "quant_gemm.cu"
 
 #include "emu_instances.inc"
 

@@ -19,7 +19,7 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
 # module name -> source file; each module is compiled separately (only the instances a model needs)
 MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.cu", "prefill": "prefill_attention.cu",
-                "cache": "cache_ops.cu", "fused": "fused_ops.cu"}
+                "cache": "cache_ops.cu", "fused": "fused_ops.cu", "quant": "quant_gemm.cu"}
 
 # storage dtype name (torch's) -> C++ type in the kernels
 DTYPES = {"float32": "float", "float16": "folio::f16", "bfloat16": "folio::bf16"}
@@ -41,6 +41,15 @@ COPY_THREADS = 256
 NORM_THREADS = 256
 ACT_THREADS = 256
 ROPE_THREADS = 128
+# cuda/quant_gemm.cu (the W4A16 kernels over AutoAWQ's GEMM layout)
+GEMV_THREADS = 256
+GEMV_ROWS = 2
+GEMV_COLS = 256
+GEMV_K = 256
+GEMM_THREADS = 256
+GEMM_BM = 32
+GEMM_BN = 128
+QUANT_DTYPES = ("float32", "float16", "bfloat16")  # activation types of the W4A16 kernels
 
 # Our options. CuPy's RawModule adds its own (see cupy_nvrtc_options); -std=c++17 for constexpr
 # and alignas; no --use_fast_math: the kernels call __expf where they want the fast exponential.
@@ -102,6 +111,24 @@ def fused_names(dtype: str) -> FusedNames:
     return FusedNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in FUSED_KERNELS))
 
 
+QUANT_KERNELS = ("awq_gemv", "awq_gemm")  # cuda/quant_gemm.cu, templated on the activation type
+
+
+@dataclass(frozen=True)
+class QuantNames:
+    """Name expressions of the W4A16 kernels for one activation dtype."""
+
+    awq_gemv: str
+    awq_gemm: str
+
+
+def quant_names(dtype: str) -> QuantNames:
+    if dtype not in QUANT_DTYPES:
+        raise UnsupportedKernelError(f"no W4A16 kernels for activations of dtype {dtype} "
+                                     f"(built: {', '.join(QUANT_DTYPES)})")
+    return QuantNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in QUANT_KERNELS))
+
+
 @functools.cache  # asked once per layer and step
 def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
     """The instances for one configuration, or an error that names the one that is missing."""
@@ -129,8 +156,11 @@ def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
 
 
 def module_of(name: str) -> str:
-    if name.split("<")[0].removeprefix("folio::") in FUSED_KERNELS:
+    base = name.split("<")[0].removeprefix("folio::")
+    if base in FUSED_KERNELS:
         return "fused"
+    if base in QUANT_KERNELS:
+        return "quant"
     if name.startswith("folio::paged_decode"):
         return "decode"
     if name.startswith("folio::paged_prefill"):
@@ -151,6 +181,7 @@ def all_name_expressions() -> dict[str, list[str]]:
         names["attention"].append(reduce_name(dtype))
         names["cache"].append(write_kv_name(dtype))
         names["fused"].extend(vars(fused_names(dtype)).values())
+        names["quant"].extend(vars(quant_names(dtype)).values())
     names["cache"].append(COPY_BLOCKS_NAME)
     return names
 
@@ -200,7 +231,7 @@ def _raw_module(module: str, names: tuple[str, ...], device_id: int):
     return mod
 
 
-def compiled_kernel(name: str, names: KernelNames | FusedNames, device_id: int):
+def compiled_kernel(name: str, names: KernelNames | FusedNames | QuantNames, device_id: int):
     """A launchable ``cupy.RawKernel`` for ``name``; compiles its module (with the configuration's
     other instances of that module) on first use in this process."""
     module = module_of(name)

@@ -18,9 +18,10 @@ import torch
 from folio.services.executor.model import LlamaForCausalLM, ModelSpec
 from folio.services.executor.parallel import Comm, Shard
 from folio.services.executor.quant_formats import (
-    FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, quantize_int4,
-    quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,
+    FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, on_awq_grid,
+    quantize_int4, quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,
 )
+from folio.services.executor.quant_gpu import quantize_model_gpu, require_fp8
 from folio.services.executor.quant_linear import quantize_model
 from folio.shared.models import load_gguf_state
 
@@ -145,13 +146,14 @@ def prepared_source(folder: Path) -> Path | None:
     return None
 
 
-def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size: int) -> dict:
+def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size: int, awq_grid: bool = False) -> dict:
     """Our fused projection names -> their int4/int8 weights, taken from the checkpoint when it
-    holds them in the wanted form, else rounded to nearest from the dense weights."""
+    holds them in the wanted form, else rounded to nearest from the dense weights. ``awq_grid``
+    (the GPU kernel): int4 weights must have integer zero points; others (Q4_1) are re-rounded."""
 
     def one(name: str):
         w = quant.get(name)
-        if method in ("int4", "awq") and isinstance(w, Int4Weight):
+        if method in ("int4", "awq") and isinstance(w, Int4Weight) and (not awq_grid or on_awq_grid(w)):
             return w
         if method == "int8" and isinstance(w, Int8Weight):
             return w
@@ -170,17 +172,25 @@ def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size:
     return out
 
 
+GPU_METHODS = ("none", "awq", "int4", "fp8")
+
+
 def resolve_quantization(requested: str, checkpoint: str, device: torch.device) -> str:
-    """``auto`` keeps the checkpoint's own quantization; the rest are checked against the device."""
+    """``auto`` keeps the checkpoint's own quantization; the rest are checked against the device.
+
+    On a CUDA GPU: ``awq`` and ``int4`` run the W4A16 kernel, ``fp8`` needs sm_89+; ``auto``
+    serves an AWQ folder as ``awq`` and anything else dense (a Q4_1 GGUF's zero points are not
+    on the kernel's integer grid; int8 has no GPU kernel). On the CPU every method but fp8."""
     if requested not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {requested!r}; choose one of {', '.join(QUANT_METHODS)}")
     method = checkpoint if requested == "auto" else requested
-    if requested == "auto" and device.type != "cpu":
-        method = "none"  # the packed layers are CPU kernels: elsewhere auto serves the dense weights
+    if requested == "auto" and device.type != "cpu" and method != "awq":
+        method = "none"
     if method == "fp8":
-        raise ValueError("fp8 weights need a CUDA GPU with FP8 support (sm_89+); this build serves fp8 nowhere yet")
-    if method != "none" and device.type != "cpu":
-        raise ValueError(f"--quantization {method} runs on the CPU only in this build; use none on {device.type}")
+        require_fp8(device)
+    if method != "none" and device.type != "cpu" and (device.type != "cuda" or method not in GPU_METHODS):
+        raise ValueError(f"--quantization {method} has no kernel on {device.type} in this build; on a CUDA GPU "
+                         f"use one of {', '.join(GPU_METHODS)}")
     return method
 
 
@@ -189,7 +199,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     """Build our model from a model folder or a .gguf file, weights in ``dtype`` on ``device``.
 
     ``quantization``: ``auto`` (the checkpoint's own), ``none`` (dense), ``int8``, ``int4`` (group
-    ``group_size``) or ``awq``; the method chosen is ``model.quantization``. With a ``shard`` of
+    ``group_size``), ``awq`` or ``fp8`` (GPU); the method chosen is ``model.quantization``. With a ``shard`` of
     more than one rank, only this rank's slices (``sharded_load.py``)."""
     path = Path(path)
     if shard.size > 1:
@@ -206,6 +216,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.init_rope(dtype, device)
     model.quantization = method
-    if method != "none":
+    if method == "fp8":
+        quantize_model_gpu(model, method)
+    elif method != "none" and device.type == "cuda":
+        quantize_model_gpu(model, method, _fused_quant_weights(state, quant, spec, method, group_size, awq_grid=True))
+    elif method != "none":
         quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size))
     return model

@@ -98,9 +98,15 @@ def int4_zero_points(w: Int4Weight) -> torch.Tensor:
     """Integer zero points z with ``(q - z) * s == (q - 8) * s + zero``; exact for weights from
     ``quantize_int4`` or AWQ, raises for others (a Q4_1 minimum is not on the grid)."""
     z = 8.0 - w.zero / w.scale
-    if not torch.allclose(z, z.round(), atol=1e-3):
+    if not on_awq_grid(w):
         raise ValueError("these int4 weights have zero points off the integer grid (not AWQ-expressible)")
     return z.round().clamp(0, 15).to(torch.int32)
+
+
+def on_awq_grid(w: Int4Weight) -> bool:
+    """Whether ``int4_zero_points`` can express ``w`` (AWQ's and ``quantize_int4``'s can, Q4_1's not)."""
+    z = 8.0 - w.zero / w.scale
+    return bool(torch.allclose(z, z.round(), atol=1e-3))
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:

@@ -105,6 +105,9 @@ def test_python_constants_match_the_kernel_sources():
     for name, value in (("NORM_THREADS", ck.NORM_THREADS), ("ACT_THREADS", ck.ACT_THREADS),
                         ("ROPE_THREADS", ck.ROPE_THREADS)):
         assert re.search(rf"constexpr int {name} = {value};", fused), name
+    quant = ck.module_source("quant")
+    for name in ("GEMV_THREADS", "GEMV_ROWS", "GEMV_COLS", "GEMV_K", "GEMM_THREADS", "GEMM_BM", "GEMM_BN"):
+        assert re.search(rf"constexpr int {name} = {getattr(ck, name)};", quant), name
 
 
 def test_sources_are_self_contained():

@@ -184,10 +184,14 @@ def test_packed_layers_are_row_invariant(bits):
         assert torch.equal(layer(x[i:i + 3]), full[i:i + 3])
 
 
-def test_auto_keeps_the_checkpoint_format_on_the_cpu_and_serves_dense_weights_elsewhere():
+def test_auto_keeps_the_checkpoint_format_on_the_cpu_and_what_a_gpu_kernel_takes_elsewhere():
     from folio.services.executor.loader import resolve_quantization
 
     assert resolve_quantization("auto", "int4", torch.device("cpu")) == "int4"
-    assert resolve_quantization("auto", "int4", torch.device("cuda")) == "none"
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_quantization("int4", "none", torch.device("cuda"))
+    assert resolve_quantization("auto", "int4", torch.device("cuda")) == "none"  # Q4_1: off the AWQ grid
+    assert resolve_quantization("auto", "awq", torch.device("cuda")) == "awq"
+    assert resolve_quantization("int4", "none", torch.device("cuda")) == "int4"
+    with pytest.raises(ValueError, match="no kernel on cuda"):
+        resolve_quantization("int8", "none", torch.device("cuda"))
+    with pytest.raises(ValueError, match="no kernel on mps"):
+        resolve_quantization("int4", "none", torch.device("mps"))
