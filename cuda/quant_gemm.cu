@@ -117,19 +117,21 @@ __global__ void __launch_bounds__(GEMV_THREADS) awq_gemv(
   }
 }
 
-// Chunks: y[m, n] for a GEMM_BM x GEMM_BN tile over the whole K. Per GEMM_BK step, x's tile goes
-// to shared memory as fp32 (transposed) and the weight tile is dequantized into shared memory as
-// fp32 by 128 threads (one 16-byte load of qweight each); every thread then owns 4 rows x 4
-// columns (columns tx + 32 j: consecutive lanes, consecutive banks) and runs FMA.
-// Grid (ceil(N / GEMM_BN), ceil(M / GEMM_BM)), block GEMM_THREADS.
+// Chunks: y[m, n] for a GEMM_BM x GEMM_BN tile over K rows [z k_split, (z + 1) k_split). Per
+// GEMM_BK step, x's tile goes to shared memory as fp32 (transposed) and the weight tile is
+// dequantized into shared memory as fp32 by 128 threads (one 16-byte load of qweight each); every
+// thread then owns 4 rows x 4 columns (columns tx + 32 j: consecutive lanes, consecutive banks)
+// and runs FMA. One K split (gridDim.z == 1) writes y in T; more write fp32 partial sums.
+// Grid (ceil(N / GEMM_BN), ceil(M / GEMM_BM), ceil(K / k_split)), block GEMM_THREADS.
 template <typename T>
 __global__ void __launch_bounds__(GEMM_THREADS) awq_gemm(
-    T* __restrict__ y,                   // [M, N], contiguous
+    T* __restrict__ y,                   // [M, N], contiguous (one split)
+    float* __restrict__ partial,         // [gridDim.z, M, N] fp32 (several splits)
     const T* __restrict__ x,             // [M, K], contiguous
     const int* __restrict__ qweight,     // [K, N / 8]
     const int* __restrict__ qzeros,      // [K / g, N / 8]
     const f16* __restrict__ scales,      // [K / g, N]
-    int M, int N, int K, int group_size) {
+    int M, int N, int K, int group_size, int k_split) {  // k_split % GEMM_BK == 0
   __shared__ float xs[GEMM_BK][GEMM_BM];
   __shared__ float ws[GEMM_BK][GEMM_BN + 4];  // +4: the dequantizing stores hit 8 banks, not 1
   const int tid = threadIdx.x, tx = tid % 32, ty = tid / 32;
@@ -140,7 +142,8 @@ __global__ void __launch_bounds__(GEMM_THREADS) awq_gemm(
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-  for (int k0 = 0; k0 < K; k0 += GEMM_BK) {
+  const int k_end = min(K, (int)(blockIdx.z + 1) * k_split);
+  for (int k0 = blockIdx.z * k_split; k0 < k_end; k0 += GEMM_BK) {
     {  // x tile: thread = 4 consecutive k of one row
       const int r = tid / 8, c = (tid % 8) * 4, m = m_base + r;
 #pragma unroll
@@ -186,7 +189,12 @@ __global__ void __launch_bounds__(GEMM_THREADS) awq_gemm(
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int n = n_base + tx + 32 * j;
-      if (n < N) y[(long long)m * N + n] = from_float<T>(acc[i][j]);
+      if (n >= N) continue;
+      if (gridDim.z == 1) {
+        y[(long long)m * N + n] = from_float<T>(acc[i][j]);
+      } else {
+        partial[((long long)blockIdx.z * M + m) * N + n] = acc[i][j];
+      }
     }
   }
 }

@@ -49,6 +49,7 @@ GEMV_K = 256
 GEMM_THREADS = 256
 GEMM_BM = 32
 GEMM_BN = 128
+GEMM_BK = 32
 QUANT_DTYPES = ("float32", "float16", "bfloat16")  # activation types of the W4A16 kernels
 
 # Our options. CuPy's RawModule adds its own (see cupy_nvrtc_options); -std=c++17 for constexpr

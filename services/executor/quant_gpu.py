@@ -4,7 +4,8 @@
 - ``AwqLinear`` holds a projection in AutoAWQ's GEMM layout (``qweight [in, out/8]``,
   ``qzeros [in/g, out/8]`` int32, ``scales [in/g, out]`` fp16) and runs ``cuda/quant_gemm.cu``:
   up to ``GEMV_MAX_ROWS`` rows (decode) through ``awq_gemv`` (fp32 partial sums per K slice,
-  summed here), more through the tiled ``awq_gemm``. Activations stay in the model's dtype.
+  summed here), more through the tiled ``awq_gemm`` (split along K, with partial sums, when its
+  tiles alone would not fill twice the SMs). Activations stay in the model's dtype.
   The kernels launch through a launcher (CuPy on a GPU, the CPU emulation in tests).
 - ``Fp8Linear`` holds e4m3 weights with one fp32 scale per output channel (quantized at load
   time) and quantizes each call's activations per token (row), then ``torch._scaled_mm`` with
@@ -24,7 +25,8 @@ from torch import nn
 from folio.services.executor import cuda_kernels as ck
 from folio.services.executor.quant_formats import Int4Weight, int4_to_awq
 
-GEMV_MAX_ROWS = 8  # rows up to which awq_gemv (reads the weights once per 4 rows) beats the tile (unmeasured)
+GEMV_MAX_ROWS = 8  # rows up to which awq_gemv (reads the weights once per 2 rows) beats the tile (unmeasured)
+GEMM_MIN_SPLIT = 256  # K rows per split of awq_gemm at least
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -61,10 +63,22 @@ def awq_matmul(launcher, x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.T
         launcher.launch(names, "awq_gemv", grid, (ck.GEMV_THREADS, 1, 1),
                         [_ptr(partial), _ptr(x), *weights, *ints], x.device)
         return (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (-(-n // ck.GEMM_BN), -(-m // ck.GEMM_BM), 1)
-    launcher.launch(names, "awq_gemm", grid, (ck.GEMM_THREADS, 1, 1), [_ptr(y), _ptr(x), *weights, *ints], x.device)
-    return y
+    tiles = -(-n // ck.GEMM_BN) * -(-m // ck.GEMM_BM)
+    # split K when the tiles alone leave SMs idle (a batch of 9-64 rows on N = 2048 is 16 tiles),
+    # keeping at least GEMM_MIN_SPLIT rows per split
+    splits = max(1, min(k // GEMM_MIN_SPLIT, -(-2 * launcher.num_sms // tiles)))
+    k_split = ck.GEMM_BK * -(-k // (ck.GEMM_BK * splits))
+    splits = -(-k // k_split)
+    grid = (-(-n // ck.GEMM_BN), -(-m // ck.GEMM_BM), splits)
+    if splits == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        partial = y  # unused
+    else:
+        partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        y = partial  # unused
+    launcher.launch(names, "awq_gemm", grid, (ck.GEMM_THREADS, 1, 1),
+                    [_ptr(y), _ptr(partial), _ptr(x), *weights, *ints, np.int32(k_split)], x.device)
+    return y if splits == 1 else partial.sum(0).to(x.dtype)
 
 
 class AwqLinear(nn.Module):

@@ -106,7 +106,7 @@ def test_python_constants_match_the_kernel_sources():
                         ("ROPE_THREADS", ck.ROPE_THREADS)):
         assert re.search(rf"constexpr int {name} = {value};", fused), name
     quant = ck.module_source("quant")
-    for name in ("GEMV_THREADS", "GEMV_ROWS", "GEMV_COLS", "GEMV_K", "GEMM_THREADS", "GEMM_BM", "GEMM_BN"):
+    for name in ("GEMV_THREADS", "GEMV_ROWS", "GEMV_COLS", "GEMV_K", "GEMM_THREADS", "GEMM_BM", "GEMM_BN", "GEMM_BK"):
         assert re.search(rf"constexpr int {name} = {getattr(ck, name)};", quant), name
 
 

@@ -41,6 +41,14 @@ def test_gemv_launch_geometry(emu_launcher):
     assert grid == (4, 3, 4) and block == (ck.GEMV_THREADS, 1, 1)
 
 
+def test_gemm_splits_k_when_its_tiles_are_few(emu_launcher):
+    """7 tiles on the emulated 4 SMs: two K splits of 288 rows (fp32 partial sums); a short K
+    stays whole (y written in T directly)."""
+    check_awq_matmul(emu_launcher, torch.bfloat16, 17, 800, 576, 32)
+    check_awq_matmul(emu_launcher, torch.bfloat16, 33, 32, 64, 32)
+    assert [grid for _, grid, _ in emu_launcher.launches] == [(7, 1, 2), (1, 2, 1)]
+
+
 def test_awq_linear_layer(emu_launcher):
     check_awq_linear(emu_launcher, torch.bfloat16)
 
