@@ -10,6 +10,9 @@ namespace folio {
 
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
+// e4m3 ("fn": no infinities, 0x7f/0xff are NaN, largest finite 448), the storage of an fp8 KV
+// pool; same size and bit layout as torch's float8_e4m3fn and CUDA's __nv_fp8_e4m3.
+struct fp8e4m3 { unsigned char bits; };
 
 constexpr int WARP_SIZE = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
@@ -58,10 +61,45 @@ FOLIO_EMU_CONVERSIONS  // host versions, from cuda/emulation/cuda_emu.h
 FOLIO_EMU_CP_ASYNC
 #endif
 
+// e4m3 <-> fp32 in plain integer and float arithmetic, the same code on every architecture and in
+// the emulation (sm_80 has no fp8 conversion instruction). Widening is exact. Narrowing rounds to
+// nearest even and saturates to +-448 (CUDA's __NV_SATFINITE); NaN stays NaN. Bit for bit the
+// same as torch's x.clamp(-448, 448).to(torch.float8_e4m3fn) (tests/cuda/test_fp8_emulated.py).
+__device__ __forceinline__ float to_float(fp8e4m3 x) {
+  const unsigned b = x.bits, mag = b & 0x7fu;
+  const unsigned sign = (b & 0x80u) << 24;
+  if (mag == 0x7fu) return __uint_as_float(sign | 0x7fc00000u);
+  // subnormals (exponent field 0): m * 2^-9, exactly; normals: rebias the exponent (7 -> 127)
+  const float f = mag < 8u ? (float)mag * 0.001953125f : __uint_as_float((mag << 20) + (120u << 23));
+  return __uint_as_float(__float_as_uint(f) | sign);
+}
+
+__device__ __forceinline__ fp8e4m3 fp8_from_float(float x) {
+  const unsigned u = __float_as_uint(x);
+  const unsigned sign = (u >> 24) & 0x80u, mag = u & 0x7fffffffu;
+  unsigned char r;
+  if (mag > 0x7f800000u) {
+    r = 0x7fu;  // NaN
+  } else if (mag >= 0x43e00000u) {
+    r = 0x7eu;  // |x| >= 448 (and infinity): saturate
+  } else if (mag >= 0x3c800000u) {
+    // normal (|x| >= 2^-6): keep 3 mantissa bits, rounding to nearest even, then rebias
+    r = (unsigned char)(((mag + 0x7ffffu + ((mag >> 20) & 1u)) >> 20) - (120u << 3));
+  } else {
+    // subnormal: adding 2^14 leaves |x| rounded (nearest even, the FP add's rounding) to a
+    // multiple of 2^-9 in the low mantissa bits
+    r = (unsigned char)(__float_as_uint(__uint_as_float(mag) + 16384.0f) - 0x46800000u);
+  }
+  return fp8e4m3{(unsigned char)(r | sign)};
+}
+
 // One 16-byte vector of T. Reading through an aggregate of T (not a word type reinterpreted as T)
 // keeps the access legal under C++ aliasing rules, which g++ -O2 enforces in the emulation.
 template <typename T>
 struct alignas(16) vec16 { T e[16 / sizeof(T)]; };
+// N elements of T (N * sizeof(T) = 4, 8 or 16 bytes), read as one aligned vector.
+template <typename T, int N>
+struct alignas(N * sizeof(T)) vecn { T e[N]; };
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 

@@ -27,17 +27,21 @@ constexpr int pow2_floor(int x) {
   return p;
 }
 
-template <typename T, int HEAD>
+// T: the activations' type (q, out); C: the pool's (T, or fp8e4m3: a lane's VEC dims of a K/V row
+// are then VEC bytes, and one 16-byte copy carries CVEC = 16 dims).
+template <typename T, int HEAD, typename C = T>
 struct DecodeShape {
-  static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte vector
-  static constexpr int CHUNKS = HEAD / VEC;  // vectors per K/V row
+  static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte vector of T: a lane's dims
+  static constexpr int CHUNKS = HEAD / VEC;  // lanes' vectors per K/V row
+  static constexpr int CVEC = 16 / sizeof(C);  // pool elements per 16-byte copy
+  static constexpr int CCHUNKS = HEAD / CVEC;  // 16-byte copies per K/V row
   static constexpr int TPR = CHUNKS <= 8 ? 8 : CHUNKS <= 16 ? 16 : 32;  // lanes per thread row
   static constexpr int ROWS = DECODE_THREADS / TPR;  // thread rows
   static constexpr int HPT = (DECODE_MAX_GROUP + ROWS - 1) / ROWS;  // most heads a thread row takes
   // Keys per tile: K + V of a tile stay within 12 KB, so three stages fit the static 48 KB.
   static constexpr int TILE = pow2_floor(12288 / (2 * HEAD * (int)sizeof(T)));
   static constexpr int TILE_ELEMS = TILE * HEAD;
-  static constexpr int PIPE_BYTES = DECODE_STAGES * 2 * TILE_ELEMS * (int)sizeof(T);
+  static constexpr int PIPE_BYTES = DECODE_STAGES * 2 * TILE_ELEMS * (int)sizeof(C);
   static constexpr int MERGE_BYTES = ROWS * HPT * (HEAD + 2) * (int)sizeof(float);
   static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
   static_assert(HEAD % VEC == 0 && CHUNKS <= 32, "a K/V row must be whole 16-byte vectors, at most 32");
@@ -48,26 +52,26 @@ struct DecodeShape {
 // into shared memory ([TILE][HEAD] each for K and V), as 16-byte cp.async copies. Consecutive
 // threads take consecutive vectors of a row, then the next row: whole 32-byte sectors, coalesced.
 // Keys at or past `end` are zero-filled (no read), so no stale or NaN bytes reach the math.
-// A quantized cache would change this function and read_vec below, nothing else.
-template <typename T, int HEAD, int BLOCK>
-__device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* __restrict__ k_cache,
-                                             const T* __restrict__ v_cache, const int* __restrict__ table,
+// The tiles hold the pool's raw elements (C): an fp8 pool is widened by read_vec below.
+template <typename T, int HEAD, int BLOCK, typename C>
+__device__ __forceinline__ void load_kv_tile(C* k_s, C* v_s, const C* __restrict__ k_cache,
+                                             const C* __restrict__ v_cache, const int* __restrict__ table,
                                              int first, int end, long long token_stride, int head_offset) {
-  using S = DecodeShape<T, HEAD>;
-  for (int c = threadIdx.x; c < S::TILE * S::CHUNKS; c += DECODE_THREADS) {
-    const int key = c / S::CHUNKS, col = c % S::CHUNKS, pos = first + key;
+  using S = DecodeShape<T, HEAD, C>;
+  for (int c = threadIdx.x; c < S::TILE * S::CCHUNKS; c += DECODE_THREADS) {
+    const int key = c / S::CCHUNKS, col = c % S::CCHUNKS, pos = first + key;
     const bool valid = pos < end;
     long long off = 0;
-    if (valid) off = ((long long)table[pos / BLOCK] * BLOCK + pos % BLOCK) * token_stride + head_offset + col * S::VEC;
-    cp_async16(k_s + key * HEAD + col * S::VEC, k_cache + off, valid ? 16 : 0);
-    cp_async16(v_s + key * HEAD + col * S::VEC, v_cache + off, valid ? 16 : 0);
+    if (valid) off = ((long long)table[pos / BLOCK] * BLOCK + pos % BLOCK) * token_stride + head_offset + col * S::CVEC;
+    cp_async16(k_s + key * HEAD + col * S::CVEC, k_cache + off, valid ? 16 : 0);
+    cp_async16(v_s + key * HEAD + col * S::CVEC, v_cache + off, valid ? 16 : 0);
   }
 }
 
-// One lane's 16-byte vector of a row in shared memory, widened to fp32.
-template <typename T, int VEC>
-__device__ __forceinline__ void read_vec(const T* p, float (&f)[VEC]) {
-  const vec16<T> w = *reinterpret_cast<const vec16<T>*>(p);
+// VEC consecutive elements of a row (16 bytes of T; VEC bytes of an fp8 pool), widened to fp32.
+template <typename C, int VEC>
+__device__ __forceinline__ void read_vec(const C* p, float (&f)[VEC]) {
+  const vecn<C, VEC> w = *reinterpret_cast<const vecn<C, VEC>*>(p);
 #pragma unroll
   for (int v = 0; v < VEC; ++v) f[v] = to_float(w.e[v]);
 }
@@ -80,24 +84,24 @@ __device__ __forceinline__ float row_sum(float v) {
   return v;
 }
 
-template <typename T, int HEAD, int BLOCK>
+template <typename T, int HEAD, int BLOCK, typename C = T>
 __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
     T* __restrict__ out,                      // [num_tokens, num_heads, HEAD]; written unsplit
     float* __restrict__ part_out,             // [num_tokens, num_heads, num_splits, HEAD] (split)
     float* __restrict__ part_lse,             // [num_tokens, num_heads, num_splits] (split)
     const T* __restrict__ query,              // [num_tokens, num_heads, HEAD], token stride q_stride
-    const T* __restrict__ k_cache,            // [num_blocks, BLOCK, num_kv_heads, HEAD]
-    const T* __restrict__ v_cache,            // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const C* __restrict__ k_cache,            // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const C* __restrict__ v_cache,            // [num_blocks, BLOCK, num_kv_heads, HEAD]
     const int* __restrict__ block_tables,     // [num_seqs, max_blocks]
     const int* __restrict__ seq_lens,         // [num_seqs]
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ items,            // [num_items]: the sequence of each decode item
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale, int num_splits,
-    int split_size) {
-  using S = DecodeShape<T, HEAD>;
+    int split_size, float k_scale, float v_scale) {
+  using S = DecodeShape<T, HEAD, C>;
   constexpr int VEC = S::VEC, HPT = S::HPT, KJ = DECODE_KEYS_PER_STEP;
   alignas(16) __shared__ unsigned char smem[S::SMEM_BYTES];
-  T* pipe = reinterpret_cast<T*>(smem);  // [STAGES][K, V][TILE][HEAD]
+  C* pipe = reinterpret_cast<C*>(smem);  // [STAGES][K, V][TILE][HEAD]
 
   const int item = blockIdx.x / num_splits, split = blockIdx.x % num_splits;
   const int kv_head = blockIdx.y;
@@ -126,10 +130,10 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
 #pragma unroll
     for (int v = 0; v < VEC; ++v) q[i][v] = acc[i][v] = 0.f;
     if (i < hpt && h < group && lane_on) {
-      // the softmax scale is folded into q once instead of into every score
+      // the softmax scale and the pool's K scale are folded into q once instead of into every score
       read_vec<T, VEC>(query + token * q_stride + (long long)(kv_head * group + h) * HEAD + tx * VEC, q[i]);
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) q[i][v] *= scale;
+      for (int v = 0; v < VEC; ++v) q[i][v] *= scale * k_scale;
     }
   }
 
@@ -139,7 +143,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
 #pragma unroll
   for (int s = 0; s < DECODE_STAGES - 1; ++s) {
     if (s < num_tiles)
-      load_kv_tile<T, HEAD, BLOCK>(pipe + 2 * s * S::TILE_ELEMS, pipe + (2 * s + 1) * S::TILE_ELEMS, k_cache, v_cache,
+      load_kv_tile<T, HEAD, BLOCK, C>(pipe + 2 * s * S::TILE_ELEMS, pipe + (2 * s + 1) * S::TILE_ELEMS, k_cache, v_cache,
                                    table, begin + s * S::TILE, end, token_stride, kv_head * HEAD);
     cp_async_commit();  // empty groups too: the wait below counts groups
   }
@@ -148,14 +152,14 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
     const int next = t + DECODE_STAGES - 1;
     if (next < num_tiles) {
       const int st = next % DECODE_STAGES;
-      load_kv_tile<T, HEAD, BLOCK>(pipe + 2 * st * S::TILE_ELEMS, pipe + (2 * st + 1) * S::TILE_ELEMS, k_cache,
+      load_kv_tile<T, HEAD, BLOCK, C>(pipe + 2 * st * S::TILE_ELEMS, pipe + (2 * st + 1) * S::TILE_ELEMS, k_cache,
                                    v_cache, table, begin + next * S::TILE, end, token_stride, kv_head * HEAD);
     }
     cp_async_commit();
     cp_async_wait<DECODE_STAGES - 1>();  // this thread's copies of tile t have landed
     __syncthreads();                     // and everyone else's
-    const T* k_s = pipe + 2 * (t % DECODE_STAGES) * S::TILE_ELEMS;
-    const T* v_s = k_s + S::TILE_ELEMS;
+    const C* k_s = pipe + 2 * (t % DECODE_STAGES) * S::TILE_ELEMS;
+    const C* v_s = k_s + S::TILE_ELEMS;
     const int first = begin + t * S::TILE;
     for (int j = kz * KJ; j < S::TILE; j += key_slots * KJ) {
       float s[KJ][HPT], vf[KJ][VEC];
@@ -165,8 +169,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
 #pragma unroll
         for (int v = 0; v < VEC; ++v) kf[v] = vf[kj][v] = 0.f;
         if (lane_on) {
-          read_vec<T, VEC>(k_s + (j + kj) * HEAD + tx * VEC, kf);
-          read_vec<T, VEC>(v_s + (j + kj) * HEAD + tx * VEC, vf[kj]);
+          read_vec<C, VEC>(k_s + (j + kj) * HEAD + tx * VEC, kf);
+          read_vec<C, VEC>(v_s + (j + kj) * HEAD + tx * VEC, vf[kj]);
         }
         const bool visible = first + j + kj < end;
 #pragma unroll
@@ -241,7 +245,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
         o += acc_s[e * HEAD + d] * w;
       }
     }
-    o = l_all > 0.f ? o / l_all : 0.f;
+    o = l_all > 0.f ? o / l_all * v_scale : 0.f;  // the pool's V scale, once per output
     const int head = kv_head * group + h;
     if (num_splits == 1) {
       out[((long long)token * num_heads + head) * HEAD + d] = from_float<T>(o);

@@ -22,14 +22,14 @@ constexpr int ATTN_MIN_BLOCKS = 2;
 // Dot products of one K row (HEAD elements at k) with every row's query in shared memory.
 // Rows past num_rows (a short last work item, or decode with a small GQA group) are skipped:
 // the branch is uniform across the warp, and the loops stay unrolled so s[] lives in registers.
-template <typename T, int HEAD>
-__device__ __forceinline__ void score_key(const T* __restrict__ k, const float (*q_s)[HEAD], int num_rows,
+template <typename C, int HEAD>
+__device__ __forceinline__ void score_key(const C* __restrict__ k, const float (*q_s)[HEAD], int num_rows,
                                           float (&s)[ATTN_ROWS]) {
-  constexpr int VEC = 16 / sizeof(T);
+  constexpr int VEC = 16 / sizeof(C);
 #pragma unroll
   for (int r = 0; r < ATTN_ROWS; ++r) s[r] = 0.f;
   for (int c = 0; c < HEAD; c += VEC) {
-    const vec16<T> w = *reinterpret_cast<const vec16<T>*>(k + c);
+    const vec16<C> w = *reinterpret_cast<const vec16<C>*>(k + c);
     float kf[VEC];
 #pragma unroll
     for (int v = 0; v < VEC; ++v) kf[v] = to_float(w.e[v]);
@@ -42,20 +42,21 @@ __device__ __forceinline__ void score_key(const T* __restrict__ k, const float (
   }
 }
 
-template <typename T, int HEAD, int BLOCK>
+// C: the pool's element type (T, or fp8e4m3 with the layer's k_scale/v_scale).
+template <typename T, int HEAD, int BLOCK, typename C = T>
 __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention(
     T* __restrict__ out,                   // [num_tokens, num_heads, HEAD] (one partition)
     float* __restrict__ part_out,          // [num_tokens, num_heads, num_partitions, HEAD]
     float* __restrict__ part_lse,          // [num_tokens, num_heads, num_partitions]
     const T* __restrict__ query,           // [num_tokens, num_heads, HEAD], token stride q_stride
-    const T* __restrict__ k_cache,         // [num_blocks, BLOCK, num_kv_heads, HEAD]
-    const T* __restrict__ v_cache,         // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const C* __restrict__ k_cache,         // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const C* __restrict__ v_cache,         // [num_blocks, BLOCK, num_kv_heads, HEAD]
     const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
     const int* __restrict__ seq_lens,      // [num_seqs]
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ work,          // [num_work, 2]: (seq, first row)
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale,
-    int num_partitions, int partition_size) {
+    int num_partitions, int partition_size, float k_scale, float v_scale) {
   constexpr int PER_LANE = HEAD / WARP_SIZE;  // head dims each lane accumulates
   __shared__ float q_s[ATTN_ROWS][HEAD];
   __shared__ float p_s[ATTN_WARPS][ATTN_ROWS][WARP_SIZE];
@@ -83,13 +84,14 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
   const int part_begin = blockIdx.z * span;
   const int part_end = min(kv_end, part_begin + span);
 
-  // The softmax scale is folded into q once instead of into every score.
+  // The softmax scale and the pool's K scale are folded into q once instead of into every score.
+  const float q_scale = scale * k_scale;
   for (int i = threadIdx.x; i < ATTN_ROWS * HEAD; i += ATTN_THREADS) {
     const int r = i / HEAD, d = i % HEAD, row = row0 + r;
     float q = 0.f;
     if (r < num_rows) {
       const int head = kv_head * group + row % group;
-      q = to_float(query[(long long)(q_begin + row / group) * q_stride + head * HEAD + d]) * scale;
+      q = to_float(query[(long long)(q_begin + row / group) * q_stride + head * HEAD + d]) * q_scale;
     }
     q_s[r][d] = q;
   }
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     if (valid) {
       const int block = block_tables[seq * max_blocks + pos / BLOCK];
       off = ((long long)block * BLOCK + pos % BLOCK) * token_stride + kv_head * HEAD;
-      score_key<T, HEAD>(k_cache + off, q_s, num_rows, s);
+      score_key<C, HEAD>(k_cache + off, q_s, num_rows, s);
     }
 #pragma unroll
     for (int r = 0; r < ATTN_ROWS; ++r) {
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     // Each V row is read once (lanes take interleaved dims: coalesced) and serves every row.
     const int num_keys = min(WARP_SIZE, part_end - tile);
     for (int j = 0; j < num_keys; ++j) {
-      const T* v = v_cache + off_s[warp][j];
+      const C* v = v_cache + off_s[warp][j];
       float vf[PER_LANE];
 #pragma unroll
       for (int i = 0; i < PER_LANE; ++i) vf[i] = to_float(v[lane + i * WARP_SIZE]);
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
         o += acc_s[w][r][d] * weight;
       }
     }
-    o = l_all > 0.f ? o / l_all : 0.f;
+    o = l_all > 0.f ? o / l_all * v_scale : 0.f;  // the pool's V scale, once per output
     const long long out_row = (long long)(q_begin + row / group) * num_heads + kv_head * group + row % group;
     if (num_partitions == 1) {
       out[out_row * HEAD + d] = from_float<T>(o);

@@ -11,8 +11,9 @@ Exits 1 when a configuration misses its target (see TARGETS), so CI can run it a
     python scripts/eval_quant.py [--model M] [--configs int4 int8] [--num-tokens 10240]
     python scripts/eval_quant.py --configs awq=/path/to/awq-folder int4-g64 ...
 
-A config is ``NAME`` (a --quantization value on ``--model``; ``int4-gN`` picks the group size) or
-``NAME=FOLDER`` (a quantized folder served with its own quantization).
+A config is ``NAME`` (a --quantization value on ``--model``; ``int4-gN`` picks the group size),
+``NAME=FOLDER`` (a quantized folder served with its own quantization), or ``kv-fp8``: the fp32
+weights over an FP8 (e4m3) KV pool whose per-layer scales are calibrated as the executor does.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from folio.services.executor.attention import AttentionMetadata  # noqa: E402
+from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from folio.services.executor.kv_quant import FP8_DTYPE, calibrate_kv_scales, calibration_ids  # noqa: E402
 from folio.services.executor.loader import load_model  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
 from folio.shared.models import resolve_model  # noqa: E402
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration
-TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.98), "awq": (0.05, 0.90), "int4-g": (None, None)}
+TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.98), "awq": (0.05, 0.90), "int4-g": (None, None),
+           "kv-fp8": (5e-3, 0.98)}
 PROMPTS = [
     "The history of the printing press", "def merge_sort(items):", "A recipe for a quick vegetable soup:",
     "Dear hiring manager,", "The three laws of thermodynamics say", "Once upon a time in a northern forest,",
@@ -73,25 +76,24 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
 
 
 @torch.inference_mode()
-def log_probs(model, seq: list[int], block_size: int = 16) -> torch.Tensor:
-    """Teacher-forced next-token log-probabilities ``[len(seq) - 1, vocab]`` (fp32)."""
+def log_probs(model, seq: list[int], block_size: int = 16, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Teacher-forced next-token log-probabilities ``[len(seq) - 1, vocab]`` (fp32); the KV pool
+    holds ``kv_dtype`` (default: the model's dtype)."""
     n = len(seq)
     num_blocks = (n + block_size - 1) // block_size
     spec = model.spec
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    dtype = model.embed_tokens.weight.dtype
+    dtype = kv_dtype or model.embed_tokens.weight.dtype
     kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)]
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], None, block_size)
-    from folio.services.executor.attention import TorchAttentionBackend
-
     hidden = model(torch.tensor(seq), meta.positions, kv, meta, TorchAttentionBackend())
     return model.compute_logits(hidden[:-1]).log_softmax(-1)
 
 
-def score(ref_lp: list[torch.Tensor], model, seqs: list[list[int]]) -> dict:
+def score(ref_lp: list[torch.Tensor], model, seqs: list[list[int]], kv_dtype: torch.dtype | None = None) -> dict:
     kl_sum = agree = nll_ref = nll_q = count = 0.0
     for seq, lp_ref in zip(seqs, ref_lp):
-        lp = log_probs(model, seq)
+        lp = log_probs(model, seq, kv_dtype=kv_dtype)
         targets = torch.tensor(seq[1:]).unsqueeze(1)
         kl_sum += (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp(min=0).sum().item()
         agree += (lp_ref.argmax(-1) == lp.argmax(-1)).sum().item()
@@ -103,19 +105,27 @@ def score(ref_lp: list[torch.Tensor], model, seqs: list[list[int]]) -> dict:
 
 
 def load_config(name: str, default_path: Path):
-    """``int4``, ``int4-g64``, ``int8``, ``auto`` on the default model; ``NAME=FOLDER`` for a folder."""
+    """(label, model, KV dtype or None): ``int4``, ``int4-g64``, ``int8``, ``auto`` on the default
+    model; ``NAME=FOLDER`` for a folder; ``kv-fp8``: fp32 weights, an fp8 pool with calibrated scales."""
     if "=" in name:
         name, folder = name.split("=", 1)
-        return name, load_model(Path(folder), torch.float32, torch.device("cpu"), "auto")
+        return name, load_model(Path(folder), torch.float32, torch.device("cpu"), "auto"), None
+    if name == "kv-fp8":
+        model = load_model(default_path, torch.float32, torch.device("cpu"), "none")
+        calibrate_kv_scales(model, TorchAttentionBackend(), torch.device("cpu"), 16,
+                            calibration_ids(str(default_path), model.spec.vocab_size))
+        return name, model, FP8_DTYPE
     group = 32
     method = name
     if name.startswith("int4-g"):
         method, group = "int4", int(name.removeprefix("int4-g"))
-    return name, load_model(default_path, torch.float32, torch.device("cpu"), method, group)
+    return name, load_model(default_path, torch.float32, torch.device("cpu"), method, group), None
 
 
 def target_for(name: str, model) -> tuple[float | None, float | None]:
     kind = model.quantization if "=" not in name else name
+    if name in TARGETS:
+        return TARGETS[name]
     if name.startswith("int4-g"):
         return None, None  # a baseline (plain round to nearest), reported without a target
     return TARGETS.get(name.split("-")[0], TARGETS.get(kind, (None, None)))
@@ -147,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     results, failed = {}, []
     for name in args.configs:
-        label, model = load_config(name, path)
-        r = score(ref_lp, model, seqs)
+        label, model, kv_dtype = load_config(name, path)
+        r = score(ref_lp, model, seqs, kv_dtype)
         results[label] = r
         max_kld, min_top1 = target_for(label, model)
         ok = (max_kld is None or r["kld"] <= max_kld) and (min_top1 is None or r["top1"] >= min_top1)
         target = "—" if max_kld is None else f"KLD <= {max_kld:g}, top-1 >= {min_top1:.0%}"
         if not ok:
             failed.append(label)
-        print(f"| {label} | {model.quantization} | {r['kld']:.2e} | {r['top1']:.2%} | {r['ppl_ratio']:.4f} | "
+        served = model.quantization + (" (fp8 KV)" if kv_dtype is not None else "")
+        print(f"| {label} | {served} | {r['kld']:.2e} | {r['top1']:.2%} | {r['ppl_ratio']:.4f} | "
               f"{target} | {'ok' if ok else 'MISSED'} |", flush=True)
         del model
     for a, b in args.below:

@@ -89,6 +89,9 @@ class RuntimeConfig:
                              "dequantizes to --dtype; int8/int4 round to nearest at load time (CPU: bf16 activations); "
                              "a GPU takes awq/int4 (W4A16 kernel) and fp8 (sm_89+)",
                              ("executor",), choices=("auto", "none", "int8", "int4", "awq", "fp8"))
+    kv_cache_dtype: str = flag("auto", "KV pool elements: auto = --dtype; fp8 = e4m3 with per-layer K/V scales "
+                               "calibrated at start (twice the blocks of bf16 for the same bytes)", ("executor",),
+                               choices=("auto", "fp8"))
     device: str = flag("auto", "auto, cpu, cuda or cuda:N", ("executor",))
     block_size: int = flag(16, "tokens per KV block (the router: the replicas', until their snapshots say it)",
                            ("executor", "router"))

@@ -13,6 +13,7 @@
 #include "emu_probes.cuh"
 FOLIO_EMU_REGISTER(folio_probe::cp_async_probe)
 FOLIO_EMU_REGISTER(folio_probe::ldmatrix_probe)
+FOLIO_EMU_REGISTER(folio_probe::fp8_probe)
 FOLIO_EMU_REGISTER(folio_probe::mma_probe<folio::bf16>)
 FOLIO_EMU_REGISTER(folio_probe::mma_probe<folio::f16>)
 

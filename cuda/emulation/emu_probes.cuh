@@ -58,4 +58,11 @@ __global__ void mma_probe(float* d, const unsigned* a, const unsigned* b, const 
   for (int e = 0; e < 4; ++e) d[4 * lane + e] = acc[e];
 }
 
+// The fp8 (e4m3) conversions of common.cuh: out[i] = the e4m3 bits of in[i]; widened[b] = byte b
+// widened to fp32, for the 256 bytes. n[0] = number of inputs.
+__global__ void fp8_probe(unsigned char* out, float* widened, const float* in, const int* n) {
+  for (int i = threadIdx.x; i < n[0]; i += blockDim.x) out[i] = folio::fp8_from_float(in[i]).bits;
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) widened[b] = folio::to_float(folio::fp8e4m3{(unsigned char)b});
+}
+
 }  // namespace folio_probe

@@ -5,7 +5,8 @@ of the pool, ``attend`` computes attention for every new token against its seque
 read through the sequence's block table. The torch backend here is the reference (and the CPU
 default): plain torch ops, the oracle the CUDA kernels are tested against.
 
-Pool layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Pool layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_dim]``; an
+fp8 pool (``kv_quant``) stores e4m3 values with the layer's scales, the gather dequantizes.
 Slot of the token at position p: ``block_table[p // block_size] * block_size + p % block_size``.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from folio.services.executor.kv_quant import FP8_DTYPE, dequantize, quantize, raw, stored
 from folio.services.executor.layer_ops import TORCH_LAYER_OPS
 
 SHORT_CHUNK_ROWS = 16  # chunks this short (verification: k + 1 tokens) attend row by row, as decodes
@@ -177,6 +179,7 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: stored = value / scale
     ) -> None:
         # only the padding rows matter here: the attention plan waits for ``attend``
         write_idx = meta.plan.write_idx if isinstance(meta.plan, _TorchPlan) else _write_idx(meta)
@@ -186,8 +189,10 @@ class TorchAttentionBackend:
             key = key[write_idx]
             value = value[write_idx]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+        if k_cache.dtype == FP8_DTYPE:
+            key, value = quantize(key, kv_scales[0]), quantize(value, kv_scales[1])
+        raw(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, raw(key.to(k_cache.dtype)))
+        raw(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, raw(value.to(v_cache.dtype)))
 
     def attend(
         self,
@@ -196,8 +201,10 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         plan = self.plan(meta)
+        k_scale, v_scale = kv_scales
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         gqa = query.shape[1] != num_kv_heads
         out = torch.empty_like(query)
@@ -205,26 +212,26 @@ class TorchAttentionBackend:
             group = plan.decode
             num_decode, max_blocks = group.block_tables.shape
             # k, v: [num_decode, num_kv_heads, max_blocks * block_size, head_dim]
-            k = k_cache[group.block_tables].view(num_decode, -1, num_kv_heads, head_dim)
-            v = v_cache[group.block_tables].view(num_decode, -1, num_kv_heads, head_dim)
+            k = stored(raw(k_cache)[group.block_tables], k_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
+            v = stored(raw(v_cache)[group.block_tables], v_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
             q = query[group.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
             o = F.scaled_dot_product_attention(
                 q,
-                k.transpose(1, 2).to(query.dtype),
-                v.transpose(1, 2).to(query.dtype),
+                dequantize(k.transpose(1, 2), k_scale, query.dtype),
+                dequantize(v.transpose(1, 2), v_scale, query.dtype),
                 attn_mask=group.key_mask,
                 scale=scale,
                 enable_gqa=gqa,
             )
             out[group.token_idx] = o.squeeze(2)
         for chunk in plan.chunks:
-            k = k_cache[chunk.block_ids].view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
-            v = v_cache[chunk.block_ids].view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
+            k = stored(raw(k_cache)[chunk.block_ids], k_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
+            v = stored(raw(v_cache)[chunk.block_ids], v_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
             q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 q,
-                k.transpose(0, 1).unsqueeze(0).to(query.dtype),
-                v.transpose(0, 1).unsqueeze(0).to(query.dtype),
+                dequantize(k.transpose(0, 1).unsqueeze(0), k_scale, query.dtype),
+                dequantize(v.transpose(0, 1).unsqueeze(0), v_scale, query.dtype),
                 attn_mask=chunk.mask,
                 scale=scale,
                 enable_gqa=gqa,
@@ -239,7 +246,7 @@ class TorchAttentionBackend:
         device = kv_caches[0][0].device
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
-        for k_cache, v_cache in kv_caches:
+        for k_cache, v_cache in map(lambda kv: map(raw, kv), kv_caches):  # raw bytes (fp8 pools too)
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
@@ -270,6 +277,7 @@ def _copy_between(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
     # scatter reads it
     non_blocking = dst_caches[0][0].device.type == "cuda"
     for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+        src_k, src_v, dst_k, dst_v = map(raw, (src_k, src_v, dst_k, dst_v))  # raw bytes (fp8 pools too)
         dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device, non_blocking=non_blocking))
         dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device, non_blocking=non_blocking))
 

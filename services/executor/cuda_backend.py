@@ -48,5 +48,6 @@ class CupyLauncher:
 class CudaAttentionBackend(KernelAttentionBackend):
     name = "cuda"
 
-    def __init__(self, model_dtype: torch.dtype, device: torch.device | None = None, split: bool | None = None):
-        super().__init__(CupyLauncher(device), model_dtype, split=split)
+    def __init__(self, model_dtype: torch.dtype, device: torch.device | None = None, split: bool | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        super().__init__(CupyLauncher(device), model_dtype, split=split, kv_dtype=kv_dtype)

@@ -23,6 +23,10 @@ MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.c
 
 # storage dtype name (torch's) -> C++ type in the kernels
 DTYPES = {"float32": "float", "float16": "folio::f16", "bfloat16": "folio::bf16"}
+# an fp8 KV pool (--kv-cache-dtype fp8): its C++ element type, and the activation dtypes whose
+# kernels have an fp8-pool instance (GPUs serve 16-bit models; fp32 ones take the torch backend)
+FP8_CACHE = "folio::fp8e4m3"
+FP8_ACTIVATION_DTYPES = ("float16", "bfloat16")
 HEAD_SIZES = (64, 96, 128)
 BLOCK_SIZES = (8, 16, 32)
 
@@ -73,12 +77,16 @@ class KernelNames:
     copy_blocks: str
 
 
-def attention_name(dtype: str, head_size: int, block_size: int) -> str:
-    return f"folio::paged_attention<{DTYPES[dtype]}, {head_size}, {block_size}>"
+def _cache_arg(fp8: bool) -> str:
+    return f", {FP8_CACHE}" if fp8 else ""
 
 
-def decode_name(dtype: str, head_size: int, block_size: int) -> str:
-    return f"folio::paged_decode<{DTYPES[dtype]}, {head_size}, {block_size}>"
+def attention_name(dtype: str, head_size: int, block_size: int, fp8: bool = False) -> str:
+    return f"folio::paged_attention<{DTYPES[dtype]}, {head_size}, {block_size}{_cache_arg(fp8)}>"
+
+
+def decode_name(dtype: str, head_size: int, block_size: int, fp8: bool = False) -> str:
+    return f"folio::paged_decode<{DTYPES[dtype]}, {head_size}, {block_size}{_cache_arg(fp8)}>"
 
 
 def prefill_name(dtype: str, head_size: int, block_size: int) -> str:
@@ -89,8 +97,8 @@ def reduce_name(dtype: str) -> str:
     return f"folio::paged_attention_reduce<{DTYPES[dtype]}>"
 
 
-def write_kv_name(dtype: str) -> str:
-    return f"folio::write_kv<{DTYPES[dtype]}>"
+def write_kv_name(dtype: str, fp8: bool = False) -> str:
+    return f"folio::write_kv<{DTYPES[dtype]}{_cache_arg(fp8)}>"
 
 
 COPY_BLOCKS_NAME = "folio::copy_blocks"
@@ -131,27 +139,31 @@ def quant_names(dtype: str) -> QuantNames:
 
 
 @functools.cache  # asked once per layer and step
-def kernel_names(dtype: str, head_size: int, block_size: int) -> KernelNames:
-    """The instances for one configuration, or an error that names the one that is missing."""
+def kernel_names(dtype: str, head_size: int, block_size: int, fp8: bool = False) -> KernelNames:
+    """The instances for one configuration (``fp8``: over an fp8 pool), or an error that names the
+    one that is missing."""
     problems = []
     if dtype not in DTYPES:
         problems.append(f"dtype {dtype} (built: {', '.join(DTYPES)})")
+    elif fp8 and dtype not in FP8_ACTIVATION_DTYPES:
+        problems.append(f"dtype {dtype} over an fp8 pool (built: {', '.join(FP8_ACTIVATION_DTYPES)})")
     if head_size not in HEAD_SIZES:
         problems.append(f"head size {head_size} (built: {HEAD_SIZES})")
     if block_size not in BLOCK_SIZES:
         problems.append(f"block size {block_size} (built: {BLOCK_SIZES})")
     if problems:
-        wanted = f"folio::paged_attention<{DTYPES.get(dtype, dtype)}, {head_size}, {block_size}>"
+        wanted = f"folio::paged_attention<{DTYPES.get(dtype, dtype)}, {head_size}, {block_size}{_cache_arg(fp8)}>"
         raise UnsupportedKernelError(
             f"no CUDA kernel instance {wanted}: unsupported {'; '.join(problems)}. "
             "Use --attention-backend torch, or add the instance to services/executor/cuda_kernels.py"
         )
     return KernelNames(
-        attention=attention_name(dtype, head_size, block_size),
-        decode=decode_name(dtype, head_size, block_size),
-        prefill=prefill_name(dtype, head_size, block_size) if dtype in TENSOR_CORE_DTYPES else "",
+        attention=attention_name(dtype, head_size, block_size, fp8),
+        decode=decode_name(dtype, head_size, block_size, fp8),
+        # an fp8 pool's chunks take the CUDA-core kernel (the tensor-core one reads T tiles)
+        prefill=prefill_name(dtype, head_size, block_size) if dtype in TENSOR_CORE_DTYPES and not fp8 else "",
         reduce=reduce_name(dtype),
-        write_kv=write_kv_name(dtype),
+        write_kv=write_kv_name(dtype, fp8),
         copy_blocks=COPY_BLOCKS_NAME,
     )
 
@@ -179,8 +191,13 @@ def all_name_expressions() -> dict[str, list[str]]:
                 names["decode"].append(decode_name(dtype, head, block))
                 if dtype in TENSOR_CORE_DTYPES:
                     names["prefill"].append(prefill_name(dtype, head, block))
+                if dtype in FP8_ACTIVATION_DTYPES:
+                    names["attention"].append(attention_name(dtype, head, block, fp8=True))
+                    names["decode"].append(decode_name(dtype, head, block, fp8=True))
         names["attention"].append(reduce_name(dtype))
         names["cache"].append(write_kv_name(dtype))
+        if dtype in FP8_ACTIVATION_DTYPES:
+            names["cache"].append(write_kv_name(dtype, fp8=True))
         names["fused"].extend(vars(fused_names(dtype)).values())
         names["quant"].extend(vars(quant_names(dtype)).values())
     names["cache"].append(COPY_BLOCKS_NAME)

@@ -20,6 +20,7 @@ import torch
 
 from folio.services.executor import cuda_kernels as ck
 from folio.services.executor.attention import AttentionMetadata
+from folio.services.executor.kv_quant import FP8_DTYPE
 from folio.services.executor.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
 from folio.services.executor.layer_ops import KernelLayerOps
 
@@ -34,9 +35,14 @@ class KernelAttentionBackend:
     name = "cuda"
 
     def __init__(self, launcher, model_dtype: torch.dtype, split: bool | None = None,
-                 partition_size: int = 512):
+                 partition_size: int = 512, kv_dtype: torch.dtype | None = None):
         if model_dtype not in DTYPE_NAMES:
             raise ck.UnsupportedKernelError(f"no CUDA kernels for dtype {model_dtype}; built: {list(DTYPE_NAMES)}")
+        self.fp8 = kv_dtype == FP8_DTYPE  # an e4m3 pool: its kernels take the layer's K/V scales
+        if self.fp8 and DTYPE_NAMES[model_dtype] not in ck.FP8_ACTIVATION_DTYPES:
+            raise ck.UnsupportedKernelError(
+                f"no CUDA kernels for {model_dtype} activations over an fp8 KV pool (built: "
+                f"{', '.join(ck.FP8_ACTIVATION_DTYPES)}); use --dtype bfloat16 or --attention-backend torch")
         self.launcher = launcher
         self.model_dtype = model_dtype
         self.split = split  # None: decide per step; True/False: force (tests, benchmarks)
@@ -45,18 +51,24 @@ class KernelAttentionBackend:
         self.layer_ops = KernelLayerOps(launcher)  # the fused kernels of cuda/fused_ops.cu
 
     # ------------------------------------------------------------------ planning
-    def names(self, dtype: torch.dtype, head_size: int, block_size: int) -> ck.KernelNames:
+    def names(self, dtype: torch.dtype, head_size: int, block_size: int, cache_dtype: torch.dtype | None = None
+              ) -> ck.KernelNames:
+        """Instances for activations of ``dtype`` over a pool of ``cache_dtype`` (default: the same)."""
         if dtype not in DTYPE_NAMES:
             raise ck.UnsupportedKernelError(f"no CUDA kernels for dtype {dtype}; built: {list(DTYPE_NAMES)}")
-        return ck.kernel_names(DTYPE_NAMES[dtype], head_size, block_size)
+        return ck.kernel_names(DTYPE_NAMES[dtype], head_size, block_size, cache_dtype == FP8_DTYPE)
 
-    def plan(self, meta: AttentionMetadata, group: int = 1, num_kv_heads: int = 1) -> KernelPlan:
-        """The step's plan for this GQA shape, built once and cached on the metadata."""
+    def plan(self, meta: AttentionMetadata, group: int = 1, num_kv_heads: int = 1, fp8: bool | None = None
+             ) -> KernelPlan:
+        """The step's plan for this GQA shape over this backend's pool (``fp8``: over an fp8 pool or
+        not, when a draft model's pool differs), built once and cached on the metadata."""
         plans = meta.plan if isinstance(meta.plan, dict) else {}
         meta.plan = plans
-        key = (group, num_kv_heads)
+        fp8 = self.fp8 if fp8 is None else fp8
+        key = (group, num_kv_heads, fp8)
         if key not in plans:
-            rows = ck.PREFILL_ROWS if DTYPE_NAMES[self.model_dtype] in ck.TENSOR_CORE_DTYPES else ck.ATTN_ROWS
+            tensor_cores = DTYPE_NAMES[self.model_dtype] in ck.TENSOR_CORE_DTYPES and not fp8
+            rows = ck.PREFILL_ROWS if tensor_cores else ck.ATTN_ROWS
             plans[key] = build_plan(meta, group, num_kv_heads, self.launcher.num_sms, self.split, self.partition_size,
                                     rows)
         return plans[key]
@@ -69,17 +81,20 @@ class KernelAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: stored = value / scale
     ) -> None:
         num_tokens, num_kv_heads, head_dim = key.shape
         if num_tokens == 0:
             return
-        names = self.names(k_cache.dtype, head_dim, meta.block_size)
-        key, value = (_dim_contiguous(t.to(k_cache.dtype)) for t in (key, value))
+        act = self.model_dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
+        names = self.names(act, head_dim, meta.block_size, k_cache.dtype)
+        key, value = (_dim_contiguous(t.to(act)) for t in (key, value))
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         args = (
             _ptr(key), _ptr(value), _ptr(k_cache), _ptr(v_cache), _ptr(slots),
             np.int32(num_kv_heads), np.int32(head_dim),
             np.int64(key.stride(0)), np.int64(key.stride(1)), np.int64(value.stride(0)), np.int64(value.stride(1)),
+            *_scale_args(k_cache, kv_scales),
         )
         self.launcher.launch(names, "write_kv", (num_tokens, 1, 1), (ck.WRITE_THREADS, 1, 1), args, key.device)
 
@@ -90,15 +105,16 @@ class KernelAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
-        if query.dtype != k_cache.dtype:
+        if query.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:
             raise ValueError(f"query dtype {query.dtype} differs from the KV pool's {k_cache.dtype}")
         if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the kernels read K/V rows as 16-byte vectors: pools must be contiguous and 16-byte aligned")
-        names = self.names(k_cache.dtype, head_dim, meta.block_size)
-        plan = self.plan(meta, num_heads // num_kv_heads, num_kv_heads)
+        names = self.names(query.dtype, head_dim, meta.block_size, k_cache.dtype)
+        plan = self.plan(meta, num_heads // num_kv_heads, num_kv_heads, k_cache.dtype == FP8_DTYPE)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
         # the decode kernel reads q as 16-byte vectors: heads contiguous, rows 16-byte aligned
         if query.stride(2) != 1 or query.stride(1) != head_dim or (query.stride(0) * query.element_size()) % 16 \
@@ -109,7 +125,8 @@ class KernelAttentionBackend:
         for kernel, path in ((chunk_kernel, plan.chunk), ("decode", plan.decode)):
             if path is None:
                 continue
-            tail, part_ptrs = self._path_args(path, meta, k_cache, v_cache, query, scale, num_heads, head_dim)
+            tail, part_ptrs = self._path_args(path, meta, k_cache, v_cache, query, scale, num_heads, head_dim,
+                                              kv_scales)
             args = (out_ptr, *part_ptrs, query_ptr, *tail)
             if kernel == "decode":  # one CTA per (sequence, split) along x, KV heads along y
                 grid, block = (path.num_items * path.num_splits, num_kv_heads, 1), ck.DECODE_THREADS
@@ -124,18 +141,19 @@ class KernelAttentionBackend:
                                      args, query.device)
         return out
 
-    def _path_args(self, path: PathPlan, meta, k_cache, v_cache, query, scale: float, num_heads: int, head_dim: int):
+    def _path_args(self, path: PathPlan, meta, k_cache, v_cache, query, scale: float, num_heads: int, head_dim: int,
+                   kv_scales: tuple[float, float]):
         """The launch arguments after the query pointer, and the partials' pointers: the same for
         every call of a step on one layer, so they are built once per (step, layer) (numpy scalars
         cost microseconds each, and a step calls attend once per layer)."""
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), query.stride(0), scale, query.shape[0])
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), query.stride(0), scale, query.shape[0], kv_scales)
         if key not in path.arg_cache:
             part_out, part_lse = self._partials(path, query.shape[0], num_heads, head_dim, query.device)
             tail = (_ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
                     _ptr(_int32(meta.query_start_loc)), _ptr(path.items), np.int32(k_cache.shape[2]),
                     np.int32(num_heads // k_cache.shape[2]), np.int32(meta.block_tables.shape[1]),
                     np.int64(query.stride(0)), np.float32(scale), np.int32(path.num_splits),
-                    np.int32(path.split_size))
+                    np.int32(path.split_size), *_scale_args(k_cache, kv_scales))
             path.arg_cache[key] = (tail, (_ptr(part_out), _ptr(part_lse)))
         return path.arg_cache[key]
 
@@ -235,6 +253,13 @@ def make_host_pool(kv_caches, num_blocks: int, pin: bool = True) -> list[tuple[t
         (torch.zeros(shape, dtype=k0.dtype, pin_memory=pin), torch.zeros(shape, dtype=k0.dtype, pin_memory=pin))
         for _ in kv_caches
     ]
+
+
+def _scale_args(k_cache: torch.Tensor, kv_scales: tuple[float, float]) -> tuple[np.float32, np.float32]:
+    """The kernels' (k_scale, v_scale): the layer's for an fp8 pool, 1 for a pool of the activations' type."""
+    if k_cache.dtype != FP8_DTYPE:
+        return np.float32(1.0), np.float32(1.0)
+    return np.float32(kv_scales[0]), np.float32(kv_scales[1])
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ class TorchLayerOps:
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = apply_rope(q.view(n, attn.num_heads, attn.head_dim), cos, sin)
         k = apply_rope(k.view(n, attn.num_kv_heads, attn.head_dim), cos, sin)
-        backend.write_kv(k, v.view(n, attn.num_kv_heads, attn.head_dim), k_cache, v_cache, meta)
+        backend.write_kv(k, v.view(n, attn.num_kv_heads, attn.head_dim), k_cache, v_cache, meta, attn.kv_scales)
         return q
 
 

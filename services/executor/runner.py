@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
+from folio.services.executor.cuda_kernels import UnsupportedKernelError
 from folio.services.executor.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.services.executor.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from folio.services.executor.kv_quant import FP8_DTYPE, cache_dtype, calibrate_kv_scales, calibration_ids
 from folio.services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.services.executor.loader import load_model, resolve_dtype
 from folio.services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
@@ -70,7 +72,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device, model_dtype: torch.dtype):
+def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
     """``auto`` picks the CUDA kernels on a GPU when CuPy is importable, else the torch backend."""
     if name not in ("auto", "torch", "cuda"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or cuda")
@@ -84,7 +86,12 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype):
         if name == "cuda":
             raise ValueError(f"the cuda attention backend is unavailable: {exc}") from exc
         return TorchAttentionBackend()
-    return CudaAttentionBackend(model_dtype)
+    try:
+        return CudaAttentionBackend(model_dtype, kv_dtype=kv_dtype)
+    except UnsupportedKernelError:  # fp32 activations over an fp8 pool: no kernel instances
+        if name == "cuda":
+            raise
+        return TorchAttentionBackend()
 
 
 class ModelRunner:
@@ -100,14 +107,18 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_packing_available():
             pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
-        self.backend = make_backend(config.attention_backend, self.device, self.dtype)
+        kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype)
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
             num_kv_heads=self.model.layers[0].self_attn.num_kv_heads,  # this rank's KV heads
             head_dim=self.spec.head_dim,
-            dtype=self.dtype,
+            dtype=kv_dtype,
         )
+        self.kv_scales = calibrate_kv_scales(self.model, self.backend, self.device, config.block_size,
+                                             calibration_ids(model_path, self.spec.vocab_size)) \
+            if kv_dtype == FP8_DTYPE else []
         self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.requests: dict[str, RequestState] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
@@ -431,6 +442,8 @@ class ModelRunner:
             "num_requests": len(self.requests),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.pool_shape.dtype).removeprefix("torch."),
+            "kv_scales": self.kv_scales,  # per layer (k, v) of an fp8 pool
             "quantization": self.model.quantization,
             "attention_backend": self.backend.name,
             "cuda_graph_buckets": self.graphs.buckets if self.graphs is not None else [],

@@ -87,7 +87,8 @@ class ExecutorService:
                 if info.epoch == self.epoch and not registered:
                     registered = True
                     log.info("pool registered", num_blocks=info.num_blocks, block_size=info.block_size,
-                             epoch=self.epoch)
+                             bytes_per_block=info.bytes_per_block, epoch=self.epoch,
+                             kv_cache_dtype=str(runner.pool_shape.dtype).removeprefix("torch."))
 
     async def handle_step_plan(self, plan: StepPlan, envelope: list[bytes]) -> StepResult:
         self.num_steps += 1

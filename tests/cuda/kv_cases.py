@@ -45,6 +45,25 @@ def make_step(query_lens, seq_lens, *, num_heads, num_kv_heads, head_dim, block_
     return Step(meta, query, k_cache, v_cache, tables, slots_t.to(device))
 
 
+def make_fp8_step(query_lens, seq_lens, dtype, *, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                  device="cpu", seed=0) -> Step:
+    """A step over an fp8 (e4m3) pool holding random K/V quantized with FP8_KV_SCALES; the query in ``dtype``."""
+    from folio.services.executor.kv_quant import quantize
+
+    step = make_step(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     block_size=block_size, seed=seed)
+    step.query = step.query.to(dtype).to(device)
+    step.k_cache = quantize(step.k_cache * 3.0, FP8_KV_SCALES[0]).to(device)
+    step.v_cache = quantize(step.v_cache, FP8_KV_SCALES[1]).to(device)
+    step.meta = replace(step.meta, **{f: getattr(step.meta, f).to(device) for f in
+                                      ("slot_mapping", "positions", "query_start_loc", "seq_lens", "block_tables")})
+    step.slots = step.slots.to(device)
+    return step
+
+
+FP8_KV_SCALES = (0.02, 0.011)
+
+
 def fresh_meta(step: Step) -> AttentionMetadata:
     """The same step's metadata with no backend plan attached."""
     return replace(step.meta, plan=None)

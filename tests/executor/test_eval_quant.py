@@ -15,8 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 def test_int4_quality_on_a_short_text_and_a_missed_target_fails_the_run(smollm_dir, capsys):
     import eval_quant
 
-    # int4 against its targets, and a comparison that cannot hold (a KLD below itself): exit 1
-    rc = eval_quant.main(["--model", smollm_dir, "--configs", "int4", "--num-tokens", "640",
+    # int4 against its targets, and a comparison that cannot hold (a KLD below itself): exit 1;
+    # kv-fp8 (fp32 weights over the fp8 KV pool) shares the reference, one more teacher-forced pass
+    rc = eval_quant.main(["--model", smollm_dir, "--configs", "int4", "kv-fp8", "--num-tokens", "640",
                           "--below", "int4", "int4"])
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| int4 | int4 |")).split("|")
@@ -24,5 +25,9 @@ def test_int4_quality_on_a_short_text_and_a_missed_target_fails_the_run(smollm_d
     # KLD holds its target on this short text; top-1 agreement sits near its 99% target (98.6% on
     # 727 tokens), so CI asks for 98% here and README reports the full-length figure
     assert kld <= 1e-3 and top1 >= 0.98, out
+    # the fp8 KV cache misses the targets on this model (README: 6.5e-3 and 95.9% on these
+    # 727 tokens); this bounds regressions
+    fp8 = next(line for line in out.splitlines() if line.startswith("| kv-fp8 | none (fp8 KV) |")).split("|")
+    assert float(fp8[3]) <= 1e-2 and float(fp8[4].strip().rstrip("%")) / 100 >= 0.94, out
     assert "KLD int4 < int4:" in out and "MISSED" in out.splitlines()[-2]
     assert rc == 1

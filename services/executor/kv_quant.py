@@ -1,0 +1,112 @@
+"""The FP8 KV cache (``--kv-cache-dtype fp8``): an e4m3 pool with per-layer K and V scales.
+
+vLLM's scheme: each layer has one fp32 scale for K and one for V. A write divides by the scale,
+saturates to the e4m3 range (+-448) and rounds to nearest even; a read multiplies by the scale.
+The pool costs one byte per element: half of bf16/fp16, a quarter of fp32, so the same byte budget
+holds twice (four times) the blocks.
+
+Scales are calibrated once at start, before the pool is sized: the model runs a forward pass over
+``CALIBRATION_TEXT`` (a few hundred tokens of prose, code and lists; ids spread over the
+vocabulary when the model has no tokenizer) into a scratch pool of the model's dtype, and each
+layer's scale is ``CALIBRATION_MARGIN * amax / 448``, amax the largest magnitude of its K (or V)
+entries there. The margin leaves room for text whose K/V run larger than the calibration's before
+anything saturates; being floating point, e4m3 keeps its relative precision (3 mantissa bits)
+across the range, so the margin costs only the few values that fall below its smallest normal
+(2^-6 x the scale).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+CALIBRATION_MARGIN = 2.0
+KV_CACHE_DTYPES = ("auto", "fp8")
+CALIBRATION_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable metal type made "
+    "books cheaper than ever before. Within fifty years, presses were at work in more than two hundred "
+    "cities across Europe.\n\n"
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n"
+    "    return merge(merge_sort(items[:middle]), merge_sort(items[middle:]))\n\n"
+    "Shopping list: 3 onions, 2 carrots, 1 kg of potatoes, olive oil, salt, pepper and fresh parsley.\n"
+    "Q: What is the capital of Australia? A: Canberra, not Sydney, although many people guess Sydney.\n"
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;\n"
+    "Dear hiring manager, I am writing to apply for the position of data engineer advertised on your site."
+)
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type: ``auto`` = the model's dtype, ``fp8`` = e4m3."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose {' or '.join(KV_CACHE_DTYPES)}")
+    return FP8_DTYPE if kv_cache_dtype == "fp8" else model_dtype
+
+
+def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale, saturated to +-448, rounded to the nearest e4m3 (ties to even)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Pool entries as ``dtype``: e4m3 times its scale (in fp32, then rounded once), others cast."""
+    if x.dtype != FP8_DTYPE:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 pool's bytes as uint8 (torch's CPU index ops, index_copy_ and gathers, have no e4m3
+    kernels; the bytes move the same); other pools as they are."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes gathered through ``raw`` back as the pool's dtype."""
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+def scale_for(amax: float) -> float:
+    """The fp32 scale for a tensor whose largest magnitude is ``amax`` (1.0 for an all-zero one)."""
+    scale = CALIBRATION_MARGIN * amax / FP8_MAX if amax > 0 else 1.0
+    return float(torch.tensor(scale, dtype=torch.float32))
+
+
+def calibration_ids(model_path: str | None, vocab_size: int) -> list[int]:
+    """CALIBRATION_TEXT in the model's tokens; without a tokenizer, 256 ids spread over the vocabulary."""
+    if model_path is not None:
+        try:
+            from folio.shared.text import TextTokenizer
+
+            ids = TextTokenizer(model_path).hf.encode(CALIBRATION_TEXT)
+            if ids and max(ids) < vocab_size:
+                return list(ids)
+        except Exception:  # noqa: BLE001 (a test model without a tokenizer: the fallback below)
+            pass
+    return [(i * 7919 + 13) % vocab_size for i in range(256)]
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model, backend, device: torch.device, block_size: int,
+                        token_ids: list[int]) -> list[tuple[float, float]]:
+    """Per layer (k_scale, v_scale) from one forward pass over ``token_ids`` (a single sequence)
+    into a scratch pool of the model's dtype; sets them on the model's attention layers."""
+    from folio.services.executor.attention import AttentionMetadata
+
+    n = len(token_ids)
+    num_blocks = (n + block_size - 1) // block_size
+    attn = model.layers[0].self_attn
+    dtype = model.rope_cos.dtype if model.rope_cos is not None else torch.float32
+    dims = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+    scratch = [(torch.zeros(dims, dtype=dtype, device=device), torch.zeros(dims, dtype=dtype, device=device))
+               for _ in model.layers]
+    meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], None, block_size, device)
+    model(torch.tensor(token_ids, dtype=torch.long, device=device), meta.positions, scratch, meta, backend)
+    scales = [(scale_for(k.abs().max().item()), scale_for(v.abs().max().item())) for k, v in scratch]
+    set_kv_scales(model, scales)
+    return scales
+
+
+def set_kv_scales(model, scales: list[tuple[float, float]]) -> None:
+    for layer, kv_scales in zip(model.layers, scales):
+        layer.self_attn.kv_scales = kv_scales
