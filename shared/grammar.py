@@ -94,7 +94,7 @@ def check_spec(spec: GuidedSpec) -> Grammar:
     try:
         build_grammar(spec.kind, spec.spec)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
-        raise GrammarError(f"{spec.param} cannot be compiled: {_first_line(exc)}", spec.param) from exc
+        raise GrammarError(f"{spec.param} cannot be compiled: {error_text(exc)}", spec.param) from exc
     return Grammar(key=spec_key(spec.kind, spec.spec), kind=spec.kind, spec=spec.spec)
 
 
@@ -161,7 +161,7 @@ class GrammarChecker:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _first_line(exc: Exception) -> str:
+def error_text(exc: Exception) -> str:
     """xgrammar's message without its timestamp and C++ source location."""
     text = str(exc).strip() or type(exc).__name__
     return _LOCATION.sub("", text.splitlines()[0])[:500]

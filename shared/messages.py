@@ -128,6 +128,11 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     # speculative decoding: the draft tokens each request verifies this step; they follow its
     # last token in its chunk (``num_scheduled_tokens`` counts them)
     spec_token_ids: dict[str, list[int]] = {}
+    # structured output: grammars to compile now (the scheduler holds back the sampling token of
+    # their requests until the result names them ready); with nothing scheduled and
+    # ``await_grammars`` set, the executor answers once one of them is ready (or after a short poll)
+    grammars: list[Grammar] = []
+    await_grammars: bool = False
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
@@ -143,6 +148,10 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
     # set by the executor service: the epoch of the pool that ran the step; a change tells the
     # scheduler the executor restarted and its requests must start over
     epoch: str = ""
+    # structured output: keys of the plans' ``grammars`` whose compile ended since the last
+    # result, compiled (``grammars_ready``) or not (``grammar_errors``: key -> why)
+    grammars_ready: list[str] = []
+    grammar_errors: dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------- request pipeline

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import numpy as np
 import torch
 
@@ -30,7 +31,7 @@ from folio.services.executor.parallel import Comm, Shard
 from folio.services.executor.rejection import verify
 from folio.services.executor.sampler import FREQUENCY, PRESENCE, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.services.executor.spec_decode import Proposal, make_proposer
-from folio.services.executor.structured import GrammarStore, advance
+from folio.services.executor.structured import GrammarStore, advance, compile_error
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
@@ -192,7 +193,7 @@ class ModelRunner:
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
         if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
-            self.grammars.prepare(new.sampling.grammar)
+            self.grammars.prepare(new.sampling.grammar)  # (the scheduler's ask started it already)
             self._constrained.add(new.req_id)
 
     def _drop(self, req_id: str) -> None:
@@ -226,6 +227,19 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step; the result also names the grammars the scheduler waits for whose compile
+        ended (with nothing to compute it first waits a little for one, ``await_grammars``)."""
+        for grammar in plan.grammars:
+            self.grammars.watch(grammar)
+        result = self._execute(plan)
+        if plan.await_grammars and not plan.num_scheduled_tokens:
+            self.grammars.wait_watched()
+        ready, errors = self.grammars.take_reports()
+        if ready or errors:
+            result = msgspec.structs.replace(result, grammars_ready=ready, grammar_errors=errors)
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         forward = self._step_forward(plan)
         if forward is None:
             return StepResult(step_id=plan.step_id)
@@ -234,18 +248,17 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_idx))
         samplers = [req_ids[i] for i in np.flatnonzero(step.samples)] if not step.samples.all() else req_ids
-        constrained = self._matchers(samplers)
+        constrained, failed = self._matchers(samplers)
         tokens, logprobs = self._sample(logits, step, samplers, plan, constrained)
         if constrained:
             self._advance_grammars(samplers, tokens)
-        return StepResult(
-            step_id=plan.step_id,
-            req_ids=samplers,
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
-            prompt_logprobs=result_prompt_lp,
-            spec_token_ids=self._propose([self.requests[r] for r in samplers]) if self.proposer else [],
-        )
+        spec = self._propose([self.requests[r] for r in samplers]) if self.proposer else []
+        if failed:  # their grammar did not compile: no token (the scheduler ends them with the reason)
+            keep = [i for i, r in enumerate(samplers) if r not in failed]
+            samplers, tokens, logprobs = [samplers[i] for i in keep], [tokens[i] for i in keep], [logprobs[i] for i in keep]
+            spec = [spec[i] for i in keep] if spec else spec
+        return StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=tokens, logprobs=logprobs,
+                          prompt_logprobs=result_prompt_lp, spec_token_ids=spec)
 
     def _step_forward(self, plan: StepPlan):
         """The plan's diffs, copies and forward pass (and prompt logprobs): what every rank runs."""
@@ -278,17 +291,23 @@ class ModelRunner:
         out, self.appended = self.appended or [], []
         return out
 
-    def _matchers(self, samplers: list[str]) -> bool:
-        """Whether some sampler has a grammar; a fresh matcher replays what its request generated."""
+    def _matchers(self, samplers: list[str]) -> tuple[bool, set[str]]:
+        """Whether some sampler has a grammar (a fresh matcher replays what its request
+        generated), and the samplers whose grammar failed to compile."""
+        found, failed = False, set()
         if not self._constrained:
-            return False
-        found = False
+            return found, failed
         for req_id in self._constrained.intersection(samplers):
             state = self.requests[req_id]
             if state.matcher is None:
-                state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
+                try:
+                    state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
+                except Exception as exc:  # a compile that failed: this request alone fails
+                    self.grammars.failed[state.sampling.grammar.key] = compile_error(exc)
+                    failed.add(req_id)
+                    continue
             found = True
-        return found
+        return found, failed
 
     def _advance_grammars(self, samplers: list[str], tokens: list[list[int]]) -> None:
         constrained = [i for i, r in enumerate(samplers) if self.requests[r].matcher is not None]

@@ -3,10 +3,12 @@ request, and the allowed-token mask.
 
 The tokenizer service checks each request's spec (``shared/grammar.py``) and sends it in
 ``SamplingParams.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
-(an LRU), with xgrammar's dynamic compilation (token masks computed as states are first visited,
-so even a large schema compiles in tens of milliseconds). The compile starts in a worker thread
-the moment a request reaches the runner (``prepare``) and overlaps the step's forward pass; the
-step waits for it only when the request samples before it finished (``matcher``).
+(an LRU), with xgrammar's dynamic compilation, in a worker thread beside the steps. The scheduler
+names each grammar it has not seen compiled in a step plan (``StepPlan.grammars``: ``watch``) and
+holds back the token its request samples first until a step result names the key ready
+(``take_reports``; ``scheduler/grammars.py``), so that a compile never stalls a step. A request
+that samples while its compile has not ended (its key dropped from the LRU since the scheduler
+learnt it was ready) waits for it in ``matcher``: ``grammar_wait_seconds_total``.
 
 The runner keeps a matcher on the request's state: a fork gets its own (it is a request of its
 own), and a request that starts over (preempted by recompute, its executor restarted) replays its
@@ -22,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import structlog
@@ -32,6 +34,9 @@ from folio.shared.messages import Grammar
 
 log = structlog.get_logger()
 MAX_CACHED_GRAMMARS = 256
+# a step with nothing to compute but a compile to wait for answers after at most this long, so that
+# new requests do not wait behind a long compile
+GRAMMAR_POLL_S = 0.05
 
 
 class GrammarStore:
@@ -45,6 +50,9 @@ class GrammarStore:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiler: Future | None = None
         self._compiled: OrderedDict[str, Future] = OrderedDict()
+        self._unclaimed: set[str] = set()  # compiles the scheduler asked for that no request used yet
+        self._watched: dict[str, Future] = {}  # keys the scheduler waits to hear about
+        self.failed: dict[str, str] = {}  # keys that failed at a request's sample, to report
         self._lock = threading.Lock()
         self.stats = {"num_constrained_steps": 0, "num_constrained_rows": 0, "num_grammar_compiles": 0,
                       "grammar_compile_seconds_total": 0.0, "num_grammar_cache_hits": 0,
@@ -71,20 +79,52 @@ class GrammarStore:
         info = tokenizer_info(hf, self.vocab_size, hf.eos_token_id)
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False, enable_dynamic_compilation=True)
 
-    def prepare(self, grammar: Grammar) -> Future:
-        """Start compiling ``grammar`` (once per key) in the worker thread; its future."""
+    def prepare(self, grammar: Grammar, use: bool = True) -> Future:
+        """Start compiling ``grammar`` (once per key) in the worker thread; its future. ``use``: a
+        request uses it (a compile it finds started or done counts as a cache hit, unless the
+        scheduler's ask started it for this very request)."""
         self.start_loading()
         with self._lock:
             future = self._compiled.get(grammar.key)
             if future is not None:
                 self._compiled.move_to_end(grammar.key)
-                self.stats["num_grammar_cache_hits"] += 1
+                if use and grammar.key in self._unclaimed:
+                    self._unclaimed.discard(grammar.key)
+                elif use:
+                    self.stats["num_grammar_cache_hits"] += 1
                 return future
             future = self._pool.submit(self._compile, grammar)
             self._compiled[grammar.key] = future
+            if not use:
+                self._unclaimed.add(grammar.key)
             while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+                self._unclaimed.discard(self._compiled.popitem(last=False)[0])
             return future
+
+    def watch(self, grammar: Grammar) -> None:
+        """The scheduler waits for ``grammar``: compile it (if it is not), and name it in the next
+        ``take_reports`` after its compile ended (at once when it is cached)."""
+        self._watched[grammar.key] = self.prepare(grammar, use=False)
+
+    def take_reports(self) -> tuple[list[str], dict[str, str]]:
+        """The watched keys whose compile ended since the last call: (compiled, {key: why not})."""
+        ready: list[str] = []
+        errors, self.failed = self.failed, {}
+        for key, future in list(self._watched.items()):
+            if future.done():
+                del self._watched[key]
+                exc = future.exception()
+                if exc is None:
+                    ready.append(key)
+                else:
+                    errors[key] = compile_error(exc)
+        return ready, errors
+
+    def wait_watched(self, timeout_s: float = GRAMMAR_POLL_S) -> None:
+        """Nothing else to run: wait until a watched compile ends, for at most ``timeout_s``."""
+        pending = [f for f in self._watched.values() if not f.done()]
+        if len(pending) == len(self._watched) and pending:
+            wait(pending, timeout_s, return_when=FIRST_COMPLETED)
 
     def _compile(self, grammar: Grammar):
         from folio.shared.grammar import compile_grammar
@@ -101,7 +141,7 @@ class GrammarStore:
         compile when it has not finished yet)."""
         import xgrammar as xgr
 
-        future = self.prepare(grammar)
+        future = self.prepare(grammar, use=False)
         if not future.done():
             t0 = time.perf_counter()
             future.result()
@@ -111,6 +151,13 @@ class GrammarStore:
             if not matcher.accept_token(token_id):
                 raise ValueError(f"token {token_id} of the output does not fit its grammar")
         return matcher
+
+
+def compile_error(exc: BaseException) -> str:
+    """Why a grammar did not compile here, for the request's error."""
+    from folio.shared.grammar import error_text
+
+    return f"the executor could not compile the request's grammar: {error_text(exc)}"
 
 
 _BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)

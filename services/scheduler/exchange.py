@@ -14,6 +14,7 @@ from folio.services.scheduler.forks import BeamGroup
 from folio.services.scheduler.request import Request
 from folio.shared.kv.allocator import cdiv
 from folio.shared.messages import (
+    Grammar,
     KVOp,
     KVStepRequest,
     NewRequestData,
@@ -36,6 +37,8 @@ class StepOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    grammars: list[Grammar] = field(default_factory=list)  # for the executor to compile
+    await_grammars: bool = False  # nothing scheduled: the executor waits a little for a compile
 
 
 class ExecutorExchange:
@@ -72,14 +75,15 @@ class ExecutorExchange:
         return StepPlan(step_id=out.step_id, new_reqs=new_reqs, running_reqs=running_reqs,
                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished,
                         spec_token_ids=out.spec_token_ids, block_copies=out.block_copies,
-                        swap_out=out.swap_out, swap_in=out.swap_in)
+                        swap_out=out.swap_out, swap_in=out.swap_in, grammars=out.grammars,
+                        await_grammars=out.await_grammars)
 
     def kv_request(self, out: StepOutput, generation: int) -> KVStepRequest:
         return KVStepRequest(step_id=out.step_id, generation=generation, ops=out.ops)
 
     def update_from_result(self, out: StepOutput, result: StepResult) -> list[TokenDelta]:
         """Append sampled tokens, finish requests that are done; one delta per request that moved."""
-        deltas: list[TokenDelta] = []
+        deltas: list[TokenDelta] = self._grammar_reports(result)
         released = False
         prompt_lps = result.prompt_logprobs
         reported: set[str] = set()
@@ -124,6 +128,23 @@ class ExecutorExchange:
                 released = True
         if released:
             self.running = [r for r in self.running if not r.finished]
+        return deltas
+
+    def _grammar_reports(self, result: StepResult) -> list[TokenDelta]:
+        """Grammars the executor compiled (their requests may sample from now on), and those it
+        could not: their requests end with the reason."""
+        if not (result.grammars_ready or result.grammar_errors):
+            return []
+        errors = result.grammar_errors
+        self.grammar_gate.report(result.grammars_ready, errors)
+        failed = [r for r in self.requests.values() if r.sampling.grammar is not None and r.sampling.grammar.key in errors]
+        deltas = []
+        for req in failed:
+            if req.req_id in self.requests and self.remove(req.req_id):
+                self.counters["num_grammar_errors"] += 1
+                deltas.append(TokenDelta(req_id=req.req_id, token_ids=[], finish_reason="error", error_code=500,
+                                         error=errors[req.sampling.grammar.key],
+                                         num_prompt_tokens=req.num_prompt_tokens))
         return deltas
 
     def _append(self, req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:

@@ -43,6 +43,7 @@ import time
 
 from folio.services.scheduler.exchange import ExecutorExchange, StepOutput
 from folio.services.scheduler.forks import Forks
+from folio.services.scheduler.grammars import GrammarGate
 from folio.services.scheduler.request import Request, Status
 from folio.shared.kv.allocator import BlockAllocator, cdiv
 from folio.shared.kv.steplog import StepLog
@@ -93,6 +94,7 @@ class Scheduler(ExecutorExchange):
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request by req_id (choices and beams by their own ids)
         self.forks = Forks(self)  # the choices of n > 1 still to fork, beam groups
+        self.grammar_gate = GrammarGate()  # structured output: who may sample (``grammars.py``)
         # applied at the start of the next step (``_settle``)
         self.pending_free_req_ids: list[str] = []
         self.pending_discard_req_ids: list[str] = []  # the same, for tables whose last growth never ran
@@ -112,7 +114,7 @@ class Scheduler(ExecutorExchange):
                              num_requests_finished=0, num_requests_aborted=0, num_requests_rejected=0,
                              num_executor_restarts=0, num_epochs=0, num_digest_mismatches=0, num_scheduled_tokens_total=0, num_scheduled_seqs_total=0,
                              num_cached_tokens_total=0, num_spec_drafts=0, num_spec_draft_tokens=0,
-                             num_spec_accepted_tokens=0)
+                             num_spec_accepted_tokens=0, num_grammar_held_steps=0, num_grammar_errors=0)
 
     # ------------------------------------------------------------------ pool
     def set_pool(self, info: PoolInfo) -> None:
@@ -196,10 +198,16 @@ class Scheduler(ExecutorExchange):
     def abort(self, req_id: str) -> bool:
         """Drop a request (all of a beam search, whichever choice is named); its blocks go back in
         the next step."""
+        if not self.remove(req_id):
+            return False
+        self.counters["num_requests_aborted"] += 1
+        return True
+
+    def remove(self, req_id: str) -> bool:
+        """``abort`` without counting it."""
         group = self.forks.groups.get(req_id)
         if group is not None:
             self.forks.end_group(group)
-            self.counters["num_requests_aborted"] += 1
             return True
         req = self.requests.get(req_id)
         if req is None:
@@ -213,7 +221,6 @@ class Scheduler(ExecutorExchange):
             self.forks.orphan(req)
             self.dequeue(req)
             self.release(req)
-        self.counters["num_requests_aborted"] += 1
         return True
 
     def enqueue(self, queue: list[Request], req: Request, status: Status) -> None:
@@ -266,6 +273,9 @@ class Scheduler(ExecutorExchange):
         for req in self.waiting:
             req.on_executor = False
             req.num_computed_tokens = 0
+        for req in self.requests.values():  # a new executor has compiled nothing
+            req.grammar_ready = False
+        self.grammar_gate.reset()
         self.pending_free_req_ids, self.pending_discard_req_ids, self.pending_truncate = [], [], []
         self.set_pool(info)
         self.counters["num_epochs"] += 1
@@ -322,17 +332,23 @@ class Scheduler(ExecutorExchange):
                 self._take(out, req, num_new)
                 budget -= num_new
             num_seqs += 1
-        while self.waiting and budget > 0 and not preempted and not self.swapped:
-            req = self.waiting[0]
+        j = 0
+        while j < len(self.waiting) and budget > 0 and not preempted and not self.swapped:
+            req = self.waiting[j]
             self._find_cached(req)
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
+            if not num_new and req.req_id in self.grammar_gate.held and req.num_computed_tokens >= req.num_tokens - 1:
+                # all it lacks is its grammar: the others go on
+                req.num_computed_tokens = req.num_cached_tokens = 0
+                j += 1
+                continue
             cost = self._seq_cost(req)
-            # nobody overtakes the head of the queue; without chunked prefill a prompt that does
-            # not fit waits for the next step
+            # nobody else overtakes the head of the queue; without chunked prefill a prompt that
+            # does not fit waits for the next step
             if not num_new or num_seqs + cost > self.max_num_seqs or not self._grow(req, num_new):
                 req.num_computed_tokens = req.num_cached_tokens = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             self.enqueue(self.running, req, Status.RUNNING)
             num_seqs += cost
             if not req.admitted:
@@ -344,7 +360,10 @@ class Scheduler(ExecutorExchange):
             budget -= num_new
         self.max_num_running = max(self.max_num_running, len(self.running))
         out.ops, (out.block_copies, out.swap_out, out.swap_in), out.digest = self.kv.seal()
-        if not (out.scheduled or out.ops or self.pending_finished_req_ids):
+        out.grammars, held = self.grammar_gate.take_step()
+        self.counters["num_grammar_held_steps"] += held
+        out.await_grammars = held and not out.scheduled  # nothing to run but a compile to wait for
+        if not (out.scheduled or out.ops or self.pending_finished_req_ids or out.grammars or out.await_grammars):
             return None
         self.next_step_id += 1
         return out
@@ -402,6 +421,9 @@ class Scheduler(ExecutorExchange):
         end = req.num_tokens
         if req.pending_forks:
             end = req.num_prompt_tokens - 1  # its choices fork off before the last prompt token
+            self.grammar_gate.holds(req)  # (their grammar compiles meanwhile)
+        elif self.grammar_gate.holds(req):
+            end -= 1  # the token it samples from waits for its grammar
         remaining = end - req.num_computed_tokens
         if remaining == 1 and req.spec_token_ids and req.on_executor:  # a decode that verifies its drafts
             # (the executor holds the proposal: a request it dropped, swapped or new, has none)

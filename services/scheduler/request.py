@@ -56,6 +56,7 @@ class Request:
     first_scheduled_time: float | None = None
     queue_time_sent: bool = False
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
+    grammar_ready: bool = False  # the executor reported its grammar compiled (``grammars.py``)
 
     @staticmethod
     def from_message(msg: EngineRequest, req_id: str | None = None, sampling: SamplingParams | None = None) -> "Request":
