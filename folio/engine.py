@@ -2,7 +2,9 @@
 
 ``EngineCore`` is the scheduler's policy with its allocator replica (the prefix cache included)
 and the executor's ``ModelRunner``, stepped as the scheduler service steps them: ``schedule`` ->
-``build_plan`` -> ``execute`` -> ``update_from_result``. In one process the replica is the only
+``build_plan`` -> ``execute`` -> ``update_from_result`` (with ``async_scheduling``, the next step is
+planned before the last one's result is applied, as the service plans it while the executor runs;
+in one thread that overlaps nothing, but it takes the same path). In one process the replica is the only
 allocator: the kvmanager, the owner of record that the services keep in step with it, is not
 needed. ``LLMEngine`` adds the tokenizer service's side: prompts and chats are encoded by the
 same ``TextTokenizer``, and token deltas become text deltas (incremental detokenization, stop
@@ -15,6 +17,7 @@ by the tests' ``LocalEngine``, which checks every step against an allocator of r
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from folio.services.executor.runner import ModelRunner
 from folio.services.scheduler.exchange import StepOutput
@@ -38,7 +41,8 @@ class EngineCore:
     """Scheduler + allocator replica + model runner, stepped in the caller's thread."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, **scheduler_options):
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, async_scheduling: bool = False,
+                 **scheduler_options):
         """``scheduler_options``: ``Scheduler``'s keyword arguments (chunked prefill, preemption
         mode, scheduling policy, long-prefill threshold)."""
         pool = runner.pool
@@ -49,6 +53,9 @@ class EngineCore:
             bytes_per_block=runner.pool_shape.bytes_per_block, epoch="local",
             max_model_len=runner.spec.max_position_embeddings, num_free_blocks=pool.num_blocks,
             num_host_blocks=pool.num_host_blocks, enable_prefix_caching=enable_prefix_caching))
+        self.scheduler.speculative = runner.proposer is not None
+        self.async_scheduling = async_scheduling
+        self.in_flight: deque[tuple[StepOutput, StepPlan]] = deque()  # planned, not run yet
         self.execute_seconds_total = 0.0
 
     @property
@@ -63,20 +70,29 @@ class EngineCore:
         return self.scheduler.abort(req_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self.in_flight) or self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta] | None:
         """One iteration; None when there was nothing to schedule."""
-        sched = self.scheduler
-        out = sched.schedule()
-        if out is None:
+        sched, in_flight = self.scheduler, self.in_flight
+        if not in_flight and not self._plan(None):
             return None
-        plan = sched.build_plan(out)
-        self.on_plan(out, plan)
+        if self.async_scheduling and len(in_flight) == 1 and sched.can_plan_ahead(in_flight[0][0]):
+            self._plan(in_flight[0][0])
+        out, plan = in_flight.popleft()
         t0 = time.perf_counter()
         result = self.runner.execute(plan)
         self.execute_seconds_total += time.perf_counter() - t0
         return sched.update_from_result(out, result)
+
+    def _plan(self, running: StepOutput | None) -> bool:
+        out = self.scheduler.schedule(running)
+        if out is None:
+            return False
+        plan = self.scheduler.build_plan(out)
+        self.on_plan(out, plan)
+        self.in_flight.append((out, plan))
+        return True
 
     def on_plan(self, out: StepOutput, plan: StepPlan) -> None:
         """Called with each step's decision and plan before it runs (tests check them here)."""

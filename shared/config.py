@@ -109,7 +109,7 @@ class RuntimeConfig:
     enforce_eager: bool = flag(False, "no CUDA graphs: every step launches its kernels from Python (GPU; the CPU is "
                                "always eager)", ("executor",), action="store_true")
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
-                                         "or 'ngram' (prompt lookup); default: off", ("executor",))
+                                         "or 'ngram' (prompt lookup); default: off", ("executor", "scheduler"))
     num_speculative_tokens: int = flag(0, "draft tokens proposed per step", ("executor",))
     ngram_prompt_lookup_max: int = flag(4, "longest n-gram the ngram proposer matches", ("executor",))
     ngram_prompt_lookup_min: int = flag(1, "shortest n-gram the ngram proposer matches", ("executor",))
@@ -215,6 +215,10 @@ class SchedulerConfig:
                                 "tier (--num-host-blocks)", ("scheduler",), choices=("recompute", "swap"))
     scheduling_policy: str = flag("fcfs", "queue order: arrival, or the request's priority (lower first) then "
                                   "arrival", ("scheduler",), choices=("fcfs", "priority"))
+    async_scheduling: bool = flag(True, "plan step N+1 while the executor runs step N (default: on; beams, forks, "
+                                  "grammars, speculative decoding and preemption wait for the step's result)",
+                                  ("scheduler",))
+    speculative_model: str | None = None  # the executor's flag: with drafts every step waits for the last
     log_json: bool = False
 
 

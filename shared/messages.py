@@ -133,6 +133,9 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     # ``await_grammars`` set, the executor answers once one of them is ready (or after a short poll)
     grammars: list[Grammar] = []
     await_grammars: bool = False
+    # async scheduling: decodes whose input is the token the executor sampled in the step before,
+    # which the scheduler had not seen when it planned this one (the executor holds it already)
+    num_placeholder_tokens: int = 0
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
@@ -412,9 +415,11 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
 
 class KVConfirm(msgspec.Struct, frozen=True, array_like=True, tag="c"):
     """Every allocation so far counts as computed, except ``discard_req_ids``'s (their step failed):
-    the full blocks among them become findable in the prefix cache."""
+    the full blocks among them become findable in the prefix cache. ``keep_req_ids``' allocations
+    stay unconfirmed: their step is still running (async scheduling plans the next one meanwhile)."""
 
     discard_req_ids: list[str] = []
+    keep_req_ids: list[str] = []
 
 
 class KVFree(msgspec.Struct, frozen=True, array_like=True, tag="f"):

@@ -2,7 +2,10 @@
 
 Who talks to it:
 - the scheduler sends a ``StepPlan`` to its ROUTER (``recv_from_scheduler``) and gets the
-  ``StepResult``; steps are executed one at a time, in arrival order;
+  ``StepResult``; steps are executed one at a time, in arrival order. With async scheduling the
+  next plan arrives while a step runs and waits in the socket; its decodes that follow a token
+  sampled in the step before (placeholders) read that token from the runner's batch, where the
+  step before appended it;
 - at start it registers its KV pool with the kvmanager (``send_to_kvmanager``, DEALER) under a
   fresh epoch, so that the kvmanager drops tables from an earlier executor's pool; then it sends
   the same registration every ``REGISTER_EVERY_S``, so that a restarted kvmanager learns the pool
@@ -52,6 +55,8 @@ class ExecutorService:
         self.handlers = {StepPlan: self.handle_step_plan}
         self.admin_commands = {"stats": self.admin_stats}
         self.num_steps = 0
+        self.num_steps_queued = 0  # steps whose plan had arrived before the step before ended
+        self.num_placeholder_tokens = 0
         # one thread for every step: per-thread device state (CUDA's current stream) stays put
         self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.execute_seconds_total = 0.0
@@ -92,6 +97,7 @@ class ExecutorService:
 
     async def handle_step_plan(self, plan: StepPlan, envelope: list[bytes]) -> StepResult:
         self.num_steps += 1
+        self.num_placeholder_tokens += plan.num_placeholder_tokens
         t0 = time.perf_counter()
         try:
             # off the event loop: its admin socket answers pings (health) during a long step; the
@@ -107,9 +113,12 @@ class ExecutorService:
             return StepResult(step_id=plan.step_id, epoch=self.epoch)
         finally:
             self.execute_seconds_total += time.perf_counter() - t0
+            if self.recv_from_scheduler.get(zmq.EVENTS) & zmq.POLLIN:  # the next plan is here already
+                self.num_steps_queued += 1
 
     async def admin_stats(self, args: dict) -> dict:
         stats = {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps,
+                 "num_steps_queued": self.num_steps_queued, "num_placeholder_tokens": self.num_placeholder_tokens,
                  "execute_seconds_total": self.execute_seconds_total}
         if hasattr(self.runner, "rank_reports"):  # a collective: on the step thread, between steps
             loop = asyncio.get_running_loop()

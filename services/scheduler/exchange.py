@@ -39,6 +39,8 @@ class StepOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     grammars: list[Grammar] = field(default_factory=list)  # for the executor to compile
     await_grammars: bool = False  # nothing scheduled: the executor waits a little for a compile
+    samplers: list[Request] = field(default_factory=list)  # the sequences that sample (set by build_plan)
+    ahead: bool = False  # planned while the step before was still running (async scheduling)
 
 
 class ExecutorExchange:
@@ -49,7 +51,9 @@ class ExecutorExchange:
         gained (their whole table when blocks inside it changed) and their counts."""
         alloc = self.alloc
         new_reqs, running_reqs, num_scheduled = [], [], {}
+        num_placeholders = 0
         for req, num_new in out.scheduled:
+            num_placeholders += req.num_pending > 0
             table = alloc.seqs[req.req_id].block_ids
             if req.on_executor:
                 changed = req.table_changed
@@ -66,6 +70,9 @@ class ExecutorExchange:
             req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
             num_scheduled[req.req_id] = num_new
             req.num_computed_tokens += num_new
+            if req.num_computed_tokens >= req.num_tokens + req.num_pending:  # it samples
+                out.samplers.append(req)
+                req.num_pending += 1
         finished, self.pending_finished_req_ids = self.pending_finished_req_ids, []
         c = self.counters
         c["num_steps"] += 1
@@ -76,7 +83,17 @@ class ExecutorExchange:
                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished,
                         spec_token_ids=out.spec_token_ids, block_copies=out.block_copies,
                         swap_out=out.swap_out, swap_in=out.swap_in, grammars=out.grammars,
-                        await_grammars=out.await_grammars)
+                        await_grammars=out.await_grammars, num_placeholder_tokens=num_placeholders)
+
+    def can_plan_ahead(self, in_flight: StepOutput) -> bool:
+        """Whether the next step may be planned before ``in_flight``'s result (async scheduling):
+        not when the result decides what the next step is beyond one more token per sampler:
+        drafts to verify, beams to pick, choices to fork, grammars (a row whose grammar ended
+        must not sample again), or growth that needs preemption (``needs_sync``)."""
+        if (self.speculative or self.needs_sync or self.forks.unforked or self.forks.groups or in_flight.spec_token_ids
+                or in_flight.grammars or in_flight.await_grammars):
+            return False
+        return not any(req.pending_forks or req.sampling.grammar is not None for req, _ in in_flight.scheduled)
 
     def kv_request(self, out: StepOutput, generation: int) -> KVStepRequest:
         return KVStepRequest(step_id=out.step_id, generation=generation, ops=out.ops)
@@ -88,6 +105,8 @@ class ExecutorExchange:
         prompt_lps = result.prompt_logprobs
         reported: set[str] = set()
         groups: list[BeamGroup] = []
+        for req in out.samplers:
+            req.num_pending -= 1
         for idx, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.finished:
@@ -121,9 +140,9 @@ class ExecutorExchange:
         for group in groups:
             deltas.extend(self.forks.advance_beams(group))
             released = True
-        for req, _ in out.scheduled:
-            # caught up with its tokens yet got none: the executor failed it; never leave it stuck
-            if not req.finished and req.num_computed_tokens >= req.num_tokens and req.req_id not in reported:
+        for req in out.samplers:
+            # should have sampled yet got nothing: the executor failed it; never leave it stuck
+            if not req.finished and req.req_id not in reported:
                 deltas.extend(self._fail(req))
                 released = True
         if released:

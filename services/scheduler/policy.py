@@ -106,6 +106,8 @@ class Scheduler(ExecutorExchange):
         self.next_step_id = 0
         self.next_arrival = 0
         self.draining = False
+        self.speculative = False  # the executor proposes drafts: no step is planned ahead of a result
+        self.needs_sync = False  # a step planned ahead needed a preemption: the next waits for the result
         self.max_num_running = 0
         self.last_batch_size = 0
         self.last_num_scheduled_tokens = 0
@@ -114,7 +116,8 @@ class Scheduler(ExecutorExchange):
                              num_requests_finished=0, num_requests_aborted=0, num_requests_rejected=0,
                              num_executor_restarts=0, num_epochs=0, num_digest_mismatches=0, num_scheduled_tokens_total=0, num_scheduled_seqs_total=0,
                              num_cached_tokens_total=0, num_spec_drafts=0, num_spec_draft_tokens=0,
-                             num_spec_accepted_tokens=0, num_grammar_held_steps=0, num_grammar_errors=0)
+                             num_spec_accepted_tokens=0, num_grammar_held_steps=0, num_grammar_errors=0,
+                             num_steps_planned_ahead=0)
 
     # ------------------------------------------------------------------ pool
     def set_pool(self, info: PoolInfo) -> None:
@@ -287,11 +290,16 @@ class Scheduler(ExecutorExchange):
                     or self.pending_clear)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> StepOutput | None:
+    def schedule(self, in_flight: StepOutput | None = None) -> StepOutput | None:
         """Pick this step's work, applying its allocator operations to the replica as it goes;
-        None when there is nothing to compute and nothing to tell the kvmanager or the executor."""
-        out = StepOutput(step_id=self.next_step_id)
-        self._settle()
+        None when there is nothing to compute and nothing to tell the kvmanager or the executor.
+        ``in_flight``: the step the executor runs meanwhile (async scheduling, when
+        ``can_plan_ahead`` says so); its samplers decode their next token as a placeholder, its
+        allocations stay unconfirmed, and a sequence that cannot grow stops the step instead of
+        preempting (``needs_sync``: the next step waits for the result)."""
+        out = StepOutput(step_id=self.next_step_id, ahead=in_flight is not None)
+        self.needs_sync = False
+        self._settle([op.req_id for op in in_flight.ops if isinstance(op, KVAllocate)] if in_flight else [])
         self.forks.issue()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -304,6 +312,9 @@ class Scheduler(ExecutorExchange):
                 i += 1
                 continue
             grown = self._grow(req, num_new)
+            if not grown and out.ahead:  # preemption waits for the running step's result
+                self.needs_sync = preempted = True
+                break
             while not grown and (victim := self._victim(i)) is not None:
                 self._preempt(victim)
                 preempted = True
@@ -366,17 +377,19 @@ class Scheduler(ExecutorExchange):
         if not (out.scheduled or out.ops or self.pending_finished_req_ids or out.grammars or out.await_grammars):
             return None
         self.next_step_id += 1
+        self.counters["num_steps_planned_ahead"] += out.ahead
         return out
 
-    def _settle(self) -> None:
+    def _settle(self, keep: list[str]) -> None:
         """What waited for this step, in the log's fixed order: tables shrunk after rejected drafts,
-        the last step's allocations confirmed as computed, releases, a cache clear."""
+        the last step's allocations confirmed as computed (not ``keep``'s: their step still runs),
+        releases, a cache clear."""
         alloc = self.alloc
         for req_id, num_tokens in self.pending_truncate:
             if self.kv.try_apply(KVTruncate(req_id, num_tokens)) and req_id in self.requests:
                 self.requests[req_id].table_changed = True
-        if alloc.unconfirmed:
-            self.kv.try_apply(KVConfirm(self.pending_discard_req_ids))
+        if any(req_id not in keep for req_id in alloc.unconfirmed):
+            self.kv.try_apply(KVConfirm(self.pending_discard_req_ids, [r for r in keep if r in alloc.unconfirmed]))
         released = self.pending_free_req_ids + self.pending_discard_req_ids
         if released:
             self.kv.try_apply(KVFree(released))
@@ -418,14 +431,16 @@ class Scheduler(ExecutorExchange):
 
     def _num_new_tokens(self, req: Request, budget: int, whole_prefill_taken: bool) -> int:
         """Tokens ``req`` computes this step (0: none, or its whole prompt does not fit)."""
-        end = req.num_tokens
+        end = req.num_tokens + req.num_pending  # tokens in flight decode as placeholders
         if req.pending_forks:
             end = req.num_prompt_tokens - 1  # its choices fork off before the last prompt token
             self.grammar_gate.holds(req)  # (their grammar compiles meanwhile)
         elif self.grammar_gate.holds(req):
             end -= 1  # the token it samples from waits for its grammar
+        elif req.num_pending and len(req.output_token_ids) + req.num_pending >= req.sampling.max_tokens:
+            return 0  # the tokens in flight are its last
         remaining = end - req.num_computed_tokens
-        if remaining == 1 and req.spec_token_ids and req.on_executor:  # a decode that verifies its drafts
+        if remaining == 1 and req.spec_token_ids and req.on_executor and not req.num_pending:  # a decode that verifies its drafts
             # (the executor holds the proposal: a request it dropped, swapped or new, has none)
             left = req.sampling.max_tokens - len(req.output_token_ids)  # it gains at most drafts + 1
             room = (self.max_model_len or 1 << 30) - req.num_tokens

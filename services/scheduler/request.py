@@ -57,6 +57,9 @@ class Request:
     queue_time_sent: bool = False
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
     grammar_ready: bool = False  # the executor reported its grammar compiled (``grammars.py``)
+    # tokens it samples in steps sent but not answered yet (async scheduling): the next step may
+    # decode them as placeholders, which the executor fills in with what it sampled
+    num_pending: int = 0
 
     @staticmethod
     def from_message(msg: EngineRequest, req_id: str | None = None, sampling: SamplingParams | None = None) -> "Request":
@@ -122,3 +125,4 @@ class Request:
         self.table_changed = False
         self.unsent_token_ids = []
         self.spec_token_ids = []
+        self.num_pending = 0

@@ -5,7 +5,9 @@ Who talks to it:
 - each step it plans with its allocator replica, sends the step's allocator log to the kvmanager
   (``send_to_kvmanager``, DEALER: one ``KVStepRequest`` when the log is not empty, without
   waiting), sends the ``StepPlan`` to the executor (``send_to_executor``, DEALER), waits for its
-  ``StepResult`` and PUSHes one ``TokenBatch`` to the tokenizer;
+  ``StepResult`` and PUSHes one ``TokenBatch`` to the tokenizer. With async scheduling (the
+  default) it plans and sends step N+1 before waiting for step N's result, whenever the policy
+  says N+1 does not depend on it (``Scheduler.can_plan_ahead``): at most one step runs ahead;
 - the kvmanager's replies are read as they come (``receive_from_kvmanager``): each step's state
   digest is checked against the replica's; a mismatch, or a kvmanager that lost its state
   (restarted), starts a new epoch (``new_epoch``: the one place that resynchronises, also used
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import structlog
 import zmq
@@ -79,6 +82,8 @@ class SchedulerService:
         self.pending_digests: dict[int, bytes] = {}  # step_id -> the replica's digest, until the reply
         self.resync_reason: str | None = None  # set when the kvmanager's state is not the replica's
         self.kv_reply: asyncio.Future | None = None  # a GetPool / KVReset waiting for its PoolInfo
+        self.scheduler.speculative = config.speculative_model is not None
+        self.in_flight: deque[StepOutput] = deque()  # steps sent to the executor, oldest first (at most 2)
         # where step time goes: the bench compares them with the executor's execute time
         self.timers = {"step_seconds_total": 0.0, "plan_seconds_total": 0.0, "update_seconds_total": 0.0,
                        "executor_wait_seconds_total": 0.0, "last_step_seconds": 0.0}
@@ -105,32 +110,38 @@ class SchedulerService:
         receiver = asyncio.ensure_future(self.receive_from_tokenizer())
         try:
             while True:
-                if self.resync_reason is not None:
+                if self.resync_reason is not None and not self.in_flight:
                     await self.new_epoch(self.resync_reason)
-                if not self.scheduler.has_work() or not await self.step():
+                if not (self.in_flight or self.scheduler.has_work()) or not await self.step():
                     self.wake.clear()
                     await self.wake.wait()
         finally:
             receiver.cancel()
 
     async def step(self) -> bool:
-        """Run one step; False when there was nothing to do (then the loop waits for a message)."""
-        sched, timers = self.scheduler, self.timers
+        """Wait for one step's result, sending the step first when none runs and, with async
+        scheduling, the one after it meanwhile; False when there was nothing to do (then the loop
+        waits for a message)."""
+        sched, timers, in_flight = self.scheduler, self.timers, self.in_flight
         t0 = time.perf_counter()
-        out = sched.schedule()
-        if out is None:
-            return False
-        self.send_log(out)
-        plan = sched.build_plan(out)
+        if not in_flight:
+            if not await self.send_step(None):
+                return False
+        if (self.config.async_scheduling and len(in_flight) == 1 and self.resync_reason is None
+                and sched.can_plan_ahead(in_flight[0])):
+            await self.send_step(in_flight[0])
         t1 = time.perf_counter()
         timers["plan_seconds_total"] += t1 - t0
-        result = await self.call_executor(plan, out.step_id, self.executor_check_s)
+        out = in_flight[0]
+        result = await self.receive_result(out.step_id, self.executor_check_s)
         t2 = time.perf_counter()
         timers["executor_wait_seconds_total"] += t2 - t1
         if result is None or (result.epoch and result.epoch != sched.pool.epoch):
             sched.counters["num_executor_restarts"] += 1
+            in_flight.clear()  # their results are lost with the executor: they recompute
             await self.new_epoch("the executor restarted")
             return True
+        in_flight.popleft()
         deltas = sched.update_from_result(out, result)
         if deltas:
             await self.push_deltas(out.step_id, deltas)
@@ -138,6 +149,17 @@ class SchedulerService:
         timers["update_seconds_total"] += t3 - t2
         timers["last_step_seconds"] = t3 - t0
         timers["step_seconds_total"] += t3 - t0
+        return True
+
+    async def send_step(self, running: StepOutput | None) -> bool:
+        """Plan a step (ahead of ``running``'s result, if given) and send it; False if empty."""
+        sched = self.scheduler
+        out = sched.schedule(running)
+        if out is None:
+            return False
+        self.send_log(out)
+        await self.send_to_executor.send(encode(sched.build_plan(out)))
+        self.in_flight.append(out)
         return True
 
     def send_log(self, out: StepOutput) -> None:
@@ -205,10 +227,9 @@ class SchedulerService:
             log.error("kvmanager out of sync", step_id=reply.step_id, reason=self.resync_reason)
             self.wake.set()
 
-    async def call_executor(self, plan, step_id: int, check_s: float):
-        """The plan's ``StepResult`` (malformed or stale replies are skipped); a reply slower than
-        ``check_s`` checks for an executor restart (None if it did)."""
-        await self.send_to_executor.send(encode(plan))
+    async def receive_result(self, step_id: int, check_s: float):
+        """Step ``step_id``'s ``StepResult`` (malformed or stale replies are skipped); a reply
+        slower than ``check_s`` checks for an executor restart (None if it did)."""
         while True:
             result = await receive_reply(self.send_to_executor, self.executor_decoder, log, check_s,
                                          accept=lambda r: r.step_id == step_id, socket_name="executor")
@@ -251,6 +272,7 @@ class SchedulerService:
                     **self.scheduler.counters}
         steps = max(1, self.scheduler.counters["num_steps"])
         return {"pool_ready": True, **scheduler_stats(self.scheduler), **self.timers, "generation": self.generation,
+                "async_scheduling": self.config.async_scheduling,
                 "mean_step_seconds": self.timers["step_seconds_total"] / steps,
                 "mean_plan_seconds": self.timers["plan_seconds_total"] / steps}
 

@@ -196,14 +196,18 @@ class BlockAllocator:
             hits.append(self.device.block_id_of(block_hash))
         return hits
 
-    def confirm_computed(self, discard_req_ids=()) -> None:
+    def confirm_computed(self, discard_req_ids=(), keep_req_ids=()) -> None:
         """Every allocation so far has been computed (the executor runs steps in order: what
         reads these blocks runs after what wrote them), except those of ``discard_req_ids``:
         index the blocks that became full. Indexing only computed blocks means a hit never points
-        at KV that never will be written (a request whose step failed)."""
-        discard = set(discard_req_ids)
+        at KV that never will be written (a request whose step failed). ``keep_req_ids``: whose
+        step has not run yet; they stay unconfirmed, for a later confirm."""
+        discard, keep = set(discard_req_ids), set(keep_req_ids)
         unconfirmed, self.unconfirmed = self.unconfirmed, {}
         for req_id in unconfirmed:
+            if req_id in keep:
+                self.unconfirmed[req_id] = None
+                continue
             seq = self.seqs.get(req_id)
             if (seq is not None and req_id not in discard and seq.host_block_ids is None
                     and seq.num_computed_tokens < seq.num_tokens):

@@ -38,7 +38,7 @@ def _allocate(alloc: BlockAllocator, op: KVAllocate) -> list[int]:
 
 
 _APPLY = {
-    KVConfirm: lambda alloc, op: alloc.confirm_computed(op.discard_req_ids) or 0,
+    KVConfirm: lambda alloc, op: alloc.confirm_computed(op.discard_req_ids, op.keep_req_ids) or 0,
     KVFree: _free,
     KVTruncate: lambda alloc, op: alloc.truncate(op.req_id, op.num_tokens),
     KVFork: lambda alloc, op: len(alloc.fork(op.parent_req_id, op.child_req_id, op.num_tokens)),

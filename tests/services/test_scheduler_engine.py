@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from folio.shared.kv.allocator import cdiv
@@ -35,11 +36,16 @@ def mixed_requests(n: int, seed: int, vocab: int = 128) -> list:
     return reqs
 
 
+ASYNC = pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+
+
+@ASYNC
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_under_a_small_pool_changes_no_output(runner, small_pool_runner, mode):
+def test_preemption_under_a_small_pool_changes_no_output(runner, small_pool_runner, mode, async_scheduling):
     reqs = mixed_requests(40, seed=1)
     expected = {m.req_id: alone(runner, m).token_ids for m in reqs}
-    engine = LocalEngine(small_pool_runner, max_num_batched_tokens=256, preemption_mode=mode)
+    engine = LocalEngine(small_pool_runner, max_num_batched_tokens=256, preemption_mode=mode,
+                         async_scheduling=async_scheduling)
     for m in reqs:
         engine.add(m)
     outputs = engine.run()
@@ -49,6 +55,30 @@ def test_preemption_under_a_small_pool_changes_no_output(runner, small_pool_runn
     assert (counters["num_swap_outs"] > 0) == (mode == "swap")
     assert counters["num_swap_ins"] == counters["num_swap_outs"]
     assert engine.alloc.num_used_blocks == 0 and engine.alloc.host.num_used_blocks == 0
+    assert (counters["num_steps_planned_ahead"] > 0) == async_scheduling
+
+
+@ASYNC
+def test_requests_that_stop_early_drop_the_token_planned_past_their_end(runner, async_scheduling):
+    """Each request's EOS is a token it generates alone (its 2nd..7th); planned ahead, the step
+    after the EOS still decodes it, and that token is never emitted."""
+    reqs = mixed_requests(24, seed=3)
+    stopping = []
+    for i, m in enumerate(reqs):
+        token_ids = alone(runner, m).token_ids
+        stopping.append(msgspec.structs.replace(
+            m, eos_token_id=token_ids[(1 + i % 6) % len(token_ids)], sampling=msgspec.structs.replace(m.sampling, ignore_eos=False)))
+    expected = {m.req_id: alone(runner, m) for m in stopping}
+    engine = LocalEngine(runner, max_num_batched_tokens=256, async_scheduling=async_scheduling)
+    for m in stopping:
+        engine.add(m)
+    outputs = engine.run()
+    assert {r: (o.token_ids, o.finish_reason) for r, o in outputs.items()} == \
+        {r: (o.token_ids, o.finish_reason) for r, o in expected.items()}
+    assert any(o.finish_reason == "stop" for o in outputs.values())
+    placeholders = sum(p.num_placeholder_tokens for p in engine.plans)
+    assert (placeholders > 0) == async_scheduling == (engine.sched.counters["num_steps_planned_ahead"] > 0)
+    assert engine.alloc.num_used_blocks == 0 and not engine.sched.requests
 
 
 def test_n_choices_fork_after_the_prompt_and_equal_their_solo_runs(runner):
@@ -75,11 +105,12 @@ def test_n_choices_fork_after_the_prompt_and_equal_their_solo_runs(runner):
     assert {r: o.token_ids for r, o in again.run().items()} == {r: o.token_ids for r, o in outputs.items()}
 
 
-def test_forks_under_preemption_and_swapping(runner, small_pool_runner):
+@ASYNC
+def test_forks_under_preemption_and_swapping(runner, small_pool_runner, async_scheduling):
     reqs = [engine_request(f"g{i}", list(range(5 + i, 30 + 3 * i)), 24, temperature=0.7, seed=i, ignore_eos=True,
                            fork_req_ids=[f"g{i}.{k}" for k in range(1, 3)]) for i in range(8)]
     for mode in ("recompute", "swap"):
-        engine = LocalEngine(small_pool_runner, preemption_mode=mode)
+        engine = LocalEngine(small_pool_runner, preemption_mode=mode, async_scheduling=async_scheduling)
         for m in reqs:
             engine.add(m)
         outputs = engine.run()

@@ -6,12 +6,13 @@ cap, and every request ends with all its tokens."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import msgspec
+import pytest
 
 from folio.shared.kv.allocator import BlockAllocator
 from folio.shared.messages import PoolInfo, StepResult
@@ -42,8 +43,9 @@ def test_allocator_never_leaks_or_double_frees(ops):
 
 
 requests_st = st.lists(
-    # prompt, max_tokens, arrival step, abort?, choices
-    st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6), st.booleans(), st.integers(1, 3)),
+    # prompt, max_tokens, arrival step, abort?, choices, where EOS comes (None: never)
+    st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6), st.booleans(), st.integers(1, 3),
+              st.none() | st.integers(0, 8)),
     min_size=1, max_size=10,
 )
 
@@ -52,36 +54,37 @@ def token_of(req_id: str) -> int:
     return sum(map(ord, req_id)) % 50 + 1
 
 
+def output_of(req_id: str, max_tokens: int, eos_at: int | None) -> list[int]:
+    """What the fake executor makes a request generate: its own token, and EOS (0) at ``eos_at``."""
+    tokens = [0 if k == eos_at else token_of(req_id) for k in range(max_tokens)]
+    return tokens[:tokens.index(0) + 1] if 0 in tokens else tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @settings(max_examples=250, deadline=None)
 @given(requests_st, st.integers(6, 20), st.integers(1, 24), st.integers(1, 6), st.sampled_from(["recompute", "swap"]),
-       st.booleans(), st.booleans(), st.sets(st.integers(1, 30), max_size=2), st.randoms(use_true_random=False))
-def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs, mode, chunked, speculate, restarts,
-                                      rng):
+       st.booleans(), st.booleans(), st.sets(st.integers(1, 30), max_size=2), st.booleans(),
+       st.randoms(use_true_random=False))
+def test_scheduler_keeps_its_promises(async_scheduling, reqs, num_blocks, budget, max_num_seqs, mode, chunked,
+                                      speculate, restarts, lose_in_flight, rng):
     """``speculate``: the executor proposes 0..3 drafts after each sample and accepts a random
     prefix of what it verifies (drafts are the request's own token, so outputs stay checkable).
-    ``restarts``: steps before which the kvmanager restarts empty (the scheduler starts a new epoch)."""
+    ``restarts``: steps before which the kvmanager restarts empty (the scheduler starts a new epoch
+    once the steps in flight answered) or, with ``lose_in_flight``, the executor restarts (the steps
+    in flight never answer). ``async_scheduling``: the next step is planned while one runs, as
+    the service does, whenever the policy allows it; the outputs are the same."""
     sched, alloc = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         num_host_blocks=8, preemption_mode=mode, enable_chunked_prefill=chunked)
+    sched.speculative = speculate
+    eos_of = {f"r{i}": r[5] for i, r in enumerate(reqs)}
     finished: dict[str, list[int] | None] = {}
     admitted = {}
-    for step_no in range(600):
-        for i, (num_prompt, max_tokens, arrival, abort, n) in enumerate(reqs):
-            choices = [f"r{i}.{k}" for k in range(1, n)]
-            msg = request(f"r{i}", num_prompt, max_tokens, ignore_eos=True)
-            if arrival == step_no and not sched.add_request(msgspec.structs.replace(msg, fork_req_ids=choices)):
-                assert n <= max_num_seqs  # more choices than the cap are refused, never stuck
-                admitted.update({req_id: max_tokens for req_id in (f"r{i}", *choices)})
-            if abort and arrival + 2 == step_no and sched.abort(f"r{i}"):
-                finished[f"r{i}"] = None
-        if step_no in restarts:
-            alloc = Owner(num_blocks, 4, 8)
-            sched.new_epoch(PoolInfo(num_blocks=num_blocks, block_size=4, bytes_per_block=1, epoch="e",
-                                     max_model_len=64, num_host_blocks=8))
-        out = sched.schedule()
+    in_flight: deque = deque()  # (StepOutput, StepResult) sent, oldest first
+
+    def send(running=None) -> None:
+        out = sched.schedule(running)
         if out is None:
-            if step_no > max(r[2] for r in reqs) + 3:
-                break
-            continue
+            return
         alloc.apply(out, sched.alloc)  # the same log gives the owner the replica's state and digest
         check_allocator(alloc)
         plan = sched.build_plan(out)
@@ -90,21 +93,56 @@ def test_scheduler_keeps_its_promises(reqs, num_blocks, budget, max_num_seqs, mo
         else:  # one whole prompt may pass the budget, alone with the decodes
             assert sum(1 for n in plan.num_scheduled_tokens.values() if n > budget) <= 1
         assert len(plan.num_scheduled_tokens) <= max_num_seqs
-        samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens >= r.num_tokens]
-        sampled, proposals = [], []
-        for r in samplers:
-            accepted = rng.randint(0, len(plan.spec_token_ids.get(r, [])))
-            sampled.append([token_of(r)] * (accepted + 1))
-            proposals.append([token_of(r)] * rng.randint(0, 3) if speculate else [])
-        result = StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=sampled,
-                            spec_token_ids=proposals)
+        # the executor's side as it runs the plan: a sampler's next output position is what it computed
+        sampled, proposals, req_ids = [], [], []
+        for r in out.samplers:
+            drafts = plan.spec_token_ids.get(r.req_id, [])
+            first = r.num_computed_tokens - len(drafts) - r.num_prompt_tokens
+            eos_at = eos_of[r.req_id.partition(".")[0]]
+            req_ids.append(r.req_id)
+            sampled.append([0 if first + k == eos_at else token_of(r.req_id)
+                            for k in range(rng.randint(0, len(drafts)) + 1)])
+            proposals.append([token_of(r.req_id)] * rng.randint(0, 3) if speculate else [])
+        in_flight.append((out, StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=sampled,
+                                          spec_token_ids=proposals)))
+
+    def receive() -> None:
+        out, result = in_flight.popleft()
         for delta in sched.update_from_result(out, result):
             finished.setdefault(delta.req_id, []).extend(delta.token_ids)
+
+    for step_no in range(600):
+        for i, (num_prompt, max_tokens, arrival, abort, n, eos_at) in enumerate(reqs):
+            choices = [f"r{i}.{k}" for k in range(1, n)]
+            msg = request(f"r{i}", num_prompt, max_tokens, ignore_eos=eos_at is None)
+            if arrival == step_no and not sched.add_request(msgspec.structs.replace(msg, fork_req_ids=choices)):
+                assert n <= max_num_seqs  # more choices than the cap are refused, never stuck
+                admitted.update({req_id: (max_tokens, eos_at) for req_id in (f"r{i}", *choices)})
+            if abort and arrival + 2 == step_no and sched.abort(f"r{i}"):
+                finished[f"r{i}"] = None
+        if step_no in restarts:
+            if lose_in_flight:
+                in_flight.clear()
+            while in_flight:
+                receive()
+            alloc = Owner(num_blocks, 4, 8)
+            sched.new_epoch(PoolInfo(num_blocks=num_blocks, block_size=4, bytes_per_block=1, epoch="e",
+                                     max_model_len=64, num_host_blocks=8))
+        if not in_flight:
+            send()
+        if async_scheduling and len(in_flight) == 1 and sched.can_plan_ahead(in_flight[0][0]):
+            send(in_flight[0][0])
+        if not in_flight:
+            if step_no > max(r[2] for r in reqs) + 3:
+                break
+            continue
+        receive()
     assert not sched.requests and not sched.running and not sched.waiting and not sched.swapped
     assert speculate or sched.counters["num_spec_drafts"] == 0
-    for req_id, max_tokens in admitted.items():
+    assert async_scheduling or sched.counters["num_steps_planned_ahead"] == 0
+    for req_id, (max_tokens, eos_at) in admitted.items():
         if finished.get(req_id.partition(".")[0]) is not None:
-            assert finished[req_id] == [token_of(req_id)] * max_tokens
+            assert finished[req_id] == output_of(req_id, max_tokens, eos_at)
     # the last releases ride on one more call
     out = sched.schedule()
     if out is not None:
