@@ -4,7 +4,8 @@ Every figure is a ratio against a baseline run here, on this machine, in this ru
 (``--sections``, default all):
 
 - throughput: a mixed workload (prompts 16..160 tokens, outputs 8..80, all sent at once). Served
-  folio (``folio serve``, one streaming HTTP client per request) against
+  folio (``folio serve``, one streaming HTTP client per request; once with
+  ``--no-async-scheduling``, then with the default async scheduling) against
   (a) the same engine in-process (``folio.LLM``: the same scheduler, KV pool, token budget and
       detokenization, no sockets), all requests queued at once: the cost of services and sockets;
   (b) ``transformers`` static batching: the requests in arrival order in fixed batches of
@@ -238,16 +239,20 @@ def section_throughput(args, path: str, jobs: list[Job], warmup: list[int], pad_
     out_tokens = sum(n for _, n in jobs)
     hf_s = run_hf_static(path, jobs, args.hf_batch_size, pad_id)
     local_s = run_in_process(path, jobs, args)
-    server = servers.get(*common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens))
+    flags = common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens)
+    sync_server = servers.get(*flags, "--no-async-scheduling")
+    sync_s, _ = asyncio.run(run_served(sync_server.base_url, jobs, warmup))
+    server = servers.get(*flags)
     served_s, results = asyncio.run(run_served(server.base_url, jobs, warmup))
 
-    print(f"{'':<26} {'req/s':>8} {'useful out tok/s':>17}")
+    print(f"{'':<30} {'req/s':>8} {'useful out tok/s':>17}")
     for name, seconds in ((f"transformers static B={args.hf_batch_size}", hf_s), ("in-process folio.LLM", local_s),
-                          ("served folio", served_s)):
-        print(f"{name:<26} {len(jobs) / seconds:>8.2f} {out_tokens / seconds:>17.1f}")
+                          ("served folio, sync scheduling", sync_s), ("served folio (async scheduling)", served_s)):
+        print(f"{name:<30} {len(jobs) / seconds:>8.2f} {out_tokens / seconds:>17.1f}")
     print(f"served / transformers static throughput: {hf_s / served_s:.2f}x")
-    print(f"served / in-process throughput: {local_s / served_s:.3f} (services and sockets cost "
-          f"{100 * (1 - local_s / served_s):.1f}%)")
+    for name, seconds in (("served, --no-async-scheduling", sync_s), ("served (async scheduling)", served_s)):
+        print(f"{name} / in-process throughput: {local_s / seconds:.3f} (services and sockets cost "
+              f"{100 * (1 - local_s / seconds):.1f}%)")
     ttfts = [r["ttft"] for r in results]
     itls = [x for r in results for x in r["itl"]]
     print(f"served TTFT  p50 {ms(pct(ttfts, .5))}  p90 {ms(pct(ttfts, .9))}  p99 {ms(pct(ttfts, .99))}")

@@ -21,7 +21,8 @@ in a step that preempted.
 The operations of a step form its log (``StepOutput.ops``), in the order they were applied: the
 service sends it to the kvmanager, the owner of record, which applies the same log and answers
 with a state digest, without the step waiting for it (``service.py``). The service drives one step
-as ``schedule`` -> ``build_plan`` -> executor -> ``update_from_result``.
+as ``schedule`` -> ``build_plan`` -> executor -> ``update_from_result``; with async scheduling it
+plans the next step before the last one's result (``schedule(in_flight)``, when ``can_plan_ahead``).
 
 A sequence new to the allocator first looks up the prefix cache: it starts after the blocks
 found there (whole blocks, at least one token left to compute), and those tokens cost nothing

@@ -2,7 +2,8 @@
 under either preemption mode, with chunked prefill or without, with speculative drafts and
 kvmanager restarts, the allocator never leaks or double-frees, the scheduler's replica equals the
 kvmanager's allocator after every step, every step respects the token budget and the sequence
-cap, and every request ends with all its tokens."""
+cap, and every request ends with all its tokens (stopping at EOS or not), planning each step
+after the last one's result or, with async scheduling, while it runs."""
 
 from __future__ import annotations
 

@@ -32,17 +32,24 @@ def reference(tiny_model_dir) -> list[list[int]]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("num_kv_blocks, max_num_batched_tokens, max_num_seqs", [
     (256, 2048, 256),  # everything fits: pure continuous batching
     (14, 16, 4),  # small pool, small budget, few seats: chunked prefill, queueing, preemption
 ])
 async def test_same_greedy_tokens_as_the_in_process_driver(tiny_model_dir, reference, num_kv_blocks,
-                                                           max_num_batched_tokens, max_num_seqs):
+                                                           max_num_batched_tokens, max_num_seqs, async_scheduling):
     async with back_half(tiny_model_dir, num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens) as bh:
+                         max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling) as bh:
         outputs = await bh.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS])
         assert outputs == reference
         stats = (await bh.admin("scheduler", "stats")).data
+        executor = (await bh.admin("executor", "stats")).data
+        # async: plans were sent while a step ran, and reached the executor before that step ended
+        assert stats["async_scheduling"] == async_scheduling
+        assert (stats["num_steps_planned_ahead"] > 0) == async_scheduling
+        assert (executor["num_steps_queued"] > 0) == async_scheduling
+        assert (executor["num_placeholder_tokens"] > 0) == async_scheduling
         assert stats["num_prompt_tokens_total"] == sum(map(len, PROMPTS))
         assert stats["num_generation_tokens_total"] >= sum(MAX_TOKENS)
         assert stats["num_running"] == stats["num_waiting"] == 0

@@ -46,9 +46,10 @@ def grammars():
     checker.close()
 
 
-def test_every_output_validates_greedy_and_sampled_n3_under_preemption(chat_model, tok, grammars):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_every_output_validates_greedy_and_sampled_n3_under_preemption(chat_model, tok, grammars, async_scheduling):
     runner = make_runner(chat_model, num_kv_blocks=48, block_size=16)
-    engine = LocalEngine(runner, max_num_seqs=48, max_num_batched_tokens=512)
+    engine = LocalEngine(runner, max_num_seqs=48, max_num_batched_tokens=512, async_scheduling=async_scheduling)
     prompt = tok.hf.encode("Answer in JSON:")
     expected = {}
     for i, schema in enumerate(SCHEMAS):
