@@ -6,8 +6,19 @@ record, as the kvmanager does, and both must agree after every step.
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from folio.services.scheduler.policy import Scheduler
-from folio.shared.messages import EngineRequest, PoolInfo, SamplingParams, StepResult
+from folio.shared.messages import (
+    BeamSearchParams,
+    EngineRequest,
+    Grammar,
+    KVConfirm,
+    PoolInfo,
+    SamplingParams,
+    StepResult,
+)
 from tests.services.kv_owner import Owner
 
 
@@ -129,3 +140,69 @@ def test_a_new_epoch_sends_every_running_request_back_to_recompute():
     while sched.has_work():
         step(sched, fresh)
     assert fresh.num_free_blocks == 8 and sched.counters["num_epochs"] == 1
+
+
+def test_a_step_planned_ahead_decodes_placeholders_and_leaves_out_last_tokens():
+    sched, alloc = make(num_blocks=16, block_size=4)
+    sched.add_request(request("a", 3, max_tokens=5))
+    sched.add_request(request("b", 3, max_tokens=1))
+    first = sched.schedule()
+    alloc.apply(first, sched.alloc)
+    sched.build_plan(first)
+    assert sched.can_plan_ahead(first)
+    ahead = sched.schedule(first)  # before the first step's result
+    alloc.apply(ahead, sched.alloc)
+    plan = sched.build_plan(ahead)
+    # a decodes the token it samples in the first step, unseen; b's first token is its last
+    assert plan.num_scheduled_tokens == {"a": 1} and plan.num_placeholder_tokens == 1
+    assert ahead.ahead and sched.requests["a"].num_pending == 2
+    # the first step's blocks stay unconfirmed while it runs
+    assert not [op for op in ahead.ops if isinstance(op, KVConfirm)] and list(sched.alloc.unconfirmed) == ["a", "b"]
+    deltas = sched.update_from_result(first, StepResult(step_id=first.step_id, req_ids=["a", "b"],
+                                                        sampled_token_ids=[[0], [9]]))
+    assert [(d.req_id, d.token_ids, d.finish_reason) for d in deltas] == [("a", [0], "stop"), ("b", [9], "length")]
+    # a stopped on EOS in the first step: its token from the step ahead is dropped, never emitted
+    assert sched.update_from_result(ahead, StepResult(step_id=ahead.step_id, req_ids=["a"],
+                                                      sampled_token_ids=[[5]])) == []
+    last = sched.schedule()
+    alloc.apply(last, sched.alloc)
+    assert sched.build_plan(last).finished_req_ids == ["a", "b"] and alloc.num_free_blocks == 16
+
+
+GRAMMAR = Grammar(key="k", kind="regex", spec="[a-z]+")
+
+
+@pytest.mark.parametrize("what", ["beam", "fork", "grammar", "speculative"])
+def test_steps_whose_result_decides_the_next_are_not_planned_ahead(what):
+    sched, alloc = make(num_blocks=32, block_size=4, max_num_seqs=8)
+    if what == "beam":
+        sched.add_request(msgspec.structs.replace(request("a", 3), beam_search=BeamSearchParams(width=2)))
+    elif what == "fork":
+        sched.add_request(msgspec.structs.replace(request("a", 6), fork_req_ids=["a2"]))
+    elif what == "grammar":
+        sched.add_request(request("a", 3, grammar=GRAMMAR))
+    else:
+        sched.speculative = True
+        sched.add_request(request("a", 3))
+    out = sched.schedule()
+    alloc.apply(out, sched.alloc)
+    sched.build_plan(out)
+    assert not sched.can_plan_ahead(out)
+
+
+def test_a_step_planned_ahead_that_needs_a_preemption_stops_and_the_next_waits():
+    sched, alloc = make(num_blocks=3, block_size=4, max_num_seqs=4)
+    for req_id in "abc":
+        sched.add_request(request(req_id, 4, max_tokens=5))
+    first = sched.schedule()
+    alloc.apply(first, sched.alloc)
+    sched.build_plan(first)
+    # each needs a new block for its next token and none is free: nothing to send ahead
+    assert sched.schedule(first) is None and sched.counters["num_preemptions"] == 0
+    assert sched.needs_sync and not sched.can_plan_ahead(first)
+    sched.update_from_result(first, StepResult(step_id=first.step_id, req_ids=list("abc"),
+                                               sampled_token_ids=[[7]] * 3))
+    out = sched.schedule()  # after the result: the last in line gives way
+    alloc.apply(out, sched.alloc)
+    assert [r.req_id for r, _ in out.scheduled] == ["a"] and sched.counters["num_preemptions"] == 2
+    assert not sched.needs_sync
