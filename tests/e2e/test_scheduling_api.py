@@ -40,8 +40,24 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(client)
     assert [c.text for c in two.choices] == [c.text for c in ranked[:2]] and two.choices[1].index == 1
 
 
-def test_beam_search_over_http_equals_transformers(client, smollm_dir):
+@pytest.fixture
+def dense_client(smollm_dir):
+    """A server of the dense fp32 weights (``--quantization none``), as transformers computes: the
+    default server's int4 layers (bf16 activations) round otherwise, and a beam search keeps
+    whichever of two near-equal candidates its last bits favour (on one CPU the int4 server's
+    third beam matched transformers', on another it did not)."""
+    from tests.e2e.conftest import start_server, stop_server
+
+    srv = start_server(smollm_dir, "--num-kv-blocks", "512", "--max-num-batched-tokens", "512",
+                       "--quantization", "none")
+    yield openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+    stop_server(srv)
+
+
+def test_beam_search_over_http_equals_transformers(dense_client, smollm_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    client = dense_client
 
     from tests.services.test_beam_engine import hf_beam_search
 
