@@ -66,7 +66,7 @@ def cases(n: int, ops: KernelLayerOps):
                              block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev), max_query_len=1,
                              max_seq_len=1, block_size=16, positions=positions, padded=False)
     attn = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD, q_size=HEADS * HEAD,
-                           kv_size=KV_HEADS * HEAD)
+                           kv_size=KV_HEADS * HEAD, kv_scales=(1.0, 1.0), kv_rotation=None)
     torch_backend = TorchAttentionBackend()
     ref_rope, rope = TORCH_LAYER_OPS.rope_inputs(model, positions), ops.rope_inputs(model, positions)
     el = 2  # bytes per element

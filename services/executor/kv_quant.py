@@ -1,4 +1,5 @@
-"""The FP8 KV cache (``--kv-cache-dtype fp8``): an e4m3 pool with per-layer K and V scales.
+"""The FP8 KV cache (``--kv-cache-dtype fp8``): an e4m3 pool with per-layer K and V scales, over
+K and V in a rotated basis.
 
 vLLM's scheme: each layer has one fp32 scale for K and one for V. A write divides by the scale,
 saturates to the e4m3 range (+-448) and rounds to nearest even; a read multiplies by the scale.
@@ -13,6 +14,17 @@ entries there. The margin leaves room for text whose K/V run larger than the cal
 anything saturates; being floating point, e4m3 keeps its relative precision (3 mantissa bits)
 across the range, so the margin costs only the few values that fall below its smallest normal
 (2^-6 x the scale).
+
+The rotation (QuaRot's, for the KV cache): before the write, each head's q, k and v are multiplied
+by one orthogonal ``head_dim x head_dim`` matrix R (the normalised Sylvester-Hadamard matrix when
+head_dim is a power of two, else a seeded random orthogonal one), and attention's output by R^T.
+(qR).(kR) = q.k and (sum p v R) R^T = sum p v, so the math is unchanged; what changes is e4m3's
+error. Its rounding error is relative to each element, so a key whose energy sits in a few channels
+(RoPE's slow pairs carry large values that queries share) puts most of a score's error into those
+channels' products; rotated, every channel holds about ||k|| / sqrt(head_dim) and the error spreads.
+On SmolLM2-135M (2,135 sampled tokens) the rotation took the fp8 pool's mean KLD against fp32 from
+7.7e-3 to 4.2e-3 and top-1 agreement from 95.6% to 97.2%; subtracting a calibrated per-channel mean
+from K as well gained nothing more. The rotation costs four small matmuls per layer, on fp8 pools only.
 """
 
 from __future__ import annotations
@@ -72,6 +84,20 @@ def scale_for(amax: float) -> float:
     return float(torch.tensor(scale, dtype=torch.float32))
 
 
+def rotation(head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+    """An orthogonal ``[head_dim, head_dim]`` matrix: Sylvester's Hadamard matrix over sqrt(head_dim)
+    when head_dim is a power of two, else the Q of a seeded Gaussian matrix's QR."""
+    if head_dim & (head_dim - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        r = h / head_dim**0.5
+    else:
+        gen = torch.Generator().manual_seed(head_dim)
+        r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
+    return r.to(dtype=dtype, device=device)
+
+
 def calibration_ids(model_path: str | None, vocab_size: int) -> list[int]:
     """CALIBRATION_TEXT in the model's tokens; without a tokenizer, 256 ids spread over the vocabulary."""
     if model_path is not None:
@@ -89,14 +115,18 @@ def calibration_ids(model_path: str | None, vocab_size: int) -> list[int]:
 @torch.inference_mode()
 def calibrate_kv_scales(model, backend, device: torch.device, block_size: int,
                         token_ids: list[int]) -> list[tuple[float, float]]:
-    """Per layer (k_scale, v_scale) from one forward pass over ``token_ids`` (a single sequence)
-    into a scratch pool of the model's dtype; sets them on the model's attention layers."""
+    """Sets the rotation on the model's attention layers, then per layer (k_scale, v_scale) of the
+    rotated K and V from one forward pass over ``token_ids`` (a single sequence) into a scratch pool
+    of the model's dtype; sets those too and returns them."""
     from folio.services.executor.attention import AttentionMetadata
 
     n = len(token_ids)
     num_blocks = (n + block_size - 1) // block_size
     attn = model.layers[0].self_attn
     dtype = model.rope_cos.dtype if model.rope_cos is not None else torch.float32
+    r = rotation(attn.head_dim, dtype, device)
+    for layer in model.layers:
+        layer.self_attn.kv_rotation = r
     dims = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
     scratch = [(torch.zeros(dims, dtype=dtype, device=device), torch.zeros(dims, dtype=dtype, device=device))
                for _ in model.layers]

@@ -61,7 +61,10 @@ class TorchLayerOps:
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = apply_rope(q.view(n, attn.num_heads, attn.head_dim), cos, sin)
         k = apply_rope(k.view(n, attn.num_kv_heads, attn.head_dim), cos, sin)
-        backend.write_kv(k, v.view(n, attn.num_kv_heads, attn.head_dim), k_cache, v_cache, meta, attn.kv_scales)
+        v = v.view(n, attn.num_kv_heads, attn.head_dim)
+        if attn.kv_rotation is not None:  # an fp8 pool: q, k and v in the rotated basis (kv_quant)
+            q, k, v = q @ attn.kv_rotation, k @ attn.kv_rotation, v @ attn.kv_rotation
+        backend.write_kv(k, v, k_cache, v_cache, meta, attn.kv_scales)
         return q
 
 
@@ -155,6 +158,7 @@ class KernelLayerOps:
         n, head_dim = qkv.shape[0], attn.head_dim
         slots = meta.slot_mapping
         if not (qkv.dim() == 2 and qkv.dtype in _DTYPE_NAMES and n > 0 and k_cache.dtype == qkv.dtype
+                and attn.kv_rotation is None
                 and rope.cos_table.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
                 and rope.positions.dtype == torch.int64 and rope.positions.is_contiguous()
                 and k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -116,6 +116,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.kv_scales = (1.0, 1.0)  # an fp8 pool's (k_scale, v_scale), set by kv_quant's calibration
+        self.kv_rotation: torch.Tensor | None = None  # an fp8 pool's basis for q, k and v (kv_quant)
         self.comm = comm
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
@@ -125,6 +126,8 @@ class Attention(nn.Module):
         # rotates q and k, writes k and v into the pool (one fused kernel on the kernel backend)
         q = backend.layer_ops.rope_write_kv(self.qkv_proj(x), self, rope, k_cache, v_cache, meta, backend)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales)  # [num_tokens, num_heads, head_dim]
+        if self.kv_rotation is not None:  # v was stored rotated: the output back to the model's basis
+            out = out @ self.kv_rotation.T
         out = self.o_proj(out.reshape(num_tokens, self.q_size))  # row-parallel: a partial sum
         return out if self.comm is None else self.comm.all_reduce(out)
 

@@ -72,7 +72,8 @@ def check_rope_write_kv(launcher, dtype, head_dim: int, device="cpu", block_size
     cos, sin = rope_cos_sin(llama3_config(head_dim, num_heads, num_kv_heads), 8192, dtype)
     model = SimpleNamespace(rope_cos=cos.to(device), rope_sin=sin.to(device))
     attn = SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           q_size=num_heads * head_dim, kv_size=num_kv_heads * head_dim, kv_scales=(1.0, 1.0))
+                           q_size=num_heads * head_dim, kv_size=num_kv_heads * head_dim, kv_scales=(1.0, 1.0),
+                           kv_rotation=None)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     positions = torch.tensor([0, 7, 4095, 8191, 300], dtype=torch.int64, device=device)
     slots = torch.tensor([3, 17, 40, -1, 9], dtype=torch.int64, device=device)

@@ -25,9 +25,9 @@ def test_int4_quality_on_a_short_text_and_a_missed_target_fails_the_run(smollm_d
     # KLD holds its target on this short text; top-1 agreement sits near its 99% target (98.6% on
     # 727 tokens), so CI asks for 98% here and README reports the full-length figure
     assert kld <= 1e-3 and top1 >= 0.98, out
-    # the fp8 KV cache misses the targets on this model (README: 6.5e-3 and 95.9% on these
-    # 727 tokens); this bounds regressions
+    # the fp8 KV cache (rotated basis) holds its KLD target and misses top-1 >= 98% on this model
+    # (README: 4.0e-3 and 97.4% on these 727 tokens; 6.5e-3 and 95.9% without the rotation)
     fp8 = next(line for line in out.splitlines() if line.startswith("| kv-fp8 | none (fp8 KV) |")).split("|")
-    assert float(fp8[3]) <= 1e-2 and float(fp8[4].strip().rstrip("%")) / 100 >= 0.94, out
+    assert float(fp8[3]) <= 5e-3 and float(fp8[4].strip().rstrip("%")) / 100 >= 0.965, out
     assert "KLD int4 < int4:" in out and "MISSED" in out.splitlines()[-2]
     assert rc == 1

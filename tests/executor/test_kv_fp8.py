@@ -73,8 +73,13 @@ def test_scales_are_calibrated_per_layer_from_the_calibration_pass(tiny_model_di
     scales = runner.kv_scales
     assert len(scales) == runner.spec.num_layers and all(s != 1.0 for kv in scales for s in kv)
     assert [layer.self_attn.kv_scales for layer in runner.model.layers] == scales
-    # the calibration tokens' K/V, written through the scales, use the range up to 448 / margin
+    # the calibration tokens' K/V, written through the scales, use the range up to 448 / margin;
+    # the scales are the rotated K/V's (kv_quant.rotation), so the fp32 pool holds them rotated too
+    rotation = runner.model.layers[0].self_attn.kv_rotation
+    assert rotation is not None and all(layer.self_attn.kv_rotation is rotation for layer in runner.model.layers)
     plain = ModelRunner(RuntimeConfig(num_kv_blocks=64), tiny_model_dir)
+    for layer in plain.model.layers:
+        layer.self_attn.kv_rotation = rotation
     ids = list(range(runner.spec.vocab_size))
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(8))], None, 16)
     with torch.inference_mode():
