@@ -13,9 +13,10 @@ so that the client costs little next to what it measures.
     flock /tmp/folio-bench.lock .venv/bin/python scripts/bench_streams.py [--num-streams 512]
 
 Prints the streamed tokens per second (every stream's completion tokens over the time from the
-first request to the last stream's end), the step rate the backend kept, the CPU seconds each
-process spent, and the CPU share other processes took meanwhile. The same pieces back the test
-``tests/services/test_stream_load.py``.
+first request to the last stream's end), the step rate the backend kept, when the requests reached
+it (a stream runs its max_tokens steps from there), the CPU seconds each process spent, and the
+CPU share other processes took meanwhile. The run starts once the services are idle. The same
+pieces back the test ``tests/services/test_stream_load.py``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
 from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints  # noqa: E402
-from folio.shared.loops import QUIET, serve_admin  # noqa: E402
+from folio.shared.loops import QUIET, freeze_heap, serve_admin  # noqa: E402
 from folio.shared.messages import AbortRequest, EngineRequest, TokenBatch, TokenDelta  # noqa: E402
 from folio.shared.transport import Decoder, encode, make_socket  # noqa: E402
 
@@ -63,6 +64,7 @@ class FakeBackend:
         self.running: dict[str, list[int]] = {}  # req_id -> [num tokens sent, max_tokens]
         self.num_steps = self.num_tokens = self.num_late_steps = 0
         self.num_aborts = 0
+        self.request_times: list[float] = []  # perf_counter when each request arrived
 
     async def run(self) -> None:
         tasks = [asyncio.ensure_future(serve_admin(sock, {}, QUIET)) for sock in self.admins]
@@ -89,6 +91,7 @@ class FakeBackend:
             self.num_aborts += 1
             self.running.pop(msg.req_id, None)
             return
+        self.request_times.append(time.perf_counter())
         for req_id in (msg.req_id, *msg.fork_req_ids):
             self.running[req_id] = [0, msg.sampling.max_tokens]
 
@@ -150,6 +153,19 @@ class Services:
                 return
             await asyncio.sleep(0.2)
         raise TimeoutError("the gateway was not ready in time")
+
+    async def wait_idle(self, timeout_s: float = 60.0, window_s: float = 0.5) -> None:
+        """Until the services spend under 5% of a core over ``window_s`` (the tokenizer imports
+        xgrammar in a thread after it answers): the run measures serving, not the end of a start.
+        Gives up quietly after ``timeout_s`` (another process may be the one keeping them busy)."""
+        deadline = time.monotonic() + timeout_s
+        before = sum(self.cpu_seconds().values())
+        while time.monotonic() < deadline:
+            await asyncio.sleep(window_s)
+            after = sum(self.cpu_seconds().values())
+            if after - before < 0.05 * window_s:
+                return
+            before = after
 
     def cpu_seconds(self) -> dict[str, float]:
         import psutil
@@ -300,23 +316,30 @@ def _client_main(args) -> int:
 
 
 async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float, timeout_s: float = 300.0,
-                    profile_dir: str | None = None) -> dict:
-    """Start the services and the backend, run the clients' process, return what happened."""
+                    profile_dir: str | None = None, freeze: bool = False) -> dict:
+    """Start the services and the backend, run the clients' process, return what happened.
+    ``freeze``: once the tokenizer is loaded, freeze this process's heap, so that no full collection
+    walking transformers' objects holds the backend's steps back (the script does; a test leaves
+    its own process alone)."""
     from folio.shared.models import resolve_model
     from folio.shared.text import TextTokenizer
 
     tokenizer = TextTokenizer(resolve_model(model))
     token_ids = tokenizer.hf.encode(SCRIPT_TEXT, add_special_tokens=False)
+    if freeze:
+        freeze_heap()
     services = Services(model, free_port(), profile_dir=profile_dir)
     ctx = zmq.asyncio.Context()
     backend = FakeBackend(ctx, services.endpoints, token_ids, step_s)
     task = asyncio.ensure_future(backend.run())
     try:
         await services.wait_ready()
+        await services.wait_idle()
         meter = _cpu_meter()
         cpu_before = services.cpu_seconds()
         own_before, children_before = time.process_time(), _children_cpu()
         steps_before, late_before = backend.num_steps, backend.num_late_steps
+        backend.request_times.clear()
         client = await asyncio.create_subprocess_exec(
             sys.executable, str(Path(__file__).resolve()), "--client", "--port", str(services.port),
             "--num-streams", str(num_streams), "--max-tokens", str(max_tokens), "--model", model,
@@ -331,6 +354,7 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
         result["cpu_s"] = {name: cpu_after[name] - cpu_before[name] for name in cpu_after}
         result["num_steps"] = backend.num_steps - steps_before
         result["num_late_steps"] = backend.num_late_steps - late_before
+        result["request_times"] = sorted(backend.request_times) or [float("nan")]
         result["expected_text"] = expected_text(tokenizer, token_ids, max_tokens)
         return result
     finally:
@@ -374,7 +398,7 @@ def main() -> int:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     result = asyncio.run(run_bench(args.model, args.num_streams, args.max_tokens, args.step_ms / 1000,
-                                   args.timeout, args.profile))
+                                   args.timeout, args.profile, freeze=True))
     streams = result["streams"]
     tokens = sum(s["completion_tokens"] for s in streams)
     seconds = result["ended"] - result["started"]
@@ -386,8 +410,12 @@ def main() -> int:
     print(f"streamed {tokens:,} tokens in {seconds:.2f} s: {tokens / seconds:,.0f} tokens/s; "
           f"{sum(s['num_events'] for s in streams):,} SSE events; {len(bad)} streams wrong or unfinished; "
           f"{result['num_retried_503']} requests sent again after a 503")
+    # every stream runs max_tokens steps from its request's arrival: late arrivals stretch the run
+    arrivals = [t - result["started"] for t in result["request_times"]]
     print(f"backend: {result['num_steps']} steps ({result['num_steps'] / seconds:.1f}/s), "
-          f"{result['num_late_steps']} times more than a step behind")
+          f"{result['num_late_steps']} times more than a step behind; the requests reached it "
+          f"{arrivals[0]:.2f} to {arrivals[-1]:.2f} s (median {arrivals[len(arrivals) // 2]:.2f} s) "
+          f"after the first was sent")
     print("CPU during the run: " + ", ".join(f"{k} {v:.2f} s ({1e6 * v / max(tokens, 1):.1f} us per token)"
                                              for k, v in result["cpu_s"].items()) + f", of {seconds:.2f} s wall")
     print(f"machine: {result['others']}")

@@ -17,6 +17,12 @@ from folio.services.gateway.service import GatewayService
 from folio.shared.config import GatewayConfig
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
+# connections the kernel queues until the loop accepts them (aiohttp's default is 128): past it a
+# new connection's handshake is dropped and the client sends it again a second or more later, so
+# hundreds of clients connecting at once would wait seconds; 2048 is uvicorn's default
+LISTEN_BACKLOG = 2048
+
+
 def build_app(service: GatewayService) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware(service.config.api_key)],
                           client_max_size=service.config.max_body_bytes)
@@ -43,7 +49,7 @@ async def serve(config: GatewayConfig) -> None:
     # ``finally`` aborts the request (and so frees its KV blocks) without waiting for a write to fail
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
     await site.start()
     log.info("gateway listening", host=config.host, port=config.port, model=config.model_name)
     try:

@@ -19,11 +19,12 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from folio.shared.loops import run_until_signal
+    from folio.shared.loops import freeze_heap, run_until_signal
     from folio.services.gateway.app import serve
 
     config = parse_config(argv)
     log = setup_logging("gateway", config.log_json, config.log_level)
+    freeze_heap()  # what the imports left: out of the cyclic collector's way
     return asyncio.run(run_until_signal(serve(config), log))
 
 

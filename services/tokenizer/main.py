@@ -6,6 +6,7 @@ Sockets come from the environment (``folio.shared.config.Endpoints.from_env``), 
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 
 from folio.shared.config import Endpoints, TokenizerConfig
@@ -19,7 +20,7 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from folio.shared.loops import run_until_signal
+    from folio.shared.loops import freeze_heap, run_until_signal
     from folio.shared.models import resolve_model
     from folio.services.tokenizer.service import TokenizerService
     from folio.shared.text import TextTokenizer
@@ -32,9 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("no model", error=str(exc))
         return 1
     tokenizer = TextTokenizer(model_dir, config.max_model_len)
+    freeze_heap()  # transformers and the tokenizer: ~300,000 objects
 
     async def serve() -> None:
-        service = TokenizerService(config, tokenizer)
+        # xgrammar's import (in a worker, once serving) adds as many long-lived objects again: frozen
+        # too, without a collection (``gc.freeze`` alone, safe from that thread)
+        service = TokenizerService(config, tokenizer, after_warm=gc.freeze)
         try:
             await service.run()
         finally:

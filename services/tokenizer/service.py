@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -48,8 +49,11 @@ NUM_REMEMBERED_ENDED = 4096  # req_ids recently aborted here, whose late tokens 
 
 
 class TokenizerService:
-    def __init__(self, config: TokenizerConfig, tokenizer: TextTokenizer, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, config: TokenizerConfig, tokenizer: TextTokenizer, ctx: zmq.asyncio.Context | None = None,
+                 after_warm: Callable[[], None] | None = None):
+        """``after_warm``: called (in the grammar worker) once xgrammar is imported."""
         self.config = config
+        self.after_warm = after_warm
         self.tokenizer = tokenizer
         texts = TokenTexts(tokenizer.decode_with_specials, tokenizer.raw_bytes)
         self.outputs = OutputProcessor(tokenizer.decode, texts)
@@ -76,7 +80,9 @@ class TokenizerService:
     async def run(self) -> None:
         """Serve until cancelled (SIGTERM/SIGINT cancel it from ``main``)."""
         admin = asyncio.ensure_future(serve_admin(self.recv_from_admin, {"stats": self.admin_stats}, log))
-        self.grammars.warm()
+        warm = self.grammars.warm()
+        if self.after_warm is not None:
+            warm.add_done_callback(lambda _: self.after_warm())
         log.info("tokenizer ready", max_model_len=self.tokenizer.max_model_len,
                  inbox=self.config.endpoints.tokenizer_in)
         try:
