@@ -26,28 +26,49 @@ def merge_deltas(a: TextDelta, b: TextDelta) -> TextDelta:
 
 
 def merge_all(deltas: list[TextDelta]) -> TextDelta:
-    """Several deltas of the same request, in order, as one (joined once, not pairwise)."""
+    """Several deltas of the same request, in order, as one (joined once, not pairwise, in one
+    pass: a gateway that fell behind merges every stream's deltas at every step). Texts, token
+    ids and logprobs concatenate; the first prompt text, prompt logprobs and queue time win; the
+    last finish reason, stop reason and error win; token counts take their largest value."""
     if len(deltas) == 1:
         return deltas[0]
     first = deltas[0]
-    logprobs = [d.logprobs for d in deltas if d.logprobs is not None]
-    errors = [d for d in deltas if d.error]
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs = prompt_text = prompt_logprobs = finish_reason = stop_reason = failed = queue_time_s = None
+    num_prompt, num_output, num_cached = first.num_prompt_tokens, first.num_output_tokens, first.num_cached_tokens
+    for d in deltas:
+        texts.append(d.text)
+        token_ids += d.token_ids
+        if d.logprobs is not None:
+            if logprobs is None:
+                logprobs = list(d.logprobs)
+            else:
+                logprobs += d.logprobs
+        if prompt_text is None:
+            prompt_text = d.prompt_text
+        if prompt_logprobs is None:
+            prompt_logprobs = d.prompt_logprobs
+        if queue_time_s is None:
+            queue_time_s = d.queue_time_s
+        if d.finish_reason:
+            finish_reason = d.finish_reason
+        if d.stop_reason is not None:
+            stop_reason = d.stop_reason
+        if d.error:
+            failed = d
+        if d.num_prompt_tokens > num_prompt:
+            num_prompt = d.num_prompt_tokens
+        if d.num_output_tokens > num_output:
+            num_output = d.num_output_tokens
+        if d.num_cached_tokens > num_cached:
+            num_cached = d.num_cached_tokens
     return TextDelta(
-        req_id=first.req_id,
-        text="".join([d.text for d in deltas]),
-        token_ids=[t for d in deltas for t in d.token_ids],
-        logprobs=[lp for lps in logprobs for lp in lps] if logprobs else None,
-        prompt_text=next((d.prompt_text for d in deltas if d.prompt_text is not None), None),
-        prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
-        finish_reason=next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None),
-        stop_reason=next((d.stop_reason for d in reversed(deltas) if d.stop_reason is not None), None),
-        num_prompt_tokens=max(d.num_prompt_tokens for d in deltas),
-        num_output_tokens=max(d.num_output_tokens for d in deltas),
-        num_cached_tokens=max(d.num_cached_tokens for d in deltas),
-        error=errors[-1].error if errors else None,
-        error_code=errors[-1].error_code if errors else first.error_code,
-        error_param=errors[-1].error_param if errors else first.error_param,
-        queue_time_s=next((d.queue_time_s for d in deltas if d.queue_time_s is not None), None),
+        req_id=first.req_id, text="".join(texts), token_ids=token_ids, logprobs=logprobs, prompt_text=prompt_text,
+        prompt_logprobs=prompt_logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
+        num_prompt_tokens=num_prompt, num_output_tokens=num_output, num_cached_tokens=num_cached,
+        error=failed.error if failed else None, error_code=(failed or first).error_code,
+        error_param=(failed or first).error_param, queue_time_s=queue_time_s,
     )
 
 
@@ -95,6 +116,9 @@ class OutputMailbox:
             finally:
                 self._waiter = None
         out, self._pending = self._pending, {}
+        if len(out) == 1:  # one choice (most streams): no comprehension
+            ((index, deltas),) = out.items()
+            return {index: deltas[0] if len(deltas) == 1 else merge_all(deltas)}
         return {i: merge_all(deltas) for i, deltas in out.items()}
 
     @property

@@ -5,11 +5,21 @@ Latencies and token counts are observed by the gateway itself as text deltas arr
 scheduler's and kvmanager's admin sockets at scrape time (``GatewayService.refresh_engine_stats``)
 and keep their last value when a service does not answer in time. Own registry: no process
 collectors of whoever imports us, and tests can build several gateways in one process.
+
+The inter-token latency is observed for every streamed token, so it keeps its own bucket counts
+(``TokenHistogram``: a list index and two additions per delta, no lock) and is exported as a
+histogram at scrape time; the per-request histograms use prometheus_client's ``Histogram``.
 """
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from folio.services.gateway.mailbox import ChoiceTiming
 from folio.shared.messages import TextDelta
@@ -25,6 +35,52 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class TokenHistogram:
+    """A histogram of one label value that takes a value with a count (``observe(gap, n)``: ``n``
+    tokens that each waited ``gap``), collected by the registry as a ``HistogramMetricFamily``:
+    the same ``_bucket``/``_count``/``_sum``/``_created`` series as prometheus_client's
+    ``Histogram`` (``le`` is inclusive). Not thread-safe: the gateway's event loop alone observes
+    and scrapes it."""
+
+    def __init__(self, name: str, documentation: str, label: tuple[str, str], buckets: list[float],
+                 registry: CollectorRegistry):
+        self.name, self.documentation, self.label = name, documentation, label
+        self._bounds = [*buckets, float("inf")]
+        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self._created = time.time()
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self._counts[bisect_left(self._bounds, value)] += count
+        self.sum += value * count
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(``le``, observations at most ``le``) per bucket, ``+Inf`` last."""
+        out, total = [], 0
+        for bound, num in zip(self._bounds, self._counts):
+            total += num
+            out.append((floatToGoString(bound), total))
+        return out
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=[self.label[0]])
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        family = self._family()
+        family.add_metric([self.label[1]], self.cumulative(), self.sum)
+        if prometheus_metrics._use_created:  # PROMETHEUS_DISABLE_CREATED_SERIES, as for its Histogram
+            family.add_sample(f"{self.name}_created", {self.label[0]: self.label[1]}, self._created)
+        return [family]
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -32,8 +88,8 @@ class GatewayMetrics:
         r = self.registry
         self.ttft = Histogram("folio:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("folio:inter_token_latency_seconds", "Time between output tokens.", labels,
-                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.itl = TokenHistogram("folio:inter_token_latency_seconds", "Time between output tokens.",
+                                  ("model_name", model_name), ITL_BUCKETS, r)
         self.e2e = Histogram("folio:e2e_request_latency_seconds", "End-to-end request latency.", labels,
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.running = Gauge("folio:num_requests_running", "Requests in the running batch.", labels,
@@ -104,9 +160,7 @@ class GatewayMetrics:
                 self.ttft.observe(now - timing.arrival)
             elif timing.last_token is not None:
                 # several tokens in one delta (a merged or speculative step) share the gap
-                gap = (now - timing.last_token) / num_new
-                for _ in range(num_new):
-                    self.itl.observe(gap)
+                self.itl.observe((now - timing.last_token) / num_new, num_new)
             timing.last_token = now
         if delta.queue_time_s is not None:
             self.queue_time.observe(delta.queue_time_s)

@@ -2,13 +2,20 @@
 the tokenizer's ``TextDelta``s. Pure functions of their arguments; ``routes.py`` and
 ``streaming.py`` call them. Shapes follow the OpenAI OpenAPI description
 (``CreateCompletionResponse``, ``CreateChatCompletionResponse``, ``...StreamResponse``).
+
+A stream's chunks are mostly new text and nothing else; ``TextChunkTemplate`` encodes such a
+chunk once and afterwards only the text (``completion_text_template``, ``chat_text_template``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from folio.shared.messages import TextDelta, TextLogprob, TopLogprob
+
+_json = msgspec.json.Encoder()
 
 
 @dataclass
@@ -47,6 +54,23 @@ class UsageCounter:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+
+
+class TextChunkTemplate:
+    """A stream chunk whose only varying part is one text field, encoded once around a marker:
+    ``encode(text)`` gives the same JSON bytes as encoding the whole chunk with that text, at the
+    price of encoding the string alone."""
+
+    MARK = "\x00folio:text\x00"  # control characters: no id, model name or fixed field holds it
+
+    def __init__(self, chunk: dict):
+        head, mark, tail = _json.encode(chunk).partition(_json.encode(self.MARK))
+        if not mark or _json.encode(self.MARK) in tail:
+            raise ValueError("a chunk template needs the text marker exactly once")
+        self._head, self._tail = head, tail
+
+    def encode(self, text: str) -> bytes:
+        return b"".join((self._head, _json.encode(text), self._tail))
 
 
 # --------------------------------------------------------------------------- logprobs
@@ -97,6 +121,13 @@ def completion_choice(index: int, delta: TextDelta, echo: bool, first: bool = Tr
         "finish_reason": delta.finish_reason,
         "stop_reason": delta.stop_reason,  # vLLM's extension: which stop string or token id
     }
+
+
+def completion_text_template(meta: ResponseMeta, index: int, with_usage: bool) -> TextChunkTemplate:
+    """The stream chunk of choice ``index`` carrying new text only (no logprobs, not finished,
+    not the echoed first chunk)."""
+    choice = completion_choice(index, TextDelta(req_id="", text=TextChunkTemplate.MARK), echo=False)
+    return TextChunkTemplate(completion_chunk(meta, [choice], None, with_usage))
 
 
 def completion_response(meta: ResponseMeta, deltas: dict[int, TextDelta], usage: dict) -> dict:
@@ -152,6 +183,13 @@ def chat_chunk(meta: ResponseMeta, choices: list[dict], usage: dict | None = Non
     if with_usage:
         chunk["usage"] = usage
     return chunk
+
+
+def chat_text_template(meta: ResponseMeta, index: int, with_usage: bool) -> TextChunkTemplate:
+    """The stream chunk of choice ``index`` carrying new content only (after its role chunk, no
+    logprobs, not finished)."""
+    choice = chat_chunk_choice(index, TextDelta(req_id="", text=TextChunkTemplate.MARK))
+    return TextChunkTemplate(chat_chunk(meta, [choice], None, with_usage))
 
 
 def chat_chunk_choice(index: int, delta: TextDelta | None, role: bool = False) -> dict:

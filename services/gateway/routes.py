@@ -140,8 +140,15 @@ def _best_of(deltas: dict, best_of: int, n: int, keep_logprobs: bool) -> dict:
 async def _stream_completion(request, mailbox, meta: ResponseMeta, req: CompletionRequest):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     started: set[int] = set()
+    templates: dict[int, responses.TextChunkTemplate] = {}
 
     def make_chunks(index, delta):
+        if _text_only(delta) and (index in started or not meta.echo):
+            template = templates.get(index)
+            if template is None:
+                template = templates[index] = responses.completion_text_template(meta, index, include_usage)
+                started.add(index)
+            return [template.encode(delta.text)]
         if not (delta.text or delta.logprobs or delta.finish_reason or (meta.echo and index not in started)):
             return []
         choice = responses.completion_choice(index, delta, meta.echo, first=index not in started)
@@ -170,8 +177,14 @@ async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletion
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     role_sent: set[int] = set()
     readers: dict[int, ToolCallReader | None] = {}
+    templates: dict[int, responses.TextChunkTemplate] = {}
 
     def make_chunks(index, delta):
+        if index in role_sent and readers[index] is None and _text_only(delta):
+            template = templates.get(index)
+            if template is None:
+                template = templates[index] = responses.chat_text_template(meta, index, include_usage)
+            return [template.encode(delta.text)]
         choices = []
         if index not in role_sent:  # OpenAI opens each choice with the role alone
             role_sent.add(index)
@@ -188,6 +201,11 @@ async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletion
         return responses.chat_chunk(meta, [], usage, True)
 
     return await stream(request, mailbox, make_chunks, usage_chunk if include_usage else None, meta.n)
+
+
+def _text_only(delta: messages.TextDelta) -> bool:
+    """The delta is new text and nothing else: its chunk comes from a ``TextChunkTemplate``."""
+    return bool(delta.text) and delta.logprobs is None and delta.finish_reason is None and delta.stop_reason is None
 
 
 def _tool_chunk_choices(reader: ToolCallReader, index: int, delta) -> list[dict]:

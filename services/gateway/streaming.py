@@ -61,8 +61,9 @@ class SseWriter:
     async def prepare(self) -> None:
         await self.response.prepare(self.request)
 
-    def add(self, obj: dict) -> None:
-        self._pending += (b"data: ", _json.encode(obj), b"\n\n")
+    def add(self, chunk: dict | bytes) -> None:
+        """One event: a chunk to encode, or one encoded already (``responses.TextChunkTemplate``)."""
+        self._pending += (b"data: ", chunk if isinstance(chunk, bytes) else _json.encode(chunk), b"\n\n")
 
     async def flush(self) -> None:
         if self._pending:
@@ -76,8 +77,8 @@ class SseWriter:
         await self.response.write_eof(data)
 
 
-# (choice index, its merged delta) -> the chunks to send for it
-ChunkMaker = Callable[[int, TextDelta], list[dict]]
+# (choice index, its merged delta) -> the chunks to send for it (dicts, or JSON bytes)
+ChunkMaker = Callable[[int, TextDelta], list[dict | bytes]]
 
 
 async def stream(request: web.Request, mailbox: OutputMailbox, make_chunks: ChunkMaker,

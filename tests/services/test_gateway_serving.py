@@ -325,4 +325,5 @@ async def test_metrics_count_tokens_and_read_engine_stats():
         assert f"folio:prompt_tokens_total{label} {len(text_tokenizer().hf.encode('Say:'))}.0" in text
         assert f"folio:time_to_first_token_seconds_count{label} 1.0" in text
         assert f"folio:inter_token_latency_seconds_count{label} 4.0" in text
+        assert 'folio:inter_token_latency_seconds_bucket{le="+Inf",model_name="SmolLM2-135M-Instruct"} 4.0' in text
         assert f"folio:e2e_request_latency_seconds_count{label} 1.0" in text
