@@ -248,8 +248,10 @@ async def test_client_disconnect_mid_stream_aborts_the_request():
         await r.content.readline()  # the stream is flowing
         (engine_req,) = fh.scheduler.received
         r.close()  # the client hangs up
-        await wait_for(lambda: [a.req_id for a in fh.scheduler.aborts] == [engine_req.req_id])
-        assert fh.scheduler.aborts[0].reason == "abort"
+        # the handler aborts it; a step's output that reaches the gateway after the handler left is a
+        # stray, and the gateway aborts its request again (the scheduler ignores a second abort)
+        await wait_for(lambda: {a.req_id for a in fh.scheduler.aborts} == {engine_req.req_id})
+        assert len(fh.scheduler.aborts) <= 2 and all(a.reason == "abort" for a in fh.scheduler.aborts)
         assert engine_req.req_id not in fh.scheduler.requests
         await wait_for(lambda: not fh.gateway.mailboxes and not fh.tokenizer.outputs.requests)
 
