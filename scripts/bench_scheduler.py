@@ -13,8 +13,9 @@ with its allocator replica, sending the step log and encoding the plan.
 Prints that gap (median, p90, mean) over the steps that ran exactly ``--num-requests`` decodes,
 the scheduler's own planning and update time per step (its stats), the plan's size on the wire,
 and the CPU share other processes took meanwhile. Then the same decode steps in one process,
-without sockets (plan, encode the plan and the log, decode a result, update, encode the tokens),
-as CPU time per step: a figure that other work on the machine disturbs much less than wall time.
+without sockets (plan, encode the plan and the log, decode it as the executor does, a result,
+update, encode the tokens), as CPU time per step: a figure that other work on the machine disturbs
+much less than wall time; then each part's wall time and each message's bytes per step.
 """
 
 from __future__ import annotations
@@ -169,21 +170,40 @@ def in_process(args) -> None:
         sched.add_request(EngineRequest(
             req_id=f"r{i}", prompt_token_ids=[rng.randrange(1, 30000) for _ in range(args.prompt_len)], eos_token_id=0,
             sampling=SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)))
-    decoder = Decoder(StepResult)
+    decoder, plan_decoder = Decoder(StepResult), Decoder(StepPlan)
+    parts = dict.fromkeys(("schedule", "build plan", "encode plan", "decode plan (executor)", "result", "update",
+                           "encode tokens"), 0.0)
+    sizes = dict.fromkeys(("plan", "step log", "result", "tokens"), 0)
 
     def step() -> None:
+        clock = time.perf_counter
+        t0 = clock()
         out = sched.schedule()
-        if out.ops:
-            encode(sched.kv_request(out, 1))
+        t1 = clock()
+        log = encode(sched.kv_request(out, 1)) if out.ops else b""
         plan = sched.build_plan(out)
-        encode(plan)
-        ids = list(plan.num_scheduled_tokens)
-        result = decoder.decode(encode(StepResult(step_id=plan.step_id, req_ids=ids, sampled_token_ids=[[7]] * len(ids),
-                                                  epoch=EPOCH)))
-        encode(TokenBatch(step_id=out.step_id, deltas=sched.update_from_result(out, result)))
+        t2 = clock()
+        data = encode(plan)
+        t3 = clock()
+        plan_decoder.decode(data)
+        t4 = clock()
+        ids = [req.req_id for req in out.samplers]
+        reply = encode(StepResult(step_id=plan.step_id, req_ids=ids, sampled_token_ids=[[7]] * len(ids), epoch=EPOCH))
+        result = decoder.decode(reply)
+        t5 = clock()
+        deltas = sched.update_from_result(out, result)
+        t6 = clock()
+        tokens = encode(TokenBatch(step_id=out.step_id, deltas=deltas))
+        t7 = clock()
+        for name, t in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)):
+            parts[name] += t
+        for name, blob in zip(sizes, (data, log, reply, tokens)):
+            sizes[name] += len(blob)
 
     for _ in range(5):  # the prefills, then decodes only
         step()
+    for d in (parts, sizes):
+        d.update(dict.fromkeys(d, 0))
     num_steps = 200
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(num_steps):
@@ -191,6 +211,8 @@ def in_process(args) -> None:
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     print(f"in one process, {args.num_requests} decodes per step: {1e3 * cpu / num_steps:.3f} ms of CPU time per "
           f"step ({1e3 * wall / num_steps:.3f} ms wall)")
+    print("  per step, wall: " + ", ".join(f"{name} {1e3 * t / num_steps:.3f} ms" for name, t in parts.items()))
+    print("  per step, on the wire: " + ", ".join(f"{name} {n / num_steps:.0f} bytes" for name, n in sizes.items()))
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from folio.services.scheduler.forks import BeamGroup
-from folio.services.scheduler.request import Request
+from folio.services.scheduler.request import Request, Status
 from folio.shared.kv.allocator import cdiv
 from folio.shared.messages import (
     Grammar,
@@ -41,38 +41,49 @@ class StepOutput:
     await_grammars: bool = False  # nothing scheduled: the executor waits a little for a compile
     samplers: list[Request] = field(default_factory=list)  # the sequences that sample (set by build_plan)
     ahead: bool = False  # planned while the step before was still running (async scheduling)
+    # a sequence in it has choices to fork or a grammar: the next step waits for its result
+    waits_for_result: bool = False
 
 
 class ExecutorExchange:
     """Mixed into ``policy.Scheduler``: the executor's plan and result."""
 
     def build_plan(self, out: StepOutput) -> StepPlan:
-        """The executor's per-step diff: new requests in full, running ones as the blocks they
-        gained (their whole table when blocks inside it changed) and their counts."""
-        alloc = self.alloc
+        """The executor's per-step diff: new requests in full; a running one only when the executor
+        must learn something it does not hold (blocks it gained, its whole table when blocks inside
+        it changed, tokens appended here, or a count of computed tokens other than the one it
+        advanced to itself: drafts rolled back). A plain decode is just its count."""
+        seqs = self.alloc.seqs
         new_reqs, running_reqs, num_scheduled = [], [], {}
+        samplers = out.samplers
         num_placeholders = 0
         for req, num_new in out.scheduled:
-            num_placeholders += req.num_pending > 0
-            table = alloc.seqs[req.req_id].block_ids
-            if req.on_executor:
-                changed = req.table_changed
-                running_reqs.append(RunningRequestData(
-                    req_id=req.req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
-                    num_computed_tokens=req.num_computed_tokens, new_token_ids=req.unsent_token_ids,
-                    block_ids=list(table) if changed else None))
-            else:
+            req_id, start, pending = req.req_id, req.num_computed_tokens, req.num_pending
+            if pending:
+                num_placeholders += 1
+            if not req.on_executor:
+                table = seqs[req_id].block_ids
                 new_reqs.append(NewRequestData(
-                    req_id=req.req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
-                    sampling=req.sampling, block_ids=list(table), num_computed_tokens=req.num_computed_tokens,
+                    req_id=req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                    sampling=req.sampling, block_ids=list(table), num_computed_tokens=start,
                     append_sampled=req.append_sampled))
                 req.on_executor = True
-            req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
-            num_scheduled[req.req_id] = num_new
-            req.num_computed_tokens += num_new
-            if req.num_computed_tokens >= req.num_tokens + req.num_pending:  # it samples
-                out.samplers.append(req)
-                req.num_pending += 1
+                req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
+            else:
+                table = seqs[req_id].block_ids
+                if (req.table_changed or len(table) > req.num_sent_blocks or req.unsent_token_ids
+                        or start != req.executor_computed):
+                    changed = req.table_changed
+                    running_reqs.append(RunningRequestData(
+                        req_id=req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
+                        num_computed_tokens=start, new_token_ids=req.unsent_token_ids,
+                        block_ids=list(table) if changed else None))
+                    req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
+            num_scheduled[req_id] = num_new
+            req.num_computed_tokens = req.executor_computed = end = start + num_new
+            if end >= len(req.prompt_token_ids) + len(req.output_token_ids) + pending:  # it samples
+                samplers.append(req)
+                req.num_pending = pending + 1
         finished, self.pending_finished_req_ids = self.pending_finished_req_ids, []
         c = self.counters
         c["num_steps"] += 1
@@ -90,10 +101,9 @@ class ExecutorExchange:
         not when the result decides what the next step is beyond one more token per sampler:
         drafts to verify, beams to pick, choices to fork, grammars (a row whose grammar ended
         must not sample again), or growth that needs preemption (``needs_sync``)."""
-        if (self.speculative or self.needs_sync or self.forks.unforked or self.forks.groups or in_flight.spec_token_ids
-                or in_flight.grammars or in_flight.await_grammars):
-            return False
-        return not any(req.pending_forks or req.sampling.grammar is not None for req, _ in in_flight.scheduled)
+        return not (self.speculative or self.needs_sync or self.forks.unforked or self.forks.groups
+                    or in_flight.spec_token_ids or in_flight.grammars or in_flight.await_grammars
+                    or in_flight.waits_for_result)
 
     def kv_request(self, out: StepOutput, generation: int) -> KVStepRequest:
         return KVStepRequest(step_id=out.step_id, generation=generation, ops=out.ops)
@@ -102,33 +112,44 @@ class ExecutorExchange:
         """Append sampled tokens, finish requests that are done; one delta per request that moved."""
         deltas: list[TokenDelta] = self._grammar_reports(result)
         released = False
-        prompt_lps = result.prompt_logprobs
-        reported: set[str] = set()
+        prompt_lps, all_logprobs, all_spec = result.prompt_logprobs, result.logprobs, result.spec_token_ids
+        num_logprobs, num_spec, drafts_of = len(all_logprobs), len(all_spec), out.spec_token_ids
         groups: list[BeamGroup] = []
-        for req in out.samplers:
+        requests, finished_status = self.requests, Status.FINISHED
+        samplers = out.samplers
+        for req in samplers:
             req.num_pending -= 1
-        for idx, req_id in enumerate(result.req_ids):
-            req = self.requests.get(req_id)
-            if req is None or req.finished:
+        num_generated = 0
+        for idx, (req_id, sampled) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
+            req = requests.get(req_id)
+            if req is None or req.status is finished_status:
                 continue  # aborted while the step ran
-            reported.add(req_id)
-            logprobs = result.logprobs[idx] if idx < len(result.logprobs) else None
+            logprobs = all_logprobs[idx] if idx < num_logprobs else None
             if req.group is not None:
                 if logprobs:
                     self.forks.report_beam(req, logprobs[-1], groups)
                 continue
-            sampled = result.sampled_token_ids[idx]
-            drafts = out.spec_token_ids.get(req_id)
+            drafts = drafts_of.get(req_id) if drafts_of else None
             if drafts:
                 self._count_accepted(len(drafts), len(sampled) - 1)
-            req.spec_token_ids = result.spec_token_ids[idx] if idx < len(result.spec_token_ids) else []
-            token_ids, reason = self._append(req, sampled)
+            if idx < num_spec:
+                req.spec_token_ids = all_spec[idx]
+            elif req.spec_token_ids:
+                req.spec_token_ids = []
+            if len(sampled) == 1:  # one token: a plain decode
+                token_id = sampled[0]
+                req.output_token_ids.append(token_id)
+                num_generated += 1
+                token_ids, reason = sampled, req.stop_reason(token_id)
+            else:
+                token_ids, reason = self._append(req, sampled)
+                num_generated += len(token_ids)
             prompt_lp = None
-            if req_id in prompt_lps and not req.prompt_logprobs_sent:
+            if prompt_lps and req_id in prompt_lps and not req.prompt_logprobs_sent:
                 prompt_lp, req.prompt_logprobs_sent = prompt_lps[req_id], True
             deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=logprobs,
                                      prompt_logprobs=prompt_lp, finish_reason=reason,
-                                     num_prompt_tokens=req.num_prompt_tokens,
+                                     num_prompt_tokens=len(req.prompt_token_ids),
                                      num_cached_tokens=req.num_cached_tokens,
                                      queue_time_s=None if req.queue_time_sent else self.queue_time(req)))
             if reason is not None:
@@ -137,17 +158,30 @@ class ExecutorExchange:
                 self.counters["num_requests_finished"] += 1
             elif drafts:
                 self._roll_back(req)
+        self.counters["num_generation_tokens_total"] += num_generated
         for group in groups:
             deltas.extend(self.forks.advance_beams(group))
             released = True
+        if result.req_ids != [req.req_id for req in samplers]:
+            released |= self._fail_unreported(out, result, deltas)
+        if released:
+            self.running = [r for r in self.running if r.status is not finished_status]
+        return deltas
+
+    def _fail_unreported(self, out: StepOutput, result: StepResult, deltas: list[TokenDelta]) -> bool:
+        """Samplers that got nothing: the executor failed the step for them; never leave them
+        stuck. The step's other requests may not have advanced there either: the next plan tells
+        the executor their counts again."""
+        reported = set(result.req_ids)
+        failed = False
         for req in out.samplers:
-            # should have sampled yet got nothing: the executor failed it; never leave it stuck
             if not req.finished and req.req_id not in reported:
                 deltas.extend(self._fail(req))
-                released = True
-        if released:
-            self.running = [r for r in self.running if not r.finished]
-        return deltas
+                failed = True
+        if failed:
+            for req, _ in out.scheduled:
+                req.executor_computed = -1
+        return failed
 
     def _grammar_reports(self, result: StepResult) -> list[TokenDelta]:
         """Grammars the executor compiled (their requests may sample from now on), and those it

@@ -32,16 +32,16 @@ become findable once the step that computed them ran (``KVConfirm`` at the start
 step). Requests that want prompt logprobs send none: they neither hit nor feed the cache, since a
 cached prompt token would have no logprob.
 
-Beside this module: ``forks.py`` (the choices of ``n`` > 1 and beam groups, which share blocks
+Beside this module: ``admission.py`` (requests in and out, the queues), ``forks.py`` (the choices of ``n`` > 1 and beam groups, which share blocks
 through forks), ``exchange.py`` (the executor's plan and result), ``request.py`` (a request and its
 ``Status``), ``stats.py`` (what the counters and queues say, for the admin socket).
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 
+from folio.services.scheduler.admission import Admission
 from folio.services.scheduler.exchange import ExecutorExchange, StepOutput
 from folio.services.scheduler.forks import Forks
 from folio.services.scheduler.grammars import GrammarGate
@@ -49,7 +49,6 @@ from folio.services.scheduler.request import Request, Status
 from folio.shared.kv.allocator import BlockAllocator, cdiv
 from folio.shared.kv.steplog import StepLog
 from folio.shared.messages import (
-    EngineRequest,
     KVAllocate,
     KVClear,
     KVConfirm,
@@ -58,18 +57,13 @@ from folio.shared.messages import (
     KVSwapOut,
     KVTruncate,
     PoolInfo,
-    TokenDelta,
 )
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-def _key(req: Request) -> tuple[int, int, int]:
-    return req.key
-
-
-class Scheduler(ExecutorExchange):
+class Scheduler(Admission, ExecutorExchange):
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None, *,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  preemption_mode: str = "recompute", scheduling_policy: str = "fcfs"):
@@ -141,108 +135,6 @@ class Scheduler(ExecutorExchange):
         """``folio kv clear``: both allocators drop their free cached blocks in the next step."""
         self.pending_clear = True
 
-    # ------------------------------------------------------------------ requests in and out
-    def add_request(self, msg: EngineRequest) -> list[TokenDelta]:
-        """Queue a request (with its choices); one that can never run is refused with "error" deltas."""
-        error, code = self._refusal(msg)
-        if error is not None:
-            self.counters["num_requests_rejected"] += 1
-            return [TokenDelta(req_id=req_id, token_ids=[], finish_reason="error", error=error, error_code=code,
-                               num_prompt_tokens=len(msg.prompt_token_ids))
-                    for req_id in (msg.req_id, *msg.fork_req_ids)]
-        priority = msg.priority if self.scheduling_policy == "priority" else 0
-        arrival, self.next_arrival = self.next_arrival, self.next_arrival + 1
-        if msg.beam_search is not None:
-            self.forks.add_beam_search(msg, priority, arrival)
-            return []
-        first = Request.from_message(msg)
-        first.key = (priority, arrival, 0)
-        others = [Request.from_message(msg, req_id, msg.sampling.with_seed_offset(i))
-                  for i, req_id in enumerate(msg.fork_req_ids, start=1)]
-        for i, req in enumerate(others, start=1):
-            req.key = (priority, arrival, i)
-            self.requests[req.req_id] = req
-        # forking needs a computed prefix to share; prompt logprobs are per choice
-        if len(first.prompt_token_ids) > 1 and msg.sampling.prompt_logprobs is None:
-            self.forks.defer(first, others)
-            others = []
-        self.requests[first.req_id] = first
-        for req in (first, *others):
-            self.enqueue(self.waiting, req, Status.WAITING)
-        return []
-
-    def _refusal(self, msg: EngineRequest) -> tuple[str | None, int]:
-        num_prompt, max_tokens = len(msg.prompt_token_ids), msg.sampling.max_tokens
-        if self.draining:
-            return "the server is draining: it admits no new requests", 503
-        ids = [msg.req_id, *msg.fork_req_ids]
-        if len(set(ids)) != len(ids) or any(i in self.requests or i in self.forks.groups for i in ids):
-            return f"request id {msg.req_id!r} (or one of its choices) is already in use", 400
-        if num_prompt == 0:
-            return "the prompt is empty", 400
-        if max_tokens < 1:
-            return f"max_tokens must be at least 1, got {max_tokens}", 400
-        if msg.beam_search is not None and not 1 <= len(ids) <= msg.beam_search.width:
-            return f"beam search returns at most its width ({msg.beam_search.width}) choices, {len(ids)} asked", 400
-        num_seqs = msg.beam_search.width if msg.beam_search is not None else len(ids)
-        if num_seqs > self.max_num_seqs:
-            return (f"the request runs {num_seqs} sequences at once (its choices or beams) but the server runs at "
-                    f"most {self.max_num_seqs} (--max-num-seqs)"), 400
-        if self.max_model_len and num_prompt + max_tokens > self.max_model_len:
-            return (f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the "
-                    "completion). Please reduce the length of the prompt or completion."), 400
-        # the last sampled token is never fed back, so its KV needs no slot
-        need = cdiv(num_prompt + max_tokens - 1, self.block_size)
-        if need > self.pool.num_blocks:
-            return (f"the request needs {need} KV blocks ({num_prompt} prompt + {max_tokens} completion tokens) "
-                    f"but the whole KV cache holds {self.pool.num_blocks}"), 400
-        return None, 400
-
-    def abort(self, req_id: str) -> bool:
-        """Drop a request (all of a beam search, whichever choice is named); its blocks go back in
-        the next step."""
-        if not self.remove(req_id):
-            return False
-        self.counters["num_requests_aborted"] += 1
-        return True
-
-    def remove(self, req_id: str) -> bool:
-        """``abort`` without counting it."""
-        group = self.forks.groups.get(req_id)
-        if group is not None:
-            self.forks.end_group(group)
-            return True
-        req = self.requests.get(req_id)
-        if req is None:
-            return False
-        if req.group is not None:  # one beam named by its own id: the whole search goes
-            self.forks.end_group(req.group)
-        elif req.status is Status.FORKING:  # a choice not forked yet
-            req.fork_parent.pending_forks.remove(req)
-            del self.requests[req_id]
-        else:
-            self.forks.orphan(req)
-            self.dequeue(req)
-            self.release(req)
-        return True
-
-    def enqueue(self, queue: list[Request], req: Request, status: Status) -> None:
-        req.status = status
-        bisect.insort(queue, req, key=_key)
-
-    def dequeue(self, req: Request) -> None:
-        queue = {Status.RUNNING: self.running, Status.WAITING: self.waiting, Status.SWAPPED: self.swapped}[req.status]
-        queue.remove(req)
-
-    def release(self, req: Request) -> None:
-        """A request that is done: its blocks go at the start of the next step, its state in the next plan."""
-        req.status = Status.FINISHED
-        del self.requests[req.req_id]
-        self.pending_free_req_ids.append(req.req_id)
-        if req.on_executor:
-            self.pending_finished_req_ids.append(req.req_id)
-
     def _preempt(self, req: Request) -> None:
         """``req`` gives its device blocks back now: swapped to the host tier when the mode says so
         and there is room, else freed (it starts over by recompute)."""
@@ -306,7 +198,10 @@ class Scheduler(ExecutorExchange):
         preempted = False
         whole_prefill_taken = False  # without chunked prefill: the first whole prompt may pass the budget
         i = 0
-        while i < len(self.running) and budget > 0:
+        while True:
+            i, budget = self._plain_decodes(out, i, budget)
+            if i >= len(self.running) or budget <= 0:
+                break
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
             if not num_new:
@@ -328,7 +223,7 @@ class Scheduler(ExecutorExchange):
             self._take(out, req, num_new)
             budget -= num_new
             i += 1
-        num_seqs = self._num_seqs()
+        num_seqs = self._num_seqs() if self.swapped or self.waiting else 0
         while self.swapped and budget > 0 and not preempted:
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
@@ -399,6 +294,32 @@ class Scheduler(ExecutorExchange):
         self.pending_truncate, self.pending_free_req_ids, self.pending_discard_req_ids = [], [], []
         self.pending_clear = False
 
+    def _plain_decodes(self, out: StepOutput, i: int, budget: int) -> tuple[int, int]:
+        """Schedule ``running[i:]`` while they are plain decodes: one token, no forks, drafts or
+        grammar, and room for it in the table (no allocation, no copy). This is most of every step
+        and runs for each running sequence, so it is the inline form of ``_num_new_tokens``,
+        ``alloc.changes_table`` and ``_take`` for that case. Returns where it stopped, and the
+        budget left."""
+        running, scheduled, end = self.running, out.scheduled, len(self.running)
+        bs, seqs, ref_counts = self.block_size, self.alloc.seqs, self.alloc.device.ref_counts
+        while i < end and budget > 0:
+            req = running[i]
+            if req.pending_forks or req.spec_token_ids or req.sampling.grammar is not None:
+                break
+            start, pending, num_output = req.num_computed_tokens, req.num_pending, len(req.output_token_ids)
+            if len(req.prompt_token_ids) + num_output + pending - start != 1:
+                break
+            if pending and num_output + pending >= req.sampling.max_tokens:
+                break  # the tokens in flight are its last
+            seq = seqs.get(req.req_id)
+            if (seq is None or seq.host_block_ids is not None or start >= len(seq.block_ids) * bs
+                    or (start % bs and ref_counts[seq.block_ids[start // bs]] > 1)):
+                break
+            scheduled.append((req, 1))
+            budget -= 1
+            i += 1
+        return i, budget
+
     def _find_cached(self, req: Request) -> None:
         """A sequence new to the allocator starts after the blocks the prefix cache holds for it;
         those tokens cost nothing from the token budget. Requests that want prompt logprobs
@@ -448,6 +369,10 @@ class Scheduler(ExecutorExchange):
             return 1 + max(0, min(len(req.spec_token_ids), left - 1, room, budget - 1))
         if remaining <= 1:
             return max(remaining, 0)
+        return self._chunk(remaining, budget, whole_prefill_taken)
+
+    def _chunk(self, remaining: int, budget: int, whole_prefill_taken: bool) -> int:
+        """Of ``remaining`` tokens to compute, those this step takes."""
         if not self.enable_chunked_prefill:
             return remaining if remaining <= budget or not whole_prefill_taken else 0
         if self.long_prefill_token_threshold:
@@ -470,7 +395,10 @@ class Scheduler(ExecutorExchange):
         return sum(r.num_seqs for r in self.running if r.group is None) + sum(g.width for g in groups)
 
     def _take(self, out: StepOutput, req: Request, num_new: int) -> None:
+        """Schedule ``num_new`` tokens of ``req`` (``_plain_decodes`` does it inline for decodes)."""
         out.scheduled.append((req, num_new))
+        if req.pending_forks or req.sampling.grammar is not None:
+            out.waits_for_result = True
         if num_new > 1 and req.num_tokens - req.num_computed_tokens == 1:
             out.spec_token_ids[req.req_id] = req.spec_token_ids[:num_new - 1]
         if req.first_scheduled_time is None:

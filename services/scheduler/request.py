@@ -49,6 +49,9 @@ class Request:
     pending_forks: list["Request"] = field(default_factory=list)
     fork_parent: "Request | None" = None  # set until it is forked from its parent
     num_sent_blocks: int = 0  # of its table, the blocks the executor was sent
+    # the computed tokens the executor counts for it after the last step it was sent (-1: unknown);
+    # a plan names a running request only when this, its blocks or its tokens need telling
+    executor_computed: int = -1
     table_changed: bool = False  # blocks inside its table changed (copy-on-write, truncation): send it whole
     append_sampled: bool = True  # False for beams: the group picks their tokens
     unsent_token_ids: list[int] = field(default_factory=list)  # tokens appended here, for the executor
@@ -122,6 +125,7 @@ class Request:
         self.num_kv_token_ids = 0  # the allocator forgets the table, and its tokens with it
         self.fork_parent = None  # it starts over alone
         self.num_sent_blocks = 0
+        self.executor_computed = -1
         self.table_changed = False
         self.unsent_token_ids = []
         self.spec_token_ids = []

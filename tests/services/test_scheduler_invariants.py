@@ -1,7 +1,8 @@
 """Property tests: whatever arrives (with several choices or not), aborts and runs out of blocks,
 under either preemption mode, with chunked prefill or without, with speculative drafts and
 kvmanager restarts, the allocator never leaks or double-frees, the scheduler's replica equals the
-kvmanager's allocator after every step, every step respects the token budget and the sequence
+kvmanager's allocator after every step, the executor, fed the plans' diffs, holds what the
+scheduler planned with (counts and block tables), every step respects the token budget and the sequence
 cap, and every request ends with all its tokens (stopping at EOS or not), planning each step
 after the last one's result or, with async scheduling, while it runs."""
 
@@ -18,6 +19,7 @@ import pytest
 from folio.shared.kv.allocator import BlockAllocator
 from folio.shared.messages import PoolInfo, StepResult
 from tests.services.kv_owner import Owner
+from tests.services.plan_mirror import ExecutorMirror
 from tests.services.test_scheduler_policy import make, request
 
 
@@ -81,6 +83,7 @@ def test_scheduler_keeps_its_promises(async_scheduling, reqs, num_blocks, budget
     finished: dict[str, list[int] | None] = {}
     admitted = {}
     in_flight: deque = deque()  # (StepOutput, StepResult) sent, oldest first
+    executor = ExecutorMirror()  # what the executor holds, from the plans' diffs alone
 
     def send(running=None) -> None:
         out = sched.schedule(running)
@@ -88,7 +91,9 @@ def test_scheduler_keeps_its_promises(async_scheduling, reqs, num_blocks, budget
             return
         alloc.apply(out, sched.alloc)  # the same log gives the owner the replica's state and digest
         check_allocator(alloc)
+        full = executor.full_state(out, sched.alloc)
         plan = sched.build_plan(out)
+        assert executor.apply(plan) == full, "the diffs left the executor with another state than the plan's"
         if chunked:
             assert sum(plan.num_scheduled_tokens.values()) <= budget
         else:  # one whole prompt may pass the budget, alone with the decodes
@@ -124,6 +129,7 @@ def test_scheduler_keeps_its_promises(async_scheduling, reqs, num_blocks, budget
         if step_no in restarts:
             if lose_in_flight:
                 in_flight.clear()
+                executor = ExecutorMirror()  # a new executor holds nothing
             while in_flight:
                 receive()
             alloc = Owner(num_blocks, 4, 8)

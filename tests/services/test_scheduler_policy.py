@@ -55,7 +55,9 @@ def test_token_budget_chunks_prefills_and_running_requests_go_first():
     assert [r.block_ids for r in plan.new_reqs] == [[0, 1], [2]]
     plan, deltas = step(sched, alloc)
     assert plan.num_scheduled_tokens == {"a": 1, "b": 3}  # a decodes, b goes on with its prompt
-    assert plan.running_reqs[1].new_block_ids == [3] and plan.running_reqs[1].num_computed_tokens == 3
+    # a's decode has room in its last block: the executor learns nothing but its count
+    assert [r.req_id for r in plan.running_reqs] == ["b"]
+    assert plan.running_reqs[0].new_block_ids == [3] and plan.running_reqs[0].num_computed_tokens == 3
     assert [d.req_id for d in deltas] == ["a", "b"]  # b sampled too: its prompt is done
 
 
@@ -187,6 +189,22 @@ def test_steps_whose_result_decides_the_next_are_not_planned_ahead(what):
     out = sched.schedule()
     alloc.apply(out, sched.alloc)
     sched.build_plan(out)
+    assert not sched.can_plan_ahead(out)
+
+
+def test_a_step_of_a_compiled_grammar_is_not_planned_ahead_either():
+    """Its grammar no longer rides on the plan, yet the next token's mask depends on the result."""
+    sched, alloc = make(num_blocks=32, block_size=4, max_num_seqs=8)
+    sched.add_request(request("a", 3, grammar=GRAMMAR))
+    out = sched.schedule()  # the prompt but its last token, while the grammar compiles
+    alloc.apply(out, sched.alloc)
+    plan = sched.build_plan(out)
+    assert plan.grammars == [GRAMMAR] and out.samplers == []
+    sched.update_from_result(out, StepResult(step_id=plan.step_id, grammars_ready=["k"]))
+    out = sched.schedule()
+    alloc.apply(out, sched.alloc)
+    plan = sched.build_plan(out)
+    assert plan.grammars == [] and [r.req_id for r in out.samplers] == ["a"]
     assert not sched.can_plan_ahead(out)
 
 
