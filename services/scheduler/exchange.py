@@ -52,7 +52,7 @@ class ExecutorExchange:
         """The executor's per-step diff: new requests in full; a running one only when the executor
         must learn something it does not hold (blocks it gained, its whole table when blocks inside
         it changed, tokens appended here, or a count of computed tokens other than the one it
-        advanced to itself: drafts rolled back). A plain decode is just its count."""
+        advanced to itself: drafts rolled back, a failed step). A plain decode is just its count."""
         seqs = self.alloc.seqs
         new_reqs, running_reqs, num_scheduled = [], [], {}
         samplers = out.samplers
@@ -61,24 +61,22 @@ class ExecutorExchange:
             req_id, start, pending = req.req_id, req.num_computed_tokens, req.num_pending
             if pending:
                 num_placeholders += 1
+            table = seqs[req_id].block_ids
             if not req.on_executor:
-                table = seqs[req_id].block_ids
                 new_reqs.append(NewRequestData(
                     req_id=req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                     sampling=req.sampling, block_ids=list(table), num_computed_tokens=start,
                     append_sampled=req.append_sampled))
                 req.on_executor = True
                 req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
-            else:
-                table = seqs[req_id].block_ids
-                if (req.table_changed or len(table) > req.num_sent_blocks or req.unsent_token_ids
-                        or start != req.executor_computed):
-                    changed = req.table_changed
-                    running_reqs.append(RunningRequestData(
-                        req_id=req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
-                        num_computed_tokens=start, new_token_ids=req.unsent_token_ids,
-                        block_ids=list(table) if changed else None))
-                    req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
+            elif (req.table_changed or len(table) > req.num_sent_blocks or req.unsent_token_ids
+                  or start != req.executor_computed):
+                changed = req.table_changed
+                running_reqs.append(RunningRequestData(
+                    req_id=req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
+                    num_computed_tokens=start, new_token_ids=req.unsent_token_ids,
+                    block_ids=list(table) if changed else None))
+                req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
             num_scheduled[req_id] = num_new
             req.num_computed_tokens = req.executor_computed = end = start + num_new
             if end >= len(req.prompt_token_ids) + len(req.output_token_ids) + pending:  # it samples

@@ -32,9 +32,10 @@ become findable once the step that computed them ran (``KVConfirm`` at the start
 step). Requests that want prompt logprobs send none: they neither hit nor feed the cache, since a
 cached prompt token would have no logprob.
 
-Beside this module: ``admission.py`` (requests in and out, the queues), ``forks.py`` (the choices of ``n`` > 1 and beam groups, which share blocks
-through forks), ``exchange.py`` (the executor's plan and result), ``request.py`` (a request and its
-``Status``), ``stats.py`` (what the counters and queues say, for the admin socket).
+Beside this module: ``admission.py`` (requests in and out, the queues), ``forks.py`` (the choices
+of ``n`` > 1 and beam groups, which share blocks through forks), ``exchange.py`` (the executor's
+plan and result), ``request.py`` (a request and its ``Status``), ``stats.py`` (what the counters
+and queues say, for the admin socket).
 """
 
 from __future__ import annotations
@@ -369,10 +370,6 @@ class Scheduler(Admission, ExecutorExchange):
             return 1 + max(0, min(len(req.spec_token_ids), left - 1, room, budget - 1))
         if remaining <= 1:
             return max(remaining, 0)
-        return self._chunk(remaining, budget, whole_prefill_taken)
-
-    def _chunk(self, remaining: int, budget: int, whole_prefill_taken: bool) -> int:
-        """Of ``remaining`` tokens to compute, those this step takes."""
         if not self.enable_chunked_prefill:
             return remaining if remaining <= budget or not whole_prefill_taken else 0
         if self.long_prefill_token_threshold:
