@@ -297,10 +297,10 @@ class Scheduler(Admission, ExecutorExchange):
 
     def _plain_decodes(self, out: StepOutput, i: int, budget: int) -> tuple[int, int]:
         """Schedule ``running[i:]`` while they are plain decodes: one token, no forks, drafts or
-        grammar, and room for it in the table (no allocation, no copy). This is most of every step
-        and runs for each running sequence, so it is the inline form of ``_num_new_tokens``,
-        ``alloc.changes_table`` and ``_take`` for that case. Returns where it stopped, and the
-        budget left."""
+        grammar, and room for it in the table or a new block for it (no copy). This is most of
+        every step and runs for each running sequence, so it is the inline form of
+        ``_num_new_tokens``, ``alloc.changes_table`` and ``_take`` for that case. Returns where it
+        stopped (a sequence for the general path), and the budget left."""
         running, scheduled, end = self.running, out.scheduled, len(self.running)
         bs, seqs, ref_counts = self.block_size, self.alloc.seqs, self.alloc.device.ref_counts
         while i < end and budget > 0:
@@ -313,9 +313,13 @@ class Scheduler(Admission, ExecutorExchange):
             if pending and num_output + pending >= req.sampling.max_tokens:
                 break  # the tokens in flight are its last
             seq = seqs.get(req.req_id)
-            if (seq is None or seq.host_block_ids is not None or start >= len(seq.block_ids) * bs
-                    or (start % bs and ref_counts[seq.block_ids[start // bs]] > 1)):
+            if seq is None or seq.host_block_ids is not None:
                 break
+            if start >= len(seq.block_ids) * bs:  # its token starts a block
+                if not self._grow(req, 1):
+                    break  # refused: the general path preempts (or stops a step planned ahead)
+            elif start % bs and ref_counts[seq.block_ids[start // bs]] > 1:
+                break  # a shared last block: copy-on-write
             scheduled.append((req, 1))
             budget -= 1
             i += 1
