@@ -6,7 +6,7 @@ the plan's diffs: a new request writes its row once, a running one moves its cou
 its new blocks and tokens. A step's inputs and attention metadata are then gathered from the
 rows with vectorised operations (no Python loop over tokens) into one staging buffer, which
 reaches the device in one copy (pinned, two buffers in turn so that a copy in flight is never
-overwritten); the step's tensors are views of it. On the CPU the views are the buffer itself.
+overwritten); the step's tensors are views of it. On the CPU the gathered arrays are the tensors.
 
 The runner (``runner.py``) owns one; the sampler reads its parameter rows and penalty state
 (``penalties.py``), and ``last_sampled`` keeps each row's latest sampled token on the device, for a
@@ -15,6 +15,8 @@ step that feeds it back without a round trip through the host.
 
 from __future__ import annotations
 
+import heapq
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,10 @@ class StepInputs:
     sample_rows: np.ndarray  # [num_plain] rows that sample one token without drafts, in plan order
     sample_rows_dev: torch.Tensor  # the same on the device
     sample_params: torch.Tensor  # [num_plain, NUM_PARAMS] fp32, their sampling parameters
+
+
+def _opens_one_block(diff) -> bool:
+    return len(diff.new_block_ids) == 1 and diff.block_ids is None and not diff.new_token_ids
 
 
 def _grow(array: np.ndarray, rows: int | None = None, cols: int | None = None) -> np.ndarray:
@@ -70,11 +76,13 @@ class InputBatch:
         self.seeds: list[int | None] = [None] * cap
         self.generators: list[torch.Generator | None] = [None] * cap
         self.row_of: dict[str, int] = {}
-        self.free_rows = list(range(cap - 1, -1, -1))
+        self.free_rows = list(range(cap))  # a heap: the lowest free row first, so that a batch's rows
+        # stay a run of consecutive rows as long as requests come and go together (the sampler then
+        # reads their penalty state in place)
         self.penalties = PenaltyState(cap, vocab_size, device)
         self.last_sampled = torch.zeros(cap, dtype=torch.long, device=device)
         self._pin = device.type == "cuda"
-        self._staging = [self._new_staging(1 << 16), self._new_staging(1 << 16)]
+        self._staging = [self._new_staging(1 << 16), self._new_staging(1 << 16)] if device.type != "cpu" else []
         self._turn = 0
 
     # ------------------------------------------------------------------ capacity
@@ -90,7 +98,7 @@ class InputBatch:
         self.num_logprobs = np.concatenate([self.num_logprobs, np.full(cap - old, NO_LOGPROBS, dtype=np.int64)])
         self.seeds += [None] * (cap - old)
         self.generators += [None] * (cap - old)
-        self.free_rows = list(range(cap - 1, old - 1, -1)) + self.free_rows
+        self.free_rows += range(old, cap)  # it grows only when no row is free: a sorted list is a heap
         self.penalties.grow(cap)
         self.last_sampled = torch.cat([self.last_sampled, torch.zeros(cap - old, dtype=torch.long, device=self.device)])
 
@@ -109,7 +117,7 @@ class InputBatch:
             self.remove(req_id)
         if not self.free_rows:
             self._grow_rows()
-        row = self.free_rows.pop()
+        row = heapq.heappop(self.free_rows)
         self.row_of[req_id] = row
         self._fit_tokens(len(token_ids) + 1)
         self._fit_blocks(len(block_ids))
@@ -134,11 +142,12 @@ class InputBatch:
         if row is not None:
             self.generators[row] = None
             self.has_seed[row] = False
-            self.free_rows.append(row)
+            heapq.heappush(self.free_rows, row)
 
     def apply_running(self, running, step_id: int) -> None:
-        """The per-step diffs of requests already held: counts in one assignment, blocks and
-        tokens only for the requests whose blocks or tokens changed."""
+        """The per-step diffs of requests already held: counts in one assignment, a decode's one
+        new block in another, other blocks and tokens only for the requests whose blocks or
+        tokens changed."""
         if not running:
             return
         try:
@@ -146,8 +155,24 @@ class InputBatch:
         except KeyError as exc:
             raise KeyError(f"step {step_id} names unknown request {exc.args[0]!r}") from None
         self.num_computed[rows] = [r.num_computed_tokens for r in running]
-        for r in [r for r in running if r.new_block_ids or r.block_ids is not None or r.new_token_ids]:
-            row = self.row_of[r.req_id]
+        changed = [(row, r) for row, r in zip(rows, running) if r.new_block_ids or r.block_ids is not None
+                   or r.new_token_ids]
+        if changed:
+            self._apply_changes(changed)
+
+    def _apply_changes(self, changed: list) -> None:
+        """(row, diff) of the requests whose blocks or tokens changed: a decode that opens one
+        block (the usual change) goes into one assignment with the others like it."""
+        opened = [(row, r.new_block_ids[0]) for row, r in changed if _opens_one_block(r)]
+        if opened:
+            rows, blocks = (list(c) for c in zip(*opened))
+            ends = self.num_blocks[rows]
+            self._fit_blocks(int(ends.max()) + 1)
+            self.block_table[rows, ends] = blocks
+            self.num_blocks[rows] = ends + 1
+        for row, r in changed:
+            if _opens_one_block(r):
+                continue
             if r.block_ids is not None:  # copy-on-write changed blocks inside the table
                 self.num_blocks[row] = 0
                 self.append_blocks(row, r.block_ids)
@@ -184,9 +209,10 @@ class InputBatch:
         """Gather the step's inputs from the rows; raises ValueError for a plan the rows cannot run."""
         num_seqs = len(num_scheduled)
         try:
-            rows = np.fromiter((self.row_of[r] for r in num_scheduled), dtype=np.int64, count=num_seqs)
+            found = operator.itemgetter(*num_scheduled)(self.row_of) if num_seqs else ()  # a tuple, or one row
         except KeyError as exc:
             raise KeyError(f"the step schedules unknown request {exc.args[0]!r}") from None
+        rows = np.array(found if num_seqs != 1 else (found,), dtype=np.int64)
         counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=num_seqs)
         num_spec = np.zeros(num_seqs, dtype=np.int64)
         if spec_token_ids:  # drafts sit after the row's last token, uncounted
@@ -206,13 +232,17 @@ class InputBatch:
         query_start = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         num_tokens = int(query_start[-1])
-        token_rows = np.repeat(rows, counts)
-        positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], counts)
         samples = end == have
         plain = samples & (num_spec == 0)
-        num_logits = np.where(samples, num_spec + 1, 0)
-        logit_starts = np.repeat(query_start[1:] - num_logits, num_logits)
-        logits_idx = logit_starts + np.arange(len(logit_starts)) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        if num_tokens == num_seqs:  # decodes only: a token per sequence, no drafts
+            token_rows, positions, logits_idx = rows, start, np.flatnonzero(samples)
+        else:
+            token_rows = np.repeat(rows, counts)
+            positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], counts)
+            num_logits = np.where(samples, num_spec + 1, 0)
+            logit_starts = np.repeat(query_start[1:] - num_logits, num_logits)
+            logits_idx = logit_starts + np.arange(len(logit_starts)) \
+                - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         sample_rows = rows[plain]
         max_blocks = max(1, int(need.max(initial=1)))
         dev = self._to_device({
@@ -250,7 +280,10 @@ class InputBatch:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
 
     def _to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Pack the arrays into the staging buffer (8-byte aligned) and move it in one copy."""
+        """Pack the arrays into the staging buffer (8-byte aligned) and move it in one copy; on the
+        CPU the arrays (each made afresh for the step) are the tensors."""
+        if self.device.type == "cpu":
+            return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
         offsets, total = {}, 0
         for name, a in arrays.items():
             offsets[name] = total
@@ -262,13 +295,15 @@ class InputBatch:
         host = staging.numpy()
         for name, a in arrays.items():
             host[offsets[name] : offsets[name] + a.nbytes].view(a.dtype)[:] = a.ravel()
-        dev = staging[:total].to(self.device, non_blocking=True) if self._pin else staging
+        dev = staging[:total].to(self.device, non_blocking=True)
         return {name: dev[offsets[name] : offsets[name] + a.nbytes].view(_TORCH[a.dtype]) for name, a in arrays.items()}
 
     # ------------------------------------------------------------------ sampling state
     def seeded(self, sample_rows: np.ndarray) -> list[tuple[int, torch.Generator, int]]:
         """(index in the sample rows, generator, seed of this draw) of the seeded non-greedy rows."""
         out = []
+        if not self.has_seed.any():
+            return out
         for i in np.flatnonzero(self.has_seed[sample_rows] & ~self.greedy[sample_rows]):
             row = int(sample_rows[i])
             out.append((int(i), self.generators[row],

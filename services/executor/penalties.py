@@ -4,7 +4,9 @@ The runner's persistent batch gives each request a row; ``PenaltyState`` keeps, 
 - ``bias`` [rows, vocab]: ``-(frequency * count + presence)`` on every token the request has
   generated, 0 elsewhere (the additive part of the penalties, applied with one add);
 - ``counts`` [rows, vocab] int32, behind the bias;
-- ``seen`` [rows, vocab] bool: prompt and output tokens, for the repetition penalty.
+- ``rep`` [rows, vocab] fp32: the repetition penalty on prompt and output tokens, 1 elsewhere (a
+  float table rather than a mask: ``sampler.process_logits`` applies it as ``min(l / rep, l * rep)``,
+  with no boolean select, which torch's CPU kernels run several times slower than arithmetic).
 A request that joins writes its row once from its history; each step adds the sampled tokens with
 a few index operations over the sampled rows, so nothing is rebuilt from whole outputs. The tensors
 live on the executor's device and are allocated on first use (a batch that never asks for a
@@ -15,6 +17,7 @@ in ``sampler.process_logits``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -24,25 +27,27 @@ def has_penalties(params) -> bool:
 
 
 def _row_tensors(vocab: int, params, prompt_ids, output_ids, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(counts, bias, seen) of one request, each [vocab], from its token lists."""
+    """(counts, bias, rep) of one request, each [vocab], from its token lists."""
     counts = torch.zeros(vocab, dtype=torch.int32, device=device)
     if len(output_ids):
         ids = torch.as_tensor(output_ids, dtype=torch.long, device=device)
         counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
     generated = counts > 0
     bias = -(params.frequency_penalty * counts.float() + params.presence_penalty * generated.float())
-    seen = generated.clone()
-    if params.repetition_penalty != 1.0 and len(prompt_ids):
-        seen[torch.as_tensor(prompt_ids, dtype=torch.long, device=device)] = True
-    return counts, bias, seen
+    rep = torch.ones(vocab, dtype=torch.float32, device=device)
+    if params.repetition_penalty != 1.0:
+        rep[generated] = params.repetition_penalty
+        if len(prompt_ids):
+            rep[torch.as_tensor(prompt_ids, dtype=torch.long, device=device)] = params.repetition_penalty
+    return counts, bias, rep
 
 
 def tensors_from_rows(rows, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(bias [n, vocab], seen [n, vocab] or None when no row has a repetition penalty)."""
+    """(bias [n, vocab], rep [n, vocab] or None when no row has a repetition penalty)."""
     parts = [_row_tensors(vocab, r.params, r.prompt_token_ids, r.output_token_ids, device) for r in rows]
     bias = torch.stack([b for _, b, _ in parts])
-    want_seen = any(r.params.repetition_penalty != 1.0 for r in rows)
-    return bias, (torch.stack([s for _, _, s in parts]) if want_seen else None)
+    want_rep = any(r.params.repetition_penalty != 1.0 for r in rows)
+    return bias, (torch.stack([s for _, _, s in parts]) if want_rep else None)
 
 
 class PenaltyState:
@@ -52,7 +57,7 @@ class PenaltyState:
         self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
         self.bias: torch.Tensor | None = None  # [num_rows, vocab] fp32
         self.counts: torch.Tensor | None = None  # [num_rows, vocab] int32
-        self.seen: torch.Tensor | None = None  # [num_rows, vocab] bool
+        self.rep: torch.Tensor | None = None  # [num_rows, vocab] fp32
 
     @property
     def allocated(self) -> bool:
@@ -62,7 +67,7 @@ class PenaltyState:
         shape = (self.num_rows, self.vocab_size)
         self.bias = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        self.rep = torch.ones(shape, dtype=torch.float32, device=self.device)
 
     def grow(self, num_rows: int) -> None:
         if num_rows <= self.num_rows:
@@ -70,8 +75,8 @@ class PenaltyState:
         extra = num_rows - self.num_rows
         self.num_rows = num_rows
         if self.allocated:
-            pad = lambda t: torch.cat([t, torch.zeros((extra, self.vocab_size), dtype=t.dtype, device=t.device)])
-            self.bias, self.counts, self.seen = pad(self.bias), pad(self.counts), pad(self.seen)
+            pad = lambda t, v=0: torch.cat([t, torch.full((extra, self.vocab_size), v, dtype=t.dtype, device=t.device)])
+            self.bias, self.counts, self.rep = pad(self.bias), pad(self.counts), pad(self.rep, 1)
 
     def set_row(self, row: int, params, prompt_ids, output_ids) -> None:
         """A request joins row ``row`` (new, resumed or forked): its penalties from its history."""
@@ -79,28 +84,34 @@ class PenaltyState:
             if self.allocated:  # the row may hold a previous request's state; it must read as none
                 self.bias[row].zero_()
                 self.counts[row].zero_()
-                self.seen[row].zero_()
+                self.rep[row].fill_(1.0)
             return
         if not self.allocated:
             self._allocate()
-        counts, bias, seen = _row_tensors(self.vocab_size, params, prompt_ids, output_ids, self.device)
-        self.counts[row], self.bias[row], self.seen[row] = counts, bias, seen
+        counts, bias, rep = _row_tensors(self.vocab_size, params, prompt_ids, output_ids, self.device)
+        self.counts[row], self.bias[row], self.rep[row] = counts, bias, rep
 
     def record(self, rows: torch.Tensor, token_ids: torch.Tensor, frequency: torch.Tensor,
-               presence: torch.Tensor) -> None:
-        """Tokens just generated: ``rows``, ``token_ids``, ``frequency``, ``presence`` are [n]
-        (a row may repeat, as a verification appends several tokens). Rows without penalties get
-        a zero bias and a ``seen`` mark that their repetition penalty of 1 ignores."""
+               presence: torch.Tensor, repetition: torch.Tensor) -> None:
+        """Tokens just generated: ``rows``, ``token_ids`` and the rows' ``frequency``, ``presence``
+        and ``repetition`` are [n] (a row may repeat, as a verification appends several tokens).
+        Rows without penalties get a zero bias and a repetition of 1."""
         if not self.allocated or rows.numel() == 0:
             return
         index = (rows, token_ids)
         self.counts.index_put_(index, torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
         count = self.counts[index].float()
         self.bias[index] = -(frequency * count + presence)
-        self.seen[index] = True
+        self.rep[index] = repetition
 
-    def gather(self, rows: torch.Tensor, want_seen: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(bias, seen) of the step's sampling rows, [n, vocab] each."""
+    def gather(self, rows: torch.Tensor, want_rep: bool, host_rows: np.ndarray | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bias, rep) of the step's sampling rows, [n, vocab] each: views of the tables when
+        ``host_rows`` (the same rows on the host) is a run of consecutive rows, else copies."""
         if not self.allocated:
             self._allocate()
-        return self.bias.index_select(0, rows), (self.seen.index_select(0, rows) if want_seen else None)
+        n = len(rows)
+        if host_rows is not None and n and host_rows[-1] - host_rows[0] == n - 1 and (np.diff(host_rows) == 1).all():
+            start = int(host_rows[0])
+            return self.bias[start : start + n], (self.rep[start : start + n] if want_rep else None)
+        return self.bias.index_select(0, rows), (self.rep.index_select(0, rows) if want_rep else None)

@@ -29,7 +29,7 @@ from folio.services.executor.loader import load_model, resolve_dtype
 from folio.services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
 from folio.services.executor.parallel import Comm, Shard
 from folio.services.executor.rejection import verify
-from folio.services.executor.sampler import FREQUENCY, PRESENCE, SamplingBatch, SamplingRow, sample_batch, token_logprobs
+from folio.services.executor.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.services.executor.spec_decode import Proposal, make_proposer
 from folio.services.executor.structured import GrammarStore, advance, compile_error
 from folio.shared.config import RuntimeConfig
@@ -340,7 +340,8 @@ class ModelRunner:
                 logprobs[plain_pos[i]] = [lp]
         plain_tokens = tokens_dev.cpu().numpy()  # the step's one wait on the device
         appends = self.batch.appends[step.sample_rows]
-        self._rollback_drafts([samplers[i] for i in plain_pos], plain_tokens, appends)
+        if self.proposer is not None:
+            self._rollback_drafts([samplers[i] for i in plain_pos], appends)
         self.batch.append_sampled(step.sample_rows[appends], plain_tokens[appends])
         if self.appended is not None:
             self.appended.extend((samplers[i], [int(plain_tokens[j])]) for j, i in enumerate(plain_pos) if appends[j])
@@ -361,18 +362,17 @@ class ModelRunner:
                                  matchers=matchers)
         penalised = bool(batch.penalised[rows].any())
         if penalised:
-            sampling.bias, sampling.seen = batch.penalties.gather(step.sample_rows_dev, bool(batch.repetition[rows].any()))
+            sampling.bias, sampling.rep = batch.penalties.gather(step.sample_rows_dev, bool(batch.repetition[rows].any()),
+                                                                 rows)
         tokens = sample_batch(logits, sampling)
         if penalised:  # rows without penalties never read their state: it is reset when a row is reused
             batch.penalties.record(step.sample_rows_dev, tokens, step.sample_params[:, FREQUENCY],
-                                   step.sample_params[:, PRESENCE])
+                                   step.sample_params[:, PRESENCE], step.sample_params[:, REPETITION])
         batch.last_sampled.index_copy_(0, step.sample_rows_dev, tokens)
         return tokens
 
-    def _rollback_drafts(self, req_ids: list[str], tokens: np.ndarray, appends: np.ndarray) -> None:
+    def _rollback_drafts(self, req_ids: list[str], appends: np.ndarray) -> None:
         """A request that had a proposal but verified none of it: the draft's cache drops them."""
-        if self.proposer is None:
-            return
         for req_id, append in zip(req_ids, appends):
             state = self.requests[req_id]
             if append and state.proposal is not None:
@@ -405,7 +405,7 @@ class ModelRunner:
         rows = torch.full((len(new),), state.row, dtype=torch.long, device=device)
         params = torch.as_tensor(self.batch.params[state.row], device=device)
         tokens = torch.as_tensor(new, dtype=torch.long, device=device)
-        self.batch.penalties.record(rows, tokens, params[FREQUENCY].expand(len(new)), params[PRESENCE].expand(len(new)))
+        self.batch.penalties.record(rows, tokens, *(params[col].expand(len(new)) for col in (FREQUENCY, PRESENCE, REPETITION)))
         self.batch.last_sampled[state.row] = new[-1]
 
     def _propose(self, samplers: list[RequestState]) -> list[list[int]]:

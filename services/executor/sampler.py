@@ -11,7 +11,13 @@ nucleus of a real model almost always ends. A row whose kept set goes past the w
 alone (on the CPU, where that check is free); on a GPU the window is the whole vocabulary, so the
 step never waits on the device. The kept set is the one the sorting rule gives (vLLM's: drop a
 token once the mass before it reaches top-p, on the distribution left by min-p and top-k), up to
-tokens tied exactly at the threshold.
+tokens tied exactly at the threshold. On the CPU an unseeded row without top-k skips the window
+(torch's CPU ``topk`` costs more than the rest of the step): it draws by rejection against its
+nucleus (``_draw_nucleus``), which needs no cut at all.
+
+The CPU path avoids what torch's CPU kernels run slowly: argmax goes through numpy, masks are 0/1
+floats to multiply by (``_above``) rather than booleans, and the repetition penalty is a select by
+``minimum``/``maximum`` over a float table (``penalties.py``) rather than a ``where``.
 
 Draws. An unseeded row draws by inverting its cumulative distribution with one uniform (inside
 the window when its kept set fits there). A seeded row keeps the exponential race
@@ -98,7 +104,7 @@ class SamplingBatch:
     host_params: np.ndarray  # [n, NUM_PARAMS] fp32, the same values on the host
     seeded: list[tuple[int, torch.Generator, int]]  # (row, its generator, the seed of this draw)
     bias: torch.Tensor | None = None  # [n, vocab] additive penalties (presence, frequency)
-    seen: torch.Tensor | None = None  # [n, vocab] bool: tokens the repetition penalty divides
+    rep: torch.Tensor | None = None  # [n, vocab] fp32: the repetition penalty on seen tokens, 1 elsewhere
     matchers: list | None = None  # per row, its grammar matcher or None (None: no row has one)
 
     @staticmethod
@@ -109,7 +115,7 @@ class SamplingBatch:
         batch = SamplingBatch(torch.from_numpy(host).to(device), np.array([r.params.greedy for r in rows], dtype=bool),
                               host, seeded)
         if any(has_penalties(r.params) for r in rows):
-            batch.bias, batch.seen = tensors_from_rows(rows, vocab_size, device)
+            batch.bias, batch.rep = tensors_from_rows(rows, vocab_size, device)
         if any(r.matcher is not None for r in rows):
             batch.matchers = [r.matcher for r in rows]
         return batch
@@ -118,9 +124,15 @@ class SamplingBatch:
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The one place where logits change before the draw: penalties, then grammar masks.
     Returns a new tensor when it changes anything: callers' logits stay."""
-    if batch.seen is not None:  # repetition: divide positive logits of seen tokens, multiply negative ones
-        rep = batch.params[:, REPETITION, None]
-        logits = torch.where(batch.seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if batch.rep is not None:  # repetition: divide positive logits of seen tokens, multiply negative ones
+        # a penalty above 1 makes that the smaller of l / rep and l * rep (below 1, the larger), and
+        # an unseen token's rep of 1 keeps l exactly: a select without a boolean mask
+        if (batch.host_params[:, REPETITION] >= 1.0).all():
+            logits = torch.minimum(logits / batch.rep, logits * batch.rep)
+        elif (batch.host_params[:, REPETITION] <= 1.0).all():
+            logits = torch.maximum(logits / batch.rep, logits * batch.rep)
+        else:
+            logits = torch.where(logits > 0, logits / batch.rep, logits * batch.rep)
     if batch.bias is not None:
         logits = logits + batch.bias
     if batch.matchers is not None:  # structured output: forbidden tokens -> -inf
@@ -173,16 +185,46 @@ def _keep_threshold(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray,
 
 
 def _inverse_cdf(weights: torch.Tensor) -> torch.Tensor:
-    """[m, n] non-negative weights -> [m] index drawn with probability weight / row sum."""
-    cum = weights.cumsum(-1)
-    u = torch.rand((weights.shape[0], 1), device=weights.device) * cum[:, -1:]
-    return torch.searchsorted(cum, u, right=True).clamp_(max=weights.shape[1] - 1).squeeze(1)
+    """[m, n] non-negative weights -> [m] index drawn with probability weight / row sum; a token
+    of weight 0 is never drawn. A long row on the CPU is drawn in two levels: a block of 64
+    tokens by its sum, then a token inside it by a second uniform (torch's CPU cumsum over a
+    49,152-token row costs three times the block sums and the short scans)."""
+    m, n = weights.shape
+    size = 64
+    if weights.device.type != "cpu" or n % size or n < size * size:
+        return _search(weights.cumsum(-1))
+    blocks = weights.reshape(m, n // size, size)
+    block = _search(blocks.sum(-1).cumsum(-1))  # P(block) = its sum / the row's
+    inner = blocks[torch.arange(m, device=weights.device), block]  # [m, size]
+    return block * size + _search(inner.cumsum(-1))  # P(token | block) = its weight / the block's
+
+
+def _search(cum: torch.Tensor) -> torch.Tensor:
+    """[m, n] cumulative weights -> [m] the first index whose cumulative weight reaches a uniform
+    draw in (0, total]: one of positive weight."""
+    u = (1.0 - torch.rand((cum.shape[0], 1), device=cum.device)) * cum[:, -1:]
+    return torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1).squeeze(1)
+
+
+def _above(probs: torch.Tensor, cut: torch.Tensor, strict: bool = True) -> torch.Tensor:
+    """``probs > cut`` (``>=`` unless ``strict``) as 0/1 in the probabilities' dtype: a mask to
+    multiply by, which torch's CPU kernels write several times faster than a boolean one."""
+    compare = torch.gt if strict else torch.ge
+    return compare(probs, cut, out=torch.empty_like(probs))
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of a tie, as torch's); on the CPU through numpy, many
+    times faster than torch's CPU argmax."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(dim=-1)
 
 
 def _draw_unseeded(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, tau, closes, vals, idx):
     if tau is None:
         return _inverse_cdf(probs)
-    drawn = idx.gather(1, _inverse_cdf(vals * (vals >= tau[:, None]))[:, None]).squeeze(1)
+    drawn = idx.gather(1, _inverse_cdf(vals * _above(vals, tau[:, None], strict=False))[:, None]).squeeze(1)
     if vals.shape[1] < probs.shape[1]:
         vocab = probs.shape[1]
         wide = ~closes  # kept sets wider than the window: the whole row
@@ -190,51 +232,54 @@ def _draw_unseeded(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, 
         rows = torch.nonzero(wide & ~cut).flatten()
         if rows.numel():  # min-p or nothing: tau is exact
             sub, sub_tau = probs[rows], tau[rows]
-            drawn.index_copy_(0, rows, _inverse_cdf(sub * (sub >= sub_tau[:, None])))
+            drawn.index_copy_(0, rows, _inverse_cdf(sub * _above(sub, sub_tau[:, None], strict=False)))
         rows = torch.nonzero(cut).flatten()
         if rows.numel():
-            drawn.index_copy_(0, rows, _draw_past_window(probs[rows], params[rows], host[rows.cpu().numpy()]))
+            drawn.index_copy_(0, rows, _draw_nucleus(probs[rows], params[rows], host[rows.cpu().numpy()]))
     return drawn
 
 
-def _draw_past_window(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, max_rounds: int = 64):
-    """Rows whose top-p cut lies past the window, drawn without finding the cut (FlashInfer's
-    sorting-free rejection): draw x from the tokens above a pivot; keep it when the mass of the
-    tokens more likely than x is below top-p (x is in the nucleus), else raise the pivot to x and
-    draw again. A kept draw is distributed as p on the nucleus, since every pivot lies below it;
-    each round keeps a row with probability at least top-p. Rows with a top-k past the window, or
-    left after ``max_rounds``, are sorted."""
+def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, max_rounds: int = 64):
+    """Rows drawn without finding their top-p cut (FlashInfer's sorting-free rejection): draw x
+    from the tokens above a pivot (min-p's cut at first); keep it when the mass of the tokens more
+    likely than x is below top-p (x is in the nucleus), else raise the pivot to x and draw again.
+    A kept draw is distributed as p on the nucleus, since every pivot lies below it; each round
+    keeps a row with probability at least top-p. ``probs`` may be unnormalised. Rows with a top-k
+    cut, or left after ``max_rounds``, are sorted. CPU only: the rounds' bookkeeping is on the host."""
     m, vocab = probs.shape
-    min_cut = probs.amax(-1) * params[:, MIN_P]
-    region = probs >= min_cut[:, None]  # what min-p leaves; top-p is taken on it, renormalised
-    mass = (probs * region).sum(-1)
-    limit = params[:, TOP_P] * mass
-    lower = torch.where(min_cut > 0, min_cut, torch.zeros_like(min_cut))
-    strict = torch.zeros(m, dtype=torch.bool, device=probs.device)  # the pivot itself is out
-    out = torch.empty(m, dtype=torch.long, device=probs.device)
-    todo = torch.nonzero(params[:, TOP_K] >= vocab).flatten()
+    if (host[:, MIN_P] > 0).any():  # what min-p leaves; top-p is taken on it, renormalised
+        weights = probs * _above(probs, probs.amax(-1, keepdim=True) * params[:, MIN_P, None], strict=False)
+    else:
+        weights = probs
+    limit = (params[:, TOP_P] * weights.sum(-1)).numpy()
+    whole = host[:, TOP_P] >= 1.0  # nothing to cut: the first draw stands
+    out = np.empty(m, dtype=np.int64)
+    todo = np.flatnonzero(host[:, TOP_K] >= vocab)
+    w = weights if len(todo) == m else weights[torch.from_numpy(todo)]
     for _ in range(max_rounds):
-        if not todo.numel():
+        if not len(todo):
             break
-        p, lo, st = probs[todo], lower[todo], strict[todo]
-        x = _inverse_cdf(p * torch.where(st[:, None], p > lo[:, None], p >= lo[:, None]))
-        px = p.gather(1, x[:, None])
-        above = (p * (p > px)).sum(-1)
-        ok = above < limit[todo]
-        out.index_copy_(0, todo[ok], x[ok])
-        redo = todo[~ok]
-        lower.index_copy_(0, redo, px.squeeze(1)[~ok])
-        strict.index_fill_(0, redo, True)
-        todo = redo
-    rest = torch.ones(m, dtype=torch.bool, device=probs.device)
-    rest[params[:, TOP_K] >= vocab] = False
+        x = _inverse_cdf(w)
+        ok = whole[todo]
+        if not ok.all():
+            px = w.gather(1, x[:, None])
+            above = (w * _above(w, px)).sum(-1)  # every token above x lies above the pivot: w holds them all
+            ok = ok | (above.numpy() < limit[todo])
+        out[todo[ok]] = x.numpy()[ok]
+        if ok.all():
+            todo = todo[:0]
+            break
+        redo = torch.from_numpy(np.flatnonzero(~ok))
+        w, todo = w[redo], todo[~ok]
+        w = w * _above(w, px[redo])
+    rest = host[:, TOP_K] < vocab
     rest[todo] = True
-    rows = torch.nonzero(rest).flatten()
-    if rows.numel():
-        sub = probs[rows]
-        sub_tau, _, _, _ = _keep_threshold(sub, params[rows], host[rows.cpu().numpy()], vocab)
-        out.index_copy_(0, rows, _inverse_cdf(sub * (sub >= sub_tau[:, None])))
-    return out
+    if rest.any():
+        rows = torch.from_numpy(np.flatnonzero(rest))
+        sub = weights[rows]
+        sub_tau, _, _, _ = _keep_threshold(sub, params[rows], host[rest], vocab)
+        out[rest] = _inverse_cdf(sub * _above(sub, sub_tau[:, None], strict=False)).numpy()
+    return torch.from_numpy(out)
 
 
 def _masked(x: torch.Tensor, probs: torch.Tensor, tau) -> torch.Tensor:
@@ -266,10 +311,58 @@ def _random_rows(logits: torch.Tensor, batch: SamplingBatch, exact_all: bool):
 
 
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[n, vocab] fp32 logits -> [n] sampled token ids (on the logits' device, no host sync)."""
+    """[n, vocab] fp32 logits -> [n] sampled token ids (on the logits' device; on a GPU with no
+    host sync)."""
     logits = process_logits(logits, batch)
     if batch.greedy.all():
-        return logits.argmax(dim=-1)
+        return _argmax(logits)
+    quick = _quick_rows(batch, logits)
+    if not quick.any():
+        return _sample_processed(logits, batch)
+    if quick.all():
+        return _draw_quick(logits, batch.params, batch.host_params)
+    out = _argmax(logits)  # the greedy rows' tokens; the others are overwritten
+    idx = np.flatnonzero(quick)
+    sel = torch.as_tensor(idx, device=logits.device)
+    out.index_copy_(0, sel, _draw_quick(logits.index_select(0, sel), batch.params.index_select(0, sel),
+                                        batch.host_params[idx]))
+    idx = np.flatnonzero(~quick & ~batch.greedy)
+    if len(idx):
+        sel = torch.as_tensor(idx, device=logits.device)
+        out.index_copy_(0, sel, _sample_processed(logits.index_select(0, sel), _subset(batch, idx)))
+    return out
+
+
+def _quick_rows(batch: SamplingBatch, logits: torch.Tensor) -> np.ndarray:
+    """Host bool [n]: the rows ``_draw_quick`` takes (on the CPU: unseeded, not greedy, no top-k)."""
+    if logits.device.type != "cpu":
+        return np.zeros(len(batch.greedy), dtype=bool)
+    quick = ~batch.greedy & (batch.host_params[:, TOP_K] >= logits.shape[1])
+    quick[[i for i, _, _ in batch.seeded]] = False
+    return quick
+
+
+def _draw_quick(logits: torch.Tensor, params: torch.Tensor, host: np.ndarray) -> torch.Tensor:
+    """Unseeded rows without top-k on the CPU: temperature, then min-p and top-p by rejection
+    (``_draw_nucleus``) over the unnormalised probabilities, with no top-k window and no sort:
+    the fewest passes over the rows."""
+    x = logits / params[:, TEMPERATURE, None]
+    weights = x.sub_(x.amax(-1, keepdim=True)).exp_()  # the best token's weight is 1
+    if not ((host[:, TOP_P] < 1.0) | (host[:, MIN_P] > 0)).any():
+        return _inverse_cdf(weights)
+    return _draw_nucleus(weights, params, host)
+
+
+def _subset(batch: SamplingBatch, idx: np.ndarray) -> SamplingBatch:
+    """Rows ``idx`` of a batch whose logits are processed already (no penalties, no grammar)."""
+    new = {int(old): i for i, old in enumerate(idx)}
+    seeded = [(new[i], gen, seed) for i, gen, seed in batch.seeded if i in new]
+    sel = torch.as_tensor(idx, device=batch.params.device)
+    return SamplingBatch(batch.params.index_select(0, sel), batch.greedy[idx], batch.host_params[idx], seeded)
+
+
+def _sample_processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``sample_batch`` after ``process_logits``, through the top-k window (GPU, seeded, top-k)."""
     rand, x, probs, params, host, (tau, closes, vals, idx) = _random_rows(logits, batch, exact_all=False)
     drawn = _draw_unseeded(probs, params, host, tau, closes, vals, idx)
     if batch.seeded:
@@ -283,10 +376,10 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = torch.as_tensor(sub, device=x.device)
         seeded_tau = None if tau is None else tau[rows]
         race = _masked(x[rows], probs[rows], seeded_tau).softmax(dim=-1) / noise
-        drawn.index_copy_(0, rows, race.argmax(dim=-1))
+        drawn.index_copy_(0, rows, _argmax(race))
     if rand is None:
         return drawn
-    return logits.argmax(dim=-1).index_copy_(0, rand, drawn)
+    return _argmax(logits).index_copy_(0, rand, drawn)
 
 
 def processed_probs_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -297,7 +390,7 @@ def processed_probs_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.T
     min(1, p/q)); building them from the same pieces as ``sample_batch`` makes it the same p.
     """
     logits = process_logits(logits, batch)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(logits.dtype)
+    one_hot = torch.nn.functional.one_hot(_argmax(logits), logits.shape[1]).to(logits.dtype)
     if batch.greedy.all():
         return one_hot
     rand, x, probs, _, _, (tau, _, _, _) = _random_rows(logits, batch, exact_all=True)

@@ -178,3 +178,15 @@ def test_a_plan_the_rows_cannot_run_is_a_clear_error():
         batch.prepare({"a": 3, "b": 9}, {})
     with pytest.raises(KeyError, match="unknown request 'c'"):
         batch.prepare({"c": 1}, {})
+
+
+def test_a_request_takes_the_lowest_free_row():
+    """Rows stay a run from 0 while requests come and go together (the sampler reads the penalty
+    state of consecutive rows in place)."""
+    batch = InputBatch(max_num_reqs=2, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))
+    params = SamplingParams(temperature=0.0)
+    rows = [batch.add(f"r{i}", [1, 2], 2, 0, [i], params) for i in range(5)]  # the rows grow past 2
+    assert rows == [0, 1, 2, 3, 4]
+    for req_id in ("r3", "r0", "r1"):
+        batch.remove(req_id)
+    assert [batch.add(f"s{i}", [1], 1, 0, [0], params) for i in range(4)] == [0, 1, 3, 5]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -124,20 +125,69 @@ def test_incremental_penalties_equal_the_ones_rebuilt_from_the_history():
     table = torch.tensor([sampler.param_row(p, VOCAB) for p in params])
     for _ in range(20):  # tokens generated one step at a time, repeats included
         new = torch.tensor([rng.randrange(40) for _ in range(8)])
-        state.record(rows, new, table[:, sampler.FREQUENCY], table[:, sampler.PRESENCE])
+        state.record(rows, new, table[:, sampler.FREQUENCY], table[:, sampler.PRESENCE], table[:, sampler.REPETITION])
         for out, t in zip(outputs, new.tolist()):
             out.append(t)
-    bias, seen = state.gather(rows, want_seen=True)
+    bias, rep = state.gather(rows, want_rep=True, host_rows=rows.numpy())
     rebuilt = SamplingBatch.from_rows([SamplingRow(p, None, pr, o) for p, pr, o in zip(params, prompts, outputs)],
                                       VOCAB, CPU)
     torch.testing.assert_close(bias, rebuilt.bias)
-    rep = torch.tensor([p.repetition_penalty != 1.0 for p in params])
-    assert rep.any() and torch.equal(seen[rep], rebuilt.seen[rep])  # other rows' marks go unread
+    assert any(p.repetition_penalty != 1.0 for p in params) and torch.equal(rep, rebuilt.rep)
+    # a run of consecutive rows is read in place, the same values
+    run_bias, run_rep = state.gather(torch.arange(2, 6), want_rep=True, host_rows=np.arange(2, 6))
+    assert run_bias.data_ptr() == state.bias[2].data_ptr()
+    assert torch.equal(run_bias, state.bias[2:6]) and torch.equal(run_rep, state.rep[2:6])
     logits = torch.randn(8, VOCAB)
-    greedy = SamplingBatch(table, np.ones(8, dtype=bool), table.numpy(), [], bias, seen)
+    greedy = SamplingBatch(table, np.ones(8, dtype=bool), table.numpy(), [], bias, rep)
     assert torch.equal(sampler.sample_batch(logits, greedy),
                        torch.tensor(ref.sample(logits, [ref.SamplingRow(
                            SamplingParams(temperature=0.0, presence_penalty=p.presence_penalty,
                                           frequency_penalty=p.frequency_penalty,
                                           repetition_penalty=p.repetition_penalty), None, pr, o)
                            for p, pr, o in zip(params, prompts, outputs)]).token_ids))
+
+
+def test_unseeded_rows_beside_seeded_greedy_and_top_k_rows_leave_theirs_as_before():
+    """Unseeded rows without top-k take the rejection path on the CPU; the others in the same
+    batch (seeded, greedy, top-k) keep the per-row sampler's tokens."""
+    for seed in range(4):
+        logits, params, prompts, outputs = random_case(200 + seed, 40, seeded=True)
+        rng = random.Random(seed)
+        params = [msgspec.structs.replace(p, seed=None, top_k=None) if rng.random() < 0.5 else p for p in params]
+        ours = sample(logits, rows_for(sampler, params, prompts, outputs)).token_ids
+        theirs = ref.sample(logits, rows_for(ref, params, prompts, outputs)).token_ids
+        kept = [i for i, p in enumerate(params) if p.greedy or p.seed is not None]
+        quick = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
+        assert kept and quick
+        assert [ours[i] for i in kept] == [theirs[i] for i in kept]
+        p = processed_probs(logits, rows_for(sampler, params, prompts, outputs))
+        assert all(p[i, ours[i]] > 0 for i in quick)  # each drawn from its kept set
+
+
+@pytest.mark.parametrize("repetition", [[0.8, 0.8], [1.3, 1.3], [0.8, 1.3]])
+def test_repetition_penalties_above_and_below_one_equal_the_per_row_sampler(repetition):
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(11)) * 3
+    params = [SamplingParams(temperature=0.0, repetition_penalty=repetition[i % 2]) for i in range(8)]
+    prompts = [[i, 50 + i, 300] for i in range(8)]
+    outputs = [[int(logits[i].argmax()), int(logits[i].argmin()), 7] for i in range(8)]  # both signs penalised
+    ours = processed_probs(logits, rows_for(sampler, params, prompts, outputs))
+    assert torch.equal(ours, ref.processed_probs(logits, rows_for(ref, params, prompts, outputs)))
+    batch = SamplingBatch.from_rows(rows_for(sampler, params, prompts, outputs), VOCAB, CPU)
+    penalised = sampler.process_logits(logits, batch)
+    expected = ref.apply_penalties(logits, rows_for(ref, params, prompts, outputs))
+    assert torch.equal(penalised, expected)
+
+
+@pytest.mark.parametrize("vocab", [600, 4096])  # one scan; blocks of 64 tokens
+def test_inverse_cdf_draws_follow_the_weights_and_never_a_zero(vocab):
+    torch.manual_seed(3)
+    weights = torch.zeros(vocab)
+    support = torch.tensor([0, 1, 63, 64, 65, 300, vocab - 2])  # block edges, not the row's ends
+    weights[support] = torch.tensor([0.5, 2.0, 1.0, 0.25, 3.0, 1.5, 0.75])
+    n = 20000
+    drawn = sampler._inverse_cdf(weights.repeat(n, 1))
+    got = torch.bincount(drawn, minlength=vocab).double()
+    assert got.sum() == got[support].sum() == n  # no token of weight 0, the first and last included
+    expected = weights[support].double() / weights.sum() * n
+    chi2 = float(((got[support] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_P001[len(support) - 1]
