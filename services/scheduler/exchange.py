@@ -199,10 +199,9 @@ class ExecutorExchange:
         return deltas
 
     def _append(self, req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
-        """Append sampled tokens up to the first that ends the request."""
+        """Append sampled tokens up to the first that ends the request (the caller counts them)."""
         for n, token_id in enumerate(token_ids, start=1):
             req.output_token_ids.append(token_id)
-            self.counters["num_generation_tokens_total"] += 1
             reason = req.stop_reason(token_id)
             if reason is not None:
                 return token_ids[:n], reason

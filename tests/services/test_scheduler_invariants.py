@@ -112,9 +112,12 @@ def test_scheduler_keeps_its_promises(async_scheduling, reqs, num_blocks, budget
         in_flight.append((out, StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=sampled,
                                           spec_token_ids=proposals)))
 
+    delivered = [0]  # tokens the deltas carried, aborted requests' included
+
     def receive() -> None:
         out, result = in_flight.popleft()
         for delta in sched.update_from_result(out, result):
+            delivered[0] += len(delta.token_ids)
             finished.setdefault(delta.req_id, []).extend(delta.token_ids)
 
     for step_no in range(600):
@@ -147,6 +150,7 @@ def test_scheduler_keeps_its_promises(async_scheduling, reqs, num_blocks, budget
     assert not sched.requests and not sched.running and not sched.waiting and not sched.swapped
     assert speculate or sched.counters["num_spec_drafts"] == 0
     assert async_scheduling or sched.counters["num_steps_planned_ahead"] == 0
+    assert sched.counters["num_generation_tokens_total"] == delivered[0]  # each token counted once
     for req_id, (max_tokens, eos_at) in admitted.items():
         if finished.get(req_id.partition(".")[0]) is not None:
             assert finished[req_id] == output_of(req_id, max_tokens, eos_at)
