@@ -77,3 +77,37 @@ async def test_steps_over_the_socket_match_the_runner_and_the_pool_is_registered
         await asyncio.gather(*tasks, return_exceptions=True)
         ctx.term()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_the_runner_is_loaded_on_the_thread_that_runs_the_steps(tiny_model_dir, monkeypatch):
+    """All torch work on one thread: a model loaded on another thread leaves a second OpenMP team
+    behind on the CPU, and libgomp then has both teams' workers sleep between parallel regions
+    (SmolLM2's decode step at batch 64 took twice as long)."""
+    import threading
+
+    import folio.services.executor.service as service_module
+
+    loaded_on = []
+
+    def recording_make_runner(config):
+        loaded_on.append(threading.get_ident())
+        return service_module.make_runner.__wrapped__(config)
+
+    recording_make_runner.__wrapped__ = service_module.make_runner
+    monkeypatch.setattr(service_module, "make_runner", recording_make_runner)
+    runtime = RuntimeConfig(model=tiny_model_dir, dtype="float32", device="cpu", block_size=4, num_kv_blocks=8)
+    ctx = zmq.asyncio.Context()
+    run_dir = short_run_dir()
+    executor = None
+    try:
+        executor = ExecutorService(ExecutorServiceConfig(endpoints=Endpoints.ipc(run_dir), runtime=runtime,
+                                                         model_path=tiny_model_dir), ctx)
+        step_thread = executor.step_thread.submit(threading.get_ident).result()
+        assert loaded_on == [step_thread] and step_thread != threading.get_ident()
+    finally:
+        if executor is not None:
+            executor.step_thread.shutdown()
+            for sock in (executor.recv_from_scheduler, executor.send_to_kvmanager, executor.recv_from_admin):
+                sock.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run_dir, ignore_errors=True)
