@@ -17,6 +17,9 @@ ENV PYTHONUNBUFFERED=1 \
     FOLIO_CACHE_DIR=/models
 
 WORKDIR /app
+# a C compiler: the executor compiles its CPU sampler kernel on first use (without one it samples
+# with torch ops alone)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # torch first, from its own index: the largest layer, rebuilt only when the version changes
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY pyproject.toml ./

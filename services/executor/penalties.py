@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from folio.services.executor import cpu_kernels
+
 
 def has_penalties(params) -> bool:
     """Whether the token history changes this request's distribution (only penalties read it)."""
@@ -97,6 +99,10 @@ class PenaltyState:
         and ``repetition`` are [n] (a row may repeat, as a verification appends several tokens).
         Rows without penalties get a zero bias and a repetition of 1."""
         if not self.allocated or rows.numel() == 0:
+            return
+        if self.device.type == "cpu" and cpu_kernels.library() is not None:  # one call, not five ops
+            cpu_kernels.record_penalties(rows, token_ids, frequency, presence, repetition, self.counts, self.bias,
+                                         self.rep)
             return
         index = (rows, token_ids)
         self.counts.index_put_(index, torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)

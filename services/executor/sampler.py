@@ -15,7 +15,12 @@ tokens tied exactly at the threshold. On the CPU an unseeded row without top-k s
 (torch's CPU ``topk`` costs more than the rest of the step): it draws by rejection against its
 nucleus (``_draw_nucleus``), which needs no cut at all.
 
-The CPU path avoids what torch's CPU kernels run slowly: argmax goes through numpy, masks are 0/1
+On the CPU a batch whose rows are all greedy or unseeded without top-k (and have no grammar) is
+sampled by one call of a C kernel (``cpu_kernels.py``, ``csrc/sampler.c``): per row, the penalties
+(bit for bit these), the greedy argmax, or temperature, min-p, and top-p by the same rejection
+as ``_draw_nucleus``, in a few passes over the row; ``_draw_quick`` uses it too. What follows is
+the torch path: the reference, the GPU's path, and the CPU's for the other rows and when no C
+compiler is at hand. The CPU path avoids what torch's CPU kernels run slowly: argmax goes through numpy, masks are 0/1
 floats to multiply by (``_above``) rather than booleans, and the repetition penalty is a select by
 ``minimum``/``maximum`` over a float table (``penalties.py``) rather than a ``where``.
 
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from folio.services.executor import cpu_kernels
 from folio.services.executor.penalties import has_penalties, tensors_from_rows
 from folio.services.executor.structured import apply_grammar_masks
 from folio.shared.messages import SamplingParams, TokenLogprobs
@@ -313,6 +319,8 @@ def _random_rows(logits: torch.Tensor, batch: SamplingBatch, exact_all: bool):
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[n, vocab] fp32 logits -> [n] sampled token ids (on the logits' device; on a GPU with no
     host sync)."""
+    if _kernel_takes_all(logits, batch):  # the CPU kernel: penalties and draw in one call
+        return cpu_kernels.sample(logits, None, batch.greedy, batch.host_params, batch.bias, batch.rep)
     logits = process_logits(logits, batch)
     if batch.greedy.all():
         return _argmax(logits)
@@ -333,6 +341,18 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return out
 
 
+def _kernel_takes_all(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Whether ``cpu_kernels`` samples the whole batch: every row greedy or quick (below), no
+    grammar, and something for it to do that numpy's argmax alone would not."""
+    if logits.device.type != "cpu" or batch.matchers is not None:
+        return False
+    if batch.greedy.all() and batch.bias is None and batch.rep is None:
+        return False
+    if not (batch.greedy | _quick_rows(batch, logits)).all():
+        return False
+    return cpu_kernels.usable(logits, batch.bias, batch.rep)
+
+
 def _quick_rows(batch: SamplingBatch, logits: torch.Tensor) -> np.ndarray:
     """Host bool [n]: the rows ``_draw_quick`` takes (on the CPU: unseeded, not greedy, no top-k)."""
     if logits.device.type != "cpu":
@@ -346,6 +366,8 @@ def _draw_quick(logits: torch.Tensor, params: torch.Tensor, host: np.ndarray) ->
     """Unseeded rows without top-k on the CPU: temperature, then min-p and top-p by rejection
     (``_draw_nucleus``) over the unnormalised probabilities, with no top-k window and no sort:
     the fewest passes over the rows."""
+    if cpu_kernels.usable(logits, None, None):
+        return cpu_kernels.sample(logits, None, np.zeros(len(host), dtype=bool), host, None, None)
     x = logits / params[:, TEMPERATURE, None]
     weights = x.sub_(x.amax(-1, keepdim=True)).exp_()  # the best token's weight is 1
     if not ((host[:, TOP_P] < 1.0) | (host[:, MIN_P] > 0)).any():

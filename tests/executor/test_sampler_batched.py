@@ -78,6 +78,7 @@ def test_processed_probs_equal_the_per_row_sampler(monkeypatch, window):
 CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])  # the CPU kernel (cpu_kernels.py), or torch ops alone
 @pytest.mark.parametrize("window", [3, 256])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.8),  # the whole row
@@ -85,8 +86,10 @@ CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.3
     SamplingParams(temperature=1.3, top_k=5),
     SamplingParams(temperature=1.0, min_p=0.1, top_p=0.97),
 ])
-def test_unseeded_draws_follow_the_processed_distribution(monkeypatch, window, params):
+def test_unseeded_draws_follow_the_processed_distribution(monkeypatch, window, params, path):
     monkeypatch.setattr(sampler, "WINDOW", window)
+    if path == "torch":
+        monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *args: False)
     base = torch.full((1, VOCAB), -30.0)
     base[0, :8] = torch.tensor([2.0, 1.6, 1.3, 1.0, 0.7, 0.5, 0.2, 0.0])
     n = 6000

@@ -1,0 +1,164 @@
+"""The CPU sampler's C kernel (``csrc/sampler.c``): compiled once per machine, loaded with ctypes.
+
+On the CPU, torch's fixed cost per operation (a few microseconds each, on one thread) is most of
+what sampling a batch costs: the torch path in ``sampler.py`` runs some twenty operations for a
+batch with temperature, top-p and penalties. The kernel does a row's penalties, temperature,
+min-p, top-p and draw in a few passes over the row, for the whole batch in one call, and records
+the sampled tokens into the penalty state. ``sampler.py`` calls it for the rows it covers (greedy,
+and unseeded rows without top-k, with no grammar in the batch) and keeps the torch path, the
+reference, for the rest and for GPUs.
+
+The source is compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
+cache, under a name that hashes the source and the flags, the first time a process needs it;
+other processes reuse the file. Without a compiler, or when the compile fails, ``library()`` is
+None (logged once) and the torch path samples every row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from folio.shared.config import c_compiler, cache_dir
+
+log = structlog.get_logger()
+
+SOURCE = Path(__file__).with_name("csrc") / "sampler.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared",
+         "-fPIC")
+BLOCK = 64  # csrc/sampler.c's BLOCK
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile() -> Path:
+    compiler = c_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = SOURCE.read_bytes()
+    # -march=native: the file is only good on CPUs with this one's features
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, platform.machine(), _cpu_features())).encode())
+    key = key.hexdigest()[:16]
+    out = cache_dir() / "cpu-kernels" / f"sampler-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        proc = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(built, out)  # atomic: a process compiling alongside finds a whole file or none
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None when it cannot be built here (the torch path then samples)."""
+    global _library, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if not _tried:
+            try:
+                lib = ctypes.CDLL(str(_compile()))
+                lib.folio_sample.argtypes = [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                                             _i64, ctypes.c_uint64, _ptr, _ptr]
+                lib.folio_exp_nonpositive.argtypes = [_i64, _ptr, _ptr]
+                lib.folio_exp_nonpositive.restype = None
+                lib.folio_sample.restype = None
+                lib.folio_record_penalties.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+                lib.folio_record_penalties.restype = None
+                _library = lib
+            except (OSError, RuntimeError) as exc:
+                log.warning("the CPU sampler kernel is unavailable; sampling with torch ops", error=str(exc))
+            _tried = True
+    return _library
+
+
+def _addr(t: torch.Tensor | np.ndarray | None) -> int | None:
+    if t is None:
+        return None
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
+def _row_major(t: torch.Tensor, like: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.shape == like.shape and t.stride() == like.stride()
+
+
+def usable(logits: torch.Tensor, bias: torch.Tensor | None, rep: torch.Tensor | None) -> bool:
+    """Whether the kernel can read these: fp32 CPU rows, contiguous within each row, penalty
+    tensors laid out as the logits."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return False
+    if any(t is not None and not _row_major(t, logits) for t in (bias, rep)):
+        return False
+    return library() is not None
+
+
+_scratch = threading.local()  # per thread: the kernel's working row
+
+
+def _scratch_for(vocab: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < vocab + vocab // BLOCK + 1:
+        buf = _scratch.buf = np.empty(vocab + vocab // BLOCK + 1, dtype=np.float32)
+    return buf
+
+
+def sample(logits: torch.Tensor, rows: np.ndarray | None, greedy: np.ndarray, host_params: np.ndarray,
+           bias: torch.Tensor | None, rep: torch.Tensor | None) -> torch.Tensor:
+    """[m] int64 tokens for logits rows ``rows`` (None: every row): greedy rows their penalised
+    argmax, the others drawn with temperature, min-p and top-p (``host_params``: [m, NUM_PARAMS],
+    a row per token to draw); ``bias``/``rep`` as in ``SamplingBatch`` (None: no such penalty)."""
+    from folio.services.executor.sampler import MIN_P, TEMPERATURE, TOP_P
+
+    lib = library()
+    m, vocab = len(greedy), logits.shape[1]
+    idx = None if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
+    flags = np.ascontiguousarray(greedy, dtype=np.bool_)
+    params = np.ascontiguousarray(host_params, dtype=np.float32)
+    out = np.empty(m, dtype=np.int64)
+    seed = int(torch.randint(0, 1 << 62, (1,)).item())  # torch's default generator: torch.manual_seed holds
+    lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), _addr(idx), _addr(bias), _addr(rep),
+                     flags.ctypes.data, params.ctypes.data, params.shape[1], TEMPERATURE, TOP_P, MIN_P, seed,
+                     out.ctypes.data, _scratch_for(vocab).ctypes.data)
+    return torch.from_numpy(out)
+
+
+def exp_nonpositive(x: np.ndarray) -> np.ndarray:
+    """The kernel's exp (for x <= 0), elementwise: for the tests."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    library().folio_exp_nonpositive(x.size, x.ctypes.data, out.ctypes.data)
+    return out
+
+
+def record_penalties(rows: torch.Tensor, token_ids: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                     repetition: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, rep: torch.Tensor) -> None:
+    """``PenaltyState.record`` for CPU tables, in one call."""
+    lib = library()
+    args = [t.contiguous() for t in (rows.to(torch.int64), token_ids.to(torch.int64), frequency, presence, repetition)]
+    lib.folio_record_penalties(len(args[0]), counts.shape[1], *(_addr(t) for t in args), _addr(counts), _addr(bias),
+                               _addr(rep))

@@ -1,0 +1,117 @@
+"""The CPU sampler kernel (services/executor/csrc/sampler.c) against the torch path it stands in
+for: its exp, its greedy tokens under penalties (bit for bit), its draws (chi-square against
+``processed_probs``, never outside the kept set), its penalty bookkeeping (bit for bit), and which
+batches take it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from folio.services.executor import cpu_kernels, sampler
+from folio.services.executor.penalties import PenaltyState
+from folio.services.executor.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs_batch
+from folio.shared.messages import SamplingParams
+
+CPU = torch.device("cpu")
+CHI2_P001 = {3: 16.27, 5: 20.52, 7: 24.32, 9: 27.88, 11: 31.26, 13: 34.53, 15: 37.70}
+
+
+def test_the_kernel_builds_on_this_machine():
+    assert cpu_kernels.library() is not None  # else every CPU step silently takes the slow path
+
+
+def test_exp_is_within_two_ulp_and_exactly_zero_below_the_float_range():
+    x = np.concatenate([np.linspace(-87.3, 0.0, 200_001, dtype=np.float32), np.float32([-0.0, -1e-30, -1e-7])])
+    got = cpu_kernels.exp_nonpositive(x).astype(np.float64)
+    exact = np.exp(x.astype(np.float64))
+    ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert (np.abs(got - exact) <= 2 * ulp).all()
+    below = cpu_kernels.exp_nonpositive(np.float32([-87.4, -100.0, -1e30, -np.inf]))
+    assert (below == 0).all()
+
+
+def batch_of(params: list[SamplingParams], logits: torch.Tensor, outputs: list[list[int]]) -> SamplingBatch:
+    return SamplingBatch.from_rows([SamplingRow(p, make_generator(p.seed, CPU), [1, 2], o)
+                                    for p, o in zip(params, outputs)],
+                                   logits.shape[1], CPU)
+
+
+def test_greedy_rows_under_penalties_take_the_torch_paths_tokens_bit_for_bit(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=gen) * 3
+    logits[:8, 10] = logits[:8, 20] = logits[:8].amax(-1) + 1  # ties: the first index wins
+    params = [SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 0.7][i % 3],
+                             presence_penalty=[0.0, 0.5][i % 2], frequency_penalty=0.2 * (i % 4)) for i in range(64)]
+    outputs = [[int(logits[i].argmax()), int(logits[i].argmin()), 20, 20] for i in range(64)]
+    batch = batch_of(params, logits, outputs)
+    assert sampler._kernel_takes_all(logits, batch)
+    ours = sampler.sample_batch(logits, batch)
+    monkeypatch.setattr(cpu_kernels, "usable", lambda *args: False)
+    assert torch.equal(ours, sampler.sample_batch(logits, batch))
+    assert ours[:8].tolist().count(10) + ours[:8].tolist().count(20) >= 1
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.2, min_p=0.05, top_p=0.9),
+    SamplingParams(temperature=0.9, top_p=0.95, presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2),
+])
+@pytest.mark.parametrize("vocab", [16, 4096])  # within one block of 64 tokens, and many blocks
+def test_draws_follow_the_processed_distribution_and_never_leave_the_kept_set(params, vocab):
+    torch.manual_seed(1)
+    base = torch.full((vocab,), -40.0)
+    support_ids = torch.tensor([0, 3, 5, 9, 12, 15, vocab - 1])[: 7 if vocab > 16 else 6]
+    base[support_ids[:6]] = torch.tensor([2.0, 1.7, 1.4, 1.0, 0.6, 0.1])
+    if vocab > 16:
+        base[vocab - 1] = 1.2  # the last token of the last block
+    n = 20000
+    logits = base.repeat(n, 1)
+    outputs = [[3, 3, 9]] * n  # penalised tokens (for the params with penalties)
+    batch = batch_of([params] * n, logits, outputs)
+    assert sampler._kernel_takes_all(logits, batch)
+    p = processed_probs_batch(logits[:1], batch_of([params], logits[:1], outputs[:1]))[0].double()
+    got = torch.bincount(sampler.sample_batch(logits, batch), minlength=vocab).double()
+    kept = p > 0
+    assert got[~kept].sum() == 0
+    expected = p[kept] * n
+    big = expected > 5  # chi-square over the cells it can judge; the rare ones must still be allowed
+    chi2 = float(((got[kept][big] - expected[big]) ** 2 / expected[big]).sum())
+    assert chi2 < CHI2_P001.get(int(big.sum()) - 1, 40.0)
+
+
+def test_a_tiny_top_p_and_a_min_p_near_one_leave_the_best_token():
+    logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(2)) * 2
+    for params in (SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=0.7, min_p=0.999)):
+        out = sampler.sample_batch(logits, batch_of([params] * 32, logits, [[]] * 32))
+        assert torch.equal(out, logits.argmax(-1))
+
+
+def test_recorded_penalties_equal_the_torch_bookkeeping_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(4)
+    kernel, torch_ops = (PenaltyState(12, 500, CPU) for _ in range(2))
+    for state in (kernel, torch_ops):
+        state.set_row(0, SamplingParams(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.1), [5], [])
+    for _ in range(30):
+        rows = torch.as_tensor(rng.integers(0, 12, 9))  # repeats: a verification appends several tokens to a row
+        tokens = torch.as_tensor(rng.integers(0, 40, 9))
+        freq, pres, rep = (torch.as_tensor(rng.random(9), dtype=torch.float32) for _ in range(3))
+        kernel.record(rows, tokens, freq, pres, rep)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernels, "library", lambda: None)
+            torch_ops.record(rows, tokens, freq, pres, rep)
+    assert torch.equal(kernel.counts, torch_ops.counts) and kernel.counts.sum() == 30 * 9
+    assert torch.equal(kernel.bias, torch_ops.bias) and torch.equal(kernel.rep, torch_ops.rep)
+
+
+def test_which_batches_the_kernel_takes():
+    logits = torch.randn(4, 100)
+    plain = SamplingParams(temperature=0.8, top_p=0.9)
+    assert sampler._kernel_takes_all(logits, batch_of([plain, SamplingParams(temperature=0.0)] * 2, logits, [[]] * 4))
+    for other in (SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.8, top_k=5)):
+        assert not sampler._kernel_takes_all(logits, batch_of([plain, other] * 2, logits, [[]] * 4))
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    assert not sampler._kernel_takes_all(logits, batch_of(greedy, logits, [[]] * 4))  # numpy's argmax does it
+    assert not sampler._kernel_takes_all(logits.to(torch.float64), batch_of([plain] * 4, logits, [[]] * 4))
