@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
 from folio.services.executor.kv_quant import FP8_DTYPE, calibrate_kv_scales, calibration_ids  # noqa: E402
 from folio.services.executor.loader import load_model  # noqa: E402
+from folio.services.executor.runner import make_backend  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
 from folio.shared.models import resolve_model  # noqa: E402
 
@@ -86,7 +87,9 @@ def log_probs(model, seq: list[int], block_size: int = 16, kv_dtype: torch.dtype
     dtype = kv_dtype or model.embed_tokens.weight.dtype
     kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)]
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], None, block_size)
-    hidden = model(torch.tensor(seq), meta.positions, kv, meta, TorchAttentionBackend())
+    # the backend a server would run this model with (on the CPU: the C layer kernels for quantized weights)
+    backend = make_backend("auto", torch.device("cpu"), model.embed_tokens.weight.dtype, kv_dtype, model)
+    hidden = model(torch.tensor(seq), meta.positions, kv, meta, backend)
     return model.compute_logits(hidden[:-1]).log_softmax(-1)
 
 

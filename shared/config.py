@@ -114,8 +114,9 @@ class RuntimeConfig:
                                          ("executor",))
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    attention_backend: str = flag("auto", "paged attention: our CUDA kernels or the torch reference",
-                                  ("executor",), choices=("auto", "torch", "cuda"))
+    attention_backend: str = flag("auto", "paged attention and the layers' small ops: our CUDA kernels, our CPU "
+                                  "kernels (auto: for quantized weights) or the torch reference", ("executor",),
+                                  choices=("auto", "torch", "cuda", "cpu"))
     enforce_eager: bool = flag(False, "no CUDA graphs: every step launches its kernels from Python (GPU; the CPU is "
                                "always eager)", ("executor",), action="store_true")
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "

@@ -122,6 +122,30 @@ class _TorchPlan:
     write_idx: torch.Tensor | None  # rows to write when some slots are padding, else None
 
 
+def decode_rows_and_chunks(meta: AttentionMetadata) -> tuple[list[tuple[int, int, int]], list[_ChunkSeq]]:
+    """(row of q, sequence, keys this token sees) for each token attended as a decode, and the
+    chunks attended whole. Decode tokens, and each token of a short chunk (speculative
+    verification) as if it were decoded alone, so that a verified token is computed exactly as
+    plain decoding computes it. SDPA with several query rows runs another kernel, whose last bits
+    differ; with bf16 activations (the quantized layers) such a bit can flip a near-tie and change
+    a greedy output."""
+    device, bs = meta.block_tables.device, meta.block_size
+    starts = meta.query_start_loc.tolist()
+    rows: list[tuple[int, int, int]] = []
+    chunks = []
+    for b, n in enumerate(meta.query_lens_list):
+        seq_len = meta.seq_lens_list[b]
+        if 0 < n <= SHORT_CHUNK_ROWS:
+            rows += [(starts[b] + i, b, seq_len - n + 1 + i) for i in range(n)]
+        elif n > SHORT_CHUNK_ROWS:
+            k_pos = torch.arange(seq_len, device=device)
+            q_pos = k_pos[seq_len - n:]
+            chunks.append(_ChunkSeq(start=starts[b], end=starts[b] + n,
+                                    block_ids=meta.block_tables[b, :(seq_len + bs - 1) // bs].long(),
+                                    seq_len=seq_len, mask=(k_pos[None, :] <= q_pos[:, None])[None, None]))
+    return rows, chunks
+
+
 class TorchAttentionBackend:
     """Reference paged attention in plain torch ops.
 
@@ -141,24 +165,7 @@ class TorchAttentionBackend:
             return meta.plan
         device = meta.block_tables.device
         bs = meta.block_size
-        starts = meta.query_start_loc.tolist()
-        # (row of q, sequence, keys this token sees): decode tokens, and each token of a short
-        # chunk (speculative verification) as if it were decoded alone, so that a verified token
-        # is computed exactly as plain decoding computes it. SDPA with several query rows runs
-        # another kernel, whose last bits differ; with bf16 activations (the quantized layers)
-        # such a bit can flip a near-tie and change a greedy output.
-        rows: list[tuple[int, int, int]] = []
-        chunks = []
-        for b, n in enumerate(meta.query_lens_list):
-            seq_len = meta.seq_lens_list[b]
-            if 0 < n <= SHORT_CHUNK_ROWS:
-                rows += [(starts[b] + i, b, seq_len - n + 1 + i) for i in range(n)]
-            elif n > SHORT_CHUNK_ROWS:
-                k_pos = torch.arange(seq_len, device=device)
-                q_pos = k_pos[seq_len - n:]
-                chunks.append(_ChunkSeq(start=starts[b], end=starts[b] + n,
-                                        block_ids=meta.block_tables[b, :(seq_len + bs - 1) // bs].long(),
-                                        seq_len=seq_len, mask=(k_pos[None, :] <= q_pos[:, None])[None, None]))
+        rows, chunks = decode_rows_and_chunks(meta)
         decode = None
         if rows:
             # torch's CPU SDPA splits a batch of one sequence differently over threads than a
@@ -204,10 +211,15 @@ class TorchAttentionBackend:
         kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         plan = self.plan(meta)
+        out = torch.empty_like(query)
+        self._attend_decode(out, query, k_cache, v_cache, plan, scale, kv_scales)
+        self._attend_chunks(out, query, k_cache, v_cache, plan.chunks, scale, kv_scales)
+        return out
+
+    def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales) -> None:
         k_scale, v_scale = kv_scales
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         gqa = query.shape[1] != num_kv_heads
-        out = torch.empty_like(query)
         if plan.decode is not None:
             group = plan.decode
             num_decode, max_blocks = group.block_tables.shape
@@ -224,7 +236,12 @@ class TorchAttentionBackend:
                 enable_gqa=gqa,
             )
             out[group.token_idx] = o.squeeze(2)
-        for chunk in plan.chunks:
+
+    def _attend_chunks(self, out, query, k_cache, v_cache, chunks: list[_ChunkSeq], scale, kv_scales) -> None:
+        k_scale, v_scale = kv_scales
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        gqa = query.shape[1] != num_kv_heads
+        for chunk in chunks:
             k = stored(raw(k_cache)[chunk.block_ids], k_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
             v = stored(raw(v_cache)[chunk.block_ids], v_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
             q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
@@ -237,7 +254,6 @@ class TorchAttentionBackend:
                 enable_gqa=gqa,
             )
             out[chunk.start : chunk.end] = o.squeeze(0).transpose(0, 1)
-        return out
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer."""

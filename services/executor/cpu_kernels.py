@@ -1,4 +1,4 @@
-"""The CPU sampler's C kernel (``csrc/sampler.c``): compiled once per machine, loaded with ctypes.
+"""The CPU's C kernels (``csrc/``): compiled once per machine, loaded with ctypes.
 
 On the CPU, torch's fixed cost per operation (a few microseconds each, on one thread) is most of
 what sampling a batch costs: the torch path in ``sampler.py`` runs some twenty operations for a
@@ -8,7 +8,9 @@ the sampled tokens into the penalty state. ``sampler.py`` calls it for the rows 
 and unseeded rows without top-k, with no grammar in the batch) and keeps the torch path, the
 reference, for the rest and for GPUs.
 
-The source is compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
+``csrc/layers.c`` holds a decoder layer's small operations for ``cpu_backend.py``.
+
+The sources are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
 cache, under a name that hashes the source and the flags, the first time a process needs it;
 other processes reuse the file. Without a compiler, or when the compile fails, ``library()`` is
 None (logged once) and the torch path samples every row.
@@ -33,10 +35,26 @@ from folio.shared.config import c_compiler, cache_dir
 
 log = structlog.get_logger()
 
-SOURCE = Path(__file__).with_name("csrc") / "sampler.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "sampler.c", CSRC / "layers.c")
+HEADERS = (CSRC / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared",
          "-fPIC")
 BLOCK = 64  # csrc/sampler.c's BLOCK
+
+_f, _int = ctypes.c_float, ctypes.c_int
+LAYER_FUNCTIONS = {  # csrc/layers.c
+    "folio_add_rms_norm": [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, _int, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p, _f, ctypes.c_void_p, ctypes.c_int64, _int],
+    "folio_rope_write_kv": [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, _int] + [ctypes.c_void_p] * 4
+                           + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3,
+    "folio_silu_and_mul": [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, _int, ctypes.c_void_p,
+                           ctypes.c_int64, _int],
+    "folio_decode_attention": [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
+                              + [_f, ctypes.c_void_p, ctypes.c_void_p],
+}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -57,17 +75,18 @@ def _compile() -> Path:
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    source = SOURCE.read_bytes()
+    source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     # -march=native: the file is only good on CPUs with this one's features
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS, platform.machine(), _cpu_features())).encode())
     key = key.hexdigest()[:16]
-    out = cache_dir() / "cpu-kernels" / f"sampler-{key}.so"
+    out = cache_dir() / "cpu-kernels" / f"folio-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        proc = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *FLAGS, f"-I{CSRC}", "-o", str(built), *map(str, SOURCES), "-lm"],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(built, out)  # atomic: a process compiling alongside finds a whole file or none
@@ -90,9 +109,12 @@ def library() -> ctypes.CDLL | None:
                 lib.folio_sample.restype = None
                 lib.folio_record_penalties.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
                 lib.folio_record_penalties.restype = None
+                for name, argtypes in LAYER_FUNCTIONS.items():
+                    getattr(lib, name).argtypes = argtypes
+                    getattr(lib, name).restype = None
                 _library = lib
             except (OSError, RuntimeError) as exc:
-                log.warning("the CPU sampler kernel is unavailable; sampling with torch ops", error=str(exc))
+                log.warning("the CPU kernels are unavailable; the torch ops run instead", error=str(exc))
             _tried = True
     return _library
 

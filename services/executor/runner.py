@@ -28,6 +28,7 @@ from folio.services.executor.kv_pool import KVPool, PoolShape, blocks_for_budget
 from folio.services.executor.loader import load_model, resolve_dtype
 from folio.services.executor.model import cpu_linear_packing_available, pack_linears_for_cpu
 from folio.services.executor.parallel import Comm, Shard
+from folio.services.executor.quant_linear import ACT_DTYPE
 from folio.services.executor.rejection import verify
 from folio.services.executor.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.services.executor.spec_decode import Proposal, make_proposer
@@ -73,11 +74,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
-    """``auto`` picks the CUDA kernels on a GPU when CuPy is importable, else the torch backend."""
-    if name not in ("auto", "torch", "cuda"):
-        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or cuda")
-    if name == "torch" or device.type != "cuda":
+def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                 model=None):
+    """``auto`` picks the CUDA kernels on a GPU when CuPy is importable, and on the CPU the C
+    kernels (``cpu_backend``) for a model with quantized linears, else the torch backend (the
+    reference, which the fp32 greedy oracle compares with transformers); ``cpu`` asks for the C
+    kernels whatever the weights."""
+    if name not in ("auto", "torch", "cuda", "cpu"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, cuda or cpu")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError("the cpu attention backend runs on the CPU")
+    if device.type == "cpu" and name in ("auto", "cpu") and model is not None:
+        quantized = model.quantization not in (None, "none")
+        if name == "cpu" or quantized:
+            from folio.services.executor.cpu_backend import make_cpu_backend
+
+            backend = make_cpu_backend(model, model_dtype, kv_dtype, ACT_DTYPE if quantized else model_dtype)
+            if backend is not None:
+                return backend
+            if name == "cpu":
+                raise ValueError("the cpu attention backend needs fp32 weights and pool and a C compiler")
+    if name in ("torch", "cpu") or device.type != "cuda":
         if name == "cuda":
             raise ValueError("the cuda attention backend needs a CUDA device")
         return TorchAttentionBackend()
@@ -109,7 +126,7 @@ class ModelRunner:
             pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype)
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model)
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,

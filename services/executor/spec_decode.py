@@ -189,5 +189,9 @@ def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype,
     from folio.shared.models import resolve_model
 
     num_blocks = config.num_draft_kv_blocks or num_target_blocks
+    if backend.name == "cpu":  # its layer ops are shaped for the target's (quantized) layers
+        from folio.services.executor.attention import TorchAttentionBackend
+
+        backend = TorchAttentionBackend()
     return DraftModelProposer(str(resolve_model(name)), k, target_spec.vocab_size, config.block_size, num_blocks,
                               device, dtype, backend)

@@ -157,20 +157,37 @@ def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_d
         ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization="awq"), tiny_model_dir)
 
 
-def test_lm_head_refines_its_top_logits_exactly():
-    from folio.services.executor.quant_linear import REFINE_TOP, Bf16Linear
+@pytest.mark.parametrize("rows", [3, 9])  # the int4 pair (up to SMALL_ROWS rows), the bf16 copy
+def test_lm_head_refines_its_top_logits_exactly(rows):
+    from folio.services.executor.quant_linear import REFINE_TOP, SMALL_ROWS, QuantLMHead
 
+    assert (rows <= SMALL_ROWS) == (rows == 3)
     torch.manual_seed(0)
-    weight, x = torch.randn(500, 64), torch.randn(3, 64)
+    weight, x = torch.randn(512, 64), torch.randn(rows, 64)
     exact = x @ weight.t()
-    out = Bf16Linear(weight)(x)
-    top = exact.topk(REFINE_TOP // 2, dim=-1).indices  # surely inside the bf16 pass's top 64
+    head = QuantLMHead(weight)
+    assert head.pair is not None and QuantLMHead(weight[:500]).pair is None  # a vocabulary the kernel takes
+    out = head(x)
+    top = exact.topk(REFINE_TOP // 2, dim=-1).indices  # surely inside the approximate pass's top 64
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
     rest = torch.ones_like(out, dtype=torch.bool).scatter_(1, exact.topk(100, dim=-1).indices, False)
-    assert not torch.allclose(out[rest], exact[rest], rtol=1e-5, atol=1e-5)  # the tail stays bf16
-    torch.testing.assert_close(out, exact, rtol=2e-2, atol=0.1)
+    assert not torch.allclose(out[rest], exact[rest], rtol=1e-5, atol=1e-5)  # the tail stays approximate
+    # bf16 weights, or int8 groups (a step of max|w| / 127): the tail within their rounding
+    torch.testing.assert_close(out, exact, rtol=2e-2, atol=0.1 if rows > SMALL_ROWS else 0.3)
 
 
+def test_the_lm_heads_int4_pair_sums_to_its_int8_groups_and_recovers_q8_0():
+    from folio.services.executor.quant_linear import int8_as_int4_pair
+
+    torch.manual_seed(1)
+    # Q8_0-style weights: int8 per group of 32 times an fp16 scale, dequantized to fp32
+    q = torch.randint(-127, 128, (40, 96)).float()
+    q.view(40, 3, 32)[..., 0] = 127  # each group reaches its scale
+    d = (torch.rand(40, 3) * 0.02 + 1e-3).half().float()
+    weight = (q.view(40, 3, 32) * d[..., None]).view(40, 96)
+    hi, lo = int8_as_int4_pair(weight)
+    assert hi.q.max() <= 15 and lo.q.max() <= 15
+    assert torch.equal(hi.dequantize() + lo.dequantize(), weight)  # exact in fp32 scales
 @pytest.mark.parametrize("bits", [4, 8])
 def test_packed_layers_are_row_invariant(bits):
     # a row's output is bitwise the same alone or in any batch: tokens do not depend on batching

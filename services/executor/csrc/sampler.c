@@ -19,9 +19,7 @@
  * Uniforms come from splitmix64 over (seed, row, draw); the caller gives a fresh seed each call.
  */
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 
 #define BLOCK 64 /* the inverse-CDF walk: block sums first, then one block's tokens */
 
@@ -36,27 +34,6 @@ static inline uint64_t splitmix64(uint64_t z) {
 static inline double uniform(uint64_t *state) {
     *state += 0x9E3779B97F4A7C15ull;
     return ((splitmix64(*state) >> 11) + 1) * (1.0 / 9007199254740992.0);
-}
-
-/* exp(x) for x <= 0 within 2 ulp, exactly 0 below -87.3 (a -inf logit is never drawn); written
- * so that the loops around it vectorise (no calls, no branches) */
-static inline float exp_nonpositive(float x) {
-    const float lo = -87.3f;
-    float xc = x < lo ? lo : x;
-    float n = nearbyintf(xc * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, xc); /* ln 2 in two parts (Cody-Waite) */
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < lo ? 0.0f : p * scale;
 }
 
 /* the first token of positive weight whose running sum reaches u times the total, given the
