@@ -117,6 +117,9 @@ class _CpuPlan(_TorchPlan):
             self.tok, self.seq, self.lens = (np.ascontiguousarray(c) for c in cols)
             self.max_len = int(self.lens.max())
         self.block_tables = meta.block_tables.contiguous()
+        if rows:  # the kernel's row arguments, the same for every layer
+            self.row_args = (len(rows), self.tok.ctypes.data, self.seq.ctypes.data)
+            self.table_args = (self.block_tables.data_ptr(), self.block_tables.stride(0), self.lens.ctypes.data)
 
 
 class CpuKernelBackend(TorchAttentionBackend):
@@ -146,11 +149,10 @@ class CpuKernelBackend(TorchAttentionBackend):
         need = (num_heads // num_kv_heads) * plan.max_len
         if len(self._scratch) < need:
             self._scratch = np.empty(max(need, 2 * len(self._scratch)), dtype=np.float32)
-        tables = plan.block_tables
-        self.lib.folio_decode_attention(len(plan.tok), plan.tok.ctypes.data, plan.seq.ctypes.data, query.data_ptr(),
-                                        tables.data_ptr(), tables.stride(0), plan.lens.ctypes.data,
-                                        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], num_heads,
-                                        num_kv_heads, head_dim, scale, out.data_ptr(), self._scratch.ctypes.data)
+            self._scratch_ptr = self._scratch.ctypes.data
+        self.lib.folio_decode_attention(*plan.row_args, query.data_ptr(), *plan.table_args, k_cache.data_ptr(),
+                                        v_cache.data_ptr(), k_cache.shape[1], num_heads, num_kv_heads, head_dim,
+                                        scale, out.data_ptr(), self._scratch_ptr)
 
     @staticmethod
     def _torch_decode(plan: _CpuPlan, block_size: int) -> _TorchPlan:
