@@ -4,8 +4,9 @@ Every figure is a ratio against a baseline run here, on this machine, in this ru
 (``--sections``, default all):
 
 - throughput: a mixed workload (prompts 16..160 tokens, outputs 8..80, all sent at once). Served
-  folio (``folio serve``, one streaming HTTP client per request; once with
-  ``--no-async-scheduling``, then with the default async scheduling) against
+  folio (``folio serve``, one streaming HTTP client per request; a server with
+  ``--no-async-scheduling`` and one with the default async scheduling, both up, taking turns with
+  the in-process engine for ``--repeats`` rounds, the fastest of each counting) against
   (a) the same engine in-process (``folio.LLM``: the same scheduler, KV pool, token budget and
       detokenization, no sockets), all requests queued at once: the cost of services and sockets;
   (b) ``transformers`` static batching: the requests in arrival order in fixed batches of
@@ -93,15 +94,21 @@ def ms(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------- in-process baselines
-def run_in_process(path: str, jobs: list[Job], args) -> float:
-    """``folio.LLM`` with the throughput server's flags (``common_flags``)."""
+def in_process_engine(path: str, jobs: list[Job], args):
+    """``folio.LLM`` with the throughput server's flags (``common_flags``), warmed up; and a
+    function that times one pass of the workload through it."""
     llm = LLM(path, num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=max(256, args.num_requests), max_model_len=args.max_model_len)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in jobs]
     llm.generate({"prompt_token_ids": jobs[0][0]}, params[0], use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p, _ in jobs], params, use_tqdm=False)
-    return time.perf_counter() - t0
+
+    def run() -> float:
+        llm.engine.core.scheduler.clear_cache()  # every round computes its prompts (the next step drops them)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p, _ in jobs], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    return llm, run
 
 
 def hf_generate_batch(model, batch: list[Job], pad_id: int) -> None:
@@ -179,7 +186,9 @@ async def run_served(base_url: str, jobs: list[Job], warmup: list[int]) -> tuple
 class Servers:
     """Starts ``folio serve`` with the given flags, reusing the running one when its flags match.
 
-    One server at a time (they would share two cores); each one's output goes to its own log file."""
+    One server at a time per instance; each one's output goes to its own log file."""
+
+    num_started_total = 0  # by every instance
 
     def __init__(self, path: str):
         self.path = path
@@ -193,6 +202,7 @@ class Servers:
             return self.server
         self.close()
         self.num_started += 1
+        Servers.num_started_total += 1
         log_path = self.log_dir / f"serve-{self.num_started}.log"
         print(f"  [starting folio serve {' '.join(flags)}; log {log_path}]", flush=True)
         try:
@@ -238,12 +248,24 @@ def section_throughput(args, path: str, jobs: list[Job], warmup: list[int], pad_
           f"{args.hf_batch_size}")
     out_tokens = sum(n for _, n in jobs)
     hf_s = run_hf_static(path, jobs, args.hf_batch_size, pad_id)
-    local_s = run_in_process(path, jobs, args)
     flags = common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens)
+    # both servers and the in-process engine stay up, idle between their turns, and the three take
+    # turns for --repeats rounds; the fastest of each counts (on a shared 2-core machine the speed
+    # of the cores drifts between phases, and a drift only ever slows a run)
     sync_server = servers.get(*flags, "--no-async-scheduling")
-    sync_s, _ = asyncio.run(run_served(sync_server.base_url, jobs, warmup))
-    server = servers.get(*flags)
-    served_s, results = asyncio.run(run_served(server.base_url, jobs, warmup))
+    server = Servers(path).get(*flags)  # logs in a folder of its own
+    llm, run_local = in_process_engine(path, jobs, args)
+    local_s = sync_s = served_s = float("inf")
+    results = []
+    for _ in range(args.repeats):  # each round from an empty prefix cache: the same work every time
+        local_s = min(local_s, run_local())
+        sync_s = min(sync_s, asyncio.run(run_served(sync_server.base_url, jobs, warmup))[0])
+        seconds, results = asyncio.run(run_served(server.base_url, jobs, warmup))
+        served_s = min(served_s, seconds)
+        for srv in (sync_server, server):
+            srv.admin("kvmanager", "clear")
+    del llm
+    stop_server(server)
 
     print(f"{'':<30} {'req/s':>8} {'useful out tok/s':>17}")
     for name, seconds in ((f"transformers static B={args.hf_batch_size}", hf_s), ("in-process folio.LLM", local_s),
@@ -387,6 +409,8 @@ def parse_args() -> argparse.Namespace:
                         help="step budget of the throughput and concurrency servers")
     parser.add_argument("--max-model-len", type=int, default=2048, help="every server's; the contiguous baseline's")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers static batch size")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="throughput: rounds of in-process, served sync and served async; the fastest counts")
     parser.add_argument("--budget-kv-blocks", type=int, default=128, help="KV pool of the concurrency server")
     parser.add_argument("--itl-chunk-tokens", type=int, default=256, help="step budget of both itl servers")
     parser.add_argument("--itl-long-prompt", type=int, default=2000, help="tokens of the long prompt")
@@ -398,6 +422,8 @@ def parse_args() -> argparse.Namespace:
     args.sections = tuple(name for name in SECTIONS if name in chosen)
     if args.itl_long_prompt + 1 > args.max_model_len:
         parser.error("--max-model-len must hold the long prompt and its one output token")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     return args
 
 
@@ -428,7 +454,7 @@ def main() -> None:
                 print(f"({name}: {meter.lap()})")
     finally:
         servers.close()
-    print(f"\n(all: {total.lap()}; {servers.num_started} server starts)")
+    print(f"\n(all: {total.lap()}; {Servers.num_started_total} server starts)")
 
 
 if __name__ == "__main__":

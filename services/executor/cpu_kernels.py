@@ -57,7 +57,7 @@ LAYER_FUNCTIONS = {  # csrc/layers.c
 }
 
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+_library: ctypes.PyDLL | None = None
 _tried = False
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -93,7 +93,7 @@ def _compile() -> Path:
     return out
 
 
-def library() -> ctypes.CDLL | None:
+def library() -> ctypes.PyDLL | None:
     """The loaded kernel, or None when it cannot be built here (the torch path then samples)."""
     global _library, _tried
     if _tried:
@@ -101,7 +101,9 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                lib = ctypes.CDLL(str(_compile()))
+                # PyDLL: the calls keep the GIL. They are short, and a released GIL must be won back
+                # from whatever other thread took it meanwhile (the executor service's event loop)
+                lib = ctypes.PyDLL(str(_compile()))
                 lib.folio_sample.argtypes = [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                                              _i64, ctypes.c_uint64, _ptr, _ptr]
                 lib.folio_exp_nonpositive.argtypes = [_i64, _ptr, _ptr]
