@@ -42,7 +42,7 @@ def _rows(t: torch.Tensor, dtypes=(torch.float32, _BF16)) -> bool:
 class CpuLayerOps:
     """``TorchLayerOps``' interface over ``csrc/layers.c``."""
 
-    def __init__(self, lib: ctypes.CDLL, act_dtype: torch.dtype, final_norm):
+    def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype, final_norm):
         self.lib, self.act_dtype, self.final_norm = lib, act_dtype, final_norm
         self.num_fallbacks = 0  # calls that took the reference (tests check the kernels ran)
 
@@ -70,10 +70,10 @@ class CpuLayerOps:
     def _norm(self, x: torch.Tensor | None, residual: torch.Tensor, norm) -> torch.Tensor:
         n, d = residual.shape
         out = torch.empty((n, d), dtype=self._out_dtype(norm, residual))
+        weight = norm.weight.contiguous()  # (held while the kernel reads it)
         self.lib.folio_add_rms_norm(n, d, None if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
                                     int(x is not None and x.dtype == _BF16), residual.data_ptr(), residual.stride(0),
-                                    norm.weight.contiguous().data_ptr(), norm.eps, out.data_ptr(), d,
-                                    int(out.dtype == _BF16))
+                                    weight.data_ptr(), norm.eps, out.data_ptr(), d, int(out.dtype == _BF16))
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
@@ -127,7 +127,7 @@ class CpuKernelBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL, act_dtype: torch.dtype, final_norm):
+    def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype, final_norm):
         self.lib = lib
         self.layer_ops = CpuLayerOps(lib, act_dtype, final_norm)
         self._scratch = np.empty(0, dtype=np.float32)
