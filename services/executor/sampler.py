@@ -20,9 +20,10 @@ sampled by one call of a C kernel (``cpu_kernels.py``, ``csrc/sampler.c``): per 
 (bit for bit these), the greedy argmax, or temperature, min-p, and top-p by the same rejection
 as ``_draw_nucleus``, in a few passes over the row; ``_draw_quick`` uses it too. What follows is
 the torch path: the reference, the GPU's path, and the CPU's for the other rows and when no C
-compiler is at hand. The CPU path avoids what torch's CPU kernels run slowly: argmax goes through numpy, masks are 0/1
-floats to multiply by (``_above``) rather than booleans, and the repetition penalty is a select by
-``minimum``/``maximum`` over a float table (``penalties.py``) rather than a ``where``.
+compiler is at hand. The CPU path avoids what torch's CPU kernels run slowly: argmax goes through
+numpy, masks are 0/1 floats to multiply by (``_above``) rather than booleans, and the repetition
+penalty is a select by ``minimum``/``maximum`` over a float table (``penalties.py``) rather than a
+``where``.
 
 Draws. An unseeded row draws by inverting its cumulative distribution with one uniform (inside
 the window when its kept set fits there). A seeded row keeps the exponential race
