@@ -5,9 +5,9 @@ torch ops of SmolLM2's 30 layers (a residual add and RMSNorm as seven ops, RoPE 
 gather of each sequence's blocks and SDPA for attention) take longer than its int4 GEMMs. Here
 each is one call into ``csrc/layers.c`` (``cpu_kernels.py`` builds it) for the whole step; prefill
 chunks longer than ``attention.SHORT_CHUNK_ROWS`` still attend through torch's SDPA (a matrix's
-work, several threads), and anything the kernels do not take (an fp8 or bf16 pool, the fp8 KV
-rotation, odd strides) falls back to the torch reference, ``TorchAttentionBackend`` and
-``TorchLayerOps``, which the tests compare these with.
+work, several threads). The backend is made only for an fp32 model over an fp32 pool; a layer
+operation given a tensor its kernel does not take falls back to the torch reference,
+``TorchLayerOps``, which the tests compare these with (as ``TorchAttentionBackend``).
 
 Activations between the layer's operations are ``act_dtype``: bf16 for a model with quantized
 linears (what the packed int4/int8 kernels read and write, so no cast is left around them), else
@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from folio.services.executor import cpu_kernels
-from folio.services.executor.attention import (TorchAttentionBackend, _DecodeGroup, _TorchPlan, _write_idx,
-                                               decode_rows_and_chunks)
+from folio.services.executor.attention import TorchAttentionBackend, _TorchPlan, _write_idx, decode_rows_and_chunks
 from folio.services.executor.layer_ops import TORCH_LAYER_OPS, KernelRope
 
 _BF16 = torch.bfloat16
@@ -131,6 +130,7 @@ class CpuKernelBackend(TorchAttentionBackend):
         self.lib = lib
         self.layer_ops = CpuLayerOps(lib, act_dtype, final_norm)
         self._scratch = np.empty(0, dtype=np.float32)
+        self._scratch_ptr = self._scratch.ctypes.data
 
     def plan(self, meta) -> _TorchPlan:
         if not isinstance(meta.plan, _CpuPlan):
@@ -140,11 +140,8 @@ class CpuKernelBackend(TorchAttentionBackend):
     def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales) -> None:
         if plan.tok is None:
             return
-        # (make_cpu_backend took an fp32 pool, contiguous as KVPool allocates it)
-        if not (query.dtype == torch.float32 and query.is_contiguous() and k_cache.dtype == torch.float32):
-            self.layer_ops.num_fallbacks += 1
-            return super()._attend_decode(out, query, k_cache, v_cache, self._torch_decode(plan, k_cache.shape[1]), scale,
-                                          kv_scales)
+        # make_cpu_backend took an fp32 model and pool (contiguous, as KVPool allocates it); either
+        # RoPE path gives a contiguous fp32 query
         num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
         need = (num_heads // num_kv_heads) * plan.max_len
         if len(self._scratch) < need:
@@ -153,16 +150,6 @@ class CpuKernelBackend(TorchAttentionBackend):
         self.lib.folio_decode_attention(*plan.row_args, query.data_ptr(), *plan.table_args, k_cache.data_ptr(),
                                         v_cache.data_ptr(), k_cache.shape[1], num_heads, num_kv_heads, head_dim,
                                         scale, out.data_ptr(), self._scratch_ptr)
-
-    @staticmethod
-    def _torch_decode(plan: _CpuPlan, block_size: int) -> _TorchPlan:
-        """The torch backend's plan of the same rows (for a pool or query the kernel does not take)."""
-        tok, seq, lens = (torch.from_numpy(a) for a in (plan.tok, plan.seq, plan.lens))
-        max_blocks = int((lens.max() + block_size - 1) // block_size)
-        key_pos = torch.arange(max_blocks * block_size)
-        group = _DecodeGroup(token_idx=tok, block_tables=plan.block_tables[seq, :max_blocks].long(),
-                             key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :])
-        return _TorchPlan(decode=group, chunks=[], write_idx=None)
 
 
 def make_cpu_backend(model, model_dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -42,25 +42,22 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-mat
          "-fPIC")
 BLOCK = 64  # csrc/sampler.c's BLOCK
 
-_f, _int = ctypes.c_float, ctypes.c_int
-LAYER_FUNCTIONS = {  # csrc/layers.c
-    "folio_add_rms_norm": [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, _int, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_void_p, _f, ctypes.c_void_p, ctypes.c_int64, _int],
-    "folio_rope_write_kv": [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, _int] + [ctypes.c_void_p] * 4
-                           + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3,
-    "folio_silu_and_mul": [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, _int, ctypes.c_void_p,
-                           ctypes.c_int64, _int],
-    "folio_decode_attention": [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
-                              + [_f, ctypes.c_void_p, ctypes.c_void_p],
+_i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
+FUNCTIONS = {  # every exported function's arguments (they all return void)
+    # csrc/sampler.c
+    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _u64, _ptr, _ptr],
+    "folio_record_penalties": [_i64, _i64] + [_ptr] * 8,
+    "folio_exp_nonpositive": [_i64, _ptr, _ptr],
+    # csrc/layers.c
+    "folio_add_rms_norm": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _ptr, _f32, _ptr, _i64, _int],
+    "folio_rope_write_kv": [_i64, _ptr, _i64, _int] + [_ptr] * 4 + [_i64] * 3 + [_ptr] * 3,
+    "folio_silu_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
+    "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _ptr, _ptr],
 }
 
 _lock = threading.Lock()
 _library: ctypes.PyDLL | None = None
 _tried = False
-
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def _cpu_features() -> str:
@@ -94,7 +91,7 @@ def _compile() -> Path:
 
 
 def library() -> ctypes.PyDLL | None:
-    """The loaded kernel, or None when it cannot be built here (the torch path then samples)."""
+    """The loaded kernels, or None when they cannot be built here (the torch ops then run)."""
     global _library, _tried
     if _tried:
         return _library
@@ -104,14 +101,7 @@ def library() -> ctypes.PyDLL | None:
                 # PyDLL: the calls keep the GIL. They are short, and a released GIL must be won back
                 # from whatever other thread took it meanwhile (the executor service's event loop)
                 lib = ctypes.PyDLL(str(_compile()))
-                lib.folio_sample.argtypes = [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
-                                             _i64, ctypes.c_uint64, _ptr, _ptr]
-                lib.folio_exp_nonpositive.argtypes = [_i64, _ptr, _ptr]
-                lib.folio_exp_nonpositive.restype = None
-                lib.folio_sample.restype = None
-                lib.folio_record_penalties.argtypes = [_i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
-                lib.folio_record_penalties.restype = None
-                for name, argtypes in LAYER_FUNCTIONS.items():
+                for name, argtypes in FUNCTIONS.items():
                     getattr(lib, name).argtypes = argtypes
                     getattr(lib, name).restype = None
                 _library = lib
