@@ -1,7 +1,8 @@
 """The executor's side of a step, for ``policy.Scheduler``: the plan it is sent and its result.
 
-``build_plan`` turns what ``schedule`` decided into the executor's per-step diff (new requests in
-full, running ones as the blocks they gained); ``update_from_result`` appends the sampled tokens,
+``plan_request`` records, as ``schedule`` takes each sequence, its part of the executor's per-step
+diff (new requests in full, running ones as the blocks they gained), and ``build_plan`` sends what
+was recorded; ``update_from_result`` appends the sampled tokens,
 finishes what is done (stop tokens, ``max_tokens``, a failed step), hands beams' candidates to their
 group (``forks.py``), counts accepted drafts and shrinks tables back after rejected ones.
 """
@@ -39,7 +40,12 @@ class StepOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     grammars: list[Grammar] = field(default_factory=list)  # for the executor to compile
     await_grammars: bool = False  # nothing scheduled: the executor waits a little for a compile
-    samplers: list[Request] = field(default_factory=list)  # the sequences that sample (set by build_plan)
+    # the executor's diff, recorded as each sequence is taken (``ExecutorExchange.plan_request``)
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    running_reqs: list[RunningRequestData] = field(default_factory=list)
+    num_placeholders: int = 0
+    samplers: list[Request] = field(default_factory=list)  # the sequences that sample, in the plan's order
     ahead: bool = False  # planned while the step before was still running (async scheduling)
     # a sequence in it has choices to fork or a grammar: the next step waits for its result
     waits_for_result: bool = False
@@ -48,51 +54,52 @@ class StepOutput:
 class ExecutorExchange:
     """Mixed into ``policy.Scheduler``: the executor's plan and result."""
 
+    def plan_request(self, out: StepOutput, req: Request, num_new: int) -> None:
+        """Record ``req``'s part of the executor's per-step diff as ``schedule`` takes it: a new
+        request in full; a running one only when the executor must learn something it does not
+        hold (blocks it gained, its whole table when blocks inside it changed, tokens appended
+        here, or a count of computed tokens other than the one it advanced to itself: drafts
+        rolled back, a failed step). A plain decode is just its count (``_plain_decodes`` has the
+        inline form of that case). Its computed tokens advance past the step's."""
+        req_id, start, pending = req.req_id, req.num_computed_tokens, req.num_pending
+        if pending:
+            out.num_placeholders += 1
+        table = self.alloc.seqs[req_id].block_ids
+        if not req.on_executor:
+            out.new_reqs.append(NewRequestData(
+                req_id=req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                sampling=req.sampling, block_ids=list(table), num_computed_tokens=start,
+                append_sampled=req.append_sampled))
+            req.on_executor = True
+            req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
+        elif (req.table_changed or len(table) > req.num_sent_blocks or req.unsent_token_ids
+              or start != req.executor_computed):
+            changed = req.table_changed
+            out.running_reqs.append(RunningRequestData(
+                req_id=req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
+                num_computed_tokens=start, new_token_ids=req.unsent_token_ids,
+                block_ids=list(table) if changed else None))
+            req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
+        out.num_scheduled[req_id] = num_new
+        req.num_computed_tokens = req.executor_computed = end = start + num_new
+        if end >= len(req.prompt_token_ids) + len(req.output_token_ids) + pending:  # it samples
+            out.samplers.append(req)
+            req.num_pending = pending + 1
+
     def build_plan(self, out: StepOutput) -> StepPlan:
-        """The executor's per-step diff: new requests in full; a running one only when the executor
-        must learn something it does not hold (blocks it gained, its whole table when blocks inside
-        it changed, tokens appended here, or a count of computed tokens other than the one it
-        advanced to itself: drafts rolled back, a failed step). A plain decode is just its count."""
-        seqs = self.alloc.seqs
-        new_reqs, running_reqs, num_scheduled = [], [], {}
-        samplers = out.samplers
-        num_placeholders = 0
-        for req, num_new in out.scheduled:
-            req_id, start, pending = req.req_id, req.num_computed_tokens, req.num_pending
-            if pending:
-                num_placeholders += 1
-            table = seqs[req_id].block_ids
-            if not req.on_executor:
-                new_reqs.append(NewRequestData(
-                    req_id=req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
-                    sampling=req.sampling, block_ids=list(table), num_computed_tokens=start,
-                    append_sampled=req.append_sampled))
-                req.on_executor = True
-                req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
-            elif (req.table_changed or len(table) > req.num_sent_blocks or req.unsent_token_ids
-                  or start != req.executor_computed):
-                changed = req.table_changed
-                running_reqs.append(RunningRequestData(
-                    req_id=req_id, new_block_ids=[] if changed else table[req.num_sent_blocks:],
-                    num_computed_tokens=start, new_token_ids=req.unsent_token_ids,
-                    block_ids=list(table) if changed else None))
-                req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
-            num_scheduled[req_id] = num_new
-            req.num_computed_tokens = req.executor_computed = end = start + num_new
-            if end >= len(req.prompt_token_ids) + len(req.output_token_ids) + pending:  # it samples
-                samplers.append(req)
-                req.num_pending = pending + 1
+        """The executor's per-step diff that ``schedule`` recorded, with the requests that
+        finished since the last plan."""
         finished, self.pending_finished_req_ids = self.pending_finished_req_ids, []
         c = self.counters
         c["num_steps"] += 1
         c["num_scheduled_seqs_total"] += len(out.scheduled)
-        self.last_batch_size, self.last_num_scheduled_tokens = len(out.scheduled), sum(num_scheduled.values())
+        self.last_batch_size, self.last_num_scheduled_tokens = len(out.scheduled), sum(out.num_scheduled.values())
         c["num_scheduled_tokens_total"] += self.last_num_scheduled_tokens
-        return StepPlan(step_id=out.step_id, new_reqs=new_reqs, running_reqs=running_reqs,
-                        num_scheduled_tokens=num_scheduled, finished_req_ids=finished,
+        return StepPlan(step_id=out.step_id, new_reqs=out.new_reqs, running_reqs=out.running_reqs,
+                        num_scheduled_tokens=out.num_scheduled, finished_req_ids=finished,
                         spec_token_ids=out.spec_token_ids, block_copies=out.block_copies,
                         swap_out=out.swap_out, swap_in=out.swap_in, grammars=out.grammars,
-                        await_grammars=out.await_grammars, num_placeholder_tokens=num_placeholders)
+                        await_grammars=out.await_grammars, num_placeholder_tokens=out.num_placeholders)
 
     def can_plan_ahead(self, in_flight: StepOutput) -> bool:
         """Whether the next step may be planned before ``in_flight``'s result (async scheduling):
@@ -107,56 +114,46 @@ class ExecutorExchange:
         return KVStepRequest(step_id=out.step_id, generation=generation, ops=out.ops)
 
     def update_from_result(self, out: StepOutput, result: StepResult) -> list[TokenDelta]:
-        """Append sampled tokens, finish requests that are done; one delta per request that moved."""
+        """Append sampled tokens, finish requests that are done; one delta per request that moved.
+        A request's first delta after each admission carries its prompt and cached token counts
+        (and the first its queue time); later ones carry just their tokens, unless they finish."""
         deltas: list[TokenDelta] = self._grammar_reports(result)
-        released = False
-        prompt_lps, all_logprobs, all_spec = result.prompt_logprobs, result.logprobs, result.spec_token_ids
-        num_logprobs, num_spec, drafts_of = len(all_logprobs), len(all_spec), out.spec_token_ids
         groups: list[BeamGroup] = []
         requests, finished_status = self.requests, Status.FINISHED
         samplers = out.samplers
         for req in samplers:
             req.num_pending -= 1
-        num_generated = 0
+        num_generated = num_finished = 0
+        # most steps: one token per request and nothing else (no logprobs, drafts or proposals);
+        # those requests take this loop's inline path, the rest ``_update_one``
+        plain = not (result.logprobs or result.spec_token_ids or result.prompt_logprobs or out.spec_token_ids)
         for idx, (req_id, sampled) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = requests.get(req_id)
             if req is None or req.status is finished_status:
                 continue  # aborted while the step ran
-            logprobs = all_logprobs[idx] if idx < num_logprobs else None
-            if req.group is not None:
-                if logprobs:
-                    self.forks.report_beam(req, logprobs[-1], groups)
-                continue
-            drafts = drafts_of.get(req_id) if drafts_of else None
-            if drafts:
-                self._count_accepted(len(drafts), len(sampled) - 1)
-            if idx < num_spec:
-                req.spec_token_ids = all_spec[idx]
-            elif req.spec_token_ids:
-                req.spec_token_ids = []
-            if len(sampled) == 1:  # one token: a plain decode
+            if plain and req.group is None and len(sampled) == 1 and req.counts_sent:
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
                 token_id = sampled[0]
-                req.output_token_ids.append(token_id)
+                output = req.output_token_ids
+                output.append(token_id)
                 num_generated += 1
-                token_ids, reason = sampled, req.stop_reason(token_id)
-            else:
-                token_ids, reason = self._append(req, sampled)
-                num_generated += len(token_ids)
-            prompt_lp = None
-            if prompt_lps and req_id in prompt_lps and not req.prompt_logprobs_sent:
-                prompt_lp, req.prompt_logprobs_sent = prompt_lps[req_id], True
-            deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=logprobs,
-                                     prompt_logprobs=prompt_lp, finish_reason=reason,
-                                     num_prompt_tokens=len(req.prompt_token_ids),
-                                     num_cached_tokens=req.num_cached_tokens,
-                                     queue_time_s=None if req.queue_time_sent else self.queue_time(req)))
-            if reason is not None:
+                sp = req.sampling
+                if not (token_id in req.stop_token_ids or (token_id == req.eos_token_id and not sp.ignore_eos)
+                        or len(output) >= sp.max_tokens):
+                    deltas.append(TokenDelta(req_id=req_id, token_ids=sampled))
+                    continue
+                deltas.append(TokenDelta(req_id=req_id, token_ids=sampled, finish_reason=req.stop_reason(token_id)))
                 self.release(req)
-                released = True
-                self.counters["num_requests_finished"] += 1
-            elif drafts:
-                self._roll_back(req)
-        self.counters["num_generation_tokens_total"] += num_generated
+            else:
+                num_generated += self._update_one(req, idx, sampled, result, out, deltas, groups)
+                if req.status is not finished_status:
+                    continue
+            num_finished += 1
+        c = self.counters
+        c["num_generation_tokens_total"] += num_generated
+        c["num_requests_finished"] += num_finished
+        released = num_finished > 0
         for group in groups:
             deltas.extend(self.forks.advance_beams(group))
             released = True
@@ -165,6 +162,43 @@ class ExecutorExchange:
         if released:
             self.running = [r for r in self.running if r.status is not finished_status]
         return deltas
+
+    def _update_one(self, req: Request, idx: int, sampled: list[int], result: StepResult, out: StepOutput,
+                    deltas: list[TokenDelta], groups: list[BeamGroup]) -> int:
+        """``update_from_result`` for a request off its inline path: a beam, drafts verified,
+        logprobs, several tokens, or its first delta. Returns the tokens it gained; a request
+        that ends here is released (``status`` says so)."""
+        req_id = req.req_id
+        all_logprobs = result.logprobs
+        logprobs = all_logprobs[idx] if idx < len(all_logprobs) else None
+        if req.group is not None:
+            if logprobs:
+                self.forks.report_beam(req, logprobs[-1], groups)
+            return 0
+        drafts = out.spec_token_ids.get(req_id) if out.spec_token_ids else None
+        if drafts:
+            self._count_accepted(len(drafts), len(sampled) - 1)
+        if idx < len(result.spec_token_ids):
+            req.spec_token_ids = result.spec_token_ids[idx]
+        elif req.spec_token_ids:
+            req.spec_token_ids = []
+        token_ids, reason = self._append(req, sampled)
+        prompt_lp, prompt_lps = None, result.prompt_logprobs
+        if prompt_lps and req_id in prompt_lps and not req.prompt_logprobs_sent:
+            prompt_lp, req.prompt_logprobs_sent = prompt_lps[req_id], True
+        if req.counts_sent and reason is None:
+            deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=logprobs, prompt_logprobs=prompt_lp))
+        else:
+            req.counts_sent = True
+            deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=logprobs,
+                                     prompt_logprobs=prompt_lp, finish_reason=reason,
+                                     num_prompt_tokens=len(req.prompt_token_ids),
+                                     num_cached_tokens=req.num_cached_tokens, queue_time_s=self.queue_time(req)))
+        if reason is not None:
+            self.release(req)
+        elif drafts:
+            self._roll_back(req)
+        return len(token_ids)
 
     def _fail_unreported(self, out: StepOutput, result: StepResult, deltas: list[TokenDelta]) -> bool:
         """Samplers that got nothing: the executor failed the step for them; never leave them

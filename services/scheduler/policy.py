@@ -263,6 +263,7 @@ class Scheduler(Admission, ExecutorExchange):
                 req.admitted = True
                 self.counters["num_prompt_tokens_total"] += req.num_prompt_tokens
             self.counters["num_cached_tokens_total"] += req.num_cached_tokens
+            req.counts_sent = False
             whole_prefill_taken |= num_new > 1
             self._take(out, req, num_new)
             budget -= num_new
@@ -281,11 +282,11 @@ class Scheduler(Admission, ExecutorExchange):
         """What waited for this step, in the log's fixed order: tables shrunk after rejected drafts,
         the last step's allocations confirmed as computed (not ``keep``'s: their step still runs),
         releases, a cache clear."""
-        alloc = self.alloc
+        alloc, kept = self.alloc, set(keep)
         for req_id, num_tokens in self.pending_truncate:
             if self.kv.try_apply(KVTruncate(req_id, num_tokens)) and req_id in self.requests:
                 self.requests[req_id].table_changed = True
-        if any(req_id not in keep for req_id in alloc.unconfirmed):
+        if any(req_id not in kept for req_id in alloc.unconfirmed):
             self.kv.try_apply(KVConfirm(self.pending_discard_req_ids, [r for r in keep if r in alloc.unconfirmed]))
         released = self.pending_free_req_ids + self.pending_discard_req_ids
         if released:
@@ -299,10 +300,12 @@ class Scheduler(Admission, ExecutorExchange):
         """Schedule ``running[i:]`` while they are plain decodes: one token, no forks, drafts or
         grammar, and room for it in the table or a new block for it (no copy). This is most of
         every step and runs for each running sequence, so it is the inline form of
-        ``_num_new_tokens``, ``alloc.changes_table`` and ``_take`` for that case. Returns where it
+        ``_num_new_tokens``, ``alloc.changes_table``, ``_take`` and ``plan_request`` for that case. Returns where it
         stopped (a sequence for the general path), and the budget left."""
         running, scheduled, end = self.running, out.scheduled, len(self.running)
+        num_scheduled, samplers = out.num_scheduled, out.samplers
         bs, seqs, ref_counts = self.block_size, self.alloc.seqs, self.alloc.device.ref_counts
+        num_placeholders = 0
         while i < end and budget > 0:
             req = running[i]
             if req.pending_forks or req.spec_token_ids or req.sampling.grammar is not None:
@@ -315,14 +318,28 @@ class Scheduler(Admission, ExecutorExchange):
             seq = seqs.get(req.req_id)
             if seq is None or seq.host_block_ids is not None:
                 break
-            if start >= len(seq.block_ids) * bs:  # its token starts a block
+            num_blocks = len(seq.block_ids)
+            if start >= num_blocks * bs:  # its token starts a block
                 if not self._grow(req, 1):
                     break  # refused: the general path preempts (or stops a step planned ahead)
+                num_blocks = len(seq.block_ids)
             elif start % bs and ref_counts[seq.block_ids[start // bs]] > 1:
                 break  # a shared last block: copy-on-write
             scheduled.append((req, 1))
+            if (num_blocks == req.num_sent_blocks and start == req.executor_computed and req.on_executor
+                    and not (req.table_changed or req.unsent_token_ids)):
+                # nothing the executor lacks: the plan names it by its count (``plan_request``)
+                num_scheduled[req.req_id] = 1
+                req.num_computed_tokens = req.executor_computed = start + 1
+                samplers.append(req)
+                req.num_pending = pending + 1
+                if pending:
+                    num_placeholders += 1
+            else:
+                self.plan_request(out, req, 1)
             budget -= 1
             i += 1
+        out.num_placeholders += num_placeholders
         return i, budget
 
     def _find_cached(self, req: Request) -> None:
@@ -396,7 +413,8 @@ class Scheduler(Admission, ExecutorExchange):
         return sum(r.num_seqs for r in self.running if r.group is None) + sum(g.width for g in groups)
 
     def _take(self, out: StepOutput, req: Request, num_new: int) -> None:
-        """Schedule ``num_new`` tokens of ``req`` (``_plain_decodes`` does it inline for decodes)."""
+        """Schedule ``num_new`` tokens of ``req`` and record its part of the plan (``_plain_decodes``
+        does it inline for decodes)."""
         out.scheduled.append((req, num_new))
         if req.pending_forks or req.sampling.grammar is not None:
             out.waits_for_result = True
@@ -404,4 +422,5 @@ class Scheduler(Admission, ExecutorExchange):
             out.spec_token_ids[req.req_id] = req.spec_token_ids[:num_new - 1]
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
+        self.plan_request(out, req, num_new)
 

@@ -58,6 +58,9 @@ class Request:
     group: object = None  # the BeamGroup of a beam
     first_scheduled_time: float | None = None
     queue_time_sent: bool = False
+    # its prompt and cached token counts went out in a delta since it was last admitted (they
+    # change when a readmission finds a different prefix in the cache)
+    counts_sent: bool = False
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
     grammar_ready: bool = False  # the executor reported its grammar compiled (``grammars.py``)
     # tokens it samples in steps sent but not answered yet (async scheduling): the next step may

@@ -136,37 +136,55 @@ class BlockAllocator:
         it first. Returns the block ids appended (for a sequence new here: its whole table, cached
         blocks first, and ``seqs[req_id].num_cached_tokens`` says how many tokens those hold)."""
         seq = self.seqs.get(req_id)
-        if seq is not None and seq.host_block_ids is not None:
+        if seq is None:
+            return self._allocate_new(req_id, num_tokens, new_token_ids, cache_salt)
+        if seq.host_block_ids is not None:
             raise ValueError(f"{req_id} is swapped out: swap it in before it grows")
-        is_new = seq is None
-        if is_new:
-            seq = RequestTable(req_id, extra_keys=block_extra_keys(cache_salt))
-        new_token_ids = list(new_token_ids or ())
-        new_hashes = self._new_hashes(seq, new_token_ids)
-        hits = self._match_prefix(new_hashes, new_token_ids, (num_tokens - 1) // self.block_size) if is_new else []
+        # a table that grows (most calls: a decode that starts a block), without a cache lookup
+        if new_token_ids and not isinstance(new_token_ids, list):
+            new_token_ids = list(new_token_ids)
+        new_hashes = self._new_hashes(seq, new_token_ids) if new_token_ids else ()
         start = seq.num_tokens if num_computed is None else num_computed
         cow = self._needs_cow(seq, start, num_tokens)
-        num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_ids) - len(hits)) + cow
+        num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_ids)) + cow
+        device = self.device
+        if num_fresh > len(device.free_queue) + len(device.cached_queue):
+            raise NoFreeBlocks(f"{req_id}: {num_fresh} blocks needed, {self.num_free_blocks} free")
+        if cow:
+            self._copy_on_write(seq, start)
+        fresh = device.take(num_fresh - cow) if num_fresh > cow else []
+        seq.block_ids += fresh
+        if new_token_ids:
+            seq.token_ids += new_token_ids
+            seq.block_hashes += new_hashes
+        if num_tokens > seq.num_tokens:
+            seq.num_tokens = num_tokens  # its blocks are indexed once computed
+        self.unconfirmed[req_id] = None
+        return fresh
+
+    def _allocate_new(self, req_id: str, num_tokens: int, new_token_ids, cache_salt: str | None) -> list[int]:
+        """``allocate`` for a sequence new here: its table starts with the prefix-cache hits."""
+        seq = RequestTable(req_id, extra_keys=block_extra_keys(cache_salt))
+        new_token_ids = list(new_token_ids or ())
+        new_hashes = self._new_hashes(seq, new_token_ids)
+        hits = self._match_prefix(new_hashes, new_token_ids, (num_tokens - 1) // self.block_size)
+        num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(hits))
         num_revived = sum(1 for b in hits if self.device.ref_counts[b] == 0)
         if num_fresh + num_revived > self.device.num_free_blocks:
             raise NoFreeBlocks(f"{req_id}: {num_fresh + num_revived} blocks needed, {self.num_free_blocks} free")
         for block_id in hits:
             self.device.touch(block_id)
-        if cow:
-            self._copy_on_write(seq, start)
-        fresh = self.device.take(num_fresh - cow)
-        new_ids = hits + fresh
+        new_ids = hits + self.device.take(num_fresh)
         seq.block_ids.extend(new_ids)
         seq.token_ids.extend(new_token_ids)
         seq.block_hashes.extend(new_hashes)
-        seq.num_tokens = max(seq.num_tokens, num_tokens)  # its blocks are indexed once computed
+        seq.num_tokens = num_tokens
         self.unconfirmed[req_id] = None
-        if is_new:
-            self.seqs[req_id] = seq
-            seq.num_indexed_blocks = len(hits)
-            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
-            self.counters["num_prefix_cache_queries"] += num_tokens
-            self.counters["num_prefix_cache_hits"] += seq.num_cached_tokens
+        self.seqs[req_id] = seq
+        seq.num_indexed_blocks = len(hits)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        self.counters["num_prefix_cache_queries"] += num_tokens
+        self.counters["num_prefix_cache_hits"] += seq.num_cached_tokens
         return new_ids
 
     def _new_hashes(self, seq: RequestTable, new_token_ids: list[int]) -> list[bytes]:

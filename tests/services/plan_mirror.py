@@ -16,10 +16,10 @@ class ExecutorMirror:
 
     @staticmethod
     def full_state(out, alloc) -> dict[str, tuple[int, list[int]]]:
-        """What the executor must hold for ``out``'s requests as the step starts: call before
-        ``build_plan`` (which advances the scheduler's counts)."""
-        return {req.req_id: (req.num_computed_tokens, list(alloc.seqs[req.req_id].block_ids))
-                for req, _ in out.scheduled}
+        """What the executor must hold for ``out``'s requests as the step starts (``schedule``
+        advanced each one's computed tokens past its ``num_new`` of the step already)."""
+        return {req.req_id: (req.num_computed_tokens - num_new, list(alloc.seqs[req.req_id].block_ids))
+                for req, num_new in out.scheduled}
 
     def apply(self, plan: StepPlan) -> dict[str, tuple[int, list[int]]]:
         """Apply the plan's diffs; returns the state of its scheduled requests as the step starts."""
