@@ -100,7 +100,8 @@ async def test_the_page_is_served_without_a_key_and_its_data_only_with_it(client
 
 
 def test_the_wheel_ships_the_page(tmp_path):
-    """``pip install .`` must carry the page's files (package data), not only the Python modules."""
+    """``pip install .`` must carry the page's files (package data), not only the Python modules;
+    and the CPU kernels' C sources and headers, which the executor compiles on first use."""
     import shutil
     import subprocess
     import sys
@@ -118,3 +119,7 @@ def test_the_wheel_ships_the_page(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for name in ("dashboard.html", "dashboard.js", "dashboard.css"):
         assert any(n.endswith(f"gateway/static/{name}") for n in names), (name, [n for n in names if "gateway" in n])
+    sources = sorted(p.name for p in (root / "services" / "executor" / "csrc").iterdir())
+    assert "common.h" in sources
+    for name in sources:
+        assert any(n.endswith(f"executor/csrc/{name}") for n in names), (name, [n for n in names if "csrc" in n])
