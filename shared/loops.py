@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.messages import AdminReply, AdminRequest
-from folio.shared.transport import Decoder, MalformedMessage, encode, make_socket
+from folio.shared.transport import Decoder, MalformedMessage, encode, make_socket, recv, recv_multipart, recv_ready, send_multipart
 
 # A ROUTER handler gets the decoded message and the sender's envelope (routing frames); it returns
 # the reply to send, or None when there is none (yet: a deferred reply keeps the envelope).
@@ -89,7 +89,7 @@ def _decode(decoder: Decoder, data: bytes, log, socket_name: str, on_malformed: 
 async def reply(sock: zmq.asyncio.Socket, envelope: list[bytes], message) -> None:
     """Send ``message`` back along ``envelope`` (a DEALER's identity, or REQ's identity + empty)."""
     try:
-        await sock.send_multipart([*envelope, encode(message)])
+        await send_multipart(sock, [*envelope, encode(message)])
     except zmq.ZMQError:
         pass  # the peer went away (ROUTER_MANDATORY): nobody is left to tell
 
@@ -98,7 +98,7 @@ async def serve_router(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dic
                        socket_name: str) -> None:
     """Receive forever on a ROUTER; a malformed or unhandled message is logged and dropped."""
     while True:
-        frames = await sock.recv_multipart()
+        frames = await recv_multipart(sock)
         envelope, payload = frames[:-1], frames[-1]
         message = _decode(decoder, payload, log, socket_name, None)
         if message is None:
@@ -124,7 +124,7 @@ async def serve_pull(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dict[
     dispatch each message by its type. ``on_malformed`` counts a dropped message; ``on_error``
     gets a message whose handler raised (after the log line), to tell its request."""
     while True:
-        data = await sock.recv()
+        data = await recv(sock)
         message = _decode(decoder, data, log, socket_name, on_malformed)
         if message is None:
             continue
@@ -144,11 +144,13 @@ async def receive_reply(sock: zmq.asyncio.Socket, decoder: Decoder, log, timeout
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     while True:
-        if deadline is not None:
-            remaining = deadline - loop.time()
-            if remaining <= 0 or not await sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
-                return None
-        data = await sock.recv()
+        data = recv_ready(sock)  # (a reply that came while the caller worked: no poll, no future)
+        if data is None:
+            if deadline is not None:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                    return None
+            data = await sock.recv()
         try:
             message = decoder.decode(data)
         except MalformedMessage as exc:
