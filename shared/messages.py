@@ -5,6 +5,11 @@ socket, and no tensor either: only token ids, block ids and small per-step metad
 validates the shape, so a malformed message raises ``msgspec.ValidationError`` (or
 ``msgspec.DecodeError``) that the receiving service logs and drops.
 
+The types made per request per step (deltas, plan entries, allocator ops, logprobs, KV events) are
+``gc=False``: out of the cyclic collector's counts and walks (none of them can be part of a
+cycle: they hold only values and other such structs, and are frozen). Each one made counted towards
+a collection, and at 256 decodes a step made over a thousand of them.
+
 Who talks with what (PUSH/PULL pipeline, then DEALER/ROUTER request/reply):
 - gateway -> tokenizer: ``GenerateRequest``, ``AbortRequest``;
 - tokenizer -> scheduler: ``EngineRequest``, ``AbortRequest`` (client gone, stop string hit);
@@ -71,7 +76,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 _GREEDY_EPS = 1e-5
 
 
-class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+class TokenLogprobs(msgspec.Struct, gc=False, frozen=True, array_like=True):
     """Logprob of a chosen token plus the top-n alternatives at that position."""
 
     token_id: int
@@ -81,7 +86,7 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float]
 
 
-class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):
+class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """A request the executor has not seen (or one resumed after preemption by recompute)."""
 
     req_id: str
@@ -94,7 +99,7 @@ class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):
     append_sampled: bool = True
 
 
-class RunningRequestData(msgspec.Struct, frozen=True, kw_only=True):
+class RunningRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """The per-step diff of a request the executor already holds."""
 
     req_id: str
@@ -106,7 +111,7 @@ class RunningRequestData(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: list[int] | None = None
 
 
-class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
+class StepPlan(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_plan"):
     """One iteration's work for the executor.
 
     ``num_scheduled_tokens[req_id]`` new tokens are computed for each scheduled request, starting
@@ -138,7 +143,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     num_placeholder_tokens: int = 0
 
 
-class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
+class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_result"):
     """What one step produced: the sampled tokens of the requests that sampled (with speculative
     decoding, the accepted drafts and one more token), and the drafts proposed for their next step."""
 
@@ -249,7 +254,7 @@ class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
     reason: str = "abort"  # "abort" (client gone, admin) or "stop" (a stop string matched)
 
 
-class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class TokenDelta(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defaults=True):
     """New tokens of one request from one step; ``finish_reason`` set on its last delta."""
 
     req_id: str
@@ -267,21 +272,21 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     queue_time_s: float | None = None
 
 
-class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag="token_batch"):
+class TokenBatch(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="token_batch"):
     """scheduler -> tokenizer: every request's new tokens of one step, in one message."""
 
     step_id: int
     deltas: list[TokenDelta]
 
 
-class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+class TopLogprob(msgspec.Struct, gc=False, frozen=True, array_like=True):
     token: str
     logprob: float
     token_id: int
     token_bytes: list[int] | None = None  # only when ``token`` is part of a character (shows U+FFFD)
 
 
-class TextLogprob(msgspec.Struct, frozen=True, kw_only=True):
+class TextLogprob(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """A sampled (or prompt) token's logprob with its text, ready for the OpenAI response."""
 
     token: str
@@ -294,7 +299,7 @@ class TextLogprob(msgspec.Struct, frozen=True, kw_only=True):
     rank: int | None = None  # of the token among the whole vocabulary (1: the most likely)
 
 
-class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class TextDelta(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defaults=True):
     """New text of one request. An ``error`` ends the request before any text was produced."""
 
     req_id: str
@@ -314,7 +319,7 @@ class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     queue_time_s: float | None = None  # passed on from the TokenDelta, for /metrics
 
 
-class TextBatch(msgspec.Struct, frozen=True, kw_only=True, tag="text_batch"):
+class TextBatch(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="text_batch"):
     """tokenizer -> gateway: text deltas of many requests in one message."""
 
     deltas: list[TextDelta]
@@ -413,7 +418,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
 # Each op is a short array on the wire: [tag, fields...].
 
 
-class KVConfirm(msgspec.Struct, frozen=True, array_like=True, tag="c"):
+class KVConfirm(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="c"):
     """Every allocation so far counts as computed, except ``discard_req_ids``'s (their step failed):
     the full blocks among them become findable in the prefix cache. ``keep_req_ids``' allocations
     stay unconfirmed: their step is still running (async scheduling plans the next one meanwhile)."""
@@ -422,20 +427,20 @@ class KVConfirm(msgspec.Struct, frozen=True, array_like=True, tag="c"):
     keep_req_ids: list[str] = []
 
 
-class KVFree(msgspec.Struct, frozen=True, array_like=True, tag="f"):
+class KVFree(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="f"):
     """Release these tables (finished, aborted, preempted by recompute); unknown ids are fine."""
 
     req_ids: list[str]
 
 
-class KVTruncate(msgspec.Struct, frozen=True, array_like=True, tag="t"):
+class KVTruncate(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="t"):
     """Keep only the blocks of the first ``num_tokens`` tokens (rejected draft tokens go back)."""
 
     req_id: str
     num_tokens: int
 
 
-class KVFork(msgspec.Struct, frozen=True, array_like=True, tag="k"):
+class KVFork(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="k"):
     """The child gets a copy of the parent's table (ref counts bumped, nothing copied yet);
     ``num_tokens``: the tokens the parent's table holds KV for."""
 
@@ -444,15 +449,15 @@ class KVFork(msgspec.Struct, frozen=True, array_like=True, tag="k"):
     num_tokens: int
 
 
-class KVSwapOut(msgspec.Struct, frozen=True, array_like=True, tag="o"):
+class KVSwapOut(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="o"):
     req_id: str
 
 
-class KVSwapIn(msgspec.Struct, frozen=True, array_like=True, tag="i"):
+class KVSwapIn(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="i"):
     req_id: str
 
 
-class KVAllocate(msgspec.Struct, frozen=True, array_like=True, tag="a"):
+class KVAllocate(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="a"):
     """Grow the table to hold ``num_tokens`` tokens, writing from ``num_computed`` (a write into
     a shared, partly filled block copies it). ``new_token_ids``: its tokens the allocator has not
     seen, to hash the blocks they fill. A table new here starts with a prefix-cache lookup,
@@ -465,14 +470,14 @@ class KVAllocate(msgspec.Struct, frozen=True, array_like=True, tag="a"):
     cache_salt: str | None = None
 
 
-class KVClear(msgspec.Struct, frozen=True, array_like=True, tag="x"):
+class KVClear(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="x"):
     """Drop the free cached blocks (``folio kv clear``, routed through the log)."""
 
 
 KVOp = KVConfirm | KVFree | KVTruncate | KVFork | KVSwapOut | KVSwapIn | KVAllocate | KVClear
 
 
-class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
+class KVStepRequest(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="kv_step"):
     """scheduler -> kvmanager, for each step whose log is not empty, sent without waiting for the
     reply. ``generation``: the scheduler's sync epoch (set by ``KVReset``); a log of another
     generation is not applied."""
@@ -482,7 +487,7 @@ class KVStepRequest(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step"):
     ops: list[KVOp] = []
 
 
-class KVStepReply(msgspec.Struct, frozen=True, kw_only=True, tag="kv_step_reply"):
+class KVStepReply(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="kv_step_reply"):
     """The kvmanager's state digest after applying the log (chained over every step since the
     last reset); ``in_sync`` is False when it holds no state of that generation (it restarted, or
     a new executor registered), and then nothing was applied."""
@@ -516,7 +521,7 @@ class KVClearCache(msgspec.Struct, frozen=True, kw_only=True, tag="kv_clear_cach
 KV_EVENTS_TOPIC = b"kv-events"
 
 
-class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag="block_stored"):
+class BlockStored(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="block_stored"):
     """Full blocks entered the prefix cache, as one chain: ``block_hashes[0]``'s parent is
     ``parent_block_hash`` (None: the sequence's first block); ``token_ids`` are theirs, in order."""
 
@@ -528,7 +533,7 @@ class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag="block_stored")
     medium: str = "GPU"
 
 
-class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag="block_removed"):
+class BlockRemoved(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="block_removed"):
     """Blocks left the prefix cache (evicted for reuse, or dropped by ``folio kv clear``)."""
 
     block_hashes: list[bytes]
@@ -539,7 +544,7 @@ class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag="all_block
     """Everything is gone: a new executor epoch (the pool's contents died with the old one)."""
 
 
-class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="kv_event_batch"):
+class KVEventBatch(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="kv_event_batch"):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
