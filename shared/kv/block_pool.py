@@ -70,6 +70,12 @@ class BlockPool:
     # ------------------------------------------------------------------ taking and releasing
     def take(self, num: int) -> list[int]:
         """``num`` blocks with ref count 1, all or nothing; evicts cached blocks when it must."""
+        free, ref_counts = self.free_queue, self.ref_counts
+        if num <= len(free):  # most calls: no eviction
+            block_ids = [free.popleft() for _ in range(num)]
+            for block_id in block_ids:
+                ref_counts[block_id] = 1
+            return block_ids
         if num > self.num_free_blocks:
             raise NoFreeBlocks(f"{num} {self.medium} blocks needed, {self.num_free_blocks} free")
         block_ids = []
