@@ -50,7 +50,7 @@ from folio.shared.messages import (  # noqa: E402
     StepResult,
     TokenBatch,
 )
-from folio.shared.transport import Decoder, encode, make_socket, recv_multipart, send_multipart  # noqa: E402
+from folio.shared.transport import Decoder, encode, make_socket, recv_multipart  # noqa: E402
 
 EPOCH = "bench"
 
@@ -85,7 +85,7 @@ class FakeExecutor:
                 self.gaps.append(received_at - sent_at)
                 self.plan_bytes.append(len(envelope_and_data[-1]))
             result = self.execute(plan)
-            await send_multipart(self.sock, [*envelope_and_data[:-1], encode(result)])
+            await self.sock.send_multipart([*envelope_and_data[:-1], encode(result)])
             sent_at = time.perf_counter()
             self.num_steps += 1
 

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.messages import AdminReply, AdminRequest
-from folio.shared.transport import Decoder, MalformedMessage, encode, make_socket, recv, recv_multipart, recv_ready, send_multipart
+from folio.shared.transport import Decoder, MalformedMessage, encode, make_socket, recv, recv_multipart, recv_ready
 
 # A ROUTER handler gets the decoded message and the sender's envelope (routing frames); it returns
 # the reply to send, or None when there is none (yet: a deferred reply keeps the envelope).
@@ -89,7 +89,7 @@ def _decode(decoder: Decoder, data: bytes, log, socket_name: str, on_malformed: 
 async def reply(sock: zmq.asyncio.Socket, envelope: list[bytes], message) -> None:
     """Send ``message`` back along ``envelope`` (a DEALER's identity, or REQ's identity + empty)."""
     try:
-        await send_multipart(sock, [*envelope, encode(message)])
+        await sock.send_multipart([*envelope, encode(message)])
     except zmq.ZMQError:
         pass  # the peer went away (ROUTER_MANDATORY): nobody is left to tell
 
@@ -144,7 +144,7 @@ async def receive_reply(sock: zmq.asyncio.Socket, decoder: Decoder, log, timeout
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     while True:
-        data = recv_ready(sock)  # (a reply that came while the caller worked: no poll, no future)
+        data = await recv_ready(sock)  # (a reply that came while the caller worked: no poll)
         if data is None:
             if deadline is not None:
                 remaining = deadline - loop.time()

@@ -44,7 +44,7 @@ from folio.shared.messages import (
     TokenBatch,
     TokenDelta,
 )
-from folio.shared.transport import Decoder, encode, make_socket, send
+from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()
 
@@ -167,7 +167,7 @@ class SchedulerService:
         if out is None:
             return False
         self.send_log(out)
-        await send(self.send_to_executor, encode(sched.build_plan(out)))
+        await self.send_to_executor.send(encode(sched.build_plan(out)))
         self.in_flight.append(out)
         return True
 
@@ -255,7 +255,7 @@ class SchedulerService:
         return info.epoch != self.scheduler.pool.epoch
 
     async def push_deltas(self, step_id: int, deltas: list[TokenDelta]) -> None:
-        await send(self.send_to_tokenizer, encode(TokenBatch(step_id=step_id, deltas=deltas)))
+        await self.send_to_tokenizer.send(encode(TokenBatch(step_id=step_id, deltas=deltas)))
 
     # ------------------------------------------------------------------ from the tokenizer
     async def receive_from_tokenizer(self) -> None:
