@@ -11,7 +11,7 @@ import zmq.asyncio
 from folio.shared.config import Endpoints, KVManagerConfig
 from folio.shared.flags import config_values, service_parser
 from folio.shared.logs import setup_logging
-from folio.shared.loops import run_until_signal
+from folio.shared.loops import freeze_heap, run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[KVManagerConfig, argparse.Namespace]:
@@ -24,7 +24,9 @@ async def serve(config: KVManagerConfig) -> None:
 
     ctx = zmq.asyncio.Context()
     try:
-        await KVManagerService(config, ctx).run()
+        service = KVManagerService(config, ctx)
+        freeze_heap()  # what the imports left (as in the scheduler): out of the cyclic collector's way
+        await service.run()
     finally:
         ctx.term()
 

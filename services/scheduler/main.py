@@ -11,7 +11,7 @@ import zmq.asyncio
 from folio.shared.config import Endpoints, SchedulerConfig
 from folio.shared.flags import config_values, service_parser
 from folio.shared.logs import setup_logging
-from folio.shared.loops import run_until_signal
+from folio.shared.loops import freeze_heap, run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[SchedulerConfig, argparse.Namespace]:
@@ -24,7 +24,11 @@ async def serve(config: SchedulerConfig) -> None:
 
     ctx = zmq.asyncio.Context()
     try:
-        await SchedulerService(config, ctx).run()
+        service = SchedulerService(config, ctx)
+        # what the imports left, ~30,000 objects: a full collection walked them in 16 ms (measured
+        # alone), on top of the running requests' state; now out of the cyclic collector's way
+        freeze_heap()
+        await service.run()
     finally:
         ctx.term()
 
