@@ -1,7 +1,7 @@
 """The live KV page in a real headless Chromium (Debian's, driven by Playwright) against a running
 ``folio serve`` (tiny random model with SmolLM2's tokenizer, 256 blocks, a host tier, an API key): while a
 forked request (n=2) runs among other traffic, the grid shows blocks shared with ref count 2 and
-hovering the request shows its block table; after it finishes, its blocks show as cached.
+pinning the request (a click on its row) shows its block table; after it finishes, its blocks show as cached.
 Screenshots land in ``tests/artifacts/`` (git-ignored)."""
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
             # while the fork runs: its prompt blocks are held by both choices
             page.wait_for_selector('#device-grid .cell.s-shared[data-refs="2"]', timeout=60_000)
             row = page.locator("#requests tbody tr", has=page.locator("td:nth-child(3):not(:text-is('0'))")).first
-            row.hover()
+            # pinned by a click, not only hovered: a background request that finishes removes its
+            # row above this one, and the row that then lies under a still mouse takes the hover
+            row.click()
             page.wait_for_selector("#table-view:not([hidden]) .chip.shared", timeout=20_000)
             # the table and the grid come from one snapshot: one outlined cell per block of the table
             outlined, chips, shared_chips = page.evaluate(
