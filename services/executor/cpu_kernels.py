@@ -45,7 +45,7 @@ BLOCK = 64  # csrc/sampler.c's BLOCK
 _i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
 FUNCTIONS = {  # every exported function's arguments (they all return void)
     # csrc/sampler.c
-    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _u64, _ptr, _ptr],
+    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64] + [_ptr] * 4 + [_i64, _u64, _ptr, _ptr],
     "folio_record_penalties": [_i64, _i64] + [_ptr] * 8,
     "folio_exp_nonpositive": [_i64, _ptr, _ptr],
     # csrc/layers.c
@@ -121,7 +121,7 @@ def _row_major(t: torch.Tensor, like: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.shape == like.shape and t.stride() == like.stride()
 
 
-def usable(logits: torch.Tensor, bias: torch.Tensor | None, rep: torch.Tensor | None) -> bool:
+def usable(logits: torch.Tensor, bias: torch.Tensor | None = None, rep: torch.Tensor | None = None) -> bool:
     """Whether the kernel can read these: fp32 CPU rows, contiguous within each row, penalty
     tensors laid out as the logits."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
@@ -141,24 +141,75 @@ def _scratch_for(vocab: int) -> np.ndarray:
     return buf
 
 
-def sample(logits: torch.Tensor, rows: np.ndarray | None, greedy: np.ndarray, host_params: np.ndarray,
-           bias: torch.Tensor | None, rep: torch.Tensor | None) -> torch.Tensor:
-    """[m] int64 tokens for logits rows ``rows`` (None: every row): greedy rows their penalised
-    argmax, the others drawn with temperature, min-p and top-p (``host_params``: [m, NUM_PARAMS],
-    a row per token to draw); ``bias``/``rep`` as in ``SamplingBatch`` (None: no such penalty)."""
-    from folio.services.executor.sampler import MIN_P, TEMPERATURE, TOP_P
+def _columns() -> np.ndarray:
+    """The params columns ``folio_sample`` reads: temperature, top-p, min-p, presence, frequency,
+    repetition (``sampler.py``'s layout)."""
+    global _COLUMNS
+    if _COLUMNS is None:
+        from folio.services.executor.sampler import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_P
 
+        _COLUMNS = np.array([TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION], dtype=np.int64)
+    return _COLUMNS
+
+
+_COLUMNS: np.ndarray | None = None
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 1 << 62, (1,)).item())  # torch's default generator: torch.manual_seed holds
+
+
+def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bias: torch.Tensor | None,
+           rep: torch.Tensor | None) -> torch.Tensor:
+    """[m] int64 tokens for the m logits rows: greedy rows their penalised argmax, the others
+    drawn with temperature, min-p and top-p (``host_params``: [m, NUM_PARAMS], a row per token to
+    draw); ``bias``/``rep`` as in ``SamplingBatch`` (None: no such penalty)."""
     lib = library()
     m, vocab = len(greedy), logits.shape[1]
-    idx = None if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
     flags = np.ascontiguousarray(greedy, dtype=np.bool_)
     params = np.ascontiguousarray(host_params, dtype=np.float32)
-    out = np.empty(m, dtype=np.int64)
-    seed = int(torch.randint(0, 1 << 62, (1,)).item())  # torch's default generator: torch.manual_seed holds
-    lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), _addr(idx), _addr(bias), _addr(rep),
-                     flags.ctypes.data, params.ctypes.data, params.shape[1], TEMPERATURE, TOP_P, MIN_P, seed,
-                     out.ctypes.data, _scratch_for(vocab).ctypes.data)
-    return torch.from_numpy(out)
+    out = torch.empty(m, dtype=torch.int64)
+    pen_ld = bias.stride(0) if bias is not None else rep.stride(0) if rep is not None else vocab
+    lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, flags.ctypes.data, params.ctypes.data,
+                     params.shape[1], _columns().ctypes.data, _addr(bias), _addr(rep), None, pen_ld, _seed(),
+                     out.data_ptr(), _scratch_for(vocab).ctypes.data)
+    return out
+
+
+class TableSampler:
+    """``sample`` for rows of the runner's persistent batch, read in place: each logits row's
+    parameters are row ``rows[i]`` of the batch's tables, its penalties are read from the penalty
+    state's tables and the drawn tokens are recorded there, all in one call. The tables' addresses
+    are looked up again only when the batch replaces an array (it grows)."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab  # the logits' and the penalty tables' width
+        self._lib = library()
+        if self._lib is None:
+            raise RuntimeError("the CPU kernels are unavailable")
+        self._tables: tuple = ()
+        self._pointers: tuple[int, int] = (0, 0)
+        self._scratch = np.empty(vocab + vocab // BLOCK + 1, dtype=np.float32)
+        self._scratch_ptr, self._columns_ptr = self._scratch.ctypes.data, _columns().ctypes.data
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, greedy: np.ndarray, params: np.ndarray,
+               penalties) -> torch.Tensor:
+        """``logits`` [m, vocab] fp32 CPU rows (contiguous within each row); ``rows`` [m] int64
+        (contiguous): their rows in ``greedy`` [*] bool and ``params`` [*, NUM_PARAMS] fp32;
+        ``penalties``: the rows' ``PenaltyState`` (its tables may be unallocated)."""
+        if logits.shape[1] != self.vocab or penalties.vocab_size != self.vocab:
+            raise ValueError(f"logits of width {logits.shape[1]} for a sampler of vocabulary {self.vocab}")
+        if not self._tables or self._tables[0] is not greedy or self._tables[1] is not params:
+            self._tables = (greedy, params)
+            self._pointers = (greedy.ctypes.data, params.ctypes.data)
+        m = len(rows)
+        out = torch.empty(m, dtype=torch.int64)
+        tables = (penalties.bias.data_ptr(), penalties.rep.data_ptr(), penalties.counts.data_ptr()) \
+            if penalties.allocated else (None, None, None)
+        self._lib.folio_sample(m, self.vocab, logits.data_ptr(), logits.stride(0), rows.data_ptr(), self._pointers[0],
+                               self._pointers[1], params.shape[1], self._columns_ptr, *tables, self.vocab, _seed(),
+                               out.data_ptr(), self._scratch_ptr)
+        return out
 
 
 def exp_nonpositive(x: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ import torch
 
 from folio.services.executor.attention import AttentionMetadata
 from folio.services.executor.penalties import PenaltyState, has_penalties
-from folio.services.executor.sampler import NUM_PARAMS, make_generator, param_row, position_seed
+from folio.services.executor.sampler import NUM_PARAMS, TOP_K, make_generator, param_row, position_seed
 
 NO_LOGPROBS = -1
 
@@ -72,6 +72,7 @@ class InputBatch:
         self.repetition = np.zeros(cap, dtype=bool)
         self.appends = np.zeros(cap, dtype=bool)  # False for beams: the scheduler sends their tokens
         self.has_seed = np.zeros(cap, dtype=bool)
+        self.table_sampled = np.zeros(cap, dtype=bool)  # greedy, or unseeded without top-k: the C kernel's rows
         self.num_logprobs = np.full(cap, NO_LOGPROBS, dtype=np.int64)
         self.seeds: list[int | None] = [None] * cap
         self.generators: list[torch.Generator | None] = [None] * cap
@@ -93,7 +94,7 @@ class InputBatch:
     def _grow_rows(self) -> None:
         old, cap = self.capacity, 2 * self.capacity
         for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "params",
-                     "greedy", "penalised", "repetition", "appends", "has_seed"):
+                     "greedy", "penalised", "repetition", "appends", "has_seed", "table_sampled"):
             setattr(self, name, _grow(getattr(self, name), rows=cap))
         self.num_logprobs = np.concatenate([self.num_logprobs, np.full(cap - old, NO_LOGPROBS, dtype=np.int64)])
         self.seeds += [None] * (cap - old)
@@ -132,6 +133,7 @@ class InputBatch:
         self.num_logprobs[row] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
         self.seeds[row] = sampling.seed
         self.has_seed[row] = sampling.seed is not None
+        self.table_sampled[row] = sampling.greedy or (sampling.seed is None and self.params[row, TOP_K] >= self.vocab_size)
         self.appends[row] = append_sampled
         self.generators[row] = make_generator(sampling.seed, self.device)
         self.penalties.set_row(row, sampling, token_ids[:num_prompt], token_ids[num_prompt:])

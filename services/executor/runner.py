@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import torch
 
+from folio.services.executor import cpu_kernels
 from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
 from folio.services.executor.cuda_kernels import UnsupportedKernelError
 from folio.services.executor.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
@@ -141,6 +142,8 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
+        self.table_sampler = cpu_kernels.TableSampler(self.spec.vocab_size) \
+            if self.device.type == "cpu" and cpu_kernels.library() is not None else None
         # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
         self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend,
                                       self.pool.num_blocks) if shard.rank == 0 else None
@@ -375,6 +378,15 @@ class ModelRunner:
 
     def _sample_plain(self, logits: torch.Tensor, step: StepInputs, matchers: list | None) -> torch.Tensor:
         rows, batch = step.sample_rows, self.batch
+        if self.table_sampler is not None and matchers is None and batch.table_sampled[rows].all() \
+                and (batch.penalised[rows].any() or not batch.greedy[rows].all()) and logits.shape[1] == batch.vocab_size \
+                and cpu_kernels.usable(logits):
+            # the C kernel over the persistent rows: penalties, draw and penalty bookkeeping in one
+            # call (a batch that is all plain greedy takes numpy's argmax below: as fast, no setup)
+            tokens = self.table_sampler.sample(logits, step.sample_rows_dev, batch.greedy, batch.params,
+                                               batch.penalties)
+            batch.last_sampled.index_copy_(0, step.sample_rows_dev, tokens)
+            return tokens
         sampling = SamplingBatch(step.sample_params, batch.greedy[rows], batch.params[rows], batch.seeded(rows),
                                  matchers=matchers)
         penalised = bool(batch.penalised[rows].any())

@@ -18,7 +18,9 @@ nucleus (``_draw_nucleus``), which needs no cut at all.
 On the CPU a batch whose rows are all greedy or unseeded without top-k (and have no grammar) is
 sampled by one call of a C kernel (``cpu_kernels.py``, ``csrc/sampler.c``): per row, the penalties
 (bit for bit these), the greedy argmax, or temperature, min-p, and top-p by the same rejection
-as ``_draw_nucleus``, in a few passes over the row; ``_draw_quick`` uses it too. What follows is
+as ``_draw_nucleus``, in a few passes over the row; ``_draw_quick`` uses it too. The runner calls
+the same kernel on its persistent rows directly (``cpu_kernels.TableSampler``: parameters and
+penalty tables read in place, the drawn tokens recorded in the same call). What follows is
 the torch path: the reference, the GPU's path, and the CPU's for the other rows and when no C
 compiler is at hand. The CPU path avoids what torch's CPU kernels run slowly: argmax goes through
 numpy, masks are 0/1 floats to multiply by (``_above``) rather than booleans, and the repetition
@@ -321,7 +323,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[n, vocab] fp32 logits -> [n] sampled token ids (on the logits' device; on a GPU with no
     host sync)."""
     if _kernel_takes_all(logits, batch):  # the CPU kernel: penalties and draw in one call
-        return cpu_kernels.sample(logits, None, batch.greedy, batch.host_params, batch.bias, batch.rep)
+        return cpu_kernels.sample(logits, batch.greedy, batch.host_params, batch.bias, batch.rep)
     logits = process_logits(logits, batch)
     if batch.greedy.all():
         return _argmax(logits)
@@ -368,7 +370,7 @@ def _draw_quick(logits: torch.Tensor, params: torch.Tensor, host: np.ndarray) ->
     (``_draw_nucleus``) over the unnormalised probabilities, with no top-k window and no sort:
     the fewest passes over the rows."""
     if cpu_kernels.usable(logits, None, None):
-        return cpu_kernels.sample(logits, None, np.zeros(len(host), dtype=bool), host, None, None)
+        return cpu_kernels.sample(logits, np.zeros(len(host), dtype=bool), host, None, None)
     x = logits / params[:, TEMPERATURE, None]
     weights = x.sub_(x.amax(-1, keepdim=True)).exp_()  # the best token's weight is 1
     if not ((host[:, TOP_P] < 1.0) | (host[:, MIN_P] > 0)).any():

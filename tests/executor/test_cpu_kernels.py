@@ -124,3 +124,46 @@ def test_the_kernels_keep_the_gil():
     import ctypes
 
     assert isinstance(cpu_kernels.library(), ctypes.PyDLL)
+
+
+def test_table_sampling_reads_the_persistent_rows_and_records_as_the_per_call_path():
+    """``TableSampler`` (parameters and penalties read in place from scattered rows, the drawn
+    tokens recorded in the same call) against ``sample`` over the gathered rows followed by
+    ``PenaltyState.record``: the same seed gives the same tokens, greedy under penalties included,
+    and the same counts, bias and repetition tables."""
+    from folio.services.executor.input_batch import InputBatch
+
+    vocab, rng = 300, np.random.default_rng(7)
+    batches = [InputBatch(64, vocab, 16, CPU) for _ in range(2)]
+    kinds = [SamplingParams(temperature=0.0, presence_penalty=0.5, repetition_penalty=1.3),
+             SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.4, repetition_penalty=0.8),
+             SamplingParams(temperature=0.7),  # no penalties: its rows are never read or recorded
+             SamplingParams(temperature=0.0)]
+    histories = [rng.integers(0, vocab, 6 + i % 5).tolist() for i in range(40)]  # 3 prompt tokens each
+    for batch in batches:
+        for i, tokens in enumerate(histories):
+            batch.add(f"r{i}", tokens, 3, 0, [i], kinds[i % 4])
+    rows = torch.as_tensor(rng.permutation(40)[:25])  # scattered, out of order
+    table = cpu_kernels.TableSampler(vocab)
+    counted_before = int(batches[0].penalties.counts.sum())
+    for step in range(12):
+        logits = torch.randn(25, vocab, generator=torch.Generator().manual_seed(step)) * 2
+        torch.manual_seed(100 + step)
+        ours = table.sample(logits, rows, batches[0].greedy, batches[0].params, batches[0].penalties)
+        ref_batch = batches[1]
+        host_rows = rows.numpy()
+        bias, rep = ref_batch.penalties.gather(rows, True, host_rows)
+        torch.manual_seed(100 + step)
+        theirs = cpu_kernels.sample(logits, ref_batch.greedy[host_rows], ref_batch.params[host_rows], bias, rep)
+        assert torch.equal(ours, theirs)
+        params = torch.from_numpy(ref_batch.params[host_rows])
+        ref_batch.penalties.record(rows, theirs, params[:, sampler.FREQUENCY], params[:, sampler.PRESENCE],
+                                   params[:, sampler.REPETITION])
+    neutral = [int(r) for r in rows if kinds[int(r) % 4] == kinds[2] or kinds[int(r) % 4] == kinds[3]]
+    penalised = [int(r) for r in rows if int(r) not in neutral]
+    mine, ref = batches[0].penalties, batches[1].penalties
+    assert torch.equal(mine.bias[penalised], ref.bias[penalised]) and torch.equal(mine.rep[penalised], ref.rep[penalised])
+    assert torch.equal(mine.counts[penalised], ref.counts[penalised])
+    assert int(mine.counts.sum()) - counted_before == 12 * len(penalised)
+    assert (mine.bias[neutral] == 0).all() and (mine.rep[neutral] == 1).all()
+

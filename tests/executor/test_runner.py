@@ -130,3 +130,25 @@ def test_dtype_and_backend_choices_are_checked(tiny_model_dir):
     assert bf16.pool.kv_caches[0][0].dtype == torch.bfloat16
     out = generate(bf16, [PROMPTS[0]], GREEDY)[0]
     assert len(out) == GREEDY.max_tokens
+
+
+def test_the_c_kernel_over_the_persistent_rows_draws_what_the_per_call_sampler_draws(tiny_model_dir):
+    """On the CPU the runner samples plain rows through ``cpu_kernels.TableSampler`` (parameters
+    and penalty state read in place, tokens recorded in the same call). Under the same torch seed
+    the runner gives the same tokens without it (the gathered-rows path: ``sample_batch`` with the
+    penalty state gathered, then recorded), greedy and sampled, with and without penalties."""
+    params = [SamplingParams(temperature=0.0, presence_penalty=0.8, repetition_penalty=1.4, max_tokens=14),
+              SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.5, max_tokens=14),
+              SamplingParams(temperature=1.1, min_p=0.05, max_tokens=14),
+              SamplingParams(temperature=0.0, max_tokens=14),
+              SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=0.7, presence_penalty=-0.3, max_tokens=9)]
+    outputs = []
+    for table in (True, False):
+        runner = runner_for(tiny_model_dir)
+        assert runner.table_sampler is not None
+        if not table:
+            runner.table_sampler = None
+        torch.manual_seed(11)
+        outputs.append(generate(runner, PROMPTS, params))
+    assert outputs[0] == outputs[1]
+    assert len({tuple(o) for o in outputs[0]}) == len(PROMPTS)

@@ -5,10 +5,12 @@
  * path in sampler.py is the reference; this file draws from the same distribution with fewer
  * passes over each row and none of torch's fixed cost per operation.
  *
- * Per row r (logits row idx[r] of a [*, vocab] fp32 array with row stride ld):
+ * Per row r of a [m, vocab] fp32 array with row stride ld, whose parameters and penalty state
+ * are row rows[r] of their tables (the runner's persistent batch; or row r of per-call arrays):
  *   l      = the row, with the repetition penalty (positive logits divided by rep, negative ones
  *            multiplied: bitwise the torch path's) and the additive penalties (+ bias) applied;
- *   greedy = the first index of max(l) (as numpy's and torch's argmax);
+ *   greedy = the first index of max(l) (as numpy's and torch's argmax), found in the first block
+ *            of BLOCK tokens whose maximum it is;
  *   else w = exp(l / T - max(l / T)), the best token's weight 1; min-p keeps w >= min_p;
  *   top-p by rejection (FlashInfer's sorting-free scheme): draw x from the candidates in
  *   proportion to w; accept when the weight of the tokens strictly above w[x] is below
@@ -17,6 +19,7 @@
  *   them) is an upper set of the weights, so every candidate set holds it and the accepted draw is
  *   distributed as w restricted to it; each rejection shrinks the candidates, so it ends.
  * Uniforms come from splitmix64 over (seed, row, draw); the caller gives a fresh seed each call.
+ * With a penalty state to record into, each drawn token is counted there in the same call.
  */
 
 #include "common.h"
@@ -96,73 +99,108 @@ static inline __attribute__((always_inline)) float weigh_blocks(float *w, int64_
     return total;
 }
 
-/* w = the row with its penalties, times scale; returns max(w). Called with constant flags, so
- * that each combination compiles to a loop of its own */
+/* w = the row with its penalties, times scale; returns max(w) and each block's maximum in
+ * block_max. Called with constant flags, so that each combination compiles to a loop of its own */
 static inline __attribute__((always_inline)) float penalise(const float *restrict l, const float *restrict rp,
                                                             const float *restrict bp, float scale,
-                                                            float *restrict w, int64_t vocab, int has_rep,
-                                                            int has_bias) {
+                                                            float *restrict w, int64_t vocab, float *block_max,
+                                                            int has_rep, int has_bias) {
     float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < vocab; j++) {
-        float x = l[j];
-        if (has_rep) x = x > 0.0f ? x / rp[j] : x * rp[j];
-        if (has_bias) x = x + bp[j];
-        x = x * scale;
-        w[j] = x;
-        mx = x > mx ? x : mx;
+    for (int64_t b = 0; b * BLOCK < vocab; b++) {
+        int64_t end = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab;
+        float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+        for (int64_t j = b * BLOCK; j < end; j++) {
+            float x = l[j];
+            if (has_rep) x = x > 0.0f ? x / rp[j] : x * rp[j];
+            if (has_bias) x = x + bp[j];
+            x = x * scale;
+            w[j] = x;
+            bm = x > bm ? x : bm;
+        }
+        block_max[b] = bm;
+        mx = bm > mx ? bm : mx;
     }
     return mx;
 }
 
-/* logits: [*, vocab] (row stride ld); idx [m]: the rows to sample (NULL: rows 0..m-1); bias/rep:
- * NULL or arrays of the logits' shape and stride; greedy [m] (0/1); params: [m, params_ld] with
- * the temperature, top-p and min-p in columns col_t, col_p, col_min_p; out [m]; scratch: vocab +
+/* One row's token: l is its logits, rp/bp its repetition and additive penalties (NULL: none).
+ * w and block_sums are the scratch row and its per-block sums. */
+static inline __attribute__((always_inline)) int64_t draw_row(const float *l, const float *rp, const float *bp,
+                                                              int greedy, float temperature, float top_p,
+                                                              float min_p, uint64_t state, int64_t vocab, float *w,
+                                                              float *block_sums) {
+    /* penalties (the torch path's arithmetic, bit for bit), then the temperature (a multiply:
+     * these rows draw, nothing compares them with the torch path's bits) */
+    const float scale = greedy ? 1.0f : 1.0f / temperature;
+    float mx;
+    if (rp != NULL && bp != NULL)
+        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 1, 1);
+    else if (rp != NULL)
+        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 1, 0);
+    else if (bp != NULL)
+        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 0, 1);
+    else
+        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 0, 0);
+    if (greedy) { /* the first index of the maximum: in the first block that holds it */
+        for (int64_t b = 0; b * BLOCK < vocab; b++) {
+            if (!(block_sums[b] == mx)) continue;
+            int64_t j = b * BLOCK;
+            while (!(w[j] == mx)) j++;
+            return j;
+        }
+        return vocab - 1; /* no maximum (a row of NaN) */
+    }
+    /* weights (the best token's is 1), what min-p keeps, per block */
+    const float kept = weigh_blocks(w, vocab, block_sums, mx, min_p, 1);
+    const float limit = top_p * kept;
+    int64_t x = inverse_cdf(w, vocab, block_sums, uniform(&state));
+    while (top_p < 1.0f) {
+        const float px = w[x];
+        float above = 0.0f;
+#pragma omp simd reduction(+ : above)
+        for (int64_t j = 0; j < vocab; j++) above += w[j] > px ? w[j] : 0.0f;
+        if (above < limit || above == 0.0f) break; /* (nothing above: x is the best token) */
+        /* x is outside the nucleus: the candidates become the tokens above it */
+        weigh_blocks(w, vocab, block_sums, 0.0f, px, 0);
+        x = inverse_cdf(w, vocab, block_sums, uniform(&state));
+    }
+    return x;
+}
+
+/* a token drawn for table row `row`: its count, bias and repetition entries */
+static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float frequency, float presence,
+                              float repetition, int32_t *counts, float *bias, float *rep) {
+    const int64_t at = row * pen_ld + token;
+    const int32_t c = ++counts[at];
+    bias[at] = -(frequency * (float)c + presence);
+    rep[at] = repetition;
+}
+
+/* logits: [m, vocab] fp32 rows (row stride ld), one per token to draw. rows [m]: each logits
+ * row's row in the tables below (NULL: row r is table row r). Tables, indexed by that row:
+ * greedy [*] (0/1); params [*, params_ld] with the temperature, top-p, min-p, presence,
+ * frequency and repetition penalties in the columns of cols [6]; bias and rep [*, pen_ld] (NULL:
+ * no such penalty), read only for the rows whose own penalties are not neutral (a neutral row's
+ * are zero and one). counts [*, pen_ld] int32: NULL, or the penalty state to record each drawn
+ * token into (as folio_record_penalties, for the penalised rows). out [m]; scratch: vocab +
  * vocab / BLOCK + 1 floats */
-void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *idx,
-                  const float *bias, const float *rep, const uint8_t *greedy, const float *params,
-                  int64_t params_ld, int64_t col_t, int64_t col_p, int64_t col_min_p, uint64_t seed,
-                  int64_t *out, float *scratch) {
+void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
+                  const uint8_t *greedy, const float *params, int64_t params_ld, const int64_t *cols, float *bias,
+                  float *rep, int32_t *counts, int64_t pen_ld, uint64_t seed, int64_t *out, float *scratch) {
     float *w = scratch, *block_sums = scratch + vocab;
     for (int64_t r = 0; r < m; r++) {
-        const int64_t row = idx != NULL ? idx[r] : r;
-        const float *param = params + r * params_ld, top_p = param[col_p];
-        const float *l = logits + row * ld;
-        const float *rp = rep != NULL ? rep + row * ld : NULL, *bp = bias != NULL ? bias + row * ld : NULL;
-        /* one pass: penalties (the torch path's arithmetic, bit for bit), then the temperature
-         * (a multiply: these rows draw, nothing compares them with the torch path's bits) */
-        const float scale = greedy[r] ? 1.0f : 1.0f / param[col_t];
-        float mx;
-        if (rp != NULL && bp != NULL)
-            mx = penalise(l, rp, bp, scale, w, vocab, 1, 1);
-        else if (rp != NULL)
-            mx = penalise(l, rp, bp, scale, w, vocab, 1, 0);
-        else if (bp != NULL)
-            mx = penalise(l, rp, bp, scale, w, vocab, 0, 1);
-        else
-            mx = penalise(l, rp, bp, scale, w, vocab, 0, 0);
-        if (greedy[r]) { /* the first index of the maximum */
-            int64_t j = 0;
-            while (j < vocab - 1 && !(w[j] == mx)) j++;
-            out[r] = j;
-            continue;
-        }
-        /* weights (the best token's is 1), what min-p keeps, per block */
-        const float kept = weigh_blocks(w, vocab, block_sums, mx, param[col_min_p], 1);
-        uint64_t state = splitmix64(seed ^ splitmix64((uint64_t)r));
-        const float limit = top_p * kept;
-        int64_t x = inverse_cdf(w, vocab, block_sums, uniform(&state));
-        while (top_p < 1.0f) {
-            const float px = w[x];
-            float above = 0.0f;
-#pragma omp simd reduction(+ : above)
-            for (int64_t j = 0; j < vocab; j++) above += w[j] > px ? w[j] : 0.0f;
-            if (above < limit || above == 0.0f) break; /* (nothing above: x is the best token) */
-            /* x is outside the nucleus: the candidates become the tokens above it */
-            weigh_blocks(w, vocab, block_sums, 0.0f, px, 0);
-            x = inverse_cdf(w, vocab, block_sums, uniform(&state));
-        }
-        out[r] = x;
+        const int64_t row = rows != NULL ? rows[r] : r;
+        const float *param = params + row * params_ld;
+        const float presence = param[cols[3]], frequency = param[cols[4]], repetition = param[cols[5]];
+        float *rp = rep != NULL && repetition != 1.0f ? rep + row * pen_ld : NULL;
+        float *bp = bias != NULL && (presence != 0.0f || frequency != 0.0f) ? bias + row * pen_ld : NULL;
+        const int64_t token = draw_row(logits + r * ld, rp, bp, greedy[row], param[cols[0]], param[cols[1]],
+                                       param[cols[2]], splitmix64(seed ^ splitmix64((uint64_t)r)), vocab, w,
+                                       block_sums);
+        out[r] = token;
+        if (counts != NULL && bias != NULL && rep != NULL && (rp != NULL || bp != NULL))
+            record_one(row, token, pen_ld, frequency, presence, repetition, counts, bias, rep);
     }
 }
 
@@ -171,12 +209,8 @@ void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, con
 void folio_record_penalties(int64_t n, int64_t vocab, const int64_t *rows, const int64_t *tokens,
                             const float *frequency, const float *presence, const float *repetition,
                             int32_t *counts, float *bias, float *rep) {
-    for (int64_t i = 0; i < n; i++) {
-        int64_t at = rows[i] * vocab + tokens[i];
-        int32_t c = ++counts[at];
-        bias[at] = -(frequency[i] * (float)c + presence[i]);
-        rep[at] = repetition[i];
-    }
+    for (int64_t i = 0; i < n; i++)
+        record_one(rows[i], tokens[i], vocab, frequency[i], presence[i], repetition[i], counts, bias, rep);
 }
 
 /* exp_nonpositive over n values, for the tests */
