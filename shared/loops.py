@@ -204,8 +204,10 @@ def admin_call(address: str, command: str, args: dict | None, timeout_s: float, 
 
 async def serve_admin(sock: zmq.asyncio.Socket, commands: dict[str, Callable[[dict], dict]], log) -> None:
     """Answer ``AdminRequest``s: ``commands[name](args) -> data`` (or a coroutine giving it);
-    ``ping`` always works."""
-    commands = {"ping": lambda args: {"pong": True, "instance": INSTANCE}, **commands}
+    ``ping`` always works; it also says how many objects ``freeze_heap`` put out of the
+    collector's sight (0 until the service has frozen its heap)."""
+    commands = {"ping": lambda args: {"pong": True, "instance": INSTANCE, "gc_frozen": gc.get_freeze_count()},
+                **commands}
 
     async def dispatch(request: AdminRequest, envelope):
         command = commands.get(request.command)

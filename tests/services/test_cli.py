@@ -86,6 +86,9 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
         serve.wait_ready()
         children = serve.children()
         assert len(children) == len(SERVICES)
+        for service in SERVICES:  # each froze what its imports and setup left (a full collection of it
+            # stalled the executor's steps for up to 210 ms)
+            assert admin_call(serve.endpoints, service, "ping", {}, 5).data["gc_frozen"] > 10_000, service
         with urllib.request.urlopen(f"http://127.0.0.1:{serve.port}/v1/models", timeout=30) as resp:
             model_name = json.load(resp)["data"][0]["id"]
         body = json.dumps({"model": model_name, "prompt": "Hello", "max_tokens": 5, "temperature": 0}).encode()

@@ -92,6 +92,28 @@ def test_preempts_the_newest_running_request_and_resumes_it_with_its_tokens():
     assert plan.num_scheduled_tokens == {"old": 1, "new": 2} and sched.counters["num_preemptions"] == 1
 
 
+def test_only_the_first_delta_after_each_admission_carries_the_counts():
+    """A request's prompt and cached counts and its queue time ride on its first delta after it is
+    admitted (again after a preemption); the others carry their tokens alone, so that they encode
+    small and take the tokenizer's short path (which needs deltas without counts)."""
+    sched, alloc = make(num_blocks=4, block_size=2, max_num_batched_tokens=64)
+    sched.add_request(request("old", 3, max_tokens=4))
+    sched.add_request(request("new", 2, max_tokens=4))
+    seen = []
+    for _ in range(5):
+        _, deltas = step(sched, alloc)
+        seen += [d for d in deltas if d.req_id == "new"]
+    assert sched.counters["num_preemptions"] == 1  # new was preempted once and admitted again
+    carrying = [i for i, d in enumerate(seen) if d.num_prompt_tokens]
+    assert carrying == [0, 2]  # its first delta, then its first after re-admission
+    for i, d in enumerate(seen):
+        if i in carrying:
+            continue
+        assert d.queue_time_s is None and not d.num_cached_tokens
+        if d.finish_reason is None:
+            assert set(msgspec.msgpack.decode(msgspec.msgpack.encode(d))) == {"req_id", "token_ids"}
+
+
 def test_refuses_what_can_never_fit():
     sched, _ = make(num_blocks=4, block_size=4, max_model_len=40)
     assert not sched.add_request(request("ok", 10, max_tokens=7))  # 16 tokens of KV: 4 blocks
