@@ -24,7 +24,8 @@
 
 #include "common.h"
 
-#define BLOCK 64 /* the inverse-CDF walk: block sums first, then one block's tokens */
+#define BLOCK 64 /* tokens per block: the inverse-CDF walk sums whole blocks, then searches one;
+                  * greedy rows find their maximum by its block */
 
 static inline uint64_t splitmix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull;
@@ -39,22 +40,24 @@ static inline double uniform(uint64_t *state) {
     return ((splitmix64(*state) >> 11) + 1) * (1.0 / 9007199254740992.0);
 }
 
-/* the first token of positive weight whose running sum reaches u times the total, given the
- * weights' sums per BLOCK tokens */
-static int64_t inverse_cdf(const float *w, int64_t vocab, const float *block_sums, double u) {
-    int64_t num_blocks = (vocab + BLOCK - 1) / BLOCK;
-    double total = 0.0;
-    for (int64_t b = 0; b < num_blocks; b++) total += block_sums[b];
-    double target = u * total, acc = 0.0;
+/* the first token of positive weight whose running sum reaches u times total (the weights'
+ * sum): blocks of BLOCK tokens are summed as the walk reaches them, then one block's tokens */
+static int64_t inverse_cdf(const float *w, int64_t vocab, float total, double u) {
+    const double target = u * (double)total;
+    double acc = 0.0;
     int64_t last = -1;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        if (block_sums[b] <= 0.0f) continue;
-        if (acc + block_sums[b] < target) {
-            acc += block_sums[b];
+    for (int64_t b = 0; b * BLOCK < vocab; b++) {
+        const int64_t end = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = b * BLOCK; j < end; j++) s += w[j];
+        if (s <= 0.0f) continue;
+        if (acc + s < target) {
+            acc += s;
             last = b;
             continue;
         }
-        int64_t end = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab, pick = -1;
+        int64_t pick = -1;
         for (int64_t j = b * BLOCK; j < end; j++) {
             if (w[j] <= 0.0f) continue;
             acc += w[j];
@@ -70,33 +73,34 @@ static int64_t inverse_cdf(const float *w, int64_t vocab, const float *block_sum
     return 0;
 }
 
-/* w[j] = keep(w[j]) for the tokens of each block, and the block's sum: ``exp`` (w = exp(w - mx),
- * dropped below cut) or a mask (w kept only above cut) */
-static inline __attribute__((always_inline)) float weigh_blocks(float *w, int64_t vocab, float *block_sums, float mx, float cut, int exp_first) {
+/* w[j] = exp(w[j] - mx), dropped below cut (min-p); returns the weights' sum */
+static inline __attribute__((always_inline)) float weigh(float *w, int64_t vocab, float mx, float cut) {
     float total = 0.0f;
-    for (int64_t b = 0; b * BLOCK < vocab; b++) {
-        int64_t end = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab;
-        float s = 0.0f;
-        if (exp_first) {
-#pragma omp simd reduction(+ : s)
-            for (int64_t j = b * BLOCK; j < end; j++) {
-                float e = exp_nonpositive(w[j] - mx);
-                e = e >= cut ? e : 0.0f;
-                w[j] = e;
-                s += e;
-            }
-        } else {
-#pragma omp simd reduction(+ : s)
-            for (int64_t j = b * BLOCK; j < end; j++) {
-                float e = w[j] > cut ? w[j] : 0.0f;
-                w[j] = e;
-                s += e;
-            }
-        }
-        block_sums[b] = s;
-        total += s;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < vocab; j++) {
+        float e = exp_nonpositive(w[j] - mx);
+        e = e >= cut ? e : 0.0f;
+        w[j] = e;
+        total += e;
     }
     return total;
+}
+
+/* the weight of the tokens strictly above px; with keep, the others' weights become 0 */
+static inline __attribute__((always_inline)) float above(float *w, int64_t vocab, float px, int keep) {
+    float s = 0.0f;
+    if (keep) {
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < vocab; j++) {
+            float e = w[j] > px ? w[j] : 0.0f;
+            w[j] = e;
+            s += e;
+        }
+    } else {
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < vocab; j++) s += w[j] > px ? w[j] : 0.0f;
+    }
+    return s;
 }
 
 /* w = the row with its penalties, times scale; returns max(w) and each block's maximum in
@@ -125,45 +129,42 @@ static inline __attribute__((always_inline)) float penalise(const float *restric
 }
 
 /* One row's token: l is its logits, rp/bp its repetition and additive penalties (NULL: none).
- * w and block_sums are the scratch row and its per-block sums. */
+ * w and block_max are the scratch row and its per-block maxima. */
 static inline __attribute__((always_inline)) int64_t draw_row(const float *l, const float *rp, const float *bp,
                                                               int greedy, float temperature, float top_p,
                                                               float min_p, uint64_t state, int64_t vocab, float *w,
-                                                              float *block_sums) {
+                                                              float *block_max) {
     /* penalties (the torch path's arithmetic, bit for bit), then the temperature (a multiply:
      * these rows draw, nothing compares them with the torch path's bits) */
     const float scale = greedy ? 1.0f : 1.0f / temperature;
     float mx;
     if (rp != NULL && bp != NULL)
-        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 1, 1);
+        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 1, 1);
     else if (rp != NULL)
-        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 1, 0);
+        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 1, 0);
     else if (bp != NULL)
-        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 0, 1);
+        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 0, 1);
     else
-        mx = penalise(l, rp, bp, scale, w, vocab, block_sums, 0, 0);
+        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 0, 0);
     if (greedy) { /* the first index of the maximum: in the first block that holds it */
         for (int64_t b = 0; b * BLOCK < vocab; b++) {
-            if (!(block_sums[b] == mx)) continue;
+            if (!(block_max[b] == mx)) continue;
             int64_t j = b * BLOCK;
             while (!(w[j] == mx)) j++;
             return j;
         }
         return vocab - 1; /* no maximum (a row of NaN) */
     }
-    /* weights (the best token's is 1), what min-p keeps, per block */
-    const float kept = weigh_blocks(w, vocab, block_sums, mx, min_p, 1);
+    /* weights (the best token's is 1), what min-p keeps */
+    const float kept = weigh(w, vocab, mx, min_p);
     const float limit = top_p * kept;
-    int64_t x = inverse_cdf(w, vocab, block_sums, uniform(&state));
+    int64_t x = inverse_cdf(w, vocab, kept, uniform(&state));
     while (top_p < 1.0f) {
         const float px = w[x];
-        float above = 0.0f;
-#pragma omp simd reduction(+ : above)
-        for (int64_t j = 0; j < vocab; j++) above += w[j] > px ? w[j] : 0.0f;
-        if (above < limit || above == 0.0f) break; /* (nothing above: x is the best token) */
+        const float heavier = above(w, vocab, px, 0);
+        if (heavier < limit || heavier == 0.0f) break; /* (nothing above: x is the best token) */
         /* x is outside the nucleus: the candidates become the tokens above it */
-        weigh_blocks(w, vocab, block_sums, 0.0f, px, 0);
-        x = inverse_cdf(w, vocab, block_sums, uniform(&state));
+        x = inverse_cdf(w, vocab, above(w, vocab, px, 1), uniform(&state));
     }
     return x;
 }
@@ -188,7 +189,7 @@ static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float 
 void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
                   const uint8_t *greedy, const float *params, int64_t params_ld, const int64_t *cols, float *bias,
                   float *rep, int32_t *counts, int64_t pen_ld, uint64_t seed, int64_t *out, float *scratch) {
-    float *w = scratch, *block_sums = scratch + vocab;
+    float *w = scratch, *block_max = scratch + vocab;
     for (int64_t r = 0; r < m; r++) {
         const int64_t row = rows != NULL ? rows[r] : r;
         const float *param = params + row * params_ld;
@@ -197,7 +198,7 @@ void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, con
         float *bp = bias != NULL && (presence != 0.0f || frequency != 0.0f) ? bias + row * pen_ld : NULL;
         const int64_t token = draw_row(logits + r * ld, rp, bp, greedy[row], param[cols[0]], param[cols[1]],
                                        param[cols[2]], splitmix64(seed ^ splitmix64((uint64_t)r)), vocab, w,
-                                       block_sums);
+                                       block_max);
         out[r] = token;
         if (counts != NULL && bias != NULL && rep != NULL && (rp != NULL || bp != NULL))
             record_one(row, token, pen_ld, frequency, presence, repetition, counts, bias, rep);
