@@ -72,8 +72,8 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.in_flight) or self.scheduler.has_work()
 
-    def step(self) -> list[TokenDelta] | None:
-        """One iteration; None when there was nothing to schedule."""
+    def step(self) -> TokenBatch | None:
+        """One iteration: its deltas (``TokenBatch``); None when there was nothing to schedule."""
         sched, in_flight = self.scheduler, self.in_flight
         if not in_flight and not self._plan(None):
             return None
@@ -138,13 +138,15 @@ class LLMEngine:
         return self.core.has_work()
 
     def step(self) -> list[TextDelta] | None:
-        deltas = self.core.step()
-        return None if deltas is None else self._texts(deltas)
+        batch = self.core.step()
+        return None if batch is None else self._texts(batch)
 
-    def _texts(self, deltas: list[TokenDelta]) -> list[TextDelta]:
-        if not deltas:
+    def _texts(self, batch: TokenBatch | list[TokenDelta]) -> list[TextDelta]:
+        if not batch:
             return []
-        texts, stops, _unknown = self.outputs.process(TokenBatch(step_id=self.next_step_id, deltas=deltas))
+        if not isinstance(batch, TokenBatch):  # refusals
+            batch = TokenBatch(step_id=self.next_step_id, deltas=batch)
+        texts, stops, _unknown = self.outputs.process(batch)
         self.next_step_id += 1
         for stop in stops:  # a stop string matched: the scheduler frees it, as the service's abort does
             self.core.abort(stop.req_id)
@@ -168,10 +170,12 @@ def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingPara
         if refusals:
             raise ValueError(f"prompt {i}: {refusals[0].error}")
     while core.has_work():
-        deltas = core.step()
-        if deltas is None:
+        batch = core.step()
+        if batch is None:
             break
-        for d in deltas:
+        for req_id, token_id in zip(batch.plain_req_ids, batch.plain_token_ids):
+            outputs[req_id].append(token_id)
+        for d in batch.deltas:
             if d.finish_reason == "error":
                 raise RuntimeError(f"{d.req_id}: {d.error}")
             outputs[d.req_id].extend(d.token_ids)

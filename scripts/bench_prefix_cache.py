@@ -50,7 +50,7 @@ async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[
             t0 = time.perf_counter()
             await bh.submit(req_id, prompt, params)
             while not any(d.req_id == req_id and d.token_ids
-                          for d in decoder.decode(await bh.from_scheduler.recv()).deltas):
+                          for d in decoder.decode(await bh.from_scheduler.recv()).all_deltas()):
                 pass
             ttfts.append(time.perf_counter() - t0)
     return ttfts
@@ -71,7 +71,7 @@ async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: 
         kvmanager = bh.services[0]
         pending, peak = set(ids), 0
         while pending:
-            for d in decoder.decode(await bh.from_scheduler.recv()).deltas:
+            for d in decoder.decode(await bh.from_scheduler.recv()).deltas:  # finishes are never plain
                 if d.finish_reason is not None:
                     pending.discard(d.req_id)
             peak = max(peak, kvmanager.allocator.num_used_blocks)

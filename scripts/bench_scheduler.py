@@ -106,7 +106,7 @@ class FakeExecutor:
             if s[1] >= s[0]:
                 samplers.append(req_id)
                 s[0] += 1
-        return StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=[[7]] * len(samplers),
+        return StepResult(step_id=plan.step_id, req_ids=samplers, token_ids=[7] * len(samplers),
                           epoch=EPOCH)
 
 
@@ -138,6 +138,7 @@ async def run(args, ep: Endpoints) -> None:
     t0 = time.perf_counter()
     while finished < args.num_requests:
         batch = decoder.decode(await asyncio.wait_for(from_scheduler.recv(), 120))
+        num_tokens += len(batch.plain_token_ids)
         for delta in batch.deltas:
             num_tokens += len(delta.token_ids)
             finished += delta.finish_reason is not None
@@ -188,12 +189,12 @@ def in_process(args) -> None:
         plan_decoder.decode(data)
         t4 = clock()
         ids = [req.req_id for req in out.samplers]
-        reply = encode(StepResult(step_id=plan.step_id, req_ids=ids, sampled_token_ids=[[7]] * len(ids), epoch=EPOCH))
+        reply = encode(StepResult(step_id=plan.step_id, req_ids=ids, token_ids=[7] * len(ids), epoch=EPOCH))
         result = decoder.decode(reply)
         t5 = clock()
-        deltas = sched.update_from_result(out, result)
+        batch = sched.update_from_result(out, result)
         t6 = clock()
-        tokens = encode(TokenBatch(step_id=out.step_id, deltas=deltas))
+        tokens = encode(batch)
         t7 = clock()
         for name, t in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)):
             parts[name] += t

@@ -96,20 +96,26 @@ class FakeBackend:
             self.running[req_id] = [0, msg.sampling.max_tokens]
 
     def _step(self) -> TokenBatch:
-        deltas = []
+        """The scheduler's shape: a request's first and last deltas as structs, the others flat."""
+        deltas, plain_req_ids, plain_token_ids = [], [], []
         ids = self.token_ids
         for req_id, state in list(self.running.items()):
             num_sent, max_tokens = state
             state[0] = num_sent + 1
             done = state[0] >= max_tokens
-            deltas.append(TokenDelta(req_id=req_id, token_ids=[ids[num_sent % len(ids)]],
-                                     finish_reason="length" if done else None,
+            token_id = ids[num_sent % len(ids)]
+            if num_sent and not done:
+                plain_req_ids.append(req_id)
+                plain_token_ids.append(token_id)
+                continue
+            deltas.append(TokenDelta(req_id=req_id, token_ids=[token_id], finish_reason="length" if done else None,
                                      num_prompt_tokens=8 if num_sent == 0 else 0))
             if done:
                 del self.running[req_id]
         self.num_steps += 1
-        self.num_tokens += len(deltas)
-        return TokenBatch(step_id=self.num_steps, deltas=deltas)
+        self.num_tokens += len(deltas) + len(plain_req_ids)
+        return TokenBatch(step_id=self.num_steps, deltas=deltas, plain_req_ids=plain_req_ids,
+                          plain_token_ids=plain_token_ids)
 
     def close(self) -> None:
         for sock in (self.recv_from_tokenizer, self.send_to_tokenizer, *self.admins):

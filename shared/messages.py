@@ -149,7 +149,11 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
 
     step_id: int
     req_ids: list[str] = []
-    sampled_token_ids: list[list[int]] = []
+    # the sampled tokens of ``req_ids``, flat, request after request: ``num_sampled[i]`` of them for
+    # ``req_ids[i]``, or one each when ``num_sampled`` is empty (a step without drafts verified);
+    # ``sampled_token_ids()`` gives them per request
+    token_ids: list[int] = []
+    num_sampled: list[int] = []
     spec_token_ids: list[list[int]] = []  # per sampled request: its proposal for the next step
     logprobs: list[list[TokenLogprobs] | None] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
@@ -160,6 +164,23 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
     # result, compiled (``grammars_ready``) or not (``grammar_errors``: key -> why)
     grammars_ready: list[str] = []
     grammar_errors: dict[str, str] = {}
+
+    @staticmethod
+    def flat(sampled: list[list[int]]) -> dict:
+        """``token_ids`` and ``num_sampled`` for per-request token lists (keyword arguments)."""
+        if all(len(t) == 1 for t in sampled):
+            return {"token_ids": [t[0] for t in sampled]}
+        return {"token_ids": [x for t in sampled for x in t], "num_sampled": [len(t) for t in sampled]}
+
+    def sampled_token_ids(self) -> list[list[int]]:
+        """The sampled tokens per request (``req_ids`` order)."""
+        if not self.num_sampled:
+            return [[t] for t in self.token_ids]
+        out, at = [], 0
+        for n in self.num_sampled:
+            out.append(self.token_ids[at : at + n])
+            at += n
+        return out
 
 
 # --------------------------------------------------------------------------- request pipeline
@@ -273,10 +294,24 @@ class TokenDelta(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defau
 
 
 class TokenBatch(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="token_batch"):
-    """scheduler -> tokenizer: every request's new tokens of one step, in one message."""
+    """scheduler -> tokenizer: every request's new tokens of one step, in one message.
+
+    Most of a decode step's deltas are one token of a running request and nothing else (no
+    finish, counts or logprobs): those travel flat, ``plain_req_ids[i]`` got ``plain_token_ids[i]``,
+    and ``deltas`` holds the rest. A request is in one of the two at most."""
 
     step_id: int
-    deltas: list[TokenDelta]
+    deltas: list[TokenDelta] = []
+    plain_req_ids: list[str] = []
+    plain_token_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.deltas) + len(self.plain_req_ids)
+
+    def all_deltas(self) -> list[TokenDelta]:
+        """Every delta as a ``TokenDelta`` (the plain ones first)."""
+        plain = [TokenDelta(req_id=r, token_ids=[t]) for r, t in zip(self.plain_req_ids, self.plain_token_ids)]
+        return plain + self.deltas
 
 
 class TopLogprob(msgspec.Struct, gc=False, frozen=True, array_like=True):

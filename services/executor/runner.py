@@ -269,16 +269,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_idx))
         samplers = [req_ids[i] for i in np.flatnonzero(step.samples)] if not step.samples.all() else req_ids
         constrained, failed = self._matchers(samplers)
-        tokens, logprobs = self._sample(logits, step, samplers, plan, constrained)
+        sampled, logprobs = self._sample(logits, step, samplers, plan, constrained)
         if constrained:
-            self._advance_grammars(samplers, tokens)
+            self._advance_grammars(samplers, sampled.sampled_token_ids())
         spec = self._propose([self.requests[r] for r in samplers]) if self.proposer else []
         if failed:  # their grammar did not compile: no token (the scheduler ends them with the reason)
             keep = [i for i, r in enumerate(samplers) if r not in failed]
-            samplers, tokens, logprobs = [samplers[i] for i in keep], [tokens[i] for i in keep], [logprobs[i] for i in keep]
+            per_request = sampled.sampled_token_ids()
+            sampled = StepResult(step_id=plan.step_id, **StepResult.flat([per_request[i] for i in keep]))
+            samplers, logprobs = [samplers[i] for i in keep], [logprobs[i] for i in keep]
             spec = [spec[i] for i in keep] if spec else spec
-        return StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=tokens, logprobs=logprobs,
-                          prompt_logprobs=result_prompt_lp, spec_token_ids=spec)
+        return msgspec.structs.replace(sampled, req_ids=samplers, logprobs=logprobs, prompt_logprobs=result_prompt_lp,
+                                       spec_token_ids=spec)
 
     def _step_forward(self, plan: StepPlan):
         """The plan's diffs, copies and forward pass (and prompt logprobs): what every rank runs."""
@@ -338,9 +340,10 @@ class ModelRunner:
                     [samplers[i] for i in constrained])
 
     def _sample(self, logits: torch.Tensor, step: StepInputs, samplers: list[str], plan: StepPlan,
-                constrained: bool):
+                constrained: bool) -> tuple[StepResult, list]:
         """The batched sampler for the rows without drafts; verification (rejection sampling) for
-        the others. ``logits`` holds one row per plain sampler and ``drafts + 1`` per verifier."""
+        the others. ``logits`` holds one row per plain sampler and ``drafts + 1`` per verifier.
+        Returns the step's result with only its tokens set (flat), and the logprobs."""
         spec = step.num_spec[step.samples]  # per sampler
         plain = spec == 0
         num_logits = spec + 1
@@ -366,7 +369,7 @@ class ModelRunner:
         if self.appended is not None:
             self.appended.extend((samplers[i], [int(plain_tokens[j])]) for j, i in enumerate(plain_pos) if appends[j])
         if plain.all():
-            return [[t] for t in plain_tokens.tolist()], logprobs
+            return StepResult(step_id=plan.step_id, token_ids=plain_tokens.tolist()), logprobs
         tokens: list[list[int]] = [[] for _ in samplers]
         for i, t in zip(plain_pos, plain_tokens.tolist()):
             tokens[i] = [t]
@@ -374,7 +377,7 @@ class ModelRunner:
         for i, accepted in zip(spec_pos, self._verify(logits, [self.requests[samplers[i]] for i in spec_pos],
                                                        [int(offsets[i]) for i in spec_pos], plan)):
             tokens[i] = accepted
-        return tokens, logprobs
+        return StepResult(step_id=plan.step_id, **StepResult.flat(tokens)), logprobs
 
     def _sample_plain(self, logits: torch.Tensor, step: StepInputs, matchers: list | None) -> torch.Tensor:
         rows, batch = step.sample_rows, self.batch

@@ -21,6 +21,7 @@ from folio.shared.messages import (
     NewRequestData,
     RunningRequestData,
     StepPlan,
+    TokenBatch,
     StepResult,
     TokenDelta,
 )
@@ -113,11 +114,15 @@ class ExecutorExchange:
     def kv_request(self, out: StepOutput, generation: int) -> KVStepRequest:
         return KVStepRequest(step_id=out.step_id, generation=generation, ops=out.ops)
 
-    def update_from_result(self, out: StepOutput, result: StepResult) -> list[TokenDelta]:
-        """Append sampled tokens, finish requests that are done; one delta per request that moved.
-        A request's first delta after each admission carries its prompt and cached token counts
-        (and the first its queue time); later ones carry just their tokens, unless they finish."""
+    def update_from_result(self, out: StepOutput, result: StepResult) -> TokenBatch:
+        """Append sampled tokens, finish requests that are done; one delta per request that moved,
+        in the step's ``TokenBatch`` for the tokenizer. A request's first delta after each
+        admission carries its prompt and cached token counts (and the first its queue time);
+        later ones carry just their tokens, unless they finish: those go into the batch's flat
+        plain arrays."""
         deltas: list[TokenDelta] = self._grammar_reports(result)
+        plain_req_ids: list[str] = []
+        plain_token_ids: list[int] = []
         groups: list[BeamGroup] = []
         requests, finished_status = self.requests, Status.FINISHED
         samplers = out.samplers
@@ -126,26 +131,34 @@ class ExecutorExchange:
         num_generated = num_finished = 0
         # most steps: one token per request and nothing else (no logprobs, drafts or proposals);
         # those requests take this loop's inline path, the rest ``_update_one``
-        plain = not (result.logprobs or result.spec_token_ids or result.prompt_logprobs or out.spec_token_ids)
-        for idx, (req_id, sampled) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
+        plain = not (result.logprobs or result.spec_token_ids or result.prompt_logprobs or out.spec_token_ids
+                     or result.num_sampled)
+        token_ids, num_sampled, at = result.token_ids, result.num_sampled, 0
+        for idx, req_id in enumerate(result.req_ids):
             req = requests.get(req_id)
-            if req is None or req.status is finished_status:
-                continue  # aborted while the step ran
-            if plain and req.group is None and len(sampled) == 1 and req.counts_sent:
+            if plain and req is not None and req.group is None and req.counts_sent and req.status is not finished_status:
                 if req.spec_token_ids:
                     req.spec_token_ids = []
-                token_id = sampled[0]
+                token_id = token_ids[idx]
                 output = req.output_token_ids
                 output.append(token_id)
                 num_generated += 1
                 sp = req.sampling
                 if not (token_id in req.stop_token_ids or (token_id == req.eos_token_id and not sp.ignore_eos)
                         or len(output) >= sp.max_tokens):
-                    deltas.append(TokenDelta(req_id=req_id, token_ids=sampled))
+                    plain_req_ids.append(req_id)
+                    plain_token_ids.append(token_id)
                     continue
-                deltas.append(TokenDelta(req_id=req_id, token_ids=sampled, finish_reason=req.stop_reason(token_id)))
+                deltas.append(TokenDelta(req_id=req_id, token_ids=[token_id], finish_reason=req.stop_reason(token_id)))
                 self.release(req)
             else:
+                if num_sampled:  # several tokens for some request: this one's run of them
+                    sampled = token_ids[at : at + num_sampled[idx]]
+                    at += num_sampled[idx]
+                else:
+                    sampled = token_ids[idx : idx + 1]
+                if req is None or req.status is finished_status:
+                    continue  # aborted while the step ran
                 num_generated += self._update_one(req, idx, sampled, result, out, deltas, groups)
                 if req.status is not finished_status:
                     continue
@@ -161,7 +174,8 @@ class ExecutorExchange:
             released |= self._fail_unreported(out, result, deltas)
         if released:
             self.running = [r for r in self.running if r.status is not finished_status]
-        return deltas
+        return TokenBatch(step_id=out.step_id, deltas=deltas, plain_req_ids=plain_req_ids,
+                          plain_token_ids=plain_token_ids)
 
     def _update_one(self, req: Request, idx: int, sampled: list[int], result: StepResult, out: StepOutput,
                     deltas: list[TokenDelta], groups: list[BeamGroup]) -> int:

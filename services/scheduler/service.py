@@ -140,12 +140,12 @@ class SchedulerService:
             await self.new_epoch("the executor restarted")
             return True
         in_flight.popleft()
-        deltas = sched.update_from_result(out, result)
+        batch = sched.update_from_result(out, result)
         t3 = time.perf_counter()
         await self.plan_ahead()  # the executor waits for that one, the tokenizer a moment longer
         t4 = time.perf_counter()
-        if deltas:
-            await self.push_deltas(out.step_id, deltas)
+        if batch:
+            await self.send_to_tokenizer.send(encode(batch))
         t5 = time.perf_counter()
         timers["plan_seconds_total"] += t4 - t3
         timers["update_seconds_total"] += (t3 - t2) + (t5 - t4)

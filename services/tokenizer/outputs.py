@@ -142,9 +142,9 @@ class OutputProcessor:
         """(text deltas for the gateway, stop-string aborts for the scheduler, unknown req ids).
 
         One pass over the step's deltas. Most of them are one decoded token of a running request
-        that needs nothing but its text (no stop strings, logprobs, echo or finish): those take a
-        short path straight to their ``TextDelta``; the others fold through ``_apply``, which
-        gives the same text for the same tokens.
+        (the batch's flat plain arrays) that needs nothing but its text (no stop strings, logprobs
+        or echo): those take a short path straight to their ``TextDelta``; the others fold through
+        ``_apply``, which gives the same text for the same tokens.
 
         Unknown ids are normal right after a stop string or a client abort: the scheduler's step
         was already under way when it heard of it.
@@ -153,15 +153,26 @@ class OutputProcessor:
         aborts: list[AbortRequest] = []
         unknown: list[str] = []
         requests = self.requests
+        for req_id, token_id in zip(batch.plain_req_ids, batch.plain_token_ids):
+            state = requests.get(req_id)
+            if state is None:
+                unknown.append(req_id)
+            elif state.plain and req_id not in outputs:
+                state.num_output_tokens += 1
+                outputs[req_id] = TextDelta(
+                    req_id=req_id, text=state.detokenizer.add(token_id), token_ids=[token_id],
+                    num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=state.num_output_tokens,
+                    num_cached_tokens=state.num_cached_tokens)
+            else:
+                self._fold(state, TokenDelta(req_id=req_id, token_ids=[token_id]), outputs, aborts)
         for delta in batch.deltas:
             req_id = delta.req_id
             state = requests.get(req_id)
             if state is None:
                 unknown.append(req_id)
                 continue
-            out = outputs.get(req_id)
             token_ids = delta.token_ids
-            if (out is None and state.plain and len(token_ids) == 1 and delta.finish_reason is None
+            if (state.plain and req_id not in outputs and len(token_ids) == 1 and delta.finish_reason is None
                     and delta.logprobs is None and delta.prompt_logprobs is None and delta.queue_time_s is None
                     and not delta.num_prompt_tokens):
                 state.num_output_tokens += 1
@@ -170,20 +181,26 @@ class OutputProcessor:
                     num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=state.num_output_tokens,
                     num_cached_tokens=state.num_cached_tokens)
                 continue
-            if out is None:
-                out = outputs[req_id] = _Pending()
-            elif isinstance(out, TextDelta):  # its second delta in this batch: fold the first in
-                out = outputs[req_id] = _Pending(text=[out.text], token_ids=list(out.token_ids))
-            if out.finish_reason is not None:
-                continue  # finished earlier in this same batch (a stop string)
-            if self._apply(state, delta, out) and delta.finish_reason is None:
-                aborts.append(AbortRequest(req_id=req_id, reason="stop"))
+            self._fold(state, delta, outputs, aborts)
         deltas = [out if isinstance(out, TextDelta) else self._text_delta(requests[req_id], out)
                   for req_id, out in outputs.items()]
         for req_id, out in outputs.items():
             if out.finish_reason is not None:
                 del requests[req_id]
         return deltas, aborts, unknown
+
+    def _fold(self, state: RequestState, delta: TokenDelta, outputs: dict, aborts: list[AbortRequest]) -> None:
+        """``process`` for a delta off its short path: fold it into the request's pending output."""
+        req_id = delta.req_id
+        out = outputs.get(req_id)
+        if out is None:
+            out = outputs[req_id] = _Pending()
+        elif isinstance(out, TextDelta):  # its second delta in this batch: fold the first in
+            out = outputs[req_id] = _Pending(text=[out.text], token_ids=list(out.token_ids))
+        if out.finish_reason is not None:
+            return  # finished earlier in this same batch (a stop string)
+        if self._apply(state, delta, out) and delta.finish_reason is None:
+            aborts.append(AbortRequest(req_id=req_id, reason="stop"))
 
     def _apply(self, state: RequestState, delta: TokenDelta, out: _Pending) -> bool:
         """Fold one TokenDelta into ``out``; True when a stop string ended the request."""

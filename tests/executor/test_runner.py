@@ -74,7 +74,7 @@ def test_prompt_logprobs_match_a_full_forward_across_chunks(tiny_model_dir):
         assert lps[i].logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
         assert lps[i].top_token_ids == ref[i - 1].topk(2).indices.tolist()
     sampled = result.logprobs[0][0]
-    assert sampled.token_id == result.sampled_token_ids[0][0] == int(ref[-1].argmax())
+    assert sampled.token_id == result.token_ids[0] == int(ref[-1].argmax())
     assert len(sampled.top_token_ids) == 3 and sampled.rank == 1
 
 

@@ -83,7 +83,7 @@ def generate(
         )
         finished = []
         by_id = {s.req_id: s for s in seqs}
-        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids()):
             s = by_id[req_id]
             s.output.extend(tokens)
             hit_eos = eos_token_id is not None and tokens[-1] == eos_token_id and not s.params.ignore_eos

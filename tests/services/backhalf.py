@@ -70,7 +70,7 @@ class BackHalf:
         while pending:
             batch = decoder.decode(await asyncio.wait_for(self.from_scheduler.recv(), timeout_s))
             self.batches.append(batch)
-            for delta in batch.deltas:
+            for delta in batch.all_deltas():
                 if delta.req_id not in tokens:
                     continue
                 tokens[delta.req_id].extend(delta.token_ids)

@@ -47,10 +47,10 @@ class LocalEngine(EngineCore):
         self.plans.append(plan)
 
     def step(self) -> bool:
-        deltas = super().step()
-        if deltas is None:
+        batch = super().step()
+        if batch is None:
             return False
-        self._record(deltas)
+        self._record(batch.all_deltas())
         return True
 
     def run(self, max_steps: int = 100_000) -> dict[str, Output]:

@@ -55,7 +55,7 @@ async def test_a_shared_prefix_is_computed_once_and_changes_nothing(smollm_dir, 
         out_b = (await bh.collect(["cached-b"]))["cached-b"][0]
         after = await counters(bh)
         kv = (await bh.admin("kvmanager", "stats")).data
-        deltas = [d for batch in bh.batches for d in batch.deltas if d.req_id == "cached-b"]
+        deltas = [d for batch in bh.batches for d in batch.all_deltas() if d.req_id == "cached-b"]
     num_cached = after["num_cached_tokens_total"] - before["num_cached_tokens_total"]
     num_computed = after["num_scheduled_tokens_total"] - before["num_scheduled_tokens_total"]
     assert num_cached == 992  # 62 full blocks of the 1,000-token prefix

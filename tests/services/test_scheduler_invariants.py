@@ -109,14 +109,14 @@ def test_scheduler_keeps_its_promises(async_scheduling, reqs, num_blocks, budget
             sampled.append([0 if first + k == eos_at else token_of(r.req_id)
                             for k in range(rng.randint(0, len(drafts)) + 1)])
             proposals.append([token_of(r.req_id)] * rng.randint(0, 3) if speculate else [])
-        in_flight.append((out, StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=sampled,
+        in_flight.append((out, StepResult(step_id=plan.step_id, req_ids=req_ids, **StepResult.flat(sampled),
                                           spec_token_ids=proposals)))
 
     delivered = [0]  # tokens the deltas carried, aborted requests' included
 
     def receive() -> None:
         out, result = in_flight.popleft()
-        for delta in sched.update_from_result(out, result):
+        for delta in sched.update_from_result(out, result).all_deltas():
             delivered[0] += len(delta.token_ids)
             finished.setdefault(delta.req_id, []).extend(delta.token_ids)
 

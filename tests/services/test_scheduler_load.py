@@ -77,7 +77,7 @@ async def test_drain_finishes_accepted_work_and_refuses_new_requests(tiny_model_
         await bh.submit("during", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=4))
         outputs = await bh.collect(["before", "during"])
         assert outputs["during"] == ([], "error") and len(outputs["before"][0]) == 40
-        refusal = next(d for b in bh.batches for d in b.deltas if d.req_id == "during")
+        refusal = next(d for b in bh.batches for d in b.all_deltas() if d.req_id == "during")
         assert refusal.error_code == 503 and "draining" in refusal.error
         assert (await bh.admin("scheduler", "stats")).data["draining"] is True
         assert (await bh.admin("scheduler", "resume")).data == {"draining": False}

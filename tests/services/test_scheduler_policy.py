@@ -18,6 +18,7 @@ from folio.shared.messages import (
     PoolInfo,
     SamplingParams,
     StepResult,
+    TokenDelta,
 )
 from tests.services.kv_owner import Owner
 
@@ -35,15 +36,20 @@ def request(req_id, num_prompt, max_tokens=4, **sampling):
                          sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling), eos_token_id=0)
 
 
-def step(sched, alloc: Owner, token=7):
-    """One step; every request that catches up samples ``token``. Returns (plan, deltas)."""
+def step_batch(sched, alloc: Owner, token=7):
+    """One step; every request that catches up samples ``token``. Returns (plan, its TokenBatch)."""
     out = sched.schedule()
     alloc.apply(out, sched.alloc)
     plan = sched.build_plan(out)
     samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
-    deltas = sched.update_from_result(out, StepResult(step_id=plan.step_id, req_ids=samplers,
-                                                      sampled_token_ids=[[token]] * len(samplers)))
-    return plan, deltas
+    return plan, sched.update_from_result(out, StepResult(step_id=plan.step_id, req_ids=samplers,
+                                                          token_ids=[token] * len(samplers)))
+
+
+def step(sched, alloc: Owner, token=7):
+    """``step_batch`` with the batch's deltas as ``TokenDelta``s."""
+    plan, batch = step_batch(sched, alloc, token)
+    return plan, batch.all_deltas()
 
 
 def test_token_budget_chunks_prefills_and_running_requests_go_first():
@@ -94,24 +100,22 @@ def test_preempts_the_newest_running_request_and_resumes_it_with_its_tokens():
 
 def test_only_the_first_delta_after_each_admission_carries_the_counts():
     """A request's prompt and cached counts and its queue time ride on its first delta after it is
-    admitted (again after a preemption); the others carry their tokens alone, so that they encode
-    small and take the tokenizer's short path (which needs deltas without counts)."""
+    admitted (again after a preemption); its other tokens travel in the batch's flat plain arrays
+    (no struct each), which the tokenizer takes on its short path."""
     sched, alloc = make(num_blocks=4, block_size=2, max_num_batched_tokens=64)
     sched.add_request(request("old", 3, max_tokens=4))
     sched.add_request(request("new", 2, max_tokens=4))
-    seen = []
+    seen = []  # new's deltas: (a TokenDelta or the plain token)
     for _ in range(5):
-        _, deltas = step(sched, alloc)
-        seen += [d for d in deltas if d.req_id == "new"]
+        _, batch = step_batch(sched, alloc)
+        seen += [d for d in batch.deltas if d.req_id == "new"]
+        seen += [t for r, t in zip(batch.plain_req_ids, batch.plain_token_ids) if r == "new"]
+        assert not {d.req_id for d in batch.deltas} & set(batch.plain_req_ids)
     assert sched.counters["num_preemptions"] == 1  # new was preempted once and admitted again
-    carrying = [i for i, d in enumerate(seen) if d.num_prompt_tokens]
-    assert carrying == [0, 2]  # its first delta, then its first after re-admission
-    for i, d in enumerate(seen):
-        if i in carrying:
-            continue
-        assert d.queue_time_s is None and not d.num_cached_tokens
-        if d.finish_reason is None:
-            assert set(msgspec.msgpack.decode(msgspec.msgpack.encode(d))) == {"req_id", "token_ids"}
+    structs = [i for i, d in enumerate(seen) if isinstance(d, TokenDelta)]
+    assert structs == [0, 2, 3]  # its first delta, its first after re-admission, its last (it finished)
+    assert seen[0].num_prompt_tokens == seen[2].num_prompt_tokens == 2 and seen[3].finish_reason == "length"
+    assert seen[1] == 7 and not seen[3].num_prompt_tokens
 
 
 def test_refuses_what_can_never_fit():
@@ -183,11 +187,10 @@ def test_a_step_planned_ahead_decodes_placeholders_and_leaves_out_last_tokens():
     # the first step's blocks stay unconfirmed while it runs
     assert not [op for op in ahead.ops if isinstance(op, KVConfirm)] and list(sched.alloc.unconfirmed) == ["a", "b"]
     deltas = sched.update_from_result(first, StepResult(step_id=first.step_id, req_ids=["a", "b"],
-                                                        sampled_token_ids=[[0], [9]]))
+                                                        token_ids=[0, 9])).all_deltas()
     assert [(d.req_id, d.token_ids, d.finish_reason) for d in deltas] == [("a", [0], "stop"), ("b", [9], "length")]
     # a stopped on EOS in the first step: its token from the step ahead is dropped, never emitted
-    assert sched.update_from_result(ahead, StepResult(step_id=ahead.step_id, req_ids=["a"],
-                                                      sampled_token_ids=[[5]])) == []
+    assert not sched.update_from_result(ahead, StepResult(step_id=ahead.step_id, req_ids=["a"], token_ids=[5]))
     last = sched.schedule()
     alloc.apply(last, sched.alloc)
     assert sched.build_plan(last).finished_req_ids == ["a", "b"] and alloc.num_free_blocks == 16
@@ -241,7 +244,7 @@ def test_a_step_planned_ahead_that_needs_a_preemption_stops_and_the_next_waits()
     assert sched.schedule(first) is None and sched.counters["num_preemptions"] == 0
     assert sched.needs_sync and not sched.can_plan_ahead(first)
     sched.update_from_result(first, StepResult(step_id=first.step_id, req_ids=list("abc"),
-                                               sampled_token_ids=[[7]] * 3))
+                                               token_ids=[7] * 3))
     out = sched.schedule()  # after the result: the last in line gives way
     alloc.apply(out, sched.alloc)
     assert [r.req_id for r, _ in out.scheduled] == ["a"] and sched.counters["num_preemptions"] == 2

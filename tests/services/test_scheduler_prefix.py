@@ -32,8 +32,8 @@ def step(sched, alloc, token=7, fail=()):
     plan = sched.build_plan(out)
     samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens and r.req_id not in fail]
     deltas = sched.update_from_result(out, StepResult(step_id=plan.step_id, req_ids=samplers,
-                                                      sampled_token_ids=[[token]] * len(samplers)))
-    return plan, deltas
+                                                      token_ids=[token] * len(samplers)))
+    return plan, deltas.all_deltas()
 
 
 PREFIX = list(range(10, 22))  # 12 tokens: 3 full blocks of 4
@@ -120,8 +120,8 @@ def test_with_prefix_hits_the_replica_stays_the_owners_and_every_request_complet
         assert sum(plan.num_scheduled_tokens.values()) <= budget
         assert all(n > 0 for n in plan.num_scheduled_tokens.values())
         samplers = [r.req_id for r, _ in out.scheduled if r.num_computed_tokens == r.num_tokens]
-        result = StepResult(step_id=plan.step_id, req_ids=samplers, sampled_token_ids=[[5]] * len(samplers))
-        for delta in sched.update_from_result(out, result):
+        result = StepResult(step_id=plan.step_id, req_ids=samplers, token_ids=[5] * len(samplers))
+        for delta in sched.update_from_result(out, result).all_deltas():
             finished.setdefault(delta.req_id, []).extend(delta.token_ids)
     assert {r: len(t) for r, t in finished.items()} == expected
     out = sched.schedule()

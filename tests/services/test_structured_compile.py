@@ -126,7 +126,7 @@ async def test_a_new_schema_with_a_short_prompt_never_stalls_the_others(chat_mod
             while True:
                 batch = decoder.decode(await bh.from_scheduler.recv())
                 now = time.perf_counter()
-                for d in batch.deltas:
+                for d in batch.all_deltas():
                     if d.token_ids:
                         arrivals[d.req_id].append(now)
                         tokens[d.req_id].extend(d.token_ids)

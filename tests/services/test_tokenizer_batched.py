@@ -1,8 +1,9 @@
 """The tokenizer's one-pass step (``OutputProcessor.process``) gives exactly the text of the
 general per-token fold it shortcuts: random steps of many requests (characters split across
 tokens, stop strings, logprobs, echo, n > 1 choices of one prompt, several tokens per delta and
-several deltas per request in one step, EOS and length finishes) go through a processor that
-takes the short path and one that never does; every batch must come out identical."""
+several deltas per request in one step, plain deltas sent flat, EOS and length finishes) go
+through a processor that takes the short path and one that never does; every batch must come out
+identical."""
 
 from __future__ import annotations
 
@@ -64,22 +65,31 @@ def _steps(tok, specs, data) -> list[TokenBatch]:
             remaining[f"r{i}-{c}"] = (list(ids[c:] or ids), spec)
     batches, step_id = [], 0
     while remaining:
-        deltas = []
+        deltas, plain_req_ids, plain_token_ids = [], [], []
         for req_id in list(remaining):
             ids, spec = remaining[req_id]
+            mine = []
             for _ in range(data.draw(st.sampled_from([1, 1, 1, 2, 0]), label="num deltas")):
                 if not ids:
                     break
                 take = data.draw(st.sampled_from([1, 1, 1, 2, 3]), label="num tokens")
                 token_ids, ids = ids[:take], ids[take:]
                 lps = [_logprobs(t, spec["logprobs"]) for t in token_ids] if spec["logprobs"] else None
-                deltas.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=lps,
-                                         finish_reason=None if ids else spec["finish"],
-                                         num_prompt_tokens=4 if step_id == 0 else 0))
+                mine.append(TokenDelta(req_id=req_id, token_ids=token_ids, logprobs=lps,
+                                       finish_reason=None if ids else spec["finish"],
+                                       num_prompt_tokens=4 if step_id == 0 else 0))
+            # as the scheduler sends them: a lone delta of one token and nothing else may go flat
+            if (len(mine) == 1 and len(mine[0].token_ids) == 1 and mine[0].logprobs is None and step_id
+                    and mine[0].finish_reason is None and data.draw(st.booleans(), label="flat")):
+                plain_req_ids.append(req_id)
+                plain_token_ids.append(mine[0].token_ids[0])
+            else:
+                deltas += mine
             remaining[req_id] = (ids, spec)
             if not ids:
                 del remaining[req_id]
-        batches.append(TokenBatch(step_id=step_id, deltas=deltas))
+        batches.append(TokenBatch(step_id=step_id, deltas=deltas, plain_req_ids=plain_req_ids,
+                                  plain_token_ids=plain_token_ids))
         step_id += 1
     return batches
 
@@ -121,3 +131,6 @@ def test_the_short_path_is_taken_for_plain_decode_steps(tok):
     for step, token_id in enumerate(ids):
         fast.process(TokenBatch(step_id=step, deltas=[TokenDelta(req_id="a", token_ids=[token_id])]))
     assert len(calls) == 1  # only the first step (it carries the request's first delta)
+    for step, token_id in enumerate(ids):  # flat, as the scheduler sends plain deltas
+        fast.process(TokenBatch(step_id=step, plain_req_ids=["a"], plain_token_ids=[token_id]))
+    assert len(calls) == 1
