@@ -45,7 +45,8 @@ BLOCK = 64  # csrc/sampler.c's BLOCK
 _i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
 FUNCTIONS = {  # every exported function's arguments (they all return void)
     # csrc/sampler.c
-    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64] + [_ptr] * 4 + [_i64, _u64, _ptr, _ptr],
+    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _u64, _ptr,
+                     _ptr],
     "folio_record_penalties": [_i64, _i64] + [_ptr] * 8,
     "folio_exp_nonpositive": [_i64, _ptr, _ptr],
     # csrc/layers.c
@@ -171,7 +172,7 @@ def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bi
     out = torch.empty(m, dtype=torch.int64)
     pen_ld = bias.stride(0) if bias is not None else rep.stride(0) if rep is not None else vocab
     lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, flags.ctypes.data, params.ctypes.data,
-                     params.shape[1], _columns().ctypes.data, _addr(bias), _addr(rep), None, pen_ld, _seed(),
+                     params.shape[1], _columns().ctypes.data, _addr(bias), _addr(rep), 0, None, pen_ld, _seed(),
                      out.data_ptr(), _scratch_for(vocab).ctypes.data)
     return out
 
@@ -204,8 +205,9 @@ class TableSampler:
             self._pointers = (greedy.ctypes.data, params.ctypes.data)
         m = len(rows)
         out = torch.empty(m, dtype=torch.int64)
-        tables = (penalties.bias.data_ptr(), penalties.rep.data_ptr(), penalties.counts.data_ptr()) \
-            if penalties.allocated else (None, None, None)
+        # the rep table is only written: a seen token's bias entry has a bit set (penalties.py)
+        tables = (penalties.bias.data_ptr(), penalties.rep.data_ptr(), 1, penalties.counts.data_ptr()) \
+            if penalties.allocated else (None, None, 0, None)
         self._lib.folio_sample(m, self.vocab, logits.data_ptr(), logits.stride(0), rows.data_ptr(), self._pointers[0],
                                self._pointers[1], params.shape[1], self._columns_ptr, *tables, self.vocab, _seed(),
                                out.data_ptr(), self._scratch_ptr)

@@ -7,6 +7,11 @@ The runner's persistent batch gives each request a row; ``PenaltyState`` keeps, 
 - ``rep`` [rows, vocab] fp32: the repetition penalty on prompt and output tokens, 1 elsewhere (a
   float table rather than a mask: ``sampler.process_logits`` applies it as ``min(l / rep, l * rep)``,
   with no boolean select, which torch's CPU kernels run several times slower than arithmetic).
+The bias entry of a token the request has seen (prompt or output) always has a bit set: the
+penalty, or -0.0 where it is zero; a token never seen holds +0.0. That makes the bias table alone
+tell which tokens the repetition penalty applies to, so the CPU kernel reads one [vocab] row per
+request instead of two (at batch 256 and vocabulary 512 the two were 1 MB a step, pushing the rest
+of the step's data out of the core's cache); ``rep`` is kept for the torch path.
 A request that joins writes its row once from its history; each step adds the sampled tokens with
 a few index operations over the sampled rows, so nothing is rebuilt from whole outputs. The tensors
 live on the executor's device and are allocated on first use (a batch that never asks for a
@@ -35,13 +40,21 @@ def _row_tensors(vocab: int, params, prompt_ids, output_ids, device) -> tuple[to
         ids = torch.as_tensor(output_ids, dtype=torch.long, device=device)
         counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
     generated = counts > 0
-    bias = -(params.frequency_penalty * counts.float() + params.presence_penalty * generated.float())
+    seen = generated.clone()
+    if len(prompt_ids):
+        seen[torch.as_tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    frequency, presence = neutral_zero(params.frequency_penalty), neutral_zero(params.presence_penalty)
+    bias = -(frequency * counts.float() + presence * generated.float())  # -0.0 where nothing was generated
+    bias = torch.where(seen, bias, torch.zeros_like(bias))  # +0.0 where the token was never seen
     rep = torch.ones(vocab, dtype=torch.float32, device=device)
     if params.repetition_penalty != 1.0:
-        rep[generated] = params.repetition_penalty
-        if len(prompt_ids):
-            rep[torch.as_tensor(prompt_ids, dtype=torch.long, device=device)] = params.repetition_penalty
+        rep[seen] = params.repetition_penalty
     return counts, bias, rep
+
+
+def neutral_zero(x: float) -> float:
+    """x, with a -0.0 made +0.0: a bias entry of -(0 * count + 0) must come out -0.0 (seen)."""
+    return x + 0.0
 
 
 def tensors_from_rows(rows, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:

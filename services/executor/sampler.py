@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from folio.services.executor import cpu_kernels
-from folio.services.executor.penalties import has_penalties, tensors_from_rows
+from folio.services.executor.penalties import has_penalties, neutral_zero, tensors_from_rows
 from folio.services.executor.structured import apply_grammar_masks
 from folio.shared.messages import SamplingParams, TokenLogprobs
 
@@ -99,8 +99,8 @@ def param_row(params: SamplingParams, vocab_size: int) -> list[float]:
     """One row of ``SamplingBatch.params``; a greedy row keeps temperature 1 (it never divides)."""
     top_k = vocab_size if params.top_k is None else min(params.top_k, vocab_size)
     temperature = 1.0 if params.greedy else params.temperature
-    return [temperature, params.top_p, params.min_p, params.presence_penalty, params.frequency_penalty,
-            params.repetition_penalty, float(top_k)]
+    return [temperature, params.top_p, params.min_p, neutral_zero(params.presence_penalty),
+            neutral_zero(params.frequency_penalty), params.repetition_penalty, float(top_k)]
 
 
 @dataclass

@@ -104,11 +104,14 @@ static inline __attribute__((always_inline)) float above(float *w, int64_t vocab
 }
 
 /* w = the row with its penalties, times scale; returns max(w) and each block's maximum in
- * block_max. Called with constant flags, so that each combination compiles to a loop of its own */
+ * block_max. rep_mode: 0 no repetition penalty, 1 rp[j] per token, 2 the row's penalty rep on the
+ * tokens whose bias entry has any bit set (seen: the penalty state writes -0.0 or the additive
+ * penalty there, +0.0 only for tokens never seen). Called with constant flags, so that each
+ * combination compiles to a loop of its own */
 static inline __attribute__((always_inline)) float penalise(const float *restrict l, const float *restrict rp,
-                                                            const float *restrict bp, float scale,
+                                                            const float *restrict bp, float rep, float scale,
                                                             float *restrict w, int64_t vocab, float *block_max,
-                                                            int has_rep, int has_bias) {
+                                                            int rep_mode, int add_bias) {
     float mx = -INFINITY;
     for (int64_t b = 0; b * BLOCK < vocab; b++) {
         int64_t end = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab;
@@ -116,8 +119,14 @@ static inline __attribute__((always_inline)) float penalise(const float *restric
 #pragma omp simd reduction(max : bm)
         for (int64_t j = b * BLOCK; j < end; j++) {
             float x = l[j];
-            if (has_rep) x = x > 0.0f ? x / rp[j] : x * rp[j];
-            if (has_bias) x = x + bp[j];
+            if (rep_mode == 1) x = x > 0.0f ? x / rp[j] : x * rp[j];
+            if (rep_mode == 2) {
+                uint32_t bits;
+                memcpy(&bits, &bp[j], sizeof bits);
+                const float r = bits != 0u ? rep : 1.0f;
+                x = x > 0.0f ? x / r : x * r;
+            }
+            if (add_bias) x = x + bp[j];
             x = x * scale;
             w[j] = x;
             bm = x > bm ? x : bm;
@@ -128,24 +137,26 @@ static inline __attribute__((always_inline)) float penalise(const float *restric
     return mx;
 }
 
-/* One row's token: l is its logits, rp/bp its repetition and additive penalties (NULL: none).
- * w and block_max are the scratch row and its per-block maxima. */
+/* One row's token: l is its logits; its penalties as penalise() reads them (rep_mode, rp, rep;
+ * bp added when add_bias). w and block_max are the scratch row and its per-block maxima. */
 static inline __attribute__((always_inline)) int64_t draw_row(const float *l, const float *rp, const float *bp,
-                                                              int greedy, float temperature, float top_p,
-                                                              float min_p, uint64_t state, int64_t vocab, float *w,
+                                                              float rep, int rep_mode, int add_bias, int greedy,
+                                                              float temperature, float top_p, float min_p,
+                                                              uint64_t state, int64_t vocab, float *w,
                                                               float *block_max) {
     /* penalties (the torch path's arithmetic, bit for bit), then the temperature (a multiply:
      * these rows draw, nothing compares them with the torch path's bits) */
     const float scale = greedy ? 1.0f : 1.0f / temperature;
     float mx;
-    if (rp != NULL && bp != NULL)
-        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 1, 1);
-    else if (rp != NULL)
-        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 1, 0);
-    else if (bp != NULL)
-        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 0, 1);
+    if (rep_mode == 1)
+        mx = add_bias ? penalise(l, rp, bp, rep, scale, w, vocab, block_max, 1, 1)
+                      : penalise(l, rp, bp, rep, scale, w, vocab, block_max, 1, 0);
+    else if (rep_mode == 2)
+        mx = add_bias ? penalise(l, rp, bp, rep, scale, w, vocab, block_max, 2, 1)
+                      : penalise(l, rp, bp, rep, scale, w, vocab, block_max, 2, 0);
     else
-        mx = penalise(l, rp, bp, scale, w, vocab, block_max, 0, 0);
+        mx = add_bias ? penalise(l, rp, bp, rep, scale, w, vocab, block_max, 0, 1)
+                      : penalise(l, rp, bp, rep, scale, w, vocab, block_max, 0, 0);
     if (greedy) { /* the first index of the maximum: in the first block that holds it */
         for (int64_t b = 0; b * BLOCK < vocab; b++) {
             if (!(block_max[b] == mx)) continue;
@@ -183,24 +194,28 @@ static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float 
  * greedy [*] (0/1); params [*, params_ld] with the temperature, top-p, min-p, presence,
  * frequency and repetition penalties in the columns of cols [6]; bias and rep [*, pen_ld] (NULL:
  * no such penalty), read only for the rows whose own penalties are not neutral (a neutral row's
- * are zero and one). counts [*, pen_ld] int32: NULL, or the penalty state to record each drawn
- * token into (as folio_record_penalties, for the penalised rows). out [m]; scratch: vocab +
- * vocab / BLOCK + 1 floats */
+ * are zero and one); with rep_from_bias the rep table is not read at all: a row's repetition
+ * penalty applies to the tokens whose bias entry has a bit set (penalise()). counts [*, pen_ld]
+ * int32: NULL, or the penalty state to record each drawn token into (as folio_record_penalties,
+ * for the penalised rows). out [m]; scratch: vocab + vocab / BLOCK + 1 floats */
 void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
                   const uint8_t *greedy, const float *params, int64_t params_ld, const int64_t *cols, float *bias,
-                  float *rep, int32_t *counts, int64_t pen_ld, uint64_t seed, int64_t *out, float *scratch) {
+                  float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, uint64_t seed, int64_t *out,
+                  float *scratch) {
     float *w = scratch, *block_max = scratch + vocab;
     for (int64_t r = 0; r < m; r++) {
         const int64_t row = rows != NULL ? rows[r] : r;
         const float *param = params + row * params_ld;
         const float presence = param[cols[3]], frequency = param[cols[4]], repetition = param[cols[5]];
-        float *rp = rep != NULL && repetition != 1.0f ? rep + row * pen_ld : NULL;
-        float *bp = bias != NULL && (presence != 0.0f || frequency != 0.0f) ? bias + row * pen_ld : NULL;
-        const int64_t token = draw_row(logits + r * ld, rp, bp, greedy[row], param[cols[0]], param[cols[1]],
-                                       param[cols[2]], splitmix64(seed ^ splitmix64((uint64_t)r)), vocab, w,
-                                       block_max);
+        const int has_rep = repetition != 1.0f && (rep_from_bias ? bias != NULL : rep != NULL);
+        const int add_bias = bias != NULL && (presence != 0.0f || frequency != 0.0f);
+        const int rep_mode = !has_rep ? 0 : rep_from_bias ? 2 : 1;
+        const int64_t token = draw_row(logits + r * ld, rep != NULL ? rep + row * pen_ld : NULL,
+                                       bias != NULL ? bias + row * pen_ld : NULL, repetition, rep_mode, add_bias,
+                                       greedy[row], param[cols[0]], param[cols[1]], param[cols[2]],
+                                       splitmix64(seed ^ splitmix64((uint64_t)r)), vocab, w, block_max);
         out[r] = token;
-        if (counts != NULL && bias != NULL && rep != NULL && (rp != NULL || bp != NULL))
+        if (counts != NULL && bias != NULL && rep != NULL && (has_rep || add_bias))
             record_one(row, token, pen_ld, frequency, presence, repetition, counts, bias, rep);
     }
 }
