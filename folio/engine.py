@@ -128,7 +128,7 @@ class LLMEngine:
             req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             eos_token_id=self.tokenizer.eos_token_id, priority=req.priority, arrival_time=req.arrival_time,
             cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids, beam_search=req.beam_search))
-        return prompt_token_ids, prompt_text, self._texts(refusals)
+        return prompt_token_ids, prompt_text, self._texts(TokenBatch(step_id=self.next_step_id, deltas=refusals))
 
     def abort(self, req_id: str) -> None:
         self.outputs.remove(req_id)
@@ -141,11 +141,9 @@ class LLMEngine:
         batch = self.core.step()
         return None if batch is None else self._texts(batch)
 
-    def _texts(self, batch: TokenBatch | list[TokenDelta]) -> list[TextDelta]:
+    def _texts(self, batch: TokenBatch) -> list[TextDelta]:
         if not batch:
             return []
-        if not isinstance(batch, TokenBatch):  # refusals
-            batch = TokenBatch(step_id=self.next_step_id, deltas=batch)
         texts, stops, _unknown = self.outputs.process(batch)
         self.next_step_id += 1
         for stop in stops:  # a stop string matched: the scheduler frees it, as the service's abort does

@@ -21,8 +21,8 @@ from folio.shared.messages import (
     NewRequestData,
     RunningRequestData,
     StepPlan,
-    TokenBatch,
     StepResult,
+    TokenBatch,
     TokenDelta,
 )
 
