@@ -38,7 +38,7 @@ log = structlog.get_logger()
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "sampler.c", CSRC / "layers.c")
 HEADERS = (CSRC / "common.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared",
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared",
          "-fPIC")
 BLOCK = 64  # csrc/sampler.c's BLOCK
 

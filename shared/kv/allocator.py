@@ -140,23 +140,34 @@ class BlockAllocator:
             return self._allocate_new(req_id, num_tokens, new_token_ids, cache_salt)
         if seq.host_block_ids is not None:
             raise ValueError(f"{req_id} is swapped out: swap it in before it grows")
-        # a table that grows (most calls: a decode that starts a block), without a cache lookup
-        if new_token_ids and not isinstance(new_token_ids, list):
-            new_token_ids = list(new_token_ids)
-        new_hashes = self._new_hashes(seq, new_token_ids) if new_token_ids else ()
+        # a table that grows (most calls: a decode that starts a block), without a cache lookup;
+        # this runs for every sequence that crosses a block, on both replicas, so ``_needs_cow``,
+        # ``take`` and the no-hash case of ``_new_hashes`` are inline
+        bs, block_ids, device = self.block_size, seq.block_ids, self.device
         start = seq.num_tokens if num_computed is None else num_computed
-        cow = self._needs_cow(seq, start, num_tokens)
-        num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_ids)) + cow
-        device = self.device
-        if num_fresh > len(device.free_queue) + len(device.cached_queue):
+        num_blocks = len(block_ids)
+        cow = int(start % bs != 0 and num_tokens > start and start // bs < num_blocks
+                  and device.ref_counts[block_ids[start // bs]] > 1)
+        num_fresh = max(0, -(-num_tokens // bs) - num_blocks) + cow
+        free = device.free_queue
+        if num_fresh > len(free) + len(device.cached_queue):
             raise NoFreeBlocks(f"{req_id}: {num_fresh} blocks needed, {self.num_free_blocks} free")
+        if new_token_ids:
+            if not isinstance(new_token_ids, list):
+                new_token_ids = list(new_token_ids)
+            token_ids = seq.token_ids
+            if self.enable_prefix_caching and len(token_ids) + len(new_token_ids) >= (len(seq.block_hashes) + 1) * bs:
+                seq.block_hashes += self._new_hashes(seq, new_token_ids)  # (before the tokens join)
+            token_ids += new_token_ids
         if cow:
             self._copy_on_write(seq, start)
-        fresh = device.take(num_fresh - cow) if num_fresh > cow else []
-        seq.block_ids += fresh
-        if new_token_ids:
-            seq.token_ids += new_token_ids
-            seq.block_hashes += new_hashes
+        if num_fresh - cow == 1 and free:
+            block_id = free.popleft()
+            device.ref_counts[block_id] = 1
+            fresh = [block_id]
+        else:
+            fresh = device.take(num_fresh - cow) if num_fresh > cow else []
+        block_ids += fresh
         if num_tokens > seq.num_tokens:
             seq.num_tokens = num_tokens  # its blocks are indexed once computed
         self.unconfirmed[req_id] = None

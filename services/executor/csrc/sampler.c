@@ -109,7 +109,8 @@ static inline __attribute__((always_inline)) float above(float *w, int64_t vocab
  * penalty there, +0.0 only for tokens never seen). Called with constant flags, so that each
  * combination compiles to a loop of its own */
 static inline __attribute__((always_inline)) float penalise(const float *restrict l, const float *restrict rp,
-                                                            const float *restrict bp, float rep, float scale,
+                                                            const float *restrict bp, float rep, float rep_inv,
+                                                            float scale,
                                                             float *restrict w, int64_t vocab, float *block_max,
                                                             int rep_mode, int add_bias) {
     float mx = -INFINITY;
@@ -125,6 +126,11 @@ static inline __attribute__((always_inline)) float penalise(const float *restric
                 memcpy(&bits, &bp[j], sizeof bits);
                 const float r = bits != 0u ? rep : 1.0f;
                 x = x > 0.0f ? x / r : x * r;
+            }
+            if (rep_mode == 3) { /* as 2, multiplying by the reciprocal (within an ulp of it) */
+                uint32_t bits;
+                memcpy(&bits, &bp[j], sizeof bits);
+                x = bits == 0u ? x : x * (x > 0.0f ? rep_inv : rep);
             }
             if (add_bias) x = x + bp[j];
             x = x * scale;
@@ -147,16 +153,20 @@ static inline __attribute__((always_inline)) int64_t draw_row(const float *l, co
     /* penalties (the torch path's arithmetic, bit for bit), then the temperature (a multiply:
      * these rows draw, nothing compares them with the torch path's bits) */
     const float scale = greedy ? 1.0f : 1.0f / temperature;
+    const float rep_inv = 1.0f / rep;
     float mx;
     if (rep_mode == 1)
-        mx = add_bias ? penalise(l, rp, bp, rep, scale, w, vocab, block_max, 1, 1)
-                      : penalise(l, rp, bp, rep, scale, w, vocab, block_max, 1, 0);
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 1, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 1, 0);
+    else if (rep_mode == 2 && greedy)
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 2, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 2, 0);
     else if (rep_mode == 2)
-        mx = add_bias ? penalise(l, rp, bp, rep, scale, w, vocab, block_max, 2, 1)
-                      : penalise(l, rp, bp, rep, scale, w, vocab, block_max, 2, 0);
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 3, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 3, 0);
     else
-        mx = add_bias ? penalise(l, rp, bp, rep, scale, w, vocab, block_max, 0, 1)
-                      : penalise(l, rp, bp, rep, scale, w, vocab, block_max, 0, 0);
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 0, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 0, 0);
     if (greedy) { /* the first index of the maximum: in the first block that holds it */
         for (int64_t b = 0; b * BLOCK < vocab; b++) {
             if (!(block_max[b] == mx)) continue;
