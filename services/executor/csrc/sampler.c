@@ -1,14 +1,15 @@
 /* The CPU sampler's one pass per row: penalties, temperature, min-p, top-p and the draw.
  *
  * Loaded by services/executor/cpu_kernels.py (compiled there with the machine's C compiler,
- * -O3 -march=native -fopenmp-simd -ffp-contract=off; no OpenMP runtime, one thread). The torch
- * path in sampler.py is the reference; this file draws from the same distribution with fewer
- * passes over each row and none of torch's fixed cost per operation.
+ * -O3 -march=native -mprefer-vector-width=512 -fopenmp-simd -ffp-contract=off; no OpenMP
+ * runtime, one thread). The torch path in sampler.py is the reference; this file draws from the
+ * same distribution with fewer passes over each row and none of torch's fixed cost per operation.
  *
  * Per row r of a [m, vocab] fp32 array with row stride ld, whose parameters and penalty state
  * are row rows[r] of their tables (the runner's persistent batch; or row r of per-call arrays):
  *   l      = the row, with the repetition penalty (positive logits divided by rep, negative ones
- *            multiplied: bitwise the torch path's) and the additive penalties (+ bias) applied;
+ *            multiplied: bitwise the torch path's; rows that draw multiply by 1 / rep instead)
+ *            and the additive penalties (+ bias) applied;
  *   greedy = the first index of max(l) (as numpy's and torch's argmax), found in the first block
  *            of BLOCK tokens whose maximum it is;
  *   else w = exp(l / T - max(l / T)), the best token's weight 1; min-p keeps w >= min_p;
@@ -106,8 +107,10 @@ static inline __attribute__((always_inline)) float above(float *w, int64_t vocab
 /* w = the row with its penalties, times scale; returns max(w) and each block's maximum in
  * block_max. rep_mode: 0 no repetition penalty, 1 rp[j] per token, 2 the row's penalty rep on the
  * tokens whose bias entry has any bit set (seen: the penalty state writes -0.0 or the additive
- * penalty there, +0.0 only for tokens never seen). Called with constant flags, so that each
- * combination compiles to a loop of its own */
+ * penalty there, +0.0 only for tokens never seen), 3 as 2 with positive logits multiplied by
+ * rep_inv = 1 / rep (for rows that draw, which nothing compares bit for bit: a multiply costs
+ * less than a division). Called with constant flags, so that each combination compiles to a
+ * loop of its own */
 static inline __attribute__((always_inline)) float penalise(const float *restrict l, const float *restrict rp,
                                                             const float *restrict bp, float rep, float rep_inv,
                                                             float scale,
