@@ -58,6 +58,7 @@ from folio.shared.messages import (
     KVSwapOut,
     KVTruncate,
     PoolInfo,
+    RunningRequestData,
 )
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -300,11 +301,12 @@ class Scheduler(Admission, ExecutorExchange):
         """Schedule ``running[i:]`` while they are plain decodes: one token, no forks, drafts or
         grammar, and room for it in the table or a new block for it (no copy). This is most of
         every step and runs for each running sequence, so it is the inline form of
-        ``_num_new_tokens``, ``alloc.changes_table``, ``_take`` and ``plan_request`` for that case. Returns where it
+        ``_num_new_tokens``, ``_grow``, ``_take`` and ``plan_request`` for that case. Returns where it
         stopped (a sequence for the general path), and the budget left."""
         running, scheduled, end = self.running, out.scheduled, len(self.running)
         num_scheduled, samplers = out.num_scheduled, out.samplers
         bs, seqs, ref_counts = self.block_size, self.alloc.seqs, self.alloc.device.ref_counts
+        running_reqs, try_apply = out.running_reqs, self.kv.try_apply
         num_placeholders = 0
         while i < end and budget > 0:
             req = running[i]
@@ -319,16 +321,27 @@ class Scheduler(Admission, ExecutorExchange):
             if seq is None or seq.host_block_ids is not None:
                 break
             num_blocks = len(seq.block_ids)
-            if start >= num_blocks * bs:  # its token starts a block
-                if not self._grow(req, 1):
+            if start >= num_blocks * bs:  # its token starts a block: ``_grow``'s case without a copy
+                known = req.num_kv_token_ids
+                if req.sampling.prompt_logprobs is None:
+                    known = min(start + 1, req.num_tokens)
+                op = KVAllocate(req.req_id, start, start + 1, req.token_slice(req.num_kv_token_ids, known))
+                if try_apply(op) is None:
                     break  # refused: the general path preempts (or stops a step planned ahead)
+                if known > req.num_kv_token_ids:
+                    req.num_kv_token_ids = known
                 num_blocks = len(seq.block_ids)
             elif start % bs and ref_counts[seq.block_ids[start // bs]] > 1:
                 break  # a shared last block: copy-on-write
             scheduled.append((req, 1))
-            if (num_blocks == req.num_sent_blocks and start == req.executor_computed and req.on_executor
+            if (num_blocks >= req.num_sent_blocks and start == req.executor_computed and req.on_executor
                     and not (req.table_changed or req.unsent_token_ids)):
-                # nothing the executor lacks: the plan names it by its count (``plan_request``)
+                # the executor lacks nothing but the blocks it gained: the plan names it by its
+                # count (``plan_request``), and by those blocks
+                if num_blocks > req.num_sent_blocks:
+                    running_reqs.append(RunningRequestData(req_id=req.req_id, num_computed_tokens=start,
+                                                           new_block_ids=seq.block_ids[req.num_sent_blocks:]))
+                    req.num_sent_blocks = num_blocks
                 num_scheduled[req.req_id] = 1
                 req.num_computed_tokens = req.executor_computed = start + 1
                 samplers.append(req)
