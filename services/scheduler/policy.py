@@ -306,7 +306,7 @@ class Scheduler(Admission, ExecutorExchange):
         running, scheduled, end = self.running, out.scheduled, len(self.running)
         num_scheduled, samplers = out.num_scheduled, out.samplers
         bs, seqs, ref_counts = self.block_size, self.alloc.seqs, self.alloc.device.ref_counts
-        running_reqs, try_apply = out.running_reqs, self.kv.try_apply
+        running_reqs = out.running_reqs
         num_placeholders = 0
         while i < end and budget > 0:
             req = running[i]
@@ -322,14 +322,8 @@ class Scheduler(Admission, ExecutorExchange):
                 break
             num_blocks = len(seq.block_ids)
             if start >= num_blocks * bs:  # its token starts a block: ``_grow``'s case without a copy
-                known = req.num_kv_token_ids
-                if req.sampling.prompt_logprobs is None:
-                    known = min(start + 1, req.num_tokens)
-                op = KVAllocate(req.req_id, start, start + 1, req.token_slice(req.num_kv_token_ids, known))
-                if try_apply(op) is None:
+                if not self._allocate(req, start, start + 1):
                     break  # refused: the general path preempts (or stops a step planned ahead)
-                if known > req.num_kv_token_ids:
-                    req.num_kv_token_ids = known
                 num_blocks = len(seq.block_ids)
             elif start % bs and ref_counts[seq.block_ids[start // bs]] > 1:
                 break  # a shared last block: copy-on-write
@@ -368,22 +362,27 @@ class Scheduler(Admission, ExecutorExchange):
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Make room in ``req``'s table for its next ``num_new`` tokens (False: refused, nothing
-        changed). The tokens the allocator has not seen ride along, so that it hashes the blocks
-        they fill; draft tokens are not known until accepted."""
+        changed); a table new here is salted with the request's cache salt."""
         alloc, start = self.alloc, req.num_computed_tokens
         end = start + num_new
         if not alloc.changes_table(req.req_id, start, end):
             return True
-        is_new = req.req_id not in alloc.seqs
-        known = min(end, req.num_tokens) if req.sampling.prompt_logprobs is None else req.num_kv_token_ids
         num_copies = len(alloc.block_copies)
-        op = KVAllocate(req.req_id, start, end, req.token_slice(req.num_kv_token_ids, known),
-                        req.cache_salt if is_new else None)
+        if not self._allocate(req, start, end, req.cache_salt if req.req_id not in alloc.seqs else None):
+            return False
+        if len(alloc.block_copies) > num_copies:
+            req.table_changed = True  # copy-on-write replaced a block inside its table
+        return True
+
+    def _allocate(self, req: Request, start: int, end: int, cache_salt: str | None = None) -> bool:
+        """Apply the allocation of ``req``'s tokens [start, end) to the replica (False: refused,
+        nothing changed). The tokens the allocator has not seen ride along, so that it hashes the
+        blocks they fill; draft tokens are not known until accepted."""
+        known = min(end, req.num_tokens) if req.sampling.prompt_logprobs is None else req.num_kv_token_ids
+        op = KVAllocate(req.req_id, start, end, req.token_slice(req.num_kv_token_ids, known), cache_salt)
         if self.kv.try_apply(op) is None:
             return False
         req.num_kv_token_ids = max(req.num_kv_token_ids, known)
-        if len(alloc.block_copies) > num_copies:
-            req.table_changed = True  # copy-on-write replaced a block inside its table
         return True
 
     def _num_new_tokens(self, req: Request, budget: int, whole_prefill_taken: bool) -> int:
