@@ -65,16 +65,16 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tens
     return best
 
 
-def _capture_inputs(model, seqs: list[list[int]]) -> dict[str, list[torch.Tensor]]:
-    """Every projection's input rows over the calibration sequences (forward pre-hooks)."""
+def run_calibration(model, seqs: list[list[int]], sink: Callable[[str, torch.Tensor], None]) -> None:
+    """Forward ``seqs`` through ``model`` (one prefill each), handing every ``nn.Linear``'s input
+    rows (fp32) to ``sink(module name, rows)`` through forward pre-hooks."""
     from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
 
-    captured: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             hooks.append(module.register_forward_pre_hook(
-                lambda mod, args, name=name: captured.setdefault(name, []).append(args[0].detach().float())))
+                lambda mod, args, name=name: sink(name, args[0].detach().float())))
     spec, bs = model.spec, 16
     try:
         with torch.inference_mode():
@@ -87,6 +87,12 @@ def _capture_inputs(model, seqs: list[list[int]]) -> dict[str, list[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
+
+
+def _capture_inputs(model, seqs: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+    """Every projection's input rows over the calibration sequences."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    run_calibration(model, seqs, lambda name, x: captured.setdefault(name, []).append(x))
     return captured
 
 

@@ -32,6 +32,14 @@ def int4_pack_for_cpu(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale_zero
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 64-byte aligned address: torch's packed CPU kernels load their operands
+    with aligned vector loads and crash on others (``_weight_int8pack_mm`` did on an int8 weight
+    read from a safetensors file, whose tensors sit at 8-byte offsets)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
 class QuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W held int4 (grouped) or int8 (per channel)."""
 
@@ -43,12 +51,12 @@ class QuantLinear(nn.Module):
             self.group_size = weight.group_size
             self.packed, self.scale_zero = int4_pack_for_cpu(weight)
         else:
-            self.packed = weight.q.contiguous()
-            self.scale = weight.scale.to(ACT_DTYPE)
+            self.packed = aligned(weight.q)
+            self.scale = aligned(weight.scale.to(ACT_DTYPE))
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
-        xa = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)  # bf16 already from the CPU kernels
+        xa = aligned(x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE))  # bf16 already from the CPU kernels
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scale_zero)
         else:
@@ -103,7 +111,7 @@ class QuantLMHead(nn.Module):
             self.pair = [int4_pack_for_cpu(w) for w in int8_as_int4_pair(weight)]
 
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
-        xa = x.to(ACT_DTYPE)
+        xa = aligned(x.to(ACT_DTYPE))
         if self.pair is not None and x.shape[0] <= SMALL_ROWS:
             (hi, hi_sz), (lo, lo_sz) = self.pair
             mm = torch.ops.aten._weight_int4pack_mm_for_cpu

@@ -6,7 +6,9 @@
   ``quantization_config`` transformers writes for AWQ;
 - ``int4``: the same layout, plain round to nearest (no calibration);
 - ``int8``: per-channel symmetric int8 (``weight`` int8 + ``weight_scale`` fp32), folio's own
-  ``quant_method`` ``folio-int8``.
+  ``quant_method`` ``folio-int8``, its rounding errors compensated by GPTQ (``gptq.py``) on the same
+  calibration text as AWQ; ``--rtn`` rounds to nearest instead, as ``--quantization int8`` does
+  at load time.
 
 Everything that is not a decoder projection (embeddings, norms, the LM head) stays dense.
 """
@@ -28,10 +30,12 @@ CALIBRATION_PROMPTS = [
     "List five tips for staying productive while working from home:", "Translate to French: good morning, friends.",
     "The difference between TCP and UDP is", "A haiku about autumn leaves:",
 ]
+MAX_CONTINUATION = 256
 
 
 def calibration_text(path: Path, num_tokens: int, seed: int) -> list[list[int]]:
-    """The model's own sampled continuations (temperature 1, seeded) of CALIBRATION_PROMPTS."""
+    """The model's own sampled continuations (temperature 1, seeded) of CALIBRATION_PROMPTS, about
+    ``num_tokens`` new tokens in all."""
     from transformers import AutoTokenizer
 
     from folio.services.executor.loader import load_hf_config
@@ -47,12 +51,15 @@ def calibration_text(path: Path, num_tokens: int, seed: int) -> list[list[int]]:
         vocab = load_hf_config(path).vocab_size
         gen = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(vocab, (8,), generator=gen).tolist() for _ in CALIBRATION_PROMPTS]
-    new = max(1, num_tokens // len(prompts))
-    blocks = len(prompts) * ((max(map(len, prompts)) + new) // 16 + 2)
+    # at most MAX_CONTINUATION new tokens a sequence: more tokens are more samples, cycling the prompts
+    count = max(len(prompts), -(-num_tokens // MAX_CONTINUATION))
+    prompts = [prompts[i % len(prompts)] for i in range(count)]
+    new = max(1, num_tokens // count)
+    blocks = count * ((max(map(len, prompts)) + new) // 16 + 2)
     runner = ModelRunner(RuntimeConfig(quantization="none", dtype="float32", device="cpu", num_kv_blocks=blocks),
                          str(path))
     params = [SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=seed + i)
-              for i in range(len(prompts))]
+              for i in range(count)]
     outs = generate(runner, prompts, params)
     return [p + o for p, o in zip(prompts, outs)]
 
@@ -65,7 +72,7 @@ def _copy_side_files(src: Path, out: Path) -> None:
 
 
 def quantize(model_path: Path, out: Path, method: str, group_size: int, num_tokens: int, seed: int,
-             quiet: bool = False) -> Path:
+             quiet: bool = False, rtn: bool = False) -> Path:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -81,10 +88,21 @@ def quantize(model_path: Path, out: Path, method: str, group_size: int, num_toke
         raise ValueError(f"{model_path} is quantized already ({checkpoint_method})")
     linears = sorted(n for n in state if n.endswith("_proj.weight") and ".layers." in n)
     out_state = {n: t for n, t in state.items() if n not in linears}
-    if method == "int8":
+    if method == "int8" and rtn:
         for name in tqdm(linears, desc="int8", unit="tensor", disable=quiet):
             w = quantize_int8(state[name])
             out_state[name], out_state[name + "_scale"] = w.q, w.scale
+    elif method == "int8":
+        from folio.services.executor.gptq import gptq_int8
+        from folio.services.executor.loader import load_model
+
+        model = load_model(model_path, torch.float32, torch.device("cpu"), "none")
+        seqs = calibration_text(model_path, num_tokens, seed)
+        with tqdm(total=model.spec.num_layers, desc="int8 (gptq)", unit="layer", disable=quiet) as bar:
+            quant8 = gptq_int8(model, seqs, progress=lambda: bar.update(1))
+        for name, w in quant8.items():
+            out_state[name], out_state[name + "_scale"] = w.q, w.scale
+    if method == "int8":
         qconfig = {"quant_method": FOLIO_INT8, "bits": 8, "group_size": -1, "symmetric": True}
     else:
         from folio.services.executor.loader import load_model
@@ -127,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="folio quantize", description=__doc__.splitlines()[0])
     parser.add_argument("--method", required=True, choices=["awq", "int4", "int8"])
     parser.add_argument("--group-size", type=int, default=64, help="int4/awq: input channels per scale (32, 64, 128)")
-    parser.add_argument("--calibration-tokens", type=int, default=2048, help="awq: sampled tokens to calibrate on")
+    parser.add_argument("--calibration-tokens", type=int, default=2048,
+                        help="awq, int8: sampled tokens to calibrate on")
+    parser.add_argument("--rtn", action="store_true", help="int8: round to nearest, no calibration (no GPTQ)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("model", help="the default model's name or a model folder")
     parser.add_argument("out", help="the folder to write")
@@ -136,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         path = quantize(resolve_model(args.model), Path(args.out), args.method, args.group_size,
-                        args.calibration_tokens, args.seed)
+                        args.calibration_tokens, args.seed, rtn=args.rtn)
     except (ValueError, FileNotFoundError) as exc:
         print(f"folio quantize: {exc}", file=sys.stderr)
         return 2

@@ -67,6 +67,46 @@ def test_int4_layer_uses_the_zero_point():
     torch.testing.assert_close(out, torch.full((1, 16), 32.0))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_layer_takes_operands_at_any_address(bits):
+    # safetensors places tensors at 8-byte offsets; torch's int8 kernel crashed on such a weight
+    def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+        buf = torch.empty(t.numel() * t.element_size() + offset, dtype=torch.uint8)[offset:]
+        return buf.view(t.dtype).view(t.shape).copy_(t)
+
+    torch.manual_seed(bits)
+    w = torch.randn(576, 576) * 0.05
+    qw = quantize_int4(w, 32) if bits == 4 else quantize_int8(w)
+    if bits == 8:
+        qw = type(qw)(at_offset(qw.q, 56), qw.scale)
+        assert qw.q.data_ptr() % 64 == 56
+    x = torch.randn(39, 576).bfloat16()
+    shifted = at_offset(x, 16)
+    ref = torch.nn.functional.linear(x.float(), qw.dequantize().bfloat16().float())
+    out = QuantLinear(qw)(shifted)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_gptq_is_round_to_nearest_without_correlation_and_beats_it_with():
+    from folio.services.executor.gptq import gptq_quantize_int8
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * 0.05
+    # uncorrelated inputs of one scale: no error is worth moving, GPTQ rounds to nearest
+    assert torch.equal(gptq_quantize_int8(w, torch.eye(96) * 7.0).q, quantize_int8(w).q)
+    # correlated inputs (a shared factor plus noise, and a few loud channels): lower output error
+    x = torch.randn(512, 8) @ torch.randn(8, 96) + 0.1 * torch.randn(512, 96)
+    x[:, :4] *= 10
+    q = gptq_quantize_int8(w, x.double().t() @ x.double())
+    assert torch.equal(q.scale, quantize_int8(w).scale)  # the same per-channel scales and format
+    assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127
+
+    def err(qw):
+        return (x @ (w - qw.dequantize()).t()).pow(2).mean().item()
+
+    assert err(q) < 0.2 * err(quantize_int8(w))
+
+
 @pytest.mark.slow
 def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
     from pathlib import Path
