@@ -77,7 +77,8 @@ def quantize(model_path: Path, out: Path, method: str, group_size: int, num_toke
     from tqdm import tqdm
 
     from folio.services.executor.awq import awq_quantize
-    from folio.services.executor.loader import load_hf_config, read_checkpoint
+    from folio.services.executor.gptq import gptq_int8
+    from folio.services.executor.loader import load_hf_config, load_model, read_checkpoint
 
     if method not in ("awq", "int4", "int8"):
         raise ValueError(f"unknown method {method!r}; choose awq, int4 or int8")
@@ -88,25 +89,19 @@ def quantize(model_path: Path, out: Path, method: str, group_size: int, num_toke
         raise ValueError(f"{model_path} is quantized already ({checkpoint_method})")
     linears = sorted(n for n in state if n.endswith("_proj.weight") and ".layers." in n)
     out_state = {n: t for n, t in state.items() if n not in linears}
-    if method == "int8" and rtn:
-        for name in tqdm(linears, desc="int8", unit="tensor", disable=quiet):
-            w = quantize_int8(state[name])
-            out_state[name], out_state[name + "_scale"] = w.q, w.scale
-    elif method == "int8":
-        from folio.services.executor.gptq import gptq_int8
-        from folio.services.executor.loader import load_model
-
-        model = load_model(model_path, torch.float32, torch.device("cpu"), "none")
-        seqs = calibration_text(model_path, num_tokens, seed)
-        with tqdm(total=model.spec.num_layers, desc="int8 (gptq)", unit="layer", disable=quiet) as bar:
-            quant8 = gptq_int8(model, seqs, progress=lambda: bar.update(1))
+    if method == "int8":
+        if rtn:
+            quant8 = {name: quantize_int8(state[name]) for name in tqdm(linears, desc="int8", unit="tensor",
+                                                                        disable=quiet)}
+        else:
+            model = load_model(model_path, torch.float32, torch.device("cpu"), "none")
+            seqs = calibration_text(model_path, num_tokens, seed)
+            with tqdm(total=model.spec.num_layers, desc="int8 (gptq)", unit="layer", disable=quiet) as bar:
+                quant8 = gptq_int8(model, seqs, progress=lambda: bar.update(1))
         for name, w in quant8.items():
             out_state[name], out_state[name + "_scale"] = w.q, w.scale
-    if method == "int8":
         qconfig = {"quant_method": FOLIO_INT8, "bits": 8, "group_size": -1, "symmetric": True}
     else:
-        from folio.services.executor.loader import load_model
-
         model = load_model(model_path, torch.float32, torch.device("cpu"), "none")
         seqs = calibration_text(model_path, num_tokens, seed) if method == "awq" else []
         with tqdm(total=model.spec.num_layers, desc=method, unit="layer", disable=quiet) as bar:
