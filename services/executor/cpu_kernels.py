@@ -39,8 +39,10 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "sampler.c", CSRC / "layers.c")
 HEADERS = (CSRC / "common.h",)
 # 512-bit vectors where the CPU has them (gcc's -march=native picks 256-bit ones on some that do)
+# -fno-trapping-math: no value changes, but without it gcc leaves the selects in the exp and
+# penalty loops scalar on AVX2-only CPUs (a 2x slower sampler on one)
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=off",
-         "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
+         "-fno-math-errno", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
 BLOCK = 64  # csrc/sampler.c's BLOCK
 
 _i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p

@@ -1,9 +1,10 @@
 /* The CPU sampler's one pass per row: penalties, temperature, min-p, top-p and the draw.
  *
  * Loaded by services/executor/cpu_kernels.py (compiled there with the machine's C compiler,
- * -O3 -march=native -mprefer-vector-width=512 -fopenmp-simd -ffp-contract=off; no OpenMP
- * runtime, one thread). The torch path in sampler.py is the reference; this file draws from the
- * same distribution with fewer passes over each row and none of torch's fixed cost per operation.
+ * -O3 -march=native -mprefer-vector-width=512 -fopenmp-simd -ffp-contract=off -fno-math-errno
+ * -fno-trapping-math; no OpenMP runtime, one thread). The torch path in sampler.py is the
+ * reference; this file draws from the same distribution with fewer passes over each row and none
+ * of torch's fixed cost per operation.
  *
  * Per row r of a [m, vocab] fp32 array with row stride ld, whose parameters and penalty state
  * are row rows[r] of their tables (the runner's persistent batch; or row r of per-call arrays):
@@ -133,7 +134,8 @@ static inline __attribute__((always_inline)) float penalise(const float *restric
             if (rep_mode == 3) { /* as 2, multiplying by the reciprocal (within an ulp of it) */
                 uint32_t bits;
                 memcpy(&bits, &bp[j], sizeof bits);
-                x = bits == 0u ? x : x * (x > 0.0f ? rep_inv : rep);
+                const float f = x > 0.0f ? rep_inv : rep;
+                x = x * (bits == 0u ? 1.0f : f); /* (times 1 is exact: a select the loop vectorizes) */
             }
             if (add_bias) x = x + bp[j];
             x = x * scale;
