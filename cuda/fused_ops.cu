@@ -1,6 +1,6 @@
 // Fused elementwise kernels of a decoder layer: RMSNorm with the residual add, RoPE with the
 // KV-cache write, and SiLU times the gate. Each replaces several torch ops (and their launches and
-// round trips through memory) by one pass. They round where the torch reference (model.py) rounds,
+// round trips through memory) by one pass. They round where the torch reference (model/llama.py) rounds,
 // so in 16-bit types they agree with it up to the order of the RMS sum and the exponential.
 // See cuda/LAYOUT.md.
 #include "common.cuh"

@@ -7,7 +7,7 @@
 //
 // awq_gemv (a few rows: decode) streams qweight once with 16-byte loads and writes fp32 partial
 // sums per K slice; awq_gemm (many rows: chunks) dequantizes a tile to shared memory and runs FMA
-// on CUDA cores. Both accumulate in fp32. Requirements (checked by services/executor/quant_gpu.py):
+// on CUDA cores. Both accumulate in fp32. Requirements (checked by folio/core/executor/quant/gpu.py):
 // N % 32 == 0, g % 32 == 0, K % g == 0, contiguous x. See cuda/LAYOUT.md.
 #include "common.cuh"
 

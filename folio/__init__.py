@@ -3,11 +3,12 @@
 import importlib
 from pathlib import Path as _Path
 
-# installed, services/ and shared/ are folio/services and folio/shared (pyproject's package-dir);
-# in a source checkout they sit beside this folder: this makes them folio.services and
-# folio.shared there even where the editable install predates that mapping
+# installed, services/, shared/ and cuda/ are folio/services, folio/shared and folio/cuda
+# (pyproject's package-dir); in a source checkout they sit beside this folder: this makes them
+# folio.services, folio.shared and folio.cuda there even where the editable install predates
+# that mapping
 _CHECKOUT = _Path(__file__).resolve().parent.parent
-if (_CHECKOUT / "services" / "cli.py").exists() and not (_Path(__file__).parent / "services").exists():
+if (_CHECKOUT / "services" / "serve.py").exists() and not (_Path(__file__).parent / "services").exists():
     __path__.append(str(_CHECKOUT))
 
 # what ``from folio import NAME`` loads, only when asked: importing folio.services or

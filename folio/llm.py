@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from folio.engine import EngineCore, LLMEngine
+from folio.core.engine import EngineCore, LLMEngine
 from folio.outputs import RequestBuilder, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
@@ -53,8 +53,8 @@ class LLM:
     ``preemption_mode``, ...)."""
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
-        from folio.shared.models import resolve_model
-        from folio.services.executor.runner import ModelRunner
+        from folio.core.models import resolve_model
+        from folio.core.executor.runtime.runner import ModelRunner
         from folio.shared.text import TextTokenizer
 
         runtime, core_args = engine_configs(model, engine_args)

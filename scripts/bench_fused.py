@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from folio.services.executor.layer_ops import TORCH_LAYER_OPS, KernelLayerOps  # noqa: E402
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelLayerOps  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD = 2048, 8192, 32, 8, 64
 DTYPE = torch.bfloat16
@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from folio.services.executor.cuda_backend import CupyLauncher
+    from folio.core.executor.kernels.cuda_backend import CupyLauncher
 
     ops = KernelLayerOps(CupyLauncher())
     peak = copy_gbps()

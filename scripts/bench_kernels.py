@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from folio.services.executor.attention import AttentionMetadata  # noqa: E402
-from folio.services.executor.cuda_backend import CudaAttentionBackend  # noqa: E402
+from folio.core.executor.kernels.attention import AttentionMetadata  # noqa: E402
+from folio.core.executor.kernels.cuda_backend import CudaAttentionBackend  # noqa: E402
 
 DTYPE, BLOCK_SIZE, NUM_KV_HEADS = torch.bfloat16, 16, 8
 
@@ -180,8 +180,8 @@ def bench_prefill(backend, copy_bps: float) -> list[dict]:
 
 
 def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
-    from folio.engine import generate
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.engine import generate
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import SamplingParams
     from tests.conftest import write_tiny_model

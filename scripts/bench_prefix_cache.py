@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from folio.shared.messages import SamplingParams, TokenBatch  # noqa: E402
-from folio.shared.models import resolve_model  # noqa: E402
+from folio.core.models import resolve_model  # noqa: E402
 from folio.shared.transport import Decoder  # noqa: E402
 from tests.services.backhalf import back_half  # noqa: E402
 

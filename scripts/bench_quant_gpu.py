@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from folio.services.executor.quant_formats import quantize_int4  # noqa: E402
-from folio.services.executor.quant_gpu import AwqLinear, Fp8Linear, cupy_launcher  # noqa: E402
+from folio.core.executor.quant.formats import quantize_int4  # noqa: E402
+from folio.core.executor.quant.gpu import AwqLinear, Fp8Linear, cupy_launcher  # noqa: E402
 from scripts.bench_fused import time_us  # noqa: E402
 
 HIDDEN, INTER, Q_SIZE, KV_SIZE = 2048, 8192, 2048, 512

@@ -21,11 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from folio.engine import generate  # noqa: E402
-from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.core.engine import generate  # noqa: E402
+from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from folio.shared.messages import SamplingParams  # noqa: E402
-from folio.shared.models import resolve_model  # noqa: E402
+from folio.core.models import resolve_model  # noqa: E402
 
 WORDS = "the a river mountain city code model light quiet storm paper engine story garden".split()
 

@@ -161,7 +161,7 @@ async def run(args, ep: Endpoints) -> None:
 
 
 def in_process(args) -> None:
-    from folio.services.scheduler.policy import Scheduler
+    from folio.core.scheduler.policy import Scheduler
 
     sched = Scheduler(args.num_requests, 8192)
     sched.set_pool(PoolInfo(num_blocks=args.num_requests * 64, block_size=args.block_size, bytes_per_block=1,

@@ -1,7 +1,7 @@
 """Speculative decoding, measured in one run: decode tokens/s with and without speculation.
 
 The engine is the real scheduler policy, block allocator and model runner stepped in this process
-(``folio.engine.EngineCore``: the services' step without sockets), greedy, on
+(``folio.core.engine.EngineCore``: the services' step without sockets), greedy, on
 SmolLM2-135M-Instruct. Decode tokens/s counts the tokens generated after every request of the
 batch has its first token (prefill excluded) over the time they took. For each proposer, at batch
 1 and at a larger batch, it prints tokens/s without speculation (the baseline, same run), with it,
@@ -10,7 +10,7 @@ the ratio, and the mean accepted length (tokens per verification: accepted draft
 - n-gram prompt lookup on a repetitive workload: copy or extract from a long document given in
   the prompt, where the output repeats the input;
 - a draft model: SmolLM2's own first ``--draft-layers`` layers with its embeddings and head
-  (``folio.shared.models.truncate_layers``; an early-exit draft, not one trained for the job), on the same
+  (``folio.core.models.truncate_layers``; an early-exit draft, not one trained for the job), on the same
   workload;
 - the target as its own draft ("self"): every draft is accepted, so it shows the ceiling of the
   accepted length and what drafting at the target's cost does to the speed.
@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from folio.engine import EngineCore  # noqa: E402
-from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.core.engine import EngineCore  # noqa: E402
+from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir  # noqa: E402
 from folio.shared.messages import EngineRequest, SamplingParams  # noqa: E402
-from folio.shared.models import resolve_model, truncate_layers  # noqa: E402
+from folio.core.models import resolve_model, truncate_layers  # noqa: E402
 
 DOCUMENT = (
     "The harbor town of Westmere keeps three lighthouses. The north light was built in 1821 from grey "

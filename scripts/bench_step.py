@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from folio.services.executor.runner import ModelRunner  # noqa: E402
+from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
 from folio.shared.config import RuntimeConfig  # noqa: E402
 from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan  # noqa: E402
 
@@ -153,7 +153,7 @@ def run_null(args) -> float:
 
 def run_smollm(args) -> None:
     """SmolLM2-135M-Instruct on the CPU at batch 64: decode steps greedy and sampled."""
-    from folio.shared.models import prepare_default_model
+    from folio.core.models import prepare_default_model
 
     config = RuntimeConfig(device="cpu", num_kv_blocks=64 * 8, max_num_seqs=64, block_size=BLOCK_SIZE,
                            quantization=args.smollm_quantization)
@@ -193,7 +193,7 @@ def constrained_step(runner: ModelRunner, args, greedy_s: float) -> None:
 
 def run_cuda_1b(args) -> None:
     """The 1B shape in process (needs a GPU)."""
-    from folio.engine import generate
+    from folio.core.engine import generate
     from tests.conftest import write_tiny_model
 
     with tempfile.TemporaryDirectory() as folder:

@@ -146,7 +146,7 @@ class Services:
             # with a profile folder, each service runs under cProfile (written when it stops)
             profile = ["-m", "cProfile", "-o", f"{profile_dir}/{name}.prof"] if profile_dir else []
             self.procs[name] = subprocess.Popen(
-                [sys.executable, *profile, "-m", "folio.services.cli", "run", name, *common, *extra], cwd=ROOT, env=env)
+                [sys.executable, *profile, "-m", "folio.cli.main", "run", name, *common, *extra], cwd=ROOT, env=env)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until the gateway's /ready says every service answers (the backend must be running)."""
@@ -327,7 +327,7 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
     ``freeze``: once the tokenizer is loaded, freeze this process's heap, so that no full collection
     walking transformers' objects holds the backend's steps back (the script does; a test leaves
     its own process alone)."""
-    from folio.shared.models import resolve_model
+    from folio.core.models import resolve_model
     from folio.shared.text import TextTokenizer
 
     tokenizer = TextTokenizer(resolve_model(model))

@@ -2,7 +2,7 @@
 against the same batch unconstrained, same run, same prompts, greedy.
 
 Decode time per step is the median over the decode steps (the prefill step left out) of the
-engine driven in-process (``folio.engine.generate``: the real scheduler, no sockets); the two runs
+engine driven in-process (``folio.core.engine.generate``: the real scheduler, no sockets); the two runs
 alternate, twice each, so that drifting load from other processes hits both alike. Also prints the grammar's own parts
 per step at that batch size: filling the matchers' bitmasks and masking the logits.
 
@@ -24,13 +24,13 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from scripts.bench_serving import CpuMeter  # noqa: E402
-from folio.engine import generate  # noqa: E402
-from folio.services.executor.runner import ModelRunner  # noqa: E402
-from folio.services.executor.structured import apply_grammar_masks  # noqa: E402
+from folio.core.engine import generate  # noqa: E402
+from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
+from folio.core.executor.sampling.structured import apply_grammar_masks  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from folio.shared.grammar import check_spec  # noqa: E402
 from folio.shared.messages import GuidedSpec, SamplingParams  # noqa: E402
-from folio.shared.models import resolve_model  # noqa: E402
+from folio.core.models import resolve_model  # noqa: E402
 
 # long enough that no row completes its structure within the measured tokens
 SCHEMA = {"type": "object", "properties": {

@@ -28,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from folio.services.executor.kv_quant import FP8_DTYPE, calibrate_kv_scales, calibration_ids  # noqa: E402
-from folio.services.executor.loader import load_model  # noqa: E402
-from folio.services.executor.runner import make_backend  # noqa: E402
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from folio.core.executor.quant.kv_quant import FP8_DTYPE  # noqa: E402
+from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids  # noqa: E402
+from folio.core.executor.model.loader import load_model  # noqa: E402
+from folio.core.executor.runtime.runner import make_backend  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
-from folio.shared.models import resolve_model  # noqa: E402
+from folio.core.models import resolve_model  # noqa: E402
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration
 TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.98), "awq": (0.05, 0.90), "int4-g": (None, None),
@@ -57,8 +58,8 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
     cache = cache_dir() / "eval" / f"{model_tag(path)}-{num_tokens}-{seed}.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    from folio.engine import generate
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.engine import generate
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import SamplingParams
 

@@ -73,7 +73,7 @@ def _die_with_parent() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from folio.shared.models import resolve_model
+    from folio.core.models import resolve_model
     from folio.services.supervise import Supervisor
 
     try:
@@ -94,7 +94,7 @@ def serve(args: argparse.Namespace) -> int:
         env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir), **kv_events_env(args)}
         if args.api_key:
             env["FOLIO_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
-        commands = {name: [sys.executable, "-m", "folio.services.cli", "run", name, *service_argv(name, args, model_path)]
+        commands = {name: [sys.executable, "-m", "folio.cli.main", "run", name, *service_argv(name, args, model_path)]
                     for name in SERVICES}
         supervisor = Supervisor(commands, env, restart=not args.no_restart, max_restarts=args.max_restarts,
                                 preexec_fn=_die_with_parent)

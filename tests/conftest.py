@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def smollm_dir() -> str:
     """The packaged SmolLM2-135M-Instruct, converted once into the cache folder."""
-    from folio.shared.models import prepare_default_model
+    from folio.core.models import prepare_default_model
 
     return str(prepare_default_model(quiet=True))
 

@@ -15,7 +15,7 @@ from folio.shared.loops import freeze_heap, run_until_signal
 
 
 def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argparse.Namespace]:
-    from folio.shared.models import resolve_model
+    from folio.core.models import resolve_model
 
     args = service_parser("executor", "the model runtime service").parse_args(argv)
     runtime = RuntimeConfig(**config_values(RuntimeConfig, args, "executor"))

@@ -30,8 +30,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from folio.services.executor.runner import ModelRunner
-from folio.services.executor.workers import WorkerGroupError
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.executor.parallel.workers import WorkerGroupError
 from folio.shared.config import ExecutorServiceConfig
 from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_router
 from folio.shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
@@ -137,6 +137,6 @@ def make_runner(config: ExecutorServiceConfig):
         raise ValueError(f"--tensor-parallel-size must be 1 or more, got {size}")
     if size == 1:
         return ModelRunner(config.runtime, config.model_path)
-    from folio.services.executor.workers import ParallelRunner
+    from folio.core.executor.parallel.workers import ParallelRunner
 
     return ParallelRunner(config.runtime, config.model_path)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     log = setup_logging("router", config.log_json, config.log_level)
     encoder = None
     if config.policy == "cache_aware":
-        from folio.shared.models import resolve_model
+        from folio.core.models import resolve_model
         from folio.shared.text import TextTokenizer
 
         try:

@@ -27,9 +27,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from folio.services.scheduler.exchange import StepOutput
-from folio.services.scheduler.policy import Scheduler
-from folio.services.scheduler.stats import describe_requests, scheduler_stats
+from folio.core.scheduler.exchange import StepOutput
+from folio.core.scheduler.policy import Scheduler
+from folio.core.scheduler.stats import describe_requests, scheduler_stats
 from folio.shared.config import SchedulerConfig
 from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
 from folio.shared.messages import (

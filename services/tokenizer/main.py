@@ -21,7 +21,7 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     from folio.shared.loops import freeze_heap, run_until_signal
-    from folio.shared.models import resolve_model
+    from folio.core.models import resolve_model
     from folio.services.tokenizer.service import TokenizerService
     from folio.shared.text import TextTokenizer
 

@@ -26,7 +26,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from folio.services.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
 from folio.shared.config import TokenizerConfig
 from folio.shared.grammar import GrammarChecker, GrammarError
 from folio.shared.loops import close_sockets, serve_admin, serve_pull

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from folio.services.executor import cuda_kernels as ck
+from folio.core.executor.kernels import cuda_kernels as ck
 
 EMU_DIR = ck.KERNEL_DIR / "emulation"
 CXX_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-DFOLIO_EMULATION=1"]

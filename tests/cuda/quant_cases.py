@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from folio.services.executor.quant_formats import int4_to_awq, quantize_int4
-from folio.services.executor.quant_gpu import AwqLinear, awq_matmul
+from folio.core.executor.quant.formats import int4_to_awq, quantize_int4
+from folio.core.executor.quant.gpu import AwqLinear, awq_matmul
 
 # fp32 accumulation in another order, and the output rounded to the activation dtype
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

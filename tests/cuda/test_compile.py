@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from folio.services.executor import cuda_kernels as ck
+from folio.core.executor.kernels import cuda_kernels as ck
 
 compiler = pytest.importorskip("cupy.cuda.compiler", reason="CuPy (with its NVRTC bindings) is not installed")
 

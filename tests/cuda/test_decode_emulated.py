@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from folio.services.executor import cuda_kernels as ck
-from folio.services.executor.attention import AttentionMetadata, dense_causal_attention
-from folio.services.executor.kernel_backend import KernelAttentionBackend
-from folio.services.executor.kernel_plan import build_plan, num_splits_heuristic
+from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.attention import AttentionMetadata, dense_causal_attention
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
+from folio.core.executor.kernels.kernel_plan import build_plan, num_splits_heuristic
 from tests.cuda.emu_runtime import run_probe
 from tests.cuda.kv_cases import TOLERANCE, fresh_meta, make_step, reference_attention
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor import cuda_kernels as ck
-from folio.services.executor.attention import TorchAttentionBackend, dense_causal_attention
-from folio.services.executor.kernel_backend import KernelAttentionBackend, block_runs, make_host_pool, work_items
+from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.attention import TorchAttentionBackend, dense_causal_attention
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend, block_runs, make_host_pool, work_items
 from tests.cuda.kv_cases import TOLERANCE, fresh_meta, make_step, reference_attention
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from folio.services.executor.kernel_backend import KernelAttentionBackend
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
 from tests.conftest import write_tiny_model

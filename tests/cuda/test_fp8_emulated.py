@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from folio.services.executor.attention import TorchAttentionBackend
-from folio.services.executor.kernel_backend import KernelAttentionBackend, make_host_pool
-from folio.services.executor.kv_quant import FP8_DTYPE, FP8_MAX, quantize
+from folio.core.executor.kernels.attention import TorchAttentionBackend
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend, make_host_pool
+from folio.core.executor.quant.kv_quant import FP8_DTYPE, FP8_MAX, quantize
 from tests.cuda.emu_runtime import run_probe
 from tests.cuda.kv_cases import FP8_KV_SCALES, fresh_meta, make_fp8_step
 
@@ -123,7 +123,7 @@ def test_copy_and_swap_move_fp8_blocks_bit_for_bit(emu_launcher):
 
 
 def test_fp32_activations_over_an_fp8_pool_are_refused_clearly(emu_launcher):
-    from folio.services.executor.cuda_kernels import UnsupportedKernelError
+    from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 
     with pytest.raises(UnsupportedKernelError, match="fp8 KV pool.*--attention-backend torch"):
         KernelAttentionBackend(emu_launcher, torch.float32, kv_dtype=FP8_DTYPE)

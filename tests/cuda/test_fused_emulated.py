@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
-from folio.services.executor.kernel_backend import KernelAttentionBackend
-from folio.services.executor.loader import load_model
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
+from folio.core.executor.model.loader import load_model
 from tests.conftest import write_tiny_model
 from tests.cuda.fused_cases import DTYPES, check_add_rms_norm, check_rope_write_kv, check_silu_and_mul
 

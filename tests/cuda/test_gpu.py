@@ -13,9 +13,9 @@ import itertools
 import pytest
 import torch
 
-from folio.services.executor import cuda_kernels as ck
-from folio.services.executor.attention import TorchAttentionBackend
-from folio.services.executor.kernel_backend import make_host_pool
+from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.attention import TorchAttentionBackend
+from folio.core.executor.kernels.kernel_backend import make_host_pool
 from tests.cuda.kv_cases import FP8_KV_SCALES, TOLERANCE, fresh_meta, make_fp8_step, make_step, reference_attention
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ INSTANCES = list(itertools.product(ck.DTYPES, ck.HEAD_SIZES, ck.BLOCK_SIZES))
 @pytest.fixture(scope="module")
 def cuda_backend_cls():
     pytest.importorskip("cupy")
-    from folio.services.executor.cuda_backend import CudaAttentionBackend
+    from folio.core.executor.kernels.cuda_backend import CudaAttentionBackend
 
     return CudaAttentionBackend
 
@@ -69,7 +69,7 @@ def test_decode_split_and_unsplit_long_context(cuda_backend_cls, group):
 def test_largest_step_runs(cuda_backend_cls):
     """A 140,000-token step (35 chunks of 4,000 tokens, GQA 4): 70,000 chunk work items, more
     than grid y allows; the whole grid runs and the last sequence matches a dense oracle."""
-    from folio.services.executor.attention import dense_causal_attention
+    from folio.core.executor.kernels.attention import dense_causal_attention
 
     q_len = 4000
     step = make_step([q_len] * 35, [q_len] * 35, num_heads=4, num_kv_heads=1, head_dim=64, block_size=32,
@@ -121,7 +121,7 @@ def test_copy_blocks_and_swap_roundtrip(cuda_backend_cls):
 def test_fp8_pool_write_and_attend(cuda_backend_cls, dtype):
     """An e4m3 pool: write_kv bit for bit as the torch backend, decode and chunks (split and
     unsplit) against the torch backend dequantizing the same pool."""
-    from folio.services.executor.kv_quant import FP8_DTYPE
+    from folio.core.executor.quant.kv_quant import FP8_DTYPE
 
     step = make_fp8_step([1, 9, 1, 30], [700, 9, 40, 1100], dtype, num_heads=8, num_kv_heads=2, head_dim=128,
                          block_size=16, device="cuda")
@@ -157,7 +157,7 @@ def test_runs_on_torch_current_stream(cuda_backend_cls):
 
 def _greedy(model_dir, backend: str, dtype: str, kv_cache_dtype: str = "auto"):
     from tests.executor.toy_driver import generate
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import SamplingParams
 

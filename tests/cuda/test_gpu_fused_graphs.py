@@ -15,7 +15,7 @@ IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 @pytest.fixture(scope="module")
 def launcher():
     pytest.importorskip("cupy")
-    from folio.services.executor.cuda_backend import CupyLauncher
+    from folio.core.executor.kernels.cuda_backend import CupyLauncher
 
     return CupyLauncher()
 
@@ -30,7 +30,7 @@ def test_fused_kernels(launcher, dtype):
 
 def _generate(model_dir, enforce_eager: bool):
     from tests.executor.toy_driver import generate
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import SamplingParams
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.quant_gpu import Fp8Linear, fp8_quantize, fp8_reference_mm
+from folio.core.executor.quant.gpu import Fp8Linear, fp8_quantize, fp8_reference_mm
 from tests.cuda.quant_cases import check_awq_linear, check_awq_matmul
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +19,7 @@ SHAPES = [(1, 800, 576, 32), (3, 96, 576, 64), (8, 3072, 2048, 128), (17, 800, 5
 @pytest.fixture(scope="module")
 def launcher():
     pytest.importorskip("cupy")
-    from folio.services.executor.cuda_backend import CupyLauncher
+    from folio.core.executor.kernels.cuda_backend import CupyLauncher
 
     return CupyLauncher()
 
@@ -54,9 +54,9 @@ def test_model_loaded_int4_on_the_gpu(tiny_model_dir):
     """``--quantization int4`` on a GPU puts every projection on the W4A16 kernel; its logits stay
     close to the dense model's (the tiny model's hidden size 64 takes group 32)."""
     pytest.importorskip("cupy")
-    from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
-    from folio.services.executor.loader import load_model
-    from folio.services.executor.quant_gpu import AwqLinear
+    from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+    from folio.core.executor.model.loader import load_model
+    from folio.core.executor.quant.gpu import AwqLinear
 
     device = torch.device("cuda")
     quant = load_model(tiny_model_dir, torch.bfloat16, device, "int4", group_size=32)

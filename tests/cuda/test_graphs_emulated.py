@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from folio.services.executor.attention import AttentionMetadata
-from folio.services.executor.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
-from folio.services.executor.input_batch import StepInputs
-from folio.services.executor.kernel_backend import KernelAttentionBackend
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.kernels.attention import AttentionMetadata
+from folio.core.executor.runtime.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
+from folio.core.executor.runtime.input_batch import StepInputs
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
 from tests.conftest import write_tiny_model

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from folio.services.executor import cuda_kernels as ck
+from folio.core.executor.kernels import cuda_kernels as ck
 
 
 def test_every_configuration_has_its_instances():
@@ -60,8 +60,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_cuda_backend_import_fails_cleanly_without_cupy():
     result = _python(
         "import sys; sys.modules['cupy'] = None\n"
-        "try:\n    import folio.services.executor.cuda_backend\nexcept ImportError:\n    print('ImportError')\n"
-        "import folio.services.executor.cuda_kernels, folio.services.executor.kernel_backend  # these never need CuPy\n"
+        "try:\n    import folio.core.executor.kernels.cuda_backend\nexcept ImportError:\n    print('ImportError')\n"
+        "import folio.core.executor.kernels.cuda_kernels, folio.core.executor.kernels.kernel_backend  # these never need CuPy\n"
     )
     assert result.stdout.strip() == "ImportError", result.stderr
 
@@ -69,7 +69,7 @@ def test_cuda_backend_import_fails_cleanly_without_cupy():
 def test_runner_falls_back_to_torch_without_cupy():
     result = _python(
         "import sys, torch; sys.modules['cupy'] = None\n"
-        "from folio.services.executor.runner import make_backend\n"
+        "from folio.core.executor.runtime.runner import make_backend\n"
         "print(make_backend('auto', torch.device('cuda'), torch.float16).name)\n"
         "try:\n    make_backend('cuda', torch.device('cuda'), torch.float16)\n"
         "except ValueError as e:\n    print('ValueError', 'unavailable' in str(e))\n"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from folio.services.executor.kernel_backend import KernelAttentionBackend
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
 from tests.cuda.emu_runtime import run_probe
 from tests.cuda.kv_cases import TOLERANCE, fresh_meta, make_step, reference_attention
 

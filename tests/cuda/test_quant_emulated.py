@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from folio.services.executor import cuda_kernels as ck
-from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
-from folio.services.executor.loader import _fused_quant_weights, load_model, read_checkpoint
-from folio.services.executor.model import ModelSpec
-from folio.services.executor.quant_formats import awq_to_int4, int4_to_awq
-from folio.services.executor.quant_gpu import GEMV_MAX_ROWS, AwqLinear, check_awq_shape, quantize_model_gpu
+from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.model.loader import _fused_quant_weights, load_model, read_checkpoint
+from folio.core.executor.model.llama import ModelSpec
+from folio.core.executor.quant.formats import awq_to_int4, int4_to_awq
+from folio.core.executor.quant.gpu import GEMV_MAX_ROWS, AwqLinear, check_awq_shape, quantize_model_gpu
 from tests.conftest import write_tiny_model
 from tests.cuda.quant_cases import check_awq_linear, check_awq_matmul, random_awq
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from folio.services.cli import admin_call
+from folio.cli.main import admin_call
 from folio.shared.config import Endpoints
 
 
@@ -47,7 +47,7 @@ def start_server(model: str, *flags: str, ready_timeout_s: float = 180.0) -> Ser
 
     run_dir = tempfile.mkdtemp(prefix="folio-e2e-", dir="/tmp")
     port = free_port()
-    cmd = [sys.executable, "-m", "folio.services.cli", "serve", "--model", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", model, "--port", str(port),
            "--host", "127.0.0.1", "--run-dir", run_dir, "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"

@@ -64,7 +64,7 @@ def test_chat_greedy_matches_the_in_process_runtime(client, server, smollm_dir):
     from transformers import AutoTokenizer
 
     from tests.executor.toy_driver import generate
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import SamplingParams
 

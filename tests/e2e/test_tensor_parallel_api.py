@@ -39,7 +39,7 @@ def tp_server(tiny_with_tokenizer):
 
 
 def one_rank_tokens(model: str) -> list[int]:
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
 
     runner = ModelRunner(RuntimeConfig(model=model, device="cpu", dtype="float32", quantization="none",
@@ -71,7 +71,7 @@ def test_serves_what_one_rank_computes(tp_server, tiny_with_tokenizer):
     chunks = [c for c in stream]
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
-    out = subprocess.run([sys.executable, "-m", "folio.services.cli", "executor", "stats", "--json",
+    out = subprocess.run([sys.executable, "-m", "folio.cli.main", "executor", "stats", "--json",
                           "--run-dir", tp_server.endpoints.admin_executor.removeprefix("ipc://").rsplit("/", 1)[0]],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -94,7 +94,7 @@ def test_a_dead_rank_restarts_the_executor(tp_server):
                        timeout_s=60, what="the executor to exit")
 
     def new_epoch():
-        from folio.services.cli import admin_call
+        from folio.cli.main import admin_call
 
         reply = admin_call(tp_server.endpoints, "executor", "stats", {}, 2.0)
         return reply is not None and reply.ok and reply.data["epoch"] != epoch

@@ -1,6 +1,6 @@
 """The sampler as it was before the batched one: one row's Python at a time, histories rebuilt
 from whole token lists every step. Kept for the tests only, as the reference the batched sampler
-(services/executor/sampler.py) must reproduce: the same greedy tokens, the same seeded draws.
+(folio/core/executor/sampling/sampler.py) must reproduce: the same greedy tokens, the same seeded draws.
 
 Order (vLLM's): penalties on the raw logits -> greedy rows take the argmax -> temperature ->
 min-p, top-k, top-p masks -> a draw. The draw is the exponential race (``argmax(p / E)`` with

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend, dense_causal_attention
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend, dense_causal_attention
 
 
 def make_step(seq_specs, num_kv_heads, num_heads, head_dim, block_size, num_blocks, seed, dtype=torch.float32):

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from folio.engine import generate
-from folio.services.executor import cpu_kernels
-from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
-from folio.services.executor.cpu_backend import CpuKernelBackend, CpuLayerOps
-from folio.services.executor.layer_ops import TORCH_LAYER_OPS, KernelRope
-from folio.services.executor.runner import ModelRunner
+from folio.core.engine import generate
+from folio.core.executor.kernels import cpu_kernels
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.kernels.cpu_backend import CpuKernelBackend, CpuLayerOps
+from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelRope
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
 
@@ -78,7 +78,7 @@ def attn_module(num_heads: int, num_kv_heads: int, head_dim: int):
 
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, BF16])
 def test_rope_and_the_kv_write_match_the_reference(backend, qkv_dtype):
-    from folio.services.executor.model import rope_cos_sin
+    from folio.core.executor.model.llama import rope_cos_sin
 
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     cfg = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, head_dim=dim,

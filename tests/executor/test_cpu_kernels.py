@@ -1,4 +1,4 @@
-"""The CPU sampler kernel (services/executor/csrc/sampler.c) against the torch path it stands in
+"""The CPU sampler kernel (folio/core/executor/kernels/csrc/sampler.c) against the torch path it stands in
 for: its exp, its greedy tokens under penalties (bit for bit), its draws (chi-square against
 ``processed_probs``, never outside the kept set), its penalty bookkeeping (bit for bit), and which
 batches take it."""
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from folio.services.executor import cpu_kernels, sampler
-from folio.services.executor.penalties import PenaltyState
-from folio.services.executor.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs_batch
+from folio.core.executor.kernels import cpu_kernels
+from folio.core.executor.sampling import sampler
+from folio.core.executor.sampling.penalties import PenaltyState
+from folio.core.executor.sampling.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs_batch
 from folio.shared.messages import SamplingParams
 
 CPU = torch.device("cpu")
@@ -131,7 +132,7 @@ def test_table_sampling_reads_the_persistent_rows_and_records_as_the_per_call_pa
     tokens recorded in the same call) against ``sample`` over the gathered rows followed by
     ``PenaltyState.record``: the same seed gives the same tokens, greedy under penalties included,
     and the same counts, bias and repetition tables."""
-    from folio.services.executor.input_batch import InputBatch
+    from folio.core.executor.runtime.input_batch import InputBatch
 
     vocab, rng = 300, np.random.default_rng(7)
     batches = [InputBatch(64, vocab, 16, CPU) for _ in range(2)]

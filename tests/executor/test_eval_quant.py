@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 def test_int4_quality_on_a_short_text_and_a_missed_target_fails_the_run(smollm_dir, tmp_path, capsys):
     import eval_quant
 
-    from folio.services.executor.quantize import main as quantize
+    from folio.cli.quantize import main as quantize
 
     # folio quantize --method int8 (GPTQ over the model's own sampled text, 2,048 tokens)
     assert quantize(["--method", "int8", smollm_dir, str(tmp_path / "int8")]) == 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.loader import load_model, resolve_quantization
-from folio.services.executor.quant_gpu import FP8_MAX, Fp8Linear, fp8_quantize, fp8_reference_mm, require_fp8
+from folio.core.executor.model.loader import load_model, resolve_quantization
+from folio.core.executor.quant.gpu import FP8_MAX, Fp8Linear, fp8_quantize, fp8_reference_mm, require_fp8
 
 
 def test_per_row_scales_and_saturation():

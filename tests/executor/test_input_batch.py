@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from folio.services.executor.attention import AttentionMetadata
-from folio.services.executor.input_batch import InputBatch
-from folio.services.executor.sampler import NUM_PARAMS, param_row
+from folio.core.executor.kernels.attention import AttentionMetadata
+from folio.core.executor.runtime.input_batch import InputBatch
+from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
 from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams
 
 VOCAB, BS = 97, 4

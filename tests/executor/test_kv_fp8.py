@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
-from folio.services.executor.kv_pool import KVPool, PoolShape
-from folio.services.executor.kv_quant import (
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.executor.quant.kv_quant import (
     CALIBRATION_MARGIN,
     FP8_DTYPE,
     FP8_MAX,
@@ -19,7 +19,7 @@ from folio.services.executor.kv_quant import (
     dequantize,
     quantize,
 )
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams, StepPlan
 from tests.executor.toy_driver import generate

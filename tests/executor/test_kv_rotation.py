@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.attention import AttentionMetadata
-from folio.services.executor.kv_quant import dequantize, quantize, rotation, scale_for
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.kernels.attention import AttentionMetadata
+from folio.core.executor.quant.kv_quant import dequantize, quantize, rotation, scale_for
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from folio.services.executor.attention import TorchAttentionBackend
-from folio.services.executor.kv_pool import KVPool, PoolShape
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.kernels.attention import TorchAttentionBackend
+from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.messages import StepPlan
 
 SHAPE = PoolShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -84,7 +84,7 @@ def test_swaps_without_a_host_tier_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_plan_on_the_gpu_pool_with_a_pinned_host_tier_matches_the_torch_backend():
     pytest.importorskip("cupy")
-    from folio.services.executor.cuda_backend import CudaAttentionBackend
+    from folio.core.executor.kernels.cuda_backend import CudaAttentionBackend
 
     plan = StepPlan(step_id=0, swap_out=[(2, 0), (3, 1)], swap_in=[(1, 2)], block_copies=[(4, 5)])
     cpu_pool = filled_pool()

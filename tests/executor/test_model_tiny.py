@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
 from tests.conftest import write_tiny_model
@@ -56,7 +56,7 @@ def test_logits_and_greedy_match_transformers(family_dir):
     # whole-prompt logits through the paged path against the reference forward
     with torch.inference_mode():
         ref_logits = hf(torch.tensor([prompt])).logits[0]
-    from folio.services.executor.attention import AttentionMetadata
+    from folio.core.executor.kernels.attention import AttentionMetadata
 
     n = len(prompt)
     meta = AttentionMetadata.build([n], [n], [[5, 2]], torch.tensor([5 * 8 + i if i < 8 else 2 * 8 + i - 8 for i in range(n)]), 8)
@@ -69,7 +69,7 @@ def test_logits_and_greedy_match_transformers(family_dir):
 
 
 def test_unsupported_family_is_a_clear_error(tmp_path):
-    from folio.services.executor.model import ModelSpec
+    from folio.core.executor.model.llama import ModelSpec
 
     class Cfg:
         model_type = "gpt2"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from folio.services.executor.loader import load_model
-from folio.shared import models
+from folio.core.executor.model.loader import load_model
+from folio.core import models
 
 
 def test_prepared_folder_is_complete_and_reused(smollm_dir):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.quant_formats import (
+from folio.core.executor.quant.formats import (
     AWQ_ORDER, Int4Weight, awq_to_int4, int4_to_awq, pack_awq, quantize_int4, quantize_int8, read_gguf_quant,
     unpack_awq,
 )
-from folio.services.executor.quant_linear import QuantLinear
+from folio.core.executor.quant.linear import QuantLinear
 
 
 def test_awq_packing_round_trips_in_autoawq_nibble_order():
@@ -88,7 +88,7 @@ def test_packed_layer_takes_operands_at_any_address(bits):
 
 
 def test_gptq_is_round_to_nearest_without_correlation_and_beats_it_with():
-    from folio.services.executor.gptq import gptq_quantize_int8
+    from folio.cli.gptq import gptq_quantize_int8
 
     torch.manual_seed(0)
     w = torch.randn(64, 96) * 0.05
@@ -111,8 +111,8 @@ def test_gptq_is_round_to_nearest_without_correlation_and_beats_it_with():
 def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
     from pathlib import Path
 
-    from folio.services.executor.loader import load_hf_config, read_safetensors
-    from folio.shared.models import packaged_gguf
+    from folio.core.executor.model.loader import load_hf_config, read_safetensors
+    from folio.core.models import packaged_gguf
 
     dense = read_safetensors(Path(smollm_dir))  # transformers' own dequantization of the GGUF
     method, quant = read_gguf_quant(packaged_gguf(), load_hf_config(Path(smollm_dir)))
@@ -123,7 +123,7 @@ def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
 
 
 def _logits(model, ids):
-    from folio.services.executor.attention import AttentionMetadata, TorchAttentionBackend
+    from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
 
     spec, n = model.spec, len(ids)
     shape = (n, 1, spec.num_kv_heads, spec.head_dim)
@@ -140,8 +140,8 @@ def test_folio_quantize_writes_a_folder_that_loads_back(tmp_path, tiny_model_dir
 
     from safetensors.torch import load_file
 
-    from folio.services.executor.loader import load_model
-    from folio.services.executor.quantize import main
+    from folio.core.executor.model.loader import load_model
+    from folio.cli.quantize import main
 
     out = tmp_path / method
     assert main(["--method", method, "--group-size", "32", "--calibration-tokens", "64", tiny_model_dir, str(out)]) == 0
@@ -173,7 +173,7 @@ def test_folio_quantize_writes_a_folder_that_loads_back(tmp_path, tiny_model_dir
 
 
 def test_folio_quantize_refuses_a_group_size_that_does_not_fit(tmp_path, tiny_model_dir, capsys):
-    from folio.services.executor.quantize import main
+    from folio.cli.quantize import main
 
     assert main(["--method", "int4", "--group-size", "64", tiny_model_dir, str(tmp_path / "x")]) == 2
     assert "96 input channels, not a multiple of group size 64; use 32" in capsys.readouterr().err
@@ -181,7 +181,7 @@ def test_folio_quantize_refuses_a_group_size_that_does_not_fit(tmp_path, tiny_mo
 
 def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_dir):
     from tests.executor.toy_driver import generate
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import SamplingParams
 
@@ -199,7 +199,7 @@ def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_d
 
 @pytest.mark.parametrize("rows", [3, 9])  # the int4 pair (up to SMALL_ROWS rows), the bf16 copy
 def test_lm_head_refines_its_top_logits_exactly(rows):
-    from folio.services.executor.quant_linear import REFINE_TOP, SMALL_ROWS, QuantLMHead
+    from folio.core.executor.quant.linear import REFINE_TOP, SMALL_ROWS, QuantLMHead
 
     assert (rows <= SMALL_ROWS) == (rows == 3)
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def test_lm_head_refines_its_top_logits_exactly(rows):
 
 
 def test_the_lm_heads_int4_pair_sums_to_its_int8_groups_and_recovers_q8_0():
-    from folio.services.executor.quant_linear import int8_as_int4_pair
+    from folio.core.executor.quant.linear import int8_as_int4_pair
 
     torch.manual_seed(1)
     # Q8_0-style weights: int8 per group of 32 times an fp16 scale, dequantized to fp32
@@ -242,7 +242,7 @@ def test_packed_layers_are_row_invariant(bits):
 
 
 def test_auto_keeps_the_checkpoint_format_on_the_cpu_and_what_a_gpu_kernel_takes_elsewhere():
-    from folio.services.executor.loader import resolve_quantization
+    from folio.core.executor.model.loader import resolve_quantization
 
     assert resolve_quantization("auto", "int4", torch.device("cpu")) == "int4"
     assert resolve_quantization("auto", "int4", torch.device("cuda")) == "none"  # Q4_1: off the AWQ grid

@@ -38,8 +38,8 @@ import math
 import pytest
 import torch
 
-from folio.services.executor.rejection import num_accepted, verify
-from folio.services.executor.sampler import SamplingRow, make_generator, processed_probs, sample
+from folio.core.executor.sampling.rejection import num_accepted, verify
+from folio.core.executor.sampling.sampler import SamplingRow, make_generator, processed_probs, sample
 from folio.shared.messages import SamplingParams
 
 VOCAB = 6

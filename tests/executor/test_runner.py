@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from folio.services.executor.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, SamplingParams, StepPlan
 from tests.executor.toy_driver import generate

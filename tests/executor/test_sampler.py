@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from folio.services.executor.sampler import SamplingRow, make_generator, sample
+from folio.core.executor.sampling.sampler import SamplingRow, make_generator, sample
 from folio.shared.messages import SamplingParams
 
 VOCAB = 50

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from folio.services.executor import sampler
-from folio.services.executor.penalties import PenaltyState
-from folio.services.executor.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs, sample
+from folio.core.executor.sampling import sampler
+from folio.core.executor.sampling.penalties import PenaltyState
+from folio.core.executor.sampling.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs, sample
 from folio.shared.messages import SamplingParams
 from tests.executor import reference_sampler as ref
 

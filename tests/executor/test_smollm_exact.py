@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
 from tests.executor.toy_driver import generate

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from folio.services.executor.spec_decode import NgramProposer
+from folio.core.executor.runtime.spec_decode import NgramProposer
 from folio.shared.config import RuntimeConfig
 from folio.shared.kv.allocator import cdiv
 from folio.shared.messages import KVTruncate
@@ -33,7 +33,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 
 
 def make_runner(model_dir, num_kv_blocks=256, block_size=4, quantization="none", **spec):
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.executor.runtime.runner import ModelRunner
 
     # the dense weights by default; the packed int4 ones (SmolLM2's ``auto``) in one identity check
     config = RuntimeConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, device="cpu", dtype="float32",
@@ -121,10 +121,10 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_pair):
 def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
     """After a verification that accepted one draft and then chose another token, the draft's
     next proposal equals a fresh draft's for the same tokens: no rejected token's KV survives."""
-    from folio.services.executor.attention import TorchAttentionBackend
-    from folio.services.executor.input_batch import InputBatch
-    from folio.services.executor.runner import RequestState
-    from folio.services.executor.spec_decode import DraftModelProposer
+    from folio.core.executor.kernels.attention import TorchAttentionBackend
+    from folio.core.executor.runtime.input_batch import InputBatch
+    from folio.core.executor.runtime.runner import RequestState
+    from folio.core.executor.runtime.spec_decode import DraftModelProposer
     from folio.shared.messages import SamplingParams
 
     target, draft = tiny_pair
@@ -165,8 +165,8 @@ def exact_distribution(model_dir, prompt, num_tokens, params) -> dict[tuple[int,
     """The target's exact distribution of its next ``num_tokens`` tokens under ``params``."""
     from transformers import AutoModelForCausalLM
 
-    from folio.services.executor.rejection import processed_probs
-    from folio.services.executor.sampler import SamplingRow
+    from folio.core.executor.sampling.rejection import processed_probs
+    from folio.core.executor.sampling.sampler import SamplingRow
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     dist = {(): 1.0}
@@ -259,7 +259,7 @@ def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts
     """The issue's check: SmolLM2-135M-Instruct, greedy, alone (batch 1) and all together; ``auto``
     serves the packaged Q4_1 weights int4 with bf16 activations, where one flipped last bit of
     attention changed a near-tie until verified tokens attended as decodes do."""
-    from folio.shared.models import truncate_layers
+    from folio.core.models import truncate_layers
 
     prompts, eos = smollm_prompts
     reqs = [engine_request(f"p{i}", p, n, eos_token_id=eos) for i, (p, n) in enumerate(prompts)]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.executor.parallel import Shard
-from folio.services.executor.runner import ModelRunner
-from folio.services.executor.workers import ParallelRunner, resident_tensors
+from folio.core.executor.parallel.comm import Shard
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.executor.parallel.workers import ParallelRunner, resident_tensors
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import BeamSearchParams
 from tests.conftest import write_tiny_model
@@ -193,6 +193,6 @@ def test_refuses_a_model_that_does_not_split(tmp_path):
     with pytest.raises(ValueError, match="intermediate size"):
         ParallelRunner(config(odd, 2), odd, on_failure=lambda reason: None)
     with pytest.raises(ValueError, match="does not shard yet"):
-        from folio.services.executor.loader import load_model
+        from folio.core.executor.model.loader import load_model
 
         load_model(odd, torch.float32, torch.device("cpu"), "int8", shard=Shard(0, 2))

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from folio.services.executor.gguf_slices import GGUFSlices
-from folio.services.executor.loader import load_hf_config, read_safetensors
-from folio.services.executor.runner import ModelRunner
-from folio.services.executor.workers import ParallelRunner
+from folio.core.executor.model.gguf_slices import GGUFSlices
+from folio.core.executor.model.loader import load_hf_config, read_safetensors
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.executor.parallel.workers import ParallelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.models import packaged_gguf
+from folio.core.models import packaged_gguf
 from tests.services.engine import LocalEngine, engine_request
 
 
@@ -76,8 +76,8 @@ def _rss_anon() -> int:
 
 def _load_one_rank(rank: int, size: int, out) -> None:
     """In a fresh process: load one rank's shard while a thread samples anonymous resident memory."""
-    from folio.services.executor.loader import load_model
-    from folio.services.executor.parallel import Shard
+    from folio.core.executor.model.loader import load_model
+    from folio.core.executor.parallel.comm import Shard
 
     path = packaged_gguf()
     load_hf_config(path)  # the imports and the config parse, before the baseline

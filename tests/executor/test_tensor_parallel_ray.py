@@ -10,8 +10,8 @@ import time
 import pytest
 import ray
 
-from folio.services.executor.runner import ModelRunner
-from folio.services.executor.workers import ParallelRunner, WorkerGroupError
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.executor.parallel.workers import ParallelRunner, WorkerGroupError
 from tests.conftest import write_tiny_model
 from tests.executor.test_tensor_parallel import PROMPTS, config, outputs, requests
 from tests.services.engine import LocalEngine, engine_request

@@ -1,5 +1,5 @@
 """A toy driver of the model runner, the oracle of the runner's own tests: it has no policy to
-get wrong. (The real engine in one process is ``folio.engine``.)
+get wrong. (The real engine in one process is ``folio.core.engine``.)
 
 A deliberately simple driver: blocks come from a free list in order, every request runs until it
 has ``max_tokens`` new tokens (or hits EOS unless ``ignore_eos``), prompts are fed in chunks of at
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
 
 

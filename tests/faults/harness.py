@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import psutil
 
-from folio.services.cli import admin_call
+from folio.cli.main import admin_call
 from folio.shared.config import Endpoints
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")
@@ -57,7 +57,7 @@ class Served:
     def child(self, name: str) -> psutil.Process:
         for c in psutil.Process(self.proc.pid).children():
             try:
-                if c.cmdline()[4] == name:  # python -m folio.services.cli run NAME
+                if c.cmdline()[4] == name:  # python -m folio.cli.main run NAME
                     return c
             except (psutil.NoSuchProcess, IndexError):
                 continue
@@ -114,7 +114,7 @@ class Served:
 def start_serve(model: str, *flags: str) -> Served:
     run_dir = tempfile.mkdtemp(prefix="folio-x-", dir="/tmp")
     port = free_port()
-    cmd = [sys.executable, "-m", "folio.services.cli", "serve", "--model", model, "--run-dir", run_dir,
+    cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", model, "--run-dir", run_dir,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "8",
            "--log-level", "warning", *flags]
     log = tempfile.TemporaryFile("a+")  # children share it: appends only; a pipe could fill and block

@@ -13,7 +13,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.services.executor.service import ExecutorService
 from folio.services.kvmanager.service import KVManagerService
 from folio.services.scheduler.service import SchedulerService

@@ -1,4 +1,4 @@
-"""The engine in one process (``folio.engine.EngineCore``: the scheduler's policy, its allocator
+"""The engine in one process (``folio.core.engine.EngineCore``: the scheduler's policy, its allocator
 replica and the executor's runner, stepped as the services step them), with an allocator of record
 fed each step's log as the kvmanager is (``kv_owner.Owner``), and every step's plan and log kept,
 so that tests can look at every step and at the allocator of record between steps."""
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from folio.engine import EngineCore
-from folio.services.executor.runner import ModelRunner
+from folio.core.engine import EngineCore
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import EngineRequest, SamplingParams, StepPlan, TokenDelta
 from tests.services.kv_owner import Owner

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from folio.services.cli import admin_call
+from folio.cli.main import admin_call
 from folio.shared.config import Endpoints
 from tests.e2e.conftest import free_port
 
@@ -41,7 +41,7 @@ class Replica:
         return f"{self.url},kv_events_port={self.kv_events_port},kv_snapshot_port={self.kv_snapshot_port}"
 
     def start(self) -> "Replica":
-        cmd = [sys.executable, "-m", "folio.services.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", self.model, "--host", "127.0.0.1",
                "--port", str(self.port), "--run-dir", self.run_dir, "--log-level", "warning",
                "--kv-events-port", str(self.kv_events_port), "--kv-snapshot-port", str(self.kv_snapshot_port),
                *self.flags]
@@ -120,7 +120,7 @@ def start_router(model: str, replicas: list[Replica], *flags: str, num_up: int |
                  timeout_s: float = 60.0) -> RouterProc:
     run_dir = tempfile.mkdtemp(prefix="folio-rt-", dir="/tmp")
     port = free_port()
-    cmd = [sys.executable, "-m", "folio.services.cli", "run", "router", "--model", model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "folio.cli.main", "run", "router", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--poll-interval", "0.2", "--log-level", "warning", *flags]
     for replica in replicas:
         cmd += ["--replica", replica.spec]

@@ -1,4 +1,4 @@
-"""folio.services.scheduler.beam against transformers' own beam search.
+"""folio.core.scheduler.beam against transformers' own beam search.
 
 A tiny random Llama with a 16-token vocabulary, whose EOS is one of its frequent tokens made a
 little likelier still (its lm_head row scaled), so that beams end by EOS at various lengths, others
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.services.scheduler.beam import Beam, BeamSearch
+from folio.core.scheduler.beam import Beam, BeamSearch
 from tests.conftest import write_tiny_model
 
 VOCAB = 16

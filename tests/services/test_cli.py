@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from folio.services.cli import admin_call, main as folio
+from folio.cli.main import admin_call, main as folio
 from folio.services.serve import SERVICES, add_serve_args, service_argv
 from folio.shared.config import Endpoints
 from tests.services.backhalf import short_run_dir, write_tiny_chat_model
@@ -46,7 +46,7 @@ class Serve:
         where = ["--run-dir", self.run_dir] if run_dir != "default" else []
         if run_dir == "default":
             self.run_dir = f"/tmp/folio-{self.port}"
-        cmd = [sys.executable, "-m", "folio.services.cli", "serve", "--model", model, *where,
+        cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", model, *where,
                "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "64", "--dtype", "float32",
                "--block-size", "8", "--max-num-seqs", "8", *flags]
         self.log = tempfile.TemporaryFile("a+")  # children share it: appends only; a pipe could fill and block
@@ -115,7 +115,7 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
             time.sleep(0.1)
         assert f"folio: ready at http://127.0.0.1:{serve.port}/v1" in serve.stderr()
         # a second serve on the same run folder refuses instead of stealing the sockets
-        other = subprocess.run([sys.executable, "-m", "folio.services.cli", "serve", "--model", tiny_chat_model,
+        other = subprocess.run([sys.executable, "-m", "folio.cli.main", "serve", "--model", tiny_chat_model,
                                 "--run-dir", serve.run_dir], capture_output=True, text=True, timeout=60)
         assert other.returncode == 1 and f"another folio (pid {serve.proc.pid}) is serving" in other.stderr
         serve.proc.send_signal(signal.SIGTERM)
@@ -132,7 +132,7 @@ def test_serve_without_restarts_says_which_child_died_and_stops_the_others(tiny_
     serve = Serve(tiny_chat_model, "--no-restart")
     try:
         serve.wait_ready()
-        children = {c.cmdline()[4]: c for c in serve.children()}  # python -m folio.services.cli run NAME
+        children = {c.cmdline()[4]: c for c in serve.children()}  # python -m folio.cli.main run NAME
         children["executor"].send_signal(signal.SIGKILL)
         code, err = serve.finish()
     finally:
@@ -256,7 +256,7 @@ def test_two_servers_on_two_ports_run_side_by_side_and_a_folder_is_claimed_once(
             assert json.loads(capsys.readouterr().out)["num_requests"] == 1
         # two servers started at the same instant on one folder: exactly one claims it
         race_dir = short_run_dir()
-        cmd = [sys.executable, "-m", "folio.services.cli", "serve", "--model", tiny_chat_model, "--run-dir", race_dir,
+        cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", tiny_chat_model, "--run-dir", race_dir,
                "--host", "127.0.0.1", "--num-kv-blocks", "16", "--dtype", "float32"]
         racers = [subprocess.Popen([*cmd, "--port", str(free_port())], stderr=subprocess.PIPE, text=True)
                   for _ in range(2)]

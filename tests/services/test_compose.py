@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
-from folio.services.cli import RUNNABLE, admin_call
+from folio.cli.main import RUNNABLE, admin_call
 from folio.shared.config import Endpoints
 from tests.services.backhalf import short_run_dir, write_tiny_chat_model
 
@@ -104,7 +104,7 @@ def test_the_scale_out_profile_puts_two_replicas_behind_the_router():
 
 def test_entry_points_exist():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["folio"] == "folio.services.cli:main"
+    assert scripts["folio"] == "folio.cli.main:main"
     for name in RUNNABLE:
         assert callable(importlib.import_module(f"folio.services.{name}.main").main)
     dockerfile = (ROOT / "Dockerfile").read_text()
@@ -125,7 +125,7 @@ def local_argv(name: str, model: str, port: int) -> list[str]:
         cmd[cmd.index("--port") + 1] = str(port)
     if name.startswith("executor"):
         cmd += ["--num-kv-blocks", "32", "--dtype", "float32"]
-    return [sys.executable, "-m", "folio.services.cli", *cmd[1:]]
+    return [sys.executable, "-m", "folio.cli.main", *cmd[1:]]
 
 
 def test_the_commands_start_as_local_processes_and_stop_on_sigterm(tiny_chat_model):
@@ -151,11 +151,11 @@ def test_the_commands_start_as_local_processes_and_stop_on_sigterm(tiny_chat_mod
         # the health checks compose runs, as written
         for name in ("kvmanager", "scheduler", "tokenizer"):
             test = COMPOSE["services"][name]["healthcheck"]["test"]
-            assert subprocess.run([sys.executable, "-m", "folio.services.cli", *test[2:]], env=env).returncode == 0
+            assert subprocess.run([sys.executable, "-m", "folio.cli.main", *test[2:]], env=env).returncode == 0
         # the gateway's check asks /health, 200 once its own probes saw every service
         test = COMPOSE["services"]["gateway"]["healthcheck"]["test"]
         test = [part.replace(":8000/", f":{port}/") for part in test]
-        while subprocess.run([sys.executable, "-m", "folio.services.cli", *test[2:]], env=env,
+        while subprocess.run([sys.executable, "-m", "folio.cli.main", *test[2:]], env=env,
                              capture_output=True).returncode != 0:
             assert time.monotonic() < deadline, "the gateway's health check never passed"
             time.sleep(0.2)

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.services.executor.service import ExecutorService
 from folio.services.kvmanager.service import KVManagerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig

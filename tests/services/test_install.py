@@ -26,12 +26,12 @@ def test_pip_install_puts_one_top_level_package(tmp_path):
     assert modules and missing == [], missing  # every module of the two folders is installed under folio/
     # the installed copy is what imports, from anywhere; the old top-level names are gone
     env = {**os.environ, "PYTHONPATH": str(target)}
-    probe = ("import importlib.util, folio.services.cli, folio.shared.config, folio.services.gateway.app\n"
-             "print(folio.services.cli.__file__)\n"
+    probe = ("import importlib.util, folio.cli.main, folio.shared.config, folio.services.gateway.app\n"
+             "print(folio.cli.main.__file__)\n"
              "print(importlib.util.find_spec('services'), importlib.util.find_spec('shared'))\n")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                          check=True, timeout=120).stdout.splitlines()
-    assert out[0].startswith(str(target / "folio" / "services")), out
+    assert out[0].startswith(str(target / "folio" / "cli")), out
     assert out[1] == "None None", out
     # the console script runs the installed CLI
     help_text = subprocess.run([sys.executable, str(target / "bin" / "folio"), "serve", "--help"], cwd=tmp_path,

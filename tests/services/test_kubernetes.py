@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from folio.services.cli import RUNNABLE
+from folio.cli.main import RUNNABLE
 from folio.shared.config import Endpoints, RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
 from tests.services.backhalf import back_half

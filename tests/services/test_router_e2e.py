@@ -109,7 +109,7 @@ def test_uniform_traffic_without_shared_prefixes_is_balanced(stack):
     # fair share, not an exact half (a clean run split 13/7 once)
     assert min(counts) >= 0.3 * len(prompts), counts
     # the admin CLI and /metrics tell the same
-    cli = subprocess.run([sys.executable, "-m", "folio.services.cli", "router", "replicas", "--json", "--run-dir",
+    cli = subprocess.run([sys.executable, "-m", "folio.cli.main", "router", "replicas", "--json", "--run-dir",
                           router.run_dir], capture_output=True, text=True, timeout=60)
     rows = {row["replica"]: row for row in json.loads(cli.stdout)["replicas"]}
     assert cli.returncode == 0 and set(rows) == {a.url, b.url} and all(row["up"] for row in rows.values())

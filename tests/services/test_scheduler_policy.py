@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from folio.services.scheduler.policy import Scheduler
+from folio.core.scheduler.policy import Scheduler
 from folio.shared.messages import (
     BeamSearchParams,
     EngineRequest,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from folio.services.scheduler.policy import Scheduler
+from folio.core.scheduler.policy import Scheduler
 from folio.shared.messages import EngineRequest, PoolInfo, SamplingParams, StepResult
 from tests.services.kv_owner import Owner
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import structlog
 
-from folio.services.executor.runner import ModelRunner
+from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams, TokenBatch
 from folio.shared.transport import Decoder, encode

@@ -90,7 +90,7 @@ def test_max_tokens_mid_structure_finishes_with_length(chat_model, tok, grammars
 
 
 def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
-    from folio.services.executor.runner import ModelRunner
+    from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import NewRequestData, SamplingParams, StepPlan
 

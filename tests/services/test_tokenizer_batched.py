@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from folio.services.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
 from folio.shared.messages import GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
 from tests.services.frontend import text_tokenizer
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from folio.services.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
-from folio.services.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
+from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
 from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenBatch, TokenDelta, TokenLogprobs
 from folio.shared.text import RequestError
 from tests.services.frontend import text_tokenizer

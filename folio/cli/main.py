@@ -1,0 +1,176 @@
+"""``folio``: one command for people and containers.
+
+- ``folio serve [flags]``: the five services as processes on ipc:// sockets, HTTP on --port;
+- ``folio run SERVICE [flags]``: one service alone (what each compose container runs), or the
+  router in front of many replicas (``folio run router --replica URL ...``);
+- ``folio prepare [--force]``: convert the packaged default model once;
+- ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
+- ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
+  ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
+  ``folio router stats|replicas`` (``--json``):
+  ask a running service's admin socket, found by ``--port`` (the server's HTTP port: its run
+  folder is /tmp/folio-PORT) or ``--run-dir``;
+- ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks);
+  ``folio health gateway --http URL`` asks the gateway's ``/health`` instead, which pings them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from folio.shared import loops
+from folio.shared.config import Endpoints, default_run_dir
+from folio.shared.messages import AdminReply
+
+RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
+# admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
+ADMIN_VERBS = {
+    "kv": ("kvmanager", ("stats", "seq", "blocks", "clear")),
+    "scheduler": ("scheduler", ("stats", "requests", "abort", "drain", "resume")),
+    "executor": ("executor", ("stats",)),
+    "tokenizer": ("tokenizer", ("stats",)),
+    "gateway": ("gateway", ("stats",)),
+    "router": ("router", ("stats", "replicas")),
+}
+_NEEDS_REQ_ID = {"seq", "abort"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from folio.services.serve import add_serve_args
+
+    parser = argparse.ArgumentParser(prog="folio", description="serve LLMs with a paged KV cache and continuous batching")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="start the five services and the HTTP API"))
+    run = sub.add_parser("run", help="run one service alone", add_help=False)
+    run.add_argument("service", choices=RUNNABLE)
+    sub.add_parser("quantize", help="write a quantized model folder (awq, int4, int8)", add_help=False)
+    prepare = sub.add_parser("prepare", help="prepare the packaged default model")
+    prepare.add_argument("--force", action="store_true")
+    for cli_name, (service, verbs) in ADMIN_VERBS.items():
+        admin = sub.add_parser(cli_name, help=f"ask the {service}: {', '.join(verbs)}")
+        admin.add_argument("verb", choices=verbs)
+        admin.add_argument("req_id", nargs="?", help=f"for {', '.join(sorted(_NEEDS_REQ_ID & set(verbs))) or '-'}")
+        _add_admin_flags(admin)
+    health = sub.add_parser("health", help="exit 0 when SERVICE answers on its admin socket")
+    health.add_argument("service", choices=RUNNABLE)
+    health.add_argument("--http", default=None, metavar="URL",
+                        help="ask this /health URL instead (200: every service answers)")
+    _add_admin_flags(health)
+    return parser
+
+
+def _add_admin_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the reply's data as JSON")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", default=None, help="the serve run folder (default: from the environment)")
+    where.add_argument("--port", type=int, default=None, help="the HTTP port of the server to ask")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    # `run` hands every flag after the service name to that service's own parser
+    if len(argv) >= 2 and argv[0] == "run" and argv[1] in RUNNABLE:
+        return run_service(argv[1], argv[2:])
+    if argv and argv[0] == "quantize":  # its own parser, as for run
+        from folio.cli.quantize import main as quantize_main
+
+        return quantize_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from folio.services.serve import serve
+
+        return serve(args)
+    if args.command == "run":
+        parser.error(f"run needs a service: {', '.join(RUNNABLE)}")
+    if args.command == "prepare":
+        from folio.core.models import main as prepare_main
+
+        return prepare_main(["--force"] if args.force else [])
+    if args.command == "health":
+        if args.http:
+            return http_health(args.http, args.timeout)
+        reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
+        return 0 if reply is not None else 1
+    service, _ = ADMIN_VERBS[args.command]
+    return admin_command(args, service)
+
+
+def run_service(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(f"folio.services.{name}.main")
+    return module.main(argv) or 0
+
+
+def _endpoints(args: argparse.Namespace) -> Endpoints:
+    if args.run_dir:
+        return Endpoints.ipc(args.run_dir)
+    if args.port is not None:
+        return Endpoints.ipc(default_run_dir(args.port))
+    return Endpoints.from_env()
+
+
+def http_health(url: str, timeout_s: float) -> int:
+    """0 when ``url`` answers 200; else 1, printing what it said (the services that are down)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"folio: {url}: {exc.code} {exc.read().decode(errors='replace')[:500]}", file=sys.stderr)
+    except OSError as exc:
+        print(f"folio: {url}: {exc}", file=sys.stderr)
+    return 1
+
+
+def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
+    """One AdminRequest to ``service``'s admin socket; None when it does not answer in time."""
+    return loops.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s)
+
+
+def admin_command(args: argparse.Namespace, service: str) -> int:
+    call_args = {}
+    if args.verb in _NEEDS_REQ_ID:
+        if not args.req_id:
+            print(f"folio: {args.verb} needs a request id", file=sys.stderr)
+            return 2
+        call_args["req_id"] = args.req_id
+    reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
+    if reply is None:
+        print(f"folio: the {service} did not answer within {args.timeout:g}s (is it running? --port? --run-dir?)",
+              file=sys.stderr)
+        return 1
+    if not reply.ok:
+        print(f"folio: {service}: {reply.error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(reply.data, indent=2, sort_keys=True))
+    else:
+        print_table(reply.data)
+    return 0
+
+
+def print_table(data: dict, indent: str = "") -> None:
+    width = max((len(k) for k in data), default=0)
+    for key, value in data.items():
+        if isinstance(value, list) and value and isinstance(value[0], str):  # a block map: one row a line
+            print(f"{indent}{key}:")
+            for row in value:
+                print(f"{indent}  {row}")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            print(f"{indent}{key}:")
+            for item in value:
+                print(f"{indent}  - " + "  ".join(f"{k}={v}" for k, v in item.items()))
+        elif isinstance(value, float):
+            print(f"{indent}{key:<{width}}  {value:.4g}")
+        else:
+            print(f"{indent}{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Paged attention over the KV block pool: the step metadata and the ``torch`` backend.
+
+The model calls a backend twice per layer: ``write_kv`` puts the step's new K/V into their slots
+of the pool, ``attend`` computes attention for every new token against its sequence's context,
+read through the sequence's block table. The torch backend here is the reference (and the CPU
+default): plain torch ops, the oracle the CUDA kernels are tested against.
+
+Pool layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_dim]``; an
+fp8 pool (``kv_quant``) stores e4m3 values with the layer's scales, the gather dequantizes.
+Slot of the token at position p: ``block_table[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from folio.core.executor.quant.kv_quant import FP8_DTYPE, dequantize, quantize, raw, stored
+from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
+
+SHORT_CHUNK_ROWS = 16  # chunks this short (verification: k + 1 tokens) attend row by row, as decodes
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's varlen batch, built once and shared by every layer.
+
+    Sequences are laid out one after another in the flattened token dimension: sequence b owns
+    tokens ``query_start_loc[b]:query_start_loc[b+1]``, which sit at positions
+    ``seq_lens[b] - query_len .. seq_lens[b] - 1`` (the cached context comes before them).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; negative = padding, not written
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with block 0
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # host copies, so that backends can plan without device syncs
+    query_lens_list: list[int] = field(default_factory=list)
+    seq_lens_list: list[int] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [num_tokens] int64, each new token's position
+    # whether some slots are padding (negative): None = unknown, look at the device
+    padded: bool | None = None
+    # backend-private plan (built lazily by the backend, once per step)
+    plan: object | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: torch.Tensor | None,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Tensors built on the host, then moved once. ``slot_mapping=None`` derives each new
+        token's slot from its sequence's block table (the usual case)."""
+        padded = None if slot_mapping is not None else False
+        num_seqs = len(query_lens)
+        max_blocks = max((len(t) for t in block_tables), default=1) or 1
+        table = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
+        for b, blocks in enumerate(block_tables):
+            if blocks:
+                table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        # the new tokens of a sequence are its last query_len positions
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]) if num_seqs \
+            else torch.zeros(0, dtype=torch.long)
+        if slot_mapping is None:
+            seq_idx = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.long))
+            slot_mapping = table[seq_idx, positions // block_size].long() * block_size + positions % block_size
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            positions=positions.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+            padded=padded,
+        )
+
+
+@dataclass
+class _DecodeGroup:
+    """Tokens attended one query row each, as one padded batch: decode tokens, and the tokens of
+    short chunks (each with the keys up to its own position)."""
+
+    token_idx: torch.Tensor  # [num_decode] rows of q that belong to this group
+    block_tables: torch.Tensor  # [num_decode, max_blocks]
+    key_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] True = attend
+
+
+@dataclass
+class _ChunkSeq:
+    """A sequence with more than ``SHORT_CHUNK_ROWS`` new tokens (a prefill chunk): attended alone."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [num_blocks_needed]
+    seq_len: int
+    mask: torch.Tensor  # [1, 1, query_len, seq_len] causal against the cached context
+
+
+@dataclass
+class _TorchPlan:
+    decode: _DecodeGroup | None
+    chunks: list[_ChunkSeq]
+    write_idx: torch.Tensor | None  # rows to write when some slots are padding, else None
+
+
+def decode_rows_and_chunks(meta: AttentionMetadata) -> tuple[list[tuple[int, int, int]], list[_ChunkSeq]]:
+    """(row of q, sequence, keys this token sees) for each token attended as a decode, and the
+    chunks attended whole. Decode tokens, and each token of a short chunk (speculative
+    verification) as if it were decoded alone, so that a verified token is computed exactly as
+    plain decoding computes it. SDPA with several query rows runs another kernel, whose last bits
+    differ; with bf16 activations (the quantized layers) such a bit can flip a near-tie and change
+    a greedy output."""
+    device, bs = meta.block_tables.device, meta.block_size
+    starts = meta.query_start_loc.tolist()
+    rows: list[tuple[int, int, int]] = []
+    chunks = []
+    for b, n in enumerate(meta.query_lens_list):
+        seq_len = meta.seq_lens_list[b]
+        if 0 < n <= SHORT_CHUNK_ROWS:
+            rows += [(starts[b] + i, b, seq_len - n + 1 + i) for i in range(n)]
+        elif n > SHORT_CHUNK_ROWS:
+            k_pos = torch.arange(seq_len, device=device)
+            q_pos = k_pos[seq_len - n:]
+            chunks.append(_ChunkSeq(start=starts[b], end=starts[b] + n,
+                                    block_ids=meta.block_tables[b, :(seq_len + bs - 1) // bs].long(),
+                                    seq_len=seq_len, mask=(k_pos[None, :] <= q_pos[:, None])[None, None]))
+    return rows, chunks
+
+
+class TorchAttentionBackend:
+    """Reference paged attention in plain torch ops.
+
+    Attention for a sequence gathers its blocks through the block table into a transient
+    workspace (what a kernel does in registers and shared memory) and runs SDPA with a mask that
+    is causal against the cached context. Nothing outlives the call: the pool is the only KV
+    storage. Decode tokens and the tokens of short chunks (verification) go as one padded batch,
+    one query row each; longer chunks go one sequence at a time, since each is already a
+    matrix-sized piece of work.
+    """
+
+    name = "torch"
+    layer_ops = TORCH_LAYER_OPS  # the model's norms, RoPE and activation: plain torch
+
+    def plan(self, meta: AttentionMetadata) -> _TorchPlan:
+        if isinstance(meta.plan, _TorchPlan):
+            return meta.plan
+        device = meta.block_tables.device
+        bs = meta.block_size
+        rows, chunks = decode_rows_and_chunks(meta)
+        decode = None
+        if rows:
+            # torch's CPU SDPA splits a batch of one sequence differently over threads than a
+            # larger batch (other last bits): one row attends as a batch of two
+            rows = rows * 2 if len(rows) == 1 else rows
+            token_idx, seqs, lens = (torch.tensor(col, dtype=torch.long, device=device) for col in zip(*rows))
+            max_blocks = (max(r[2] for r in rows) + bs - 1) // bs
+            key_pos = torch.arange(max_blocks * bs, device=device)
+            decode = _DecodeGroup(token_idx=token_idx, block_tables=meta.block_tables[seqs, :max_blocks].long(),
+                                  key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :])
+        meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=_write_idx(meta))
+        return meta.plan
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: stored = value / scale
+    ) -> None:
+        # only the padding rows matter here: the attention plan waits for ``attend``
+        write_idx = meta.plan.write_idx if isinstance(meta.plan, _TorchPlan) else _write_idx(meta)
+        slots = meta.slot_mapping
+        if write_idx is not None:
+            slots = slots[write_idx]
+            key = key[write_idx]
+            value = value[write_idx]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        if k_cache.dtype == FP8_DTYPE:
+            key, value = quantize(key, kv_scales[0]), quantize(value, kv_scales[1])
+        raw(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, raw(key.to(k_cache.dtype)))
+        raw(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, raw(value.to(v_cache.dtype)))
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        plan = self.plan(meta)
+        out = torch.empty_like(query)
+        self._attend_decode(out, query, k_cache, v_cache, plan, scale, kv_scales)
+        self._attend_chunks(out, query, k_cache, v_cache, plan.chunks, scale, kv_scales)
+        return out
+
+    def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales) -> None:
+        k_scale, v_scale = kv_scales
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        gqa = query.shape[1] != num_kv_heads
+        if plan.decode is not None:
+            group = plan.decode
+            num_decode, max_blocks = group.block_tables.shape
+            # k, v: [num_decode, num_kv_heads, max_blocks * block_size, head_dim]
+            k = stored(raw(k_cache)[group.block_tables], k_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
+            v = stored(raw(v_cache)[group.block_tables], v_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
+            q = query[group.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
+            o = F.scaled_dot_product_attention(
+                q,
+                dequantize(k.transpose(1, 2), k_scale, query.dtype),
+                dequantize(v.transpose(1, 2), v_scale, query.dtype),
+                attn_mask=group.key_mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[group.token_idx] = o.squeeze(2)
+
+    def _attend_chunks(self, out, query, k_cache, v_cache, chunks: list[_ChunkSeq], scale, kv_scales) -> None:
+        k_scale, v_scale = kv_scales
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        gqa = query.shape[1] != num_kv_heads
+        for chunk in chunks:
+            k = stored(raw(k_cache)[chunk.block_ids], k_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
+            v = stored(raw(v_cache)[chunk.block_ids], v_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
+            q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                q,
+                dequantize(k.transpose(0, 1).unsqueeze(0), k_scale, query.dtype),
+                dequantize(v.transpose(0, 1).unsqueeze(0), v_scale, query.dtype),
+                attn_mask=chunk.mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[chunk.start : chunk.end] = o.squeeze(0).transpose(0, 1)
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst becomes a copy of block src, in every layer."""
+        if not pairs:
+            return
+        device = kv_caches[0][0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for k_cache, v_cache in map(lambda kv: map(raw, kv), kv_caches):  # raw bytes (fp8 pools too)
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    def swap_out(self, kv_caches, host_caches, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host block) pairs: device pool -> host pool, every layer."""
+        _copy_between(kv_caches, host_caches, pairs)
+
+    def swap_in(self, host_caches, kv_caches, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs: host pool -> device pool, every layer."""
+        _copy_between(host_caches, kv_caches, pairs)
+
+
+def _write_idx(meta: AttentionMetadata) -> torch.Tensor | None:
+    """Rows whose slot is real, when some are padding; None when all are real."""
+    if meta.padded is False or not bool((meta.slot_mapping < 0).any()):
+        return None
+    return torch.nonzero(meta.slot_mapping >= 0).flatten()
+
+
+def _copy_between(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
+    """Block src of ``src_caches`` -> block dst of ``dst_caches``, per layer, K and V (one gather
+    on the source's device, one scatter on the destination's)."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches[0][0].device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches[0][0].device)
+    # asynchronous only towards a GPU: a device-to-host copy must be complete before the host
+    # scatter reads it
+    non_blocking = dst_caches[0][0].device.type == "cuda"
+    for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+        src_k, src_v, dst_k, dst_v = map(raw, (src_k, src_v, dst_k, dst_v))  # raw bytes (fp8 pools too)
+        dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device, non_blocking=non_blocking))
+        dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device, non_blocking=non_blocking))
+
+
+def dense_causal_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """Textbook attention for one sequence whose queries are its last ``query_len`` tokens.
+
+    Written with explicit matmuls and softmax (no SDPA), so that tests have an oracle that shares
+    no code with the backends.
+    """
+    query_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    k = key.repeat_interleave(group, dim=1).float()
+    v = value.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)

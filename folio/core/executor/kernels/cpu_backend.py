@@ -1,0 +1,162 @@
+"""The CPU kernel backend: a step's norms, RoPE + KV write, SiLU x gate and decode attention in C.
+
+On the CPU the small operations of a decoder layer cost more than its arithmetic: at batch 1 the
+torch ops of SmolLM2's 30 layers (a residual add and RMSNorm as seven ops, RoPE as a dozen, the
+gather of each sequence's blocks and SDPA for attention) take longer than its int4 GEMMs. Here
+each is one call into ``csrc/layers.c`` (``cpu_kernels.py`` builds it) for the whole step; prefill
+chunks longer than ``attention.SHORT_CHUNK_ROWS`` still attend through torch's SDPA (a matrix's
+work, several threads). The backend is made only for an fp32 model over an fp32 pool; a layer
+operation given a tensor its kernel does not take falls back to the torch reference,
+``TorchLayerOps``, which the tests compare these with (as ``TorchAttentionBackend``).
+
+Activations between the layer's operations are ``act_dtype``: bf16 for a model with quantized
+linears (what the packed int4/int8 kernels read and write, so no cast is left around them), else
+the model's dtype; the residual stream, the KV pool and the final norm's output stay in the
+model's dtype. Every token is computed on its own: its result does not depend on the batch.
+
+``runner.make_backend`` picks it for ``--attention-backend auto`` on the CPU when the model's
+linears are quantized (the fp32 ``--quantization none`` path stays the torch reference that the
+greedy oracle compares with transformers), or always for ``--attention-backend cpu``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from folio.core.executor.kernels import cpu_kernels
+from folio.core.executor.kernels.attention import TorchAttentionBackend, _TorchPlan, _write_idx, decode_rows_and_chunks
+from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelRope
+
+_BF16 = torch.bfloat16
+
+
+def _rows(t: torch.Tensor, dtypes=(torch.float32, _BF16)) -> bool:
+    """A 2-D CPU tensor of whole rows (unit stride along the row) in one of ``dtypes``."""
+    return t.device.type == "cpu" and t.dim() == 2 and t.dtype in dtypes and t.stride(1) == 1
+
+
+class CpuLayerOps:
+    """``TorchLayerOps``' interface over ``csrc/layers.c``."""
+
+    def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype, final_norm):
+        self.lib, self.act_dtype, self.final_norm = lib, act_dtype, final_norm
+        self.num_fallbacks = 0  # calls that took the reference (tests check the kernels ran)
+
+    def rope_inputs(self, model, positions: torch.Tensor) -> KernelRope:
+        return KernelRope(model, positions)
+
+    def _out_dtype(self, norm, x: torch.Tensor) -> torch.dtype:
+        return x.dtype if norm is self.final_norm else self.act_dtype  # the LM head refines from fp32
+
+    def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        if not (_rows(x, (torch.float32,)) and x.is_contiguous() and norm.weight.dtype == torch.float32):
+            self.num_fallbacks += 1
+            return TORCH_LAYER_OPS.rms_norm(x, norm)
+        residual = x.clone()  # the kernel writes its input: a norm alone must leave x as it was
+        return self._norm(None, residual, norm)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual is updated in place (the layer owns it: the embedding output or an earlier sum)."""
+        if not (_rows(x) and _rows(residual, (torch.float32,)) and norm.weight.dtype == torch.float32
+                and x.shape == residual.shape):
+            self.num_fallbacks += 1
+            return TORCH_LAYER_OPS.add_rms_norm(x.to(residual.dtype), residual, norm)
+        return residual, self._norm(x, residual, norm)
+
+    def _norm(self, x: torch.Tensor | None, residual: torch.Tensor, norm) -> torch.Tensor:
+        n, d = residual.shape
+        out = torch.empty((n, d), dtype=self._out_dtype(norm, residual))
+        weight = norm.weight.contiguous()  # (held while the kernel reads it)
+        self.lib.folio_add_rms_norm(n, d, None if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
+                                    int(x is not None and x.dtype == _BF16), residual.data_ptr(), residual.stride(0),
+                                    weight.data_ptr(), norm.eps, out.data_ptr(), d, int(out.dtype == _BF16))
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
+        if not _rows(gate_up):
+            self.num_fallbacks += 1
+            return TORCH_LAYER_OPS.silu_and_mul(gate_up)
+        n, d = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((n, d), dtype=self.act_dtype)
+        self.lib.folio_silu_and_mul(n, d, gate_up.data_ptr(), gate_up.stride(0), int(gate_up.dtype == _BF16),
+                                    out.data_ptr(), d, int(out.dtype == _BF16))
+        return out
+
+    def rope_write_kv(self, qkv: torch.Tensor, attn, rope: KernelRope, k_cache, v_cache, meta, backend) -> torch.Tensor:
+        slots, positions = meta.slot_mapping, rope.positions
+        if not (_rows(qkv) and attn.kv_rotation is None and k_cache.dtype == torch.float32
+                and v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and rope.cos_table.dtype == torch.float32 and rope.cos_table.is_contiguous()
+                and rope.sin_table.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+                and positions.dtype == torch.int64 and positions.is_contiguous()):
+            self.num_fallbacks += 1
+            return TORCH_LAYER_OPS.rope_write_kv(qkv.to(rope.cos_table.dtype), attn, rope.reference(), k_cache,
+                                                 v_cache, meta, backend)
+        n = qkv.shape[0]
+        q = torch.empty((n, attn.num_heads, attn.head_dim), dtype=torch.float32)
+        self.lib.folio_rope_write_kv(n, qkv.data_ptr(), qkv.stride(0), int(qkv.dtype == _BF16), positions.data_ptr(),
+                                     rope.cos_table.data_ptr(), rope.sin_table.data_ptr(), slots.data_ptr(),
+                                     attn.num_heads, attn.num_kv_heads, attn.head_dim, q.data_ptr(),
+                                     k_cache.data_ptr(), v_cache.data_ptr())
+        return q
+
+
+class _CpuPlan(_TorchPlan):
+    """The torch plan's chunks, and the decode rows as arrays for the kernel."""
+
+    def __init__(self, meta):
+        rows, chunks = decode_rows_and_chunks(meta)
+        super().__init__(decode=None, chunks=chunks, write_idx=_write_idx(meta))
+        self.tok = None
+        if rows:
+            cols = np.array(rows, dtype=np.int64).T
+            self.tok, self.seq, self.lens = (np.ascontiguousarray(c) for c in cols)
+            self.max_len = int(self.lens.max())
+        self.block_tables = meta.block_tables.contiguous()
+        if rows:  # the kernel's row arguments, the same for every layer
+            self.row_args = (len(rows), self.tok.ctypes.data, self.seq.ctypes.data)
+            self.table_args = (self.block_tables.data_ptr(), self.block_tables.stride(0), self.lens.ctypes.data)
+
+
+class CpuKernelBackend(TorchAttentionBackend):
+    """The torch backend with decode attention (and the layer operations) in ``csrc/layers.c``."""
+
+    name = "cpu"
+
+    def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype, final_norm):
+        self.lib = lib
+        self.layer_ops = CpuLayerOps(lib, act_dtype, final_norm)
+        self._scratch = np.empty(0, dtype=np.float32)
+        self._scratch_ptr = self._scratch.ctypes.data
+
+    def plan(self, meta) -> _TorchPlan:
+        if not isinstance(meta.plan, _CpuPlan):
+            meta.plan = _CpuPlan(meta)
+        return meta.plan
+
+    def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales) -> None:
+        if plan.tok is None:
+            return
+        # make_cpu_backend took an fp32 model and pool (contiguous, as KVPool allocates it); either
+        # RoPE path gives a contiguous fp32 query
+        num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
+        need = (num_heads // num_kv_heads) * plan.max_len
+        if len(self._scratch) < need:
+            self._scratch = np.empty(max(need, 2 * len(self._scratch)), dtype=np.float32)
+            self._scratch_ptr = self._scratch.ctypes.data
+        self.lib.folio_decode_attention(*plan.row_args, query.data_ptr(), *plan.table_args, k_cache.data_ptr(),
+                                        v_cache.data_ptr(), k_cache.shape[1], num_heads, num_kv_heads, head_dim,
+                                        scale, out.data_ptr(), self._scratch_ptr)
+
+
+def make_cpu_backend(model, model_dtype: torch.dtype, kv_dtype: torch.dtype | None,
+                     act_dtype: torch.dtype) -> CpuKernelBackend | None:
+    """The kernel backend for ``model``, or None when it would not run its kernels (a model or
+    pool in another dtype than fp32) or they cannot be built here."""
+    if model_dtype != torch.float32 or (kv_dtype or model_dtype) != torch.float32:
+        return None
+    lib = cpu_kernels.library()
+    return None if lib is None else CpuKernelBackend(lib, act_dtype, model.norm)

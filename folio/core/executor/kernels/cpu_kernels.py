@@ -1,0 +1,225 @@
+"""The CPU's C kernels (``csrc/``): compiled once per machine, loaded with ctypes.
+
+On the CPU, torch's fixed cost per operation (a few microseconds each, on one thread) is most of
+what sampling a batch costs: the torch path in ``sampler.py`` runs some twenty operations for a
+batch with temperature, top-p and penalties. The kernel does a row's penalties, temperature,
+min-p, top-p and draw in a few passes over the row, for the whole batch in one call, and records
+the sampled tokens into the penalty state. ``sampler.py`` calls it for the rows it covers (greedy,
+and unseeded rows without top-k, with no grammar in the batch) and keeps the torch path, the
+reference, for the rest and for GPUs.
+
+``csrc/layers.c`` holds a decoder layer's small operations for ``cpu_backend.py``.
+
+The sources are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
+cache, under a name that hashes the source and the flags, the first time a process needs it;
+other processes reuse the file. Without a compiler, or when the compile fails, ``library()`` is
+None (logged once) and the torch path samples every row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_P
+from folio.shared.config import c_compiler, cache_dir
+
+log = structlog.get_logger()
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "sampler.c", CSRC / "layers.c")
+HEADERS = (CSRC / "common.h",)
+# 512-bit vectors where the CPU has them (gcc's -march=native picks 256-bit ones on some that do)
+# -fno-trapping-math: no value changes, but without it gcc leaves the selects in the exp and
+# penalty loops scalar on AVX2-only CPUs (a 2x slower sampler on one)
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=off",
+         "-fno-math-errno", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
+BLOCK = 64  # csrc/sampler.c's BLOCK
+
+_i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
+FUNCTIONS = {  # every exported function's arguments (they all return void)
+    # csrc/sampler.c
+    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _u64, _ptr,
+                     _ptr],
+    "folio_record_penalties": [_i64, _i64] + [_ptr] * 8,
+    "folio_exp_nonpositive": [_i64, _ptr, _ptr],
+    # csrc/layers.c
+    "folio_add_rms_norm": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _ptr, _f32, _ptr, _i64, _int],
+    "folio_rope_write_kv": [_i64, _ptr, _i64, _int] + [_ptr] * 4 + [_i64] * 3 + [_ptr] * 3,
+    "folio_silu_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
+    "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _ptr, _ptr],
+}
+
+_lock = threading.Lock()
+_library: ctypes.PyDLL | None = None
+_tried = False
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile() -> Path:
+    compiler = c_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    # -march=native: the file is only good on CPUs with this one's features
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, platform.machine(), _cpu_features())).encode())
+    key = key.hexdigest()[:16]
+    out = cache_dir() / "cpu-kernels" / f"folio-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        proc = subprocess.run([compiler, *FLAGS, f"-I{CSRC}", "-o", str(built), *map(str, SOURCES), "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(built, out)  # atomic: a process compiling alongside finds a whole file or none
+    return out
+
+
+def library() -> ctypes.PyDLL | None:
+    """The loaded kernels, or None when they cannot be built here (the torch ops then run)."""
+    global _library, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if not _tried:
+            try:
+                # PyDLL: the calls keep the GIL. They are short, and a released GIL must be won back
+                # from whatever other thread took it meanwhile (the executor service's event loop)
+                lib = ctypes.PyDLL(str(_compile()))
+                for name, argtypes in FUNCTIONS.items():
+                    getattr(lib, name).argtypes = argtypes
+                    getattr(lib, name).restype = None
+                _library = lib
+            except (OSError, RuntimeError) as exc:
+                log.warning("the CPU kernels are unavailable; the torch ops run instead", error=str(exc))
+            _tried = True
+    return _library
+
+
+def _addr(t: torch.Tensor | np.ndarray | None) -> int | None:
+    if t is None:
+        return None
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
+def _row_major(t: torch.Tensor, like: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.shape == like.shape and t.stride() == like.stride()
+
+
+def usable(logits: torch.Tensor, bias: torch.Tensor | None = None, rep: torch.Tensor | None = None) -> bool:
+    """Whether the kernel can read these: fp32 CPU rows, contiguous within each row, penalty
+    tensors laid out as the logits."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return False
+    if any(t is not None and not _row_major(t, logits) for t in (bias, rep)):
+        return False
+    return library() is not None
+
+
+_scratch = threading.local()  # per thread: the kernel's working row
+
+
+def _scratch_for(vocab: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < vocab + vocab // BLOCK + 1:
+        buf = _scratch.buf = np.empty(vocab + vocab // BLOCK + 1, dtype=np.float32)
+    return buf
+
+
+# the params columns ``folio_sample`` reads: temperature, top-p, min-p, presence, frequency, repetition
+_COLUMNS = np.array([TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION], dtype=np.int64)
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 1 << 62, (1,)).item())  # torch's default generator: torch.manual_seed holds
+
+
+def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bias: torch.Tensor | None,
+           rep: torch.Tensor | None) -> torch.Tensor:
+    """[m] int64 tokens for the m logits rows: greedy rows their penalised argmax, the others
+    drawn with temperature, min-p and top-p (``host_params``: [m, NUM_PARAMS], a row per token to
+    draw); ``bias``/``rep`` as in ``SamplingBatch`` (None: no such penalty)."""
+    lib = library()
+    m, vocab = len(greedy), logits.shape[1]
+    flags = np.ascontiguousarray(greedy, dtype=np.bool_)
+    params = np.ascontiguousarray(host_params, dtype=np.float32)
+    out = torch.empty(m, dtype=torch.int64)
+    pen_ld = bias.stride(0) if bias is not None else rep.stride(0) if rep is not None else vocab
+    lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, flags.ctypes.data, params.ctypes.data,
+                     params.shape[1], _COLUMNS.ctypes.data, _addr(bias), _addr(rep), 0, None, pen_ld, _seed(),
+                     out.data_ptr(), _scratch_for(vocab).ctypes.data)
+    return out
+
+
+class TableSampler:
+    """``sample`` for rows of the runner's persistent batch, read in place: each logits row's
+    parameters are row ``rows[i]`` of the batch's tables, its penalties are read from the penalty
+    state's tables and the drawn tokens are recorded there, all in one call. The tables' addresses
+    are looked up again only when the batch replaces an array (it grows)."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab  # the logits' and the penalty tables' width
+        self._lib = library()
+        if self._lib is None:
+            raise RuntimeError("the CPU kernels are unavailable")
+        self._tables: tuple = ()
+        self._pointers: tuple[int, int] = (0, 0)
+        self._scratch = np.empty(vocab + vocab // BLOCK + 1, dtype=np.float32)
+        self._scratch_ptr, self._columns_ptr = self._scratch.ctypes.data, _COLUMNS.ctypes.data
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, greedy: np.ndarray, params: np.ndarray,
+               penalties) -> torch.Tensor:
+        """``logits`` [m, vocab] fp32 CPU rows (contiguous within each row); ``rows`` [m] int64
+        (contiguous): their rows in ``greedy`` [*] bool and ``params`` [*, NUM_PARAMS] fp32;
+        ``penalties``: the rows' ``PenaltyState`` (its tables may be unallocated)."""
+        if logits.shape[1] != self.vocab or penalties.vocab_size != self.vocab:
+            raise ValueError(f"logits of width {logits.shape[1]} for a sampler of vocabulary {self.vocab}")
+        if not self._tables or self._tables[0] is not greedy or self._tables[1] is not params:
+            self._tables = (greedy, params)
+            self._pointers = (greedy.ctypes.data, params.ctypes.data)
+        m = len(rows)
+        out = torch.empty(m, dtype=torch.int64)
+        # the rep table is only written: a seen token's bias entry has a bit set (penalties.py)
+        tables = (penalties.bias.data_ptr(), penalties.rep.data_ptr(), 1, penalties.counts.data_ptr()) \
+            if penalties.allocated else (None, None, 0, None)
+        self._lib.folio_sample(m, self.vocab, logits.data_ptr(), logits.stride(0), rows.data_ptr(), self._pointers[0],
+                               self._pointers[1], params.shape[1], self._columns_ptr, *tables, self.vocab, _seed(),
+                               out.data_ptr(), self._scratch_ptr)
+        return out
+
+
+def exp_nonpositive(x: np.ndarray) -> np.ndarray:
+    """The kernel's exp (for x <= 0), elementwise: for the tests."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    library().folio_exp_nonpositive(x.size, x.ctypes.data, out.ctypes.data)
+    return out
+
+
+def record_penalties(rows: torch.Tensor, token_ids: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                     repetition: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, rep: torch.Tensor) -> None:
+    """``PenaltyState.record`` for CPU tables, in one call."""
+    lib = library()
+    args = [t.contiguous() for t in (rows.to(torch.int64), token_ids.to(torch.int64), frequency, presence, repetition)]
+    lib.folio_record_penalties(len(args[0]), counts.shape[1], *(_addr(t) for t in args), _addr(counts), _addr(bias),
+                               _addr(rep))

@@ -1,0 +1,250 @@
+/* The CPU sampler's one pass per row: penalties, temperature, min-p, top-p and the draw.
+ *
+ * Loaded by folio/core/executor/kernels/cpu_kernels.py (compiled there with the machine's C compiler,
+ * -O3 -march=native -mprefer-vector-width=512 -fopenmp-simd -ffp-contract=off -fno-math-errno
+ * -fno-trapping-math; no OpenMP runtime, one thread). The torch path in sampler.py is the
+ * reference; this file draws from the same distribution with fewer passes over each row and none
+ * of torch's fixed cost per operation.
+ *
+ * Per row r of a [m, vocab] fp32 array with row stride ld, whose parameters and penalty state
+ * are row rows[r] of their tables (the runner's persistent batch; or row r of per-call arrays):
+ *   l      = the row, with the repetition penalty (positive logits divided by rep, negative ones
+ *            multiplied: bitwise the torch path's; rows that draw multiply by 1 / rep instead)
+ *            and the additive penalties (+ bias) applied;
+ *   greedy = the first index of max(l) (as numpy's and torch's argmax), found in the first block
+ *            of BLOCK tokens whose maximum it is;
+ *   else w = exp(l / T - max(l / T)), the best token's weight 1; min-p keeps w >= min_p;
+ *   top-p by rejection (FlashInfer's sorting-free scheme): draw x from the candidates in
+ *   proportion to w; accept when the weight of the tokens strictly above w[x] is below
+ *   top_p * (the weight min-p kept); otherwise the candidates become the tokens strictly above
+ *   w[x] and draw again. The nucleus (tokens with less than top_p of the mass strictly above
+ *   them) is an upper set of the weights, so every candidate set holds it and the accepted draw is
+ *   distributed as w restricted to it; each rejection shrinks the candidates, so it ends.
+ * Uniforms come from splitmix64 over (seed, row, draw); the caller gives a fresh seed each call.
+ * With a penalty state to record into, each drawn token is counted there in the same call.
+ */
+
+#include "common.h"
+
+#define BLOCK 64 /* tokens per block: the inverse-CDF walk sums whole blocks, then searches one;
+                  * greedy rows find their maximum by its block */
+
+static inline uint64_t splitmix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* a uniform in (0, 1] */
+static inline double uniform(uint64_t *state) {
+    *state += 0x9E3779B97F4A7C15ull;
+    return ((splitmix64(*state) >> 11) + 1) * (1.0 / 9007199254740992.0);
+}
+
+/* the first token of positive weight whose running sum reaches u times total (the weights'
+ * sum): blocks of BLOCK tokens are summed as the walk reaches them, then one block's tokens */
+static int64_t inverse_cdf(const float *w, int64_t vocab, float total, double u) {
+    const double target = u * (double)total;
+    double acc = 0.0;
+    int64_t last = -1;
+    for (int64_t b = 0; b * BLOCK < vocab; b++) {
+        const int64_t end = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = b * BLOCK; j < end; j++) s += w[j];
+        if (s <= 0.0f) continue;
+        if (acc + s < target) {
+            acc += s;
+            last = b;
+            continue;
+        }
+        int64_t pick = -1;
+        for (int64_t j = b * BLOCK; j < end; j++) {
+            if (w[j] <= 0.0f) continue;
+            acc += w[j];
+            pick = j;
+            if (acc >= target) return j;
+        }
+        return pick; /* rounding left the target past the block's last token: that token */
+    }
+    /* rounding left the target past every block: the last token of positive weight */
+    if (last >= 0)
+        for (int64_t j = ((last + 1) * BLOCK < vocab ? (last + 1) * BLOCK : vocab) - 1; j >= last * BLOCK; j--)
+            if (w[j] > 0.0f) return j;
+    return 0;
+}
+
+/* w[j] = exp(w[j] - mx), dropped below cut (min-p); returns the weights' sum */
+static inline __attribute__((always_inline)) float weigh(float *w, int64_t vocab, float mx, float cut) {
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < vocab; j++) {
+        float e = exp_nonpositive(w[j] - mx);
+        e = e >= cut ? e : 0.0f;
+        w[j] = e;
+        total += e;
+    }
+    return total;
+}
+
+/* the weight of the tokens strictly above px; with keep, the others' weights become 0 */
+static inline __attribute__((always_inline)) float above(float *w, int64_t vocab, float px, int keep) {
+    float s = 0.0f;
+    if (keep) {
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < vocab; j++) {
+            float e = w[j] > px ? w[j] : 0.0f;
+            w[j] = e;
+            s += e;
+        }
+    } else {
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < vocab; j++) s += w[j] > px ? w[j] : 0.0f;
+    }
+    return s;
+}
+
+/* w = the row with its penalties, times scale; returns max(w) and each block's maximum in
+ * block_max. rep_mode: 0 no repetition penalty, 1 rp[j] per token, 2 the row's penalty rep on the
+ * tokens whose bias entry has any bit set (seen: the penalty state writes -0.0 or the additive
+ * penalty there, +0.0 only for tokens never seen), 3 as 2 with positive logits multiplied by
+ * rep_inv = 1 / rep (for rows that draw, which nothing compares bit for bit: a multiply costs
+ * less than a division). Called with constant flags, so that each combination compiles to a
+ * loop of its own */
+static inline __attribute__((always_inline)) float penalise(const float *restrict l, const float *restrict rp,
+                                                            const float *restrict bp, float rep, float rep_inv,
+                                                            float scale,
+                                                            float *restrict w, int64_t vocab, float *block_max,
+                                                            int rep_mode, int add_bias) {
+    float mx = -INFINITY;
+    for (int64_t b = 0; b * BLOCK < vocab; b++) {
+        int64_t end = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab;
+        float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+        for (int64_t j = b * BLOCK; j < end; j++) {
+            float x = l[j];
+            if (rep_mode == 1) x = x > 0.0f ? x / rp[j] : x * rp[j];
+            if (rep_mode == 2) {
+                uint32_t bits;
+                memcpy(&bits, &bp[j], sizeof bits);
+                const float r = bits != 0u ? rep : 1.0f;
+                x = x > 0.0f ? x / r : x * r;
+            }
+            if (rep_mode == 3) { /* as 2, multiplying by the reciprocal (within an ulp of it) */
+                uint32_t bits;
+                memcpy(&bits, &bp[j], sizeof bits);
+                const float f = x > 0.0f ? rep_inv : rep;
+                x = x * (bits == 0u ? 1.0f : f); /* (times 1 is exact: a select the loop vectorizes) */
+            }
+            if (add_bias) x = x + bp[j];
+            x = x * scale;
+            w[j] = x;
+            bm = x > bm ? x : bm;
+        }
+        block_max[b] = bm;
+        mx = bm > mx ? bm : mx;
+    }
+    return mx;
+}
+
+/* One row's token: l is its logits; its penalties as penalise() reads them (rep_mode, rp, rep;
+ * bp added when add_bias). w and block_max are the scratch row and its per-block maxima. */
+static inline __attribute__((always_inline)) int64_t draw_row(const float *l, const float *rp, const float *bp,
+                                                              float rep, int rep_mode, int add_bias, int greedy,
+                                                              float temperature, float top_p, float min_p,
+                                                              uint64_t state, int64_t vocab, float *w,
+                                                              float *block_max) {
+    /* penalties (the torch path's arithmetic, bit for bit), then the temperature (a multiply:
+     * these rows draw, nothing compares them with the torch path's bits) */
+    const float scale = greedy ? 1.0f : 1.0f / temperature;
+    const float rep_inv = 1.0f / rep;
+    float mx;
+    if (rep_mode == 1)
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 1, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 1, 0);
+    else if (rep_mode == 2 && greedy)
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 2, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 2, 0);
+    else if (rep_mode == 2)
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 3, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 3, 0);
+    else
+        mx = add_bias ? penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 0, 1)
+                      : penalise(l, rp, bp, rep, rep_inv, scale, w, vocab, block_max, 0, 0);
+    if (greedy) { /* the first index of the maximum: in the first block that holds it */
+        for (int64_t b = 0; b * BLOCK < vocab; b++) {
+            if (!(block_max[b] == mx)) continue;
+            int64_t j = b * BLOCK;
+            while (!(w[j] == mx)) j++;
+            return j;
+        }
+        return vocab - 1; /* no maximum (a row of NaN) */
+    }
+    /* weights (the best token's is 1), what min-p keeps */
+    const float kept = weigh(w, vocab, mx, min_p);
+    const float limit = top_p * kept;
+    int64_t x = inverse_cdf(w, vocab, kept, uniform(&state));
+    while (top_p < 1.0f) {
+        const float px = w[x];
+        const float heavier = above(w, vocab, px, 0);
+        if (heavier < limit || heavier == 0.0f) break; /* (nothing above: x is the best token) */
+        /* x is outside the nucleus: the candidates become the tokens above it */
+        x = inverse_cdf(w, vocab, above(w, vocab, px, 1), uniform(&state));
+    }
+    return x;
+}
+
+/* a token drawn for table row `row`: its count, bias and repetition entries */
+static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float frequency, float presence,
+                              float repetition, int32_t *counts, float *bias, float *rep) {
+    const int64_t at = row * pen_ld + token;
+    const int32_t c = ++counts[at];
+    bias[at] = -(frequency * (float)c + presence);
+    rep[at] = repetition;
+}
+
+/* logits: [m, vocab] fp32 rows (row stride ld), one per token to draw. rows [m]: each logits
+ * row's row in the tables below (NULL: row r is table row r). Tables, indexed by that row:
+ * greedy [*] (0/1); params [*, params_ld] with the temperature, top-p, min-p, presence,
+ * frequency and repetition penalties in the columns of cols [6]; bias and rep [*, pen_ld] (NULL:
+ * no such penalty), read only for the rows whose own penalties are not neutral (a neutral row's
+ * are zero and one); with rep_from_bias the rep table is not read at all: a row's repetition
+ * penalty applies to the tokens whose bias entry has a bit set (penalise()). counts [*, pen_ld]
+ * int32: NULL, or the penalty state to record each drawn token into (as folio_record_penalties,
+ * for the penalised rows). out [m]; scratch: vocab + vocab / BLOCK + 1 floats */
+void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
+                  const uint8_t *greedy, const float *params, int64_t params_ld, const int64_t *cols, float *bias,
+                  float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, uint64_t seed, int64_t *out,
+                  float *scratch) {
+    float *w = scratch, *block_max = scratch + vocab;
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t row = rows != NULL ? rows[r] : r;
+        const float *param = params + row * params_ld;
+        const float presence = param[cols[3]], frequency = param[cols[4]], repetition = param[cols[5]];
+        const int has_rep = repetition != 1.0f && (rep_from_bias ? bias != NULL : rep != NULL);
+        const int add_bias = bias != NULL && (presence != 0.0f || frequency != 0.0f);
+        const int rep_mode = !has_rep ? 0 : rep_from_bias ? 2 : 1;
+        const int64_t token = draw_row(logits + r * ld, rep != NULL ? rep + row * pen_ld : NULL,
+                                       bias != NULL ? bias + row * pen_ld : NULL, repetition, rep_mode, add_bias,
+                                       greedy[row], param[cols[0]], param[cols[1]], param[cols[2]],
+                                       splitmix64(seed ^ splitmix64((uint64_t)r)), vocab, w, block_max);
+        out[r] = token;
+        if (counts != NULL && bias != NULL && rep != NULL && (has_rep || add_bias))
+            record_one(row, token, pen_ld, frequency, presence, repetition, counts, bias, rep);
+    }
+}
+
+/* tokens just generated: counts[row, token] += 1, bias = -(frequency * count + presence),
+ * rep = repetition (rows may repeat: a verification appends several tokens to one row) */
+void folio_record_penalties(int64_t n, int64_t vocab, const int64_t *rows, const int64_t *tokens,
+                            const float *frequency, const float *presence, const float *repetition,
+                            int32_t *counts, float *bias, float *rep) {
+    for (int64_t i = 0; i < n; i++)
+        record_one(rows[i], tokens[i], vocab, frequency[i], presence[i], repetition[i], counts, bias, rep);
+}
+
+/* exp_nonpositive over n values, for the tests */
+void folio_exp_nonpositive(int64_t n, const float *x, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = exp_nonpositive(x[i]);
+}

@@ -1,0 +1,53 @@
+"""The ``cuda`` attention backend: folio's kernels from ``cuda/``, launched with CuPy.
+
+``runner.make_backend`` builds ``CudaAttentionBackend(model_dtype)`` on a CUDA device (``auto``
+or ``--attention-backend cuda``). Importing this module raises ImportError when CuPy is missing,
+and the runner then falls back to the torch backend. GEMMs stay in torch; this backend only
+replaces what paging needs (see ``kernel_backend``): it launches each kernel on torch's current
+stream with raw device pointers, so it orders correctly with the model's torch ops and with CUDA
+graphs captured on that stream.
+"""
+
+from __future__ import annotations
+
+import cupy  # noqa: F401  (the optional dependency: ImportError here means "use torch")
+import torch
+
+from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend, make_host_pool
+
+__all__ = ["CudaAttentionBackend", "CupyLauncher", "make_host_pool"]
+
+
+class CupyLauncher:
+    """Launches loader-compiled kernels on torch's current stream of the tensors' device."""
+
+    def __init__(self, device: torch.device | None = None):
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._streams: dict[int, object] = {}
+
+    def _stream(self, device_id: int):
+        """CuPy's view of torch's current stream (wrappers cached per stream handle)."""
+        current = torch.cuda.current_stream(device_id)
+        handle = current.cuda_stream
+        if handle not in self._streams:
+            if hasattr(cupy.cuda.Stream, "from_external") and hasattr(current, "__cuda_stream__"):
+                self._streams[handle] = cupy.cuda.Stream.from_external(current)  # CuPy >= 14
+            else:
+                self._streams[handle] = cupy.cuda.ExternalStream(handle, device_id)  # CuPy 13
+        return self._streams[handle]
+
+    def launch(self, names: ck.KernelNames, kernel: str, grid, block, args, device: torch.device) -> None:
+        device_id = device.index if device.index is not None else torch.cuda.current_device()
+        function = ck.compiled_kernel(getattr(names, kernel), names, device_id)
+        with cupy.cuda.Device(device_id), self._stream(device_id):
+            function(tuple(grid), tuple(block), args)
+
+
+class CudaAttentionBackend(KernelAttentionBackend):
+    name = "cuda"
+
+    def __init__(self, model_dtype: torch.dtype, device: torch.device | None = None, split: bool | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        super().__init__(CupyLauncher(device), model_dtype, split=split, kv_dtype=kv_dtype)

@@ -1,0 +1,261 @@
+"""Loader for the CUDA kernels in ``cuda/`` (installed: the package data of ``folio.cuda``): sources, compile options, template instances.
+
+The ``cuda`` attention backend asks this module for the kernel instances that fit a model (dtype,
+head size, block size); it compiles each module once per process with CuPy's ``RawModule``
+(NVRTC, whose binaries CuPy also caches on disk, under ``~/.cupy/kernel_cache`` or
+``$CUPY_CACHE_DIR``) and hands back launchable kernels. The compile tests and the CPU emulation
+use the same sources, options and name expressions from here, so that what CI checks is what a
+GPU runs. Importing this module never needs CuPy; only ``compiled_kernel`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import folio.cuda
+
+KERNEL_DIR = Path(folio.cuda.__file__).resolve().parent  # cuda/ in a checkout, folio/cuda installed
+
+# module name -> source file; each module is compiled separately (only the instances a model needs)
+MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.cu", "prefill": "prefill_attention.cu",
+                "cache": "cache_ops.cu", "fused": "fused_ops.cu", "quant": "quant_gemm.cu"}
+
+# storage dtype name (torch's) -> C++ type in the kernels
+DTYPES = {"float32": "float", "float16": "folio::f16", "bfloat16": "folio::bf16"}
+# an fp8 KV pool (--kv-cache-dtype fp8): its C++ element type, and the activation dtypes whose
+# kernels have an fp8-pool instance (GPUs serve 16-bit models; fp32 ones take the torch backend)
+FP8_CACHE = "folio::fp8e4m3"
+FP8_ACTIVATION_DTYPES = ("float16", "bfloat16")
+HEAD_SIZES = (64, 96, 128)
+BLOCK_SIZES = (8, 16, 32)
+
+# Mirrors constants of cuda/paged_attention.cu and cuda/decode_attention.cu (the tests check they agree).
+ATTN_THREADS = 128
+ATTN_ROWS = 8
+DECODE_THREADS = 128
+DECODE_MAX_GROUP = 16
+PREFILL_THREADS = 128
+PREFILL_ROWS = 64
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")  # the prefill kernel's mma.sync types
+PARTITION_SIZE = 512
+REDUCE_THREADS = 128
+WRITE_THREADS = 128
+COPY_THREADS = 256
+NORM_THREADS = 256
+ACT_THREADS = 256
+ROPE_THREADS = 128
+# cuda/quant_gemm.cu (the W4A16 kernels over AutoAWQ's GEMM layout)
+GEMV_THREADS = 256
+GEMV_ROWS = 2
+GEMV_COLS = 256
+GEMV_K = 256
+GEMM_THREADS = 256
+GEMM_BM = 32
+GEMM_BN = 128
+GEMM_BK = 32
+QUANT_DTYPES = ("float32", "float16", "bfloat16")  # activation types of the W4A16 kernels
+
+# Our options. CuPy's RawModule adds its own (see cupy_nvrtc_options); -std=c++17 for constexpr
+# and alignas; no --use_fast_math: the kernels call __expf where they want the fast exponential.
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+class UnsupportedKernelError(ValueError):
+    """The model needs a kernel instance that the loader does not build."""
+
+
+@dataclass(frozen=True)
+class KernelNames:
+    """Name expressions (template instances) of every kernel one model configuration launches."""
+
+    attention: str
+    decode: str
+    prefill: str  # "" where no tensor-core instance exists (fp32): chunks take the attention kernel
+    reduce: str
+    write_kv: str
+    copy_blocks: str
+
+
+def _cache_arg(fp8: bool) -> str:
+    return f", {FP8_CACHE}" if fp8 else ""
+
+
+def attention_name(dtype: str, head_size: int, block_size: int, fp8: bool = False) -> str:
+    return f"folio::paged_attention<{DTYPES[dtype]}, {head_size}, {block_size}{_cache_arg(fp8)}>"
+
+
+def decode_name(dtype: str, head_size: int, block_size: int, fp8: bool = False) -> str:
+    return f"folio::paged_decode<{DTYPES[dtype]}, {head_size}, {block_size}{_cache_arg(fp8)}>"
+
+
+def prefill_name(dtype: str, head_size: int, block_size: int) -> str:
+    return f"folio::paged_prefill<{DTYPES[dtype]}, {head_size}, {block_size}>"
+
+
+def reduce_name(dtype: str) -> str:
+    return f"folio::paged_attention_reduce<{DTYPES[dtype]}>"
+
+
+def write_kv_name(dtype: str, fp8: bool = False) -> str:
+    return f"folio::write_kv<{DTYPES[dtype]}{_cache_arg(fp8)}>"
+
+
+COPY_BLOCKS_NAME = "folio::copy_blocks"
+FUSED_KERNELS = ("add_rms_norm", "silu_and_mul", "rope_write_kv")  # cuda/fused_ops.cu, templated on T
+
+
+@dataclass(frozen=True)
+class FusedNames:
+    """Name expressions of the fused elementwise kernels for one dtype."""
+
+    add_rms_norm: str
+    silu_and_mul: str
+    rope_write_kv: str
+
+
+def fused_names(dtype: str) -> FusedNames:
+    if dtype not in DTYPES:
+        raise UnsupportedKernelError(f"no fused kernels for dtype {dtype} (built: {', '.join(DTYPES)})")
+    return FusedNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in FUSED_KERNELS))
+
+
+QUANT_KERNELS = ("awq_gemv", "awq_gemm")  # cuda/quant_gemm.cu, templated on the activation type
+
+
+@dataclass(frozen=True)
+class QuantNames:
+    """Name expressions of the W4A16 kernels for one activation dtype."""
+
+    awq_gemv: str
+    awq_gemm: str
+
+
+def quant_names(dtype: str) -> QuantNames:
+    if dtype not in QUANT_DTYPES:
+        raise UnsupportedKernelError(f"no W4A16 kernels for activations of dtype {dtype} "
+                                     f"(built: {', '.join(QUANT_DTYPES)})")
+    return QuantNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in QUANT_KERNELS))
+
+
+@functools.cache  # asked once per layer and step
+def kernel_names(dtype: str, head_size: int, block_size: int, fp8: bool = False) -> KernelNames:
+    """The instances for one configuration (``fp8``: over an fp8 pool), or an error that names the
+    one that is missing."""
+    problems = []
+    if dtype not in DTYPES:
+        problems.append(f"dtype {dtype} (built: {', '.join(DTYPES)})")
+    elif fp8 and dtype not in FP8_ACTIVATION_DTYPES:
+        problems.append(f"dtype {dtype} over an fp8 pool (built: {', '.join(FP8_ACTIVATION_DTYPES)})")
+    if head_size not in HEAD_SIZES:
+        problems.append(f"head size {head_size} (built: {HEAD_SIZES})")
+    if block_size not in BLOCK_SIZES:
+        problems.append(f"block size {block_size} (built: {BLOCK_SIZES})")
+    if problems:
+        wanted = f"folio::paged_attention<{DTYPES.get(dtype, dtype)}, {head_size}, {block_size}{_cache_arg(fp8)}>"
+        raise UnsupportedKernelError(
+            f"no CUDA kernel instance {wanted}: unsupported {'; '.join(problems)}. "
+            "Use --attention-backend torch, or add the instance to folio/core/executor/kernels/cuda_kernels.py"
+        )
+    return KernelNames(
+        attention=attention_name(dtype, head_size, block_size, fp8),
+        decode=decode_name(dtype, head_size, block_size, fp8),
+        # an fp8 pool's chunks take the CUDA-core kernel (the tensor-core one reads T tiles)
+        prefill=prefill_name(dtype, head_size, block_size) if dtype in TENSOR_CORE_DTYPES and not fp8 else "",
+        reduce=reduce_name(dtype),
+        write_kv=write_kv_name(dtype, fp8),
+        copy_blocks=COPY_BLOCKS_NAME,
+    )
+
+
+def module_of(name: str) -> str:
+    base = name.split("<")[0].removeprefix("folio::")
+    if base in FUSED_KERNELS:
+        return "fused"
+    if base in QUANT_KERNELS:
+        return "quant"
+    if name.startswith("folio::paged_decode"):
+        return "decode"
+    if name.startswith("folio::paged_prefill"):
+        return "prefill"
+    return "attention" if name.startswith("folio::paged_attention") else "cache"
+
+
+def all_name_expressions() -> dict[str, list[str]]:
+    """Every instance the loader can ask for, by module (what the compile tests build)."""
+    names: dict[str, list[str]] = {module: [] for module in MODULE_FILES}
+    for dtype in DTYPES:
+        for head in HEAD_SIZES:
+            for block in BLOCK_SIZES:
+                names["attention"].append(attention_name(dtype, head, block))
+                names["decode"].append(decode_name(dtype, head, block))
+                if dtype in TENSOR_CORE_DTYPES:
+                    names["prefill"].append(prefill_name(dtype, head, block))
+                if dtype in FP8_ACTIVATION_DTYPES:
+                    names["attention"].append(attention_name(dtype, head, block, fp8=True))
+                    names["decode"].append(decode_name(dtype, head, block, fp8=True))
+        names["attention"].append(reduce_name(dtype))
+        names["cache"].append(write_kv_name(dtype))
+        if dtype in FP8_ACTIVATION_DTYPES:
+            names["cache"].append(write_kv_name(dtype, fp8=True))
+        names["fused"].extend(vars(fused_names(dtype)).values())
+        names["quant"].extend(vars(quant_names(dtype)).values())
+    names["cache"].append(COPY_BLOCKS_NAME)
+    return names
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def module_source(module: str) -> str:
+    """The module's source with our own headers inlined.
+
+    Inlining (rather than ``-I cuda``) makes the source text complete, so CuPy's on-disk cache,
+    keyed by source and options, notices a change in a header too.
+    """
+    seen: set[str] = set()
+
+    def expand(path: Path) -> str:
+        def include(match: re.Match) -> str:
+            header = match.group(1)
+            if header in seen:
+                return ""
+            seen.add(header)
+            return expand(KERNEL_DIR / header)
+
+        return _INCLUDE.sub(include, path.read_text())
+
+    return expand(KERNEL_DIR / MODULE_FILES[module])
+
+
+def cupy_nvrtc_options(arch: str) -> tuple[str, ...]:
+    """The full NVRTC option list CuPy 14's RawModule uses for our options on ``sm_<arch>``.
+
+    CuPy appends ``-ftz=true``, then ``-arch=sm_XX`` (cubin), then
+    ``--device-as-default-execution-space`` (cupy/cuda/compiler.py). Tests compile with these so
+    that what passes in CI is what a GPU compiles.
+    """
+    return NVRTC_OPTIONS + ("-ftz=true", f"-arch=sm_{arch}", "--device-as-default-execution-space")
+
+
+@functools.cache
+def _raw_module(module: str, names: tuple[str, ...], device_id: int):
+    import cupy  # optional dependency: only a GPU run gets here
+
+    with cupy.cuda.Device(device_id):
+        mod = cupy.RawModule(code=module_source(module), options=NVRTC_OPTIONS, name_expressions=list(names))
+        mod.compile()
+    return mod
+
+
+def compiled_kernel(name: str, names: KernelNames | FusedNames | QuantNames, device_id: int):
+    """A launchable ``cupy.RawKernel`` for ``name``; compiles its module (with the configuration's
+    other instances of that module) on first use in this process."""
+    module = module_of(name)
+    wanted = tuple(sorted({n for n in vars(names).values() if n and module_of(n) == module}))
+    if name not in wanted:
+        raise UnsupportedKernelError(f"kernel instance {name} is not part of {names}")
+    return _raw_module(module, wanted, device_id).get_function(name)

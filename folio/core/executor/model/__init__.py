@@ -1,0 +1,1 @@
+"""Model families (one file each, over shared layers) and checkpoint loading."""

@@ -1,0 +1,218 @@
+"""Weight loading: a Hugging Face folder (config.json + safetensors) or a GGUF file.
+
+The executor's runtime calls ``load_model``; ``folio/core/models.py`` uses ``load_gguf_state`` to turn the
+packaged GGUF into a model folder once. A checkpoint's own quantization (GGUF Q4_1, an AWQ folder,
+folio's int8 folders, or the GGUF a prepared folder came from) is read through
+``quant/formats.py`` and served as it is unless ``--quantization`` says otherwise.
+Checkpoint names are mapped onto our module names here:
+q/k/v and gate/up are concatenated into the fused projections, and the ``model.`` prefix goes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from folio.core.executor.model.configs import load_hf_config
+from folio.core.executor.model.llama import LlamaForCausalLM, ModelSpec
+from folio.core.executor.parallel.comm import Comm, Shard
+from folio.core.executor.quant.formats import (
+    FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, on_awq_grid,
+    quantize_int4, quantize_int8, read_awq_state, read_gguf_quant, read_int8_state,
+)
+from folio.core.executor.quant.gpu import quantize_model_gpu, require_fp8
+from folio.core.executor.quant.linear import quantize_model
+from folio.core.models import load_gguf_state
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is fp32 on the CPU (exactness, and CPU half GEMMs are slow) and bf16 on a GPU."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(folder / name))
+    return state
+
+
+def remap_state_dict(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """HF checkpoint names -> ours (fused qkv and gate_up, no ``model.`` prefix)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"checkpoint lacks {name}")
+        return state[name]
+
+    out["embed_tokens.weight"] = take("model.embed_tokens.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(spec.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+            [take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0
+        )
+        if spec.qkv_bias:
+            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")], dim=0
+        )
+        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.down_proj.weight")
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+    return out
+
+
+def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, dict]:
+    """(config, dense HF-named state, the checkpoint's own quantization, its quantized linears).
+
+    Quantized linears are also dequantized into the dense state, so ``--quantization none`` (and
+    everything that is not a projection) always has its weights."""
+    if path.suffix == ".gguf":
+        config, state = load_gguf_state(path)
+        method, quant = read_gguf_quant(path, config)
+        return config, state, method, quant
+    config = load_hf_config(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # transformers would try to quantize on its own
+    state = read_safetensors(path)
+    qconfig = folder_quant_config(path) or {}
+    kind = qconfig.get("quant_method")
+    if kind == "awq":
+        if qconfig.get("bits", 4) != 4 or qconfig.get("version", "gemm").lower() != "gemm":
+            raise ValueError(f"only 4-bit AWQ in the GEMM layout is supported, not {qconfig}")
+        quant = read_awq_state(state, int(qconfig["group_size"]))
+        method = "awq"
+    elif kind == FOLIO_INT8:
+        quant, method = read_int8_state(state), "int8"
+    elif kind is not None:
+        raise ValueError(f"unsupported quantization_config quant_method {kind!r} (awq and {FOLIO_INT8} load)")
+    else:
+        source = prepared_source(path)
+        method, quant = read_gguf_quant(source, config) if source else ("none", {})
+    for name, w in quant.items():
+        base = name[: -len(".weight")]
+        for suffix in (".qweight", ".qzeros", ".scales", ".weight_scale"):
+            state.pop(base + suffix, None)
+        if name not in state or not state[name].is_floating_point():
+            state[name] = w.dequantize()  # a prepared folder has these already (the same values)
+    return config, state, method, quant
+
+
+def prepared_source(folder: Path) -> Path | None:
+    """The GGUF a prepared folder was dequantized from, when it is still there."""
+    from folio.core.models import MARKER, default_model_dir, packaged_gguf
+
+    marker = folder / MARKER
+    if not marker.exists():
+        return None
+    source = json.loads(marker.read_text()).get("source") or ""
+    if source.endswith(".gguf") and Path(source).exists():
+        return Path(source)
+    if folder.resolve() == default_model_dir().resolve():  # prepared by another install of the package
+        try:
+            return packaged_gguf()
+        except FileNotFoundError:
+            return None
+    return None
+
+
+def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size: int, awq_grid: bool = False) -> dict:
+    """Our fused projection names -> their int4/int8 weights, taken from the checkpoint when it
+    holds them in the wanted form, else rounded to nearest from the dense weights. ``awq_grid``
+    (the GPU kernel): int4 weights must have integer zero points; others (Q4_1) are re-rounded."""
+
+    def one(name: str):
+        w = quant.get(name)
+        if method in ("int4", "awq") and isinstance(w, Int4Weight) and (not awq_grid or on_awq_grid(w)):
+            return w
+        if method == "int8" and isinstance(w, Int8Weight):
+            return w
+        if method == "awq":
+            raise ValueError("--quantization awq needs an AWQ checkpoint; make one with folio quantize --method awq")
+        dense = state[name]
+        return quantize_int8(dense) if method == "int8" else quantize_int4(dense, group_size)
+
+    out = {}
+    for i in range(spec.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        out[dst + "self_attn.qkv_proj"] = concat_rows([one(f"{src}self_attn.{p}_proj.weight") for p in "qkv"])
+        out[dst + "self_attn.o_proj"] = one(src + "self_attn.o_proj.weight")
+        out[dst + "mlp.gate_up_proj"] = concat_rows([one(src + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
+        out[dst + "mlp.down_proj"] = one(src + "mlp.down_proj.weight")
+    return out
+
+
+GPU_METHODS = ("none", "awq", "int4", "fp8")
+
+
+def resolve_quantization(requested: str, checkpoint: str, device: torch.device) -> str:
+    """``auto`` keeps the checkpoint's own quantization; the rest are checked against the device.
+
+    On a CUDA GPU: ``awq`` and ``int4`` run the W4A16 kernel, ``fp8`` needs sm_89+; ``auto``
+    serves an AWQ folder as ``awq`` and anything else dense (a Q4_1 GGUF's zero points are not
+    on the kernel's integer grid; int8 has no GPU kernel). On the CPU every method but fp8."""
+    if requested not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization {requested!r}; choose one of {', '.join(QUANT_METHODS)}")
+    method = checkpoint if requested == "auto" else requested
+    if requested == "auto" and device.type != "cpu" and method != "awq":
+        method = "none"
+    if method == "fp8":
+        require_fp8(device)
+    if method != "none" and device.type != "cpu" and (device.type != "cuda" or method not in GPU_METHODS):
+        raise ValueError(f"--quantization {method} has no kernel on {device.type} in this build; on a CUDA GPU "
+                         f"use one of {', '.join(GPU_METHODS)}")
+    return method
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+               group_size: int = 32, shard: Shard = Shard(), comm: Comm | None = None) -> LlamaForCausalLM:
+    """Build our model from a model folder or a .gguf file, weights in ``dtype`` on ``device``.
+
+    ``quantization``: ``auto`` (the checkpoint's own), ``none`` (dense), ``int8``, ``int4`` (group
+    ``group_size``), ``awq`` or ``fp8`` (GPU); the method chosen is ``model.quantization``. With a ``shard`` of
+    more than one rank, only this rank's slices (``sharded_load.py``)."""
+    path = Path(path)
+    if shard.size > 1:
+        from folio.core.executor.parallel.sharded_load import load_sharded
+
+        return load_sharded(path, dtype, device, quantization, shard, comm)
+    config, state, checkpoint_method, quant = read_checkpoint(path)
+    method = resolve_quantization(quantization, checkpoint_method, device)
+    spec = ModelSpec.from_hf_config(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec, config)
+    fused = remap_state_dict(state, spec)
+    model.load_state_dict(fused, strict=True, assign=True)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.init_rope(dtype, device)
+    model.quantization = method
+    if method == "fp8":
+        quantize_model_gpu(model, method)
+    elif method != "none" and device.type == "cuda":
+        quantize_model_gpu(model, method, _fused_quant_weights(state, quant, spec, method, group_size, awq_grid=True))
+    elif method != "none":
+        quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size))
+    return model

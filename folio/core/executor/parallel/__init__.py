@@ -1,0 +1,1 @@
+"""Tensor parallelism: process groups (``comm.py``), sharded loading, worker processes (local or Ray)."""

@@ -1,0 +1,124 @@
+"""Loading one rank's shard of a model for tensor parallelism (``loader.load_model`` calls it).
+
+From a safetensors folder each rank reads only its slices: ``safe_open(...).get_slice(name)``
+memory-maps the file and copies only the rows or columns asked for, so no rank ever holds the
+whole model. A GGUF file is read the same way (``gguf_slices.py``): each rank takes its slice of
+the quantized blocks from the memory-mapped file and dequantizes only that.
+
+Quantized weights are not sharded yet: ``--quantization auto`` serves the dense weights (a
+prepared folder holds them), any other method than ``none`` is refused with a message.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from folio.core.executor.model.gguf_slices import GGUFSlices
+from folio.core.executor.model.configs import load_hf_config
+from folio.core.executor.model.llama import LlamaForCausalLM, ModelSpec
+from folio.core.executor.parallel.comm import Comm, Shard, check_shardable
+from folio.core.executor.quant.formats import folder_quant_config
+
+# (checkpoint name, dim to slice or None for the whole tensor, start, end)
+Part = tuple[str, int | None, int, int]
+
+
+def shard_layout(spec: ModelSpec, shard: Shard) -> dict[str, list[Part]]:
+    """Our parameter names -> the checkpoint slices concatenated (along rows) into this rank's."""
+    hd = spec.head_dim
+    h0, h1 = shard.split(spec.num_heads, "the number of attention heads")
+    kv0, kv1 = shard.kv_heads(spec.num_heads, spec.num_kv_heads)
+    i0, i1 = shard.split(spec.intermediate_size, "the intermediate size")
+    v0, v1, _ = shard.vocab(spec.vocab_size)
+    layout: dict[str, list[Part]] = {
+        "embed_tokens.weight": [("model.embed_tokens.weight", 0, v0, v1)],
+        "norm.weight": [("model.norm.weight", None, 0, 0)],
+    }
+    if not spec.tie_word_embeddings:
+        layout["lm_head.weight"] = [("lm_head.weight", 0, v0, v1)]
+    for i in range(spec.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        heads = {"q": (h0 * hd, h1 * hd), "k": (kv0 * hd, kv1 * hd), "v": (kv0 * hd, kv1 * hd)}
+        layout[dst + "self_attn.qkv_proj.weight"] = [(f"{attn}{p}_proj.weight", 0, *heads[p]) for p in "qkv"]
+        if spec.qkv_bias:
+            layout[dst + "self_attn.qkv_proj.bias"] = [(f"{attn}{p}_proj.bias", 0, *heads[p]) for p in "qkv"]
+        layout[dst + "self_attn.o_proj.weight"] = [(attn + "o_proj.weight", 1, h0 * hd, h1 * hd)]
+        layout[dst + "mlp.gate_up_proj.weight"] = [(src + f"mlp.{p}_proj.weight", 0, i0, i1) for p in ("gate", "up")]
+        layout[dst + "mlp.down_proj.weight"] = [(src + "mlp.down_proj.weight", 1, i0, i1)]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            layout[f"{dst}{norm}.weight"] = [(f"{src}{norm}.weight", None, 0, 0)]
+    return layout
+
+
+class SafetensorsSlices:
+    """Reads slices of named tensors from a folder's safetensors files, memory-mapped."""
+
+    def __init__(self, folder: Path, stack: ExitStack):
+        from safetensors import safe_open
+
+        index = folder / "model.safetensors.index.json"
+        files = sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
+            else sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        self.where = {}
+        for name in files:
+            handle = stack.enter_context(safe_open(folder / name, framework="pt"))
+            self.where.update({key: handle for key in handle.keys()})
+
+    def read(self, name: str, dim: int | None, start: int, end: int) -> torch.Tensor:
+        if name not in self.where:
+            raise KeyError(f"checkpoint lacks {name}")
+        handle = self.where[name]
+        if dim is None:
+            return handle.get_tensor(name)
+        piece = handle.get_slice(name)
+        return piece[start:end] if dim == 0 else piece[:, start:end]
+
+
+def _check_quantization(quantization: str, path: Path) -> None:
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"--quantization {quantization} does not shard yet: with --tensor-parallel-size > 1 "
+                         "use none (or auto, which serves the dense weights)")
+    kind = (folder_quant_config(path) or {}).get("quant_method") if path.is_dir() else None
+    if kind is not None:
+        raise ValueError(f"a {kind} checkpoint does not shard yet: with --tensor-parallel-size > 1 serve "
+                         "a dense model folder")
+
+
+def load_sharded(path: Path, dtype: torch.dtype, device: torch.device, quantization: str, shard: Shard,
+                 comm: Comm | None) -> LlamaForCausalLM:
+    """This rank's shard of the model at ``path``, in ``dtype`` on ``device``."""
+    _check_quantization(quantization, path)
+    with ExitStack() as stack:
+        if path.suffix == ".gguf":
+            config = load_hf_config(path)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            reader = GGUFSlices(path, config)
+        else:
+            config = load_hf_config(path)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            reader = SafetensorsSlices(path, stack)
+        spec = ModelSpec.from_hf_config(config)
+        check_shardable(spec, shard)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(spec, config, shard, comm)
+        rows = model.embed_tokens.weight.shape[0]
+        weights = {}
+        for name, parts in shard_layout(spec, shard).items():
+            tensor = torch.cat([reader.read(*part) for part in parts], dim=0).to(dtype)
+            if name in ("embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < rows:
+                tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], tensor.shape[1])])
+            weights[name] = tensor
+    model.load_state_dict(weights, strict=True, assign=True)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.init_rope(dtype, device)
+    model.quantization = "none"
+    return model

@@ -1,0 +1,144 @@
+"""Quantized linear layers for the CPU, and swapping them into a loaded model.
+
+Decode rows go through torch's packed kernels (``_weight_int4pack_mm_for_cpu`` for int4 groups,
+``_weight_int8pack_mm`` for per-channel int8). Those kernels are fast only with bf16 activations
+(fp32 ones are 10-30x slower), so a quantized layer casts its input to bf16 and its output back:
+the rest of the model (residual stream, norms, attention, the KV pool) stays in the model's dtype
+(fp32 on the CPU by default). Every call, prefill chunks included, goes through the packed
+kernels: they are row-invariant (a row's result is bitwise the same whatever else is in the call,
+tested), so a sequence's tokens do not depend on the batch it shared a step with. A dense GEMM for
+calls above ~8 rows (where the packed kernels lose to it) broke that: 32 concurrent greedy streams
+stopped equalling their solo outputs. So there is no row threshold, and no dense copy: a weight
+costs 0.5 (int4) or 1 (int8) byte plus its scales.
+
+``loader.py`` calls ``quantize_model``; ``runner.py`` leaves these layers out of oneDNN packing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from folio.core.executor.quant.formats import Int4Weight, Int8Weight
+
+ACT_DTYPE = torch.bfloat16
+REFINE_TOP = 64  # logits per row the LM head recomputes exactly (see QuantLMHead)
+
+
+def int4_pack_for_cpu(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scale-and-zero ``[K/g, N, 2]`` bf16) for ``_weight_int4pack_mm_for_cpu``."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 2)
+    scale_zero = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(ACT_DTYPE).contiguous()
+    return packed, scale_zero
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 64-byte aligned address: torch's packed CPU kernels load their operands
+    with aligned vector loads and crash on others (``_weight_int8pack_mm`` did on an int8 weight
+    read from a safetensors file, whose tensors sit at 8-byte offsets)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with W held int4 (grouped) or int8 (per channel)."""
+
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.q.shape
+        self.bits = 4 if isinstance(weight, Int4Weight) else 8
+        if self.bits == 4:
+            self.group_size = weight.group_size
+            self.packed, self.scale_zero = int4_pack_for_cpu(weight)
+        else:
+            self.packed = aligned(weight.q)
+            self.scale = aligned(weight.scale.to(ACT_DTYPE))
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
+        xa = aligned(x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE))  # bf16 already from the CPU kernels
+        if self.bits == 4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scale_zero)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scale)
+        if x.dtype != ACT_DTYPE:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}"
+
+
+SMALL_ROWS = 4  # calls of up to this many rows take the LM head's int4 pair (measured faster up to 4 here)
+HEAD_GROUP = 32
+
+
+def int8_as_int4_pair(weight: torch.Tensor, group: int = HEAD_GROUP) -> tuple[Int4Weight, Int4Weight]:
+    """Symmetric int8 groups of ``weight`` (``d = max|w| / 127``, the layout of GGUF's Q8_0, which
+    this recovers exactly from its dequantized values) written as two int4 weights whose sum is
+    the int8 one: with ``u = q + 128 = 16 hi + lo``, ``w = d q = 16 d hi + d (lo - 8) + 8 d``, so
+    the high nibbles take scale 16 d and zero 0, the low ones scale d and zero 8 d."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // group, group)
+    d = groups.abs().amax(-1) / 127.0  # [n, k / group]
+    q = torch.where(d[..., None] > 0, torch.round(groups / d.clamp(min=1e-30)[..., None]), 0).clamp(-127, 127)
+    u = (q + 128).to(torch.int32).view(n, k)
+    hi, lo = (u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)
+    return (Int4Weight(hi, 16 * d, torch.zeros_like(d), group), Int4Weight(lo, d, 8 * d, group))
+
+
+class QuantLMHead(nn.Module):
+    """The LM head of a quantized model: approximate logits for every token, then the
+    ``REFINE_TOP`` largest of each row recomputed from the exact weights (in the model's dtype).
+
+    The approximate pass reads a bf16 copy of the weights, or for calls of up to ``SMALL_ROWS``
+    rows (decode at small batches, where this one GEMM was a quarter of SmolLM2's step) the
+    weights' int8 groups as a pair of int4 weights through the packed int4 kernel, which reads a
+    quarter of the bf16 bytes (bf16 group scales: about the precision of the bf16 copy).
+    The head decides the ranking of close candidates: on SmolLM2 a bf16 head alone cost 3.6e-4
+    of mean KLD and 1 point of top-1 agreement against the fp32 reference, a per-channel int8
+    head 1.6e-3 (scripts/eval_quant.py), more than all the int4 layers. The probability mass sits
+    in the top few logits, so refining those restores nearly all of it for a few rows' work. A
+    row's refined logits are exact whichever pass found them; only the tail beyond them depends
+    on the call's size."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight  # [vocab, hidden], shared with the embedding table when tied
+        self.weight_bf16 = weight.to(ACT_DTYPE)
+        self.pair = None
+        if weight.shape[1] % HEAD_GROUP == 0 and weight.shape[0] % 16 == 0:  # what the packed kernel takes
+            self.pair = [int4_pack_for_cpu(w) for w in int8_as_int4_pair(weight)]
+
+    def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        xa = aligned(x.to(ACT_DTYPE))
+        if self.pair is not None and x.shape[0] <= SMALL_ROWS:
+            (hi, hi_sz), (lo, lo_sz) = self.pair
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            return mm(xa, hi, HEAD_GROUP, hi_sz).float() + mm(xa, lo, HEAD_GROUP, lo_sz).float()
+        return torch.nn.functional.linear(xa, self.weight_bf16).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, vocab] fp32
+        logits = self.approximate(x)
+        top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices  # [rows, REFINE_TOP]
+        exact = torch.einsum("rh,rkh->rk", x.to(self.weight.dtype), self.weight[top]).float()
+        return logits.scatter_(1, top, exact)
+
+
+def quant_layers_available() -> bool:
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_weight_int8pack_mm")
+
+
+def quantize_model(model, weights: dict[str, Int4Weight | Int8Weight]) -> None:
+    """Swap each projection named in ``weights`` (our fused names, e.g. ``layers.0.mlp.gate_up_proj``)
+    for a ``QuantLinear``; the LM head becomes a ``QuantLMHead``."""
+    if not quant_layers_available():
+        raise ValueError("this torch build lacks the packed int4/int8 CPU kernels")
+    for name, w in weights.items():
+        parent_name, attr = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, QuantLinear(w, getattr(parent, attr).bias))
+    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.packed_lm_head = QuantLMHead(weight)
+    model.lm_head = None

@@ -1,0 +1,316 @@
+"""The persistent input batch: one row per request the executor holds, in preallocated arrays.
+
+vLLM V1's shape. Token ids, counts, block tables and sampling parameters of every request live in
+host arrays (numpy; a row per request, reused when a request leaves) that each step updates from
+the plan's diffs: a new request writes its row once, a running one moves its count and appends
+its new blocks and tokens. A step's inputs and attention metadata are then gathered from the
+rows with vectorised operations (no Python loop over tokens) into one staging buffer, which
+reaches the device in one copy (pinned, two buffers in turn so that a copy in flight is never
+overwritten); the step's tensors are views of it. On the CPU the gathered arrays are the tensors.
+
+The runner (``runner.py``) owns one; the sampler reads its parameter rows and penalty state
+(``penalties.py``), and ``last_sampled`` keeps each row's latest sampled token on the device, for a
+step that feeds it back without a round trip through the host.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from folio.core.executor.kernels.attention import AttentionMetadata
+from folio.core.executor.sampling.penalties import PenaltyState, has_penalties
+from folio.core.executor.sampling.sampler import NUM_PARAMS, TOP_K, make_generator, param_row, position_seed
+
+NO_LOGPROBS = -1
+
+
+@dataclass
+class StepInputs:
+    """One step's batch, gathered from the rows."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_idx: torch.Tensor  # [num_logit_rows] int64: tokens whose logits the step samples from
+    rows: np.ndarray  # [num_seqs] the row of each scheduled sequence, in plan order
+    counts: np.ndarray  # [num_seqs] tokens computed per sequence
+    samples: np.ndarray  # [num_seqs] bool: the sequence samples (its chunk reaches its last token)
+    num_spec: np.ndarray  # [num_seqs] drafts verified per sequence
+    sample_rows: np.ndarray  # [num_plain] rows that sample one token without drafts, in plan order
+    sample_rows_dev: torch.Tensor  # the same on the device
+    sample_params: torch.Tensor  # [num_plain, NUM_PARAMS] fp32, their sampling parameters
+
+
+def _opens_one_block(diff) -> bool:
+    return len(diff.new_block_ids) == 1 and diff.block_ids is None and not diff.new_token_ids
+
+
+def _grow(array: np.ndarray, rows: int | None = None, cols: int | None = None) -> np.ndarray:
+    shape = (rows or array.shape[0],) + ((cols or array.shape[1],) if array.ndim == 2 else ())
+    out = np.zeros(shape, dtype=array.dtype)
+    out[tuple(slice(0, n) for n in array.shape)] = array
+    return out
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, vocab_size: int, block_size: int, device: torch.device):
+        cap = max(1, max_num_reqs)
+        self.vocab_size, self.block_size, self.device = vocab_size, block_size, device
+        self.token_ids = np.zeros((cap, 256), dtype=np.int64)  # [rows, width]; widths double on demand
+        self.num_tokens = np.zeros(cap, dtype=np.int64)  # tokens the request has (prompt + output)
+        self.num_prompt = np.zeros(cap, dtype=np.int64)
+        self.num_computed = np.zeros(cap, dtype=np.int64)
+        self.block_table = np.zeros((cap, 16), dtype=np.int32)
+        self.num_blocks = np.zeros(cap, dtype=np.int64)
+        self.params = np.zeros((cap, NUM_PARAMS), dtype=np.float32)
+        self.greedy = np.zeros(cap, dtype=bool)
+        self.penalised = np.zeros(cap, dtype=bool)
+        self.repetition = np.zeros(cap, dtype=bool)
+        self.appends = np.zeros(cap, dtype=bool)  # False for beams: the scheduler sends their tokens
+        self.has_seed = np.zeros(cap, dtype=bool)
+        self.table_sampled = np.zeros(cap, dtype=bool)  # greedy, or unseeded without top-k: the C kernel's rows
+        self.num_logprobs = np.full(cap, NO_LOGPROBS, dtype=np.int64)
+        self.seeds: list[int | None] = [None] * cap
+        self.generators: list[torch.Generator | None] = [None] * cap
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(cap))  # a heap: the lowest free row first, so that a batch's rows
+        # stay a run of consecutive rows as long as requests come and go together (the sampler then
+        # reads their penalty state in place)
+        self.penalties = PenaltyState(cap, vocab_size, device)
+        self.last_sampled = torch.zeros(cap, dtype=torch.long, device=device)
+        self._pin = device.type == "cuda"
+        self._staging = [self._new_staging(1 << 16), self._new_staging(1 << 16)] if device.type != "cpu" else []
+        self._turn = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity(self) -> int:
+        return len(self.num_tokens)
+
+    def _grow_rows(self) -> None:
+        old, cap = self.capacity, 2 * self.capacity
+        for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "params",
+                     "greedy", "penalised", "repetition", "appends", "has_seed", "table_sampled"):
+            setattr(self, name, _grow(getattr(self, name), rows=cap))
+        self.num_logprobs = np.concatenate([self.num_logprobs, np.full(cap - old, NO_LOGPROBS, dtype=np.int64)])
+        self.seeds += [None] * (cap - old)
+        self.generators += [None] * (cap - old)
+        self.free_rows += range(old, cap)  # it grows only when no row is free: a sorted list is a heap
+        self.penalties.grow(cap)
+        self.last_sampled = torch.cat([self.last_sampled, torch.zeros(cap - old, dtype=torch.long, device=self.device)])
+
+    def _fit_tokens(self, n: int) -> None:
+        if n > self.token_ids.shape[1]:
+            self.token_ids = _grow(self.token_ids, cols=max(n, 2 * self.token_ids.shape[1]))
+
+    def _fit_blocks(self, n: int) -> None:
+        if n > self.block_table.shape[1]:
+            self.block_table = _grow(self.block_table, cols=max(n, 2 * self.block_table.shape[1]))
+
+    # ------------------------------------------------------------------ diffs
+    def add(self, req_id: str, token_ids: list[int], num_prompt: int, num_computed: int, block_ids: list[int],
+            sampling, append_sampled: bool = True) -> int:
+        if req_id in self.row_of:
+            self.remove(req_id)
+        if not self.free_rows:
+            self._grow_rows()
+        row = heapq.heappop(self.free_rows)
+        self.row_of[req_id] = row
+        self._fit_tokens(len(token_ids) + 1)
+        self._fit_blocks(len(block_ids))
+        self.token_ids[row, : len(token_ids)] = token_ids
+        self.num_tokens[row], self.num_prompt[row], self.num_computed[row] = len(token_ids), num_prompt, num_computed
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+        self.params[row] = param_row(sampling, self.vocab_size)
+        self.greedy[row] = sampling.greedy
+        self.penalised[row] = has_penalties(sampling)
+        self.repetition[row] = sampling.repetition_penalty != 1.0
+        self.num_logprobs[row] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
+        self.seeds[row] = sampling.seed
+        self.has_seed[row] = sampling.seed is not None
+        self.table_sampled[row] = sampling.greedy or (sampling.seed is None and self.params[row, TOP_K] >= self.vocab_size)
+        self.appends[row] = append_sampled
+        self.generators[row] = make_generator(sampling.seed, self.device)
+        self.penalties.set_row(row, sampling, token_ids[:num_prompt], token_ids[num_prompt:])
+        return row
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.generators[row] = None
+            self.has_seed[row] = False
+            heapq.heappush(self.free_rows, row)
+
+    def apply_running(self, running, step_id: int) -> None:
+        """The per-step diffs of requests already held: counts in one assignment, a decode's one
+        new block in another, other blocks and tokens only for the requests whose blocks or
+        tokens changed."""
+        if not running:
+            return
+        try:
+            rows = [self.row_of[r.req_id] for r in running]
+        except KeyError as exc:
+            raise KeyError(f"step {step_id} names unknown request {exc.args[0]!r}") from None
+        self.num_computed[rows] = [r.num_computed_tokens for r in running]
+        changed = [(row, r) for row, r in zip(rows, running) if r.new_block_ids or r.block_ids is not None
+                   or r.new_token_ids]
+        if changed:
+            self._apply_changes(changed)
+
+    def _apply_changes(self, changed: list) -> None:
+        """(row, diff) of the requests whose blocks or tokens changed: a decode that opens one
+        block (the usual change) goes into one assignment with the others like it."""
+        opened = [(row, r.new_block_ids[0]) for row, r in changed if _opens_one_block(r)]
+        if opened:
+            rows, blocks = (list(c) for c in zip(*opened))
+            ends = self.num_blocks[rows]
+            self._fit_blocks(int(ends.max()) + 1)
+            self.block_table[rows, ends] = blocks
+            self.num_blocks[rows] = ends + 1
+        for row, r in changed:
+            if _opens_one_block(r):
+                continue
+            if r.block_ids is not None:  # copy-on-write changed blocks inside the table
+                self.num_blocks[row] = 0
+                self.append_blocks(row, r.block_ids)
+            self.append_blocks(row, r.new_block_ids)
+            self.append_tokens(row, r.new_token_ids)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            n = int(self.num_blocks[row])
+            self._fit_blocks(n + len(block_ids))
+            self.block_table[row, n : n + len(block_ids)] = block_ids
+            self.num_blocks[row] = n + len(block_ids)
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        if token_ids:
+            n = int(self.num_tokens[row])
+            self._fit_tokens(n + len(token_ids) + 1)
+            self.token_ids[row, n : n + len(token_ids)] = token_ids
+            self.num_tokens[row] = n + len(token_ids)
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """One token for each of ``rows`` (distinct), vectorised."""
+        if len(rows):
+            ends = self.num_tokens[rows]
+            self._fit_tokens(int(ends.max()) + 2)
+            self.token_ids[rows, ends] = token_ids
+            self.num_tokens[rows] = ends + 1
+
+    def tokens(self, row: int) -> np.ndarray:
+        return self.token_ids[row, : self.num_tokens[row]]
+
+    # ------------------------------------------------------------------ one step
+    def prepare(self, num_scheduled: dict[str, int], spec_token_ids: dict[str, list[int]]) -> StepInputs:
+        """Gather the step's inputs from the rows; raises ValueError for a plan the rows cannot run."""
+        num_seqs = len(num_scheduled)
+        try:
+            found = operator.itemgetter(*num_scheduled)(self.row_of) if num_seqs else ()  # a tuple, or one row
+        except KeyError as exc:
+            raise KeyError(f"the step schedules unknown request {exc.args[0]!r}") from None
+        rows = np.array(found if num_seqs != 1 else (found,), dtype=np.int64)
+        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=num_seqs)
+        num_spec = np.zeros(num_seqs, dtype=np.int64)
+        if spec_token_ids:  # drafts sit after the row's last token, uncounted
+            order = {req_id: i for i, req_id in enumerate(num_scheduled)}
+            for req_id, drafts in spec_token_ids.items():
+                if drafts and req_id in order:
+                    i, row = order[req_id], self.row_of[req_id]
+                    n = int(self.num_tokens[row])
+                    self._fit_tokens(n + len(drafts) + 1)
+                    self.token_ids[row, n : n + len(drafts)] = drafts
+                    num_spec[i] = len(drafts)
+        start, have = self.num_computed[rows], self.num_tokens[rows]
+        end = start + counts - num_spec  # the real tokens each computes; its drafts follow them
+        seq_lens = start + counts
+        need = (seq_lens + self.block_size - 1) // self.block_size
+        self._check(num_scheduled, rows, counts, num_spec, end, have, need)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        samples = end == have
+        plain = samples & (num_spec == 0)
+        if num_tokens == num_seqs:  # decodes only: a token per sequence, no drafts
+            token_rows, positions, logits_idx = rows, start, np.flatnonzero(samples)
+        else:
+            token_rows = np.repeat(rows, counts)
+            positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], counts)
+            num_logits = np.where(samples, num_spec + 1, 0)
+            logit_starts = np.repeat(query_start[1:] - num_logits, num_logits)
+            logits_idx = logit_starts + np.arange(len(logit_starts)) \
+                - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        sample_rows = rows[plain]
+        max_blocks = max(1, int(need.max(initial=1)))
+        dev = self._to_device({
+            "input_ids": self.token_ids[token_rows, positions],
+            "positions": positions,
+            "slot_mapping": self.block_table[token_rows, positions // self.block_size].astype(np.int64)
+            * self.block_size + positions % self.block_size,
+            "logits_idx": logits_idx,
+            "sample_rows": sample_rows,
+            "query_start_loc": query_start.astype(np.int32),
+            "seq_lens": seq_lens.astype(np.int32),
+            "block_tables": self.block_table[rows, :max_blocks],
+            "sample_params": self.params[sample_rows],
+        })
+        meta = AttentionMetadata(
+            slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+            block_tables=dev["block_tables"].view(num_seqs, max_blocks), max_query_len=int(counts.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)), block_size=self.block_size, query_lens_list=counts.tolist(),
+            seq_lens_list=seq_lens.tolist(), positions=dev["positions"], padded=False,
+        )
+        return StepInputs(dev["input_ids"], meta, dev["logits_idx"], rows, counts, samples, num_spec, sample_rows,
+                          dev["sample_rows"], dev["sample_params"].view(-1, NUM_PARAMS))
+
+    def _check(self, num_scheduled, rows, counts, num_spec, end, have, need) -> None:
+        bad_tokens = (end > have) | ((num_spec > 0) & (end != have))
+        bad_blocks = need > self.num_blocks[rows]
+        if bad_tokens.any() or bad_blocks.any():
+            i = int(np.flatnonzero(bad_tokens | bad_blocks)[0])
+            req_id, start = list(num_scheduled)[i], int(end[i] - counts[i] + num_spec[i])
+            if bad_tokens[i]:
+                raise ValueError(f"{req_id}: {counts[i]} tokens scheduled but only {have[i] - start} to compute")
+            raise ValueError(f"{req_id}: {start + counts[i]} tokens need more than its {self.num_blocks[rows[i]]} blocks")
+
+    def _new_staging(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+
+    def _to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Pack the arrays into the staging buffer (8-byte aligned) and move it in one copy; on the
+        CPU the arrays (each made afresh for the step) are the tensors."""
+        if self.device.type == "cpu":
+            return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+        offsets, total = {}, 0
+        for name, a in arrays.items():
+            offsets[name] = total
+            total += -(-a.nbytes // 8) * 8
+        if total > self._staging[self._turn].numel():
+            self._staging[self._turn] = self._new_staging(2 * total)
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        host = staging.numpy()
+        for name, a in arrays.items():
+            host[offsets[name] : offsets[name] + a.nbytes].view(a.dtype)[:] = a.ravel()
+        dev = staging[:total].to(self.device, non_blocking=True)
+        return {name: dev[offsets[name] : offsets[name] + a.nbytes].view(_TORCH[a.dtype]) for name, a in arrays.items()}
+
+    # ------------------------------------------------------------------ sampling state
+    def seeded(self, sample_rows: np.ndarray) -> list[tuple[int, torch.Generator, int]]:
+        """(index in the sample rows, generator, seed of this draw) of the seeded non-greedy rows."""
+        out = []
+        if not self.has_seed.any():
+            return out
+        for i in np.flatnonzero(self.has_seed[sample_rows] & ~self.greedy[sample_rows]):
+            row = int(sample_rows[i])
+            out.append((int(i), self.generators[row],
+                        position_seed(self.seeds[row], int(self.num_tokens[row] - self.num_prompt[row]))))
+        return out
+
+
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}

@@ -1,0 +1,505 @@
+"""The model runtime: weights, the KV pool, per-request state, and one ``execute`` per step.
+
+The executor service wraps this behind its socket. The scheduler sends per-step diffs (a
+``StepPlan``: new requests in full, running ones as new block ids and counts); the runner keeps
+what it needs of each request between steps (its tokens, block table, sampling params and seeded
+generator), flattens the step into one varlen batch, runs the model and samples.
+
+With tensor parallelism every rank has a runner over its shard (``workers.py`` drives them):
+rank 0 samples in ``execute`` and notes the tokens it appended; the other ranks ``follow`` the
+same plan, run the same forward pass and logits (the collectives), and append rank 0's tokens
+when the next plan brings them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import numpy as np
+import torch
+
+from folio.core.executor.kernels import cpu_kernels
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
+from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
+from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype
+from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
+from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.core.executor.model.loader import load_model, resolve_dtype
+from folio.core.executor.model.llama import cpu_linear_packing_available, pack_linears_for_cpu
+from folio.core.executor.parallel.comm import Comm, Shard
+from folio.core.executor.quant.linear import ACT_DTYPE
+from folio.core.executor.sampling.rejection import verify
+from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
+from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
+from folio.core.executor.sampling.structured import GrammarStore, advance, compile_error
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
+
+
+class RequestState:
+    """What the runner keeps of a request besides its row of the persistent batch."""
+
+    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: SamplingParams, append_sampled: bool):
+        self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
+        self.append_sampled = append_sampled  # False for beams: the scheduler sends their tokens
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
+        self.proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
+        self.matcher: object | None = None  # structured output: its grammar's state after its tokens
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.batch.generators[self.row]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.batch.num_prompt[self.row])
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self.batch.num_computed[self.row])
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.batch.tokens(self.row).tolist()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.batch.tokens(self.row)[self.num_prompt_tokens :].tolist()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                 model=None):
+    """``auto`` picks the CUDA kernels on a GPU when CuPy is importable, and on the CPU the C
+    kernels (``cpu_backend``) for a model with quantized linears, else the torch backend (the
+    reference, which the fp32 greedy oracle compares with transformers); ``cpu`` asks for the C
+    kernels whatever the weights."""
+    if name not in ("auto", "torch", "cuda", "cpu"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, cuda or cpu")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError("the cpu attention backend runs on the CPU")
+    if device.type == "cpu" and name in ("auto", "cpu") and model is not None:
+        quantized = model.quantization not in (None, "none")
+        if name == "cpu" or quantized:
+            from folio.core.executor.kernels.cpu_backend import make_cpu_backend
+
+            backend = make_cpu_backend(model, model_dtype, kv_dtype, ACT_DTYPE if quantized else model_dtype)
+            if backend is not None:
+                return backend
+            if name == "cpu":
+                raise ValueError("the cpu attention backend needs fp32 weights and pool and a C compiler")
+    if name in ("torch", "cpu") or device.type != "cuda":
+        if name == "cuda":
+            raise ValueError("the cuda attention backend needs a CUDA device")
+        return TorchAttentionBackend()
+    try:
+        from folio.core.executor.kernels.cuda_backend import CudaAttentionBackend
+    except ImportError as exc:
+        if name == "cuda":
+            raise ValueError(f"the cuda attention backend is unavailable: {exc}") from exc
+        return TorchAttentionBackend()
+    try:
+        return CudaAttentionBackend(model_dtype, kv_dtype=kv_dtype)
+    except UnsupportedKernelError:  # fp32 activations over an fp8 pool: no kernel instances
+        if name == "cuda":
+            raise
+        return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: RuntimeConfig, model_path: str, shard: Shard = Shard(), comm: Comm | None = None,
+                 device: torch.device | None = None):
+        if shard.size > 1:  # decode graphs would have to capture the collectives: eager steps only
+            config = dataclasses.replace(config, enforce_eager=True)
+        self.config = config
+        self.shard, self.comm = shard, comm
+        self.device = device if device is not None else resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device, config.quantization, shard=shard, comm=comm)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_packing_available():
+            pack_linears_for_cpu(self.model)
+        self.spec = self.model.spec
+        kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model)
+        self.pool_shape = PoolShape(
+            num_layers=self.spec.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=self.model.layers[0].self_attn.num_kv_heads,  # this rank's KV heads
+            head_dim=self.spec.head_dim,
+            dtype=kv_dtype,
+        )
+        self.kv_scales = calibrate_kv_scales(self.model, self.backend, self.device, config.block_size,
+                                             calibration_ids(model_path, self.spec.vocab_size)) \
+            if kv_dtype == FP8_DTYPE else []
+        self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
+        self.requests: dict[str, RequestState] = {}
+        self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
+        self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
+        self.table_sampler = cpu_kernels.TableSampler(self.spec.vocab_size) \
+            if self.device.type == "cpu" and cpu_kernels.library() is not None else None
+        # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
+        self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend,
+                                      self.pool.num_blocks) if shard.rank == 0 else None
+        self.appended: list[tuple[str, list[int]]] | None = [] if shard.size > 1 else None
+        self.grammars = GrammarStore(model_path, self.spec.vocab_size)
+        self._constrained: set[str] = set()  # requests with a grammar
+        self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step)
+        return self.model(step.input_ids, step.meta.positions, self.pool.kv_caches, step.meta, self.backend)
+
+    # ------------------------------------------------------------------ pool sizing
+    def _decide_num_blocks(self) -> int:
+        """The same block ids on every rank: the smallest pool any rank can hold."""
+        num_blocks = self._local_num_blocks()
+        return num_blocks if self.comm is None else self.comm.all_min(num_blocks)
+
+    def _local_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cpu":
+            budget = self.config.kv_cache_bytes or cpu_kv_budget_bytes()
+            return blocks_for_budget(budget, self.pool_shape)
+        peak, activations = self._profile_gpu_peak()
+        if uses_graphs(self.config, self.spec, self.backend, self.device):
+            peak += graph_memory_estimate(self.config, activations)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return gpu_num_blocks(total, self.config.gpu_memory_utilization, peak, self.pool_shape)
+
+    def _profile_gpu_peak(self) -> tuple[int, int]:
+        """Peak memory (weights + activations, no KV) of a forward pass at the largest batch, and
+        the activations' share of it."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
+        bs = self.config.block_size
+        lens = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+        blocks_per_seq = [(n + bs - 1) // bs for n in lens]
+        scratch = KVPool(self.pool_shape, sum(blocks_per_seq), self.device)
+        scratch_bytes = scratch.num_bytes
+        tables, start = [], 0
+        for nb in blocks_per_seq:
+            tables.append(list(range(start, start + nb)))
+            start += nb
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        meta = AttentionMetadata.build(lens, lens, tables, None, bs, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, meta.positions, scratch.kv_caches, meta, self.backend)
+            self.model.compute_logits(hidden[-num_seqs:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+        return peak - scratch_bytes, peak - before
+
+    # ------------------------------------------------------------------ request state
+    def _add_request(self, new: NewRequestData) -> None:
+        if new.req_id in self.requests:
+            self._drop(new.req_id)
+        row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
+                             new.block_ids, new.sampling, new.append_sampled)
+        self.requests[new.req_id] = RequestState(new.req_id, row, self.batch, new.sampling, new.append_sampled)
+        if new.sampling.prompt_logprobs is not None:
+            self._want_prompt_lp.add(new.req_id)
+        if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
+            self.grammars.prepare(new.sampling.grammar)  # (the scheduler's ask started it already)
+            self._constrained.add(new.req_id)
+
+    def _drop(self, req_id: str) -> None:
+        if self.requests.pop(req_id, None) is not None:
+            self.batch.remove(req_id)
+        self._want_prompt_lp.discard(req_id)
+        self._constrained.discard(req_id)
+        if self.proposer is not None:
+            self.proposer.drop(req_id)
+
+    def _update_states(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self._drop(req_id)
+        for new in plan.new_reqs:
+            self._add_request(new)
+        self.batch.apply_running(plan.running_reqs, plan.step_id)
+
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        """The kvmanager's copies, before the step reads the pool: swap-outs first (the blocks
+        they vacate may be written by swap-ins, copies or this step), then swap-ins, then
+        copy-on-write."""
+        if (plan.swap_out or plan.swap_in) and not self.pool.host_caches:
+            raise ValueError(f"step {plan.step_id} swaps blocks but this executor has no host tier")
+        if plan.swap_out:
+            self.backend.swap_out(self.pool.kv_caches, self.pool.host_caches, plan.swap_out)
+        if plan.swap_in:
+            self.backend.swap_in(self.pool.host_caches, self.pool.kv_caches, plan.swap_in)
+        if plan.block_copies:
+            self.backend.copy_blocks(self.pool.kv_caches, plan.block_copies)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """One step; the result also names the grammars the scheduler waits for whose compile
+        ended (with nothing to compute it first waits a little for one, ``await_grammars``)."""
+        for grammar in plan.grammars:
+            self.grammars.watch(grammar)
+        result = self._execute(plan)
+        if plan.await_grammars and not plan.num_scheduled_tokens:
+            self.grammars.wait_watched()
+        ready, errors = self.grammars.take_reports()
+        if ready or errors:
+            result = msgspec.structs.replace(result, grammars_ready=ready, grammar_errors=errors)
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        forward = self._step_forward(plan)
+        if forward is None:
+            return StepResult(step_id=plan.step_id)
+        hidden, step, req_ids, result_prompt_lp = forward
+        if not step.samples.any():
+            return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
+        logits = self.model.compute_logits(hidden.index_select(0, step.logits_idx))
+        samplers = [req_ids[i] for i in np.flatnonzero(step.samples)] if not step.samples.all() else req_ids
+        constrained, failed = self._matchers(samplers)
+        sampled, logprobs = self._sample(logits, step, samplers, plan, constrained)
+        if constrained:
+            self._advance_grammars(samplers, sampled.sampled_token_ids())
+        spec = self._propose([self.requests[r] for r in samplers]) if self.proposer else []
+        if failed:  # their grammar did not compile: no token (the scheduler ends them with the reason)
+            keep = [i for i, r in enumerate(samplers) if r not in failed]
+            per_request = sampled.sampled_token_ids()
+            sampled = StepResult(step_id=plan.step_id, **StepResult.flat([per_request[i] for i in keep]))
+            samplers, logprobs = [samplers[i] for i in keep], [logprobs[i] for i in keep]
+            spec = [spec[i] for i in keep] if spec else spec
+        return msgspec.structs.replace(sampled, req_ids=samplers, logprobs=logprobs, prompt_logprobs=result_prompt_lp,
+                                       spec_token_ids=spec)
+
+    def _step_forward(self, plan: StepPlan):
+        """The plan's diffs, copies and forward pass (and prompt logprobs): what every rank runs."""
+        self._update_states(plan)
+        self._copy_blocks(plan)
+        if not plan.num_scheduled_tokens:
+            return None
+        step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids)
+        hidden = self._forward(step)
+        req_ids = list(plan.num_scheduled_tokens)
+        result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
+        self.batch.num_computed[step.rows] += step.counts
+        return hidden, step, req_ids, result_prompt_lp
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan, appended: list[tuple[str, list[int]]]) -> None:
+        """A rank other than 0: rank 0's tokens of the last step, then this step without sampling
+        (the logits are computed all the same: their gather is a collective)."""
+        for req_id, token_ids in appended:
+            state = self.requests.get(req_id)
+            if state is not None:
+                self.batch.append_tokens(state.row, token_ids)
+        forward = self._step_forward(plan)
+        if forward is not None and forward[1].samples.any():
+            hidden, step = forward[0], forward[1]
+            self.model.compute_logits(hidden.index_select(0, step.logits_idx))
+
+    def take_appended(self) -> list[tuple[str, list[int]]]:
+        """Rank 0: the tokens it appended since the last call, for the other ranks."""
+        out, self.appended = self.appended or [], []
+        return out
+
+    def _matchers(self, samplers: list[str]) -> tuple[bool, set[str]]:
+        """Whether some sampler has a grammar (a fresh matcher replays what its request
+        generated), and the samplers whose grammar failed to compile."""
+        found, failed = False, set()
+        if not self._constrained:
+            return found, failed
+        for req_id in self._constrained.intersection(samplers):
+            state = self.requests[req_id]
+            if state.matcher is None:
+                try:
+                    state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
+                except Exception as exc:  # a compile that failed: this request alone fails
+                    self.grammars.failed[state.sampling.grammar.key] = compile_error(exc)
+                    failed.add(req_id)
+                    continue
+            found = True
+        return found, failed
+
+    def _advance_grammars(self, samplers: list[str], tokens: list[list[int]]) -> None:
+        constrained = [i for i, r in enumerate(samplers) if self.requests[r].matcher is not None]
+        if constrained:
+            self.grammars.stats["num_constrained_steps"] += 1
+            self.grammars.stats["num_constrained_rows"] += len(constrained)
+            advance([self.requests[samplers[i]].matcher for i in constrained], [tokens[i] for i in constrained],
+                    [samplers[i] for i in constrained])
+
+    def _sample(self, logits: torch.Tensor, step: StepInputs, samplers: list[str], plan: StepPlan,
+                constrained: bool) -> tuple[StepResult, list]:
+        """The batched sampler for the rows without drafts; verification (rejection sampling) for
+        the others. ``logits`` holds one row per plain sampler and ``drafts + 1`` per verifier.
+        Returns the step's result with only its tokens set (flat), and the logprobs."""
+        spec = step.num_spec[step.samples]  # per sampler
+        plain = spec == 0
+        num_logits = spec + 1
+        offsets = np.cumsum(num_logits) - num_logits
+        plain_logits = logits if plain.all() else logits.index_select(
+            0, torch.as_tensor(offsets[plain], device=logits.device))
+        matchers = [self.requests[samplers[i]].matcher for i in np.flatnonzero(plain)] if constrained else None
+        tokens_dev = self._sample_plain(plain_logits, step, matchers) if plain.any() else torch.zeros(0, dtype=torch.long)
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(samplers)
+        want = self.batch.num_logprobs[step.sample_rows]
+        plain_pos = np.flatnonzero(plain)
+        if (want != NO_LOGPROBS).any():
+            idx = np.flatnonzero(want != NO_LOGPROBS)
+            sel = torch.as_tensor(idx, device=logits.device)
+            reported = token_logprobs(plain_logits[sel].log_softmax(dim=-1), tokens_dev[sel], want[idx].tolist())
+            for i, lp in zip(idx, reported):
+                logprobs[plain_pos[i]] = [lp]
+        plain_tokens = tokens_dev.cpu().numpy()  # the step's one wait on the device
+        appends = self.batch.appends[step.sample_rows]
+        if self.proposer is not None:
+            self._rollback_drafts([samplers[i] for i in plain_pos], appends)
+        self.batch.append_sampled(step.sample_rows[appends], plain_tokens[appends])
+        if self.appended is not None:
+            self.appended.extend((samplers[i], [int(plain_tokens[j])]) for j, i in enumerate(plain_pos) if appends[j])
+        if plain.all():
+            return StepResult(step_id=plan.step_id, token_ids=plain_tokens.tolist()), logprobs
+        tokens: list[list[int]] = [[] for _ in samplers]
+        for i, t in zip(plain_pos, plain_tokens.tolist()):
+            tokens[i] = [t]
+        spec_pos = np.flatnonzero(~plain)
+        for i, accepted in zip(spec_pos, self._verify(logits, [self.requests[samplers[i]] for i in spec_pos],
+                                                       [int(offsets[i]) for i in spec_pos], plan)):
+            tokens[i] = accepted
+        return StepResult(step_id=plan.step_id, **StepResult.flat(tokens)), logprobs
+
+    def _sample_plain(self, logits: torch.Tensor, step: StepInputs, matchers: list | None) -> torch.Tensor:
+        rows, batch = step.sample_rows, self.batch
+        if self.table_sampler is not None and matchers is None and batch.table_sampled[rows].all() \
+                and (batch.penalised[rows].any() or not batch.greedy[rows].all()) and logits.shape[1] == batch.vocab_size \
+                and cpu_kernels.usable(logits):
+            # the C kernel over the persistent rows: penalties, draw and penalty bookkeeping in one
+            # call (a batch that is all plain greedy takes numpy's argmax below: as fast, no setup)
+            tokens = self.table_sampler.sample(logits, step.sample_rows_dev, batch.greedy, batch.params,
+                                               batch.penalties)
+            batch.last_sampled.index_copy_(0, step.sample_rows_dev, tokens)
+            return tokens
+        sampling = SamplingBatch(step.sample_params, batch.greedy[rows], batch.params[rows], batch.seeded(rows),
+                                 matchers=matchers)
+        penalised = bool(batch.penalised[rows].any())
+        if penalised:
+            sampling.bias, sampling.rep = batch.penalties.gather(step.sample_rows_dev, bool(batch.repetition[rows].any()),
+                                                                 rows)
+        tokens = sample_batch(logits, sampling)
+        if penalised:  # rows without penalties never read their state: it is reset when a row is reused
+            batch.penalties.record(step.sample_rows_dev, tokens, step.sample_params[:, FREQUENCY],
+                                   step.sample_params[:, PRESENCE], step.sample_params[:, REPETITION])
+        batch.last_sampled.index_copy_(0, step.sample_rows_dev, tokens)
+        return tokens
+
+    def _rollback_drafts(self, req_ids: list[str], appends: np.ndarray) -> None:
+        """A request that had a proposal but verified none of it: the draft's cache drops them."""
+        for req_id, append in zip(req_ids, appends):
+            state = self.requests[req_id]
+            if append and state.proposal is not None:
+                self.proposer.rollback(req_id, int(self.batch.num_tokens[state.row]))
+
+    def _verify(self, logits: torch.Tensor, states: list[RequestState], offsets: list[int], plan: StepPlan):
+        drafts = [plan.spec_token_ids[s.req_id] for s in states]
+        target = torch.cat([logits[o : o + len(d) + 1] for o, d in zip(offsets, drafts)])
+        q = []
+        for state, d in zip(states, drafts):
+            proposal = state.proposal
+            if proposal is None or proposal.token_ids[: len(d)] != d:
+                raise ValueError(f"{state.req_id}: the drafts to verify are not the ones proposed")
+            q.append(proposal.probs[: len(d)] if proposal.probs is not None else None)
+        rows = [SamplingRow(s.sampling, s.generator, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
+                for s in states]
+        out = verify(target, drafts, q, rows)
+        for state, new in zip(states, out):
+            if state.append_sampled:
+                self.proposer.rollback(state.req_id, int(self.batch.num_tokens[state.row]) + len(new) - 1)
+                self.batch.append_tokens(state.row, new)
+                self._record(state, new)
+                if self.appended is not None:
+                    self.appended.append((state.req_id, list(new)))
+        return out
+
+    def _record(self, state: RequestState, new: list[int]) -> None:
+        """Penalty counts and the last sampled token of a verified request."""
+        device = self.batch.last_sampled.device
+        rows = torch.full((len(new),), state.row, dtype=torch.long, device=device)
+        params = torch.as_tensor(self.batch.params[state.row], device=device)
+        tokens = torch.as_tensor(new, dtype=torch.long, device=device)
+        self.batch.penalties.record(rows, tokens, *(params[col].expand(len(new)) for col in (FREQUENCY, PRESENCE, REPETITION)))
+        self.batch.last_sampled[state.row] = new[-1]
+
+    def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
+        """Drafts for each sampler's next step (none for beams, logprob requests, or when the
+        batch is large enough that speculation stops paying)."""
+        cfg = self.config
+        if self.proposer is None or (cfg.speculative_disable_by_batch_size
+                                     and len(samplers) >= cfg.speculative_disable_by_batch_size):
+            for state in samplers:
+                state.proposal = None
+            return []
+        # constrained rows never speculate: drafts would have to be checked against the grammar
+        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None and s.matcher is None]
+        for state in samplers:
+            state.proposal = None
+        for state, proposal in zip(wanted, self.proposer.propose(wanted)):
+            state.proposal = proposal
+        return [s.proposal.token_ids if s.proposal is not None else [] for s in samplers]
+
+    def _prompt_logprobs(self, hidden, step: StepInputs, req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
+        """Logprobs of prompt tokens 1.. given their prefix; the first prompt token has none."""
+        done: dict[str, list[TokenLogprobs | None]] = {}
+        if not self._want_prompt_lp:
+            return done
+        starts = np.cumsum(step.counts) - step.counts
+        for i, req_id in enumerate(req_ids):
+            if req_id not in self._want_prompt_lp:
+                continue
+            state = self.requests[req_id]
+            start = int(self.batch.num_computed[state.row])
+            num = min(start + int(step.counts[i] - step.num_spec[i]), state.num_prompt_tokens - 1) - start
+            if num <= 0:
+                continue
+            if not state.prompt_logprobs:
+                state.prompt_logprobs.append(None)
+            row0 = int(starts[i])
+            lp = self.model.compute_logits(hidden[row0 : row0 + num]).log_softmax(dim=-1)
+            first = len(state.prompt_logprobs)  # index of the first prompt token these predict
+            targets = torch.as_tensor(state.token_ids[first : first + num], device=lp.device)
+            state.prompt_logprobs.extend(token_logprobs(lp, targets, [state.sampling.prompt_logprobs] * num))
+            if len(state.prompt_logprobs) == state.num_prompt_tokens:
+                done[req_id] = state.prompt_logprobs
+                self._want_prompt_lp.discard(req_id)
+        return done
+
+    # ------------------------------------------------------------------ helpers
+    def stats(self) -> dict:
+        return {
+            "num_blocks": self.pool.num_blocks,
+            "num_host_blocks": self.pool.num_host_blocks,
+            "block_size": self.pool.block_size,
+            "bytes_per_block": self.pool_shape.bytes_per_block,
+            "num_requests": len(self.requests),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.pool_shape.dtype).removeprefix("torch."),
+            "kv_scales": self.kv_scales,  # per layer (k, v) of an fp8 pool
+            "quantization": self.model.quantization,
+            "attention_backend": self.backend.name,
+            "cuda_graph_buckets": self.graphs.buckets if self.graphs is not None else [],
+            "num_graph_replays": self.graphs.num_replays if self.graphs is not None else 0,
+            "tensor_parallel_size": self.shard.size,
+            **self.grammars.stats,
+        }

@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler, penalties, grammar masks, rejection sampling for speculative decoding."""

@@ -1,0 +1,169 @@
+"""Speculative decoding's verifier: lossless rejection sampling (Leviathan et al. 2023, Chen et al.
+2023). The runner calls ``verify`` after the target model has scored each request's k drafts plus
+one bonus position in a single forward pass; it returns the tokens to append.
+
+The rule, per draft x at position j, with p the target's distribution (``processed_probs``: the
+same penalties, temperature and masks plain sampling uses) and q the proposer's:
+- accept x with probability min(1, p(x)/q(x));
+- at the first rejection stop and sample from normalize(max(0, p - q)); the drafts after it are
+  dropped (they were conditioned on the rejected token);
+- when all k are accepted, sample one bonus token from p at position k.
+Whatever q is, each output token is distributed exactly as plain sampling from p would have drawn
+it, so speculation changes speed, never the output distribution. A deterministic proposer (n-gram
+lookup) passes no q: a point mass on x, so x is accepted with probability p(x) and a rejection
+samples from p without x. Greedy requests skip the coin: a draft stands while it equals the target
+argmax, and the first mismatch (or the bonus position) outputs that argmax, which is exactly the
+token plain greedy decoding gives.
+
+Randomness. The accept test draws u ~ U[0, 1) and accepts when u * q(x) < p(x) (that is u <
+min(1, p(x)/q(x)); written this way it needs no division, accepts a token q thought impossible,
+and never accepts a token p rules out). The resample and the bonus use the exponential race,
+argmax(r / E) with E ~ Exp(1), which draws from r / sum(r) without normalising r, as ``sample``
+does. An unseeded request takes both from the global RNG. A seeded request reseeds its generator
+with ``position_seed(seed, len(output_token_ids) + j)`` before the draws for output position j
+(the noise, then at a draft position the uniform): its tokens do not depend on the batch, and the
+bonus row, which draws the noise alone, gives the very token ``sample`` would draw there. A seeded draft
+model must therefore not draw its proposals from this same (seed, position) stream, or q's sample
+and the verifier's coin would be correlated and the output no longer exactly p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.core.executor.sampling.sampler import SamplingRow, has_penalties, position_seed, processed_probs
+
+__all__ = ["num_accepted", "processed_probs", "verify"]
+
+
+def verify(
+    target_logits: torch.Tensor,  # [sum(k_i + 1), vocab] fp32, request after request
+    draft_token_ids: list[list[int]],  # per request, its k_i drafts
+    draft_probs: list[torch.Tensor | None],  # per request, q as [k_i, vocab], or None: point masses
+    rows: list[SamplingRow],  # per request, its state BEFORE the drafts
+) -> list[list[int]]:
+    """Per request, the accepted drafts followed by one more token (1 to k_i + 1 tokens).
+
+    Row j of request i's block of ``target_logits`` scores the position of draft j, row k_i the
+    bonus position. The target distribution at position j sees the output history
+    ``output_token_ids + drafts[:j]``, just as plain decoding would have seen those tokens had it
+    sampled them. ``draft_probs[i]`` must already be processed with the request's sampling params
+    (the draft model samples from it); a greedy request ignores it.
+    """
+    num_reqs = len(rows)
+    if not len(draft_token_ids) == len(draft_probs) == num_reqs:
+        raise ValueError("one draft list, one draft_probs entry and one SamplingRow per request")
+    num_drafts = [len(d) for d in draft_token_ids]
+    row_starts = _starts([k + 1 for k in num_drafts])  # request i's first row in target_logits
+    draft_starts = _starts(num_drafts)  # request i's first draft in the flat draft order
+    if target_logits.shape[0] != sum(num_drafts) + num_reqs:
+        needed = sum(num_drafts) + num_reqs
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, the drafts need {needed}")
+
+    p = processed_probs(target_logits, _position_rows(rows, draft_token_ids))  # [num_rows, vocab]
+    device = p.device
+    draft_rows = torch.tensor(
+        [row_starts[i] + j for i, k in enumerate(num_drafts) for j in range(k)], dtype=torch.long, device=device
+    )
+    drafts = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.long, device=device)
+    p_draft = p[draft_rows]  # [num_drafts, vocab]
+    target_top = p.argmax(dim=-1)  # [num_rows]: the greedy rows' token (their p is a one-hot)
+    candidates = target_top  # the token each row outputs if the walk stops there
+    accepted = drafts == target_top[draft_rows]  # [num_drafts], the greedy rule
+
+    greedy = [r.params.greedy for r in rows]
+    if not all(greedy):
+        noise, uniform = _draws(p, rows, num_drafts, row_starts, greedy)
+        q = _draft_q(draft_probs, draft_token_ids, draft_starts, drafts, p_draft)
+        p_x = p_draft.gather(1, drafts[:, None]).squeeze(1)
+        q_x = q.gather(1, drafts[:, None]).squeeze(1)
+        coin = uniform[draft_rows] * q_x < p_x
+        residual = (p_draft - q).clamp_(min=0)
+        # p == q up to rounding can leave nothing: then p itself is the right distribution
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_draft)
+        # in place: p is ours and [num_rows, vocab] is large at a real vocabulary; p_draft is a copy
+        dist = p.index_copy_(0, draft_rows, residual)  # bonus rows keep p
+        drawn = dist.div_(noise).argmax(dim=-1)
+        row_greedy = torch.tensor([g for g, k in zip(greedy, num_drafts) for _ in range(k + 1)], device=device)
+        candidates = torch.where(row_greedy, target_top, drawn)
+        accepted = torch.where(row_greedy[draft_rows], accepted, coin)
+
+    accepted_list, candidate_list = accepted.tolist(), candidates.tolist()
+    out = []
+    for i, drafts_i in enumerate(draft_token_ids):
+        n = 0
+        while n < num_drafts[i] and accepted_list[draft_starts[i] + n]:
+            n += 1
+        out.append(drafts_i[:n] + [candidate_list[row_starts[i] + n]])
+    return out
+
+
+def num_accepted(outputs: list[list[int]]) -> list[int]:
+    """Accepted drafts per request, for acceptance statistics: ``verify`` appends exactly one
+    token after the accepted drafts, so this is each output's length minus one."""
+    return [len(tokens) - 1 for tokens in outputs]
+
+
+def _position_rows(rows: list[SamplingRow], draft_token_ids: list[list[int]]) -> list[SamplingRow]:
+    """One SamplingRow per target row: at draft position j the history is output + drafts[:j].
+    Only penalties read the history, so a request without them reuses its row instead of copying
+    a long output list k + 1 times."""
+    positions = []
+    for r, drafts in zip(rows, draft_token_ids):
+        if not has_penalties(r.params):
+            positions += [r] * (len(drafts) + 1)
+            continue
+        positions += [
+            SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids + drafts[:j])
+            for j in range(len(drafts) + 1)
+        ]
+    return positions
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return starts
+
+
+def _draws(
+    p: torch.Tensor, rows: list[SamplingRow], num_drafts: list[int], row_starts: list[int], greedy: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exponential noise [num_rows, vocab] for the race and one uniform [num_rows] per row for the
+    accept test (the bonus rows' uniforms go unused). Global RNG for all rows, then each seeded
+    request's rows are redrawn from its generator, reseeded per output position."""
+    noise = torch.empty_like(p).exponential_()
+    uniform = torch.rand(p.shape[0], device=p.device)
+    for i, r in enumerate(rows):
+        if r.generator is None or greedy[i]:
+            continue
+        for j in range(num_drafts[i] + 1):
+            row = row_starts[i] + j
+            r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids) + j))
+            noise[row].exponential_(generator=r.generator)
+            if j < num_drafts[i]:
+                uniform[row : row + 1].uniform_(generator=r.generator)
+    return noise, uniform
+
+
+def _draft_q(
+    draft_probs: list[torch.Tensor | None],
+    draft_token_ids: list[list[int]],
+    draft_starts: list[int],
+    drafts: torch.Tensor,  # [num_drafts] the flat draft ids
+    like: torch.Tensor,  # [num_drafts, vocab] p at the drafts
+) -> torch.Tensor:
+    """[num_drafts, vocab]: the proposer's q per draft, a one-hot on the draft where it gave none."""
+    vocab = like.shape[1]
+    q = torch.nn.functional.one_hot(drafts, vocab).to(like.dtype)
+    given = [(i, probs) for i, probs in enumerate(draft_probs) if probs is not None and draft_token_ids[i]]
+    for i, probs in given:
+        if probs.shape != (len(draft_token_ids[i]), vocab):
+            raise ValueError(f"draft_probs of shape {tuple(probs.shape)}, expected {(len(draft_token_ids[i]), vocab)}")
+    if given:
+        rows = [draft_starts[i] + j for i, _ in given for j in range(len(draft_token_ids[i]))]
+        values = torch.cat([probs for _, probs in given]).to(device=like.device, dtype=like.dtype)
+        q.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=like.device), values)
+    return q

@@ -1,0 +1,1 @@
+"""The scheduler's policy: request state, the step plan, the allocator replica, forks, beams, grammars. No torch, no sockets."""

@@ -1,0 +1,76 @@
+"""Structured output in the scheduler: a request samples only once its grammar is compiled.
+
+The executor compiles each grammar against the vocabulary in a worker thread
+(``executor/structured.py``). A request whose grammar it has not reported compiled is scheduled up
+to, but not including, the token it samples from (its last prompt token; after a recompute, its
+last token): its prefill chunks run while the grammar compiles, and no step (the others' decodes,
+its own chunks) ever waits for a compile. A waiting request held that way lets the ones behind it
+in the queue pass.
+
+The first plan that holds a request back names its grammar (``StepPlan.grammars``); each step
+result names the asked keys whose compile ended (``grammars_ready``, or ``grammar_errors`` with the
+reason: their requests end with it). With nothing else to run the plan asks the executor to wait
+for a compile (``await_grammars``, at most a short poll, so that new requests get in).
+
+Keys reported compiled are remembered in an LRU as long as the executor's, so that a request whose
+grammar is cached there costs no step at all. Should the executor have dropped a key since (its LRU
+evicted it), that request's first sample waits for the compile in the executor, the one case where
+a step waits (``grammar_wait_seconds_total``). A new epoch (a restarted executor has an empty cache)
+forgets everything: what was asked, what was ready.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from folio.core.scheduler.request import Request
+from folio.shared.messages import Grammar
+
+MAX_READY_KEYS = 256  # the executor's LRU (``structured.MAX_CACHED_GRAMMARS``)
+
+
+class GrammarGate:
+    def __init__(self):
+        self.ready: OrderedDict[str, None] = OrderedDict()  # keys the executor reported compiled
+        self.asked: set[str] = set()  # keys named in a plan, not reported yet
+        self.to_ask: dict[str, Grammar] = {}  # keys for the next plan
+        self.held: set[str] = set()  # this step's requests held back
+
+    def holds(self, req: Request) -> bool:
+        """Whether ``req`` must not sample yet, its grammar not known compiled (asking for it)."""
+        grammar = req.sampling.grammar
+        if grammar is None or req.grammar_ready:
+            return False
+        if grammar.key in self.ready:
+            self.ready.move_to_end(grammar.key)
+            req.grammar_ready = True
+            return False
+        if grammar.key not in self.asked:
+            self.asked.add(grammar.key)
+            self.to_ask[grammar.key] = grammar
+        self.held.add(req.req_id)
+        return True
+
+    def take_step(self) -> tuple[list[Grammar], bool]:
+        """The grammars to name in this step's plan, and whether a request was held back; resets
+        the step's record."""
+        asks, held = list(self.to_ask.values()), bool(self.held)
+        self.to_ask, self.held = {}, set()
+        return asks, held
+
+    def report(self, ready: list[str], errors: dict[str, str]) -> None:
+        for key in ready:
+            self.asked.discard(key)
+            self.ready[key] = None
+            self.ready.move_to_end(key)
+        while len(self.ready) > MAX_READY_KEYS:
+            self.ready.popitem(last=False)
+        for key in errors:
+            self.asked.discard(key)
+            self.ready.pop(key, None)
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.asked.clear()
+        self.to_ask.clear()
+        self.held.clear()

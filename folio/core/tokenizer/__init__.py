@@ -1,0 +1,1 @@
+"""Output processing: incremental detokenization, stop strings, logprob text. No torch, no sockets."""
