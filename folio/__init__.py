@@ -18,7 +18,7 @@ _EXPORTS = {
     "CompletionOutput": "folio.outputs",
     "Logprob": "folio.outputs",
     "RequestOutput": "folio.outputs",
-    "SamplingParams": "folio.sampling_params",
+    "SamplingParams": "folio.core.frontdoor",
 }
 
 

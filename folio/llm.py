@@ -21,7 +21,7 @@ import msgspec
 
 from folio.core.engine import EngineCore, LLMEngine
 from folio.outputs import RequestBuilder, RequestOutput
-from folio.sampling_params import SamplingParams
+from folio.core.frontdoor import SamplingParams, chat_messages
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
 
 # engine arguments: the config fields ``folio serve``'s flags set, by the flag's name with underscores
@@ -87,7 +87,7 @@ class LLM:
         """Reply to a conversation (a list of ``{"role", "content"}`` messages) or to each of a
         list of conversations, through the model's chat template, as ``/v1/chat/completions`` does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        fields = [{"messages": _chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools}
+        fields = [{"messages": chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools}
                   for c in conversations]
         return self._run(fields, sampling_params, use_tqdm)
 
@@ -171,15 +171,3 @@ def _prompt_fields(prompt) -> dict:
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return {"prompt_token_ids": list(prompt)}
     raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
-
-
-def _chat_messages(conversation: list[dict]) -> list:
-    """OpenAI-style message dicts, checked and read as the gateway reads them."""
-    from folio.services.gateway.convert import chat_message
-    from folio.services.gateway.protocol import ChatMessageIn
-
-    try:
-        return [chat_message(m) for m in msgspec.convert(conversation, list[ChatMessageIn])]
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid messages: {exc}") from None
-

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from folio.core.frontdoor import best_of_order
 from folio.shared.messages import TextDelta, TextLogprob
 
 
@@ -95,8 +96,9 @@ class RequestBuilder:
 
     def build(self) -> RequestOutput:
         chosen = self.sequences
-        if len(chosen) > self.num_choices:  # best_of: vLLM's rule, the highest cumulative logprob
-            chosen = sorted(chosen, key=lambda s: -(s.cumulative_logprob or 0.0))[: self.num_choices]
+        if len(chosen) > self.num_choices:  # best_of
+            order = best_of_order([s.cumulative_logprob or 0.0 for s in chosen], self.num_choices)
+            chosen = [chosen[i] for i in order]
         outputs = []
         for index, seq in enumerate(chosen):
             seq.index = index

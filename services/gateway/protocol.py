@@ -1,8 +1,11 @@
 """The OpenAI request bodies the gateway accepts, validated declaratively, and its error objects.
 
 ``routes.py`` decodes each body with ``parse(body, CompletionRequest)`` (or another request type):
-types and ranges are ``msgspec`` annotations on the structs below; rules that tie fields together
-are the ``(param, is_bad, message)`` rows of ``_COMMON_RULES``/``_COMPLETION_RULES``/``_CHAT_RULES``.
+types and OpenAI's ranges are ``msgspec`` annotations on the structs below; the rules of the HTTP
+API's own fields (prompts, streaming, structured output, tools) are the ``(param, is_bad, message)``
+rows of ``_COMMON_RULES``/``_COMPLETION_RULES``/``_CHAT_RULES``. The rules that tie sampling
+parameters together are the front door's (``folio/core/frontdoor.py``, applied by ``convert.py``),
+shared with ``folio.LLM``.
 Anything wrong becomes an ``ApiError`` that the routes turn into an OpenAI error object.
 Unknown fields are ignored, as OpenAI does (clients send extras such as ``user``).
 """
@@ -15,6 +18,8 @@ from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
+
+from folio.core.frontdoor import ChatMessageIn
 
 MAX_N = 128  # choices per prompt: each is a sequence in the batch
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -99,40 +104,6 @@ class CompletionRequest(_Params, kw_only=True):
     length_penalty: Annotated[float, Meta(ge=-10.0, le=10.0)] = 1.0
     early_stopping: bool | Literal["never"] = False
 
-    @property
-    def num_sequences(self) -> int:
-        """Sequences generated per prompt: ``best_of`` (the best ``n`` come back) or ``n``."""
-        return max(self.n or 1, self.best_of or 1)
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
-
-
-class FunctionCallIn(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: str
-
-
-class ToolCallIn(msgspec.Struct, kw_only=True):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class ChatMessageIn(msgspec.Struct, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text or "" for part in self.content)
-
 
 class FunctionDef(msgspec.Struct, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
@@ -197,12 +168,6 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 Rule = tuple[str, Callable[[msgspec.Struct], bool], str]
 
 
-def _samples(r: CompletionRequest) -> bool:
-    return bool(r.temperature or (r.top_p is not None and r.top_p < 1) or (r.top_k is not None and r.top_k > 0)
-                or r.min_p or r.presence_penalty or r.frequency_penalty
-                or (r.repetition_penalty is not None and r.repetition_penalty != 1.0))
-
-
 def _prompt_kind_mixed(req: CompletionRequest) -> bool:
     p = req.prompt
     if isinstance(p, str):
@@ -235,20 +200,14 @@ _COMMON_RULES: list[Rule] = [
      "response_format of type json_schema needs json_schema.schema"),
     ("stream_options", lambda r: r.stream_options is not None and not r.stream,
      "stream_options is only allowed when stream is true"),
-    ("stop", lambda r: isinstance(r.stop, list) and any(not s for s in r.stop), "stop strings must not be empty"),
 ]
 _COMPLETION_RULES: list[Rule] = [
     ("prompt", lambda r: r.prompt == "" or r.prompt == [], "prompt must not be empty"),
     ("prompt", _prompt_kind_mixed,
      "prompt must be a string, a list of strings, a list of token ids or a list of non-empty token-id lists"),
     ("suffix", lambda r: bool(r.suffix), "suffix is not supported"),
-    ("best_of", lambda r: r.best_of is not None and r.best_of < (r.n or 1), "best_of must be greater than or equal to n"),
-    ("best_of", lambda r: r.num_sequences > (r.n or 1) and bool(r.stream) and not r.use_beam_search,
+    ("best_of", lambda r: r.best_of is not None and r.best_of > (r.n or 1) and bool(r.stream) and not r.use_beam_search,
      "best_of greater than n cannot be streamed: the best choices are known only at the end"),
-    ("use_beam_search", lambda r: r.use_beam_search and _samples(r),
-     "beam search is deterministic: temperature (other than 0), top_p, top_k, min_p and penalties are not allowed"),
-    ("use_beam_search", lambda r: r.use_beam_search and (r.stop is not None or r.logprobs is not None),
-     "stop strings and logprobs are not supported with use_beam_search"),
     ("use_beam_search", lambda r: r.use_beam_search and _num_guided(r) > 0,
      "structured output (response_format, guided_*) is not supported with use_beam_search"),
 ]

@@ -25,6 +25,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from folio.core.frontdoor import best_of_order, chat_message
 from folio.services.gateway import convert, responses
 from folio.services.gateway.metrics import CONTENT_TYPE
 from folio.services.gateway.protocol import (
@@ -96,8 +97,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = _check_model(service, req.model)
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
                         echo=req.echo)
-    mailbox = service.submit(convert.completion_generate_requests(req, meta.id))
-    best_of = req.num_sequences if not req.use_beam_search and req.num_sequences > meta.n else None
+    params = convert.completion_params(req)
+    mailbox = service.submit(convert.completion_generate_requests(req, meta.id, params))
+    best_of = params.num_sequences if params.ranks_by_logprob else None
     return await _respond(request, mailbox, meta, req, _stream_completion, responses.completion_response, best_of)
 
 
@@ -126,13 +128,13 @@ async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, respons
 
 
 def _best_of(deltas: dict, best_of: int, n: int, keep_logprobs: bool) -> dict:
-    """Of each prompt's ``best_of`` sequences, the ``n`` with the highest cumulative logprob
-    (vLLM's rule), re-indexed ``prompt_index * n + rank``."""
+    """Of each prompt's ``best_of`` sequences, the ``n`` the front door's ``best_of_order`` keeps,
+    re-indexed ``prompt_index * n + rank``."""
     chosen = {}
     for p_index in range(len(deltas) // best_of):
         group = [deltas[p_index * best_of + i] for i in range(best_of)]
-        group.sort(key=lambda d: -sum(lp.logprob or 0.0 for lp in d.logprobs or []))
-        for rank, delta in enumerate(group[:n]):
+        scores = [sum(lp.logprob or 0.0 for lp in d.logprobs or []) for d in group]
+        for rank, delta in enumerate(group[i] for i in best_of_order(scores, n)):
             chosen[p_index * n + rank] = delta if keep_logprobs else msgspec.structs.replace(delta, logprobs=None)
     return chosen
 
@@ -228,7 +230,7 @@ async def tokenize(request: web.Request) -> web.Response:
     req = parse(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
     _check_model(service, req.model)
     fields = {"prompt": req.prompt} if not chat else {
-        "messages": [convert.chat_message(m) for m in req.messages], "add_generation_prompt": req.add_generation_prompt,
+        "messages": [chat_message(m) for m in req.messages], "add_generation_prompt": req.add_generation_prompt,
         "tools": [msgspec.to_builtins(t) for t in req.tools] if req.tools else None}
     reply = _tokenizer_answer(await service.tokenize(messages.TokenizeRequest(
         req_id=f"tok-{uuid.uuid4().hex}", add_special_tokens=req.add_special_tokens,
