@@ -1,6 +1,6 @@
 """Schemathesis, a property-based API fuzzer, against a real ``folio serve``'s
 ``/v1/completions`` and ``/v1/chat/completions``, generating bodies from the OpenAI OpenAPI
-description beside the checkout (valid ones and, in its negative mode, invalid ones). No answer may
+description in tests/data (valid ones and, in its negative mode, invalid ones). No answer may
 be a server error (5xx) and none may hang (each call has a 30 s deadline). A tiny random model
 with a 48-token context keeps every valid request short; a few hundred examples run.
 """
@@ -10,18 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import schemathesis
+import yaml
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
 
+from tests.faults.harness import start_serve
 from tests.services.openai_schema import SPEC
-
-if SPEC is None:
-    pytest.skip("the OpenAI OpenAPI description is not beside this checkout", allow_module_level=True)
-
-import schemathesis  # noqa: E402
-import yaml  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-
-from tests.faults.harness import start_serve  # noqa: E402
 
 MAX_EXAMPLES = 150  # per operation
 CALL_TIMEOUT_S = 30
