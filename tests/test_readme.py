@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -160,7 +161,7 @@ def clean_env() -> dict[str, str]:
 
     venv_bin = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME") and not k.startswith("PYTEST")}
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "FOLIO_RUN_DIR") and not k.startswith("PYTEST")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
     env["FOLIO_CACHE_DIR"] = str(cache_dir())
     return env
@@ -249,6 +250,7 @@ def test_quick_start_runs_as_written_on_a_fresh_clone(tmp_path):
         assert isinstance(text, str) and text.strip(), body
     finally:
         stop(proc)
+        shutil.rmtree(f"/tmp/folio-{port}", ignore_errors=True)  # the default run folder of that port
     served_s = time.monotonic() - started
 
     r = subprocess.run(f"{test} {TEST_COMMAND_ARGS}", shell=True, cwd=clone, env=env, capture_output=True,
@@ -257,5 +259,6 @@ def test_quick_start_runs_as_written_on_a_fresh_clone(tmp_path):
     assert r.returncode == 0, output[-4000:]
     assert re.search(r"\b[1-9]\d* passed\b", output), output[-4000:]
     assert not re.search(r"\b\d+ (failed|error)", output), output[-4000:]
+    shutil.rmtree(clone, ignore_errors=True)  # its .venv is a few GB; a failed run keeps it to look at
     print(f"fresh clone: serving after {up_s:.0f} s, serve part {served_s:.0f} s, "
           f"whole test {time.monotonic() - started:.0f} s")
