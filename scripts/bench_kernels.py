@@ -13,7 +13,7 @@
    8 KV heads, head 128): TFLOP/s (causal: only visible pairs count) and the ratio to SDPA.
 4. Optionally (--e2e) greedy tokens/s of the in-process driver, cuda backend against torch.
 
-Speed figures come from here, never from tests. Prints the CPU share other processes took while
+Speed figures come from here, never from the tests. Prints the CPU share other processes took while
 it ran. Usage:
     python scripts/bench_kernels.py [--quick] [--json out.json] [--e2e] [--max-kv-gib 16]
 """
@@ -184,7 +184,7 @@ def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import SamplingParams
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     folder = tempfile.mkdtemp(prefix="folio-bench-model-")
     write_tiny_model(folder, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,

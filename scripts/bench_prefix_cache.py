@@ -27,7 +27,7 @@ from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from folio.shared.messages import SamplingParams, TokenBatch  # noqa: E402
 from folio.core.models import resolve_model  # noqa: E402
 from folio.shared.transport import Decoder  # noqa: E402
-from tests.services.backhalf import back_half  # noqa: E402
+from folio.testing.backhalf import back_half  # noqa: E402
 
 # the back half's limits (its pool is the runner's, made in main)
 LIMITS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)

@@ -37,7 +37,7 @@ import aiohttp  # noqa: E402
 from bench_serving import CpuMeter  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME  # noqa: E402
 from folio.core.models import resolve_model  # noqa: E402
-from tests.services.routerstack import Replica, start_router  # noqa: E402
+from folio.testing.routerstack import Replica, start_router  # noqa: E402
 
 TOPICS = ["harbour", "orchard", "observatory", "bakery", "railway", "museum", "vineyard", "glacier",
           "lighthouse", "monastery", "brewery", "aquarium"]

@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from folio import LLM, SamplingParams  # noqa: E402
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
 from folio.core.models import resolve_model  # noqa: E402
+from folio.testing.server import Server, start_server, stop_server  # noqa: E402
 from scripts.cpu_meter import CpuMeter  # noqa: E402
-from tests.e2e.conftest import Server, start_server, stop_server  # noqa: E402
 
 SECTIONS = ("throughput", "itl", "concurrency")  # in the order they run
 WORDS = ("river mountain city code model light quiet storm paper engine story garden window "

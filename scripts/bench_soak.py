@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
+from folio.testing.faults import SERVICES, Served, start_serve, stream, workload_specs  # noqa: E402
 from scripts.bench_serving import CpuMeter, pct  # noqa: E402
-from tests.faults.harness import SERVICES, Served, start_serve, stream, workload_specs  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def tiny_model() -> str:
     from folio.core.models import prepare_default_model
-    from tests.services.backhalf import write_tiny_chat_model
+    from folio.testing.models import write_tiny_chat_model
 
     return write_tiny_chat_model(tempfile.mkdtemp(prefix="folio-soak-"), str(prepare_default_model()))
 

@@ -87,7 +87,7 @@ class NullModel(torch.nn.Module):
 
 
 def null_runner(folder: str, device: str, max_num_seqs: int) -> ModelRunner:
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     path = write_tiny_model(folder, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                             max_position_embeddings=4096)
@@ -194,7 +194,7 @@ def constrained_step(runner: ModelRunner, args, greedy_s: float) -> None:
 def run_cuda_1b(args) -> None:
     """The 1B shape in process (needs a GPU)."""
     from folio.core.engine import generate
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     with tempfile.TemporaryDirectory() as folder:
         path = write_tiny_model(folder, vocab_size=49152, hidden_size=2048, intermediate_size=8192,

@@ -9,7 +9,7 @@ import torch
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
 from folio.core.executor.model.loader import load_model
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 from tests.cuda.fused_cases import DTYPES, check_add_rms_norm, check_rope_write_kv, check_silu_and_mul
 
 IDS = [str(d).removeprefix("torch.") for d in DTYPES]

@@ -170,7 +170,7 @@ def _greedy(model_dir, backend: str, dtype: str, kv_cache_dtype: str = "auto"):
 
 
 def test_executor_greedy_equal_tiny_model(cuda_backend_cls, tmp_path):
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
                                  intermediate_size=128)
@@ -185,7 +185,7 @@ def test_executor_greedy_equal_smollm(cuda_backend_cls, smollm_dir):
 def test_executor_fp8_kv_cache_tiny_model(cuda_backend_cls, tmp_path):
     """bf16 over an fp8 pool with the cuda backend (calibration, CUDA graphs, chunked prefill): the
     greedy tokens of the torch backend over the same pool, allowing a late near-tie to differ."""
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
                                  intermediate_size=128)

@@ -44,7 +44,7 @@ def _generate(model_dir, enforce_eager: bool):
 
 def test_graphs_give_the_eager_tokens(tmp_path):
     pytest.importorskip("cupy")
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path, vocab_size=256, hidden_size=256, num_attention_heads=4,
                                  num_key_value_heads=1, intermediate_size=128)

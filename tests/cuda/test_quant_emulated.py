@@ -14,7 +14,7 @@ from folio.core.executor.model.loader import _fused_quant_weights, load_model, r
 from folio.core.executor.model.llama import ModelSpec
 from folio.core.executor.quant.formats import awq_to_int4, int4_to_awq
 from folio.core.executor.quant.gpu import GEMV_MAX_ROWS, AwqLinear, check_awq_shape, quantize_model_gpu
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 from tests.cuda.quant_cases import check_awq_linear, check_awq_matmul, random_awq
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

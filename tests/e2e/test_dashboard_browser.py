@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import start_server, stop_server
-from tests.services.backhalf import write_tiny_chat_model
+from folio.testing.models import write_tiny_chat_model
+from folio.testing.server import start_server, stop_server
 
 KEY = "dashboard-key"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

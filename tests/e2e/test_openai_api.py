@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def server(request, smollm_dir):
     """This file runs against the default server (int4: the packaged Q4_1 GGUF repacked) and
     against ``--quantization none`` (fp32); the other e2e files use the default one only."""
-    from tests.e2e.conftest import start_server, stop_server
+    from folio.testing.server import start_server, stop_server
 
     if request.param == "auto":
         yield request.getfixturevalue("default_server")

@@ -46,7 +46,7 @@ def dense_client(smollm_dir):
     default server's int4 layers (bf16 activations) round otherwise, and a beam search keeps
     whichever of two near-equal candidates its last bits favour (on one CPU the int4 server's
     third beam matched transformers', on another it did not)."""
-    from tests.e2e.conftest import start_server, stop_server
+    from folio.testing.server import start_server, stop_server
 
     srv = start_server(smollm_dir, "--num-kv-blocks", "512", "--max-num-batched-tokens", "512",
                        "--quantization", "none")

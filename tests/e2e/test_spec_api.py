@@ -8,7 +8,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.e2e.conftest import start_server, stop_server
+from folio.testing.server import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import sys
 import psutil
 import pytest
 
-from tests.conftest import write_tiny_model
-from tests.e2e.conftest import start_server, stop_server
+from folio.testing.models import write_tiny_model
+from folio.testing.server import start_server, stop_server
 from tests.services.engine import LocalEngine, engine_request
 
 PROMPT = [504, 3458, 282, 4889, 314, 253, 1345, 30]

@@ -8,7 +8,7 @@ import torch
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 from tests.executor.toy_driver import generate
 
 FAMILIES = {

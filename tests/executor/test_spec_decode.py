@@ -13,7 +13,7 @@ from folio.core.executor.runtime.spec_decode import NgramProposer
 from folio.shared.config import RuntimeConfig
 from folio.shared.kv.allocator import cdiv
 from folio.shared.messages import KVTruncate
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request
 
 # --------------------------------------------------------------------------- n-gram proposer

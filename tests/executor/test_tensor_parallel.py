@@ -18,7 +18,7 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.parallel.workers import ParallelRunner, resident_tensors
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import BeamSearchParams
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request
 
 BLOCK = 4

@@ -12,7 +12,7 @@ import ray
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.parallel.workers import ParallelRunner, WorkerGroupError
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 from tests.executor.test_tensor_parallel import PROMPTS, config, outputs, requests
 from tests.services.engine import LocalEngine, engine_request
 

@@ -17,7 +17,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.faults.harness import Outcome, Served, solo, start_serve, stream, workload_specs
+from folio.testing.faults import Outcome, Served, solo, start_serve, stream, workload_specs
 
 pytestmark = pytest.mark.asyncio
 
@@ -29,7 +29,7 @@ REQUEST_TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, smollm_dir):
-    from tests.services.backhalf import write_tiny_chat_model
+    from folio.testing.models import write_tiny_chat_model
 
     model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
     srv = start_serve(model, "--num-kv-blocks", "1024", "--max-num-seqs", "96", "--max-num-batched-tokens", "512",

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from tests.faults.harness import start_serve
+from folio.testing.faults import start_serve
 from tests.services.openai_schema import SPEC
 
 MAX_EXAMPLES = 150  # per operation
@@ -34,7 +34,7 @@ schema = schemathesis.openapi.from_dict(_operations())
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory, smollm_dir):
-    from tests.services.backhalf import write_tiny_chat_model
+    from folio.testing.models import write_tiny_chat_model
 
     model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
     srv = start_serve(model, "--num-kv-blocks", "512", "--max-model-len", "48", "--max-num-seqs", "256")

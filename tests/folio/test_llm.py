@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from folio import LLM, SamplingParams
-from tests.e2e.conftest import start_server, stop_server
-from tests.services.backhalf import write_tiny_chat_model
+from folio.testing.models import write_tiny_chat_model
+from folio.testing.server import start_server, stop_server
 
 NAME = "tiny"
 ENGINE = {"dtype": "float32", "num_kv_blocks": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from folio.shared.messages import BeamSearchParams
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request, make_runner
 
 VOCAB, EOS = 48, 24  # a tiny model whose beams do end on EOS now and then

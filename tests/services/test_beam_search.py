@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from folio.core.scheduler.beam import Beam, BeamSearch
-from tests.conftest import write_tiny_model
+from folio.testing.models import write_tiny_model
 
 VOCAB = 16
 EOS = 7  # among the tokens this model ranks high most often

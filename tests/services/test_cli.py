@@ -21,7 +21,8 @@ import pytest
 from folio.cli.main import admin_call, main as folio
 from folio.services.serve import SERVICES, add_serve_args, service_argv
 from folio.shared.config import Endpoints
-from tests.services.backhalf import short_run_dir, write_tiny_chat_model
+from folio.testing.backhalf import short_run_dir
+from folio.testing.models import write_tiny_chat_model
 
 STARTUP_TIMEOUT_S = 90
 

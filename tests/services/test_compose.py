@@ -24,7 +24,8 @@ import yaml
 
 from folio.cli.main import RUNNABLE, admin_call
 from folio.shared.config import Endpoints
-from tests.services.backhalf import short_run_dir, write_tiny_chat_model
+from folio.testing.backhalf import short_run_dir
+from folio.testing.models import write_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())

@@ -17,7 +17,7 @@ from folio.services.kvmanager.service import KVManagerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig
 from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan, StepResult
 from folio.shared.transport import Decoder, encode, make_socket
-from tests.services.backhalf import admin_call, short_run_dir
+from folio.testing.backhalf import admin_call, short_run_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 

@@ -9,7 +9,7 @@ import pytest
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import SamplingParams
-from tests.services.backhalf import back_half
+from folio.testing.backhalf import back_half
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 

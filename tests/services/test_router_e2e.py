@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.services.backhalf import write_tiny_chat_model
-from tests.services.routerstack import Replica, http_json, post, start_router
+from folio.testing.models import write_tiny_chat_model
+from folio.testing.routerstack import Replica, http_json, post, start_router
 
 FLAGS = ("--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "128", "--max-num-batched-tokens", "1024", "--max-num-seqs", "4")
 SYSTEM = " ".join(f"Rule {i}: answer briefly, politely and only about topic number {i}." for i in range(30))

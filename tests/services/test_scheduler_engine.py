@@ -125,7 +125,7 @@ def test_forks_under_preemption_and_swapping(runner, small_pool_runner, async_sc
 
 @pytest.fixture(scope="module")
 def long_context_runner(tmp_path_factory):
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     path = write_tiny_model(tmp_path_factory.mktemp("long"), max_position_embeddings=4096)
     return make_runner(path, num_kv_blocks=400)

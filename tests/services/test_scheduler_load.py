@@ -10,7 +10,7 @@ import random
 import pytest
 
 from folio.shared.messages import SamplingParams
-from tests.services.backhalf import back_half
+from folio.testing.backhalf import back_half
 from tests.services.engine import alone, engine_request, make_runner
 
 NUM_REQUESTS = 200

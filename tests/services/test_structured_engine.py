@@ -29,7 +29,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory, tok):
-    from tests.conftest import write_tiny_model
+    from folio.testing.models import write_tiny_model
 
     folder = tmp_path_factory.mktemp("tiny-chat")
     write_tiny_model(folder, vocab_size=49152, max_position_embeddings=512)

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,9 @@ import psutil
 
 from folio.cli.main import admin_call
 from folio.shared.config import Endpoints
+from folio.testing.server import free_port
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

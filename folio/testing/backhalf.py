@@ -1,6 +1,6 @@
-"""Test helpers for the back half (kvmanager, executor, scheduler): real services on real
-``ipc://`` sockets, run as asyncio tasks in the test's loop, and a stand-in for the tokenizer that
-speaks the real protocol (PUSH ``EngineRequest``s, PULL ``TokenBatch``es)."""
+"""The back half (kvmanager, executor, scheduler): real services on real ``ipc://`` sockets, run as
+asyncio tasks in the caller's loop, and a stand-in for the tokenizer that speaks the real protocol
+(PUSH ``EngineRequest``s, PULL ``TokenBatch``es)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 import shutil
 import tempfile
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -21,17 +20,6 @@ from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfi
 from folio.shared.loops import QUIET, ask_admin
 from folio.shared.messages import AdminReply, EngineRequest, SamplingParams, TokenBatch
 from folio.shared.transport import Decoder, encode, make_socket
-
-
-def write_tiny_chat_model(folder, tokenizer_dir, max_position_embeddings: int = 256) -> str:
-    """A tiny random Llama with a real tokenizer (SmolLM2's), so that the tokenizer service runs."""
-    from tests.conftest import write_tiny_model
-
-    write_tiny_model(folder, vocab_size=49152, max_position_embeddings=max_position_embeddings)
-    for f in Path(tokenizer_dir).iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, Path(folder) / f.name)
-    return str(folder)
 
 
 def short_run_dir() -> str:

@@ -18,7 +18,7 @@ import psutil
 
 from folio.cli.main import admin_call
 from folio.shared.config import Endpoints
-from tests.e2e.conftest import free_port
+from folio.testing.server import free_port
 
 
 @dataclass

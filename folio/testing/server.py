@@ -1,0 +1,74 @@
+"""``folio serve`` started for real (five processes, ipc:// sockets, HTTP), as a subprocess, and stopped."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from folio.cli.main import admin_call
+from folio.shared.config import Endpoints
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base_url: str
+    endpoints: Endpoints
+    proc: subprocess.Popen
+
+    def admin(self, service: str, command: str, **args) -> dict:
+        reply = admin_call(self.endpoints, service, command, args, 5.0)
+        assert reply is not None and reply.ok, f"{service} {command}: {reply}"
+        return reply.data
+
+    def wait_for(self, predicate, timeout_s: float = 10.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_server(model: str, *flags: str, ready_timeout_s: float = 180.0) -> Server:
+    import urllib.request
+
+    run_dir = tempfile.mkdtemp(prefix="folio-e2e-", dir="/tmp")
+    port = free_port()
+    cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", model, "--port", str(port),
+           "--host", "127.0.0.1", "--run-dir", run_dir, "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"folio serve exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    server = Server(base + "/v1", Endpoints.ipc(run_dir), proc)
+                    if server.admin("scheduler", "stats").get("pool_ready", True):
+                        return server
+        except OSError:
+            pass
+        time.sleep(0.25)
+    proc.terminate()
+    raise RuntimeError("folio serve did not become ready")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
