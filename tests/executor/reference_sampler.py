@@ -5,9 +5,10 @@ from whole token lists every step. Kept for the tests only, as the reference the
 Order (vLLM's): penalties on the raw logits -> greedy rows take the argmax -> temperature ->
 min-p, top-k, top-p masks -> a draw. The draw is the exponential race (``argmax(p / E)`` with
 ``E ~ Exp(1)``), which samples exactly from ``p``; each seeded request draws its noise from its
-own ``torch.Generator``, seeded afresh for every draw from (seed, output position): the same seed
-gives the same tokens whatever else is in the batch, and a request that starts over (preempted,
-swapped, its executor restarted) or is forked draws exactly what it would have drawn.
+own ``torch.Generator``, seeded afresh for every draw from (seed, output position) by
+``draw_keys`` below: the same seed gives the same tokens whatever else is in the batch, and a
+request that starts over (preempted, swapped, its executor restarted) or is forked draws exactly
+what it would have drawn.
 Logprobs are reported from the model's raw distribution (before penalties and temperature).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from folio.shared.messages import SamplingParams, TokenLogprobs
@@ -25,7 +27,7 @@ class SamplingRow:
     """What the sampler needs of one request."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # not read: a row is seeded when params.seed is set (see seeded_noise)
     prompt_token_ids: list[int]
     output_token_ids: list[int]
 
@@ -36,23 +38,37 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
+# The seeded draw's key, written from its definition rather than from the sampler's code: the
+# splitmix64 finalizer ("mix") of the 64-bit counter  seed * GAMMA + position + 1  (mod 2**64), where
+# GAMMA is splitmix64's increment (the odd integer nearest 2**64 / golden ratio). Here the arithmetic
+# is numpy's wrapping uint64 on arrays (the sampler masks Python integers), and ``draw_keys`` takes
+# a whole array of positions. ``test_splitmix64_mix_gives_the_published_stream`` checks
+# ``splitmix64_mix`` against splitmix64's published outputs, so the oracle rests on the algorithm,
+# not on the sampler.
+GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX = ((30, np.uint64(0xBF58476D1CE4E5B9)), (27, np.uint64(0x94D049BB133111EB)))
+
+
+def splitmix64_mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output function on uint64 values (multiplications wrap mod 2**64)."""
+    z = np.asarray(z, dtype=np.uint64)
+    for shift, mult in _MIX:
+        z = (z ^ (z >> np.uint64(shift))) * mult
+    return z ^ (z >> np.uint64(31))
+
+
+def draw_keys(seed: int, positions: np.ndarray) -> np.ndarray:
+    """The generator seeds of a request's draws at output ``positions`` (uint64 array)."""
+    counter = np.full(len(positions), seed % 2**64, dtype=np.uint64) * GAMMA
+    counter = counter + np.asarray(positions, dtype=np.uint64) + np.uint64(1)
+    return splitmix64_mix(counter)
+
+
+def seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The Exp(1) noise of the draw at output ``position``: a fresh generator, keyed by (seed, position)."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 64-bit seed for the draw of output token ``position`` (splitmix64 of the pair)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    gen.manual_seed(int(draw_keys(seed, np.array([position]))[0]))
+    return torch.empty(vocab, device=device).exponential_(generator=gen)
 
 
 def token_logprobs(
@@ -178,9 +194,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         probs = _sampled_probs(logits, rows)
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):
-            if r.generator is not None and not greedy[i]:
-                r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
-                noise[i].exponential_(generator=r.generator)
+            if r.params.seed is not None and not greedy[i]:
+                noise[i] = seeded_noise(r.params.seed, len(r.output_token_ids), probs.shape[1], probs.device)
         drawn = (probs / noise).argmax(dim=-1)
         token_ids = torch.where(torch.tensor(greedy, device=logits.device), token_ids, drawn)
     logprob_rows: list[TokenLogprobs | None] = [None] * len(rows)

@@ -49,6 +49,22 @@ def rows_for(module, params, prompts, outputs):
     return [module.SamplingRow(p, make_generator(p.seed, CPU), pr, out) for p, pr, out in zip(params, prompts, outputs)]
 
 
+def test_splitmix64_mix_gives_the_published_stream():
+    """The oracle's mix is splitmix64's: seeded with 1234567, the generator's first five outputs
+    (state += GAMMA, then mix) are the published ones."""
+    states = np.uint64(1234567) + ref.GAMMA * np.arange(1, 6, dtype=np.uint64)
+    assert ref.splitmix64_mix(states).tolist() == [6457827717110365317, 3203168211198807973, 9817491932198370423,
+                                                   4593380528125082431, 16408922859458223821]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 2**40 + 3, 2**63 - 1, 2**64 - 1, -5])
+def test_draw_seeds_equal_the_oracles_keys(seed):
+    positions = np.array([0, 1, 2, 3, 17, 255, 4096, 2**31 + 1])
+    keys = ref.draw_keys(seed, positions).tolist()
+    assert [sampler.position_seed(seed, int(p)) for p in positions] == keys
+    assert len(set(keys)) == len(keys)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_and_seeded_draws_equal_the_per_row_sampler(seed):
     logits, params, prompts, outputs = random_case(seed, 48, seeded=True)
