@@ -9,7 +9,7 @@ import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelLayerOps
-from folio.core.executor.model.llama import rope_cos_sin
+from folio.core.executor.model.layers import rope_cos_sin
 
 # elementwise results: 16-bit types may differ by one rounding step (the RMS sum's order, exp)
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

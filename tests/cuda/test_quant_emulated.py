@@ -11,7 +11,7 @@ import torch
 from folio.core.executor.kernels import cuda_kernels as ck
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from folio.core.executor.model.loader import _fused_quant_weights, load_model, read_checkpoint
-from folio.core.executor.model.llama import ModelSpec
+from folio.core.executor.model.layers import ModelSpec
 from folio.core.executor.quant.formats import awq_to_int4, int4_to_awq
 from folio.core.executor.quant.gpu import GEMV_MAX_ROWS, AwqLinear, check_awq_shape, quantize_model_gpu
 from folio.testing.models import write_tiny_model

@@ -78,7 +78,7 @@ def attn_module(num_heads: int, num_kv_heads: int, head_dim: int):
 
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, BF16])
 def test_rope_and_the_kv_write_match_the_reference(backend, qkv_dtype):
-    from folio.core.executor.model.llama import rope_cos_sin
+    from folio.core.executor.model.layers import rope_cos_sin
 
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     cfg = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, head_dim=dim,

@@ -69,10 +69,10 @@ def test_logits_and_greedy_match_transformers(family_dir):
 
 
 def test_unsupported_family_is_a_clear_error(tmp_path):
-    from folio.core.executor.model.llama import ModelSpec
+    from folio.core.executor.model.registry import model_spec
 
     class Cfg:
         model_type = "gpt2"
 
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
-        ModelSpec.from_hf_config(Cfg())
+        model_spec(Cfg())

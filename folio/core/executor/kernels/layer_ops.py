@@ -1,6 +1,6 @@
 """The elementwise parts of a decoder layer: residual add + RMSNorm, RoPE + KV write, SiLU x gate.
 
-``model/llama.py`` calls them through the attention backend's ``layer_ops``: the torch backend's are
+``model/layers.py`` calls them through the attention backend's ``layer_ops``: the torch backend's are
 ``TorchLayerOps``, the reference (plain torch, the very ops the model always ran, so the CPU
 output is unchanged); the kernel backend's are ``KernelLayerOps``, which launch the fused kernels
 of ``cuda/fused_ops.cu`` through the backend's launcher (CuPy on a GPU, the CPU emulation in the

@@ -4,8 +4,9 @@ The executor's runtime calls ``load_model``; ``folio/core/models.py`` uses ``loa
 packaged GGUF into a model folder once. A checkpoint's own quantization (GGUF Q4_1, an AWQ folder,
 folio's int8 folders, or the GGUF a prepared folder came from) is read through
 ``quant/formats.py`` and served as it is unless ``--quantization`` says otherwise.
-Checkpoint names are mapped onto our module names here:
-q/k/v and gate/up are concatenated into the fused projections, and the ``model.`` prefix goes.
+The model's family (``registry.py``) builds the modules, and its ``checkpoint_layout`` maps
+checkpoint names onto ours: q/k/v and gate/up are concatenated into the fused projections,
+experts are stacked, and the ``model.`` prefix goes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 from folio.core.executor.model.configs import load_hf_config
-from folio.core.executor.model.llama import LlamaForCausalLM, ModelSpec
+from folio.core.executor.model.layers import CausalLM, ModelSpec, Part
+from folio.core.executor.model.registry import build_model, check_runtime, model_spec
 from folio.core.executor.parallel.comm import Comm, Shard
 from folio.core.executor.quant.formats import (
     FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, on_awq_grid,
@@ -54,34 +56,21 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def remap_state_dict(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF checkpoint names -> ours (fused qkv and gate_up, no ``model.`` prefix)."""
-    out: dict[str, torch.Tensor] = {}
+def remap_state_dict(state: dict[str, torch.Tensor], layout: dict[str, list[Part]],
+                     shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """HF checkpoint names -> ours, by the family's ``checkpoint_layout``: each of our tensors is
+    its parts concatenated along rows (fused qkv and gate_up, stacked experts), in our shape."""
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, dim: int | None, start: int, end: int) -> torch.Tensor:
         if name not in state:
             raise KeyError(f"checkpoint lacks {name}")
-        return state[name]
+        t = state[name]
+        return t if dim is None else t[start:end] if dim == 0 else t[:, start:end]
 
-    out["embed_tokens.weight"] = take("model.embed_tokens.weight")
-    out["norm.weight"] = take("model.norm.weight")
-    if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
-    for i in range(spec.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0
-        )
-        if spec.qkv_bias:
-            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
-        out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")], dim=0
-        )
-        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.down_proj.weight")
-        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
-        out[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+    out: dict[str, torch.Tensor] = {}
+    for name, parts in layout.items():
+        tensor = take(*parts[0]) if len(parts) == 1 else torch.cat([take(*p) for p in parts], dim=0)
+        out[name] = tensor.reshape(shapes[name])
     return out
 
 
@@ -188,7 +177,7 @@ def resolve_quantization(requested: str, checkpoint: str, device: torch.device) 
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-               group_size: int = 32, shard: Shard = Shard(), comm: Comm | None = None) -> LlamaForCausalLM:
+               group_size: int = 32, shard: Shard = Shard(), comm: Comm | None = None) -> CausalLM:
     """Build our model from a model folder or a .gguf file, weights in ``dtype`` on ``device``.
 
     ``quantization``: ``auto`` (the checkpoint's own), ``none`` (dense), ``int8``, ``int4`` (group
@@ -199,12 +188,16 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
         from folio.core.executor.parallel.sharded_load import load_sharded
 
         return load_sharded(path, dtype, device, quantization, shard, comm)
+    if path.is_dir():
+        model_spec(load_hf_config(path))  # an unsupported model fails before its weights are read
     config, state, checkpoint_method, quant = read_checkpoint(path)
     method = resolve_quantization(quantization, checkpoint_method, device)
-    spec = ModelSpec.from_hf_config(config)
+    spec = model_spec(config)  # raises for a model no family runs
+    check_runtime(spec, device=device.type, quantization=method)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, config)
-    fused = remap_state_dict(state, spec)
+        model = build_model(spec, config)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    fused = remap_state_dict(state, type(model).checkpoint_layout(spec), shapes)
     model.load_state_dict(fused, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.init_rope(dtype, device)

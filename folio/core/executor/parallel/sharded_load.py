@@ -3,7 +3,8 @@
 From a safetensors folder each rank reads only its slices: ``safe_open(...).get_slice(name)``
 memory-maps the file and copies only the rows or columns asked for, so no rank ever holds the
 whole model. A GGUF file is read the same way (``gguf_slices.py``): each rank takes its slice of
-the quantized blocks from the memory-mapped file and dequantizes only that.
+the quantized blocks from the memory-mapped file and dequantizes only that. Which slices make
+each parameter is the model family's ``checkpoint_layout`` (``model/layers.py``) at this shard.
 
 Quantized weights are not sharded yet: ``--quantization auto`` serves the dense weights (a
 prepared folder holds them), any other method than ``none`` is refused with a message.
@@ -19,41 +20,10 @@ import torch
 
 from folio.core.executor.model.gguf_slices import GGUFSlices
 from folio.core.executor.model.configs import load_hf_config
-from folio.core.executor.model.llama import LlamaForCausalLM, ModelSpec
+from folio.core.executor.model.layers import CausalLM
+from folio.core.executor.model.registry import build_model, check_runtime, model_spec
 from folio.core.executor.parallel.comm import Comm, Shard, check_shardable
 from folio.core.executor.quant.formats import folder_quant_config
-
-# (checkpoint name, dim to slice or None for the whole tensor, start, end)
-Part = tuple[str, int | None, int, int]
-
-
-def shard_layout(spec: ModelSpec, shard: Shard) -> dict[str, list[Part]]:
-    """Our parameter names -> the checkpoint slices concatenated (along rows) into this rank's."""
-    hd = spec.head_dim
-    h0, h1 = shard.split(spec.num_heads, "the number of attention heads")
-    kv0, kv1 = shard.kv_heads(spec.num_heads, spec.num_kv_heads)
-    i0, i1 = shard.split(spec.intermediate_size, "the intermediate size")
-    v0, v1, _ = shard.vocab(spec.vocab_size)
-    layout: dict[str, list[Part]] = {
-        "embed_tokens.weight": [("model.embed_tokens.weight", 0, v0, v1)],
-        "norm.weight": [("model.norm.weight", None, 0, 0)],
-    }
-    if not spec.tie_word_embeddings:
-        layout["lm_head.weight"] = [("lm_head.weight", 0, v0, v1)]
-    for i in range(spec.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        heads = {"q": (h0 * hd, h1 * hd), "k": (kv0 * hd, kv1 * hd), "v": (kv0 * hd, kv1 * hd)}
-        layout[dst + "self_attn.qkv_proj.weight"] = [(f"{attn}{p}_proj.weight", 0, *heads[p]) for p in "qkv"]
-        if spec.qkv_bias:
-            layout[dst + "self_attn.qkv_proj.bias"] = [(f"{attn}{p}_proj.bias", 0, *heads[p]) for p in "qkv"]
-        layout[dst + "self_attn.o_proj.weight"] = [(attn + "o_proj.weight", 1, h0 * hd, h1 * hd)]
-        layout[dst + "mlp.gate_up_proj.weight"] = [(src + f"mlp.{p}_proj.weight", 0, i0, i1) for p in ("gate", "up")]
-        layout[dst + "mlp.down_proj.weight"] = [(src + "mlp.down_proj.weight", 1, i0, i1)]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            layout[f"{dst}{norm}.weight"] = [(f"{src}{norm}.weight", None, 0, 0)]
-    return layout
-
 
 class SafetensorsSlices:
     """Reads slices of named tensors from a folder's safetensors files, memory-mapped."""
@@ -92,7 +62,7 @@ def _check_quantization(quantization: str, path: Path) -> None:
 
 
 def load_sharded(path: Path, dtype: torch.dtype, device: torch.device, quantization: str, shard: Shard,
-                 comm: Comm | None) -> LlamaForCausalLM:
+                 comm: Comm | None) -> CausalLM:
     """This rank's shard of the model at ``path``, in ``dtype`` on ``device``."""
     _check_quantization(quantization, path)
     with ExitStack() as stack:
@@ -106,17 +76,20 @@ def load_sharded(path: Path, dtype: torch.dtype, device: torch.device, quantizat
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
             reader = SafetensorsSlices(path, stack)
-        spec = ModelSpec.from_hf_config(config)
+        spec = model_spec(config)
+        check_runtime(spec, device=device.type, tp_size=shard.size)
         check_shardable(spec, shard)
         with torch.device("meta"):
-            model = LlamaForCausalLM(spec, config, shard, comm)
+            model = build_model(spec, config, shard, comm)
         rows = model.embed_tokens.weight.shape[0]
+        shapes = {name: t.shape for name, t in model.state_dict().items()}
         weights = {}
-        for name, parts in shard_layout(spec, shard).items():
+        # the family's checkpoint layout at this shard: our names -> the slices concatenated into them
+        for name, parts in type(model).checkpoint_layout(spec, shard).items():
             tensor = torch.cat([reader.read(*part) for part in parts], dim=0).to(dtype)
             if name in ("embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < rows:
                 tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], tensor.shape[1])])
-            weights[name] = tensor
+            weights[name] = tensor.reshape(shapes[name])
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.init_rope(dtype, device)

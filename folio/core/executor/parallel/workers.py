@@ -328,11 +328,13 @@ def _check_model(model_path: str, size: int) -> None:
     from pathlib import Path
 
     from folio.core.executor.model.loader import load_hf_config
-    from folio.core.executor.model.llama import ModelSpec
+    from folio.core.executor.model.registry import check_runtime, model_spec
 
     if size < 2:
         raise ValueError(f"a worker group needs a tensor-parallel size of 2 or more, got {size}")
-    check_shardable(ModelSpec.from_hf_config(load_hf_config(Path(model_path))), Shard(0, size))
+    spec = model_spec(load_hf_config(Path(model_path)))
+    check_runtime(spec, tp_size=size)
+    check_shardable(spec, Shard(0, size))
 
 
 class RayWorker:

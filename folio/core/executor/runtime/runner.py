@@ -28,7 +28,7 @@ from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype
 from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
-from folio.core.executor.model.llama import cpu_linear_packing_available, pack_linears_for_cpu
+from folio.core.executor.model.layers import cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
 from folio.core.executor.quant.linear import ACT_DTYPE
 from folio.core.executor.sampling.rejection import verify

@@ -1,0 +1,23 @@
+"""Qwen3 (dense): the Llama layer with an RMSNorm over each head of q and of k before RoPE.
+
+``Attention.norm_qkv`` applies the norms to the fused q/k/v output, so every backend's RoPE + KV
+write (the torch reference, the CPU and the CUDA kernels) rotates the normed q and k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from folio.core.executor.model.layers import CausalLM, ModelSpec
+
+
+class Qwen3ForCausalLM(CausalLM):
+    model_types = ("qwen3",)
+    architectures = ("Qwen3ForCausalLM",)
+
+    @classmethod
+    def spec_from_config(cls, config) -> ModelSpec:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen3 with use_sliding_window is not supported yet (no sliding-window attention)")
+        # q_norm/k_norm: [head_dim] each, shared by every head
+        return dataclasses.replace(ModelSpec.from_hf_config(config), qk_norm="head")

@@ -1,0 +1,64 @@
+"""Which family runs a checkpoint: its config's ``architectures`` first, then its ``model_type``.
+
+``loader.load_model``, ``parallel/sharded_load.py`` and the tensor-parallel workers' start-up
+check call it; an unsupported model fails there, before any weight is read, with the list of
+what runs. ``check_runtime`` refuses, also at start, what a family cannot do yet (mixture of
+experts: tensor parallelism, quantized weights, CUDA).
+"""
+
+from __future__ import annotations
+
+from folio.core.executor.model.layers import CausalLM, ModelSpec
+from folio.core.executor.model.llama import LlamaForCausalLM
+from folio.core.executor.model.mixtral import MixtralForCausalLM
+from folio.core.executor.model.olmoe import OlmoeForCausalLM
+from folio.core.executor.model.qwen2_moe import Qwen2MoeForCausalLM
+from folio.core.executor.model.qwen3 import Qwen3ForCausalLM
+from folio.core.executor.model.qwen3_moe import Qwen3MoeForCausalLM
+from folio.core.executor.parallel.comm import Comm, Shard
+
+FAMILIES: tuple[type[CausalLM], ...] = (
+    LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
+    OlmoeForCausalLM,
+)
+
+
+def supported() -> str:
+    """``model_type (Architecture), ...`` of every family, for error messages."""
+    return ", ".join(f"{t} ({a})" for f in FAMILIES for t, a in zip(f.model_types, f.architectures))
+
+
+def family_for(config) -> type[CausalLM]:
+    for arch in getattr(config, "architectures", None) or ():
+        for family in FAMILIES:
+            if arch in family.architectures:
+                return family
+    model_type = getattr(config, "model_type", None)
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    archs = ", ".join(getattr(config, "architectures", None) or ()) or "none given"
+    raise ValueError(f"unsupported model_type {model_type!r} (architectures: {archs}); folio runs {supported()}")
+
+
+def model_spec(config) -> ModelSpec:
+    """The checked spec of a checkpoint's config (raises for an unsupported model)."""
+    return family_for(config).spec_from_config(config)
+
+
+def build_model(spec: ModelSpec, config, shard: Shard = Shard(), comm: Comm | None = None) -> CausalLM:
+    """The family's modules at ``spec``'s sizes (weights uninitialised: build under the meta device)."""
+    return family_for(config)(spec, config, shard, comm)
+
+
+def check_runtime(spec: ModelSpec, *, device: str = "cpu", quantization: str = "none", tp_size: int = 1) -> None:
+    """A clear error at start for what the model's family does not run yet."""
+    if not spec.num_experts:
+        return
+    what = f"mixture-of-experts models ({spec.model_type})"
+    if tp_size > 1:
+        raise ValueError(f"{what} do not run with tensor parallelism yet: use --tensor-parallel-size 1")
+    if quantization not in ("none", "auto"):
+        raise ValueError(f"{what} do not run quantized yet: use --quantization none")
+    if device != "cpu":
+        raise ValueError(f"{what} run on the CPU only in this build, not on {device}: use --device cpu")

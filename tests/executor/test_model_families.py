@@ -1,0 +1,136 @@
+"""Every model family against transformers in fp32, on tiny random-weight checkpoints written from
+its own config class with its features switched on (per-head and whole-projection q/k norms,
+q/k/v clipping that bites, an odd number of experts with top-k > 1, ``norm_topk_prob`` both
+ways, a shared expert, a dense layer among sparse ones). Each run goes through the real
+scheduler (``EngineCore``): one prompt; 8 concurrent prompts under a small token budget (chunked
+prefill); a prompt whose prefix is already cached. Greedy tokens must be the reference's argmax
+at every position and the top-5 logprobs its top 5. Then the registry's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio.core.engine import EngineCore
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import EngineRequest, SamplingParams
+from folio.testing.models import write_tiny_model
+
+MOE = dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=32)
+FAMILIES = {
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "mixtral": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=48)),
+    "qwen3_moe-norm": ("qwen3_moe", dict(head_dim=16, norm_topk_prob=True, **MOE)),
+    # layer 1 dense (mlp_only_layers), routing weights not renormalised
+    "qwen3_moe-raw": ("qwen3_moe", dict(head_dim=16, norm_topk_prob=False, mlp_only_layers=[1], **MOE)),
+    "qwen2_moe-shared": ("qwen2_moe", dict(norm_topk_prob=False, shared_expert_intermediate_size=48, **MOE)),
+    "olmoe": ("olmoe", dict(num_experts=5, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True,
+                            clip_qkv=1.5, eos_token_id=1, pad_token_id=0)),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+PROMPTS = [[(7 * i + 13 * j) % 127 + 1 for j in range(5 + 3 * i)] for i in range(8)]  # 5..26 tokens
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    model_type, overrides = FAMILIES[request.param]
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf
+
+
+def run(runner: ModelRunner, prompts, budget: int = 256, core: EngineCore | None = None):
+    """Each prompt's (tokens, logprobs, cached prompt tokens) through the scheduler and the runner."""
+    core = core or EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=budget)
+    out = {f"r{i}": ([], [], 0) for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        assert not core.add_request(EngineRequest(req_id=f"r{i}", prompt_token_ids=p, sampling=GREEDY))
+    while core.has_work():
+        batch = core.step()
+        for d in batch.all_deltas() if batch else ():
+            assert d.finish_reason != "error", d.error
+            tokens, lps, cached = out[d.req_id]
+            out[d.req_id] = (tokens + d.token_ids, lps + (d.logprobs or []), max(cached, d.num_cached_tokens))
+    return list(out.values())
+
+
+def check_against_reference(hf, prompt, tokens, logprobs):
+    """Our greedy tokens are the reference's argmax given the same prefix; top-5 ids and logprobs match."""
+    assert len(tokens) == GREEDY.max_tokens and len(logprobs) == len(tokens)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    top = ref.topk(5)
+    assert tokens == ref.argmax(-1).tolist()
+    for i, lp in enumerate(logprobs):
+        assert lp.token_id == tokens[i] and lp.rank == 1
+        assert lp.top_token_ids == top.indices[i].tolist()
+        assert lp.top_logprobs == pytest.approx(top.values[i].tolist(), abs=1e-4)
+
+
+def test_one_prompt(family):
+    path, hf = family
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=8), path)
+    ((tokens, lps, _),) = run(runner, [PROMPTS[5]])
+    check_against_reference(hf, PROMPTS[5], tokens, lps)
+
+
+def test_eight_prompts_chunked_under_a_small_budget(family):
+    path, hf = family
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=96, block_size=8), path)
+    for prompt, (tokens, lps, _) in zip(PROMPTS, run(runner, PROMPTS, budget=16)):
+        check_against_reference(hf, prompt, tokens, lps)
+
+
+def test_prefix_cache_hit(family):
+    path, hf = family
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=4), path)
+    core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
+    shared = PROMPTS[7][:20]
+    first, second = shared + [3, 4], shared + [9, 8, 7]
+    (tokens, lps, cached), = run(runner, [first], core=core)
+    check_against_reference(hf, first, tokens, lps)
+    (tokens, lps, cached), = run(runner, [second], core=core)
+    assert cached == 20  # five whole blocks of the shared prefix
+    check_against_reference(hf, second, tokens, lps)
+
+
+def test_qwen3_on_the_cpu_kernel_backend(tmp_path):
+    """The C kernels' fused RoPE + KV write rotates the q/k-normed projections (no fallback)."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=8, attention_backend="cpu"), path)
+    assert runner.backend.name == "cpu"
+    for prompt, (tokens, lps, _) in zip(PROMPTS[:3], run(runner, PROMPTS[:3], budget=16)):
+        check_against_reference(hf, prompt, tokens, lps)
+    assert runner.backend.layer_ops.num_fallbacks == 0
+
+
+def test_an_unsupported_model_names_what_runs(tmp_path):
+    path = write_tiny_model(tmp_path / "gemma", "gemma", head_dim=16, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma'.*folio runs llama.*qwen3 .*mixtral"):
+        ModelRunner(RuntimeConfig(num_kv_blocks=16), path)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(quantization="int8"), "do not run quantized"),
+    (dict(device="cuda"), "run on the CPU only"),
+])
+def test_moe_refuses_what_it_cannot_run_yet(tmp_path, options, message):
+    from folio.core.executor.model.loader import load_model
+
+    path = write_tiny_model(tmp_path / "mixtral", "mixtral", num_local_experts=3, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=message):
+        load_model(path, torch.float32, torch.device(options.get("device", "cpu")), options.get("quantization", "none"))
+
+
+def test_moe_refuses_tensor_parallelism(tmp_path):
+    from folio.core.executor.parallel.workers import _check_model
+
+    path = write_tiny_model(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="do not run with tensor parallelism"):
+        _check_model(path, 2)
