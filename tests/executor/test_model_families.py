@@ -3,7 +3,8 @@ its own config class with its features switched on (per-head and whole-projectio
 q/k/v clipping that bites, an odd number of experts with top-k > 1, ``norm_topk_prob`` both
 ways, a shared expert, a dense layer among sparse ones). Each run goes through the real
 scheduler (``EngineCore``): one prompt; 8 concurrent prompts under a small token budget (chunked
-prefill); a prompt whose prefix is already cached. Greedy tokens must be the reference's argmax
+prefill); a prompt whose prefix is already cached; for Qwen3 also the C kernel backend and
+tensor parallel 2. Greedy tokens must be the reference's argmax
 at every position and the top-5 logprobs its top 5. Then the registry's refusals."""
 
 from __future__ import annotations
@@ -108,6 +109,26 @@ def test_qwen3_on_the_cpu_kernel_backend(tmp_path):
     for prompt, (tokens, lps, _) in zip(PROMPTS[:3], run(runner, PROMPTS[:3], budget=16)):
         check_against_reference(hf, prompt, tokens, lps)
     assert runner.backend.layer_ops.num_fallbacks == 0
+
+
+def test_qwen3_over_two_ranks(tmp_path):
+    """Tensor parallel 2 over gloo: each rank its heads, the per-head q/k norms replicated."""
+    from transformers import AutoModelForCausalLM
+
+    from folio.core.executor.parallel.workers import ParallelRunner
+
+    path = write_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    failures: list[str] = []
+    config = RuntimeConfig(model=path, device="cpu", dtype="float32", quantization="none", block_size=8,
+                           num_kv_blocks=96, tensor_parallel_size=2)
+    runner = ParallelRunner(config, path, on_failure=failures.append)
+    try:
+        for prompt, (tokens, lps, _) in zip(PROMPTS[:4], run(runner, PROMPTS[:4], budget=16)):
+            check_against_reference(hf, prompt, tokens, lps)
+    finally:
+        runner.close()
+    assert not failures
 
 
 def test_an_unsupported_model_names_what_runs(tmp_path):

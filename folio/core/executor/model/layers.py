@@ -233,9 +233,12 @@ PACKED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def pack_linears_for_cpu(model: "CausalLM") -> None:
     """Swap every dense projection (and the LM head) for its oneDNN-packed form; frees the dense
-    copies. Quantized layers, a quantized head, routers and expert weights are left as they are."""
+    copies. Quantized layers, a quantized head and routers are left as they are; a mixture of
+    experts packs each expert (``moe.MoE.pack_for_cpu``)."""
     for layer in model.layers:
         for parent in list(layer.modules()):
+            if hasattr(parent, "pack_for_cpu"):
+                parent.pack_for_cpu()
             for attr in PACKED_PROJECTIONS:
                 if type(getattr(parent, attr, None)) is nn.Linear:  # quantized layers have their own kernels
                     setattr(parent, attr, PackedLinear(getattr(parent, attr)))

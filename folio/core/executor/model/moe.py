@@ -24,7 +24,7 @@ from torch import nn
 
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
 from folio.core.executor.model.layers import (
-    MLP, Attention, CausalLM, DecoderLayer, ModelSpec, Part, attention_layout, base_layout, mlp_layout,
+    MLP, Attention, CausalLM, DecoderLayer, ModelSpec, PackedLinear, Part, attention_layout, base_layout, mlp_layout,
 )
 from folio.core.executor.parallel.comm import Shard
 
@@ -53,6 +53,8 @@ class MoE(nn.Module):
         self.gate = nn.Linear(h, e, bias=False)  # the router
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # each expert's gate and up rows
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
+        self.num_experts = e
+        self.packed_experts: nn.ModuleList | None = None  # per expert (gate_up, down), oneDNN-packed
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_intermediate_size:
             self.shared_expert = MLP(spec, intermediate_size=spec.shared_expert_intermediate_size)
@@ -66,21 +68,40 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
 
+    def expert(self, e: int):
+        """Expert ``e``'s (gate_up, down) projections as callables: [m, hidden] -> [m, 2 i], [m, i] -> [m, hidden]."""
+        if self.packed_experts is not None:
+            return self.packed_experts[e]
+        return (lambda x: F.linear(x, self.experts_gate_up[e])), (lambda x: F.linear(x, self.experts_down[e]))
+
+    def pack_for_cpu(self) -> None:
+        """Each expert's weights oneDNN-packed (``layers.pack_linears_for_cpu`` calls it); the
+        stacked copies go."""
+
+        def packed(weight: torch.Tensor) -> PackedLinear:
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            return PackedLinear(linear)
+
+        self.packed_experts = nn.ModuleList(
+            nn.ModuleList([packed(gu), packed(d)]) for gu, d in zip(self.experts_gate_up, self.experts_down))
+        self.experts_gate_up = self.experts_down = None
+
     def forward(self, x: torch.Tensor, ops=TORCH_LAYER_OPS) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         n, k = x.shape[0], self.top_k
         experts, weights = self.route(x)
         flat = experts.reshape(-1)  # [n k]: slot j of token t at t k + j
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens ascending in each
         token = order // k  # [n k] the token of each sorted slot
-        counts = torch.bincount(flat, minlength=self.experts_gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x[token]  # [n k, hidden], expert 0's rows first
         out = torch.empty_like(rows)
         start = 0
         for e, count in enumerate(counts):  # one GEMM pair per expert over its rows
             if count:
                 seg = slice(start, start + count)
-                h = ops.silu_and_mul(F.linear(rows[seg], self.experts_gate_up[e])).to(x.dtype)  # [count, i]
-                out[seg] = F.linear(h, self.experts_down[e])
+                gate_up, down = self.expert(e)
+                out[seg] = down(ops.silu_and_mul(gate_up(rows[seg])).to(x.dtype))  # via [count, i]
                 start += count
         out *= weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros_like(x).index_add_(0, token, out)  # [n, hidden]: each token's k slots summed
