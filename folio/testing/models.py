@@ -9,7 +9,8 @@ import torch
 
 
 def write_tiny_model(path, model_type: str = "llama", **overrides) -> str:
-    """A random-weight Llama-family checkpoint in ``path`` (config.json + safetensors)."""
+    """A random-weight checkpoint in ``path`` (config.json + safetensors) of any ``model_type``
+    transformers knows (its config class's defaults, then these sizes, then ``overrides``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = dict(

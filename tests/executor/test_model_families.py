@@ -3,9 +3,10 @@ its own config class with its features switched on (per-head and whole-projectio
 q/k/v clipping that bites, an odd number of experts with top-k > 1, ``norm_topk_prob`` both
 ways, a shared expert, a dense layer among sparse ones). Each run goes through the real
 scheduler (``EngineCore``): one prompt; 8 concurrent prompts under a small token budget (chunked
-prefill); a prompt whose prefix is already cached; for Qwen3 also the C kernel backend and
-tensor parallel 2. Greedy tokens must be the reference's argmax
-at every position and the top-5 logprobs its top 5. Then the registry's refusals."""
+prefill); a prompt whose prefix is already cached; preemption on a small pool; n-gram
+speculative decoding; the C kernel backend (Qwen3, Qwen3-MoE) and, for Qwen3, tensor parallel 2.
+Greedy tokens must be the reference's argmax at every position and the top-5 logprobs its top 5.
+Then the registry's refusals."""
 
 from __future__ import annotations
 
@@ -43,12 +44,12 @@ def family(request, tmp_path_factory):
     return path, hf
 
 
-def run(runner: ModelRunner, prompts, budget: int = 256, core: EngineCore | None = None):
+def run(runner: ModelRunner, prompts, budget: int = 256, core: EngineCore | None = None, params=GREEDY):
     """Each prompt's (tokens, logprobs, cached prompt tokens) through the scheduler and the runner."""
     core = core or EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=budget)
     out = {f"r{i}": ([], [], 0) for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        assert not core.add_request(EngineRequest(req_id=f"r{i}", prompt_token_ids=p, sampling=GREEDY))
+        assert not core.add_request(EngineRequest(req_id=f"r{i}", prompt_token_ids=p, sampling=params))
     while core.has_work():
         batch = core.step()
         for d in batch.all_deltas() if batch else ():
@@ -59,13 +60,14 @@ def run(runner: ModelRunner, prompts, budget: int = 256, core: EngineCore | None
 
 
 def check_against_reference(hf, prompt, tokens, logprobs):
-    """Our greedy tokens are the reference's argmax given the same prefix; top-5 ids and logprobs match."""
-    assert len(tokens) == GREEDY.max_tokens and len(logprobs) == len(tokens)
+    """Our greedy tokens are the reference's argmax given the same prefix; top-5 ids and logprobs
+    match (``logprobs`` None: tokens only)."""
+    assert len(tokens) == GREEDY.max_tokens and len(logprobs if logprobs is not None else tokens) == len(tokens)
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
     top = ref.topk(5)
     assert tokens == ref.argmax(-1).tolist()
-    for i, lp in enumerate(logprobs):
+    for i, lp in enumerate(logprobs or []):
         assert lp.token_id == tokens[i] and lp.rank == 1
         assert lp.top_token_ids == top.indices[i].tolist()
         assert lp.top_logprobs == pytest.approx(top.values[i].tolist(), abs=1e-4)
@@ -98,11 +100,35 @@ def test_prefix_cache_hit(family):
     check_against_reference(hf, second, tokens, lps)
 
 
-def test_qwen3_on_the_cpu_kernel_backend(tmp_path):
-    """The C kernels' fused RoPE + KV write rotates the q/k-normed projections (no fallback)."""
+def test_preemption_on_a_small_pool(family):
+    path, hf = family
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=24, block_size=4), path)  # 8 prompts want up to 10 each
+    core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
+    for prompt, (tokens, lps, _) in zip(PROMPTS, run(runner, PROMPTS, core=core)):
+        check_against_reference(hf, prompt, tokens, lps)
+    assert core.scheduler.counters["num_preemptions"] > 0
+
+
+def test_ngram_speculative_decoding(family):
+    path, hf = family
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=96, block_size=8, speculative_model="ngram",
+                                       num_speculative_tokens=3), path)
+    core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
+    loops = [p + p[:6] for p in PROMPTS[2:6]]  # a repeated stretch for the proposer to match
+    plain = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens)  # (logprob requests never speculate)
+    for prompt, (tokens, _, _) in zip(loops, run(runner, loops, core=core, params=plain)):
+        check_against_reference(hf, prompt, tokens, None)
+    assert core.scheduler.counters["num_spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe-norm"])
+def test_the_cpu_kernel_backend(tmp_path, name):
+    """The C kernels' fused RoPE + KV write rotates the q/k-normed projections, and their SiLU x
+    gate runs each expert's rows (no fallback)."""
     from transformers import AutoModelForCausalLM
 
-    path = write_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=16)
+    model_type, overrides = FAMILIES[name]
+    path = write_tiny_model(tmp_path / name, model_type, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=8, attention_backend="cpu"), path)
     assert runner.backend.name == "cpu"
