@@ -6,7 +6,8 @@ Routing: softmax over the router's logits (fp32), the top-k experts of each toke
 renormalised to sum to 1 (``norm_topk_prob``; Mixtral always does). Execution groups tokens by
 expert: the (token, slot) pairs are sorted by expert id, each expert runs one GEMM pair over its
 contiguous run of rows, and the rows are scattered back with their routing weights
-(``index_add_``). The Python loop is over experts, never over tokens.
+(``index_add_``). The Python loop is over experts, never over tokens. On the CPU in fp32 each
+expert's two weights are oneDNN-packed once at load (``pack_for_cpu``), as the dense layers are.
 
 Qwen2-MoE adds a shared expert (a dense MLP every token goes through), scaled by
 ``sigmoid(shared_expert_gate(x))``.
