@@ -119,7 +119,7 @@ def test_the_wheel_ships_the_page(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for name in ("dashboard.html", "dashboard.js", "dashboard.css"):
         assert any(n.endswith(f"gateway/static/{name}") for n in names), (name, [n for n in names if "gateway" in n])
-    sources = sorted(p.name for p in (root / "services" / "executor" / "csrc").iterdir())
+    sources = sorted(p.name for p in (root / "folio" / "core" / "executor" / "kernels" / "csrc").iterdir())
     assert "common.h" in sources
     for name in sources:
-        assert any(n.endswith(f"executor/csrc/{name}") for n in names), (name, [n for n in names if "csrc" in n])
+        assert any(n.endswith(f"executor/kernels/csrc/{name}") for n in names), (name, [n for n in names if "csrc" in n])
