@@ -76,21 +76,14 @@ def token_logprobs(
     token_ids: torch.Tensor,  # [n] the tokens chosen at those positions
     num_top: list[int],  # per row, how many alternatives to report
 ) -> list[TokenLogprobs]:
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [n]
-    ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
-    k = max(num_top, default=0)
-    top_vals, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
+    """Row by row in numpy: the chosen token's logprob, its rank (1 + how many tokens are more
+    likely) and the ``n`` most likely tokens by a full stable sort (not torch's top-k)."""
     out = []
-    for i, n in enumerate(num_top):
-        out.append(
-            TokenLogprobs(
-                token_id=int(token_ids[i]),
-                logprob=float(chosen[i]),
-                rank=int(ranks[i]),
-                top_token_ids=top_ids[i, :n].tolist() if n else [],
-                top_logprobs=top_vals[i, :n].tolist() if n else [],
-            )
-        )
+    for row, token_id, n in zip(logprobs.double().cpu().numpy(), token_ids.tolist(), num_top):
+        order = np.argsort(-row, kind="stable")[:n]
+        out.append(TokenLogprobs(token_id=int(token_id), logprob=float(row[token_id]),
+                                 rank=int(np.count_nonzero(row > row[token_id])) + 1,
+                                 top_token_ids=[int(t) for t in order], top_logprobs=[float(row[t]) for t in order]))
     return out
 
 
