@@ -181,3 +181,14 @@ def test_moe_refuses_tensor_parallelism(tmp_path):
     path = write_tiny_model(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="do not run with tensor parallelism"):
         _check_model(path, 2)
+
+
+@pytest.mark.parametrize("config_name", ["Qwen3Config", "Qwen2MoeConfig", "Qwen3MoeConfig"])
+def test_a_sliding_window_flag_is_refused_at_start(config_name):
+    import transformers
+
+    from folio.core.executor.model import registry
+
+    config = getattr(transformers, config_name)(num_hidden_layers=1, use_sliding_window=True)
+    with pytest.raises(ValueError, match="use_sliding_window is not supported"):
+        registry.model_spec(config)

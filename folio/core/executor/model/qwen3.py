@@ -17,7 +17,5 @@ class Qwen3ForCausalLM(CausalLM):
 
     @classmethod
     def spec_from_config(cls, config) -> ModelSpec:
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("Qwen3 with use_sliding_window is not supported yet (no sliding-window attention)")
         # q_norm/k_norm: [head_dim] each, shared by every head
         return dataclasses.replace(ModelSpec.from_hf_config(config), qk_norm="head")

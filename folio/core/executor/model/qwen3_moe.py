@@ -16,7 +16,5 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 
     @classmethod
     def spec_from_config(cls, config) -> ModelSpec:
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("Qwen3-MoE with use_sliding_window is not supported yet (no sliding-window attention)")
         return moe_spec(config, num_experts=config.num_experts, norm_topk_prob=bool(config.norm_topk_prob),
                         moe_intermediate_size=config.moe_intermediate_size, qk_norm="head")

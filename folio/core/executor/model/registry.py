@@ -43,7 +43,10 @@ def family_for(config) -> type[CausalLM]:
 
 def model_spec(config) -> ModelSpec:
     """The checked spec of a checkpoint's config (raises for an unsupported model)."""
-    return family_for(config).spec_from_config(config)
+    family = family_for(config)
+    if getattr(config, "use_sliding_window", False):  # Qwen's flag; no family runs sliding-window attention yet
+        raise ValueError(f"{config.model_type} with use_sliding_window is not supported yet (no sliding-window attention)")
+    return family.spec_from_config(config)
 
 
 def build_model(spec: ModelSpec, config, shard: Shard = Shard(), comm: Comm | None = None) -> CausalLM:
