@@ -1,4 +1,5 @@
-"""The elementwise parts of a decoder layer: residual add + RMSNorm, RoPE + KV write, SiLU x gate.
+"""The elementwise parts of a decoder layer: residual add + RMSNorm, RoPE + KV write, SiLU x gate
+(and GeGLU's tanh-GELU x gate).
 
 ``model/layers.py`` calls them through the attention backend's ``layer_ops``: the torch backend's are
 ``TorchLayerOps``, the reference (plain torch, the very ops the model always ran, so the CPU
@@ -53,6 +54,11 @@ class TorchLayerOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
+        """GeGLU (Gemma): tanh-approximated GELU of the gate times up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def rope_write_kv(self, qkv: torch.Tensor, attn, rope, k_cache, v_cache, meta, backend) -> torch.Tensor:
         """Rotates q and k, writes k and v into their slots; returns q [n, num_heads, head_dim]."""
