@@ -164,7 +164,7 @@ def test_an_unsupported_model_names_what_runs(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(quantization="int8"), "do not run quantized"),
+    (dict(quantization="awq"), "run quantized as int8 or int4 only"),
     (dict(device="cuda"), "run on the CPU only"),
 ])
 def test_moe_refuses_what_it_cannot_run_yet(tmp_path, options, message):
@@ -173,14 +173,6 @@ def test_moe_refuses_what_it_cannot_run_yet(tmp_path, options, message):
     path = write_tiny_model(tmp_path / "mixtral", "mixtral", num_local_experts=3, num_experts_per_tok=2)
     with pytest.raises(ValueError, match=message):
         load_model(path, torch.float32, torch.device(options.get("device", "cpu")), options.get("quantization", "none"))
-
-
-def test_moe_refuses_tensor_parallelism(tmp_path):
-    from folio.core.executor.parallel.workers import _check_model
-
-    path = write_tiny_model(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match="do not run with tensor parallelism"):
-        _check_model(path, 2)
 
 
 @pytest.mark.parametrize("config_name", ["Qwen3Config", "Qwen2MoeConfig", "Qwen3MoeConfig"])

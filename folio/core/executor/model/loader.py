@@ -149,6 +149,13 @@ def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size:
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         out[dst + "self_attn.qkv_proj"] = concat_rows([one(f"{src}self_attn.{p}_proj.weight") for p in "qkv"])
         out[dst + "self_attn.o_proj"] = one(src + "self_attn.o_proj.weight")
+        if spec.moe_layers and spec.moe_layers[i]:  # routed experts: moe.MoE.quantize_experts
+            if spec.shared_expert_intermediate_size:
+                shared = src + "mlp.shared_expert."
+                out[dst + "mlp.shared_expert.gate_up_proj"] = concat_rows([one(f"{shared}{p}_proj.weight")
+                                                                           for p in ("gate", "up")])
+                out[dst + "mlp.shared_expert.down_proj"] = one(shared + "down_proj.weight")
+            continue
         out[dst + "mlp.gate_up_proj"] = concat_rows([one(src + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
         out[dst + "mlp.down_proj"] = one(src + "mlp.down_proj.weight")
     return out
@@ -207,5 +214,5 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     elif method != "none" and device.type == "cuda":
         quantize_model_gpu(model, method, _fused_quant_weights(state, quant, spec, method, group_size, awq_grid=True))
     elif method != "none":
-        quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size))
+        quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size), method, group_size)
     return model

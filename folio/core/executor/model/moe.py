@@ -12,7 +12,20 @@ expert's two weights are oneDNN-packed once at load (``pack_for_cpu``), as the d
 Qwen2-MoE adds a shared expert (a dense MLP every token goes through), scaled by
 ``sigmoid(shared_expert_gate(x))``.
 
-MoE models run on the CPU, unquantized, on one rank (``registry.check_runtime`` says so at start).
+Tensor parallelism: every rank holds a slice of every expert, its part of the expert's
+intermediate size (gate and up rows, down columns; ``moe_layout`` reads only that slice), and
+the shared expert's part likewise; the router and the shared expert's gate are replicated. The
+block's output on a rank is a partial sum (routed experts and shared expert together), summed
+over the ranks by one all-reduce.
+
+Quantized (``--quantization int8``/``int4`` on the CPU): each expert's two weights are rounded to
+nearest into the packed CPU layers (``quant/linear.QuantLinear``, ``quantize_experts``), the shared expert
+is quantized as a dense MLP, and the grouped forward is unchanged. The router and the shared
+expert's gate stay in the model's dtype (as the LM head keeps its exact weights): a routing
+decision is a ranking of close values. Activations arrive bf16 from the CPU kernels then; the
+experts' weighted rows are summed in fp32.
+
+MoE models run on the CPU (``registry.check_runtime`` says so at start).
 """
 
 from __future__ import annotations
@@ -27,7 +40,9 @@ from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
 from folio.core.executor.model.layers import (
     MLP, Attention, CausalLM, DecoderLayer, ModelSpec, PackedLinear, Part, attention_layout, base_layout, mlp_layout,
 )
-from folio.core.executor.parallel.comm import Shard
+from folio.core.executor.parallel.comm import Comm, Shard
+from folio.core.executor.quant.formats import quantize_int4, quantize_int8
+from folio.core.executor.quant.linear import QuantLinear
 
 
 def moe_spec(config, *, num_experts: int, norm_topk_prob: bool, moe_intermediate_size: int,
@@ -45,12 +60,15 @@ def moe_spec(config, *, num_experts: int, norm_topk_prob: bool, moe_intermediate
 
 
 class MoE(nn.Module):
-    """Router + ``num_experts`` SwiGLU experts (+ an optional gated shared expert)."""
+    """Router + ``num_experts`` SwiGLU experts (+ an optional gated shared expert); with a
+    ``shard`` of more than one rank, this rank's slice of each expert (``comm`` sums the output)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, shard: Shard = Shard(), comm: Comm | None = None):
         super().__init__()
-        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        i0, i1 = shard.split(spec.moe_intermediate_size, "the experts' intermediate size")
+        e, h, i = spec.num_experts, spec.hidden_size, i1 - i0  # i: this rank's part of each expert
         self.top_k, self.norm_topk_prob = spec.num_experts_per_tok, spec.norm_topk_prob
+        self.comm = comm
         self.gate = nn.Linear(h, e, bias=False)  # the router
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # each expert's gate and up rows
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
@@ -58,16 +76,19 @@ class MoE(nn.Module):
         self.packed_experts: nn.ModuleList | None = None  # per expert (gate_up, down), oneDNN-packed
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_intermediate_size:
-            self.shared_expert = MLP(spec, intermediate_size=spec.shared_expert_intermediate_size)
+            # comm None: its partial sum joins the routed experts' before the one all-reduce
+            self.shared_expert = MLP(spec, shard, None, intermediate_size=spec.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top-k experts ``[n, k]`` and their weights ``[n, k]`` (x's dtype)."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, num_experts]
+        """Each token's top-k experts ``[n, k]`` and their weights ``[n, k]`` (fp32; the router in
+        the model's dtype, whatever the activations')."""
+        logits = F.linear(x.to(self.gate.weight.dtype), self.gate.weight)  # [n, num_experts]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype)
+        return experts, weights.to(self.gate.weight.dtype)
 
     def expert(self, e: int):
         """Expert ``e``'s (gate_up, down) projections as callables: [m, hidden] -> [m, 2 i], [m, i] -> [m, hidden]."""
@@ -75,28 +96,44 @@ class MoE(nn.Module):
             return self.packed_experts[e]
         return (lambda x: F.linear(x, self.experts_gate_up[e])), (lambda x: F.linear(x, self.experts_down[e]))
 
-    def pack_for_cpu(self) -> None:
-        """Each expert's weights oneDNN-packed (``layers.pack_linears_for_cpu`` calls it); the
+    def _per_expert(self, make) -> None:
+        """``packed_experts`` from each expert's stacked weights (``make(weight)`` -> a layer); the
         stacked copies go."""
+        self.packed_experts = nn.ModuleList(
+            nn.ModuleList([make(gu), make(d)]) for gu, d in zip(self.experts_gate_up, self.experts_down))
+        self.experts_gate_up = self.experts_down = None
+
+    def pack_for_cpu(self) -> None:
+        """Each expert's weights oneDNN-packed (``layers.pack_linears_for_cpu`` calls it); quantized
+        experts stay as they are."""
+        if self.packed_experts is not None:
+            return
 
         def packed(weight: torch.Tensor) -> PackedLinear:
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             linear.weight = nn.Parameter(weight, requires_grad=False)
             return PackedLinear(linear)
 
-        self.packed_experts = nn.ModuleList(
-            nn.ModuleList([packed(gu), packed(d)]) for gu, d in zip(self.experts_gate_up, self.experts_down))
-        self.experts_gate_up = self.experts_down = None
+        self._per_expert(packed)
+
+    def quantize_experts(self, method: str, group_size: int) -> None:
+        """Each expert's weights rounded to nearest (``int8`` per channel, ``int4`` in groups of
+        ``group_size``) into the packed CPU layers (``quant.linear.quantize_model`` calls it)."""
+        if method not in ("int8", "int4"):
+            raise ValueError(f"mixture-of-experts weights quantize to int8 or int4, not {method}")
+        rounded = quantize_int8 if method == "int8" else (lambda w: quantize_int4(w, group_size))
+        self._per_expert(lambda w: QuantLinear(rounded(w.float())))
 
     def forward(self, x: torch.Tensor, ops=TORCH_LAYER_OPS) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         n, k = x.shape[0], self.top_k
+        dtype = self.gate.weight.dtype  # the model's: the output's and the sums' (x may be bf16 activations)
         experts, weights = self.route(x)
         flat = experts.reshape(-1)  # [n k]: slot j of token t at t k + j
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens ascending in each
         token = order // k  # [n k] the token of each sorted slot
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x[token]  # [n k, hidden], expert 0's rows first
-        out = torch.empty_like(rows)
+        out = torch.empty(rows.shape, dtype=dtype, device=x.device)
         start = 0
         for e, count in enumerate(counts):  # one GEMM pair per expert over its rows
             if count:
@@ -105,23 +142,26 @@ class MoE(nn.Module):
                 out[seg] = down(ops.silu_and_mul(gate_up(rows[seg])).to(x.dtype))  # via [count, i]
                 start += count
         out *= weights.reshape(-1)[order].unsqueeze(-1)
-        y = torch.zeros_like(x).index_add_(0, token, out)  # [n, hidden]: each token's k slots summed
+        y = torch.zeros((n, x.shape[1]), dtype=dtype, device=x.device).index_add_(0, token, out)  # each token's k slots summed
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
-        return y
+            gate = F.linear(x.to(dtype), self.shared_expert_gate.weight)  # [n, 1]
+            y = y + torch.sigmoid(gate) * self.shared_expert(x, ops).to(dtype)
+        return y if self.comm is None else self.comm.all_reduce(y)  # a partial sum on each rank
 
 
 def moe_layout(spec: ModelSpec, src: str, dst: str, router: str, expert: str,
-               names=("gate_proj", "up_proj", "down_proj")) -> dict[str, list[Part]]:
-    """The checkpoint's per-expert tensors (``{src}{expert}.{e}.{name}.weight``) stacked into ours;
-    the router is ``{src}{router}.weight``; a shared expert is ``shared_expert`` and its gate."""
+               names=("gate_proj", "up_proj", "down_proj"), shard: Shard = Shard()) -> dict[str, list[Part]]:
+    """The checkpoint's per-expert tensors (``{src}{expert}.{e}.{name}.weight``) stacked into ours,
+    this rank's slice of each (gate and up rows, down columns); the router is
+    ``{src}{router}.weight``; a shared expert is ``shared_expert`` (sliced as a dense MLP) and its gate."""
     gate, up, down = names
+    i0, i1 = shard.split(spec.moe_intermediate_size, "the experts' intermediate size")
     experts = [f"{src}{expert}.{e}." for e in range(spec.num_experts)]
     layout = {dst + "gate.weight": [(f"{src}{router}.weight", None, 0, 0)],
-              dst + "experts_gate_up": [(f"{p}{name}.weight", None, 0, 0) for p in experts for name in (gate, up)],
-              dst + "experts_down": [(f"{p}{down}.weight", None, 0, 0) for p in experts]}
+              dst + "experts_gate_up": [(f"{p}{name}.weight", 0, i0, i1) for p in experts for name in (gate, up)],
+              dst + "experts_down": [(f"{p}{down}.weight", 1, i0, i1) for p in experts]}
     if spec.shared_expert_intermediate_size:
-        layout.update(mlp_layout(spec, Shard(), src + "shared_expert.", dst + "shared_expert.",
+        layout.update(mlp_layout(spec, shard, src + "shared_expert.", dst + "shared_expert.",
                                  intermediate_size=spec.shared_expert_intermediate_size))
         layout[dst + "shared_expert_gate.weight"] = [(src + "shared_expert_gate.weight", None, 0, 0)]
     return layout
@@ -138,7 +178,7 @@ class MoECausalLM(CausalLM):
 
     def make_layer(self, index: int) -> DecoderLayer:
         spec = self.spec
-        mlp = MoE(spec) if spec.moe_layers[index] else MLP(spec, self.shard, self.comm)
+        mlp = MoE(spec, self.shard, self.comm) if spec.moe_layers[index] else MLP(spec, self.shard, self.comm)
         return DecoderLayer(spec, Attention(spec, self.shard, self.comm), mlp)
 
     @classmethod
@@ -148,7 +188,7 @@ class MoECausalLM(CausalLM):
             layout.update(attention_layout(spec, shard, i))
             src, dst = f"model.layers.{i}.{cls.ckpt_block}.", f"layers.{i}.mlp."
             if spec.moe_layers[i]:
-                layout.update(moe_layout(spec, src, dst, "gate", "experts", cls.ckpt_expert_names))
+                layout.update(moe_layout(spec, src, dst, "gate", "experts", cls.ckpt_expert_names, shard))
             else:
                 layout.update(mlp_layout(spec, shard, src, dst))
         return layout

@@ -3,7 +3,7 @@
 ``loader.load_model``, ``parallel/sharded_load.py`` and the tensor-parallel workers' start-up
 check call it; an unsupported model fails there, before any weight is read, with the list of
 what runs. ``check_runtime`` refuses, also at start, what a family cannot do yet (mixture of
-experts: tensor parallelism, quantized weights, CUDA).
+experts: CUDA, quantization other than int8/int4).
 """
 
 from __future__ import annotations
@@ -59,9 +59,7 @@ def check_runtime(spec: ModelSpec, *, device: str = "cpu", quantization: str = "
     if not spec.num_experts:
         return
     what = f"mixture-of-experts models ({spec.model_type})"
-    if tp_size > 1:
-        raise ValueError(f"{what} do not run with tensor parallelism yet: use --tensor-parallel-size 1")
-    if quantization not in ("none", "auto"):
-        raise ValueError(f"{what} do not run quantized yet: use --quantization none")
+    if quantization not in ("none", "auto", "int8", "int4"):
+        raise ValueError(f"{what} run quantized as int8 or int4 only, not {quantization}")
     if device != "cpu":
         raise ValueError(f"{what} run on the CPU only in this build, not on {device}: use --device cpu")

@@ -6,6 +6,9 @@ Megatron's split, as vLLM, SGLang and TGI do it:
   all-reduce after each sums the partial outputs;
 - KV heads are split across ranks; with fewer KV heads than ranks each rank holds the one KV head
   its query heads read (replicated on ``size / num_kv_heads`` ranks);
+- a mixture of experts gives every rank a slice of every expert (its part of each expert's
+  intermediate size, as for a dense MLP) and replicates the router; one all-reduce sums the
+  block's output (``model/moe.py``);
 - the vocabulary is split for the embedding (each rank looks up the ids it holds, an all-reduce
   fills in the rest) and the LM head (each rank's logits, gathered along the vocabulary);
 - norms and the RoPE tables are replicated.
@@ -64,7 +67,12 @@ class Shard:
 def check_shardable(spec, shard: Shard) -> None:
     """A clear error before any loading when the model cannot be split ``shard.size`` ways."""
     shard.split(spec.num_heads, "the number of attention heads")
-    shard.split(spec.intermediate_size, "the intermediate size")
+    if not spec.num_experts or not all(spec.moe_layers):  # a dense MLP somewhere
+        shard.split(spec.intermediate_size, "the intermediate size")
+    if spec.num_experts:  # every rank a slice of every expert, and of the shared expert
+        shard.split(spec.moe_intermediate_size, "the experts' intermediate size")
+        if spec.shared_expert_intermediate_size:
+            shard.split(spec.shared_expert_intermediate_size, "the shared expert's intermediate size")
     shard.kv_heads(spec.num_heads, spec.num_kv_heads)
 
 

@@ -130,15 +130,20 @@ def quant_layers_available() -> bool:
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_weight_int8pack_mm")
 
 
-def quantize_model(model, weights: dict[str, Int4Weight | Int8Weight]) -> None:
+def quantize_model(model, weights: dict[str, Int4Weight | Int8Weight], method: str = "", group_size: int = 32) -> None:
     """Swap each projection named in ``weights`` (our fused names, e.g. ``layers.0.mlp.gate_up_proj``)
-    for a ``QuantLinear``; the LM head becomes a ``QuantLMHead``."""
+    for a ``QuantLinear``; the LM head becomes a ``QuantLMHead``. A mixture of experts' routed
+    experts are rounded from the model's own weights (``moe.MoE.quantize_experts``, ``method``
+    int8 or int4 at ``group_size``)."""
     if not quant_layers_available():
         raise ValueError("this torch build lacks the packed int4/int8 CPU kernels")
     for name, w in weights.items():
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
         setattr(parent, attr, QuantLinear(w, getattr(parent, attr).bias))
+    for module in model.modules():
+        if hasattr(module, "quantize_experts"):
+            module.quantize_experts(method, group_size)
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.packed_lm_head = QuantLMHead(weight)
     model.lm_head = None
