@@ -47,19 +47,29 @@ def per_token_forward(self: MoE, x: torch.Tensor, ops=None) -> torch.Tensor:
     return y
 
 
-def step_ms(runner: ModelRunner, batch: int, steps: int) -> float:
-    """Median ms of one decode step's forward pass and logits: ``batch`` sequences, one new token each."""
+def decode_step(runner: ModelRunner, batch: int):
+    """One decode step's forward pass and logits: ``batch`` sequences, one new token each."""
     per_seq = CONTEXT // BLOCK
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     meta = AttentionMetadata.build([1] * batch, [CONTEXT] * batch, tables, None, BLOCK)
     ids, positions = torch.randint(0, runner.spec.vocab_size, (batch,)), torch.full((batch,), CONTEXT - 1)
-    times = []
+    model = runner.model
+    return lambda: model.compute_logits(model(ids, positions, runner.pool.kv_caches, meta, runner.backend))
+
+
+def step_ms(steps: int, *runs) -> list[float]:
+    """Median ms of each of ``runs`` (step callables), timed in turns (one step of each, ``steps``
+    times, after 3 warm-up turns), so that the load other processes put on the machine falls on
+    all of them alike."""
+    times = [[] for _ in runs]
     with torch.inference_mode():
-        for _ in range(steps + 3):
-            t0 = time.perf_counter()
-            runner.model.compute_logits(runner.model(ids, positions, runner.pool.kv_caches, meta, runner.backend))
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[3:])
+        for i in range(steps + 3):
+            for run, spent in zip(runs, times):
+                t0 = time.perf_counter()
+                run()
+                if i >= 3:
+                    spent.append(time.perf_counter() - t0)
+    return [1000 * statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -82,21 +92,25 @@ def main() -> None:
         dense_dir = write_tiny_model(Path(tmp) / "dense", "llama", intermediate_size=2 * args.expert_size, **shape)
         moe, dense = ModelRunner(config, moe_dir), ModelRunner(config, dense_dir)
         meter.lap()
-        dense_ms = step_ms(dense, args.batch, args.steps)
-        moe_ms = step_ms(moe, args.batch, args.steps)
+        dense_step, moe_step = decode_step(dense, args.batch), decode_step(moe, args.batch)
+        dense_ms, moe_ms = step_ms(args.steps, dense_step, moe_step)
         grouped = MoE.forward
-        MoE.forward = per_token_forward
-        try:
-            loop_ms = step_ms(moe, args.batch, max(3, args.steps // 5))
-        finally:
-            MoE.forward = grouped
+
+        def loop_step():
+            MoE.forward = per_token_forward
+            try:
+                moe_step()
+            finally:
+                MoE.forward = grouped
+
+        loop_ms, grouped_ms = step_ms(max(3, args.steps // 5), loop_step, moe_step)
     print(f"batch {args.batch}, hidden {args.hidden}, {args.layers} layers, 8 experts top-2 of size "
           f"{args.expert_size} against a dense MLP of {2 * args.expert_size}; fp32, one thread")
     print(f"dense step: {dense_ms:.2f} ms")
     print(f"MoE step (tokens grouped by expert): {moe_ms:.2f} ms")
     print(f"MoE step (a loop over tokens): {loop_ms:.2f} ms")
     print(f"MoE / dense: {moe_ms / dense_ms:.2f}x (target at most 1.5x)")
-    print(f"per-token loop / grouped: {loop_ms / moe_ms:.1f}x")
+    print(f"per-token loop / grouped: {loop_ms / grouped_ms:.1f}x")
     print(f"measured over {meter.lap()}")
 
 

@@ -46,9 +46,9 @@ def test_moe_over_two_ranks(tmp_path, name):
     try:
         moe = runner.model.layers[0].mlp
         assert isinstance(moe, MoE) and moe.comm is not None
-        gate_up, down = moe.expert(0)
-        assert gate_up.out_features == overrides["moe_intermediate_size"]  # 2 x half of it
-        assert down.out_features == hf.config.hidden_size
+        half, hidden = overrides["moe_intermediate_size"] // 2, hf.config.hidden_size
+        assert moe.intermediate_size == half
+        assert [tuple(w.shape) for w in moe.experts_t] == [(5, hidden, 2 * half), (5, half, hidden)]
         if moe.shared_expert is not None:
             assert moe.shared_expert.intermediate_size == overrides["shared_expert_intermediate_size"] // 2
         for prompt, (tokens, lps, _) in zip(PROMPTS[:4], run(runner, PROMPTS[:4], budget=16)):
