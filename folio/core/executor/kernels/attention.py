@@ -8,6 +8,19 @@ default): plain torch ops, the oracle the CUDA kernels are tested against.
 Pool layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_dim]``; an
 fp8 pool (``kv_quant``) stores e4m3 values with the layer's scales, the gather dequantizes.
 Slot of the token at position p: ``block_table[p // block_size] * block_size + p % block_size``.
+
+Two per-layer attention variants are parameters of ``attend``, not copies of it:
+
+- a sliding window W > 0: the token at position p attends keys at positions p - W < k <= p
+  (transformers' ``sliding_window``), in decode, chunked prefill, prefix-cached continuation and
+  verification alike. The step's plan is built once; each window's masks (and the blocks they
+  cover) are derived from it the first time a layer asks for that window, and kept in the plan.
+  Blocks wholly before a token's window are never gathered: a scheduler may free them and point
+  their table entries anywhere, since nothing there enters the arithmetic (not even as a masked
+  term: a masked key still goes through q.k and p.v, where NaN or inf garbage would surface).
+- a logit soft-cap c > 0: s = c * tanh(s / c) after the scale, before the mask. SDPA cannot cap,
+  so a capped layer computes its scores explicitly (fp32 matmuls, the cap, the mask as a select,
+  softmax, @ v). Without a cap (windowed or not) attention stays SDPA's.
 """
 
 from __future__ import annotations
@@ -102,6 +115,25 @@ class _DecodeGroup:
     token_idx: torch.Tensor  # [num_decode] rows of q that belong to this group
     block_tables: torch.Tensor  # [num_decode, max_blocks]
     key_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] True = attend
+    lens: list[int] = field(default_factory=list)  # keys each row sees (its position + 1)
+    # window -> (block tables [num_decode, blocks], key mask [num_decode, 1, 1, blocks * block_size])
+    windows: dict = field(default_factory=dict)
+
+    def windowed(self, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks and key mask of a sliding-window layer: each row's table from the block that
+        holds its window's first key (earlier blocks are not read), its keys masked to the window."""
+        if window not in self.windows:
+            device = self.block_tables.device
+            first = [max(0, n - window) // block_size for n in self.lens]  # each row's first block
+            width = max((n + block_size - 1) // block_size - f for n, f in zip(self.lens, first))
+            lens = torch.tensor(self.lens, device=device)
+            idx = torch.tensor(first, device=device)[:, None] + torch.arange(width, device=device)  # [rows, width]
+            # entries past a row's table are masked below: the clamp only keeps the gather in range
+            tables = self.block_tables.gather(1, idx.clamp(max=self.block_tables.shape[1] - 1))
+            key_pos = (idx[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+            mask = (key_pos < lens[:, None]) & (key_pos >= lens[:, None] - window)
+            self.windows[window] = (tables, mask[:, None, None, :])
+        return self.windows[window]
 
 
 @dataclass
@@ -113,6 +145,22 @@ class _ChunkSeq:
     block_ids: torch.Tensor  # [num_blocks_needed]
     seq_len: int
     mask: torch.Tensor  # [1, 1, query_len, seq_len] causal against the cached context
+    # window -> (first key position gathered, block ids from there, mask [1, 1, query_len, keys])
+    windows: dict = field(default_factory=dict)
+
+    def windowed(self, window: int, block_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A sliding-window layer's view: the blocks from the one holding the chunk's first
+        query's first key, and the causal mask within the window over their keys."""
+        if window not in self.windows:
+            query_len = self.end - self.start
+            first_block = max(0, self.seq_len - query_len - window + 1) // block_size
+            key_start = first_block * block_size
+            device = self.block_ids.device
+            k_pos = torch.arange(key_start, self.seq_len, device=device)
+            q_pos = torch.arange(self.seq_len - query_len, self.seq_len, device=device)[:, None]
+            mask = (k_pos[None, :] <= q_pos) & (k_pos[None, :] > q_pos - window)
+            self.windows[window] = (key_start, self.block_ids[first_block:], mask[None, None])
+        return self.windows[window]
 
 
 @dataclass
@@ -154,7 +202,9 @@ class TorchAttentionBackend:
     is causal against the cached context. Nothing outlives the call: the pool is the only KV
     storage. Decode tokens and the tokens of short chunks (verification) go as one padded batch,
     one query row each; longer chunks go one sequence at a time, since each is already a
-    matrix-sized piece of work.
+    matrix-sized piece of work. A sliding-window layer gathers each row's (each chunk's) blocks
+    from the first one its window reaches and masks the rest of the window's edge; a soft-capped
+    layer computes its scores explicitly (``_attention``).
     """
 
     name = "torch"
@@ -175,7 +225,8 @@ class TorchAttentionBackend:
             max_blocks = (max(r[2] for r in rows) + bs - 1) // bs
             key_pos = torch.arange(max_blocks * bs, device=device)
             decode = _DecodeGroup(token_idx=token_idx, block_tables=meta.block_tables[seqs, :max_blocks].long(),
-                                  key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :])
+                                  key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
+                                  lens=[r[2] for r in rows])
         meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=_write_idx(meta))
         return meta.plan
 
@@ -209,50 +260,45 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
+        window: int = 0,  # > 0: position p attends keys p - window < k <= p (a sliding-window layer)
+        softcap: float = 0.0,  # > 0: score = softcap * tanh(score / softcap), after the scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        window, softcap = int(window), float(softcap)
+        if window < 0 or softcap < 0:
+            raise ValueError(f"window {window} and softcap {softcap} must be >= 0")
         plan = self.plan(meta)
         out = torch.empty_like(query)
-        self._attend_decode(out, query, k_cache, v_cache, plan, scale, kv_scales)
-        self._attend_chunks(out, query, k_cache, v_cache, plan.chunks, scale, kv_scales)
+        self._attend_decode(out, query, k_cache, v_cache, plan, scale, kv_scales, window, softcap)
+        self._attend_chunks(out, query, k_cache, v_cache, plan.chunks, scale, kv_scales, window, softcap)
         return out
 
-    def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales) -> None:
+    def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales, window=0, softcap=0.0) -> None:
         k_scale, v_scale = kv_scales
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        gqa = query.shape[1] != num_kv_heads
         if plan.decode is not None:
             group = plan.decode
-            num_decode, max_blocks = group.block_tables.shape
-            # k, v: [num_decode, num_kv_heads, max_blocks * block_size, head_dim]
-            k = stored(raw(k_cache)[group.block_tables], k_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
-            v = stored(raw(v_cache)[group.block_tables], v_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
+            tables, key_mask = (group.block_tables, group.key_mask) if window == 0 else \
+                group.windowed(window, k_cache.shape[1])
+            num_decode = tables.shape[0]
+            # k, v: [num_decode, num_kv_heads, blocks * block_size, head_dim]
+            k = stored(raw(k_cache)[tables], k_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
+            v = stored(raw(v_cache)[tables], v_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
             q = query[group.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(
-                q,
-                dequantize(k.transpose(1, 2), k_scale, query.dtype),
-                dequantize(v.transpose(1, 2), v_scale, query.dtype),
-                attn_mask=group.key_mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+            o = _attention(q, k.transpose(1, 2), v.transpose(1, 2), key_mask, scale, kv_scales, softcap)
             out[group.token_idx] = o.squeeze(2)
 
-    def _attend_chunks(self, out, query, k_cache, v_cache, chunks: list[_ChunkSeq], scale, kv_scales) -> None:
-        k_scale, v_scale = kv_scales
+    def _attend_chunks(self, out, query, k_cache, v_cache, chunks: list[_ChunkSeq], scale, kv_scales, window=0,
+                       softcap=0.0) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        gqa = query.shape[1] != num_kv_heads
         for chunk in chunks:
-            k = stored(raw(k_cache)[chunk.block_ids], k_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
-            v = stored(raw(v_cache)[chunk.block_ids], v_cache.dtype).view(-1, num_kv_heads, head_dim)[: chunk.seq_len]
+            key_start, block_ids, mask = (0, chunk.block_ids, chunk.mask) if window == 0 else \
+                chunk.windowed(window, k_cache.shape[1])
+            num_keys = chunk.seq_len - key_start
+            k = stored(raw(k_cache)[block_ids], k_cache.dtype).view(-1, num_kv_heads, head_dim)[:num_keys]
+            v = stored(raw(v_cache)[block_ids], v_cache.dtype).view(-1, num_kv_heads, head_dim)[:num_keys]
             q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q,
-                dequantize(k.transpose(0, 1).unsqueeze(0), k_scale, query.dtype),
-                dequantize(v.transpose(0, 1).unsqueeze(0), v_scale, query.dtype),
-                attn_mask=chunk.mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+            o = _attention(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, kv_scales,
+                           softcap)
             out[chunk.start : chunk.end] = o.squeeze(0).transpose(0, 1)
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
@@ -273,6 +319,38 @@ class TorchAttentionBackend:
     def swap_in(self, host_caches, kv_caches, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs: host pool -> device pool, every layer."""
         _copy_between(host_caches, kv_caches, pairs)
+
+
+def _attention(
+    q: torch.Tensor,  # [batch, num_heads, query_len, head_dim]
+    k: torch.Tensor,  # [batch, num_kv_heads, keys, head_dim] as stored in the pool
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [batch or 1, 1, query_len or 1, keys] True = attend
+    scale: float,
+    kv_scales: tuple[float, float],
+    softcap: float,
+) -> torch.Tensor:  # [batch, num_heads, query_len, head_dim]
+    """SDPA without a cap; with one, the scores explicitly in fp32: scale, cap, mask, softmax, @ v.
+
+    The mask is a select (``masked_fill``), not an added -inf, so a masked score's value never
+    reaches the softmax. What the gathered blocks hold at masked positions still meets a zero
+    weight in p @ v, so it must be finite: it is the sequence's own keys before its window inside
+    the window's first block, or slots past its end (written or zeroed pool entries, as without a
+    window). Blocks wholly before the window, the ones a scheduler may free, are not gathered."""
+    k_scale, v_scale = kv_scales
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if softcap == 0.0:
+        return F.scaled_dot_product_attention(q, dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype),
+                                              attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+    batch, _, query_len, head_dim = q.shape
+    group = num_heads // num_kv_heads  # query head h reads KV head h // group
+    qg = q.float().reshape(batch, num_kv_heads, group * query_len, head_dim)
+    s = (qg @ dequantize(k, k_scale, torch.float32).transpose(-1, -2)) * scale  # [batch, kv_heads, g * L, keys]
+    s = torch.tanh(s / softcap) * softcap
+    s = s.view(batch, num_heads, query_len, -1).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).view(batch, num_kv_heads, group * query_len, -1)
+    o = p @ dequantize(v, v_scale, torch.float32)  # [batch, kv_heads, g * L, head_dim]
+    return o.view(batch, num_heads, query_len, head_dim).to(q.dtype)
 
 
 def _write_idx(meta: AttentionMetadata) -> torch.Tensor | None:
@@ -303,8 +381,11 @@ def dense_causal_attention(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
-    """Textbook attention for one sequence whose queries are its last ``query_len`` tokens.
+    """Textbook attention for one sequence whose queries are its last ``query_len`` tokens
+    (``window`` and ``softcap`` as ``attend`` takes them).
 
     Written with explicit matmuls and softmax (no SDPA), so that tests have an oracle that shares
     no code with the backends.
@@ -315,7 +396,10 @@ def dense_causal_attention(
     k = key.repeat_interleave(group, dim=1).float()
     v = value.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
     k_pos = torch.arange(seq_len)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window > 0 else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)

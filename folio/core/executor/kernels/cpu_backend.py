@@ -137,7 +137,7 @@ class CpuKernelBackend(TorchAttentionBackend):
             meta.plan = _CpuPlan(meta)
         return meta.plan
 
-    def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales) -> None:
+    def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales, window=0, softcap=0.0) -> None:
         if plan.tok is None:
             return
         # make_cpu_backend took an fp32 model and pool (contiguous, as KVPool allocates it); either
@@ -149,7 +149,7 @@ class CpuKernelBackend(TorchAttentionBackend):
             self._scratch_ptr = self._scratch.ctypes.data
         self.lib.folio_decode_attention(*plan.row_args, query.data_ptr(), *plan.table_args, k_cache.data_ptr(),
                                         v_cache.data_ptr(), k_cache.shape[1], num_heads, num_kv_heads, head_dim,
-                                        scale, out.data_ptr(), self._scratch_ptr)
+                                        scale, window, softcap, out.data_ptr(), self._scratch_ptr)
 
 
 def make_cpu_backend(model, model_dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -57,7 +57,7 @@ FUNCTIONS = {  # every exported function's arguments (they all return void)
     "folio_add_rms_norm": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _ptr, _f32, _ptr, _i64, _int],
     "folio_rope_write_kv": [_i64, _ptr, _i64, _int] + [_ptr] * 4 + [_i64] * 3 + [_ptr] * 3,
     "folio_silu_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
-    "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _ptr, _ptr],
+    "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _i64, _f32, _ptr, _ptr],
 }
 
 _lock = threading.Lock()

@@ -1,5 +1,6 @@
 /* A decoder layer's small operations on the CPU, one call each for the whole step: residual add +
- * RMSNorm, RoPE + the KV write, SiLU x gate, and decode attention over the paged pool.
+ * RMSNorm, RoPE + the KV write, SiLU x gate, and decode attention over the paged pool (with a
+ * sliding window and a logit soft-cap as parameters).
  *
  * Loaded by folio/core/executor/kernels/cpu_kernels.py with csrc/sampler.c; used by cpu_backend.py, where
  * the torch ops they replace (layer_ops.TorchLayerOps, attention.TorchAttentionBackend) stay the
@@ -111,50 +112,57 @@ void folio_silu_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs, i
     }
 }
 
-/* attention of one KV head's query heads (group of them, at qg) over keys 0..len-1 through a
- * block table, into orow; head_dim is a constant where the caller can make it one */
+/* attention of one KV head's query heads (group of them, at qg) over keys first..len-1 through a
+ * block table (blocks wholly before first are not read), into orow; each score scaled, then
+ * capped to softcap * tanh(score / softcap) when softcap > 0; head_dim is a constant where the
+ * caller can make it one */
 static inline __attribute__((always_inline)) void attend_group(
-    const float *restrict qg, const int32_t *table, int64_t len, const float *k_cache, const float *v_cache,
-    int64_t block_size, int64_t kv_size, int64_t head_offset, int64_t group, const int64_t head_dim, float scale,
-    float *restrict orow, float *restrict scratch) {
-    /* scores: scratch[h * len + k] */
-    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+    const float *restrict qg, const int32_t *table, int64_t first, int64_t len, const float *k_cache,
+    const float *v_cache, int64_t block_size, int64_t kv_size, int64_t head_offset, int64_t group,
+    const int64_t head_dim, float scale, float softcap, float *restrict orow, float *restrict scratch) {
+    const int64_t n = len - first;
+    /* scores: scratch[h * n + position - first] */
+    for (int64_t b = first / block_size, start = b * block_size; start < len; start += block_size, b++) {
+        const int64_t lo = start < first ? first - start : 0;
         const int64_t count = len - start < block_size ? len - start : block_size;
         const float *keys = k_cache + (int64_t)table[b] * block_size * kv_size + head_offset;
-        for (int64_t o = 0; o < count; o++) {
+        for (int64_t o = lo; o < count; o++) {
             const float *key = keys + o * kv_size;
             for (int64_t h = 0; h < group; h++) {
                 const float *qh = qg + h * head_dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t j = 0; j < head_dim; j++) dot += qh[j] * key[j];
-                scratch[h * len + start + o] = dot * scale;
+                float s = dot * scale;
+                if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+                scratch[h * n + start + o - first] = s;
             }
         }
     }
     for (int64_t h = 0; h < group; h++) {
-        float *sc = scratch + h * len, mx = -INFINITY, total = 0.0f;
+        float *sc = scratch + h * n, mx = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : mx)
-        for (int64_t k = 0; k < len; k++) mx = sc[k] > mx ? sc[k] : mx;
+        for (int64_t k = 0; k < n; k++) mx = sc[k] > mx ? sc[k] : mx;
 #pragma omp simd reduction(+ : total)
-        for (int64_t k = 0; k < len; k++) {
+        for (int64_t k = 0; k < n; k++) {
             float e = exp_nonpositive(sc[k] - mx);
             sc[k] = e;
             total += e;
         }
         const float inv = 1.0f / total;
 #pragma omp simd
-        for (int64_t k = 0; k < len; k++) sc[k] *= inv;
+        for (int64_t k = 0; k < n; k++) sc[k] *= inv;
         float *oh = orow + h * head_dim;
         for (int64_t j = 0; j < head_dim; j++) oh[j] = 0.0f;
     }
-    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+    for (int64_t b = first / block_size, start = b * block_size; start < len; start += block_size, b++) {
+        const int64_t lo = start < first ? first - start : 0;
         const int64_t count = len - start < block_size ? len - start : block_size;
         const float *vals = v_cache + (int64_t)table[b] * block_size * kv_size + head_offset;
-        for (int64_t o = 0; o < count; o++) {
+        for (int64_t o = lo; o < count; o++) {
             const float *val = vals + o * kv_size;
             for (int64_t h = 0; h < group; h++) {
-                const float p = scratch[h * len + start + o];
+                const float p = scratch[h * n + start + o - first];
                 float *oh = orow + h * head_dim;
 #pragma omp simd
                 for (int64_t j = 0; j < head_dim; j++) oh[j] += p * val[j];
@@ -164,31 +172,34 @@ static inline __attribute__((always_inline)) void attend_group(
 }
 
 /* One query row per entry: row r is token tok[r] of q [*, num_heads, head_dim] and sees keys
- * 0..lens[r]-1 of its sequence seq[r] (block table block_tables + seq[r] * bt_stride). out [*,
- * num_heads, head_dim] gets softmax(q . k * scale) . v for each head (GQA: num_heads /
- * num_kv_heads query heads read each KV head). scratch: (num_heads / num_kv_heads) * max(lens)
- * floats. */
+ * 0..lens[r]-1 of its sequence seq[r] (block table block_tables + seq[r] * bt_stride), or with a
+ * window > 0 only its last window of them (lens[r] - window .. lens[r] - 1: the table's entries
+ * for blocks wholly before are not read). out [*, num_heads, head_dim] gets softmax(cap(q . k *
+ * scale)) . v for each head (GQA: num_heads / num_kv_heads query heads read each KV head; cap(s)
+ * = softcap * tanh(s / softcap) when softcap > 0, else s). scratch: (num_heads / num_kv_heads) *
+ * max(lens) floats. */
 void folio_decode_attention(int64_t m, const int64_t *tok, const int64_t *seq, const float *q,
                             const int32_t *block_tables, int64_t bt_stride, const int64_t *lens, const float *k_cache,
                             const float *v_cache, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, float scale, float *out, float *scratch) {
+                            int64_t head_dim, float scale, int64_t window, float softcap, float *out, float *scratch) {
     const int64_t group = num_heads / num_kv_heads, kv_size = num_kv_heads * head_dim;
     for (int64_t r = 0; r < m; r++) {
         const int32_t *table = block_tables + seq[r] * bt_stride;
         const float *qr = q + tok[r] * num_heads * head_dim;
         float *orow = out + tok[r] * num_heads * head_dim;
+        const int64_t len = lens[r], first = window > 0 && len > window ? len - window : 0;
         for (int64_t g = 0; g < num_kv_heads; g++) {
             const float *qg = qr + g * group * head_dim;
             float *og = orow + g * group * head_dim;
             if (head_dim == 64)
-                attend_group(qg, table, lens[r], k_cache, v_cache, block_size, kv_size, g * 64, group, 64, scale, og,
-                             scratch);
+                attend_group(qg, table, first, len, k_cache, v_cache, block_size, kv_size, g * 64, group, 64, scale,
+                             softcap, og, scratch);
             else if (head_dim == 128)
-                attend_group(qg, table, lens[r], k_cache, v_cache, block_size, kv_size, g * 128, group, 128, scale,
-                             og, scratch);
+                attend_group(qg, table, first, len, k_cache, v_cache, block_size, kv_size, g * 128, group, 128, scale,
+                             softcap, og, scratch);
             else
-                attend_group(qg, table, lens[r], k_cache, v_cache, block_size, kv_size, g * head_dim, group,
-                             head_dim, scale, og, scratch);
+                attend_group(qg, table, first, len, k_cache, v_cache, block_size, kv_size, g * head_dim, group,
+                             head_dim, scale, softcap, og, scratch);
         }
     }
 }
