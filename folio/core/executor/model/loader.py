@@ -1,8 +1,10 @@
 """Weight loading: a Hugging Face folder (config.json + safetensors) or a GGUF file.
 
 The executor's runtime calls ``load_model``; ``folio/core/models.py`` uses ``load_gguf_state`` to turn the
-packaged GGUF into a model folder once. A checkpoint's own quantization (GGUF Q4_1, an AWQ folder,
-folio's int8 folders, or the GGUF a prepared folder came from) is read through
+packaged GGUF into a model folder once. A GGUF file is read by ``gguf_slices.py`` (every architecture
+llama.cpp writes that a family here runs: its config rebuilt from the metadata, its tensors under
+their HF names). A checkpoint's own quantization (GGUF Q4_0/Q4_1/Q8_0, an AWQ folder, folio's int8
+folders, or the GGUF a prepared folder came from) is read through ``gguf_slices.py`` and
 ``quant/formats.py`` and served as it is unless ``--quantization`` says otherwise.
 The model's family (``registry.py``) builds the modules, and its ``checkpoint_layout`` maps
 checkpoint names onto ours: q/k/v and gate/up are concatenated into the fused projections,
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from folio.core.executor.model.configs import load_hf_config
+from folio.core.executor.model import configs
+from folio.core.executor.model.gguf_slices import read_gguf, read_gguf_config
 from folio.core.executor.model.layers import CausalLM, ModelSpec, Part
 from folio.core.executor.model.registry import build_model, check_runtime, model_spec
 from folio.core.executor.parallel.comm import Comm, Shard
@@ -26,7 +29,6 @@ from folio.core.executor.quant.formats import (
 )
 from folio.core.executor.quant.gpu import quantize_model_gpu, require_fp8
 from folio.core.executor.quant.linear import quantize_model
-from folio.core.models import load_gguf_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +40,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def load_hf_config(path: Path):
+    """A checkpoint's ``transformers`` config: a folder's config.json, or a GGUF's rebuilt from its
+    metadata (``gguf_slices.gguf_config``)."""
+    path = Path(path)
+    return read_gguf_config(path) if path.suffix == ".gguf" else configs.load_hf_config(path)
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -80,8 +89,7 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
     Quantized linears are also dequantized into the dense state, so ``--quantization none`` (and
     everything that is not a projection) always has its weights."""
     if path.suffix == ".gguf":
-        config, state = load_gguf_state(path)
-        method, quant = read_gguf_quant(path, config)
+        config, state, method, quant, _ = read_gguf(path)
         return config, state, method, quant
     config = load_hf_config(path)
     if hasattr(config, "quantization_config"):

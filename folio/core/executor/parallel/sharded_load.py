@@ -2,8 +2,9 @@
 
 From a safetensors folder each rank reads only its slices: ``safe_open(...).get_slice(name)``
 memory-maps the file and copies only the rows or columns asked for, so no rank ever holds the
-whole model. A GGUF file is read the same way (``gguf_slices.py``): each rank takes its slice of
-the quantized blocks from the memory-mapped file and dequantizes only that. Which slices make
+whole model. A GGUF file is read the same way (``gguf_slices.py``, every GGUF architecture the
+unsharded loader reads): each rank takes its slice of the quantized blocks from the memory-mapped
+file and dequantizes only that. Which slices make
 each parameter is the model family's ``checkpoint_layout`` (``model/layers.py``) at this shard.
 
 Quantized weights are not sharded yet: ``--quantization auto`` serves the dense weights (a
@@ -67,10 +68,8 @@ def load_sharded(path: Path, dtype: torch.dtype, device: torch.device, quantizat
     _check_quantization(quantization, path)
     with ExitStack() as stack:
         if path.suffix == ".gguf":
-            config = load_hf_config(path)
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
-            reader = GGUFSlices(path, config)
+            reader = GGUFSlices(path)  # the config rebuilt from the file's metadata
+            config = reader.config
         else:
             config = load_hf_config(path)
             if hasattr(config, "quantization_config"):
