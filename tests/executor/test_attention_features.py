@@ -6,6 +6,7 @@ poison (the scheduler may free them and point their table entries anywhere)."""
 
 from __future__ import annotations
 
+import platform
 import random
 
 import pytest
@@ -170,15 +171,71 @@ def test_negative_parameters_are_refused():
         TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.3, window=-1)
 
 
-@pytest.fixture(scope="module")
-def cpu_backend():
+MARCHES = ["native"] + (["x86-64-v3"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def cpu_backend(request):
+    """The kernel backend over this machine's build, and over an AVX2-only one (x86-64-v3: no
+    AVX-512, whatever this CPU has)."""
     from folio.core.executor.kernels import cpu_kernels
     from folio.core.executor.kernels.cpu_backend import CpuKernelBackend
 
-    lib = cpu_kernels.library()
+    if request.param == "native":
+        lib = cpu_kernels.library()
+    else:
+        try:
+            lib = cpu_kernels.library_for(request.param)
+        except (OSError, RuntimeError) as exc:
+            pytest.skip(f"no {request.param} build here: {exc}")
     if lib is None:
         pytest.skip("no C compiler here")
     return CpuKernelBackend(lib, torch.float32, final_norm=None)
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh_and_mul", "silu_and_mul"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_activations_match_the_reference(cpu_backend, act, dtype):
+    from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
+
+    gate_up = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    gate_up[0, :10] = torch.tensor([-90.0, -20.0, -5.0, -1e-3, 0.0, 1e-3, 2.0, 5.0, 20.0, 90.0])
+    ops = cpu_backend.layer_ops
+    ops.num_fallbacks = 0
+    for out_dtype in (torch.float32, torch.bfloat16):
+        ops.act_dtype = out_dtype
+        got = getattr(ops, act)(gate_up)
+        want = getattr(TORCH_LAYER_OPS, act)(gate_up.float())
+        assert got.dtype == out_dtype
+        if out_dtype == torch.bfloat16:  # one bf16 rounding step
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-5)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5)  # tanh -> -1: 0 there
+        assert torch.equal(getattr(ops, act)(gate_up[4:5]), got[4:5])  # a row alone, as in the batch
+    ops.act_dtype = torch.float32
+    assert ops.num_fallbacks == 0
+    getattr(ops, act)(gate_up[:, ::2])  # not whole rows: the reference, counted
+    assert ops.num_fallbacks == 1
+
+
+def test_the_other_layer_kernels_hold_on_every_build(cpu_backend):
+    """Residual add + RMSNorm and the exp under the sampler, on each build."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
+
+    x, residual = torch.randn(5, 576), torch.randn(5, 576) * 3
+    norm = SimpleNamespace(weight=1 + 0.1 * torch.randn(576), eps=1e-5)
+    want_res, want = TORCH_LAYER_OPS.add_rms_norm(x, residual.clone(), norm)
+    res, got = cpu_backend.layer_ops.add_rms_norm(x, residual.clone(), norm)
+    assert torch.equal(res, want_res)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    xs = np.linspace(-87.0, 0.0, 10001, dtype=np.float32)
+    out = np.empty_like(xs)
+    cpu_backend.lib.folio_exp_nonpositive(xs.size, xs.ctypes.data, out.ctypes.data)
+    np.testing.assert_allclose(out, np.exp(xs.astype(np.float64)), rtol=3e-7, atol=0)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 64), (4, 4, 16)])

@@ -1,13 +1,16 @@
-"""The CPU kernel backend: a step's norms, RoPE + KV write, SiLU x gate and decode attention in C.
+"""The CPU kernel backend: a step's norms, RoPE + KV write, SiLU/GELU x gate and decode attention in C.
 
 On the CPU the small operations of a decoder layer cost more than its arithmetic: at batch 1 the
 torch ops of SmolLM2's 30 layers (a residual add and RMSNorm as seven ops, RoPE as a dozen, the
 gather of each sequence's blocks and SDPA for attention) take longer than its int4 GEMMs. Here
 each is one call into ``csrc/layers.c`` (``cpu_kernels.py`` builds it) for the whole step; prefill
-chunks longer than ``attention.SHORT_CHUNK_ROWS`` still attend through torch's SDPA (a matrix's
-work, several threads). The backend is made only for an fp32 model over an fp32 pool; a layer
-operation given a tensor its kernel does not take falls back to the torch reference,
-``TorchLayerOps``, which the tests compare these with (as ``TorchAttentionBackend``).
+chunks longer than ``attention.SHORT_CHUNK_ROWS`` still attend through the torch reference's code
+(SDPA: a matrix's work, several threads). A layer's sliding window and logit soft-cap are
+parameters of both paths: the C decode loop starts at the window's first key (blocks wholly before
+it are not read) and caps each score as the reference does. The backend is made only for an fp32
+model over an fp32 pool; a layer operation given a tensor its kernel does not take falls back to
+the torch reference, ``TorchLayerOps``, which the tests compare these with (as
+``TorchAttentionBackend``).
 
 Activations between the layer's operations are ``act_dtype``: bf16 for a model with quantized
 linears (what the packed int4/int8 kernels read and write, so no cast is left around them), else
@@ -76,13 +79,20 @@ class CpuLayerOps:
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
+        return self._gated(gate_up, self.lib.folio_silu_and_mul, TORCH_LAYER_OPS.silu_and_mul)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
+        """GeGLU (Gemma): tanh-approximated GELU of the gate times up."""
+        return self._gated(gate_up, self.lib.folio_gelu_tanh_and_mul, TORCH_LAYER_OPS.gelu_tanh_and_mul)
+
+    def _gated(self, gate_up: torch.Tensor, kernel, reference) -> torch.Tensor:
         if not _rows(gate_up):
             self.num_fallbacks += 1
-            return TORCH_LAYER_OPS.silu_and_mul(gate_up)
+            return reference(gate_up)
         n, d = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((n, d), dtype=self.act_dtype)
-        self.lib.folio_silu_and_mul(n, d, gate_up.data_ptr(), gate_up.stride(0), int(gate_up.dtype == _BF16),
-                                    out.data_ptr(), d, int(out.dtype == _BF16))
+        kernel(n, d, gate_up.data_ptr(), gate_up.stride(0), int(gate_up.dtype == _BF16), out.data_ptr(), d,
+               int(out.dtype == _BF16))
         return out
 
     def rope_write_kv(self, qkv: torch.Tensor, attn, rope: KernelRope, k_cache, v_cache, meta, backend) -> torch.Tensor:

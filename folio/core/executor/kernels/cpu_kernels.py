@@ -13,7 +13,8 @@ reference, for the rest and for GPUs.
 The sources are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
 cache, under a name that hashes the source and the flags, the first time a process needs it;
 other processes reuse the file. Without a compiler, or when the compile fails, ``library()`` is
-None (logged once) and the torch path samples every row.
+None (logged once) and the torch path samples every row. ``library_for(march)`` builds them for
+another target (the tests check an AVX2-only build on CPUs with AVX-512).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ FUNCTIONS = {  # every exported function's arguments (they all return void)
     "folio_add_rms_norm": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _ptr, _f32, _ptr, _i64, _int],
     "folio_rope_write_kv": [_i64, _ptr, _i64, _int] + [_ptr] * 4 + [_i64] * 3 + [_ptr] * 3,
     "folio_silu_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
+    "folio_gelu_tanh_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
     "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _i64, _f32, _ptr, _ptr],
 }
 
@@ -73,13 +75,13 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _compile() -> Path:
+def _compile(flags: tuple[str, ...] = FLAGS) -> Path:
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     # -march=native: the file is only good on CPUs with this one's features
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, platform.machine(), _cpu_features())).encode())
+    key = hashlib.sha256(source + " ".join((compiler, *flags, platform.machine(), _cpu_features())).encode())
     key = key.hexdigest()[:16]
     out = cache_dir() / "cpu-kernels" / f"folio-{key}.so"
     if out.exists():
@@ -87,7 +89,7 @@ def _compile() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        proc = subprocess.run([compiler, *FLAGS, f"-I{CSRC}", "-o", str(built), *map(str, SOURCES), "-lm"],
+        proc = subprocess.run([compiler, *flags, f"-I{CSRC}", "-o", str(built), *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -105,15 +107,27 @@ def library() -> ctypes.PyDLL | None:
             try:
                 # PyDLL: the calls keep the GIL. They are short, and a released GIL must be won back
                 # from whatever other thread took it meanwhile (the executor service's event loop)
-                lib = ctypes.PyDLL(str(_compile()))
-                for name, argtypes in FUNCTIONS.items():
-                    getattr(lib, name).argtypes = argtypes
-                    getattr(lib, name).restype = None
-                _library = lib
+                _library = _load(_compile())
             except (OSError, RuntimeError) as exc:
                 log.warning("the CPU kernels are unavailable; the torch ops run instead", error=str(exc))
             _tried = True
     return _library
+
+
+def _load(path: Path) -> ctypes.PyDLL:
+    lib = ctypes.PyDLL(str(path))
+    for name, argtypes in FUNCTIONS.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+def library_for(march: str) -> ctypes.PyDLL:
+    """The kernels compiled for another ``-march`` than this machine's (``x86-64-v3``: AVX2 and
+    FMA, no AVX-512), for the tests: every kernel must stay correct where ``native`` means less
+    than it does here. Raises RuntimeError when it cannot be built."""
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+    return _load(_compile(flags))
 
 
 def _addr(t: torch.Tensor | np.ndarray | None) -> int | None:

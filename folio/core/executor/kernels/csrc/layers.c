@@ -1,6 +1,6 @@
 /* A decoder layer's small operations on the CPU, one call each for the whole step: residual add +
- * RMSNorm, RoPE + the KV write, SiLU x gate, and decode attention over the paged pool (with a
- * sliding window and a logit soft-cap as parameters).
+ * RMSNorm, RoPE + the KV write, SiLU or GELU(tanh) x gate, and decode attention over the paged
+ * pool (with a sliding window and a logit soft-cap as parameters).
  *
  * Loaded by folio/core/executor/kernels/cpu_kernels.py with csrc/sampler.c; used by cpu_backend.py, where
  * the torch ops they replace (layer_ops.TorchLayerOps, attention.TorchAttentionBackend) stay the
@@ -95,21 +95,47 @@ static inline float silu_times(float g, float u) {
     return (g * sig) * u;
 }
 
-/* gate_up [n, 2 d] (row stride gs): out [n, d] = silu(gate) * up, in fp32, rounded once */
-void folio_silu_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs, int in_bf16, void *out, int64_t os,
-                        int out_bf16) {
+/* gelu_tanh(g) * u: 0.5 g (1 + tanh(y)) = g sigmoid(2 y), y = sqrt(2 / pi) (g + 0.044715 g^3),
+ * the sigmoid as in silu_times */
+static inline float gelu_tanh_times(float g, float u) {
+    const float y2 = 2.0f * (0.7978845608028654f * (g + 0.044715f * (g * g * g)));
+    float e = exp_nonpositive(y2 >= 0.0f ? -y2 : y2);
+    float sig = y2 >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    return (g * sig) * u;
+}
+
+static inline float gated(float g, float u, const int gelu) { return gelu ? gelu_tanh_times(g, u) : silu_times(g, u); }
+
+/* gate_up [n, 2 d] (row stride gs): out [n, d] = act(gate) * up, in fp32, rounded once */
+static inline __attribute__((always_inline)) void gated_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs,
+                                                                int in_bf16, void *out, int64_t os, int out_bf16,
+                                                                const int gelu) {
     for (int64_t t = 0; t < n; t++) {
         if (in_bf16 && out_bf16) { /* the quantized layers' case, in a loop of its own that vectorises */
             const uint16_t *g = (const uint16_t *)gate_up + t * gs, *u = g + d;
             uint16_t *o = (uint16_t *)out + t * os;
 #pragma omp simd
-            for (int64_t j = 0; j < d; j++) o[j] = float_to_bf16(silu_times(bf16_to_float(g[j]), bf16_to_float(u[j])));
-        } else {
             for (int64_t j = 0; j < d; j++)
-                store(out, t * os + j, silu_times(load(gate_up, t * gs + j, in_bf16), load(gate_up, t * gs + d + j, in_bf16)),
-                      out_bf16);
+                o[j] = float_to_bf16(gated(bf16_to_float(g[j]), bf16_to_float(u[j]), gelu));
+        } else {
+            for (int64_t j = 0; j < d; j++) {
+                const float g = load(gate_up, t * gs + j, in_bf16), u = load(gate_up, t * gs + d + j, in_bf16);
+                store(out, t * os + j, gated(g, u, gelu), out_bf16);
+            }
         }
     }
+}
+
+/* silu(gate) * up (SwiGLU) */
+void folio_silu_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs, int in_bf16, void *out, int64_t os,
+                        int out_bf16) {
+    gated_and_mul(n, d, gate_up, gs, in_bf16, out, os, out_bf16, 0);
+}
+
+/* gelu_tanh(gate) * up (GeGLU, Gemma's) */
+void folio_gelu_tanh_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs, int in_bf16, void *out, int64_t os,
+                             int out_bf16) {
+    gated_and_mul(n, d, gate_up, gs, in_bf16, out, os, out_bf16, 1);
 }
 
 /* attention of one KV head's query heads (group of them, at qg) over keys first..len-1 through a
