@@ -29,6 +29,21 @@ FAMILIES = {
     "qwen2_moe-shared": ("qwen2_moe", dict(norm_topk_prob=False, shared_expert_intermediate_size=48, **MOE)),
     "olmoe": ("olmoe", dict(num_experts=5, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True,
                             clip_qkv=1.5, eos_token_id=1, pad_token_id=0)),
+    # windows of 6-7 positions against prompts of 5..26 tokens and 12 more generated
+    "mistral-window": ("mistral", dict(sliding_window=7)),
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),  # layer 1
+    # layer 0 windowed, layer 1 global; both soft-caps bite; the query scale is not head_dim's
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+                              query_pre_attn_scalar=24, tie_word_embeddings=True)),
+    # two local layers (base 10k, window 6) to one global (base 1M); q/k norms
+    "gemma3": ("gemma3_text", dict(head_dim=16, num_hidden_layers=3, sliding_window=6, query_pre_attn_scalar=32,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                   tie_word_embeddings=True)),
+    # fused qkv_proj/gate_up_proj; LongRoPE (short factors within 64 positions); window 7 on every layer
+    "phi3": ("phi3", dict(sliding_window=7, original_max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                          bos_token_id=2, rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                               short_factor=[1.0 + 0.4 * i for i in range(8)],
+                                                               long_factor=[2.0 + 0.7 * i for i in range(8)]))),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
 PROMPTS = [[(7 * i + 13 * j) % 127 + 1 for j in range(5 + 3 * i)] for i in range(8)]  # 5..26 tokens
@@ -139,11 +154,23 @@ def test_the_cpu_kernel_backend(tmp_path, name):
 
 def test_qwen3_over_two_ranks(tmp_path):
     """Tensor parallel 2 over gloo: each rank its heads, the per-head q/k norms replicated."""
+    over_two_ranks(tmp_path, "qwen3")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_over_two_ranks(tmp_path, name):
+    """Gemma 2: windows, soft-caps (the final one after the logits' gather) and the sandwich norms
+    on each rank's heads; Phi-3: each rank's rows of the fused qkv_proj and gate_up_proj."""
+    over_two_ranks(tmp_path, name)
+
+
+def over_two_ranks(tmp_path, name):
     from transformers import AutoModelForCausalLM
 
     from folio.core.executor.parallel.workers import ParallelRunner
 
-    path = write_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=16)
+    model_type, overrides = FAMILIES[name]
+    path = write_tiny_model(tmp_path / name, model_type, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     failures: list[str] = []
     config = RuntimeConfig(model=path, device="cpu", dtype="float32", quantization="none", block_size=8,
@@ -175,12 +202,50 @@ def test_moe_refuses_what_it_cannot_run_yet(tmp_path, options, message):
         load_model(path, torch.float32, torch.device(options.get("device", "cpu")), options.get("quantization", "none"))
 
 
-@pytest.mark.parametrize("config_name", ["Qwen3Config", "Qwen2MoeConfig", "Qwen3MoeConfig"])
-def test_a_sliding_window_flag_is_refused_at_start(config_name):
+@pytest.mark.parametrize("config_name, options, windows", [
+    ("LlamaConfig", {}, (0, 0, 0, 0)),
+    ("MistralConfig", dict(sliding_window=5), (5, 5, 5, 5)),
+    ("Phi3Config", dict(sliding_window=5), (5, 5, 5, 5)),
+    ("Qwen2Config", dict(sliding_window=5), (0, 0, 0, 0)),  # no use_sliding_window: no window
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2), (0, 0, 5, 5)),
+    ("Qwen3Config", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), (0, 5, 5, 5)),
+    ("Qwen3MoeConfig", dict(use_sliding_window=True, sliding_window=5), (5, 5, 5, 5)),
+    ("Gemma2Config", dict(sliding_window=5), (5, 0, 5, 0)),
+    ("Gemma3TextConfig", dict(sliding_window=5, sliding_window_pattern=2), (5, 0, 5, 0)),
+])
+def test_sliding_windows_are_read_as_transformers_applies_them(config_name, options, windows):
     import transformers
 
     from folio.core.executor.model import registry
 
-    config = getattr(transformers, config_name)(num_hidden_layers=1, use_sliding_window=True)
-    with pytest.raises(ValueError, match="use_sliding_window is not supported"):
+    config = getattr(transformers, config_name)(num_hidden_layers=4, **options)
+    assert registry.model_spec(config).layer_windows == windows
+
+
+def test_the_multimodal_gemma3_is_refused_with_its_reason():
+    import transformers
+
+    from folio.core.executor.model import registry
+
+    config = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(ValueError, match="multimodal Gemma 3.*folio runs llama"):
         registry.model_spec(config)
+
+
+def test_longrope_beyond_the_original_length_rotates_as_transformers():
+    """Positions from original_max_position_embeddings on take the long factors (those
+    transformers gives them when the sequence is that long), the ones before the short factors."""
+    import transformers
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from folio.core.executor.model.layers import rope_cos_sin
+
+    _, overrides = FAMILIES["phi3"]
+    config = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512, **overrides)
+    cos, sin = rope_cos_sin(config, 512, torch.float32)
+    x = torch.zeros(1, 1, 16)
+    for positions in (torch.arange(0, 64), torch.arange(0, 200)):
+        ref_cos, ref_sin = Phi3RotaryEmbedding(config)(x, positions[None])
+        tail = positions >= (64 if len(positions) > 64 else 0)  # the long factors apply to these
+        assert torch.equal(cos[positions][tail], ref_cos[0][tail]) and torch.equal(sin[positions][tail], ref_sin[0][tail])
+    assert not torch.equal(cos[:64], Phi3RotaryEmbedding(config)(x, torch.arange(0, 200)[None])[0][0, :64])

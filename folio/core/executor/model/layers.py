@@ -1,6 +1,12 @@
 """The shared layers every model family is built from: the spec, RMSNorm, the RoPE tables,
-paged attention (with optional q/k norms), the dense SwiGLU MLP, the vocabulary embedding, the
-oneDNN-packed linear, and ``CausalLM``, the decoder stack the family files subclass.
+paged attention (with optional q/k norms), the dense SwiGLU/GeGLU MLP, the vocabulary embedding,
+the oneDNN-packed linear, and ``CausalLM``, the decoder stack the family files subclass.
+
+What the families differ in is a ``ModelSpec`` field, never a copy of a layer: per-layer sliding
+windows (``layer_windows``, as transformers reads them from the config), attention and final logit
+soft-caps, the query scale, Gemma's ``(1 + w)`` norms (``norm_offset``, folded in at load by
+``RMSNorm``), its norms around attention and the MLP (``sandwich_norms``), its embedding scale
+and GeGLU, and a second RoPE table for windowed layers (``CausalLM.local_rope``, Gemma 3).
 
 The family files (``llama.py``, ``qwen3.py``, ``mixtral.py``, ...) pick from these; ``registry.py``
 maps a checkpoint to its family; ``loader.py`` and ``parallel/sharded_load.py`` build the model
@@ -9,8 +15,9 @@ through it; ``runtime/runner.py`` packs its linears for the CPU (``pack_linears_
 The forward pass takes one flattened varlen batch (``input_ids``/``positions`` of every new token
 of every scheduled sequence) and the per-layer K/V pools; attention goes through a backend
 (``attention.TorchAttentionBackend``, the CPU or the CUDA kernels) that reads the pool through
-block tables. The RoPE frequency table comes from ``transformers`` (every scaling type it knows,
-llama3 included), so ours is the same as the reference implementation's.
+block tables, with the layer's ``window`` and ``softcap``. The RoPE frequency table comes from
+``transformers`` (every scaling type it knows, llama3 and longrope included), so ours is the same
+as the reference implementation's.
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up projections
 are fused into one GEMM each (the family's ``checkpoint_layout`` says which checkpoint tensors
@@ -61,14 +68,25 @@ class ModelSpec:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (sigmoid-gated)
     moe_layers: tuple[bool, ...] = ()  # which layers have experts (the rest a dense MLP)
+    # attention variants: per-layer sliding windows (Mistral, Qwen2/3, Phi-3, Gemma 2/3), soft-caps
+    # and a query scale override (Gemma 2/3)
+    layer_windows: tuple[int, ...] = ()  # each layer's window W (0: global); () for all global
+    attn_softcap: float = 0.0  # scores s -> c tanh(s / c) before the mask (0: off)
+    final_softcap: float = 0.0  # the same on the final logits
+    query_pre_attn_scalar: float = 0.0  # the attention scale is its -1/2 power (0: head_dim's)
+    # Gemma's layer
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w) (Gemma: 1; see RMSNorm)
+    sandwich_norms: bool = False  # norms after attention and around the MLP too (Gemma 2/3)
+    embed_scale: float = 1.0  # the embeddings times this (Gemma: sqrt(hidden_size))
 
     @staticmethod
     def from_hf_config(config) -> "ModelSpec":
         """The fields every family shares; ``registry.model_spec`` is the checked entry point."""
         model_type = getattr(config, "model_type", "llama")
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported activation {act!r} (SwiGLU/silu only)")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} (gated MLPs of {', '.join(ACTIVATIONS)} only)")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
@@ -85,40 +103,103 @@ class ModelSpec:
             max_position_embeddings=config.max_position_embeddings,
             qkv_bias=qkv_bias,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            layer_windows=layer_windows(config),
+            activation=ACTIVATIONS[act],
         )
 
 
-def rope_cos_sin(config, max_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[max_positions, head_dim]`` computed as transformers computes them."""
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> the MLP's
+
+
+def layer_windows(config) -> tuple[int, ...]:
+    """Each layer's sliding window, as transformers applies it: by ``layer_types`` where the config
+    has them (Gemma 2/3; Qwen2/3 derive them from ``use_sliding_window`` and ``max_window_layers``),
+    else ``sliding_window`` on every layer (Mistral, Phi-3, Qwen3-MoE; None or 0: none)."""
+    window = int(getattr(config, "sliding_window", None) or 0)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"unsupported attention layer types {sorted(unknown)} (sliding and full attention only)")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def rope_cos_sin(config, max_positions: int, dtype: torch.dtype,
+                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_positions, head_dim]`` computed as transformers computes them.
+
+    ``layer_type``: a config whose ``rope_parameters`` are per layer type (Gemma 3: its local
+    base for ``sliding_attention``, the global one for ``full_attention``) gives that type's.
+    LongRoPE (Phi-3's ``longrope``/``su``): transformers rotates a whole sequence by the short
+    factors while it is within ``original_max_position_embeddings`` and recomputes all of it with
+    the long factors once it is longer; a paged KV cache cannot re-rotate its keys, so here each
+    position has one rotation: the short factors' below ``original_max_position_embeddings`` (the
+    same as transformers for every sequence within it), the long factors' from there on (the same
+    as transformers gives those positions)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         attention_scaling = 1.0
     elif rope_type in ("linear", "llama3", "yarn", "longrope"):
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
     else:
         raise ValueError(f"unsupported RoPE type {rope_type!r}")
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    inv_freq = inv_freq.float().expand(max_positions, -1)  # [max_positions, head_dim / 2]
+    if rope_type == "longrope":
+        original = params["original_max_position_embeddings"]
+        long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=original + 1, **kwargs)
+        inv_freq = torch.cat([inv_freq[:original], long_freq.float().expand(max_positions, -1)[original:]])
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
     return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
 
 
+@dataclass
+class RopeTables:
+    """A second pair of cos/sin tables (Gemma 3's local layers); ``layer_ops.rope_inputs`` reads
+    ``rope_cos``/``rope_sin`` from it as from the model."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """``w * x / rms(x)``; with an ``offset`` (Gemma: 1) the checkpoint's ``w`` means ``offset + w``.
+
+    The offset is folded into the weight once, as the checkpoint is loaded (``_load_from_state_dict``,
+    the one place it happens: every ``load_state_dict``, both loaders' path, goes through it), so
+    every backend's norm kernel stays the plain one. A loader must therefore hand over the
+    checkpoint's own ``w``: llama.cpp's converter stores Gemma's norms with the +1 already added,
+    so a GGUF reader subtracts 1 from them first (as transformers' GGUF loader does)."""
+
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "weight"
+        if self.offset and key in state_dict:  # in fp32, as transformers computes (1 + w)
+            state_dict[key] = state_dict[key].float() + self.offset
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # normalises the last dim
         return TORCH_LAYER_OPS.rms_norm(x, self)
 
 
 class Attention(nn.Module):
+    """Paged attention over this rank's heads; ``window`` (this layer's sliding window, set by
+    ``CausalLM`` from ``spec.layer_windows``) and ``softcap`` go to the backend's ``attend``."""
+
     def __init__(self, spec: ModelSpec, shard: Shard = Shard(), comm: Comm | None = None):
         super().__init__()
         h0, h1 = shard.split(spec.num_heads, "the number of attention heads")
@@ -128,7 +209,9 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * spec.head_dim
         self.kv_size = self.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = (spec.query_pre_attn_scalar or spec.head_dim) ** -0.5
+        self.window = 0  # 0: global; W: the last W positions, this one included
+        self.softcap = spec.attn_softcap
         self.kv_scales = (1.0, 1.0)  # an fp8 pool's (k_scale, v_scale), set by kv_quant's calibration
         self.kv_rotation: torch.Tensor | None = None  # an fp8 pool's basis for q, k and v (kv_quant)
         self.comm = comm
@@ -137,8 +220,8 @@ class Attention(nn.Module):
         self.qk_norm, self.clip_qkv = spec.qk_norm, spec.clip_qkv
         if spec.qk_norm:
             per_head = spec.qk_norm == "head"
-            self.q_norm = RMSNorm(spec.head_dim if per_head else self.q_size, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim if per_head else self.kv_size, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim if per_head else self.q_size, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(spec.head_dim if per_head else self.kv_size, spec.rms_norm_eps, spec.norm_offset)
 
     def norm_qkv(self, qkv: torch.Tensor) -> torch.Tensor:  # [n, q_size + 2 kv_size], the same shape back
         """q/k norms and clipping, before RoPE: every backend's fused RoPE + KV write then sees
@@ -162,7 +245,8 @@ class Attention(nn.Module):
             qkv = self.norm_qkv(qkv)
         # rotates q and k, writes k and v into the pool (one fused kernel on the kernel backend)
         q = backend.layer_ops.rope_write_kv(qkv, self, rope, k_cache, v_cache, meta, backend)
-        out = backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales)  # [num_tokens, num_heads, head_dim]
+        out = backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales,
+                             window=self.window, softcap=self.softcap)  # [num_tokens, num_heads, head_dim]
         if self.kv_rotation is not None:  # v was stored rotated: the output back to the model's basis
             out = out @ self.kv_rotation.T
         out = self.o_proj(out.reshape(num_tokens, self.q_size))  # row-parallel: a partial sum
@@ -170,7 +254,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate x) * up x)``, gate and up fused into one GEMM."""
+    """SwiGLU ``down(silu(gate x) * up x)`` or GeGLU (``spec.activation`` gelu_tanh: Gemma's
+    tanh-approximated GELU), gate and up fused into one GEMM."""
 
     def __init__(self, spec: ModelSpec, shard: Shard = Shard(), comm: Comm | None = None,
                  intermediate_size: int | None = None):
@@ -178,22 +263,34 @@ class MLP(nn.Module):
         i0, i1 = shard.split(intermediate_size or spec.intermediate_size, "the intermediate size")
         self.intermediate_size = i1 - i0  # this rank's part
         self.comm = comm
+        self.gelu = spec.activation == "gelu_tanh"
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops=TORCH_LAYER_OPS) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # row-parallel: a partial sum
+        act = ops.gelu_tanh_and_mul if self.gelu else ops.silu_and_mul  # [n, 2 i] -> [n, i]
+        out = self.down_proj(act(self.gate_up_proj(x)))  # row-parallel: a partial sum
         return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and feed-forward (a dense ``MLP`` or ``moe.MoE``), each with a residual."""
+    """Pre-norm attention and feed-forward (a dense ``MLP`` or ``moe.MoE``), each with a residual.
+
+    With ``spec.sandwich_norms`` (Gemma 2/3) the attention's and the MLP's outputs are normed too
+    before their residual adds: ``post_attention_layernorm`` norms the attention's output,
+    ``pre_feedforward_layernorm`` the MLP's input and ``post_feedforward_layernorm`` its output
+    (the checkpoint's names)."""
 
     def __init__(self, spec: ModelSpec, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        h, eps, offset = spec.hidden_size, spec.rms_norm_eps, spec.norm_offset
+        self.input_layernorm = RMSNorm(h, eps, offset)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
         self.mlp = mlp
 
     def forward(self, normed, residual, rope, k_cache, v_cache, meta, backend, next_norm: RMSNorm):
@@ -201,9 +298,14 @@ class DecoderLayer(nn.Module):
         norm by ``next_norm`` (the next layer's input norm, or the final one): each residual add
         is fused with the norm that follows it."""
         ops = backend.layer_ops
-        h = self.self_attn(normed, rope, k_cache, v_cache, meta, backend)
-        residual, normed = ops.add_rms_norm(h, residual, self.post_attention_layernorm)
-        return ops.add_rms_norm(self.mlp(normed, ops), residual, next_norm)
+        h = self.self_attn(normed, rope, k_cache, v_cache, meta, backend)  # [n, hidden]
+        if not self.sandwich:
+            residual, normed = ops.add_rms_norm(h, residual, self.post_attention_layernorm)
+            return ops.add_rms_norm(self.mlp(normed, ops), residual, next_norm)
+        h = ops.rms_norm(h, self.post_attention_layernorm)
+        residual, normed = ops.add_rms_norm(h, residual, self.pre_feedforward_layernorm)
+        h = ops.rms_norm(self.mlp(normed, ops), self.post_feedforward_layernorm)
+        return ops.add_rms_norm(h, residual, next_norm)
 
 
 class PackedLinear(nn.Module):
@@ -274,7 +376,10 @@ class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (tied to the embeddings or not).
 
     A family subclasses it: ``model_types``/``architectures`` (what ``registry`` matches),
-    ``spec_from_config`` (its extras), ``make_layer`` (its layer) and ``checkpoint_layout``."""
+    ``spec_from_config`` (its extras), ``make_layer`` (its layer) and ``checkpoint_layout``.
+    Whatever the family's layer, each layer's attention gets its window from
+    ``spec.layer_windows`` here; ``local_rope`` (set by ``init_rope``, Gemma 3) is the RoPE table
+    of the windowed layers when they have their own."""
 
     model_types: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ()
@@ -287,12 +392,15 @@ class CausalLM(nn.Module):
         self.comm = comm if shard.size > 1 else None
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, shard, self.comm)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        for layer, window in zip(self.layers, spec.layer_windows):
+            layer.self_attn.window = window
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         rows = self.embed_tokens.weight.shape[0]
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, rows, bias=False)
         self.packed_lm_head: nn.Module | None = None  # oneDNN-packed or quantized
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.local_rope: RopeTables | None = None
 
     @classmethod
     def spec_from_config(cls, config) -> ModelSpec:
@@ -324,11 +432,15 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         ops = backend.layer_ops
         residual = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if self.spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden) in the activations' dtype, as transformers
+            residual = residual * torch.tensor(self.spec.embed_scale, dtype=residual.dtype)
         rope = ops.rope_inputs(self, positions)
+        local = rope if self.local_rope is None else ops.rope_inputs(self.local_rope, positions)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         normed = ops.rms_norm(residual, self.layers[0].input_layernorm)
         for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
-            residual, normed = layer(normed, residual, rope, k_cache, v_cache, meta, backend, next_norm)
+            r = local if layer.self_attn.window else rope
+            residual, normed = layer(normed, residual, r, k_cache, v_cache, meta, backend, next_norm)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab_size] fp32
@@ -337,10 +449,13 @@ class CausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()
-        if self.comm is None:
-            return logits
-        # every rank gets the whole rows (all of them run the same prompt-logprob code); padding goes
-        return self.comm.all_gather_cat(logits)[:, : self.spec.vocab_size]
+        if self.comm is not None:
+            # every rank gets the whole rows (all of them run the same prompt-logprob code); padding goes
+            logits = self.comm.all_gather_cat(logits)[:, : self.spec.vocab_size]
+        if self.spec.final_softcap:  # Gemma 2: c tanh(logits / c)
+            cap = self.spec.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def base_layout(spec: ModelSpec, shard: Shard) -> dict[str, list[Part]]:
@@ -371,7 +486,10 @@ def attention_layout(spec: ModelSpec, shard: Shard, i: int) -> dict[str, list[Pa
     elif spec.qk_norm == "full":  # over the whole projection: this rank's heads' part
         layout[dst + "self_attn.q_norm.weight"] = [(attn + "q_norm.weight", 0, *heads["q"])]
         layout[dst + "self_attn.k_norm.weight"] = [(attn + "k_norm.weight", 0, *heads["k"])]
-    for norm in ("input_layernorm", "post_attention_layernorm"):
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if spec.sandwich_norms:
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    for norm in norms:
         layout[f"{dst}{norm}.weight"] = [(f"{src}{norm}.weight", None, 0, 0)]
     return layout
 

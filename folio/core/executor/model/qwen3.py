@@ -1,7 +1,8 @@
 """Qwen3 (dense): the Llama layer with an RMSNorm over each head of q and of k before RoPE.
 
 ``Attention.norm_qkv`` applies the norms to the fused q/k/v output, so every backend's RoPE + KV
-write (the torch reference, the CPU and the CUDA kernels) rotates the normed q and k.
+write (the torch reference, the CPU and the CUDA kernels) rotates the normed q and k. With
+``use_sliding_window`` the layers from ``max_window_layers`` on are windowed, as in Qwen2.
 """
 
 from __future__ import annotations

@@ -8,19 +8,25 @@ experts: CUDA, quantization other than int8/int4).
 
 from __future__ import annotations
 
+from folio.core.executor.model.gemma2 import Gemma2ForCausalLM
+from folio.core.executor.model.gemma3 import Gemma3ForCausalLM
 from folio.core.executor.model.layers import CausalLM, ModelSpec
 from folio.core.executor.model.llama import LlamaForCausalLM
 from folio.core.executor.model.mixtral import MixtralForCausalLM
 from folio.core.executor.model.olmoe import OlmoeForCausalLM
+from folio.core.executor.model.phi3 import Phi3ForCausalLM
 from folio.core.executor.model.qwen2_moe import Qwen2MoeForCausalLM
 from folio.core.executor.model.qwen3 import Qwen3ForCausalLM
 from folio.core.executor.model.qwen3_moe import Qwen3MoeForCausalLM
 from folio.core.executor.parallel.comm import Comm, Shard
 
 FAMILIES: tuple[type[CausalLM], ...] = (
-    LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
-    OlmoeForCausalLM,
+    LlamaForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
+    MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM,
 )
+# checkpoints refused with a reason of their own
+REFUSED = {"Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (vision tower and text model); "
+                                             "folio runs Gemma 3's text model (Gemma3ForCausalLM, gemma3_text) only"}
 
 
 def supported() -> str:
@@ -30,6 +36,8 @@ def supported() -> str:
 
 def family_for(config) -> type[CausalLM]:
     for arch in getattr(config, "architectures", None) or ():
+        if arch in REFUSED:
+            raise ValueError(f"unsupported architecture {arch}: {REFUSED[arch]}; folio runs {supported()}")
         for family in FAMILIES:
             if arch in family.architectures:
                 return family
@@ -43,10 +51,7 @@ def family_for(config) -> type[CausalLM]:
 
 def model_spec(config) -> ModelSpec:
     """The checked spec of a checkpoint's config (raises for an unsupported model)."""
-    family = family_for(config)
-    if getattr(config, "use_sliding_window", False):  # Qwen's flag; no family runs sliding-window attention yet
-        raise ValueError(f"{config.model_type} with use_sliding_window is not supported yet (no sliding-window attention)")
-    return family.spec_from_config(config)
+    return family_for(config).spec_from_config(config)
 
 
 def build_model(spec: ModelSpec, config, shard: Shard = Shard(), comm: Comm | None = None) -> CausalLM:
