@@ -30,6 +30,7 @@ from folio.testing.models import write_tiny_model
 gguf = pytest.importorskip("gguf")
 
 MOE = dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=32)
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, tie_word_embeddings=True)
 CASES = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=64,
@@ -38,6 +39,19 @@ CASES = {
     "qwen3": ("qwen3", dict(head_dim=24)),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=16, norm_topk_prob=True, **MOE)),
     "qwen2_moe": ("qwen2_moe", dict(norm_topk_prob=False, shared_expert_intermediate_size=48, **MOE)),
+    # llama.cpp scales Gemma's queries by head_dim ** -0.5 (hidden / heads for the 27B models) and
+    # ties the head; windows shorter than the prompt and soft-caps that bite
+    "gemma2": ("gemma2", dict(attn_logit_softcapping=3.0, final_logit_softcapping=5.0, **GEMMA)),
+    # six layers: five local, one global (llama.cpp's fixed pattern); its own global RoPE scaling
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=6, rope_parameters={
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **GEMMA)),
+    # LongRoPE past an original context of 8 (the factors as llama.cpp's tensors), a window of 6
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=8, sliding_window=6, pad_token_id=0,
+                                   eos_token_id=2, rope_parameters={
+                                       "rope_type": "longrope", "rope_theta": 1e4,
+                                       "long_factor": [1.0 + i / 4 for i in range(8)],
+                                       "short_factor": [1.0 + i / 16 for i in range(8)]})),
 }
 ARCH = {"llama": "LLAMA", "mixtral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen2_moe": "QWEN2MOE",
         "qwen3_moe": "QWEN3MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3"}
@@ -132,6 +146,15 @@ def converted_tensors(folder: Path, c: dict, model_type: str) -> dict[str, torch
     return out
 
 
+def extra_tensors(c: dict, model_type: str) -> dict[str, torch.Tensor]:
+    """``Phi3MiniModel.generate_extra_tensors``: LongRoPE's factors as tensors."""
+    rope = c.get("rope_parameters") or {}
+    if model_type != "phi3" or rope.get("rope_type") not in ("longrope", "su"):
+        return {}
+    return {"rope_factors_long.weight": torch.tensor(rope["long_factor"]),
+            "rope_factors_short.weight": torch.tensor(rope["short_factor"])}
+
+
 def to_gguf(folder: str, path: Path, quantize=None) -> Path:
     """``folder`` as llama.cpp would convert it; ``quantize(gguf_name)`` -> a quantization type for
     2-D tensors (default F32)."""
@@ -140,7 +163,8 @@ def to_gguf(folder: str, path: Path, quantize=None) -> Path:
     model_type = c["model_type"]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[ARCH[model_type]]])
     write_metadata(w, c, model_type)
-    for name, t in converted_tensors(folder, c, model_type).items():
+    tensors = {**converted_tensors(folder, c, model_type), **extra_tensors(c, model_type)}
+    for name, t in tensors.items():
         array = t.float().numpy()
         qtype = quantize(name) if quantize and array.ndim == 2 else None
         if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
@@ -250,3 +274,30 @@ def test_unsupported_gguf_architecture_is_a_clear_error(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="GGUF architecture 'bloom' is not supported"):
         load_model(path, torch.float32, torch.device("cpu"))
+
+
+def test_two_ranks_read_their_slices_of_a_mixtral_gguf(tmp_path):
+    """Tensor parallel 2 from the GGUF (each rank its heads of the permuted q/k rows, its half of every
+    expert's rows and columns, read from the stacked 3-D tensors): the tokens and logprobs of one
+    rank on the folder."""
+    from folio.core.executor.parallel.workers import ParallelRunner
+    from tests.executor.test_model_families import PROMPTS, run
+
+    model_type, overrides = CASES["mixtral"]
+    folder = write_tiny_model(tmp_path / "hf", model_type, **overrides)
+    path = str(to_gguf(folder, tmp_path / "mixtral.gguf"))
+    failures: list[str] = []
+    config = RuntimeConfig(model=path, device="cpu", dtype="float32", quantization="none", block_size=8,
+                           num_kv_blocks=64, tensor_parallel_size=2)
+    group = ParallelRunner(config, path, on_failure=failures.append)
+    try:
+        ours = run(group, PROMPTS[:2], budget=16)
+    finally:
+        group.close()
+    assert not failures
+    reference = run(runner_for(folder), PROMPTS[:2], budget=16)
+    for (tokens, lps, _), (want, want_lps, _) in zip(ours, reference):
+        assert tokens == want
+        for lp, ref in zip(lps, want_lps):
+            assert lp.top_token_ids == ref.top_token_ids
+            assert lp.top_logprobs == pytest.approx(ref.top_logprobs, abs=1e-4)

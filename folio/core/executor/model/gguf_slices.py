@@ -16,10 +16,11 @@ What the converter changed is undone on the way back:
   HF tensor (``block_sparse_moe.experts.{e}.w1`` / ``mlp.experts.{e}.gate_proj``), one 2-D slab of
   the stack. The router is ``ffn_gate_inp``; Qwen2-MoE's shared expert is ``ffn_*_shexp``;
 - Phi-3 keeps ``attn_qkv`` and ``ffn_up`` (gate then up) fused, as its HF checkpoint does;
-- Gemma stores every norm weight with the ``+1`` of ``(1 + w)`` RMSNorm already added: the norms
-  (``norm_offset_folded``) come back as stored, and the loader skips the family's own ``+1``;
-  Gemma 2/3's ``ffn_norm`` is ``pre_feedforward_layernorm``, ``post_attention_norm`` and
-  ``post_ffw_norm`` the post-norms.
+- Gemma stores every norm weight (q/k norms and the final norm included) with the ``+1`` of its
+  ``(1 + w)`` RMSNorm already added: 1 is subtracted again (as transformers' GGUF loader does), so
+  the checkpoint's own ``w`` reaches ``layers.RMSNorm``, which folds the ``+1`` in at load (exact
+  in fp32 for every stored value from 0.5 up); Gemma 2/3's ``ffn_norm`` is
+  ``pre_feedforward_layernorm``, ``post_attention_norm`` and ``post_ffw_norm`` the post-norms.
 
 The config is built from the metadata with the family's ``transformers`` config class:
 ``{arch}.block_count``, ``.embedding_length``, ``.feed_forward_length``, ``.attention.head_count(_kv)``,
@@ -115,7 +116,7 @@ class GGUFSlices:
                     self.permuted_heads[name] = heads
                 elif ".self_attn.k_proj." in name:
                     self.permuted_heads[name] = kv_heads
-        self.norm_offset_folded = self.arch in ("gemma2", "gemma3")
+        self.norm_offset = 1.0 if self.arch in ("gemma2", "gemma3") else 0.0  # stored as 1 + w
         # the metadata (the tokenizer's ~100k strings as small arrays) is ~150 MB of Python objects
         # for SmolLM2; the config was read already, so let it go before the weights arrive
         self.reader.fields.clear()
@@ -160,10 +161,12 @@ class GGUFSlices:
             data = data[:, start // block * type_size: end // block * type_size] if quantized else data[:, start:end]
         values = gguf.dequantize(np.ascontiguousarray(data), qtype)
         tensor = torch.from_numpy(np.array(values, dtype=np.float32))
-        order = self.row_order(name, tensor.shape[0], dim)
+        if self.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor - self.norm_offset
+        order = self.row_order(name, tensor.shape[0])
         return tensor if order is None else tensor[order]
 
-    def row_order(self, name: str, rows: int, dim: int | None = None) -> torch.Tensor | None:
+    def row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """transformers' ``reverse_permute_weights`` for llama q/k, per head of the rows read:
         HF row (head, half, i) is GGUF row (head, i, half)."""
         if name not in self.permuted_heads:
@@ -210,9 +213,9 @@ def _q4_rows(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m))
 
 
-def read_gguf(path: Path) -> tuple[object, dict[str, torch.Tensor], str, dict[str, Int4Weight], bool]:
-    """(config, dense HF-named state, the file's own quantization, its int4 linears, whether the
-    Gemma ``+1`` is in the norms already) for ``loader.read_checkpoint``.
+def read_gguf(path: Path) -> tuple[object, dict[str, torch.Tensor], str, dict[str, Int4Weight]]:
+    """(config, dense HF-named state, the file's own quantization, its int4 linears) for
+    ``loader.read_checkpoint``.
 
     The quantization is ``int4`` when every projection is Q4_0/Q4_1 (served losslessly), ``int8``
     when every one is Q8_0 (served by per-channel requantization), else ``none`` (dense)."""
@@ -225,7 +228,7 @@ def read_gguf(path: Path) -> tuple[object, dict[str, torch.Tensor], str, dict[st
         method, quant = "int8", {}
     else:
         method, quant = "none", {}
-    return reader.config, state, method, quant, reader.norm_offset_folded
+    return reader.config, state, method, quant
 
 
 def read_gguf_config(path: Path):

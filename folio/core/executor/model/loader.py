@@ -89,8 +89,7 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
     Quantized linears are also dequantized into the dense state, so ``--quantization none`` (and
     everything that is not a projection) always has its weights."""
     if path.suffix == ".gguf":
-        config, state, method, quant, _ = read_gguf(path)
-        return config, state, method, quant
+        return read_gguf(path)
     config = load_hf_config(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # transformers would try to quantize on its own
