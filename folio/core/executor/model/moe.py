@@ -30,7 +30,12 @@ expert's gate stay in the model's dtype (as the LM head keeps its exact weights)
 decision is a ranking of close values. Activations arrive bf16 from the CPU kernels then; the
 experts' weighted rows are summed in fp32.
 
-MoE models run on the CPU (``registry.check_runtime`` says so at start).
+On a GPU (activations on CUDA, or a ``kernel_launcher`` set on the block, as the emulated tests
+do), the routed experts run on folio's MoE kernels (``kernels/moe_kernels.py``, ``cuda/moe.cu``:
+routing, grouping and a grouped GEMM on the device, no host sync) where they apply: f16/bf16
+weights, not quantized, sizes multiples of 16; elsewhere the torch path below runs. Serving
+still runs MoE models on the CPU only (``registry.check_runtime`` says so at start) until a GPU
+run has checked this path.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.core.executor.kernels import moe_kernels
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
 from folio.core.executor.model.layers import (
     MLP, Attention, CausalLM, DecoderLayer, ModelSpec, Part, attention_layout, base_layout, mlp_layout,
@@ -137,7 +143,13 @@ class MoE(nn.Module):
         rounded = quantize_int8 if method == "int8" else (lambda w: quantize_int4(w, group_size))
         self._per_expert(lambda w: QuantLinear(rounded(w.float())))
 
+    kernel_launcher = None  # launches cuda/moe.cu (None: CuPy's on a GPU; the tests set the CPU emulation's)
+
     def forward(self, x: torch.Tensor, ops=TORCH_LAYER_OPS) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        if x.is_cuda or self.kernel_launcher is not None:
+            y = moe_kernels.routed_experts(self, x)  # None where the kernels do not apply
+            if y is not None:
+                return self._add_shared_and_reduce(x, y, ops)
         n, k = x.shape[0], self.top_k
         dtype = self.gate.weight.dtype  # the model's: the output's and the sums' (x may be bf16 activations)
         experts, weights = self.route(x)
@@ -158,6 +170,11 @@ class MoE(nn.Module):
         out *= weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros((n, x.shape[1]), dtype=dtype, device=x.device)
         y.index_add_(0, token, out)  # [n, hidden]: each token's k slots summed
+        return self._add_shared_and_reduce(x, y, ops)
+
+    def _add_shared_and_reduce(self, x: torch.Tensor, y: torch.Tensor, ops) -> torch.Tensor:
+        """The routed experts' ``y`` plus the gated shared expert (if any), summed over the ranks."""
+        dtype = self.gate.weight.dtype
         if self.shared_expert is not None:
             gate = F.linear(x.to(dtype), self.shared_expert_gate.weight)  # [n, 1]
             y = y + torch.sigmoid(gate) * self.shared_expert(x, ops).to(dtype)
