@@ -103,6 +103,13 @@ struct alignas(N * sizeof(T)) vecn { T e[N]; };
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Attention logit soft-capping (Gemma 2): cap * tanh(s / cap), with inv_cap = 1 / cap computed
+// on the host (clamped to the largest float, so a tiny cap never makes 0 * inf). cap = 0: off.
+// Scores of +-inf (or beyond cap * 2^127) become +-cap, as the reference's division and tanh give.
+__device__ __forceinline__ float soft_cap(float s, float cap, float inv_cap) {
+  return cap > 0.f ? cap * tanhf(s * inv_cap) : s;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, mask));

@@ -9,6 +9,11 @@
 // some heads of the group and some keys of each tile, keeps an online softmax per head, and the
 // rows that split the keys of one head merge through shared memory at the end. A split CTA
 // writes its normalized output and log-sum-exp; paged_attention_reduce merges the splits.
+//
+// Per-layer options, run-time arguments of the one kernel: a sliding window (the token at position
+// p sees keys p - window < k <= p; the key loop starts at the window's first key, so keys before
+// it are never read, and splits cut the window, not the whole context) and a logit soft-cap
+// (score = cap * tanh(score / cap) before the softmax).
 #include "common.cuh"
 
 namespace folio {
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ items,            // [num_items]: the sequence of each decode item
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale, int num_splits,
-    int split_size, float k_scale, float v_scale) {
+    int split_size, float k_scale, float v_scale, int window, float softcap, float softcap_inv) {
   using S = DecodeShape<T, HEAD, C>;
   constexpr int VEC = S::VEC, HPT = S::HPT, KJ = DECODE_KEYS_PER_STEP;
   alignas(16) __shared__ unsigned char smem[S::SMEM_BYTES];
@@ -108,7 +113,10 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
   const int seq = items[item];
   const int token = query_start_loc[seq];
   const int seq_len = seq_lens[seq];
-  const int begin = split * split_size;
+  // the keys this sequence reads: its last `window` positions (window > 0), else the whole context;
+  // split s takes keys [key_begin + s * split_size, +split_size) of them (empty past the end)
+  const int key_begin = window > 0 ? max(0, seq_len - window) : 0;
+  const int begin = key_begin + split * split_size;
   const int end = min(seq_len, begin + split_size);
   const int num_heads = num_kv_heads * group;
 
@@ -180,7 +188,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
 #pragma unroll
           for (int v = 0; v < VEC; ++v) dot += q[i][v] * kf[v];
           dot = row_sum<S::TPR>(dot);
-          s[kj][i] = visible ? dot : neg_inf();
+          s[kj][i] = visible ? soft_cap(dot, softcap, softcap_inv) : neg_inf();
         }
       }
 #pragma unroll

@@ -1,6 +1,6 @@
 // Fused elementwise kernels of a decoder layer: RMSNorm with the residual add, RoPE with the
-// KV-cache write, and SiLU times the gate. Each replaces several torch ops (and their launches and
-// round trips through memory) by one pass. They round where the torch reference (model/llama.py) rounds,
+// KV-cache write, and SiLU (or GeGLU's tanh GELU) times the gate. Each replaces several torch ops
+// (and their launches and round trips through memory) by one pass. They round where the torch reference (model/llama.py) rounds,
 // so in 16-bit types they agree with it up to the order of the RMS sum and the exponential.
 // See cuda/LAYOUT.md.
 #include "common.cuh"
@@ -109,6 +109,34 @@ __global__ void __launch_bounds__(ACT_THREADS) silu_and_mul(
     load16<T>(up + c, u);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) g[i] = round_to<T>(__fdividef(g[i], 1.f + __expf(-g[i]))) * u[i];
+    store16<T>(out + token * d + c, g);
+  }
+}
+
+// out[t, i] = gelu_tanh(x[t, i]) * x[t, d + i]: GeGLU (Gemma), the tanh approximation of GELU,
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), in fp32 with torch's constants and grouping
+// (F.gelu(approximate="tanh")), rounded to T before the product as the reference's
+// F.gelu(gate, approximate="tanh") * up. Grid (num_tokens), one block per token; d * sizeof(T) % 16 == 0.
+template <typename T>
+__global__ void __launch_bounds__(ACT_THREADS) gelu_tanh_and_mul(
+    T* __restrict__ out,        // [num_tokens, d], contiguous
+    const T* __restrict__ x,    // [num_tokens, 2 * d], token stride x_stride
+    int d, long long x_stride) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr float BETA = 0.7978845608028654f;  // sqrt(2 / pi): M_SQRT2 * M_2_SQRTPI * 0.5, as torch
+  constexpr float KAPPA = 0.044715f;
+  const long long token = blockIdx.x;
+  const T* gate = x + token * x_stride;
+  const T* up = gate + d;
+  for (int c = threadIdx.x * VEC; c < d; c += ACT_THREADS * VEC) {
+    float g[VEC], u[VEC];
+    load16<T>(gate + c, g);
+    load16<T>(up + c, u);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float inner = BETA * (g[i] + KAPPA * (g[i] * g[i] * g[i]));
+      g[i] = round_to<T>(0.5f * g[i] * (1.f + tanhf(inner))) * u[i];
+    }
     store16<T>(out + token * d + c, g);
   }
 }

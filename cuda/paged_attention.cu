@@ -8,6 +8,11 @@
 // rows: the GQA heads of a token, and neighbouring tokens of a chunk. Decode is the case
 // q_len == 1. Inside the block, the warps split the keys (32 per sub-tile, one key per lane),
 // keep an online softmax per row, and merge through shared memory at the end.
+//
+// Sliding window (window > 0): row r at position p sees keys p - window < k <= p; a block's key
+// loop starts at its first row's window start (keys before it are never read) and partitions cut
+// [that start, the last row's position]. Soft-cap (softcap > 0): score = cap * tanh(score / cap),
+// after the scale, before the mask and the softmax.
 #include "common.cuh"
 
 namespace folio {
@@ -56,7 +61,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ work,          // [num_work, 2]: (seq, first row)
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale,
-    int num_partitions, int partition_size, float k_scale, float v_scale) {
+    int num_partitions, int partition_size, float k_scale, float v_scale, int window, float softcap,
+    float softcap_inv) {
   constexpr int PER_LANE = HEAD / WARP_SIZE;  // head dims each lane accumulates
   __shared__ float q_s[ATTN_ROWS][HEAD];
   __shared__ float p_s[ATTN_WARPS][ATTN_ROWS][WARP_SIZE];
@@ -78,10 +84,12 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
   const int num_rows = min(ATTN_ROWS, q_len * group - row0);
   const int num_heads = num_kv_heads * group;
 
-  // Keys this block may need: causal limit of its last row, clipped to its partition.
+  // Keys this block may need: from its first row's window start (0 without a window) to the causal
+  // limit of its last row, clipped to its partition.
+  const int kv_begin = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
   const int kv_end = min(seq_len, ctx_len + (row0 + num_rows - 1) / group + 1);
-  const int span = num_partitions == 1 ? kv_end : partition_size;
-  const int part_begin = blockIdx.z * span;
+  const int span = num_partitions == 1 ? kv_end - kv_begin : partition_size;
+  const int part_begin = kv_begin + blockIdx.z * span;
   const int part_end = min(kv_end, part_begin + span);
 
   // The softmax scale and the pool's K scale are folded into q once instead of into every score.
@@ -120,9 +128,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
 #pragma unroll
     for (int r = 0; r < ATTN_ROWS; ++r) {
       if (r >= num_rows) break;  // block-uniform: every lane leaves together, shuffles stay whole
-      // causal: row r (query position ctx_len + its token) sees keys up to its own position
-      const bool visible = valid && pos <= ctx_len + (row0 + r) / group;
-      const float score = visible ? s[r] : neg_inf();
+      // causal: row r (query position ctx_len + its token) sees keys up to its own position, and
+      // with a window only the last `window` of them
+      const int row_pos = ctx_len + (row0 + r) / group;
+      const bool visible = valid && pos <= row_pos && (window <= 0 || pos > row_pos - window);
+      const float score = visible ? soft_cap(s[r], softcap, softcap_inv) : neg_inf();
       const float m_new = fmaxf(m[r], warp_max(score));
       const float p = score == neg_inf() ? 0.f : __expf(score - m_new);
       const float alpha = m[r] == neg_inf() ? 0.f : __expf(m[r] - m_new);

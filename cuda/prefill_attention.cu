@@ -9,6 +9,11 @@
 // the whole context), causal mask and online softmax on the accumulators, P rounded to T and
 // reused in place as the A operand of O += P V (V fragments by ldmatrix.trans). fp32 throughout
 // except the mma inputs. The fragment layouts are those of cuda/mma.cuh.
+//
+// Sliding window (window > 0): row r at position p sees keys p - window < k <= p; the CTA's key
+// loop starts at its first row's window start (keys before it are never read) and each row masks
+// the keys before its own start. Soft-cap (softcap > 0): score = cap * tanh(score / cap), after
+// the scale, before the mask and the softmax.
 #include "mma.cuh"
 
 namespace folio {
@@ -61,7 +66,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ work,             // [num_work, 2]: (seq, first row)
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale, int num_partitions,
-    int partition_size, float k_scale, float v_scale) {
+    int partition_size, float k_scale, float v_scale, int window, float softcap, float softcap_inv) {
   // k_scale/v_scale: the pool's (1 for a pool of T; fp8 pools take the CUDA-core kernel)
   scale *= k_scale;
   using S = PrefillShape<T, HEAD>;
@@ -78,10 +83,12 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
   const int num_rows = min(PREFILL_ROWS, q_len * group - row0);
   const int num_heads = num_kv_heads * group;
 
-  // Keys this CTA may need: causal limit of its last row, clipped to its partition.
+  // Keys this CTA may need: from its first row's window start (0 without a window) to the causal
+  // limit of its last row, clipped to its partition.
+  const int kv_begin = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
   const int kv_end = min(seq_len, ctx_len + (row0 + num_rows - 1) / group + 1);
-  const int span = num_partitions == 1 ? kv_end : partition_size;
-  const int part_begin = blockIdx.z * span;
+  const int span = num_partitions == 1 ? kv_end - kv_begin : partition_size;
+  const int part_begin = kv_begin + blockIdx.z * span;
   const int part_end = min(kv_end, part_begin + span);
 
   // Q rows into shared memory (rows past the last are zeros), then into A fragments for good.
@@ -110,11 +117,12 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
   float o[S::DBLOCKS][4], m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < S::DBLOCKS; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  int limit[2];  // first invisible key of each row: causal position, then the partition's end
+  int limit[2], lower[2];  // each row's visible keys [lower, limit): window, causal position, partition
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + warp * 16 + g + 8 * h;
     limit[h] = min(part_end, ctx_len + row / group + 1);
+    lower[h] = window > 0 ? ctx_len + row / group - window + 1 : 0;
   }
 
   const int* table = block_tables + (long long)seq * max_blocks;
@@ -164,7 +172,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
         for (int e = 0; e < 2; ++e) {
           const int pos = first + n * 8 + 2 * t + e;
           float& v = s[n][2 * h + e];
-          v = pos < limit[h] ? v * scale : neg_inf();
+          v = pos < limit[h] && pos >= lower[h] ? soft_cap(v * scale, softcap, softcap_inv) : neg_inf();
           mx = fmaxf(mx, v);
         }
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));

@@ -14,7 +14,8 @@
 # 3. makes sure CuPy matching the driver's CUDA major version is importable (installs the
 #    project's cuda12/cuda13 extra when it is not, which needs a package index);
 # 4. runs the gpu-marked tests of tests/cuda (every kernel instance, decode split and unsplit,
-#    GQA groups, the largest step, cache write, copy-on-write, swap, executor cuda vs torch);
+#    GQA groups, the largest step, cache write, copy-on-write, swap, executor cuda vs torch;
+#    sliding windows, logit soft-caps at fp32 edge values and GeGLU against a dense fp32 oracle);
 #    (the fused layer kernels against torch, greedy tokens with CUDA graphs against eager;
 #    the W4A16 kernels and FP8 weights against torch);
 # 5. runs scripts/bench_kernels.py --quick (copy bandwidth; decode GB/s and prefill TFLOP/s against
@@ -24,7 +25,10 @@
 #    graphs: tok/s and ms per step at batch 1, 64, 256);
 # 8. runs scripts/bench_quant_gpu.py (one 1B-shape layer's projections: AWQ W4A16 at batch 1, 8,
 #    256 and FP8 weights at 1, 256 against bf16). Figures land in $OUT (or /tmp/folio_gpu_check)
-#    as well. The timeouts add up to 5 minutes 40 s.
+#    as well;
+# 9. runs the MoE kernels' gpu tests (tests/cuda/test_moe_kernels.py: routing and the grouped GEMM
+#    against torch up to 128 experts, top-8, 2048 x 768; MoE.forward on the GPU against the CPU).
+#    The timeouts add up to 6 minutes 40 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(msgspec pyzmq structlog gguf)
@@ -91,6 +95,11 @@ timeout 75 "$PY" scripts/bench_step.py --device cuda --skip-null 2>&1 | tee "$OU
 
 echo "== quantized projections (AWQ W4A16, FP8) against bf16"
 timeout 30 "$PY" scripts/bench_quant_gpu.py --json "$OUT_DIR/quant.json" 2>&1 | tee "$OUT_DIR/quant.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== MoE kernels (routing, grouped GEMM) against torch"
+timeout 60 "$PY" -m pytest -q -m gpu tests/cuda/test_moe_kernels.py -p no:cacheprovider -o addopts="" \
+  --junitxml="$OUT_DIR/moe_tests.xml" 2>&1 | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done (status $status); figures in $OUT_DIR"

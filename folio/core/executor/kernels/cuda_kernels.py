@@ -104,7 +104,7 @@ def write_kv_name(dtype: str, fp8: bool = False) -> str:
 
 
 COPY_BLOCKS_NAME = "folio::copy_blocks"
-FUSED_KERNELS = ("add_rms_norm", "silu_and_mul", "rope_write_kv")  # cuda/fused_ops.cu, templated on T
+FUSED_KERNELS = ("add_rms_norm", "silu_and_mul", "rope_write_kv", "gelu_tanh_and_mul")  # cuda/fused_ops.cu, templated on T
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ class FusedNames:
     add_rms_norm: str
     silu_and_mul: str
     rope_write_kv: str
+    gelu_tanh_and_mul: str
 
 
 def fused_names(dtype: str) -> FusedNames:

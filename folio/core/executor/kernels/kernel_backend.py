@@ -15,6 +15,8 @@ any batch the scheduler can form: the count that grows with the batch (work item
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -58,19 +60,22 @@ class KernelAttentionBackend:
             raise ck.UnsupportedKernelError(f"no CUDA kernels for dtype {dtype}; built: {list(DTYPE_NAMES)}")
         return ck.kernel_names(DTYPE_NAMES[dtype], head_size, block_size, cache_dtype == FP8_DTYPE)
 
-    def plan(self, meta: AttentionMetadata, group: int = 1, num_kv_heads: int = 1, fp8: bool | None = None
-             ) -> KernelPlan:
+    def plan(self, meta: AttentionMetadata, group: int = 1, num_kv_heads: int = 1, fp8: bool | None = None,
+             window: int = 0) -> KernelPlan:
         """The step's plan for this GQA shape over this backend's pool (``fp8``: over an fp8 pool or
-        not, when a draft model's pool differs), built once and cached on the metadata."""
+        not, when a draft model's pool differs), built once and cached on the metadata. A
+        sliding-window layer's plan (``window`` > 0) reuses the full-context plan's item tensors
+        and sizes its splits by the keys inside the window."""
         plans = meta.plan if isinstance(meta.plan, dict) else {}
         meta.plan = plans
         fp8 = self.fp8 if fp8 is None else fp8
-        key = (group, num_kv_heads, fp8)
+        key = (group, num_kv_heads, fp8) + ((window,) if window > 0 else ())
         if key not in plans:
+            base = self.plan(meta, group, num_kv_heads, fp8) if window > 0 else None
             tensor_cores = DTYPE_NAMES[self.model_dtype] in ck.TENSOR_CORE_DTYPES and not fp8
             rows = ck.PREFILL_ROWS if tensor_cores else ck.ATTN_ROWS
             plans[key] = build_plan(meta, group, num_kv_heads, self.launcher.num_sms, self.split, self.partition_size,
-                                    rows)
+                                    rows, window=window, like=base)
         return plans[key]
 
     # ------------------------------------------------------------------ per layer
@@ -106,15 +111,20 @@ class KernelAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
+        window: int = 0,  # > 0: position p attends keys p - window < k <= p (a sliding-window layer)
+        softcap: float = 0.0,  # > 0: score = softcap * tanh(score / softcap), after the scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_tokens, num_heads, head_dim = query.shape
+        window, softcap = int(window), float(softcap)
+        if window < 0 or not (softcap == 0.0 or 0.0 < np.float32(softcap) < math.inf):
+            raise ValueError(f"window must be >= 0 and softcap 0 or a positive fp32, got {window} and {softcap}")
         num_kv_heads = k_cache.shape[2]
         if query.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:
             raise ValueError(f"query dtype {query.dtype} differs from the KV pool's {k_cache.dtype}")
         if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the kernels read K/V rows as 16-byte vectors: pools must be contiguous and 16-byte aligned")
         names = self.names(query.dtype, head_dim, meta.block_size, k_cache.dtype)
-        plan = self.plan(meta, num_heads // num_kv_heads, num_kv_heads, k_cache.dtype == FP8_DTYPE)
+        plan = self.plan(meta, num_heads // num_kv_heads, num_kv_heads, k_cache.dtype == FP8_DTYPE, window)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
         # the decode kernel reads q as 16-byte vectors: heads contiguous, rows 16-byte aligned
         if query.stride(2) != 1 or query.stride(1) != head_dim or (query.stride(0) * query.element_size()) % 16 \
@@ -126,7 +136,7 @@ class KernelAttentionBackend:
             if path is None:
                 continue
             tail, part_ptrs = self._path_args(path, meta, k_cache, v_cache, query, scale, num_heads, head_dim,
-                                              kv_scales)
+                                              kv_scales, window, softcap)
             args = (out_ptr, *part_ptrs, query_ptr, *tail)
             if kernel == "decode":  # one CTA per (sequence, split) along x, KV heads along y
                 grid, block = (path.num_items * path.num_splits, num_kv_heads, 1), ck.DECODE_THREADS
@@ -142,18 +152,18 @@ class KernelAttentionBackend:
         return out
 
     def _path_args(self, path: PathPlan, meta, k_cache, v_cache, query, scale: float, num_heads: int, head_dim: int,
-                   kv_scales: tuple[float, float]):
+                   kv_scales: tuple[float, float], window: int = 0, softcap: float = 0.0):
         """The launch arguments after the query pointer, and the partials' pointers: the same for
         every call of a step on one layer, so they are built once per (step, layer) (numpy scalars
         cost microseconds each, and a step calls attend once per layer)."""
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), query.stride(0), scale, query.shape[0], kv_scales)
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), query.stride(0), scale, query.shape[0], kv_scales, window, softcap)
         if key not in path.arg_cache:
             part_out, part_lse = self._partials(path, query.shape[0], num_heads, head_dim, query.device)
             tail = (_ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
                     _ptr(_int32(meta.query_start_loc)), _ptr(path.items), np.int32(k_cache.shape[2]),
                     np.int32(num_heads // k_cache.shape[2]), np.int32(meta.block_tables.shape[1]),
                     np.int64(query.stride(0)), np.float32(scale), np.int32(path.num_splits),
-                    np.int32(path.split_size), *_scale_args(k_cache, kv_scales))
+                    np.int32(path.split_size), *_scale_args(k_cache, kv_scales), *_softcap_args(window, softcap))
             path.arg_cache[key] = (tail, (_ptr(part_out), _ptr(part_lse)))
         return path.arg_cache[key]
 
@@ -260,6 +270,13 @@ def _scale_args(k_cache: torch.Tensor, kv_scales: tuple[float, float]) -> tuple[
     if k_cache.dtype != FP8_DTYPE:
         return np.float32(1.0), np.float32(1.0)
     return np.float32(kv_scales[0]), np.float32(kv_scales[1])
+
+
+def _softcap_args(window: int, softcap: float) -> tuple[np.int32, np.float32, np.float32]:
+    """The kernels' (window, softcap, 1 / softcap): the reciprocal rounded to fp32 on the host and
+    clamped to the largest float, so a tiny cap never multiplies a zero score by infinity."""
+    inv = min(1.0 / softcap, float(np.finfo(np.float32).max)) if softcap > 0 else 0.0
+    return np.int32(window), np.float32(softcap), np.float32(inv)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ CUDA graph's replays). Sequences with one new token go to the decode kernel
 speculative verification) and groups above ``DECODE_MAX_GROUP`` to a chunk kernel: the
 tensor-core ``cuda/prefill_attention.cu`` for f16/bf16, ``cuda/paged_attention.cu`` for fp32.
 Every count that grows with the batch goes along grid x, so any batch the scheduler can form
-stays within CUDA's grid limits.
+stays within CUDA's grid limits. A sliding-window layer gets its own plan (the same items, splits
+sized by the keys inside the window).
 """
 
 from __future__ import annotations
@@ -90,10 +91,17 @@ def num_splits_heuristic(num_ctas: int, num_slots: int, num_granules: int, max_s
 
 
 def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: int, split: bool | None,
-               partition_size: int, rows_per_item: int = ck.ATTN_ROWS) -> KernelPlan:
+               partition_size: int, rows_per_item: int = ck.ATTN_ROWS, window: int = 0,
+               like: KernelPlan | None = None) -> KernelPlan:
     """``split``: None decides per step; True/False force it (tests, benchmarks). Forced splits
     are ``partition_size`` keys long. ``rows_per_item``: rows per chunk CTA (64 for the
-    tensor-core prefill kernel, 8 for the CUDA-core one)."""
+    tensor-core prefill kernel, 8 for the CUDA-core one).
+
+    ``window`` > 0 (a sliding-window layer): splits are sized by the keys a CTA actually reads,
+    at most ``window`` for a decode sequence and ``window - 1`` plus the tokens of a work item for
+    a chunk CTA; the kernels cut their splits from the window's first key on. ``like``: the plan of
+    the same step and GQA shape for another window, whose item and token tensors are reused (no
+    new host-to-device copies, so a windowed plan may be built during a CUDA graph's capture)."""
     q_lens, s_lens = meta.query_lens_list, meta.seq_lens_list
     starts = [0]
     for n in q_lens:
@@ -104,7 +112,7 @@ def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: 
     decode = None
     seqs = [b for b, d in enumerate(is_decode) if d]
     if seqs:
-        max_len = max(s_lens[b] for b in seqs)
+        max_len = max(1, max(_window_keys(s_lens[b], window, 1) for b in seqs))  # keys per sequence
         if split is None:
             granules = math.ceil(max_len / DECODE_SPLIT_GRANULE)
             splits = num_splits_heuristic(len(seqs) * num_kv_heads, num_sms * DECODE_CTAS_PER_SM, granules,
@@ -113,14 +121,19 @@ def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: 
         else:
             size = partition_size if split else max_len
         splits = math.ceil(max_len / size)
-        tokens = [starts[b] for b in seqs]
-        decode = PathPlan(_int32(seqs, device), len(seqs), _int32(tokens, device), len(tokens), splits, size)
+        if like is not None and like.decode is not None:
+            items_t, tokens_t = like.decode.items, like.decode.tokens
+        else:
+            items_t, tokens_t = _int32(seqs, device), _int32([starts[b] for b in seqs], device)
+        decode = PathPlan(items_t, len(seqs), tokens_t, len(seqs), splits, size)
 
     chunk = None
     chunk_lens = [0 if d else n for n, d in zip(q_lens, is_decode)]
     items = work_items(chunk_lens, group, rows_per_item)
     if items:
-        max_len = max(s for s, n in zip(s_lens, chunk_lens) if n)
+        # a CTA's rows span at most (rows - 1) // group + 2 tokens, each seeing `window` keys
+        tokens_per_item = (rows_per_item - 1) // group + 2
+        max_len = max(1, max(_window_keys(s, window, tokens_per_item) for s, n in zip(s_lens, chunk_lens) if n))
         size = max(partition_size, math.ceil(max_len / MAX_GRID_YZ))  # partitions go along grid z
         parts = max(1, math.ceil(max_len / size))
         if split is None:
@@ -128,12 +141,22 @@ def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: 
             parts = parts if parts > 1 and (not fills_gpu or max_len > SPLIT_ABOVE_SEQ_LEN) else 1
         elif not split:
             parts = 1
-        tokens = [t for b, n in enumerate(chunk_lens) for t in range(starts[b], starts[b] + n)]
-        chunk = PathPlan(_int32(items, device), len(items), _int32(tokens, device), len(tokens), parts, size)
+        num_tokens = sum(chunk_lens)
+        if like is not None and like.chunk is not None:
+            items_t, tokens_t = like.chunk.items, like.chunk.tokens
+        else:
+            tokens = [t for b, n in enumerate(chunk_lens) for t in range(starts[b], starts[b] + n)]
+            items_t, tokens_t = _int32(items, device), _int32(tokens, device)
+        chunk = PathPlan(items_t, len(items), tokens_t, num_tokens, parts, size)
     for path in (decode, chunk):
         if path is not None and path.num_items * path.num_splits > MAX_GRID_X:
             raise ValueError(f"{path.num_items * path.num_splits} attention CTAs exceed CUDA's grid")
     return KernelPlan(group, decode, chunk)
+
+
+def _window_keys(seq_len: int, window: int, tokens: int) -> int:
+    """The most keys a CTA of ``tokens`` consecutive query tokens reads from a context of ``seq_len``."""
+    return seq_len if window <= 0 else min(seq_len, window - 1 + tokens)
 
 
 def _int32(values: list, device) -> torch.Tensor:

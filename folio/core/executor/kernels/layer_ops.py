@@ -160,6 +160,17 @@ class KernelLayerOps:
         self._launch("silu_and_mul", n, ck.ACT_THREADS, args, gate_up.device)
         return out
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
+        """GeGLU (Gemma); the same fallback rules as ``silu_and_mul``."""
+        n, d = gate_up.shape[0], gate_up.shape[-1] // 2
+        if gate_up.dim() != 2 or gate_up.dtype not in _DTYPE_NAMES or n == 0 or not _fits(gate_up, row_elems=d):
+            self.num_fallbacks += 1
+            return TORCH_LAYER_OPS.gelu_tanh_and_mul(gate_up)
+        out = torch.empty((n, d), dtype=gate_up.dtype, device=gate_up.device)
+        args = (_ptr(out), _ptr(gate_up), np.int32(d), np.int64(gate_up.stride(0)), gate_up.dtype)
+        self._launch("gelu_tanh_and_mul", n, ck.ACT_THREADS, args, gate_up.device)
+        return out
+
     def rope_write_kv(self, qkv: torch.Tensor, attn, rope: KernelRope, k_cache, v_cache, meta, backend) -> torch.Tensor:
         n, head_dim = qkv.shape[0], attn.head_dim
         slots = meta.slot_mapping
