@@ -267,6 +267,7 @@ def test_gpu_fused_moe_matches_torch():
 def tiny_moe_models(tmp_path_factory):
     """Loaded bf16 tiny checkpoints: Qwen2-MoE (5 experts, top-3, a shared expert, no
     renormalisation) and Qwen3-MoE (7 experts, top-2, renormalised)."""
+    pytest.importorskip("transformers")  # write_tiny_model builds the checkpoints with it
     from folio.core.executor.model.loader import load_model
     from folio.testing.models import write_tiny_model
 
@@ -327,3 +328,20 @@ def test_moe_forward_keeps_the_torch_path_where_the_kernels_do_not_apply(launche
     finally:
         block.kernel_launcher = None
         block.to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_gpu_moe_forward_matches_the_cpu(tiny_moe_models, model_type):
+    from folio.core.executor.model.moe import MoE
+
+    block = next(m for m in tiny_moe_models[model_type].modules() if isinstance(m, MoE))
+    x = torch.randn(200, block.gate.in_features, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    reference = block.float()(x.float())
+    try:
+        y = block.to("cuda", torch.bfloat16)(x.cuda())  # activations on CUDA: the kernels
+    finally:
+        block.to("cpu", torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    scale = reference.abs().max().item()
+    assert (y.cpu().float() - reference).abs().max().item() <= 1.5e-2 * scale
