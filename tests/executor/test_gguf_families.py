@@ -214,13 +214,16 @@ def test_gguf_loads_to_the_folders_weights_and_logits(case, tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_gguf_serves_its_blocks_through_the_int4_path(tmp_path):
-    """A permuted llama with Q4_0 attention and Q4_1 MLP projections (F32 embeddings and norms):
-    loaded dense it is the folder of its dequantized weights (un-permuted); ``auto`` serves it int4
-    with those very weights, close to the dense logits."""
+@pytest.mark.parametrize("case", ["llama", "phi3"])
+def test_quantized_gguf_serves_its_blocks_through_the_int4_path(case, tmp_path):
+    """Q4_0 attention and Q4_1 MLP projections (F32 embeddings and norms), in a llama (q/k rows
+    permuted) and a Phi-3 (q/k/v and gate/up fused): loaded dense it is the folder of its
+    dequantized weights (un-permuted); ``auto`` serves it int4 with those very weights, close to
+    the dense logits."""
     from safetensors.torch import load_file, save_file
 
-    folder = Path(write_tiny_model(tmp_path / "hf", "llama"))
+    model_type, overrides = {"llama": ("llama", {}), "phi3": CASES["phi3-longrope"]}[case]
+    folder = Path(write_tiny_model(tmp_path / "hf", model_type, **overrides))
     q4 = {"attn": gguf.GGMLQuantizationType.Q4_0, "ffn": gguf.GGMLQuantizationType.Q4_1}
 
     def kind(name):
@@ -229,7 +232,7 @@ def test_quantized_gguf_serves_its_blocks_through_the_int4_path(tmp_path):
     path = to_gguf(folder, tmp_path / "q4.gguf", kind)
     # the reference folder: each projection dequantized as llama.cpp would, then un-permuted
     c = json.loads((folder / "config.json").read_text())
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCH[model_type]], c["num_hidden_layers"])
     reader = gguf.GGUFReader(str(path))
     state = load_file(folder / "model.safetensors")
     for hf_name in list(state):
@@ -238,7 +241,7 @@ def test_quantized_gguf_serves_its_blocks_through_the_int4_path(tmp_path):
             continue
         w = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
         for proj, n_head in (("q_proj", c["num_attention_heads"]), ("k_proj", c["num_key_value_heads"])):
-            if proj in hf_name:  # the inverse of permute: [head, i, half] -> [head, half, i]
+            if proj in hf_name and model_type == "llama":  # the inverse of permute: [head, i, half] -> [head, half, i]
                 w = w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
         assert w.shape == state[hf_name].shape and not torch.equal(w, state[hf_name])
         state[hf_name] = w
@@ -248,7 +251,7 @@ def test_quantized_gguf_serves_its_blocks_through_the_int4_path(tmp_path):
     save_file(state, reference / "model.safetensors")
 
     config, dense, method, quant = read_checkpoint(path)
-    assert method == "int4" and len(quant) == 7 * c["num_hidden_layers"]
+    assert method == "int4" and set(quant) == {n for n in state if n.endswith("_proj.weight")}
     for name, w in quant.items():
         assert w.group_size == 32
         torch.testing.assert_close(w.dequantize(), state[name], rtol=0, atol=1e-6)  # the blocks, repacked
@@ -258,8 +261,10 @@ def test_quantized_gguf_serves_its_blocks_through_the_int4_path(tmp_path):
     int4 = runner_for(path, "auto")
     assert int4.model.quantization == "int4"
     got = prompt_logits(int4)
-    # bf16 activations in the packed kernels: a few bf16 ulps of the logits' scale
-    torch.testing.assert_close(got, exact, rtol=0, atol=3e-2 * exact.abs().max().item())
+    # bf16 activations in the packed kernels: a few bf16 ulps of the logits' scale, on the top logits
+    # (the int4 LM head recomputes its top 64 exactly; the tail of a 128-token vocabulary it does not)
+    top = exact.topk(5, dim=-1)
+    torch.testing.assert_close(got.gather(-1, top.indices), top.values, rtol=0, atol=3e-2 * exact.abs().max().item())
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
 
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from folio.core.executor.model import configs
 from folio.core.executor.model.gguf_slices import read_gguf, read_gguf_config
-from folio.core.executor.model.layers import CausalLM, ModelSpec, Part
-from folio.core.executor.model.registry import build_model, check_runtime, model_spec
+from folio.core.executor.model.layers import PACKED_PROJECTIONS, CausalLM, ModelSpec, Part
+from folio.core.executor.model.registry import build_model, check_runtime, family_for, model_spec
 from folio.core.executor.parallel.comm import Comm, Shard
 from folio.core.executor.quant.formats import (
     FOLIO_INT8, QUANT_METHODS, Int4Weight, Int8Weight, concat_rows, folder_quant_config, on_awq_grid,
@@ -135,36 +136,54 @@ def prepared_source(folder: Path) -> Path | None:
     return None
 
 
-def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size: int, awq_grid: bool = False) -> dict:
-    """Our fused projection names -> their int4/int8 weights, taken from the checkpoint when it
-    holds them in the wanted form, else rounded to nearest from the dense weights. ``awq_grid``
-    (the GPU kernel): int4 weights must have integer zero points; others (Q4_1) are re-rounded."""
+def _quant_part(w, dim: int | None, start: int, end: int):
+    """One checkpoint part of a fused projection, quantized: rows ``start:end`` (dim 0), or the whole
+    weight (quantized weights are not sharded, so a dim-1 part spans every column)."""
+    if dim is None or (dim == 1 and start == 0 and end == w.q.shape[1]):
+        return w
+    if dim != 0:
+        raise ValueError("quantized weights are taken by whole rows only (they do not shard)")
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.q[start:end], w.scale[start:end], w.zero[start:end], w.group_size)
+    return Int8Weight(w.q[start:end], w.scale[start:end])
+
+
+def _fused_quant_weights(state, quant, spec: ModelSpec, method: str, group_size: int, awq_grid: bool = False,
+                         layout: dict[str, list[Part]] | None = None) -> dict:
+    """Our fused projection names (``layers.PACKED_PROJECTIONS``: attention, dense MLPs, a shared
+    expert) -> their int4/int8 weights, made of the parts the family's ``checkpoint_layout`` names
+    (Phi-3's fused checkpoint tensors too). Each part is taken from the checkpoint when it holds it
+    in the wanted form, else rounded to nearest from the dense weights. ``awq_grid`` (the GPU
+    kernel): int4 weights must have integer zero points; others (Q4_0/Q4_1) are re-rounded. Routed
+    experts are not here (``moe.MoE.quantize_experts``). ``layout``: the model's, else its family's
+    by ``spec.model_type``."""
+    if layout is None:
+        layout = family_for(SimpleNamespace(model_type=spec.model_type)).checkpoint_layout(spec)
+    whole: dict[str, object] = {}
 
     def one(name: str):
+        if name in whole:
+            return whole[name]
         w = quant.get(name)
         if method in ("int4", "awq") and isinstance(w, Int4Weight) and (not awq_grid or on_awq_grid(w)):
-            return w
-        if method == "int8" and isinstance(w, Int8Weight):
-            return w
-        if method == "awq":
+            pass
+        elif method == "int8" and isinstance(w, Int8Weight):
+            pass
+        elif method == "awq":
             raise ValueError("--quantization awq needs an AWQ checkpoint; make one with folio quantize --method awq")
-        dense = state[name]
-        return quantize_int8(dense) if method == "int8" else quantize_int4(dense, group_size)
+        else:
+            dense = state[name]
+            w = quantize_int8(dense) if method == "int8" else quantize_int4(dense, group_size)
+        whole[name] = w
+        return w
 
     out = {}
-    for i in range(spec.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        out[dst + "self_attn.qkv_proj"] = concat_rows([one(f"{src}self_attn.{p}_proj.weight") for p in "qkv"])
-        out[dst + "self_attn.o_proj"] = one(src + "self_attn.o_proj.weight")
-        if spec.moe_layers and spec.moe_layers[i]:  # routed experts: moe.MoE.quantize_experts
-            if spec.shared_expert_intermediate_size:
-                shared = src + "mlp.shared_expert."
-                out[dst + "mlp.shared_expert.gate_up_proj"] = concat_rows([one(f"{shared}{p}_proj.weight")
-                                                                           for p in ("gate", "up")])
-                out[dst + "mlp.shared_expert.down_proj"] = one(shared + "down_proj.weight")
+    for name, parts in layout.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module.rpartition(".")[2] not in PACKED_PROJECTIONS:
             continue
-        out[dst + "mlp.gate_up_proj"] = concat_rows([one(src + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
-        out[dst + "mlp.down_proj"] = one(src + "mlp.down_proj.weight")
+        pieces = [_quant_part(one(p[0]), *p[1:]) for p in parts]
+        out[module] = pieces[0] if len(pieces) == 1 else concat_rows(pieces)
     return out
 
 
@@ -211,7 +230,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     with torch.device("meta"):
         model = build_model(spec, config)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
-    fused = remap_state_dict(state, type(model).checkpoint_layout(spec), shapes)
+    layout = type(model).checkpoint_layout(spec)
+    fused = remap_state_dict(state, layout, shapes)
     model.load_state_dict(fused, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.init_rope(dtype, device)
@@ -219,7 +239,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     if method == "fp8":
         quantize_model_gpu(model, method)
     elif method != "none" and device.type == "cuda":
-        quantize_model_gpu(model, method, _fused_quant_weights(state, quant, spec, method, group_size, awq_grid=True))
+        quantize_model_gpu(model, method, _fused_quant_weights(state, quant, spec, method, group_size, True, layout))
     elif method != "none":
-        quantize_model(model, _fused_quant_weights(state, quant, spec, method, group_size), method, group_size)
+        weights = _fused_quant_weights(state, quant, spec, method, group_size, layout=layout)
+        quantize_model(model, weights, method, group_size)
     return model
