@@ -7,6 +7,7 @@ NaN in the pool the kernels read, so a kernel that loaded one into its math woul
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -14,8 +15,13 @@ import torch
 from folio.core.executor.kernels import cuda_kernels as ck
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
 from folio.core.executor.kernels.layer_ops import KernelLayerOps
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import SamplingParams
+from folio.testing.models import write_tiny_model
 from tests.cuda.kv_cases import FP8_KV_SCALES, fresh_meta, make_fp8_step, make_step
 from tests.cuda.window_cases import check, check_gelu_tanh_and_mul, run_attend
+from tests.executor.toy_driver import generate
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -183,3 +189,46 @@ def test_gelu_tanh_and_mul_falls_back_for_unfit_rows(emu_launcher):
     want = torch.nn.functional.gelu(x[:, :30], approximate="tanh") * x[:, 30:]
     torch.testing.assert_close(ops.gelu_tanh_and_mul(x), want)
     assert ops.num_fallbacks == 1 and not emu_launcher.launches
+
+
+# ---------------------------------------------------------------- a Gemma 2 model end to end
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    # head_dim 64 (a built instance); layer 0 windowed (6 positions), layer 1 global; both soft-caps
+    # bite; GeGLU MLPs; the query scale is not head_dim's
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-gemma2"), "gemma2", hidden_size=128, head_dim=64,
+                            num_attention_heads=2, num_key_value_heads=1, intermediate_size=96, sliding_window=6,
+                            attn_logit_softcapping=3.0, final_logit_softcapping=4.0, query_pre_attn_scalar=24,
+                            tie_word_embeddings=False)
+
+
+def _generate(model_dir, backend_factory=None):
+    config = RuntimeConfig(device="cpu", dtype="float32", num_kv_blocks=24, block_size=8, attention_backend="torch")
+    runner = ModelRunner(config, model_dir)
+    if backend_factory is not None:
+        runner.backend = backend_factory(runner)
+    order = list(range(24))
+    random.Random(5).shuffle(order)
+    prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33, 2, 90, 11, 4], [9, 1, 77, 23, 5]]
+    return generate(runner, prompts, SamplingParams(temperature=0.0, max_tokens=8), chunk_size=6, block_order=order)
+
+
+class _NoWindows(KernelAttentionBackend):
+    """The kernel backend with the layers' windows dropped: the control that shows the test sees them."""
+
+    def attend(self, *args, window=0, softcap=0.0, **kwargs):
+        return super().attend(*args, window=0, softcap=softcap, **kwargs)
+
+
+@pytest.mark.parametrize("split", [None, True])
+def test_gemma2_greedy_tokens_equal_torch_backend(gemma2_dir, emu_launcher, split):
+    """Chunked prefill (chunks of 6 over a 15-token prompt), decode past the window, split or not:
+    the same greedy tokens as the torch backend, with the kernels' GeGLU; dropping the windows
+    changes them."""
+    expected = _generate(gemma2_dir)
+    got = _generate(gemma2_dir, lambda r: KernelAttentionBackend(emu_launcher, r.dtype, split=split, partition_size=8))
+    assert got == expected
+    launched = {name.split("<")[0] for name, _, _ in emu_launcher.launches}
+    assert {"folio::paged_decode", "folio::paged_attention", "folio::gelu_tanh_and_mul"} <= launched
+    if split is None:
+        assert _generate(gemma2_dir, lambda r: _NoWindows(emu_launcher, r.dtype)) != expected
