@@ -33,6 +33,10 @@ MOE = dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=32)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, tie_word_embeddings=True)
 CASES = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    # Llama 3's RoPE scaling, which llama.cpp writes as a rope_freqs tensor of divisors
+    "llama3-rope": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
     "mixtral": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=64,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen2": ("qwen2", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0})),
@@ -147,8 +151,22 @@ def converted_tensors(folder: Path, c: dict, model_type: str) -> dict[str, torch
 
 
 def extra_tensors(c: dict, model_type: str) -> dict[str, torch.Tensor]:
-    """``Phi3MiniModel.generate_extra_tensors``: LongRoPE's factors as tensors."""
+    """``generate_extra_tensors``: Llama 3's RoPE divisors (``LlamaModel``), Phi-3's LongRoPE factors."""
     rope = c.get("rope_parameters") or {}
+    if model_type == "llama" and rope.get("rope_type") == "llama3":
+        dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        old, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+        divisors = []
+        for wavelen in (2 * torch.pi / freqs).tolist():
+            if wavelen < old / high:
+                divisors.append(1.0)
+            elif wavelen > old / low:
+                divisors.append(rope["factor"])
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        return {"rope_freqs.weight": torch.tensor(divisors, dtype=torch.float32)}
     if model_type != "phi3" or rope.get("rope_type") not in ("longrope", "su"):
         return {}
     return {"rope_factors_long.weight": torch.tensor(rope["long_factor"]),

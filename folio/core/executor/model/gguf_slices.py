@@ -31,7 +31,8 @@ The config is built from the metadata with the family's ``transformers`` config 
 when the file has no ``output.weight``. What llama.cpp leaves implicit is filled in as llama.cpp
 does: Gemma's query scale (head_dim, or hidden/heads for the 27B models), Gemma 3's 5:1 local
 layers and 10k local RoPE base, Qwen3-MoE's renormalised top-k, Phi-3's LongRoPE factors (the
-``rope_factors_long``/``short`` tensors).
+``rope_factors_long``/``short`` tensors), Llama 3's RoPE scaling (the parameters that reproduce
+its ``rope_freqs`` tensor exactly; other divisors are refused).
 
 ``GGUFSlices.read`` takes a slice of whole rows or of whole quantized blocks from the
 memory-mapped file and dequantizes only that (``gguf.GGUFReader`` maps the file; a quantized
@@ -263,6 +264,31 @@ def _rope(meta: dict, arch: str, default_theta: float = 10000.0) -> dict:
     return params
 
 
+def _llama3_rope(params: dict, factors: np.ndarray, head_dim: int) -> dict:
+    """Llama 3.1+'s RoPE scaling, which llama.cpp writes as ``rope_freqs`` (one divisor per
+    frequency) and not as parameters: the llama3 parameters that give exactly those divisors.
+    ``factor`` is the largest divisor; the original context (a power of two) and the low/high
+    frequency factors are searched; a file that no such parameters explain is refused."""
+    factors = factors.astype(np.float64)
+    if np.all(factors == 1.0):
+        return params
+    inv_freq = 1.0 / (params["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv_freq
+    factor = float(factors.max())
+    for old in (2**k for k in range(4, 22)):
+        for low in (0.5, 1.0, 2.0, 4.0):
+            for high in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0):
+                if high <= low:
+                    continue
+                smooth = (old / wavelen - low) / (high - low)
+                want = np.where(wavelen < old / high, 1.0, np.where(
+                    wavelen > old / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+                if np.allclose(want, factors, rtol=1e-5, atol=0):
+                    return {**params, "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                            "high_freq_factor": high, "original_max_position_embeddings": old}
+    raise ValueError("the GGUF's rope_freqs are not Llama 3's RoPE scaling for any parameters tried; not supported")
+
+
 def _one(value, what: str) -> int:
     """A per-layer metadata value that llama.cpp may write as an array: the same for every layer."""
     if isinstance(value, list):
@@ -309,15 +335,17 @@ def gguf_config(meta: dict, tensors: dict):
     num_experts = int(get("expert_count", 0) or 0)
     sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
 
+    if arch == "llama":
+        rope = _rope(meta, arch)
+        if "rope_freqs.weight" in tensors:
+            rope = _llama3_rope(rope, np.asarray(tensors["rope_freqs.weight"].data), head_dim)
     if arch == "llama" and num_experts:
         model_type, arch_name = "mixtral", "MixtralForCausalLM"
         extra = dict(head_dim=head_dim, num_local_experts=num_experts,
-                     num_experts_per_tok=int(get("expert_used_count")), rope_parameters=_rope(meta, arch),
-                     sliding_window=None)
+                     num_experts_per_tok=int(get("expert_used_count")), rope_parameters=rope, sliding_window=None)
     elif arch == "llama":
         model_type, arch_name = "llama", "LlamaForCausalLM"
-        extra = dict(head_dim=head_dim, rope_parameters=_rope(meta, arch),
-                     attention_bias="blk.0.attn_q.bias" in tensors)
+        extra = dict(head_dim=head_dim, rope_parameters=rope, attention_bias="blk.0.attn_q.bias" in tensors)
     elif arch == "qwen2":
         model_type, arch_name = "qwen2", "Qwen2ForCausalLM"
         extra = dict(rope_parameters=_rope(meta, arch), use_sliding_window=False)
