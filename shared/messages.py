@@ -430,6 +430,7 @@ class RegisterPool(msgspec.Struct, frozen=True, kw_only=True, tag="register_pool
     epoch: str
     max_model_len: int = 0  # the model's context length (0: unknown)
     num_host_blocks: int = 0  # the host tier for swapping (0: none)
+    sliding_window: int = 0  # every layer's attention window W (0: some layer attends to all positions)
 
 
 class GetPool(msgspec.Struct, frozen=True, kw_only=True, tag="get_pool"):
@@ -445,6 +446,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
     num_free_blocks: int = 0
     num_host_blocks: int = 0
     enable_prefix_caching: bool = True  # the kvmanager's setting: the scheduler's replica follows it
+    sliding_window: int = 0  # the model's, when every layer has one: blocks behind it go back (``shared/kv``)
 
 
 # The step log: the allocator operations of one scheduler step, in the order the scheduler

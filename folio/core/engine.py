@@ -24,6 +24,7 @@ from folio.core.scheduler.exchange import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import scheduler_stats
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.shared.kv.window import all_layers_window
 from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
@@ -52,7 +53,8 @@ class EngineCore:
             num_blocks=pool.num_blocks, block_size=pool.block_size,
             bytes_per_block=runner.pool_shape.bytes_per_block, epoch="local",
             max_model_len=runner.spec.max_position_embeddings, num_free_blocks=pool.num_blocks,
-            num_host_blocks=pool.num_host_blocks, enable_prefix_caching=enable_prefix_caching))
+            num_host_blocks=pool.num_host_blocks, enable_prefix_caching=enable_prefix_caching,
+            sliding_window=all_layers_window(getattr(runner.spec, "layer_windows", ()))))
         self.scheduler.speculative = runner.proposer is not None
         self.async_scheduling = async_scheduling
         self.in_flight: deque[tuple[StepOutput, StepPlan]] = deque()  # planned, not run yet

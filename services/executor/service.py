@@ -33,6 +33,7 @@ import zmq.asyncio
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.parallel.workers import WorkerGroupError
 from folio.shared.config import ExecutorServiceConfig
+from folio.shared.kv.window import all_layers_window
 from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_router
 from folio.shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
 from folio.shared.transport import Decoder, encode, make_socket
@@ -85,7 +86,8 @@ class ExecutorService:
         message = encode(RegisterPool(num_blocks=runner.pool.num_blocks, block_size=runner.pool.block_size,
                                       bytes_per_block=runner.pool_shape.bytes_per_block, epoch=self.epoch,
                                       max_model_len=runner.spec.max_position_embeddings,
-                                      num_host_blocks=runner.pool.num_host_blocks))
+                                      num_host_blocks=runner.pool.num_host_blocks,
+                                      sliding_window=all_layers_window(getattr(runner.spec, "layer_windows", ()))))
         decoder = Decoder(PoolInfo)
         registered = False
         while True:

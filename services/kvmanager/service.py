@@ -129,7 +129,7 @@ class KVManagerService:
         return PoolInfo(num_blocks=p.num_blocks, block_size=p.block_size, bytes_per_block=p.bytes_per_block,
                         epoch=p.epoch, max_model_len=p.max_model_len,
                         num_free_blocks=self.allocator.num_free_blocks, num_host_blocks=p.num_host_blocks,
-                        enable_prefix_caching=self.config.enable_prefix_caching)
+                        enable_prefix_caching=self.config.enable_prefix_caching, sliding_window=p.sliding_window)
 
     def reset_allocator(self, new_pool: bool = False) -> None:
         """Empty tables and cache for the current pool; subscribers hear that everything went
@@ -137,7 +137,8 @@ class KVManagerService:
         cleared = self.kv is not None and (new_pool or bool(self.allocator.device.cached or self.allocator.seqs))
         p = self.pool
         self.kv = StepLog(BlockAllocator(p.num_blocks, p.block_size, p.num_host_blocks,
-                                         enable_prefix_caching=self.config.enable_prefix_caching))
+                                         enable_prefix_caching=self.config.enable_prefix_caching,
+                                         sliding_window=p.sliding_window))
         if cleared:
             self.publish([AllBlocksCleared()])
 
@@ -177,7 +178,7 @@ class KVManagerService:
             log.warning("no pool registered: adopting the scheduler's", num_blocks=p.num_blocks, epoch=p.epoch)
             return await self.adopt_pool(RegisterPool(
                 num_blocks=p.num_blocks, block_size=p.block_size, bytes_per_block=p.bytes_per_block, epoch=p.epoch,
-                max_model_len=p.max_model_len, num_host_blocks=p.num_host_blocks))
+                max_model_len=p.max_model_len, num_host_blocks=p.num_host_blocks, sliding_window=p.sliding_window))
         self.reset_allocator()
         log.info("new sync epoch: tables dropped", generation=msg.generation)
         return self.pool_info()

@@ -14,6 +14,18 @@ ids are the handles of the executor's pools. What it adds to ``block_pool.BlockP
   (copy-on-write): the writer gets a fresh block and a (src, dst) pair lands in ``block_copies``.
 - swapping: ``swap_out`` moves a table to host blocks, ``swap_in`` back to fresh device blocks;
   the (device, host) and (host, device) pairs land in ``swap_out_pairs``/``swap_in_pairs``.
+- sliding windows: with ``sliding_window`` W > 0 (a model whose every layer attends to at most
+  its last W positions) an allocation that writes from position p first gives back the blocks
+  whose last position is below p - W + 1, which no later query reads (a sequence keeps at most
+  ``ceil(W / block_size) + 1`` blocks between its prefill chunks); a sequence new here does not
+  revive the cached blocks of its prefix hit that lie wholly before its window. The skipped
+  blocks keep their entries in the table (``RequestTable.num_skipped_blocks`` says how many lead
+  it): a valid block id, possibly handed to another sequence since, so that positions still map
+  to ``table[p // block_size]`` and the executor is told nothing; the attention backends mask
+  keys outside the window, so those entries are never read for a score. A skipped block goes
+  back like any other: to the prefix cache (evictable) when it was indexed, else to the free
+  queue; only the owner of a block writes it, and eviction unindexes a block before it is
+  handed out again, so a prefix hit never points at overwritten KV.
 The copies accumulate until the service takes them for the step's reply (``take_copies``).
 """
 
@@ -46,16 +58,24 @@ class RequestTable:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, as far as known
     num_indexed_blocks: int = 0  # blocks [0, this) were offered to the index
     num_cached_tokens: int = 0  # tokens its first allocation found cached
-    host_block_ids: list[int] | None = None  # set while swapped out (then block_ids is empty)
+    host_block_ids: list[int] | None = None  # set while swapped out (then block_ids holds only skipped entries)
+    num_skipped_blocks: int = 0  # leading entries given back as a sliding window passed them (not held)
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The device blocks the table holds: all but the skipped entries that lead it."""
+        return self.block_ids[self.num_skipped_blocks:] if self.num_skipped_blocks else self.block_ids
 
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, record_events: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+                 enable_prefix_caching: bool = True, record_events: bool = True, sliding_window: int = 0):
+        if num_blocks < 1 or block_size < 1 or sliding_window < 0:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1 and sliding_window >= 0, got {num_blocks}, "
+                             f"{block_size}, {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's window (0: a layer attends to all positions)
         self.enable_prefix_caching = enable_prefix_caching
         self.device = BlockPool(num_blocks, block_size, "GPU")
         self.host = BlockPool(num_host_blocks, block_size, "CPU")
@@ -66,7 +86,7 @@ class BlockAllocator:
         self.swap_in_pairs: list[tuple[int, int]] = []
         self.unconfirmed: dict[str, None] = {}  # sequences allocated since the last confirm (in order)
         self.counters = dict(num_prefix_cache_queries=0, num_prefix_cache_hits=0, num_cow_copies=0,
-                             num_swapped_out_blocks=0, num_swapped_in_blocks=0)
+                             num_swapped_out_blocks=0, num_swapped_in_blocks=0, num_window_skipped_blocks=0)
 
     # ------------------------------------------------------------------ views
     @property
@@ -84,7 +104,8 @@ class BlockAllocator:
 
     @property
     def block_tables(self) -> dict[str, list[int]]:
-        return {req_id: seq.block_ids for req_id, seq in self.seqs.items() if seq.host_block_ids is None}
+        """The device blocks each table on the device holds (without its skipped entries)."""
+        return {req_id: seq.held_block_ids for req_id, seq in self.seqs.items() if seq.host_block_ids is None}
 
     def block_table(self, req_id: str) -> list[int]:
         seq = self.seqs.get(req_id)
@@ -150,7 +171,13 @@ class BlockAllocator:
                   and device.ref_counts[block_ids[start // bs]] > 1)
         num_fresh = max(0, -(-num_tokens // bs) - num_blocks) + cow
         free = device.free_queue
-        if num_fresh > len(free) + len(device.cached_queue):
+        num_skipped = min((start - self.sliding_window + 1) // bs, num_blocks) if self.sliding_window else 0
+        if num_skipped > seq.num_skipped_blocks:  # the window passed blocks: they go back first
+            if num_fresh > len(free) + len(device.cached_queue) + sum(
+                    1 for b in block_ids[seq.num_skipped_blocks:num_skipped] if device.ref_counts[b] == 1):
+                raise NoFreeBlocks(f"{req_id}: {num_fresh} blocks needed, {self.num_free_blocks} free")
+            self._skip_blocks(seq, num_skipped)
+        elif num_fresh > len(free) + len(device.cached_queue):
             raise NoFreeBlocks(f"{req_id}: {num_fresh} blocks needed, {self.num_free_blocks} free")
         if new_token_ids:
             if not isinstance(new_token_ids, list):
@@ -180,10 +207,16 @@ class BlockAllocator:
         new_hashes = self._new_hashes(seq, new_token_ids)
         hits = self._match_prefix(new_hashes, new_token_ids, (num_tokens - 1) // self.block_size)
         num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(hits))
-        num_revived = sum(1 for b in hits if self.device.ref_counts[b] == 0)
+        # its first write is at the first position past the hit: hits wholly before that
+        # position's window are skipped at once (entered in the table, not revived)
+        num_skipped = 0
+        if self.sliding_window:
+            num_skipped = max(0, min(len(hits), (len(hits) * self.block_size - self.sliding_window + 1)
+                                     // self.block_size))
+        num_revived = sum(1 for b in hits[num_skipped:] if self.device.ref_counts[b] == 0)
         if num_fresh + num_revived > self.device.num_free_blocks:
             raise NoFreeBlocks(f"{req_id}: {num_fresh + num_revived} blocks needed, {self.num_free_blocks} free")
-        for block_id in hits:
+        for block_id in hits[num_skipped:]:
             self.device.touch(block_id)
         new_ids = hits + self.device.take(num_fresh)
         seq.block_ids.extend(new_ids)
@@ -193,6 +226,7 @@ class BlockAllocator:
         self.unconfirmed[req_id] = None
         self.seqs[req_id] = seq
         seq.num_indexed_blocks = len(hits)
+        seq.num_skipped_blocks = num_skipped
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         self.counters["num_prefix_cache_queries"] += num_tokens
         self.counters["num_prefix_cache_hits"] += seq.num_cached_tokens
@@ -250,7 +284,7 @@ class BlockAllocator:
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
         run: list[int] = []
-        for i in range(seq.num_indexed_blocks, num_full):
+        for i in range(max(seq.num_indexed_blocks, seq.num_skipped_blocks), num_full):  # (skipped: not held)
             entry = CachedBlock(seq.block_hashes[i], seq.block_hashes[i - 1] if i else None,
                                 tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             if self.device.index(seq.block_ids[i], entry):
@@ -302,12 +336,13 @@ class BlockAllocator:
             if num_tokens > len(parent.block_ids) * self.block_size:
                 raise ValueError(f"{parent_req_id} holds {len(parent.block_ids)} blocks, not {num_tokens} tokens")
             parent.num_tokens = num_tokens
-        for block_id in parent.block_ids:
+        for block_id in parent.held_block_ids:
             self.device.touch(block_id)
         self.seqs[child_req_id] = RequestTable(
             child_req_id, block_ids=list(parent.block_ids), token_ids=list(parent.token_ids),
             num_tokens=parent.num_tokens, num_computed_tokens=parent.num_computed_tokens,
-            extra_keys=parent.extra_keys, block_hashes=list(parent.block_hashes), num_indexed_blocks=parent.num_indexed_blocks, num_cached_tokens=parent.num_cached_tokens)
+            extra_keys=parent.extra_keys, block_hashes=list(parent.block_hashes), num_indexed_blocks=parent.num_indexed_blocks, num_cached_tokens=parent.num_cached_tokens,
+            num_skipped_blocks=parent.num_skipped_blocks)
         return list(parent.block_ids)
 
     # ------------------------------------------------------------------ releasing
@@ -318,7 +353,7 @@ class BlockAllocator:
         seq = self.seqs.get(req_id)
         if seq is None or seq.host_block_ids is not None or num_tokens >= seq.num_tokens:
             return 0
-        keep = cdiv(num_tokens, self.block_size)
+        keep = max(cdiv(num_tokens, self.block_size), seq.num_skipped_blocks)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]
         self.device.release(list(reversed(dropped)))
@@ -337,8 +372,18 @@ class BlockAllocator:
         if seq.host_block_ids is not None:
             self.host.release(list(reversed(seq.host_block_ids)))
             return len(seq.host_block_ids)
-        self.device.release(list(reversed(seq.block_ids)))
-        return len(seq.block_ids)
+        held = seq.held_block_ids
+        self.device.release(list(reversed(held)))
+        return len(held)
+
+    def _skip_blocks(self, seq: RequestTable, num_skipped: int) -> None:
+        """Give back the table's blocks before entry ``num_skipped`` (a sliding window passed them);
+        their entries stay. Those computed and full were indexed when confirmed: they go back as
+        cached blocks; those whose step has not been confirmed go back unindexed."""
+        skipped = seq.block_ids[seq.num_skipped_blocks:num_skipped]
+        seq.num_skipped_blocks = num_skipped
+        self.device.release(list(reversed(skipped)))
+        self.counters["num_window_skipped_blocks"] += len(skipped)
 
     def clear_cache(self) -> int:
         """Drop the free cached blocks (``folio kv clear``). Returns how many."""
@@ -350,10 +395,11 @@ class BlockAllocator:
         seq = self.seqs[req_id]
         if seq.host_block_ids is not None:
             raise ValueError(f"{req_id} is swapped out already")
-        host_ids = self.host.take(len(seq.block_ids))
-        pairs = list(zip(seq.block_ids, host_ids))
-        self.device.release(list(reversed(seq.block_ids)))
-        seq.host_block_ids, seq.block_ids = host_ids, []
+        held = seq.held_block_ids
+        host_ids = self.host.take(len(held))
+        pairs = list(zip(held, host_ids))
+        self.device.release(list(reversed(held)))
+        seq.host_block_ids, seq.block_ids = host_ids, seq.block_ids[:seq.num_skipped_blocks]
         self.swap_out_pairs.extend(pairs)
         self.counters["num_swapped_out_blocks"] += len(pairs)
         return pairs
@@ -367,7 +413,7 @@ class BlockAllocator:
         device_ids = self.device.take(len(seq.host_block_ids))
         pairs = list(zip(seq.host_block_ids, device_ids))
         self.host.release(list(reversed(seq.host_block_ids)))
-        seq.block_ids, seq.host_block_ids = device_ids, None
+        seq.block_ids, seq.host_block_ids = seq.block_ids + device_ids, None
         seq.num_indexed_blocks = 0  # the copies land before the step runs: readable as soon as indexed
         self._index_full_blocks(seq)
         self.swap_in_pairs.extend(pairs)
@@ -391,6 +437,7 @@ class BlockAllocator:
             "num_blocks_free": len(d.free_queue),
             "num_blocks_indexed": len(d.cached),
             "block_size": self.block_size,
+            "sliding_window": self.sliding_window,
             "num_seqs": len(self.seqs),
             "usage": d.num_used_blocks / self.num_blocks,
             "enable_prefix_caching": self.enable_prefix_caching,

@@ -69,6 +69,10 @@ class Admission:
                     "completion). Please reduce the length of the prompt or completion."), 400
         # the last sampled token is never fed back, so its KV needs no slot
         need = cdiv(num_prompt + max_tokens - 1, self.block_size)
+        window = self.pool.sliding_window
+        if window:  # blocks behind the window go back: a step holds its chunk and the window before it
+            chunk = num_prompt if not self.enable_chunked_prefill else min(num_prompt, self.max_num_batched_tokens)
+            need = min(need, cdiv(window - 1 + chunk, self.block_size) + 1)
         if need > self.pool.num_blocks:
             return (f"the request needs {need} KV blocks ({num_prompt} prompt + {max_tokens} completion tokens) "
                     f"but the whole KV cache holds {self.pool.num_blocks}"), 400

@@ -32,6 +32,13 @@ become findable once the step that computed them ran (``KVConfirm`` at the start
 step). Requests that want prompt logprobs send none: they neither hit nor feed the cache, since a
 cached prompt token would have no logprob.
 
+A model whose every layer is windowed (``PoolInfo.sliding_window``, from the executor's model)
+gets a replica that gives back the blocks behind the window: an allocation writing from position
+p skips the blocks before p - W + 1 (``folio.shared.kv.allocator``); the scheduler passes p, the
+sequence's computed tokens, which never moves back (drafts are verified from p on, rollbacks stop
+at or after it, preemption frees the whole table). A request is refused only when its prefill
+chunk and the window before it cannot fit in the whole pool.
+
 Beside this module: ``admission.py`` (requests in and out, the queues), ``forks.py`` (the choices
 of ``n`` > 1 and beam groups, which share blocks through forks), ``exchange.py`` (the executor's
 plan and result), ``request.py`` (a request and its ``Status``), ``stats.py`` (what the counters
@@ -121,7 +128,8 @@ class Scheduler(Admission, ExecutorExchange):
         """A fresh, empty replica of the allocator for ``info``'s pool."""
         self.pool = info
         self.kv = StepLog(BlockAllocator(info.num_blocks, info.block_size, info.num_host_blocks,
-                                         enable_prefix_caching=info.enable_prefix_caching, record_events=False))
+                                         enable_prefix_caching=info.enable_prefix_caching, record_events=False,
+                                         sliding_window=info.sliding_window))
         limits = [n for n in (self.max_model_len_limit, info.max_model_len) if n]
         self.max_model_len = min(limits) if limits else None
 
@@ -147,8 +155,8 @@ class Scheduler(Admission, ExecutorExchange):
             req.on_executor = False
         req.spec_token_ids = []  # the executor forgets its proposal with it
         seq = self.alloc.seqs.get(req.req_id)
-        if (self.preemption_mode == "swap" and seq is not None and seq.block_ids
-                and len(seq.block_ids) <= self.alloc.host.num_free_blocks):
+        if (self.preemption_mode == "swap" and seq is not None and seq.held_block_ids
+                and len(seq.held_block_ids) <= self.alloc.host.num_free_blocks):
             self.kv.try_apply(KVSwapOut(req.req_id))
             self.counters["num_swap_outs"] += 1
             self.enqueue(self.swapped, req, Status.SWAPPED)
@@ -229,8 +237,9 @@ class Scheduler(Admission, ExecutorExchange):
         while self.swapped and budget > 0 and not preempted:
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
-            num_host = len(self.alloc.seqs[req.req_id].host_block_ids)
-            need = max(num_host, cdiv(req.num_computed_tokens + num_new, self.block_size))
+            seq = self.alloc.seqs[req.req_id]
+            num_host = len(seq.host_block_ids)
+            need = max(num_host, cdiv(req.num_computed_tokens + num_new, self.block_size) - seq.num_skipped_blocks)
             if num_seqs + 1 > self.max_num_seqs or need > self.alloc.num_free_blocks:
                 break
             self.swapped.pop(0)
