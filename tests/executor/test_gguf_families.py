@@ -145,7 +145,8 @@ def converted_tensors(folder: Path, c: dict, model_type: str) -> dict[str, torch
             continue
         out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t
     for name, ts in experts.items():
-        out[names.get_name(name, try_suffixes=(".weight",))] = torch.stack([t for _, t in sorted(ts, key=lambda x: x[0])])
+        stacked = torch.stack([t for _, t in sorted(ts, key=lambda x: x[0])])  # [experts, out, in]
+        out[names.get_name(name, try_suffixes=(".weight",))] = stacked
     assert None not in out, "a tensor llama.cpp has no name for"
     return out
 
