@@ -232,3 +232,29 @@ def test_gemma2_greedy_tokens_equal_torch_backend(gemma2_dir, emu_launcher, spli
     assert {"folio::paged_decode", "folio::paged_attention", "folio::gelu_tanh_and_mul"} <= launched
     if split is None:
         assert _generate(gemma2_dir, lambda r: _NoWindows(emu_launcher, r.dtype)) != expected
+
+
+def test_gemma2_graph_path_gives_the_eager_tokens(gemma2_dir, emu_launcher):
+    """The decode-graph path (static padded buffers whose plan covers the whole table, run eagerly
+    over the emulated kernels): the windowed layers' plans are derived from the graph's plan
+    without new device copies, and padding rows (length 0) read nothing."""
+    from folio.core.executor.runtime.cuda_graphs import DecodeGraphs, graph_buckets
+
+    def runner(graphs: bool) -> ModelRunner:
+        config = RuntimeConfig(device="cpu", dtype="float32", num_kv_blocks=40, block_size=8,
+                               attention_backend="torch", max_num_seqs=8)
+        r = ModelRunner(config, gemma2_dir)
+        r.backend = KernelAttentionBackend(emu_launcher, r.dtype)
+        if graphs:
+            r.graphs = DecodeGraphs(r.model, r.backend, r.pool.kv_caches, 8, 6, graph_buckets(8), r.device,
+                                    capture=False)
+        return r
+
+    prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33], [9, 1, 77], [5, 5, 6, 2, 90, 11]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (9, 3, 6)]
+    eager = generate(runner(False), prompts, params, chunk_size=4)
+    graph_runner = runner(True)
+    assert generate(graph_runner, prompts, params, chunk_size=4) == eager
+    assert graph_runner.graphs.num_replays >= 5
+    # a windowed layer's plan (key: group, KV heads, fp8, window) beside the full one
+    assert any(len(key) == 4 for meta in graph_runner.graphs.metas.values() for key in meta.plan)
