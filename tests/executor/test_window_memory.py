@@ -3,7 +3,9 @@ outnumber its window and its whole KV pool through the real scheduler (``EngineC
 replica gives back the blocks behind the window as each sequence grows (checked against an
 allocator of record fed the same logs), and its greedy tokens are still transformers' argmax at
 every position, in fp32. Alone, beside another request with preemption, and verifying n-gram
-drafts. A model with a global layer (Qwen2 with its first layer full) frees nothing."""
+drafts; and as services (kvmanager, executor, scheduler over ipc://), where the window travels
+with the executor's pool registration and the kvmanager's log replays the frees with the
+scheduler's digest. A model with a global layer (Qwen2 with its first layer full) frees nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.kv.allocator import cdiv
+from folio.shared.messages import SamplingParams
+from folio.testing.backhalf import back_half
 from folio.testing.models import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request
 from tests.services.kv_owner import Owner
@@ -83,6 +87,19 @@ def test_verifying_ngram_drafts(mistral):
     out = core.run()["a"]
     assert out.token_ids == reference_tokens(hf, loop, MAX_TOKENS)
     assert core.scheduler.counters["num_spec_draft_tokens"] > 0
+
+
+@pytest.mark.asyncio
+async def test_the_services_free_behind_the_window_in_step(mistral):
+    path, hf = mistral
+    async with back_half(path, num_kv_blocks=6, block_size=BLOCK_SIZE, max_num_batched_tokens=8) as bh:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        (tokens,) = await bh.generate([PROMPT], params)
+        assert tokens == reference_tokens(hf, PROMPT, MAX_TOKENS)
+        kv = (await bh.admin("kvmanager", "stats")).data
+        sched = (await bh.admin("scheduler", "stats")).data
+    assert kv["sliding_window"] == WINDOW and kv["num_window_skipped_blocks"] >= 8 and kv["num_refused_ops"] == 0
+    assert sched["num_digest_mismatches"] == 0 and sched["num_epochs"] == 1
 
 
 def test_a_model_with_a_global_layer_frees_nothing(tmp_path):
