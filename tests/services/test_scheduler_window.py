@@ -193,6 +193,25 @@ def test_without_a_window_the_same_request_is_refused():
     assert "needs 13 KV blocks" in delta.error  # (40 tokens after a window of 8: 13 blocks at most)
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_preempted_windowed_sequence_comes_back_and_finishes(mode):
+    """A windowed sequence past its window gives way to an urgent long prompt on a 7-block pool:
+    its held blocks are copied to the host tier (its skipped entries stay behind) or freed; it
+    comes back and finishes, and the owner agrees every step."""
+    sched, alloc = make(8, num_blocks=7, max_num_batched_tokens=12, num_host_blocks=6, preemption_mode=mode,
+                        scheduling_policy="priority")
+    sched.add_request(request("late", 3, max_tokens=40, ignore_eos=True))
+    run_steps(sched, alloc, max_steps=16)
+    assert alloc.seqs["late"].num_skipped_blocks >= 2
+    sched.add_request(msgspec.structs.replace(request("urgent", 30, max_tokens=10, ignore_eos=True), priority=-1))
+    run_steps(sched, alloc, max_steps=400)
+    counters = sched.counters
+    assert counters["num_preemptions"] > 0 and counters["num_generation_tokens_total"] == 50
+    assert counters["num_swap_outs"] == (counters["num_preemptions"] if mode == "swap" else 0) and not sched.requests
+    assert alloc.counters["num_swapped_out_blocks"] <= 3 * counters["num_swap_outs"]  # held blocks only
+    assert alloc.num_free_blocks == 7 and alloc.host.num_free_blocks == 6
+
+
 @pytest.mark.parametrize("window, most", [(0, 18), (8, 3)])
 def test_decodes_hold_the_window_and_interleaved_models_hold_everything(window, most):
     sched, alloc = make(window, num_blocks=20, max_num_batched_tokens=4)
