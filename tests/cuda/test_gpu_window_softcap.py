@@ -28,8 +28,8 @@ def make_backend():
     return make
 
 
-@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (96, 8), (128, 32)])
+@pytest.mark.parametrize("dtype,head_dim,block_size", [(F32, 64, 16), (F16, 96, 8), (BF16, 128, 32)],
+                         ids=["f32-64-16", "f16-96-8", "bf16-128-32"])
 def test_window_softcap_decode_and_chunks(make_backend, dtype, head_dim, block_size):
     """A mixed step (decode rows, a prefix-cached chunk, verification chunks, a prefill from 0)
     over long contexts; windows that end mid-block and longer than a context; split and unsplit."""

@@ -72,31 +72,24 @@ def poison_before_windows(step: Step, window: int, rows_per_item: int) -> Step:
     """A copy of the step whose K and V are NaN at every position no CTA of the kernels may read:
     before the window of the first token of each work item (a decode sequence is one item). A
     kernel that read one into its math would return NaN."""
-    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
     group = step.query.shape[1] // step.k_cache.shape[2]
     bs = step.k_cache.shape[1]
-    nan = _nan_like(k_cache)
+    slots = []
     for b, (q_len, s_len) in enumerate(zip(step.meta.query_lens_list, step.meta.seq_lens_list)):
         if q_len == 0:
             continue
         ctx = s_len - q_len
-        if q_len == 1:
-            firsts = [ctx]
-        else:
-            firsts = [ctx + row0 // group for row0 in range(0, q_len * group, rows_per_item)]
+        firsts = [ctx] if q_len == 1 else [ctx + row0 // group for row0 in range(0, q_len * group, rows_per_item)]
         first_key = max(0, min(firsts) - window + 1)
-        for p in range(first_key):
-            block, off = step.tables[b][p // bs], p % bs
-            k_cache[block, off] = nan
-            v_cache[block, off] = nan
-    poisoned = Step(step.meta, step.query, k_cache, v_cache, step.tables, step.slots)
-    return poisoned
-
-
-def _nan_like(cache: torch.Tensor) -> torch.Tensor:
-    if cache.dtype == FP8_DTYPE:
-        return torch.full(cache.shape[2:], 0x7F, dtype=torch.uint8, device=cache.device).view(FP8_DTYPE)
-    return torch.full(cache.shape[2:], math.nan, dtype=cache.dtype, device=cache.device)
+        slots += [step.tables[b][p // bs] * bs + p % bs for p in range(first_key)]
+    caches = []
+    for cache in (step.k_cache, step.v_cache):
+        poisoned = cache.clone()
+        fp8 = cache.dtype == FP8_DTYPE
+        rows = (poisoned.view(torch.uint8) if fp8 else poisoned).flatten(0, 1)  # [slots, kv heads, head dim]
+        rows[torch.tensor(slots, dtype=torch.int64, device=cache.device)] = 0x7F if fp8 else math.nan  # e4m3 NaN
+        caches.append(poisoned)
+    return Step(step.meta, step.query, caches[0], caches[1], step.tables, step.slots)
 
 
 def check(out: torch.Tensor, step: Step, scale: float, window: int, softcap: float,
