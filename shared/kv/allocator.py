@@ -16,9 +16,10 @@ ids are the handles of the executor's pools. What it adds to ``block_pool.BlockP
   the (device, host) and (host, device) pairs land in ``swap_out_pairs``/``swap_in_pairs``.
 - sliding windows: with ``sliding_window`` W > 0 (a model whose every layer attends to at most
   its last W positions) an allocation that writes from position p first gives back the blocks
-  whose last position is below p - W + 1, which no later query reads (a sequence keeps at most
-  ``ceil(W / block_size) + 1`` blocks between its prefill chunks); a sequence new here does not
-  revive the cached blocks of its prefix hit that lie wholly before its window. The skipped
+  whose last position is below p - W + 1, which no later query reads (a decoding sequence holds
+  at most ``ceil(W / block_size) + 1`` blocks from the first block it starts after its prompt; a
+  chunk of C tokens, those of its C tokens and the W - 1 before them); a sequence new here does
+  not revive the cached blocks of its prefix hit that lie wholly before its window. The skipped
   blocks keep their entries in the table (``RequestTable.num_skipped_blocks`` says how many lead
   it): a valid block id, possibly handed to another sequence since, so that positions still map
   to ``table[p // block_size]`` and the executor is told nothing; the attention backends mask
