@@ -106,7 +106,7 @@ class SchedulerService:
         if self.config.preemption_mode == "swap" and not info.num_host_blocks:
             log.warning("--preemption-mode swap without a host tier (--num-host-blocks): preemption recomputes")
         log.info("pool ready", num_blocks=info.num_blocks, block_size=info.block_size,
-                 max_model_len=self.scheduler.max_model_len, epoch=info.epoch)
+                 max_model_len=self.scheduler.max_model_len, sliding_window=info.sliding_window, epoch=info.epoch)
         receiver = asyncio.ensure_future(self.receive_from_tokenizer())
         try:
             while True:
