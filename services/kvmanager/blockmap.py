@@ -63,8 +63,9 @@ def block_map(allocator: BlockAllocator, max_cells: int = DEFAULT_MAX_CELLS) -> 
         if len(seqs) == MAX_LISTED_SEQS:
             break
         swapped = seq.host_block_ids is not None
-        seqs.append({"req_id": req_id, "num_blocks": len(seq.host_block_ids if swapped else seq.block_ids),
-                     "num_shared_blocks": 0 if swapped else sum(1 for b in seq.block_ids if refs[b] > 1),
+        held = seq.host_block_ids if swapped else seq.held_block_ids
+        seqs.append({"req_id": req_id, "num_blocks": len(held),
+                     "num_shared_blocks": 0 if swapped else sum(1 for b in held if refs[b] > 1),
                      "num_tokens": seq.num_tokens, "swapped_out": swapped})
     return {"block_size": allocator.block_size, "device": _cells(allocator.device, max_cells, True),
             "host": _cells(allocator.host, max_cells, False), "seqs": seqs, "num_seqs": len(allocator.seqs)}

@@ -226,10 +226,12 @@ class KVManagerService:
         if seq is None:
             return {"req_id": req_id, "block_ids": [], "num_blocks": 0, "known": False}
         refs = self.allocator.device.ref_counts
-        return {"req_id": req_id, "known": True, "block_ids": list(seq.block_ids), "num_blocks": len(seq.block_ids),
+        held = seq.held_block_ids  # (a sliding window's skipped entries are no longer its blocks)
+        return {"req_id": req_id, "known": True, "block_ids": list(held), "num_blocks": len(held),
+                "num_skipped_blocks": seq.num_skipped_blocks,
                 "num_tokens": seq.num_tokens, "num_cached_tokens": seq.num_cached_tokens,
-                "num_shared_blocks": sum(1 for b in seq.block_ids if refs[b] > 1),
-                "block_ref_counts": [refs[b] for b in seq.block_ids],
+                "num_shared_blocks": sum(1 for b in held if refs[b] > 1),
+                "block_ref_counts": [refs[b] for b in held],
                 "host_block_ids": seq.host_block_ids or [], "swapped_out": seq.host_block_ids is not None}
 
     def admin_blocks(self, args: dict) -> dict:

@@ -328,6 +328,11 @@ async def test_the_kvmanager_frees_behind_the_window_with_the_same_digest(kvmana
         samplers = [r.req_id for r in out.samplers]
         sched.update_from_result(out, StepResult(step_id=plan.step_id, req_ids=samplers, token_ids=[7] * len(samplers)))
         num_steps += 1
+        if num_steps == 20:  # the admin's table: the blocks held, not the skipped entries
+            seq = (await admin_call(ctx, ep.admin_kvmanager, "seq", req_id="a")).data
+            replica = sched.alloc.seqs["a"]
+            assert replica.num_skipped_blocks > 2 and seq["num_skipped_blocks"] == replica.num_skipped_blocks
+            assert seq["block_ids"] == replica.held_block_ids and seq["block_ref_counts"] == [1] * len(seq["block_ids"])
     assert num_steps > 30 and sched.alloc.counters["num_window_skipped_blocks"] > 10
     stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
     assert stats["sliding_window"] == 8 and stats["num_window_skipped_blocks"] == sched.alloc.counters[
