@@ -54,9 +54,12 @@ def reference_tokens(hf, prompt, n):
     return tokens[len(prompt):]
 
 
-def test_a_sequence_longer_than_its_window_and_the_pool(mistral):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_sequence_longer_than_its_window_and_the_pool(mistral, backend):
+    """The torch reference and the C kernels alike never read the entries the window passed."""
     path, hf = mistral
-    core = engine(path, num_kv_blocks=5)
+    core = engine(path, num_kv_blocks=5, attention_backend=backend)
+    assert core.runner.backend.name == backend
     assert core.scheduler.pool.sliding_window == WINDOW
     assert cdiv(len(PROMPT) + MAX_TOKENS - 1, BLOCK_SIZE) > 5  # it could not run without freeing
     core.add(engine_request("a", PROMPT, MAX_TOKENS, ignore_eos=True))
