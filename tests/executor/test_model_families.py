@@ -4,9 +4,13 @@ q/k/v clipping that bites, an odd number of experts with top-k > 1, ``norm_topk_
 ways, a shared expert, a dense layer among sparse ones). Each run goes through the real
 scheduler (``EngineCore``): one prompt; 8 concurrent prompts under a small token budget (chunked
 prefill); a prompt whose prefix is already cached; preemption on a small pool; n-gram
-speculative decoding; the C kernel backend (Qwen3, Qwen3-MoE) and, for Qwen3, tensor parallel 2.
+speculative decoding; the C kernel backend (Qwen3, Qwen3-MoE, Gemma 2, Phi-3) and, for Qwen3,
+Gemma 2 and Phi-3, tensor parallel 2. The attention variants bite: sliding windows of 6-7
+positions (Mistral and Phi-3 on every layer, Qwen2 from ``max_window_layers``, Gemma 2 on every
+other layer, Gemma 3 on two local layers to one global, with their own RoPE base),
+soft-caps of 3 and 4, a query scale that is not head_dim's, Phi-3's LongRoPE factors.
 Greedy tokens must be the reference's argmax at every position and the top-5 logprobs its top 5.
-Then the registry's refusals."""
+Then the registry's reading of windows and its refusals."""
 
 from __future__ import annotations
 
@@ -141,10 +145,11 @@ def test_ngram_speculative_decoding(family):
     assert core.scheduler.counters["num_spec_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe-norm"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe-norm", "gemma2", "phi3"])
 def test_the_cpu_kernel_backend(tmp_path, name):
-    """The C kernels' fused RoPE + KV write rotates the q/k-normed projections, and their SiLU x
-    gate runs each expert's rows (no fallback)."""
+    """The C kernels' fused RoPE + KV write rotates the q/k-normed projections, their SiLU x gate
+    runs each expert's rows, their GeGLU Gemma 2's MLP, and their decode attention the windows and
+    the soft-cap (no fallback)."""
     from transformers import AutoModelForCausalLM
 
     model_type, overrides = FAMILIES[name]
