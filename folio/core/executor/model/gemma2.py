@@ -22,6 +22,8 @@ def gemma_spec(config, **extras) -> ModelSpec:
     """The spec fields Gemma 2 and 3 share."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{config.model_type} with use_bidirectional_attention (an encoder) is not supported")
+    if getattr(config, "attention_bias", False):  # Gemma's would include o_proj's bias, which the layer lacks
+        raise ValueError(f"{config.model_type} with attention_bias is not supported")
     return dataclasses.replace(
         ModelSpec.from_hf_config(config), norm_offset=1.0, sandwich_norms=True,
         embed_scale=config.hidden_size**0.5, query_pre_attn_scalar=float(config.query_pre_attn_scalar),
