@@ -3,12 +3,18 @@
 Two random-weight models of the same shape but the feed-forward block: a Mixtral (8 experts,
 top-2, each expert's intermediate size I) and a Llama whose MLP has 2 I (what a token computes
 in both). Each runs a batch-64 decode step (64 sequences of 64 cached tokens) through the real
-model and backend, fp32; the time is the median over ``--steps``. A third run swaps the MoE
-block's grouped forward for a loop over tokens (each token's k experts one matrix-vector product
-at a time), the baseline the grouping is there to beat. Prints ms per step and the ratios
-measured in this run, and how much of the CPUs other processes took meanwhile.
+model and backend, fp32; the time is the median over ``--steps``, the two models' steps timed in
+turns (one of each, repeatedly) so that other processes' load falls on both alike. A third run
+swaps the MoE block's grouped forward for a loop over tokens (each token's k experts one
+matrix-vector product at a time), the baseline the grouping is there to beat. Prints ms per step
+and the ratios measured in this run, and how much of the CPUs other processes took meanwhile;
+``--profile`` adds the torch profiler's table of the MoE step's operations.
 
-    python scripts/bench_moe.py [--steps 30] [--batch 64] [--hidden 512] [--layers 4]
+At batch 64 every one of the 8 experts gets rows, so an MoE step reads 4x the dense step's
+feed-forward weight bytes (fp32: 24 MB a layer against 6 MB here) for the same arithmetic; its
+ratio grows when other processes take memory bandwidth.
+
+    python scripts/bench_moe.py [--steps 30] [--batch 64] [--hidden 512] [--layers 4] [--profile]
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size I")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="print the MoE step's operations (torch profiler)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the comparison is of work, not of thread scaling on a shared machine
     shape = dict(vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
@@ -104,6 +111,14 @@ def main() -> None:
                 MoE.forward = grouped
 
         loop_ms, grouped_ms = step_ms(max(3, args.steps // 5), loop_step, moe_step)
+        others = meter.lap()
+        if args.profile:
+            from torch.profiler import profile
+
+            with torch.inference_mode(), profile() as prof:
+                for _ in range(args.steps):
+                    moe_step()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     print(f"batch {args.batch}, hidden {args.hidden}, {args.layers} layers, 8 experts top-2 of size "
           f"{args.expert_size} against a dense MLP of {2 * args.expert_size}; fp32, one thread")
     print(f"dense step: {dense_ms:.2f} ms")
@@ -111,7 +126,7 @@ def main() -> None:
     print(f"MoE step (a loop over tokens): {loop_ms:.2f} ms")
     print(f"MoE / dense: {moe_ms / dense_ms:.2f}x (target at most 1.5x)")
     print(f"per-token loop / grouped: {loop_ms / grouped_ms:.1f}x")
-    print(f"measured over {meter.lap()}")
+    print(f"measured over {others}")
 
 
 if __name__ == "__main__":

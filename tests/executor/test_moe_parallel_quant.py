@@ -49,7 +49,9 @@ def test_moe_over_two_ranks(tmp_path, name):
         assert isinstance(moe, MoE) and moe.comm is not None
         half, hidden = overrides["moe_intermediate_size"] // 2, hf.config.hidden_size
         assert moe.intermediate_size == half
-        assert [tuple(w.shape) for w in moe.experts_t] == [(5, hidden, 2 * half), (5, half, hidden)]
+        gate_up, down = moe.expert(0)  # oneDNN-packed: [hidden] -> [2 half], [half] -> [hidden]
+        assert (gate_up.out_features, down.out_features) == (2 * half, hidden)
+        assert len(moe.packed_experts) == 5
         if moe.shared_expert is not None:
             assert moe.shared_expert.intermediate_size == overrides["shared_expert_intermediate_size"] // 2
         for prompt, (tokens, lps, _) in zip(PROMPTS[:4], run(runner, PROMPTS[:4], budget=16)):

@@ -8,11 +8,12 @@ expert: the (token, slot) pairs are sorted by expert id and their rows gathered 
 expert's gate/up GEMM writes its contiguous run of rows into one buffer, one SiLU x up runs over
 the whole buffer, each expert's down GEMM writes its run into the output, and the rows are
 scattered back with their routing weights (``index_add_``). The Python loops are over experts,
-never over tokens. On the CPU in fp32 each expert's two weights are held transposed once at load
-(``pack_for_cpu``: ``[hidden, 2 i]`` and ``[i, hidden]``, contiguous) and multiplied by
-``torch.mm`` straight into those buffers: at the ~16 rows an expert gets in a batch-64 step,
-that beat the oneDNN-packed linear the dense layers use (0.133 against 0.149 ms for 16 x 512 x
-1024 here) and saves a copy per GEMM (``scripts/bench_moe.py``).
+never over tokens. On the CPU in fp32 each expert's two weights are oneDNN-packed once at load
+(``pack_for_cpu``), as the dense layers are. At batch 64 every expert gets rows, so a step
+streams all the experts' weights from memory (4x a dense model's with the same active
+parameters, for 8 experts top-2): the GEMMs are bound by memory bandwidth, not arithmetic, and
+there the packed layout streamed fastest (4 layers x 8 experts, 16 rows each: 14.3 ms against
+17.8 for ``torch.mm`` on transposed weights and 18.0 for ``F.linear``; ``scripts/bench_moe.py``).
 
 Qwen2-MoE adds a shared expert (a dense MLP every token goes through), scaled by
 ``sigmoid(shared_expert_gate(x))``.
@@ -50,7 +51,7 @@ from torch import nn
 from folio.core.executor.kernels import moe_kernels
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
 from folio.core.executor.model.layers import (
-    MLP, Attention, CausalLM, DecoderLayer, ModelSpec, Part, attention_layout, base_layout, mlp_layout,
+    MLP, Attention, CausalLM, DecoderLayer, ModelSpec, PackedLinear, Part, attention_layout, base_layout, mlp_layout,
 )
 from folio.core.executor.parallel.comm import Comm, Shard
 from folio.core.executor.quant.formats import quantize_int4, quantize_int8
@@ -85,8 +86,7 @@ class MoE(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # each expert's gate and up rows
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
         self.num_experts, self.intermediate_size = e, i
-        self.packed_experts: nn.ModuleList | None = None  # per expert (gate_up, down) layers: quantized
-        self.experts_t: tuple[torch.Tensor, torch.Tensor] | None = None  # [e, h, 2 i], [e, i, h] (pack_for_cpu)
+        self.packed_experts: nn.ModuleList | None = None  # per expert (gate_up, down): oneDNN-packed or quantized
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_intermediate_size:
             # comm None: its partial sum joins the routed experts' before the one all-reduce
@@ -107,17 +107,7 @@ class MoE(nn.Module):
         """Expert ``e``'s (gate_up, down) projections as callables: [m, hidden] -> [m, 2 i], [m, i] -> [m, hidden]."""
         if self.packed_experts is not None:
             return self.packed_experts[e]
-        if self.experts_t is not None:
-            gate_up, down = self.experts_t
-            return (lambda x: torch.mm(x, gate_up[e])), (lambda x: torch.mm(x, down[e]))
         return (lambda x: F.linear(x, self.experts_gate_up[e])), (lambda x: F.linear(x, self.experts_down[e]))
-
-    def _gemm(self, which: int, e: int, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` = expert ``e``'s gate_up (``which`` 0) or down (1) projection of ``x``."""
-        if self.experts_t is not None and x.dtype == out.dtype == self.experts_t[which].dtype:
-            torch.mm(x, self.experts_t[which][e], out=out)
-        else:
-            out.copy_(self.expert(e)[which](x))
 
     def _per_expert(self, make) -> None:
         """``packed_experts`` from each expert's stacked weights (``make(weight)`` -> a layer); the
@@ -127,13 +117,17 @@ class MoE(nn.Module):
         self.experts_gate_up = self.experts_down = None
 
     def pack_for_cpu(self) -> None:
-        """Each expert's weights transposed for ``torch.mm`` (``layers.pack_linears_for_cpu`` calls
-        it); the stacked copies go. Quantized experts stay as they are."""
-        if self.packed_experts is not None or self.experts_t is not None:
+        """Each expert's weights oneDNN-packed (``layers.pack_linears_for_cpu`` calls it); quantized
+        experts stay as they are."""
+        if self.packed_experts is not None:
             return
-        self.experts_t = (self.experts_gate_up.detach().transpose(1, 2).contiguous(),
-                          self.experts_down.detach().transpose(1, 2).contiguous())
-        self.experts_gate_up = self.experts_down = None
+
+        def packed(weight: torch.Tensor) -> PackedLinear:
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            return PackedLinear(linear)
+
+        self._per_expert(packed)
 
     def quantize_experts(self, method: str, group_size: int) -> None:
         """Each expert's weights rounded to nearest (``int8`` per channel, ``int4`` in groups of
@@ -162,11 +156,11 @@ class MoE(nn.Module):
                     zip(range(self.num_experts), counts, itertools.accumulate(counts)) if count]
         gate_up = torch.empty((rows.shape[0], 2 * self.intermediate_size), dtype=x.dtype, device=x.device)
         for e, seg in segments:  # one GEMM pair per expert over its rows
-            self._gemm(0, e, rows[seg], gate_up[seg])
+            gate_up[seg] = self.expert(e)[0](rows[seg])
         act = ops.silu_and_mul(gate_up).to(x.dtype)  # [n k, i]
         out = torch.empty(rows.shape, dtype=dtype, device=x.device)
         for e, seg in segments:
-            self._gemm(1, e, act[seg], out[seg])
+            out[seg] = self.expert(e)[1](act[seg])
         out *= weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros((n, x.shape[1]), dtype=dtype, device=x.device)
         y.index_add_(0, token, out)  # [n, hidden]: each token's k slots summed
