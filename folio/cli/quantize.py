@@ -10,7 +10,9 @@
   calibration text as AWQ; ``--rtn`` rounds to nearest instead, as ``--quantization int8`` does
   at load time.
 
-Everything that is not a decoder projection (embeddings, norms, the LM head) stays dense.
+Everything that is not a decoder projection (embeddings, norms, the LM head) stays dense. The tool
+rewrites Llama-shaped checkpoints (``QUANTIZABLE_MODEL_TYPES``); it refuses other families, which
+quantize at load time.
 """
 
 from __future__ import annotations
@@ -71,6 +73,19 @@ def _copy_side_files(src: Path, out: Path) -> None:
             shutil.copy(f, out / f.name)
 
 
+# the families whose checkpoints this tool rewrites: separate q/k/v and gate/up projections, plain
+# RMSNorm weights (AWQ folds its scales into them) and one MLP per layer. Every other family
+# (Gemma's (1 + w) norms, Phi-3's fused projections, experts) quantizes at load time instead.
+QUANTIZABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_quantizable(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in QUANTIZABLE_MODEL_TYPES:
+        raise ValueError(f"folio quantize writes {', '.join(QUANTIZABLE_MODEL_TYPES)} checkpoints, not "
+                         f"{model_type!r}; serve it with --quantization int8 or int4 (quantized at load) instead")
+
+
 def quantize(model_path: Path, out: Path, method: str, group_size: int, num_tokens: int, seed: int,
              quiet: bool = False, rtn: bool = False) -> Path:
     from safetensors.torch import save_file
@@ -85,6 +100,7 @@ def quantize(model_path: Path, out: Path, method: str, group_size: int, num_toke
     if model_path.suffix == ".gguf" or not (model_path / "config.json").exists():
         raise ValueError(f"{model_path} is not a model folder (config.json + safetensors)")
     config, state, checkpoint_method, _ = read_checkpoint(model_path)
+    check_quantizable(config)
     if checkpoint_method not in ("none", "int4"):  # int4: a prepared GGUF folder, its dense weights are exact
         raise ValueError(f"{model_path} is quantized already ({checkpoint_method})")
     linears = sorted(n for n in state if n.endswith("_proj.weight") and ".layers." in n)

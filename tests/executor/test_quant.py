@@ -179,6 +179,18 @@ def test_folio_quantize_refuses_a_group_size_that_does_not_fit(tmp_path, tiny_mo
     assert "96 input channels, not a multiple of group size 64; use 32" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "qwen3_moe"])
+def test_folio_quantize_refuses_families_it_would_write_wrong(tmp_path, model_type, capsys):
+    """Gemma's (1 + w) norms, Phi-3's fused projections and experts are not rewritten by the tool."""
+    from folio.cli.quantize import main
+    from folio.testing.models import write_tiny_model
+
+    path = write_tiny_model(tmp_path / model_type, model_type, pad_token_id=0, eos_token_id=1)
+    assert main(["--method", "int4", "--group-size", "32", str(path), str(tmp_path / "x")]) == 2
+    assert f"not {model_type!r}; serve it with --quantization int8 or int4" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_dir):
     from tests.executor.toy_driver import generate
     from folio.core.executor.runtime.runner import ModelRunner
