@@ -151,24 +151,20 @@ class KernelLayerOps:
         self._launch("add_rms_norm", x.shape[0], ck.NORM_THREADS, args, x.device)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        n, d = gate_up.shape[0], gate_up.shape[-1] // 2
-        if gate_up.dim() != 2 or gate_up.dtype not in _DTYPE_NAMES or n == 0 or not _fits(gate_up, row_elems=d):
-            self.num_fallbacks += 1
-            return TORCH_LAYER_OPS.silu_and_mul(gate_up)
-        out = torch.empty((n, d), dtype=gate_up.dtype, device=gate_up.device)
-        args = (_ptr(out), _ptr(gate_up), np.int32(d), np.int64(gate_up.stride(0)), gate_up.dtype)
-        self._launch("silu_and_mul", n, ck.ACT_THREADS, args, gate_up.device)
-        return out
+        return self._gated("silu_and_mul", gate_up)
 
-    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
-        """GeGLU (Gemma); the same fallback rules as ``silu_and_mul``."""
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # GeGLU (Gemma)
+        return self._gated("gelu_tanh_and_mul", gate_up)
+
+    def _gated(self, kernel: str, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
+        """act(gate) x up by ``kernel``, or the reference's op of the same name for what it does not take."""
         n, d = gate_up.shape[0], gate_up.shape[-1] // 2
         if gate_up.dim() != 2 or gate_up.dtype not in _DTYPE_NAMES or n == 0 or not _fits(gate_up, row_elems=d):
             self.num_fallbacks += 1
-            return TORCH_LAYER_OPS.gelu_tanh_and_mul(gate_up)
+            return getattr(TORCH_LAYER_OPS, kernel)(gate_up)
         out = torch.empty((n, d), dtype=gate_up.dtype, device=gate_up.device)
         args = (_ptr(out), _ptr(gate_up), np.int32(d), np.int64(gate_up.stride(0)), gate_up.dtype)
-        self._launch("gelu_tanh_and_mul", n, ck.ACT_THREADS, args, gate_up.device)
+        self._launch(kernel, n, ck.ACT_THREADS, args, gate_up.device)
         return out
 
     def rope_write_kv(self, qkv: torch.Tensor, attn, rope: KernelRope, k_cache, v_cache, meta, backend) -> torch.Tensor:
