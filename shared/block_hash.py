@@ -3,7 +3,7 @@
 The kvmanager's allocator names every full block with it (prefix-cache lookups, KV events), and
 the router hashes an incoming prompt with the same function to find which replica holds its
 prefix. A block's name depends on its parent's name, its token ids and extra keys (the request's
-cache salt), computed with blake2b over msgpack, never Python's ``hash()`` (salted per process).
+cache salt and LoRA adapter), computed with blake2b over msgpack, never Python's ``hash()`` (salted per process).
 """
 
 from __future__ import annotations
@@ -21,9 +21,26 @@ def hash_block(parent_block_hash: bytes | None, token_ids, extra_keys: tuple = (
     return hashlib.blake2b(_encode((parent_block_hash, token_ids, extra_keys)), digest_size=16).digest()
 
 
-def block_extra_keys(cache_salt: str | None) -> tuple:
-    """The extra keys of every block of a request: its cache salt keeps tenants' caches apart."""
-    return (cache_salt,) if cache_salt else ()
+_ADAPTER_MARK = "\x00lora\x00"  # starts a salt that also names an adapter (``kv_salt``)
+
+
+def block_extra_keys(cache_salt: str | None, lora_name: str | None = None) -> tuple:
+    """The extra keys of every block of a request: its cache salt keeps tenants' caches apart,
+    its LoRA adapter (``("lora", name)``) keeps adapters' KV apart from each other and from the
+    base model's. A salt made by ``kv_salt`` gives the keys of the salt and adapter it holds."""
+    if cache_salt and cache_salt.startswith(_ADAPTER_MARK):
+        lora_name, _, cache_salt = cache_salt[len(_ADAPTER_MARK):].partition("\x00")
+        cache_salt = cache_salt or None
+    keys = (cache_salt,) if cache_salt else ()
+    return keys + ("lora", lora_name) if lora_name else keys
+
+
+def kv_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """One salt string for a request's salt and adapter, as the allocator's messages carry it
+    (``KVAllocate.cache_salt``): ``block_extra_keys(kv_salt(s, a)) == block_extra_keys(s, a)``."""
+    if not lora_name:
+        return cache_salt
+    return f"{_ADAPTER_MARK}{lora_name}\x00{cache_salt or ''}"
 
 
 def chain_block_hashes(token_ids, block_size: int, extra_keys: tuple = (), known: list[bytes] = ()) -> list[bytes]:

@@ -97,6 +97,7 @@ class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     num_computed_tokens: int = 0
     # False for beams: the scheduler picks each beam's next token and sends it (``new_token_ids``)
     append_sampled: bool = True
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class RunningRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
@@ -248,6 +249,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # structured output: the tokenizer compiles it (cached by hash) into ``sampling.grammar``
     guided: GuidedSpec | None = None
     tools: list[dict] | None = None  # OpenAI tool definitions, rendered by the chat template
+    lora_name: str | None = None  # the LoRA adapter (the request's ``model`` names it); None: the base model
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
@@ -266,6 +268,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     # choices are the best beams, best first
     fork_req_ids: list[str] = []
     beam_search: BeamSearchParams | None = None
+    lora_name: str | None = None  # the LoRA adapter; None: the base model
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):

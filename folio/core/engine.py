@@ -45,9 +45,15 @@ class EngineCore:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, async_scheduling: bool = False,
                  **scheduler_options):
         """``scheduler_options``: ``Scheduler``'s keyword arguments (chunked prefill, preemption
-        mode, scheduling policy, long-prefill threshold)."""
+        mode, scheduling policy, long-prefill threshold, ``max_loras``: by default the runner's
+        adapter slots)."""
         pool = runner.pool
         self.runner = runner
+        lora = getattr(runner, "lora", None)
+        if lora is not None:
+            scheduler_options["max_loras"] = min(scheduler_options.get("max_loras") or lora.max_loras, lora.max_loras)
+        else:
+            scheduler_options.pop("max_loras", None)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len, **scheduler_options)
         self.scheduler.set_pool(PoolInfo(
             num_blocks=pool.num_blocks, block_size=pool.block_size,
@@ -65,7 +71,14 @@ class EngineCore:
         return self.scheduler.max_model_len
 
     def add_request(self, msg: EngineRequest) -> list[TokenDelta]:
-        """Queue a request with its choices; a refused one comes back as "error" deltas at once."""
+        """Queue a request with its choices; a refused one comes back as "error" deltas at once
+        (so does one naming a LoRA adapter the runner does not hold)."""
+        if msg.lora_name is not None and msg.lora_name not in self.runner.lora_names():
+            error = (f"The model `{msg.lora_name}` does not exist." if getattr(self.runner, "lora", None) is not None
+                     else f"LoRA adapter {msg.lora_name!r} asked but LoRA is not enabled (enable_lora)")
+            return [TokenDelta(req_id=req_id, token_ids=[], finish_reason="error", error=error, error_code=404,
+                               num_prompt_tokens=len(msg.prompt_token_ids))
+                    for req_id in (msg.req_id, *msg.fork_req_ids)]
         return self.scheduler.add_request(msg)
 
     def abort(self, req_id: str) -> bool:
@@ -129,7 +142,8 @@ class LLMEngine:
         refusals = self.core.add_request(EngineRequest(
             req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             eos_token_id=self.tokenizer.eos_token_id, priority=req.priority, arrival_time=req.arrival_time,
-            cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids, beam_search=req.beam_search))
+            cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids, beam_search=req.beam_search,
+            lora_name=req.lora_name))
         return prompt_token_ids, prompt_text, self._texts(TokenBatch(step_id=self.next_step_id, deltas=refusals))
 
     def abort(self, req_id: str) -> None:

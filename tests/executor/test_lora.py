@@ -12,8 +12,12 @@ import json
 import pytest
 import torch
 
+from folio.core.engine import EngineCore
 from folio.core.executor.lora import LoRAError, LoRAManager, bgmv, load_peft_adapter, sgmv
 from folio.core.executor.lora.adapters import projection_layout
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import EngineRequest, SamplingParams
 from folio.testing.models import write_tiny_model
 
 peft = pytest.importorskip("peft")
@@ -151,3 +155,121 @@ def test_manager_slots_lru(tiny):
     manager.remove("all64")
     assert "all64" not in manager.names() and manager.free_slots == [again["all64"]]
     assert projection_layout(model) == projection_layout(spec_of(base))
+
+
+# ---------------------------------------------------------------------- the oracle, through EngineCore
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=5)
+PROMPTS = [[(11 * i + 5 * j) % 127 + 1 for j in range(4 + 2 * i)] for i in range(16)]  # 4..34 tokens
+CHOICES = [None, *ADAPTERS]  # request i runs CHOICES[i % 4]
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    """The base model and each adapter's merged model (peft's ``merge_and_unload``) in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    base, adapters = tiny
+    refs = {None: AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()}
+    for name, path in adapters.items():
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        refs[name] = peft.PeftModel.from_pretrained(model, path).merge_and_unload().eval()
+    return refs
+
+
+def lora_runner(tiny, **config):
+    base, adapters = tiny
+    runner = ModelRunner(RuntimeConfig(**{"num_kv_blocks": 128, "block_size": 4, **config}), base, enable_lora=True,
+                         max_loras=4, max_lora_rank=64, lora_modules=[f"{n}={p}" for n, p in adapters.items()])
+    return runner
+
+
+def run(core: EngineCore, prompts, adapters, params=GREEDY, prefix="r"):
+    out = {f"{prefix}{i}": ([], [], 0) for i in range(len(prompts))}
+    for i, (p, a) in enumerate(zip(prompts, adapters)):
+        assert not core.add_request(EngineRequest(req_id=f"{prefix}{i}", prompt_token_ids=p, sampling=params,
+                                                  lora_name=a))
+    while core.has_work():
+        batch = core.step()
+        for d in batch.all_deltas() if batch else ():
+            assert d.finish_reason != "error", d.error
+            tokens, lps, cached = out[d.req_id]
+            out[d.req_id] = (tokens + d.token_ids, lps + (d.logprobs or []), max(cached, d.num_cached_tokens))
+    return list(out.values())
+
+
+def check(ref, prompt, tokens, logprobs):
+    assert len(tokens) == GREEDY.max_tokens
+    with torch.inference_mode():
+        logits = ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    top = logits.topk(5)
+    assert tokens == logits.argmax(-1).tolist()
+    for i, lp in enumerate(logprobs):
+        assert lp.token_id == tokens[i] and lp.top_token_ids == top.indices[i].tolist()
+        assert lp.top_logprobs == pytest.approx(top.values[i].tolist(), abs=1e-4)
+
+
+def greedy_of(ref, prompt):
+    with torch.inference_mode():
+        return ref.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, len(prompt):].tolist()
+
+
+def test_adapters_change_the_output(references):
+    """Each adapter's merged model answers differently from the base (else the oracle proves nothing)."""
+    for name in ADAPTERS:
+        assert any(greedy_of(references[name], p) != greedy_of(references[None], p) for p in PROMPTS[:4])
+
+
+def test_mixed_batch_of_three_adapters_and_the_base(tiny, references):
+    runner = lora_runner(tiny)
+    steps = []
+
+    class Core(EngineCore):
+        def on_plan(self, out, plan):
+            steps.append({n.lora_name for n in plan.new_reqs})
+
+    core = Core(runner, max_num_seqs=16, max_num_batched_tokens=64)
+    choices = [CHOICES[i % 4] for i in range(len(PROMPTS))]
+    results = run(core, PROMPTS, choices)
+    for prompt, name, (tokens, lps, _) in zip(PROMPTS, choices, results):
+        check(references[name], prompt, tokens, lps)
+    assert runner.lora.loads == 3 and runner.lora.evictions == 0
+
+
+def test_preemption_and_fewer_slots_than_adapters(tiny, references):
+    """A small pool preempts; two slots for three adapters: the scheduler admits at most two
+    adapters at once and the slots turn over."""
+    base, adapters = tiny
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=24, block_size=4), base, enable_lora=True, max_loras=2,
+                         max_lora_rank=64, lora_modules=[f"{n}={p}" for n, p in adapters.items()])
+    seen = []
+
+    class Core(EngineCore):
+        def on_plan(self, out, plan):
+            seen.append({r.lora_name for r, _ in out.scheduled if r.lora_name})
+
+    core = Core(runner, max_num_seqs=8, max_num_batched_tokens=32)
+    prompts = PROMPTS[4:12]
+    choices = [CHOICES[i % 4] for i in range(len(prompts))]
+    results = run(core, prompts, choices)
+    assert core.stats()["num_preemptions"] > 0
+    assert max(len(s) for s in seen) == 2 and runner.lora.evictions > 0
+    for prompt, name, (tokens, lps, _) in zip(prompts, choices, results):
+        check(references[name], prompt, tokens, lps)
+
+
+def test_prefix_cache_is_per_adapter(tiny, references):
+    runner = lora_runner(tiny)
+    core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
+    prompt = PROMPTS[10]  # 24 tokens: 5 whole blocks before its last token
+    order = ["qv8", "all64", None, "qv8", "all64", None]
+    for k, name in enumerate(order):
+        ((tokens, lps, cached),) = run(core, [prompt], [name], prefix=f"p{k}-")
+        assert cached == (0 if k < 3 else 20), (k, name)  # shared within an adapter, never across
+        check(references[name], prompt, tokens, lps)
+
+
+def test_unknown_adapter_is_refused(tiny):
+    runner = lora_runner(tiny)
+    core = EngineCore(runner)
+    (delta,) = core.add_request(EngineRequest(req_id="x", prompt_token_ids=[1, 2], sampling=GREEDY, lora_name="nope"))
+    assert delta.finish_reason == "error" and delta.error_code == 404 and "nope" in delta.error

@@ -57,6 +57,8 @@ class Admission:
             return "the prompt is empty", 400
         if max_tokens < 1:
             return f"max_tokens must be at least 1, got {max_tokens}", 400
+        if msg.beam_search is not None and msg.lora_name:
+            return "beam search with a LoRA adapter is not supported", 400
         if msg.beam_search is not None and not 1 <= len(ids) <= msg.beam_search.width:
             return f"beam search returns at most its width ({msg.beam_search.width}) choices, {len(ids)} asked", 400
         num_seqs = msg.beam_search.width if msg.beam_search is not None else len(ids)

@@ -5,6 +5,9 @@ chunk: up to the remaining token budget, and at most ``long_prefill_token_thresh
 order, then swapped-out sequences come back and waiting ones are admitted while the budget
 (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the free blocks allow.
 Queue order is first come first served, or ``(priority, arrival)`` with the priority policy.
+With ``max_loras``, at most that many distinct LoRA adapters run at once (so every step fits the
+executor's adapter slots): a waiting request whose adapter would be one more waits, and those
+behind it may go first.
 Without chunked prefill a prompt is computed whole: the first one of a step even beyond the
 budget, the others only while they fit.
 
@@ -75,7 +78,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 class Scheduler(Admission, ExecutorExchange):
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None, *,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 preemption_mode: str = "recompute", scheduling_policy: str = "fcfs"):
+                 preemption_mode: str = "recompute", scheduling_policy: str = "fcfs", max_loras: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if preemption_mode not in PREEMPTION_MODES:
@@ -88,6 +91,7 @@ class Scheduler(Admission, ExecutorExchange):
         self.long_prefill_token_threshold = max(0, long_prefill_token_threshold)
         self.preemption_mode = preemption_mode
         self.scheduling_policy = scheduling_policy
+        self.max_loras = max_loras  # the most distinct LoRA adapters running at once (None: no limit)
         self.max_model_len_limit = max_model_len
         self.max_model_len: int | None = max_model_len
         self.pool: PoolInfo | None = None
@@ -234,8 +238,11 @@ class Scheduler(Admission, ExecutorExchange):
             budget -= num_new
             i += 1
         num_seqs = self._num_seqs() if self.swapped or self.waiting else 0
+        adapters = {r.lora_name for r in self.running if r.lora_name} if self.max_loras else set()
         while self.swapped and budget > 0 and not preempted:
             req = self.swapped[0]
+            if not self._adapter_fits(req, adapters):
+                break
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
             seq = self.alloc.seqs[req.req_id]
             num_host = len(seq.host_block_ids)
@@ -246,6 +253,8 @@ class Scheduler(Admission, ExecutorExchange):
             self.kv.try_apply(KVSwapIn(req.req_id))
             self.counters["num_swap_ins"] += 1
             self.enqueue(self.running, req, Status.RUNNING)
+            if req.lora_name:
+                adapters.add(req.lora_name)
             if num_new and self._grow(req, num_new):
                 self._take(out, req, num_new)
                 budget -= num_new
@@ -253,6 +262,9 @@ class Scheduler(Admission, ExecutorExchange):
         j = 0
         while j < len(self.waiting) and budget > 0 and not preempted and not self.swapped:
             req = self.waiting[j]
+            if not self._adapter_fits(req, adapters):  # its adapter waits for a free slot; others go on
+                j += 1
+                continue
             self._find_cached(req)
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
             if not num_new and req.req_id in self.grammar_gate.held and req.num_computed_tokens >= req.num_tokens - 1:
@@ -268,6 +280,8 @@ class Scheduler(Admission, ExecutorExchange):
                 break
             self.waiting.pop(j)
             self.enqueue(self.running, req, Status.RUNNING)
+            if req.lora_name:
+                adapters.add(req.lora_name)
             num_seqs += cost
             if not req.admitted:
                 req.admitted = True
@@ -287,6 +301,12 @@ class Scheduler(Admission, ExecutorExchange):
         self.next_step_id += 1
         self.counters["num_steps_planned_ahead"] += out.ahead
         return out
+
+    def _adapter_fits(self, req: Request, adapters: set[str]) -> bool:
+        """Whether ``req`` may run beside the running requests' adapters: at most ``max_loras``
+        distinct adapters run at once, so that every step's fit in the executor's slots."""
+        return (not self.max_loras or not req.lora_name or req.lora_name in adapters
+                or len(adapters) < self.max_loras)
 
     def _settle(self, keep: list[str]) -> None:
         """What waited for this step, in the log's fixed order: tables shrunk after rejected drafts,
@@ -366,18 +386,18 @@ class Scheduler(Admission, ExecutorExchange):
             return
         end = req.num_prompt_tokens - 1 if req.pending_forks else req.num_tokens
         # at least one token is left to compute: the last one, which samples
-        num_blocks = self.alloc.num_cached_blocks(req.all_token_ids, req.cache_salt, (end - 1) // self.block_size)
+        num_blocks = self.alloc.num_cached_blocks(req.all_token_ids, req.kv_salt, (end - 1) // self.block_size)
         req.num_computed_tokens = req.num_cached_tokens = num_blocks * self.block_size
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Make room in ``req``'s table for its next ``num_new`` tokens (False: refused, nothing
-        changed); a table new here is salted with the request's cache salt."""
+        changed); a table new here is salted with the request's cache salt and adapter."""
         alloc, start = self.alloc, req.num_computed_tokens
         end = start + num_new
         if not alloc.changes_table(req.req_id, start, end):
             return True
         num_copies = len(alloc.block_copies)
-        if not self._allocate(req, start, end, req.cache_salt if req.req_id not in alloc.seqs else None):
+        if not self._allocate(req, start, end, req.kv_salt if req.req_id not in alloc.seqs else None):
             return False
         if len(alloc.block_copies) > num_copies:
             req.table_changed = True  # copy-on-write replaced a block inside its table

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from folio.shared.block_hash import kv_salt
 from folio.shared.messages import EngineRequest, SamplingParams
 
 
@@ -40,6 +41,7 @@ class Request:
     prompt_logprobs_sent: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
     num_kv_token_ids: int = 0  # of its tokens, those the allocator was told (to hash full blocks)
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
     # its place in the queues: (priority, arrival order, rank among the sequences of one request)
@@ -78,11 +80,17 @@ class Request:
             arrival_time=msg.arrival_time,
             stop_token_ids=frozenset(sampling.stop_token_ids),
             cache_salt=msg.cache_salt,
+            lora_name=msg.lora_name,
         )
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def kv_salt(self) -> str | None:
+        """The salt its blocks are hashed with: its cache salt and its adapter (``block_hash.kv_salt``)."""
+        return kv_salt(self.cache_salt, self.lora_name)
 
     @property
     def num_seqs(self) -> int:

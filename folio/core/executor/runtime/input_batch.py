@@ -74,6 +74,7 @@ class InputBatch:
         self.has_seed = np.zeros(cap, dtype=bool)
         self.table_sampled = np.zeros(cap, dtype=bool)  # greedy, or unseeded without top-k: the C kernel's rows
         self.num_logprobs = np.full(cap, NO_LOGPROBS, dtype=np.int64)
+        self.lora_ids = np.zeros(cap, dtype=np.int64)  # the row's LoRA adapter (the manager's id; 0: none)
         self.seeds: list[int | None] = [None] * cap
         self.generators: list[torch.Generator | None] = [None] * cap
         self.row_of: dict[str, int] = {}
@@ -94,7 +95,7 @@ class InputBatch:
     def _grow_rows(self) -> None:
         old, cap = self.capacity, 2 * self.capacity
         for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "params",
-                     "greedy", "penalised", "repetition", "appends", "has_seed", "table_sampled"):
+                     "greedy", "penalised", "repetition", "appends", "has_seed", "table_sampled", "lora_ids"):
             setattr(self, name, _grow(getattr(self, name), rows=cap))
         self.num_logprobs = np.concatenate([self.num_logprobs, np.full(cap - old, NO_LOGPROBS, dtype=np.int64)])
         self.seeds += [None] * (cap - old)
@@ -113,7 +114,7 @@ class InputBatch:
 
     # ------------------------------------------------------------------ diffs
     def add(self, req_id: str, token_ids: list[int], num_prompt: int, num_computed: int, block_ids: list[int],
-            sampling, append_sampled: bool = True) -> int:
+            sampling, append_sampled: bool = True, lora_id: int = 0) -> int:
         if req_id in self.row_of:
             self.remove(req_id)
         if not self.free_rows:
@@ -135,6 +136,7 @@ class InputBatch:
         self.has_seed[row] = sampling.seed is not None
         self.table_sampled[row] = sampling.greedy or (sampling.seed is None and self.params[row, TOP_K] >= self.vocab_size)
         self.appends[row] = append_sampled
+        self.lora_ids[row] = lora_id
         self.generators[row] = make_generator(sampling.seed, self.device)
         self.penalties.set_row(row, sampling, token_ids[:num_prompt], token_ids[num_prompt:])
         return row

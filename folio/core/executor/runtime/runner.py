@@ -9,6 +9,11 @@ With tensor parallelism every rank has a runner over its shard (``workers.py`` d
 rank 0 samples in ``execute`` and notes the tokens it appended; the other ranks ``follow`` the
 same plan, run the same forward pass and logits (the collectives), and append rank 0's tokens
 when the next plan brings them.
+
+With ``enable_lora`` the runner holds a ``lora.LoRAManager`` (adapters registered from
+``lora_modules`` at start, or by ``add_lora``) and wraps the model's projections; each step gives
+every token its adapter's slot (a request's adapter id per row of the batch, repeated over its
+tokens: no loop over requests) and the projections add the batched delta.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from folio.core.executor.kernels import cpu_kernels
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
+from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
 from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype
@@ -37,6 +43,9 @@ from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
 from folio.core.executor.sampling.structured import GrammarStore, advance, compile_error
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
+
+
+LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
 
 
 class RequestState:
@@ -116,7 +125,16 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_d
 
 class ModelRunner:
     def __init__(self, config: RuntimeConfig, model_path: str, shard: Shard = Shard(), comm: Comm | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, **lora_options):
+        """``lora_options``: ``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``,
+        ``lora_modules`` (``NAME=PATH`` strings), each overriding the config's field of that name."""
+        lora = {k: lora_options.pop(k, getattr(config, k, d)) for k, d in LORA_DEFAULTS.items()}
+        if lora_options:
+            raise TypeError(f"unknown argument(s) {', '.join(sorted(lora_options))}")
+        if lora["enable_lora"] and shard.size > 1:
+            raise ValueError("LoRA adapters need tensor_parallel_size 1")
+        if lora["enable_lora"]:  # the per-step delta is not captured in decode graphs
+            config = dataclasses.replace(config, enforce_eager=True)
         if shard.size > 1:  # decode graphs would have to capture the collectives: eager steps only
             config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
@@ -152,8 +170,54 @@ class ModelRunner:
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
+        self.lora: LoRAManager | None = None
+        if lora["enable_lora"]:
+            self.lora = LoRAManager(self.model, lora["max_loras"], lora["max_lora_rank"], lora["max_cpu_loras"],
+                                    self.device, self.dtype)
+            self.lora.attach()
+            for module in lora["lora_modules"] or ():
+                name, sep, path = module.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"a LoRA module is NAME=PATH, not {module!r}")
+                self.lora.add(name, path)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, name: str, path: str) -> None:
+        """Register (or replace) an adapter; raises ``LoRAError`` (a ValueError) saying why it
+        cannot be served, changing nothing."""
+        if self.lora is None:
+            raise LoRAError("LoRA adapters are not enabled (enable_lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise LoRAError("LoRA adapters are not enabled (enable_lora)")
+        self.lora.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return self.lora.names() if self.lora is not None else []
+
+    def _lora_step(self, step: StepInputs) -> None:
+        """The step's adapters into device slots and each token's slot (vectorised over the
+        scheduled sequences: one lookup per distinct adapter)."""
+        ids = self.batch.lora_ids[step.rows]
+        if not ids.any():
+            self.lora.set_step(None)
+            return
+        distinct = np.unique(ids[ids > 0])
+        try:
+            names = [self.lora.name_of_id[i] for i in distinct.tolist()]
+        except KeyError:
+            raise LoRAError("a scheduled request's LoRA adapter was removed") from None
+        slots = self.lora.activate(names)
+        slot_of_id = np.full(int(distinct[-1]) + 1, -1, dtype=np.int64)
+        slot_of_id[distinct] = [slots[n] for n in names]
+        self.lora.set_step(LoRABatch.build(slot_of_id[ids], step.counts, self.lora.scales, self.lora.widths,
+                                           self.device))
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
+        if self.lora is not None:
+            self._lora_step(step)
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step)
         return self.model(step.input_ids, step.meta.positions, self.pool.kv_caches, step.meta, self.backend)
@@ -208,8 +272,13 @@ class ModelRunner:
     def _add_request(self, new: NewRequestData) -> None:
         if new.req_id in self.requests:
             self._drop(new.req_id)
+        lora_id = 0
+        if new.lora_name is not None:
+            if self.lora is None:
+                raise LoRAError(f"{new.req_id}: LoRA adapter {new.lora_name!r} asked but LoRA is not enabled")
+            lora_id = self.lora.id_of(new.lora_name)
         row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
-                             new.block_ids, new.sampling, new.append_sampled)
+                             new.block_ids, new.sampling, new.append_sampled, lora_id)
         self.requests[new.req_id] = RequestState(new.req_id, row, self.batch, new.sampling, new.append_sampled)
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
@@ -502,4 +571,5 @@ class ModelRunner:
             "num_graph_replays": self.graphs.num_replays if self.graphs is not None else 0,
             "tensor_parallel_size": self.shard.size,
             **self.grammars.stats,
+            **(self.lora.stats() if self.lora is not None else {}),
         }
