@@ -33,7 +33,8 @@ class Flag:
     aliases: tuple[str, ...] = ()  # other spellings (e.g. "-tp"); ``folio serve`` forwards the name
     type: Callable | None = None  # default: from the field's annotation
     choices: tuple | None = None
-    action: str | None = None  # "store_true"; "append" (repeatable); bool fields default to --x/--no-x
+    action: str | None = None  # "store_true"; "append" (repeatable); "extend" (one or more values, repeatable);
+    # bool fields default to --x/--no-x
     metavar: str | None = None
     env: Callable[[], object] | None = None  # where the value comes from when the flag is not given
     forward: bool = True  # False: ``folio serve`` hands it over in the environment, not the command line
@@ -132,6 +133,18 @@ class RuntimeConfig:
     distributed_executor_backend: str = flag("mp", "how tensor-parallel ranks 1.. start: mp (processes here) or ray "
                                              "(actors; RAY_ADDRESS: an existing cluster, else a local one)",
                                              ("executor",), choices=("mp", "ray"))
+    # LoRA adapters (vLLM's flags): the executor holds them; a request picks one by its ``model``
+    enable_lora: bool = flag(False, "serve LoRA adapters on the base model (PEFT folders)", ("executor", "gateway"),
+                             action="store_true")
+    lora_modules: tuple[str, ...] = flag((), "adapters loaded at start, each served under its NAME (needs "
+                                         "--enable-lora)", ("executor",), action="extend", metavar="NAME=PATH")
+    max_loras: int = flag(4, "adapters on the device at once: the most distinct adapters in one step",
+                          ("executor", "scheduler"))
+    max_lora_rank: int = flag(16, "largest adapter rank accepted (device slots are sized for it)", ("executor",))
+    max_cpu_loras: int | None = flag(None, "adapters kept in host memory, least recently used evicted "
+                                     "(default: --max-loras)", ("executor",))
+    allow_runtime_lora: bool = flag(False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API "
+                                    "key)", ("executor", "gateway"), action="store_true")
 
 
 @dataclass(frozen=True)
@@ -230,6 +243,7 @@ class SchedulerConfig:
                                   "grammars, speculative decoding and preemption wait for the step's result)",
                                   ("scheduler",))
     speculative_model: str | None = None  # the executor's flag: with drafts every step waits for the last
+    max_loras: int = 4  # the executor's flag: the most distinct adapters admitted into one step
     log_json: bool = False
 
 
@@ -278,6 +292,8 @@ class GatewayConfig:
     # whose admin sockets /health pings; a request needs every one of them
     probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
     drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
+    enable_lora: bool = False  # the executor's flags: ``model`` may name an adapter the executor holds
+    allow_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     log_json: bool = False
     log_level: str = "info"
 

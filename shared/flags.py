@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 from functools import cache
 
 from folio.shared.config import (
@@ -73,6 +74,21 @@ def _default_for(d: Declared, service: str):
     return own.default if own is not None and own.default is not dataclasses.MISSING else d.default
 
 
+class ArgList(tuple):
+    """The values of an ``extend`` flag (``--lora-modules A=x B=y``); ``str()`` spells them as on a
+    command line."""
+
+    def __str__(self) -> str:
+        return shlex.join(self)
+
+
+class _Extend(argparse.Action):
+    """One or more values per use, repeatable: every value given, in order, as an ``ArgList``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, ArgList((*(getattr(namespace, self.dest) or ()), *values)))
+
+
 def _add(parser: argparse.ArgumentParser, d: Declared, default) -> None:
     flag = d.flag
     kw: dict = {"dest": flag.dest, "default": default, "help": flag.help}
@@ -80,6 +96,8 @@ def _add(parser: argparse.ArgumentParser, d: Declared, default) -> None:
         kw["metavar"] = flag.metavar
     if flag.action == "store_true":
         kw["action"] = "store_true"
+    elif flag.action == "extend":
+        kw.update(action=_Extend, nargs="+", default=ArgList(default) if default is not None else None)
     elif flag.action == "append":
         kw.update(action="append", default=list(default) if default is not None else None)
     elif d.annotation.startswith("bool"):
@@ -134,7 +152,7 @@ def forwarded_argv(service: str, args: argparse.Namespace) -> list[str]:
         if isinstance(value, bool):  # an on/off flag: --x or --no-x (a store_true one is only ever --x)
             if value or d.flag.action != "store_true":
                 argv.append(d.flag.name if value else f"--no-{d.flag.name[2:]}")
-        elif isinstance(value, list):
+        elif isinstance(value, (list, tuple)):
             for item in value:
                 argv += [d.flag.name, str(item)]
         else:
