@@ -19,6 +19,7 @@ _EXPORTS = {
     "Logprob": "folio.outputs",
     "RequestOutput": "folio.outputs",
     "SamplingParams": "folio.core.frontdoor",
+    "LoRARequest": "folio.lora",
 }
 
 
@@ -28,4 +29,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'folio' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest"]

@@ -29,7 +29,8 @@ _RUNTIME_ARGS = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"model"}
 _SCHEDULER_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"endpoints", "log_json"}
 _ALIASES = {f.metadata["flag"].dest: f.name for f in dataclasses.fields(RuntimeConfig)
             if "flag" in f.metadata and f.metadata["flag"].name}  # --kv-cache-memory-bytes sets kv_cache_bytes
-_ENGINE_ARGS = _RUNTIME_ARGS | _SCHEDULER_ARGS | {"enable_prefix_caching"} | set(_ALIASES)
+_LORA_ARGS = {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules"}  # the runner's
+_ENGINE_ARGS = _RUNTIME_ARGS | _SCHEDULER_ARGS | {"enable_prefix_caching"} | set(_ALIASES) | _LORA_ARGS
 
 
 def engine_configs(model: str, options: dict) -> tuple[RuntimeConfig, dict]:
@@ -38,11 +39,13 @@ def engine_configs(model: str, options: dict) -> tuple[RuntimeConfig, dict]:
     if unknown:
         raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(_ENGINE_ARGS))}")
     options = {_ALIASES.get(k, k): v for k, v in options.items()}
-    runtime = RuntimeConfig(model=model, **{k: v for k, v in options.items() if k in _RUNTIME_ARGS})
+    runtime = RuntimeConfig(model=model, **{k: v for k, v in options.items()
+                                            if k in _RUNTIME_ARGS and k not in _LORA_ARGS})
     if getattr(runtime, "tensor_parallel_size", 1) != 1:
         raise ValueError("the offline API runs the model in this one process: tensor_parallel_size must be 1 "
                          "(folio serve -tp N splits it over N processes)")
-    core = {k: v for k, v in options.items() if k in _SCHEDULER_ARGS or k == "enable_prefix_caching"}
+    core = {k: v for k, v in options.items()
+            if (k in _SCHEDULER_ARGS and k not in _LORA_ARGS) or k == "enable_prefix_caching"}
     core["max_num_seqs"], core["max_num_batched_tokens"] = runtime.max_num_seqs, runtime.max_num_batched_tokens
     return runtime, core
 
@@ -50,16 +53,18 @@ def engine_configs(model: str, options: dict) -> tuple[RuntimeConfig, dict]:
 class LLM:
     """A model and its engine in this process. ``engine_args``: ``folio serve``'s flags with
     underscores (``num_kv_blocks``, ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``,
-    ``preemption_mode``, ...)."""
+    ``preemption_mode``, ...); ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``,
+    ``max_cpu_loras``) serves LoRA adapters that ``generate``'s ``lora_request`` names."""
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
         from folio.core.models import resolve_model
         from folio.core.executor.runtime.runner import ModelRunner
         from folio.shared.text import TextTokenizer
 
+        lora_args = {k: engine_args.pop(k) for k in _LORA_ARGS & set(engine_args)}
         runtime, core_args = engine_configs(model, engine_args)
         model_path = str(resolve_model(model))
-        runner = ModelRunner(runtime, model_path)
+        runner = ModelRunner(runtime, model_path, **lora_args)
         core = EngineCore(runner, **core_args)
         self.engine = LLMEngine(core, TextTokenizer(model_path, core.max_model_len))
         self._ids = itertools.count()
@@ -74,21 +79,42 @@ class LLM:
         return self.engine.core.stats()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Complete each prompt: a string, a list of token ids, or a dict with ``prompt`` or
-        ``prompt_token_ids``; a list of those; one RequestOutput per prompt, in order."""
+        ``prompt_token_ids``; a list of those; one RequestOutput per prompt, in order.
+        ``lora_request``: a ``LoRARequest`` for every prompt, or a list of them (None entries:
+        the base model) one per prompt."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([_prompt_fields(p) for p in prompts], sampling_params, use_tqdm)
+        fields = [_prompt_fields(p) for p in prompts]
+        for f, name in zip(fields, self._lora_names(lora_request, len(fields))):
+            if name is not None:
+                f["lora_name"] = name
+        return self._run(fields, sampling_params, use_tqdm)
+
+    def _lora_names(self, lora_request, num_prompts: int) -> list[str | None]:
+        """Each prompt's adapter name; an adapter not registered yet is read now (a bad one raises
+        ``LoRAError``, a ValueError, before any prompt is queued)."""
+        requests = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * num_prompts
+        if len(requests) != num_prompts:
+            raise ValueError(f"{len(requests)} LoRA requests for {num_prompts} prompts")
+        runner = self.engine.core.runner
+        for req in {r.lora_name: r for r in requests if r is not None}.values():
+            if req.lora_name not in runner.lora_names():
+                runner.add_lora(req.lora_name, req.lora_path)
+        return [r.lora_name if r is not None else None for r in requests]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None
-             ) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             lora_request=None) -> list[RequestOutput]:
         """Reply to a conversation (a list of ``{"role", "content"}`` messages) or to each of a
         list of conversations, through the model's chat template, as ``/v1/chat/completions`` does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         fields = [{"messages": chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools}
                   for c in conversations]
+        for f, name in zip(fields, self._lora_names(lora_request, len(fields))):
+            if name is not None:
+                f["lora_name"] = name
         return self._run(fields, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[dict], params, use_tqdm: bool) -> list[RequestOutput]:
