@@ -1,5 +1,6 @@
 """The router's own Prometheus metrics (``GET /metrics``): routing decisions and why, cache-aware
-hits, retries, replicas up, and the state of its KV index. Own registry, as the gateway's."""
+hits, retries, replicas up, the models (and adapters) each serves and the requests routed per
+model, and the state of its KV index. Own registry, as the gateway's."""
 
 from __future__ import annotations
 
@@ -29,8 +30,29 @@ class RouterMetrics:
                                     ["replica"], registry=r)
         self.event_batches = Counter("folio_router:kv_event_batches", "KV event batches received, by outcome "
                                      "(applied, buffered, gap, restart).", ["replica", "outcome"], registry=r)
+        self.replica_models = Gauge("folio_router:replica_models", "1 for each model (base, or adapter with its "
+                                    "parent) the replica's /v1/models lists.", ["replica", "model", "parent"],
+                                    registry=r)
+        self.model_requests = Counter("folio_router:model_requests", "Requests routed by their model field, by "
+                                      "model (and, for an adapter, whether the chosen replica was running it).",
+                                      ["model", "adapter_active"], registry=r)
+        self._models: dict[str, list[tuple[str, str]]] = {}  # the replica_models labels set, per replica
         self.resyncs = Counter("folio_router:index_resyncs", "Index rebuilds of a replica's view, by cause.",
                                ["replica", "cause"], registry=r)
+
+    def set_models(self, replica: str, models: dict) -> None:
+        """The replica's model list (``ServedModel`` by id) as its gauge."""
+        self._forget_models(replica)
+        self._models[replica] = [(m.id, m.parent or "") for m in models.values()]
+        for model, parent in self._models[replica]:
+            self.replica_models.labels(replica, model, parent).set(1)
+
+    def _forget_models(self, replica: str) -> None:
+        for model, parent in self._models.pop(replica, ()):
+            try:
+                self.replica_models.remove(replica, model, parent)
+            except KeyError:
+                pass
 
     def forget(self, replica: str) -> None:
         """A replica that left: its gauges go (counters keep their history)."""
@@ -39,6 +61,7 @@ class RouterMetrics:
                 gauge.remove(replica)
             except KeyError:
                 pass
+        self._forget_models(replica)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

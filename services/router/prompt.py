@@ -5,14 +5,26 @@ template, read from the same model folder), so the ids, and hence the chained bl
 the ones the replica's kvmanager computes. Only what decides the prompt is read from the body; the
 replica validates the whole request. A body this cannot read yields None: the request is then
 routed by load alone, and the replica answers whatever is wrong with it.
+
+Replicas of different base models tokenize differently: ``PromptEncoders`` keeps one encoder per
+base model. The router's ``--model`` is the one used while every replica serves one base model (as
+before there were several), and for the base model whose id or ``root`` (the replicas' own
+``--model``) it names; another base model's tokenizer is read, once, from its ``root`` when the
+router can resolve that path too. When it cannot, that model's requests are routed by load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from pathlib import Path
+
+import structlog
 
 from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from folio.shared.text import TextTokenizer
+
+log = structlog.get_logger()
 
 
 class PromptEncoder:
@@ -32,6 +44,42 @@ class PromptEncoder:
                 return self.tokenizer.encode_request(request)[0]
         except Exception:  # whatever a body or a chat template throws: the request is routed by load
             return None
+
+
+class PromptEncoders:
+    """The encoder for each base model behind the router. ``default``: the ``--model``'s (None: the
+    router does not tokenize, and neither does this for any other model)."""
+
+    def __init__(self, default: PromptEncoder | None, default_model: str):
+        self.default = default
+        self.default_names = {default_model, Path(default_model.rstrip("/")).name}
+        self._by_root: dict[str, asyncio.Future] = {}
+
+    async def for_model(self, base, num_bases: int) -> PromptEncoder | None:
+        """``base``: the ``ServedModel`` of the request's base model (None: not known)."""
+        if self.default is None or base is None or num_bases <= 1:
+            return self.default
+        if base.id in self.default_names or base.root in self.default_names:
+            return self.default
+        if not base.root:
+            return None
+        loading = self._by_root.get(base.root)
+        if loading is None:
+            loading = self._by_root[base.root] = asyncio.ensure_future(asyncio.to_thread(_load, base.id, base.root))
+        return await asyncio.shield(loading)
+
+
+def _load(model_id: str, root: str) -> PromptEncoder | None:
+    from folio.core.models import resolve_model
+
+    try:
+        encoder = PromptEncoder(TextTokenizer(resolve_model(root)))
+    except Exception as exc:  # not on this machine, or no tokenizer in it: routed by load
+        log.warning("cannot load a base model's tokenizer; its requests are routed by load", model=model_id,
+                    root=root, error=f"{type(exc).__name__}: {exc}")
+        return None
+    log.info("tokenizer loaded for a base model", model=model_id, root=root)
+    return encoder
 
 
 def _generate_request(body: dict, chat: bool) -> GenerateRequest | None:

@@ -13,6 +13,13 @@ what their prefix caches hold.
   to ``KVIndex``; on a gap or restart in the numbering, and whenever a replica comes up, the view
   is rebuilt from a ``KVSnapshot`` asked on ``kv_snapshot_port`` (without an answer it starts
   empty: a replica that came back has lost its cache, and so its affinity, until it caches again).
+- Models: each poll that succeeds also reads the replica's ``GET /v1/models`` (with ``$FOLIO_API_KEY``
+  when the replicas want a key): the base model(s) it serves and its adapters (entries with a
+  ``parent``), which change as adapters are loaded and unloaded at run time. ``serving`` gives the
+  replicas a request's ``model`` may go to; a replica whose list is not known yet (or that has no
+  ``/v1/models``) may take any model, and answers for itself. Its ``/metrics`` also say which
+  adapters it is running or holding in its queue (``*lora_requests_info``, vLLM's labels): the
+  adapters routing prefers it for.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from folio.services.router.index import KVIndex
-from folio.shared.config import RouterConfig
+from folio.shared.config import RouterConfig, api_key_from_env
 from folio.shared.loops import request
 from folio.shared.messages import KV_EVENTS_TOPIC, KVEventBatch, KVSnapshot, KVSnapshotRequest
 from folio.shared.transport import Decoder, MalformedMessage, make_socket
@@ -37,6 +44,15 @@ from folio.shared.transport import Decoder, MalformedMessage, make_socket
 log = structlog.get_logger()
 
 SNAPSHOT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One entry of a replica's ``/v1/models``: a base model, or an adapter of ``parent``."""
+
+    id: str
+    parent: str | None = None  # the base model's id, for an adapter
+    root: str | None = None  # a base model's ``--model`` (its folder): where the router finds its tokenizer
 
 
 @dataclass(eq=False)
@@ -53,6 +69,9 @@ class Replica:
     num_failures: int = 0
     num_slow_polls: int = 0  # timed-out polls in a row
     last_error: str = ""
+    models: dict[str, ServedModel] | None = None  # its /v1/models as last read; None: not known
+    active_adapters: frozenset[str] = frozenset()  # running or waiting on it, as its /metrics said last
+    inflight_adapters: dict[str, int] = field(default_factory=dict)  # of the requests this router has there
     went_down: asyncio.Event = field(default_factory=asyncio.Event)  # set when marked down (a fresh one when up)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -60,6 +79,20 @@ class Replica:
     def load(self) -> int:
         """Requests it is busy with: its own count, or ours when that is fresher (the poll lags)."""
         return max(self.num_inflight, self.num_running + self.num_waiting)
+
+    def has_adapter_active(self, lora_name: str) -> bool:
+        """It is running (or queueing) the adapter: in a device slot, no swap to wait for."""
+        return lora_name in self.active_adapters or self.inflight_adapters.get(lora_name, 0) > 0
+
+    def match(self, model: str) -> ServedModel | None:
+        """What ``model`` names on this replica: an id it lists, else a base model's ``root`` (the
+        gateway also takes its ``--model`` value when it has no ``--served-model-name``)."""
+        if self.models is None:
+            return None
+        entry = self.models.get(model)
+        if entry is None:
+            entry = next((m for m in self.models.values() if m.parent is None and m.root == model), None)
+        return entry
 
 
 def parse_replica(spec: str, kv_events_port: int, kv_snapshot_port: int, from_dns: bool = False) -> Replica:
@@ -90,6 +123,34 @@ def read_load(metrics_text: str) -> tuple[int, int]:
     return values.get("folio:num_requests_running", 0), values.get("folio:num_requests_waiting", 0)
 
 
+def read_models(payload) -> dict[str, ServedModel]:
+    """A replica's ``/v1/models`` body -> its entries by id; ValueError when it is not that shape."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        raise ValueError("not a model list")
+    models = {}
+    for item in payload["data"]:
+        if isinstance(item, dict) and isinstance(item.get("id"), str) and item["id"] not in models:
+            parent, root = item.get("parent"), item.get("root")
+            models[item["id"]] = ServedModel(item["id"], parent if isinstance(parent, str) else None,
+                                             root if isinstance(root, str) else None)
+    return models
+
+
+def read_active_adapters(metrics_text: str) -> frozenset[str]:
+    """The adapters a replica's ``*lora_requests_info`` gauge says it runs or queues. As vLLM's, one
+    sample per state it has been in, its value the time it was set: the latest is the current one."""
+    latest: dict[str, tuple[float, frozenset[str]]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if not family.name.endswith("lora_requests_info"):
+            continue
+        for sample in family.samples:
+            names = {n.strip() for key in ("running_lora_adapters", "waiting_lora_adapters")
+                     for n in sample.labels.get(key, "").split(",") if n.strip()}
+            if family.name not in latest or sample.value >= latest[family.name][0]:
+                latest[family.name] = (sample.value, frozenset(names))
+    return frozenset().union(*(names for _, names in latest.values()))
+
+
 class ReplicaSet:
     def __init__(self, config: RouterConfig, index: KVIndex, metrics, ctx: zmq.asyncio.Context):
         self.config = config
@@ -101,9 +162,79 @@ class ReplicaSet:
         self._snapshot_decoder = Decoder(KVSnapshot)
         self._batch_decoder = Decoder(KVEventBatch)
         self._resyncing: dict[str, asyncio.Task] = {}
+        api_key = api_key_from_env()
+        self._models_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._models_refreshed_at = float("-inf")
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.up]
+
+    # ------------------------------------------------------------------ models
+    def serving(self, model: str | None) -> tuple[list[Replica], ServedModel | None]:
+        """(the replicas ``model`` may go to, what it is on those that list it). No model: all of
+        them. Replicas whose list is not known are included (they answer for themselves); down
+        ones too (``routing`` skips them): a model served only by replicas that are down is a
+        503, not a 404."""
+        if model is None:
+            return list(self.replicas.values()), None
+        chosen, entry = [], None
+        for replica in self.replicas.values():
+            found = replica.match(model)
+            if found is not None:
+                chosen.append(replica)
+                if entry is None or (replica.up and found.parent is not None):
+                    entry = found
+            elif replica.models is None:
+                chosen.append(replica)
+        return chosen, entry
+
+    def base_models(self) -> dict[str, ServedModel]:
+        """Every base model some replica serves, by id."""
+        bases: dict[str, ServedModel] = {}
+        for replica in self.replicas.values():
+            for m in (replica.models or {}).values():
+                if m.parent is None:
+                    bases.setdefault(m.id, m)
+        return bases
+
+    def base_of(self, entry: ServedModel) -> ServedModel:
+        """The base model an adapter sits on (itself for a base model)."""
+        if entry.parent is None:
+            return entry
+        return self.base_models().get(entry.parent, ServedModel(entry.parent))
+
+    async def refresh_models(self, min_interval_s: float) -> None:
+        """Read every live replica's model list now (an adapter loaded since the last poll), at most
+        once per ``min_interval_s``."""
+        now = asyncio.get_running_loop().time()
+        if now - self._models_refreshed_at < min_interval_s:
+            return
+        self._models_refreshed_at = now
+        timeout = aiohttp.ClientTimeout(total=self.config.poll_timeout_s, sock_connect=self.config.connect_timeout_s)
+        await asyncio.gather(*(self._read_models(r, timeout) for r in self.live()))
+
+    async def _read_models(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
+        """Its ``/v1/models``; any failure keeps what was known (liveness is the /metrics poll's)."""
+        try:
+            async with self.session.get(replica.name + "/v1/models", headers=self._models_headers,
+                                        timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                self.set_models(replica, read_models(await resp.json(content_type=None)))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            if replica.models is None:
+                log.debug("no model list from the replica; it may take any model", replica=replica.name,
+                          error=f"{type(exc).__name__}: {exc}")
+
+    def set_models(self, replica: Replica, models: dict[str, ServedModel]) -> None:
+        if replica.models is not None and set(models) == set(replica.models):
+            replica.models = models
+            return
+        before = set(replica.models or ())
+        replica.models = models
+        self.metrics.set_models(replica.name, models)
+        log.info("replica models", replica=replica.name, models=sorted(models),
+                 added=sorted(set(models) - before), removed=sorted(before - set(models)))
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         self.session = session
@@ -167,7 +298,9 @@ class ReplicaSet:
             async with self.session.get(replica.name + "/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                replica.num_running, replica.num_waiting = read_load(await resp.text())
+                text = await resp.text()
+                replica.num_running, replica.num_waiting = read_load(text)
+                replica.active_adapters = read_active_adapters(text)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             # a refused or dropped connection is a dead replica; a slow answer may be a busy one
             slow = isinstance(exc, asyncio.TimeoutError)
@@ -176,6 +309,7 @@ class ReplicaSet:
                 self.mark_down(replica, f"poll: {type(exc).__name__}: {exc}")
             return
         replica.num_slow_polls = 0
+        await self._read_models(replica, timeout)  # before it is up: routed by model from its first request
         if not replica.up:
             replica.up, replica.went_down = True, asyncio.Event()
             self.metrics.replica_up.labels(replica.name).set(1)

@@ -1,11 +1,16 @@
 """Where a request goes: the replica that would compute the fewest prompt tokens, load counted.
 
-``service.py`` calls ``choose`` once per attempt with the prompt's token ids (None when it could
-not tokenize them) and the replicas already tried. The cost of a replica is the prompt tokens it
-would still have to compute (those past the prefix its cache holds, from ``KVIndex``) plus
-``load_cost_tokens`` for every request it is running or holding in its queue. The cheapest wins;
-among equals the next in turn after the last one chosen, so uniform traffic spreads evenly.
-Block hashes are ``folio.shared.block_hash``'s, the kvmanager's own, salted the same way.
+``service.py`` calls ``choose`` once per attempt with the replicas that serve the request's model
+(``ReplicaSet.serving``), the prompt's token ids (None when it could not tokenize them), its
+adapter (None: the base model) and the replicas already tried. The cost of a replica is the prompt
+tokens it would still have to compute (those past the prefix its cache holds, from ``KVIndex``)
+plus ``load_cost_tokens`` for every request it is running or holding in its queue, plus, for a
+request on an adapter, ``load_cost_tokens`` more where the adapter is not running (one request's
+weight, and the tie-break: a replica running it wins against one more queued request, so an
+adapter's traffic stays where its slot is until that replica is two requests busier). The
+cheapest wins; among equals the next in turn after the last one chosen, so uniform traffic
+spreads evenly. Block hashes are ``folio.shared.block_hash``'s, the kvmanager's own, with the
+same extra keys (cache salt and adapter: blocks computed with different adapters never match).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class Router:
         self.num_choices = 0  # whose turn it is among equals (and under round_robin)
 
     def choose(self, replicas: list[Replica], token_ids: list[int] | None, cache_salt: str | None = None,
-               exclude: set[str] = frozenset()) -> Decision | None:
+               exclude: set[str] = frozenset(), lora_name: str | None = None) -> Decision | None:
         live = sorted((r for r in replicas if r.up and r.name not in exclude), key=lambda r: r.name)
         if not live:
             return None
@@ -49,7 +54,7 @@ class Router:
         cached = {r.name: 0 for r in live}
         if token_ids and self.policy == "cache_aware":
             hashes_by_size: dict[int, list[bytes]] = {}
-            extra_keys = block_extra_keys(cache_salt)
+            extra_keys = block_extra_keys(cache_salt, lora_name) if lora_name else block_extra_keys(cache_salt)
             for r in live:
                 size = self.index.view(r.name).block_size or self.default_block_size
                 if size not in hashes_by_size:
@@ -60,7 +65,9 @@ class Router:
 
         def cost(i: int) -> tuple:
             r = live[i]
-            return num_tokens - cached[r.name] + self.load_cost_tokens * r.load, (i - turn) % len(live)
+            swap = lora_name is not None and not r.has_adapter_active(lora_name)
+            return (num_tokens - cached[r.name] + self.load_cost_tokens * (r.load + swap), swap,
+                    (i - turn) % len(live))
 
         best = live[min(range(len(live)), key=cost)]
         most_cached = max(cached.values())

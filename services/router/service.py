@@ -6,6 +6,13 @@ Who talks to it: clients over HTTP (``/v1/completions``, ``/v1/chat/completions`
 (``Endpoints.admin_router``). It talks to the replicas' gateways over HTTP and to their kvmanagers
 over ZeroMQ (``replicas.py``).
 
+Models: a request goes only to replicas that serve its ``model`` (a base model, or an adapter
+routed with its name as ``lora_name``), as their ``/v1/models`` say (``replicas.py``); a model no
+replica lists, even after their lists are read again, gets OpenAI's 404 ``model_not_found``. A
+request without ``model`` may go to any replica. ``/v1/models`` is the union of the live replicas'
+lists (the first entry of each id), asked with the client's own headers (an API key is the
+replicas' to check).
+
 Failures: a replica that refuses the connection, drops it, or answers 502/503/504 before the
 answer began is left for another (up to ``max_attempts`` replicas); one whose connection failed is
 marked down, so new work goes elsewhere. A stream is only forwarded once its first bytes arrived,
@@ -26,8 +33,8 @@ from aiohttp import web
 
 from folio.services.router.index import KVIndex
 from folio.services.router.metrics import RouterMetrics
-from folio.services.router.prompt import PromptEncoder
-from folio.services.router.replicas import Replica, ReplicaSet
+from folio.services.router.prompt import PromptEncoder, PromptEncoders
+from folio.services.router.replicas import Replica, ReplicaSet, read_models
 from folio.services.router.routing import Decision, Router
 from folio.shared.config import RouterConfig
 from folio.shared.loops import close_sockets, serve_admin
@@ -45,15 +52,16 @@ class _Retry(Exception):
     """This replica did not start answering: try another."""
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
 
 
 class RouterService:
     def __init__(self, config: RouterConfig, encoder: PromptEncoder | None, ctx: zmq.asyncio.Context):
         self.config = config
-        self.encoder = encoder
+        self.encoders = PromptEncoders(encoder if config.policy == "cache_aware" else None, config.model)
         self.metrics = RouterMetrics()
         self.index = KVIndex()
         self.replicas = ReplicaSet(config, self.index, self.metrics, ctx)
@@ -61,7 +69,7 @@ class RouterService:
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, config.endpoints.admin_router)
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"num_requests": 0, "num_routed": 0, "num_cache_aware_hits": 0, "num_retries": 0,
-                       "num_failed": 0, "num_broken_streams": 0}
+                       "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
@@ -99,18 +107,36 @@ class RouterService:
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
         self.counts["num_requests"] += 1
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        candidates, entry = self.replicas.serving(model)
+        if not candidates and model is not None:
+            await self.replicas.refresh_models(self.config.poll_interval_s)  # loaded since the last poll?
+            candidates, entry = self.replicas.serving(model)
+        if not candidates and model is not None:
+            self.counts["num_unknown_model"] += 1
+            self.metrics.failed.labels("model_not_found").inc()
+            return error_response(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        lora_name = entry.id if entry is not None and entry.parent is not None else None
+        base = self.replicas.base_of(entry) if entry is not None else None
         token_ids = None
-        if self.encoder is not None and self.config.policy == "cache_aware":
-            token_ids = await asyncio.to_thread(self.encoder.token_ids, body, request.path.endswith("/chat/completions"))
+        encoder = await self.encoders.for_model(base, len(self.replicas.base_models()))
+        if encoder is not None:
+            token_ids = await asyncio.to_thread(encoder.token_ids, body, request.path.endswith("/chat/completions"))
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
-            decision = self.router.choose(list(self.replicas.replicas.values()), token_ids, salt, tried)
+            decision = self.router.choose(candidates, token_ids, salt, tried, lora_name)
             if decision is None:
                 break
             tried.add(decision.replica.name)
             self._count(decision, token_ids)
+            if entry is not None:
+                active = "" if lora_name is None else str(decision.replica.has_adapter_active(lora_name)).lower()
+                self.metrics.model_requests.labels(entry.id, active).inc()
             decision.replica.num_inflight += 1
+            if lora_name is not None:
+                adapters = decision.replica.inflight_adapters
+                adapters[lora_name] = adapters.get(lora_name, 0) + 1
             try:
                 return await self._forward(request, decision.replica, raw)
             except _Retry as retry:
@@ -119,6 +145,11 @@ class RouterService:
                 log.info("retrying on another replica", replica=decision.replica.name, cause=str(retry))
             finally:
                 decision.replica.num_inflight -= 1
+                if lora_name is not None:
+                    adapters = decision.replica.inflight_adapters
+                    adapters[lora_name] -= 1
+                    if not adapters[lora_name]:
+                        del adapters[lora_name]
         self.counts["num_failed"] += 1
         cause = "all_failed" if tried else "no_replica_up"
         self.metrics.failed.labels(cause).inc()
@@ -199,15 +230,39 @@ class RouterService:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        for replica in self.replicas.live():
+        headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        answers = await asyncio.gather(*(self._models_of(r, headers) for r in self.replicas.live()))
+        data, seen, refusal = [], set(), None
+        for replica, answer in answers:
+            if answer is None:
+                continue
+            status, content_type, payload = answer
             try:
-                async with self.session.get(replica.name + "/v1/models", headers={
-                        h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}) as upstream:
-                    return web.Response(status=upstream.status, body=await upstream.read(),
-                                        headers={"Content-Type": upstream.headers.get("Content-Type", "")})
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                self.replicas.mark_down(replica, f"models: {type(exc).__name__}: {exc}")
+                models = read_models(json.loads(payload)) if status == 200 else None
+            except ValueError:
+                models = None
+            if models is None:
+                refusal = refusal or answer  # a 401 (the replicas want a key) is the client's to see
+                continue
+            self.replicas.set_models(replica, models)
+            for item in json.loads(payload)["data"]:
+                if isinstance(item, dict) and item.get("id") not in seen:
+                    seen.add(item.get("id"))
+                    data.append(item)
+        if data or (refusal is None and any(answer is not None for _, answer in answers)):
+            return web.json_response({"object": "list", "data": data})
+        if refusal is not None:
+            status, content_type, payload = refusal
+            return web.Response(status=status, body=payload, headers={"Content-Type": content_type})
         return error_response(503, "no replica is up", "service_unavailable")
+
+    async def _models_of(self, replica: Replica, headers: dict) -> tuple[Replica, tuple[int, str, bytes] | None]:
+        try:
+            async with self.session.get(replica.name + "/v1/models", headers=headers) as upstream:
+                return replica, (upstream.status, upstream.headers.get("Content-Type", ""), await upstream.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.replicas.mark_down(replica, f"models: {type(exc).__name__}: {exc}")
+            return replica, None
 
     async def health(self, request: web.Request) -> web.Response:
         num_up = len(self.replicas.live())
@@ -229,6 +284,7 @@ class RouterService:
             rows.append({"replica": replica.name, "up": replica.up, "inflight": replica.num_inflight,
                          "running": replica.num_running, "waiting": replica.num_waiting,
                          "routed": replica.num_routed, "failures": replica.num_failures,
+                         "models": ",".join(sorted(replica.models)) if replica.models is not None else "?",
                          "indexed_blocks": len(view.block_hashes), "in_sync": view.next_event_seq is not None,
                          "resyncs": view.num_resyncs})
         return {"replicas": rows}
