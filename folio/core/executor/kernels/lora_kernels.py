@@ -53,6 +53,10 @@ BGMV_SHRINK_THREADS = 128
 SGMV_SHRINK_THREADS = 256
 EXPAND_THREADS = 128
 LORA_DTYPES = ("float32", "float16", "bfloat16")
+MMA_DTYPES = ("float16", "bfloat16")  # mma.sync inputs
+MMA_THREADS = 128
+MMA_BM = 64
+MMA_BN = 64
 SPLIT_K = 512  # sgmv_shrink: about this many k per split (a 4096-wide input: 8 CTAs per work item)
 MAX_SPLITS = 16
 
@@ -65,19 +69,24 @@ class LoraNames:
     sgmv_shrink: str
     bgmv_expand: str
     sgmv_expand: str
+    sgmv_shrink_mma: str | None  # tensor cores: 16-bit types only
+    sgmv_expand_mma: str | None
 
 
 def lora_names(dtype: str) -> LoraNames:
     if dtype not in LORA_DTYPES:
         raise ck.UnsupportedKernelError(f"no LoRA kernels for dtype {dtype} (built: {', '.join(LORA_DTYPES)})")
     t = ck.DTYPES[dtype]
+    mma = dtype in MMA_DTYPES
     return LoraNames(bgmv_shrink=f"folio::bgmv_shrink<{t}>", sgmv_shrink=f"folio::sgmv_shrink<{t}>",
-                     bgmv_expand=f"folio::lora_expand<{t}, false>", sgmv_expand=f"folio::lora_expand<{t}, true>")
+                     bgmv_expand=f"folio::lora_expand<{t}, false>", sgmv_expand=f"folio::lora_expand<{t}, true>",
+                     sgmv_shrink_mma=f"folio::sgmv_shrink_mma<{t}>" if mma else None,
+                     sgmv_expand_mma=f"folio::sgmv_expand_mma<{t}>" if mma else None)
 
 
 def all_name_expressions() -> list[str]:
     """Every instance ``lora_names`` can ask for (what the compile test and the emulation build)."""
-    return sorted({name for dtype in LORA_DTYPES for name in vars(lora_names(dtype)).values()})
+    return sorted({name for dtype in LORA_DTYPES for name in vars(lora_names(dtype)).values() if name})
 
 
 def shape_problems(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> list[str]:
@@ -167,9 +176,14 @@ def k_splits(k_in: int) -> tuple[int, int]:
 
 
 def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor,
-         seg_slots: torch.Tensor, scales: torch.Tensor, *, launcher=None) -> torch.Tensor:
+         seg_slots: torch.Tensor, scales: torch.Tensor, *, launcher=None,
+         tensor_cores: bool | None = None) -> torch.Tensor:
     """The same delta over contiguous row segments: rows ``seg_starts[s]`` to ``seg_starts[s + 1]``
-    (or n after the last start) take slot ``seg_slots[s]`` (-1: left alone). In place; returns y."""
+    (or n after the last start) take slot ``seg_slots[s]`` (-1: left alone). In place; returns y.
+
+    ``tensor_cores`` (default: for float16/bfloat16) picks the mma.sync kernels (64-row work items;
+    the ``[rows, r_max]`` intermediate is rounded to the dtype before the expand, as Punica's is)
+    over the CUDA-core ones (16-row items, fp32 intermediate; the only ones for float32)."""
     x, lora_a, lora_b, scales = _prepare(y, x, lora_a, lora_b, scales, "sgmv")
     n, k_in = x.shape
     out, r_max = y.shape[1], lora_a.shape[1]
@@ -183,11 +197,26 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
                          f"(expected {num_segs} or {num_segs + 1})")
     if n == 0 or out == 0 or num_segs == 0:
         return y
+    dtype = str(x.dtype).removeprefix("torch.")
+    names = lora_names(dtype)
+    mma = dtype in MMA_DTYPES if tensor_cores is None else bool(tensor_cores)
+    if mma and dtype not in MMA_DTYPES:
+        raise ck.UnsupportedKernelError(f"no tensor-core LoRA kernels for dtype {dtype}")
     launcher = launcher or cupy_launcher(x.device)
-    names = lora_names(str(x.dtype).removeprefix("torch."))
-    items = n // LORA_BM + num_segs  # >= sum over segments of ceil(len / LORA_BM)
+    bm = MMA_BM if mma else LORA_BM
+    items = n // bm + num_segs  # >= sum over segments of ceil(len / bm)
     splits, per = k_splits(k_in)
     part = torch.empty(splits, n, r_max, dtype=torch.float32, device=x.device)
+    if mma:
+        launcher.launch(names, "sgmv_shrink_mma", (items, splits, 1), (MMA_THREADS, 1, 1),
+                        [_ptr(part), _ptr(x), _ptr(lora_a), _ptr(seg_starts), _ptr(seg_slots), np.int32(num_segs),
+                         np.int32(n), np.int32(k_in), np.int32(r_max), np.int32(per), np.int64(x.stride(0))],
+                        x.device)
+        launcher.launch(names, "sgmv_expand_mma", (items, -(-out // MMA_BN), 1), (MMA_THREADS, 1, 1),
+                        [_ptr(y), _ptr(part), _ptr(lora_b), _ptr(scales), _ptr(seg_starts), _ptr(seg_slots),
+                         np.int32(num_segs), np.int32(n), np.int32(out), np.int32(r_max), np.int32(splits),
+                         np.int64(y.stride(0))], x.device)
+        return y
     launcher.launch(names, "sgmv_shrink", (items, splits, 1), (SGMV_SHRINK_THREADS, 1, 1),
                     [_ptr(part), _ptr(x), _ptr(lora_a), _ptr(seg_starts), _ptr(seg_slots), np.int32(num_segs),
                      np.int32(n), np.int32(k_in), np.int32(r_max), np.int32(per), np.int64(x.stride(0))], x.device)
