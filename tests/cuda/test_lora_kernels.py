@@ -242,6 +242,26 @@ def test_sgmv_agrees_with_bgmv(launcher):
     torch.testing.assert_close(y1, y2, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernels_agree_with_the_torch_operators(launcher, dtype):
+    """lora.punica's torch bgmv/sgmv (what the CPU runs, and what dispatches to these kernels for
+    CUDA tensors) and the kernels on the same arguments."""
+    from folio.core.executor.lora import punica
+
+    n, k_in, out = 21, 128, 96
+    lora_a, lora_b, scales = make_adapters(3, [8, 16, 16], 16, k_in, out, dtype, seed=40)
+    x = torch.randn(n, k_in, generator=torch.Generator().manual_seed(41)).to(dtype)
+    indices = torch.tensor([(t * 5) % 4 - 1 for t in range(n)])
+    starts, slots = torch.tensor([0, 4, 5, 21]), torch.tensor([2, -1, 0])
+    for torch_op, kernel_op, index_args in ((punica.bgmv, lk.bgmv, (indices,)),
+                                            (punica.sgmv, lk.sgmv, (starts, slots))):
+        y_torch, y_kernel = base_output(n, out, dtype, seed=42), base_output(n, out, dtype, seed=42)
+        torch_op(y_torch, x, lora_a, lora_b, *index_args, scales)
+        kernel_op(y_kernel, x, lora_a, lora_b, *index_args, scales, launcher=launcher)
+        # torch rounds the delta to the dtype before adding it: a rounding or two apart
+        torch.testing.assert_close(y_kernel, y_torch, rtol=2 * tolerance(dtype), atol=2 * tolerance(dtype))
+
+
 def test_deterministic(launcher):
     dtype = torch.bfloat16
     lora_a, lora_b, scales = make_adapters(2, [16, 16], 16, 1024, 32, dtype, seed=17)

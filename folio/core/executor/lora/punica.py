@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from folio.core.executor.kernels import lora_kernels
+
 
 def _add_grouped(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  groups, scales, widths=None) -> torch.Tensor:
@@ -85,6 +87,8 @@ def bgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     """For each row t with ``indices[t] >= 0``: ``y[t] += scales[s] * (x[t] @ lora_a[s].T) @ lora_b[s].T``
     with ``s = indices[t]``; ``y`` ``[n, out]`` in place (and returned), ``x`` ``[n, in]``,
     ``indices`` int64 ``[n]``, ``scales`` ``[slots]``."""
+    if y.is_cuda and lora_kernels.applies(y, x, lora_a, lora_b):
+        return lora_kernels.bgmv(y, x, lora_a, lora_b, indices, scales)
     groups = _torch_groups(_groups_of(indices.cpu().numpy()), y.device)
     return _add_grouped(y, x, lora_a, lora_b, groups, scales.tolist())
 
@@ -93,6 +97,8 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
          seg_slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``bgmv`` over contiguous row segments: segment i is rows ``seg_starts[i]:seg_starts[i + 1]``
     (``seg_starts`` ``[num_segments + 1]``) and uses slot ``seg_slots[i]`` (``-1``: none)."""
+    if y.is_cuda and lora_kernels.applies(y, x, lora_a, lora_b):
+        return lora_kernels.sgmv(y, x, lora_a, lora_b, seg_starts, seg_slots, scales)
     starts = seg_starts.cpu().numpy().astype(np.int64)
     slots = seg_slots.cpu().numpy().astype(np.int64)
     indices = np.repeat(slots, np.diff(starts))
