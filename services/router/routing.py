@@ -54,7 +54,7 @@ class Router:
         cached = {r.name: 0 for r in live}
         if token_ids and self.policy == "cache_aware":
             hashes_by_size: dict[int, list[bytes]] = {}
-            extra_keys = block_extra_keys(cache_salt, lora_name) if lora_name else block_extra_keys(cache_salt)
+            extra_keys = block_extra_keys(cache_salt, lora_name)
             for r in live:
                 size = self.index.view(r.name).block_size or self.default_block_size
                 if size not in hashes_by_size:

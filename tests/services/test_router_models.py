@@ -193,7 +193,6 @@ def finished_requests(replica: ServedReplica) -> dict[str, int]:
 
 
 def test_two_base_models_behind_one_router(tmp_path, smollm_dir):
-    started = time.monotonic()
     model_a = write_tiny_chat_model(tmp_path / "model-a", smollm_dir, max_position_embeddings=512)
     model_b = str(tmp_path / "model-b")  # another model: one layer, other weights, the same tokenizer files
     write_tiny_model(model_b, vocab_size=49152, max_position_embeddings=512, num_hidden_layers=1, hidden_size=32)
@@ -240,5 +239,30 @@ def test_two_base_models_behind_one_router(tmp_path, smollm_dir):
             if r.proc.poll() is None:
                 r.proc.terminate()
         a.cleanup(), b.cleanup()
-    print(f"two models behind the router: {time.monotonic() - started:.1f} s")
 
+
+def test_the_prefix_index_keeps_adapters_apart_as_the_engine_does():
+    """Blocks a replica computed for one adapter are a hit for that adapter only: not for the base
+    model, not for another adapter (the engine's own rule, ``block_extra_keys``)."""
+    from folio.services.router.index import KVIndex
+    from folio.services.router.routing import Router
+    from folio.shared.block_hash import block_extra_keys, chain_block_hashes
+    from folio.shared.messages import BlockStored, KVEventBatch
+
+    index, bs = KVIndex(), 4
+    prompt = list(range(1, 18))
+    with_sql, on_base = (Replica(name=f"http://{n}:8000", kv_events="", kv_snapshot="", up=True)
+                         for n in ("sql", "base"))
+    for replica, lora_name in ((with_sql, "sql"), (on_base, None)):
+        index.view(replica.name).next_event_seq = 0
+        hashes = chain_block_hashes(prompt[:-1], bs, block_extra_keys(None, lora_name))
+        index.apply_batch(replica.name, 0, KVEventBatch(ts=0.0, events=[
+            BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=prompt[:16], block_size=bs,
+                        medium="GPU")]))
+    router = Router(index, default_block_size=bs)
+    for lora_name, expected in (("sql", with_sql), (None, on_base)):
+        for _ in range(2):  # whoever's turn it is
+            decision = router.choose([with_sql, on_base], prompt, None, set(), lora_name)
+            assert (decision.replica, decision.reason, decision.num_cached_tokens) == (expected, "cache", 16)
+    decision = router.choose([with_sql, on_base], prompt, None, set(), "chat")
+    assert decision.reason == "load" and decision.num_cached_tokens == 0
