@@ -177,13 +177,13 @@ class ReplicaSet:
         503, not a 404."""
         if model is None:
             return list(self.replicas.values()), None
-        chosen, entry = [], None
+        chosen, entry, entry_up = [], None, False
         for replica in self.replicas.values():
             found = replica.match(model)
             if found is not None:
                 chosen.append(replica)
-                if entry is None or (replica.up and found.parent is not None):
-                    entry = found
+                if entry is None or (replica.up and not entry_up):  # a live replica's word first
+                    entry, entry_up = found, replica.up
             elif replica.models is None:
                 chosen.append(replica)
         return chosen, entry
