@@ -27,8 +27,10 @@
 #    256 and FP8 weights at 1, 256 against bf16). Figures land in $OUT (or /tmp/folio_gpu_check)
 #    as well;
 # 9. runs the MoE kernels' gpu tests (tests/cuda/test_moe_kernels.py: routing and the grouped GEMM
-#    against torch up to 128 experts, top-8, 2048 x 768; MoE.forward on the GPU against the CPU).
-#    The timeouts add up to 6 minutes 40 s.
+#    against torch up to 128 experts, top-8, 2048 x 768; MoE.forward on the GPU against the CPU);
+# 10. runs the multi-LoRA kernels' gpu tests (tests/cuda/test_lora_kernels.py: BGMV, SGMV on
+#    tensor cores and on CUDA cores against torch, f16/bf16/fp32, ranks 8/16/64, 300 rows).
+#    The timeouts add up to 7 minutes 25 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(msgspec pyzmq structlog gguf)
@@ -100,6 +102,11 @@ timeout 30 "$PY" scripts/bench_quant_gpu.py --json "$OUT_DIR/quant.json" 2>&1 | 
 echo "== MoE kernels (routing, grouped GEMM) against torch"
 timeout 60 "$PY" -m pytest -q -m gpu tests/cuda/test_moe_kernels.py -p no:cacheprovider -o addopts="" \
   --junitxml="$OUT_DIR/moe_tests.xml" 2>&1 | tail -8
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== multi-LoRA kernels (BGMV, SGMV) against torch"
+timeout 45 "$PY" -m pytest -q -m gpu tests/cuda/test_lora_kernels.py -p no:cacheprovider -o addopts="" \
+  --junitxml="$OUT_DIR/lora_tests.xml" 2>&1 | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done (status $status); figures in $OUT_DIR"
