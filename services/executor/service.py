@@ -11,7 +11,13 @@ Who talks to it:
   the same registration every ``REGISTER_EVERY_S``, so that a restarted kvmanager learns the pool
   (to one that knows it already, it changes nothing);
 - CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend; with
-  ``--tensor-parallel-size`` > 1 each rank's device, memory and step time, asked between steps).
+  ``--tensor-parallel-size`` > 1 each rank's device, memory and step time, asked between steps);
+- with ``--enable-lora`` the runner holds the LoRA adapters (``--lora-modules``, registered as it
+  starts); the gateway asks the admin socket for ``lora_list`` (names and folders) and, with
+  ``--allow-runtime-lora``, ``lora_load`` {name, path} and ``lora_unload`` {name}, run on the step
+  thread between steps. A refused adapter (bad folder, rank above ``--max-lora-rank``, a target
+  the model lacks) is answered ``{"error": why, "status": 400}`` and changes nothing. Adapters
+  loaded at run time are not kept across a restart of this service.
 
 With ``--tensor-parallel-size N`` > 1 the runner is ``workers.ParallelRunner``: this process is
 rank 0 of N; a dead rank ends this process (exit code 1), so that its supervisor starts a new
@@ -60,7 +66,8 @@ class ExecutorService:
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_executor)
         self.decoder = Decoder(StepPlan)
         self.handlers = {StepPlan: self.handle_step_plan}
-        self.admin_commands = {"stats": self.admin_stats}
+        self.admin_commands = {"stats": self.admin_stats, "lora_list": self.admin_lora_list,
+                               "lora_load": self.admin_lora_load, "lora_unload": self.admin_lora_unload}
         self.num_steps = 0
         self.num_steps_queued = 0  # steps whose plan had arrived before the step before ended
         self.num_placeholder_tokens = 0
@@ -130,6 +137,59 @@ class ExecutorService:
             loop = asyncio.get_running_loop()
             stats["ranks"] = await loop.run_in_executor(self.step_thread, self.runner.rank_reports)
         return stats
+
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _lora(self):
+        return getattr(self.runner, "lora", None)
+
+    async def admin_lora_list(self, args: dict) -> dict:
+        lora = self._lora()
+        if lora is None:
+            return {"enabled": False, "adapters": {}, "epoch": self.epoch}
+        return {"enabled": True, "adapters": dict(lora.paths), "max_loras": lora.max_loras,
+                "max_lora_rank": lora.max_lora_rank, "epoch": self.epoch}
+
+    async def admin_lora_load(self, args: dict) -> dict:
+        """Register the adapter at ``path`` as ``name``: ``{"loaded": name}``, or ``{"error", "status"}``
+        (nothing changed)."""
+        name, path = args.get("name"), args.get("path")
+        refused = self._lora_refusal(name)
+        if refused is not None:
+            return refused
+        if not path:
+            return {"error": "lora_path is required", "status": 400}
+        if name in self._lora().paths:
+            return {"error": f"The lora adapter '{name}' has already been loaded.", "status": 400}
+        from folio.core.executor.lora import LoRAError
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.add_lora, name, str(path))
+        except LoRAError as exc:
+            return {"error": str(exc), "status": 400}
+        log.info("LoRA adapter loaded", name=name, path=path)
+        return {"loaded": name}
+
+    async def admin_lora_unload(self, args: dict) -> dict:
+        name = args.get("name")
+        refused = self._lora_refusal(name)
+        if refused is not None:
+            return refused
+        if name not in self._lora().paths:
+            return {"error": f"The lora adapter '{name}' cannot be found.", "status": 404}
+        await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.remove_lora, name)
+        log.info("LoRA adapter unloaded", name=name)
+        return {"unloaded": name}
+
+    def _lora_refusal(self, name) -> dict | None:
+        if self._lora() is None:
+            return {"error": "LoRA adapters are not enabled: start the server with --enable-lora", "status": 400}
+        if not self.config.runtime.allow_runtime_lora:
+            return {"error": "loading and unloading LoRA adapters at run time needs --allow-runtime-lora",
+                    "status": 404}
+        if not name or not isinstance(name, str):
+            return {"error": "lora_name is required", "status": 400}
+        return None
 
 
 def make_runner(config: ExecutorServiceConfig):

@@ -8,7 +8,7 @@ choices, best_of's logprobs, beam search and stop strings are the front door's
 ``GenerateRequest``; its sequences are ``<id>-<index>``, ``index = prompt_index * n + i``. When
 seeded, choice ``i`` gets ``seed + i`` (``SamplingParams.with_seed_offset``): the choices differ,
 the whole response is reproducible. With ``use_beam_search`` the ids receive the best beams, best
-first.
+first. ``lora_name`` is the LoRA adapter the request's ``model`` named (None: the base model).
 """
 
 from __future__ import annotations
@@ -75,18 +75,18 @@ def completion_prompts(req: CompletionRequest) -> list[dict]:
     return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
 
 
-def completion_generate_requests(req: CompletionRequest, base_id: str,
-                                 params: SamplingParams | None = None) -> list[GenerateRequest]:
+def completion_generate_requests(req: CompletionRequest, base_id: str, params: SamplingParams | None = None,
+                                 lora_name: str | None = None) -> list[GenerateRequest]:
     params = params or completion_params(req)
     now = time.time()
     return [params.to_generate_request(base_id, p_index, echo=req.echo, stream=bool(req.stream), arrival_time=now,
                                        cache_salt=req.cache_salt, priority=req.priority, guided=guided_spec(req),
-                                       **prompt)
+                                       lora_name=lora_name, **prompt)
             for p_index, prompt in enumerate(completion_prompts(req))]
 
 
-def chat_generate_requests(req: ChatCompletionRequest, base_id: str,
-                           params: SamplingParams | None = None) -> list[GenerateRequest]:
+def chat_generate_requests(req: ChatCompletionRequest, base_id: str, params: SamplingParams | None = None,
+                           lora_name: str | None = None) -> list[GenerateRequest]:
     params = params or chat_params(req)
     # tool_choice none still shows no tools to the model, as OpenAI does not call any
     tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req) != "none" else None
@@ -94,4 +94,4 @@ def chat_generate_requests(req: ChatCompletionRequest, base_id: str,
         base_id, messages=[chat_message(m) for m in req.messages], add_generation_prompt=req.add_generation_prompt,
         fill_max_tokens=(req.max_completion_tokens or req.max_tokens) is None,  # chat's default: what the context leaves
         stream=bool(req.stream), arrival_time=time.time(), cache_salt=req.cache_salt, priority=req.priority,
-        guided=guided_spec(req), tools=tools)]
+        guided=guided_spec(req), tools=tools, lora_name=lora_name)]

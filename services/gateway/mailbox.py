@@ -91,6 +91,7 @@ class OutputMailbox:
         self.unfinished = set(req_ids)
         self._pending: dict[int, list[TextDelta]] = {}
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits in ``get``
+        self.lora_name: str | None = None  # the LoRA adapter its requests run with
 
     def put(self, delta: TextDelta) -> None:
         pending = self._pending.get(self.index[delta.req_id])

@@ -3,7 +3,9 @@
 Latencies and token counts are observed by the gateway itself as text deltas arrive
 (``GatewayService.handle_text_batch``); running/waiting requests and KV usage are asked from the
 scheduler's and kvmanager's admin sockets at scrape time (``GatewayService.refresh_engine_stats``)
-and keep their last value when a service does not answer in time. Own registry: no process
+and keep their last value when a service does not answer in time. With ``--enable-lora``, vLLM's
+``lora_requests_info`` and per-adapter running/waiting requests (the scheduler's) and adapter
+loads and evictions (the executor's). Own registry: no process
 collectors of whoever imports us, and tests can build several gateways in one process.
 
 The inter-token latency is observed for every streamed token, so it keeps its own bucket counts
@@ -142,6 +144,19 @@ class GatewayMetrics:
                                          labels, registry=r).labels(model_name)
         self.constrained_rows = Counter("folio:constrained_rows", "Tokens sampled under a grammar.", labels,
                                         registry=r).labels(model_name)
+        # LoRA adapters (--enable-lora): vLLM's lora_requests_info (one sample, its value the time it
+        # was set, labelled with the adapters running and waiting), per-adapter queues, the
+        # executor's loads into device slots and evictions from them
+        self.lora_info = Gauge("folio:lora_requests_info", "Running and waiting LoRA adapters (value: when set).",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self.lora_running = Gauge("folio:lora_num_requests_running", "Requests running, per LoRA adapter.",
+                                  labels + ["lora_name"], registry=r)
+        self.lora_waiting = Gauge("folio:lora_num_requests_waiting", "Requests waiting, per LoRA adapter.",
+                                  labels + ["lora_name"], registry=r)
+        self.lora_loads = Counter("folio:lora_loads", "LoRA adapters copied into a device slot.", labels,
+                                  registry=r).labels(model_name)
+        self.lora_evictions = Counter("folio:lora_evictions", "LoRA adapters evicted from a device slot.", labels,
+                                      registry=r).labels(model_name)
         self._last_totals: dict[str | tuple, float] = {}  # each cumulative stat's value at the last scrape
         self._success = Counter("folio:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
@@ -179,6 +194,20 @@ class GatewayMetrics:
             self._advance(self.grammar_cache_hits, "grammar_hits", executor.get("num_grammar_cache_hits", 0))
             self._advance(self.constrained_steps, "constrained_steps", executor.get("num_constrained_steps", 0))
             self._advance(self.constrained_rows, "constrained_rows", executor.get("num_constrained_rows", 0))
+
+    def set_lora_stats(self, scheduler: dict | None, executor: dict | None) -> None:
+        if scheduler and "lora_running" in scheduler:
+            running, waiting = scheduler["lora_running"] or {}, scheduler.get("lora_waiting") or {}
+            self.lora_info.clear()
+            self.lora_info.labels(str(scheduler.get("max_loras") or ""), ",".join(sorted(waiting)),
+                                  ",".join(sorted(running))).set(time.time())
+            for gauge, counts in ((self.lora_running, running), (self.lora_waiting, waiting)):
+                gauge.clear()
+                for name, num in counts.items():
+                    gauge.labels(self._model_name, name).set(num)
+        if executor:
+            self._advance(self.lora_loads, "lora_loads", executor.get("lora_loads", 0))
+            self._advance(self.lora_evictions, "lora_evictions", executor.get("lora_evictions", 0))
 
     def set_engine_stats(self, scheduler: dict | None, kvmanager: dict | None) -> None:
         if scheduler:

@@ -247,7 +247,7 @@ def parse(body: bytes, kind: type[msgspec.Struct]):
         raise ApiError(f"invalid request: {exc}", param=_param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise ApiError(f"the request body is not valid JSON: {exc}") from None
-    for param, is_bad, message in _RULES[kind]:
+    for param, is_bad, message in _RULES.get(kind, ()):
         if is_bad(req):
             raise ApiError(message, param=param)
     return req
@@ -259,3 +259,17 @@ def _param_of(message: str) -> str | None:
     if not parts:
         return None
     return re.sub(r"\[\d+\]", "", ".".join(parts))  # "messages[0].role" -> "messages.role"
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    lora_name: Annotated[str, Meta(min_length=1)]
+    lora_path: Annotated[str, Meta(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``/v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and ignored)."""
+
+    lora_name: Annotated[str, Meta(min_length=1)]
+    lora_int_id: int | None = None

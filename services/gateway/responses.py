@@ -207,8 +207,12 @@ def chat_chunk_choice(index: int, delta: TextDelta | None, role: bool = False) -
     return choice
 
 
-def models_response(model_name: str, root: str, created: int) -> dict:
+def models_response(model_name: str, root: str, created: int, adapters: dict[str, str] | None = None) -> dict:
+    """The base model, then each LoRA adapter (name -> folder) with the base model as ``parent``."""
+    base = {"id": model_name, "object": "model", "created": created, "owned_by": "folio", "root": root,
+            "parent": None}
     return {
         "object": "list",
-        "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "folio", "root": root}],
+        "data": [base, *({"id": name, "object": "model", "created": created, "owned_by": "folio", "root": path,
+                          "parent": model_name} for name, path in (adapters or {}).items())],
     }

@@ -1,5 +1,5 @@
 """The HTTP routes of the gateway: OpenAI's completions, chat completions and models, vLLM's
-``/tokenize`` and ``/detokenize``, plus ``/health``, ``/ready``, ``/live`` and ``/metrics``, and the
+``/tokenize``, ``/detokenize``, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, plus ``/health``, ``/ready``, ``/live`` and ``/metrics``, and the
 middlewares for the API key (on ``/v1/``, ``/tokenize``, ``/detokenize`` and the live KV page's
 data, ``dashboard.py``) and for error objects.
 
@@ -33,8 +33,10 @@ from folio.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
     parse,
 )
 from folio.services.gateway.responses import ResponseMeta, UsageCounter
@@ -81,24 +83,14 @@ def auth_middleware(api_key: str | None):
     return check_key
 
 
-def _check_model(service: GatewayService, model: str | None) -> str:
-    config = service.config
-    name = config.model_name
-    # without --served-model-name the --model value itself is an alias (vLLM's default name)
-    aliases = (name,) if config.served_model_name else (name, config.model)
-    if model is not None and model not in aliases:
-        raise ApiError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
-    return name
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     req = parse(await request.read(), CompletionRequest)
-    model = _check_model(service, req.model)
+    model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
                         echo=req.echo)
     params = convert.completion_params(req)
-    mailbox = service.submit(convert.completion_generate_requests(req, meta.id, params))
+    mailbox = service.submit(convert.completion_generate_requests(req, meta.id, params, lora_name))
     best_of = params.num_sequences if params.ranks_by_logprob else None
     return await _respond(request, mailbox, meta, req, _stream_completion, responses.completion_response, best_of)
 
@@ -166,9 +158,9 @@ async def _stream_completion(request, mailbox, meta: ResponseMeta, req: Completi
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     req = parse(await request.read(), ChatCompletionRequest)
-    model = _check_model(service, req.model)
+    model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
-    mailbox = service.submit(convert.chat_generate_requests(req, meta.id))
+    mailbox = service.submit(convert.chat_generate_requests(req, meta.id, lora_name=lora_name))
     response_fn = responses.chat_response
     if ToolCallReader.for_request(req) is not None:
         response_fn = partial(responses.chat_response, tools=lambda: ToolCallReader.for_request(req))
@@ -228,7 +220,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await request.read()
     chat = _has_field(body, "messages")
     req = parse(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
-    _check_model(service, req.model)
+    await service.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     fields = {"prompt": req.prompt} if not chat else {
         "messages": [chat_message(m) for m in req.messages], "add_generation_prompt": req.add_generation_prompt,
         "tools": [msgspec.to_builtins(t) for t in req.tools] if req.tools else None}
@@ -243,7 +235,7 @@ async def detokenize(request: web.Request) -> web.Response:
     """vLLM's ``/detokenize``: the text of token ids, special tokens included."""
     service = request.app[SERVICE]
     req = parse(await request.read(), DetokenizeRequest)
-    _check_model(service, req.model)
+    await service.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     reply = _tokenizer_answer(await service.tokenize(messages.DetokenizeRequest(
         req_id=f"detok-{uuid.uuid4().hex}", token_ids=req.tokens)))
     return web.json_response({"prompt": reply.text})
@@ -265,9 +257,34 @@ def _tokenizer_answer(reply: messages.TokenizeReply) -> messages.TokenizeReply:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The base model, then each LoRA adapter with ``parent``: the base model's id (vLLM's shape)."""
     service = request.app[SERVICE]
+    if service.config.enable_lora:
+        await service.sync_adapters()  # as the executor holds them now (keeps the last list if it is slow)
     return web.json_response(responses.models_response(service.config.model_name, service.config.model,
-                                                       service.started_at))
+                                                       service.started_at, service.adapters))
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's ``POST /v1/load_lora_adapter`` {lora_name, lora_path} (``--allow-runtime-lora``): the
+    executor reads and checks the adapter; a refusal is a 400 saying why, and nothing changes."""
+    service = request.app[SERVICE]
+    service._runtime_lora_allowed()
+    req = parse(await request.read(), LoadLoRAAdapterRequest)
+    if req.lora_name in (service.config.model_name, service.config.model):
+        raise ApiError(f"'{req.lora_name}' is the base model's name", 400, param="lora_name")
+    await service.load_lora(req.lora_name, req.lora_path)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's ``POST /v1/unload_lora_adapter`` {lora_name}: 404 for an unknown adapter, 409 while
+    requests on it are in flight (retry once they finish)."""
+    service = request.app[SERVICE]
+    service._runtime_lora_allowed()
+    req = parse(await request.read(), UnloadLoRAAdapterRequest)
+    await service.unload_lora(req.lora_name)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -293,6 +310,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)

@@ -9,6 +9,13 @@ Peers (``folio.shared.config.Endpoints``):
   and by the live KV page (``dashboard.py``: also ``map``) through a short-lived
   DEALER (a late reply then dies with its socket instead of answering the next question); every service's admin socket, pinged by ``health.HealthMonitor``.
 
+LoRA adapters (``--enable-lora``): the executor holds them; the gateway keeps their names
+(``adapters``, from the executor's ``lora_list``: asked every ``LORA_SYNC_S`` and whenever a
+request names a model it does not know) to map a request's ``model`` to its adapter
+(``resolve_model``), and counts its open requests per adapter. With ``--allow-runtime-lora``,
+``load_lora``/``unload_lora`` ask the executor's admin socket; an adapter with requests open here
+is not unloaded (409): a request that names an adapter never finds it gone.
+
 The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
 ``submit`` refuses work up front: 503 while a service is down, 429 past ``--max-queue-len`` queued
 or ``--max-concurrent-requests`` open requests. ``fail`` ends a request's unfinished choices with
@@ -46,6 +53,9 @@ from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 NUM_REMEMBERED_STRAYS = 4096  # req_ids of stray deltas already aborted (bounded)
+LORA_SYNC_S = 2.0  # how often the adapter names are read again from the executor (it may have restarted)
+LORA_ADMIN_TIMEOUT_S = 2.0
+LORA_LOAD_TIMEOUT_S = 120.0  # reading an adapter's folder and checking it
 
 
 class GatewayService:
@@ -69,6 +79,9 @@ class GatewayService:
         self.num_open = 0  # generation requests between submit and their response's end
         self.draining = False
         self._strays: OrderedDict[str, None] = OrderedDict()
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> its folder, as the executor holds them
+        self.lora_open: dict[str, int] = {}  # adapter -> requests open here (submitted, response not over)
+        self._lora_change = asyncio.Lock()  # one load, unload or sync at a time
 
     async def start(self) -> None:
         ep = self.config.endpoints
@@ -81,6 +94,8 @@ class GatewayService:
             asyncio.ensure_future(serve_admin(self.recv_from_admin, {"stats": self.admin_stats}, log)),
             asyncio.ensure_future(self.health.run()),
         ]
+        if self.config.enable_lora:
+            self._tasks.append(asyncio.ensure_future(self._keep_adapters_synced()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -172,6 +187,9 @@ class GatewayService:
         mailbox = OutputMailbox(choice_ids)
         self.queued.add(mailbox)
         self.num_open += 1
+        mailbox.lora_name = reqs[0].lora_name
+        if mailbox.lora_name is not None:
+            self.lora_open[mailbox.lora_name] = self.lora_open.get(mailbox.lora_name, 0) + 1
         for choice_id in choice_ids:
             self.mailboxes[choice_id] = mailbox
         for req in reqs:
@@ -193,6 +211,12 @@ class GatewayService:
         """The response is over: abort what did not finish, forget the mailbox."""
         self.queued.discard(mailbox)
         self.num_open -= 1
+        if mailbox.lora_name is not None:
+            left = self.lora_open[mailbox.lora_name] - 1
+            if left:
+                self.lora_open[mailbox.lora_name] = left
+            else:
+                del self.lora_open[mailbox.lora_name]
         for req_id in list(mailbox.unfinished):
             self.abort(req_id)
 
@@ -224,6 +248,77 @@ class GatewayService:
                                                   type_="server_error", code="service_unavailable"))
         log.error("service lost: the requests in flight failed", service=name, why=why, num_requests=num)
 
+    # ------------------------------------------------------------------ LoRA adapters
+    async def resolve_model(self, model: str | None) -> tuple[str, str | None]:
+        """A request's ``model``: (the name responses carry, its LoRA adapter or None for the base
+        model); 404 ``model_not_found`` for a model served nowhere here."""
+        config = self.config
+        name = config.model_name
+        # without --served-model-name the --model value itself is an alias (vLLM's default name)
+        aliases = (name,) if config.served_model_name else (name, config.model)
+        if model is None or model in aliases:
+            return name, None
+        if config.enable_lora and (model in self.adapters or (await self.sync_adapters() and model in self.adapters)):
+            return model, model
+        raise ApiError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    async def sync_adapters(self) -> bool:
+        """Read the adapter names from the executor; False when it did not answer."""
+        async with self._lora_change:
+            data = await self.ask_admin(self.config.endpoints.admin_executor, "lora_list", LORA_ADMIN_TIMEOUT_S)
+            if data is None:
+                return False
+            self.adapters = dict(data.get("adapters") or {})
+            return True
+
+    async def _keep_adapters_synced(self) -> None:
+        while True:
+            await self.sync_adapters()
+            await asyncio.sleep(LORA_SYNC_S)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Have the executor read, check and register the adapter; ApiError (nothing changed) when
+        it refuses."""
+        self._runtime_lora_allowed()
+        async with self._lora_change:
+            await self._ask_executor("lora_load", {"name": name, "path": path})
+            self.adapters[name] = path
+        log.info("LoRA adapter loaded", name=name, path=path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget the adapter here (new requests naming it get 404) and in the executor; 409 while
+        requests on it are open."""
+        self._runtime_lora_allowed()
+        async with self._lora_change:
+            if self.lora_open.get(name):
+                raise ApiError(f"The lora adapter '{name}' has {self.lora_open[name]} request(s) in flight; "
+                               "unload it once they finish", 409, param="lora_name", code="adapter_in_use")
+            path = self.adapters.pop(name, None)
+            try:
+                await self._ask_executor("lora_unload", {"name": name})
+            except ApiError as exc:
+                if path is not None and exc.status != 404:
+                    self.adapters[name] = path
+                raise
+        log.info("LoRA adapter unloaded", name=name)
+
+    def _runtime_lora_allowed(self) -> None:
+        if not self.config.allow_runtime_lora:
+            raise ApiError("loading and unloading LoRA adapters at run time needs --allow-runtime-lora "
+                           "(and --enable-lora)", 404, code="not_found")
+        if not self.config.enable_lora:
+            raise ApiError("LoRA adapters are not enabled: start the server with --enable-lora", 400)
+
+    async def _ask_executor(self, command: str, args: dict) -> dict:
+        data = await self.ask_admin(self.config.endpoints.admin_executor, command, LORA_LOAD_TIMEOUT_S, args)
+        if data is None:
+            raise ApiError("unavailable: the executor did not answer; retry later", 503, type_="server_error",
+                           code="service_unavailable")
+        if data.get("error"):
+            status = int(data.get("status", 400))
+            raise ApiError(data["error"], status, code="not_found" if status == 404 else None)
+        return data
+
     def admin_stats(self, args: dict) -> dict:
         return {**self.stats, "num_unfinished": len(self.mailboxes), "num_queued": len(self.queued),
                 "num_open": self.num_open, "down": self.health.down(),
@@ -241,6 +336,8 @@ class GatewayService:
             self.ask_admin(ep.admin_tokenizer, "stats", timeout), self.ask_admin(ep.admin_executor, "stats", timeout)
         )
         self.metrics.set_grammar_stats(tokenizer, executor)
+        if self.config.enable_lora:
+            self.metrics.set_lora_stats(scheduler, executor)
 
     async def ask_admin(self, address: str, command: str, timeout: float, args: dict | None = None) -> dict | None:
         """``AdminReply.data`` of a service, or None when it is absent, slow or says no."""

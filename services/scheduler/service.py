@@ -12,8 +12,9 @@ Who talks to it:
   digest is checked against the replica's; a mismatch, or a kvmanager that lost its state
   (restarted), starts a new epoch (``new_epoch``: the one place that resynchronises, also used
   when the executor restarts). ``KVClearCache`` (``folio kv clear``) puts a clear into the next log;
-- CLIs ask its admin ROUTER for ``stats``, ``requests``, ``abort``, ``drain`` (finish what was
-  accepted, refuse new requests with 503) and ``resume``.
+- CLIs ask its admin ROUTER for ``stats`` (with the running and waiting requests per LoRA
+  adapter; at most ``--max-loras`` distinct adapters run at once), ``requests``, ``abort``,
+  ``drain`` (finish what was accepted, refuse new requests with 503) and ``resume``.
 The loop sleeps on an event when there is no work (never polls) and wakes on the next message.
 """
 
@@ -74,7 +75,7 @@ class SchedulerService:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    preemption_mode=config.preemption_mode,
-                                   scheduling_policy=config.scheduling_policy)
+                                   scheduling_policy=config.scheduling_policy, max_loras=config.max_loras)
         self.wake = asyncio.Event()
         self.pool_ready = False
         self.executor_check_s = EXECUTOR_CHECK_S
@@ -283,7 +284,18 @@ class SchedulerService:
         return {"pool_ready": True, **scheduler_stats(self.scheduler), **self.timers, "generation": self.generation,
                 "async_scheduling": self.config.async_scheduling,
                 "mean_step_seconds": self.timers["step_seconds_total"] / steps,
-                "mean_plan_seconds": self.timers["plan_seconds_total"] / steps}
+                "mean_plan_seconds": self.timers["plan_seconds_total"] / steps, **self.lora_stats()}
+
+    def lora_stats(self) -> dict:
+        """Running and waiting requests per LoRA adapter (``/metrics``), and the adapters' limit."""
+        sched = self.scheduler
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for counts, queue in ((running, sched.running), (waiting, (*sched.waiting, *sched.swapped))):
+            for r in queue:
+                if r.lora_name is not None:
+                    counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        return {"lora_running": running, "lora_waiting": waiting, "max_loras": sched.max_loras}
 
     def admin_requests(self, args: dict) -> dict:
         return {"requests": describe_requests(self.scheduler)}

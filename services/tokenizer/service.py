@@ -156,6 +156,7 @@ class TokenizerService:
             cache_salt=req.cache_salt,
             fork_req_ids=req.fork_req_ids,
             beam_search=req.beam_search,
+            lora_name=req.lora_name,
         )
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))
