@@ -30,7 +30,7 @@ ADAPTERS = {
 }
 
 
-def write_adapter(base_path, out_dir, rank, targets, rslora, alpha, seed):
+def write_adapter(base_path, out_dir, rank, targets, rslora, alpha, seed, std=0.3):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
@@ -41,7 +41,7 @@ def write_adapter(base_path, out_dir, rank, targets, rslora, alpha, seed):
     with torch.no_grad():  # peft's own random init, scaled so that every adapter changes the tokens
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0.0, 0.3)
+                p.normal_(0.0, std)
     model.save_pretrained(out_dir)
     return str(out_dir)
 
@@ -316,3 +316,32 @@ def test_int4_base_adds_the_delta_to_the_quantized_output(tiny, tmp_path):
         # bf16 activations round the adapters' large deltas too (rsLoRA's scale is 8 here): the
         # mean, and the worst position within reason
         assert err.mean() < 0.1 and err.mean() < without.mean() / 10 and err.max() < 1.0, (name, err, without)
+
+
+@pytest.mark.slow
+def test_smollm2_mixed_batch_against_peft(smollm_dir, tmp_path):
+    """SmolLM2-135M-Instruct unquantized in fp32, the three adapters and the base in one batch
+    of 16 streams; a token may differ from the reference's argmax only at a near-tie."""
+    from transformers import AutoModelForCausalLM
+
+    adapters = {name: write_adapter(smollm_dir, tmp_path / name, *spec, seed=i, std=0.05)
+                for i, (name, spec) in enumerate(ADAPTERS.items())}
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=256, block_size=16, quantization="none", dtype="float32"),
+                         smollm_dir, enable_lora=True, max_loras=4, max_lora_rank=64,
+                         lora_modules=[f"{n}={p}" for n, p in adapters.items()])
+    prompts = [[(977 * i + 131 * j) % 40000 + 100 for j in range(6 + 3 * i)] for i in range(16)]
+    choices = [CHOICES[i % 4] for i in range(16)]
+    results = run(EngineCore(runner, max_num_seqs=16, max_num_batched_tokens=256), prompts, choices)
+    for name in CHOICES:
+        ref = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32)
+        if name is not None:
+            ref = peft.PeftModel.from_pretrained(ref, adapters[name]).merge_and_unload()
+        ref.eval()
+        for prompt, choice, (tokens, lps, _) in zip(prompts, choices, results):
+            if choice != name:
+                continue
+            with torch.inference_mode():
+                logits = ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+            for i, token in enumerate(tokens):
+                assert logits[i].max() - logits[i, token] < 1e-3, (name, i)  # its argmax, or a near-tie
+                assert lps[i].top_logprobs == pytest.approx(logits[i].topk(5).values.tolist(), abs=2e-3)
