@@ -76,6 +76,9 @@ def serve(args: argparse.Namespace) -> int:
     from folio.core.models import resolve_model
     from folio.services.supervise import Supervisor
 
+    if args.lora_modules and not args.enable_lora:
+        print("folio: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
     try:
         model_path = str(resolve_model(args.model))
     except FileNotFoundError as exc:

@@ -17,7 +17,10 @@ from folio.shared.loops import freeze_heap, run_until_signal
 def parse_config(argv: list[str] | None) -> tuple[ExecutorServiceConfig, argparse.Namespace]:
     from folio.core.models import resolve_model
 
-    args = service_parser("executor", "the model runtime service").parse_args(argv)
+    parser = service_parser("executor", "the model runtime service")
+    args = parser.parse_args(argv)
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     runtime = RuntimeConfig(**config_values(RuntimeConfig, args, "executor"))
     config = ExecutorServiceConfig(endpoints=Endpoints.from_env(), runtime=runtime,
                                    model_path=str(resolve_model(args.model)),

@@ -106,3 +106,16 @@ def test_adapter_metrics_read_as_the_router_reads_them():
     assert read_active_adapters(text) == frozenset()
     assert "lora_num_requests_running{" not in text and 'folio:lora_loads_total{model_name="base"} 7.0' in text
     assert 'folio:lora_evictions_total{model_name="base"} 2.0' in text
+
+
+def test_lora_modules_without_enable_lora_are_refused(capsys):
+    from folio.services.serve import serve
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert serve(parser.parse_args(["--lora-modules", "sql=/a/sql"])) == 2
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        from folio.services.executor.main import parse_config
+
+        parse_config(["--lora-modules", "sql=/a/sql"])
