@@ -9,6 +9,7 @@ say so), ``/v1/models`` lists both, an unknown model is a 404 and the router kee
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 import urllib.request
@@ -181,7 +182,7 @@ PROMPT = " ".join(f"Line {i} of a shared document about model routing." for i in
 
 
 def finished_requests(replica: ServedReplica) -> dict[str, int]:
-    """The replica's own count of finished requests, by the model name it serves."""
+    """The replica's own count of finished requests, by the (base) model name it serves."""
     with urllib.request.urlopen(replica.url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
     counts = {}
@@ -192,45 +193,87 @@ def finished_requests(replica: ServedReplica) -> dict[str, int]:
     return counts
 
 
-def test_two_base_models_behind_one_router(tmp_path, smollm_dir):
+def write_adapter(base: str, out_dir: Path) -> str:
+    """A PEFT adapter of ``base`` (rank 4 on q and v, non-zero A and B), written by ``peft``."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False, lora_dropout=0.0))
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def test_two_base_models_and_their_adapters_behind_one_router(tmp_path, smollm_dir):
+    """model-a with adapter ``sql`` from the start, model-b with ``notes`` loaded at run time."""
+    pytest.importorskip("peft")
     model_a = write_tiny_chat_model(tmp_path / "model-a", smollm_dir, max_position_embeddings=512)
-    model_b = str(tmp_path / "model-b")  # another model: one layer, other weights, the same tokenizer files
+    model_b = str(tmp_path / "model-b")  # another model: one layer, other sizes, the same tokenizer files
     write_tiny_model(model_b, vocab_size=49152, max_position_embeddings=512, num_hidden_layers=1, hidden_size=32)
     for f in Path(model_a).iterdir():
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, Path(model_b) / f.name)
-    a, b = ServedReplica(model_a, FLAGS).start(), ServedReplica(model_b, FLAGS).start()
+    sql, notes = write_adapter(model_a, tmp_path / "sql"), write_adapter(model_b, tmp_path / "notes")
+    a = ServedReplica(model_a, (*FLAGS, "--enable-lora", "--lora-modules", f"sql={sql}")).start()
+    b = ServedReplica(model_b, (*FLAGS, "--enable-lora", "--allow-runtime-lora")).start()
     router = None
+
+    def complete(model: str | None, prompt: str, max_tokens: int = 2) -> tuple[int, dict, str]:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return post(router.url + "/v1/completions", body if model is None else {"model": model, **body})
+
+    def cache_hits() -> int:
+        return router.admin("stats")["num_cache_aware_hits"]
+
+    def indexed(replica: ServedReplica, at_least: int) -> None:
+        deadline = time.monotonic() + 20
+        while router.replicas()[replica.url]["indexed_blocks"] < at_least:
+            assert time.monotonic() < deadline, "the replica's blocks never reached the router's index"
+            time.sleep(0.1)
+
     try:
         a.wait_ready(), b.wait_ready()
         router = start_router(model_a, [a, b])
-        listed = http_json(router.url + "/v1/models")
-        assert sorted(m["id"] for m in listed["data"]) == ["model-a", "model-b"]
-        sent = {"model-a": 0, "model-b": 0}
+        listed = {m["id"]: m.get("parent") for m in http_json(router.url + "/v1/models")["data"]}
+        assert listed == {"model-a": None, "sql": "model-a", "model-b": None}
         for i in range(3):
-            for model, replica in (("model-a", a), ("model-b", b)):
-                status, body, answered = post(router.url + "/v1/completions", {
-                    "model": model, "prompt": f"{PROMPT} {i}", "max_tokens": 2, "temperature": 0})
+            for model, replica in (("model-a", a), ("model-b", b), ("sql", a)):
+                status, body, answered = complete(model, f"{PROMPT} {i}")
                 assert status == 200 and answered == replica.url and body["model"] == model, body
-                sent[model] += 1
-        status, body, answered = post(router.url + "/v1/completions", {"model": "model-c", "prompt": "hi"})
+        status, body, answered = complete("model-c", "hi")
         assert status == 404 and body["error"]["code"] == "model_not_found" and answered == ""
-        # each replica finished exactly its own model's requests
-        assert finished_requests(a) == {"model-a": sent["model-a"]}
-        assert finished_requests(b) == {"model-b": sent["model-b"]}
+        # each replica finished exactly its own model's requests (an adapter's count under its base)
+        assert finished_requests(a) == {"model-a": 6} and finished_requests(b) == {"model-b": 3}
         # model-b's prompts were tokenized with its own folder's tokenizer: its prefix is found on its replica
-        deadline = time.monotonic() + 20
-        while router.replicas()[b.url]["indexed_blocks"] == 0:
-            assert time.monotonic() < deadline, "model-b's blocks never reached the router's index"
-            time.sleep(0.2)
-        hits = router.admin("stats")["num_cache_aware_hits"]
-        status, _, answered = post(router.url + "/v1/completions", {
-            "model": "model-b", "prompt": f"{PROMPT} 0", "max_tokens": 2, "temperature": 0})
-        assert status == 200 and answered == b.url and router.admin("stats")["num_cache_aware_hits"] == hits + 1
+        indexed(b, 1)
+        hits = cache_hits()
+        status, _, answered = complete("model-b", f"{PROMPT} 0")
+        assert status == 200 and answered == b.url and cache_hits() == hits + 1
+        # an adapter's blocks are hashed as the engine hashes them: the base model's prefix is no hit
+        # for it, its own is
+        indexed(a, 1)
+        hits = cache_hits()
+        long = " ".join(f"Another text {i} read first by the base model." for i in range(12))
+        for model, hit in (("model-a", 0), ("sql", 0), ("sql", 1)):
+            blocks = router.replicas()[a.url]["indexed_blocks"]
+            assert complete(model, long)[0] == 200 and cache_hits() == hits + hit, model
+            if not hit:  # new blocks: wait for their events
+                indexed(a, blocks + 1)
+        # an adapter loaded on a replica at run time is routed there, and listed
+        req = urllib.request.Request(b.url + "/v1/load_lora_adapter", method="POST", headers={
+            "Content-Type": "application/json"}, data=json.dumps({"lora_name": "notes", "lora_path": notes}).encode())
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+        status, body, answered = complete("notes", "hi")
+        assert status == 200 and answered == b.url and body["model"] == "notes"
+        listed = {m["id"]: m.get("parent") for m in http_json(router.url + "/v1/models")["data"]}
+        assert listed == {"model-a": None, "sql": "model-a", "model-b": None, "notes": "model-b"}
         rows = router.replicas()
-        assert rows[a.url]["models"] == "model-a" and rows[b.url]["models"] == "model-b"
+        assert rows[a.url]["models"] == "model-a,sql" and rows[b.url]["models"] == "model-b,notes"
         # the router keeps serving, a request without a model too
-        status, body, answered = post(router.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        status, body, answered = complete(None, "hi", 1)
         assert status == 200 and answered in (a.url, b.url)
     finally:
         if router is not None:
@@ -239,7 +282,6 @@ def test_two_base_models_behind_one_router(tmp_path, smollm_dir):
             if r.proc.poll() is None:
                 r.proc.terminate()
         a.cleanup(), b.cleanup()
-
 
 def test_the_prefix_index_keeps_adapters_apart_as_the_engine_does():
     """Blocks a replica computed for one adapter are a hit for that adapter only: not for the base
