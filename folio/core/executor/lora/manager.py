@@ -40,8 +40,9 @@ class LoRAProjection(nn.Module):
         manager = self._manager[0]
         step = manager.step
         if step is not None:
-            a, b = manager.slot_weights[(self.layer, self.projection)]
-            step.apply(y, x, a, b, self.projection)
+            key = (self.layer, self.projection)
+            a, b = manager.slot_weights[key]
+            step.apply(y, x, a, b, self.projection, manager.slot_b_t.get(key))
         return y
 
 
@@ -58,12 +59,15 @@ class LoRAManager:
         self.device, self.dtype = torch.device(device), dtype
         self.layout = projection_layout(model)
         self.slot_weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.slot_b_t: dict[tuple[int, str], torch.Tensor] = {}  # B transposed, [slots, width, out] (CPU)
         for i, projections in enumerate(self.layout):
             for name, proj in projections.items():
                 width = len(proj.parts) * max_lora_rank
                 self.slot_weights[(i, name)] = (
                     torch.zeros(max_loras, width, proj.in_features, device=self.device, dtype=dtype),
                     torch.zeros(max_loras, proj.out_features, width, device=self.device, dtype=dtype))
+                if self.device.type == "cpu":
+                    self.slot_b_t[(i, name)] = torch.zeros(max_loras, width, proj.out_features, dtype=dtype)
         self.scales = torch.zeros(max_loras, dtype=torch.float32)
         self.widths: dict[str, list[int]] = {p: [0] * max_loras for p in PROJECTIONS}
         self.paths: dict[str, str] = {}  # every registered adapter
@@ -153,7 +157,8 @@ class LoRAManager:
                 victim = next(n for n in self.slot_of if n not in wanted)
                 self.free_slots.append(self.slot_of.pop(victim))
                 self.evictions += 1
-            slot = self.free_slots.pop()
+            slot = min(self.free_slots)  # the lowest: a step's slots stay a short prefix (punica's dense path)
+            self.free_slots.remove(slot)
             self._load_slot(slot, self._host_adapter(name))
             self.slot_of[name] = slot
             self.loads += 1
@@ -163,6 +168,8 @@ class LoRAManager:
         for a, b in self.slot_weights.values():
             a[slot].zero_()
             b[slot].zero_()
+        for b_t in self.slot_b_t.values():
+            b_t[slot].zero_()
         self.scales[slot] = 0.0
         for widths in self.widths.values():
             widths[slot] = 0
@@ -180,6 +187,8 @@ class LoRAManager:
                 r = a.shape[0]
                 a_slot[slot, col : col + r].copy_(a)
                 b_slot[slot, row0 : row0 + rows, col : col + r].copy_(b)
+                if self.slot_b_t:
+                    self.slot_b_t[(layer, projection)][slot, col : col + r, row0 : row0 + rows].copy_(b.T)
                 col += r
             self.widths[projection][slot] = max(self.widths[projection][slot], col)
         self.scales[slot] = adapter.scaling

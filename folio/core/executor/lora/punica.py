@@ -11,6 +11,12 @@ Both compute ``y[t] += scales[s] * (x[t] @ lora_a[s].T) @ lora_b[s].T``. Here th
 by slot and run two GEMMs per distinct adapter: the work grows with the adapters in the step, never
 with a loop over requests or tokens (``LoRABatch`` does the grouping once per step, on the host,
 for all the layers). On CUDA the kernels of ``kernels/lora_kernels.py`` take the same arguments.
+
+A step of few tokens over several adapters (decode) takes a shorter path on the CPU: two GEMMs
+for all of them, ``((x @ A_all.T) * M) @ B_all``, with ``A_all`` the first ``k`` slots' A as one
+matrix (a view), ``B_all`` their B transposed (kept so by the manager) and ``M`` each token's
+scale on its own slot's columns and zeros elsewhere: a constant number of ops per projection
+whatever the number of adapters, for ``k`` times the (small) FLOPs of one.
 """
 
 from __future__ import annotations
@@ -108,6 +114,9 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     return _add_grouped(y, x, lora_a, lora_b, groups, scales.tolist())
 
 
+DENSE_MAX_TOKENS = 256  # steps of up to this many tokens over 2+ adapters take the one-GEMM path
+
+
 @dataclass
 class LoRABatch:
     """One step's adapter index, built once and read by every projection of every layer.
@@ -124,6 +133,19 @@ class LoRABatch:
     groups: list  # (slot, rows) for the torch path
     scale_list: list[float]
     widths: dict[str, list[int]]
+    token_scale: torch.Tensor | None = None  # [n, k]: each token's scale in its slot's column (the dense path)
+    _masks: dict | None = None  # the dense path's masks by rank width
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[n, k * width]``: each token's ``token_scale`` repeated over its slot's ``width`` columns."""
+        if self._masks is None:
+            self._masks = {}
+        m = self._masks.get((width, dtype))
+        if m is None:
+            n, k = self.token_scale.shape
+            m = self.token_scale[:, :, None].expand(n, k, width).reshape(n, k * width).to(dtype)
+            self._masks[(width, dtype)] = m
+        return m
 
     @staticmethod
     def build(seq_slots: np.ndarray, counts: np.ndarray, scales: torch.Tensor, widths: dict[str, list[int]],
@@ -132,17 +154,32 @@ class LoRABatch:
         seg_starts = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=seg_starts[1:])
         indices = np.repeat(seq_slots.astype(np.int64), counts)
+        groups = _groups_of(indices)
+        token_scale = None
+        if device.type == "cpu" and len(groups) > 1 and len(indices) <= DENSE_MAX_TOKENS:
+            k = max(slot for slot, _ in groups) + 1
+            onehot = np.zeros((len(indices), k), dtype=np.float32)
+            rows = np.flatnonzero(indices >= 0)
+            onehot[rows, indices[rows]] = scales.numpy()[indices[rows]]
+            token_scale = torch.from_numpy(onehot)
         return LoRABatch(
             indices=torch.as_tensor(indices, device=device), seg_starts=torch.as_tensor(seg_starts, device=device),
             seg_slots=torch.as_tensor(seq_slots.astype(np.int64), device=device),
             decode=bool(len(counts) == int(seg_starts[-1])), scales=scales,
-            groups=_torch_groups(_groups_of(indices), device), scale_list=scales.tolist(), widths=widths)
+            groups=_torch_groups(groups, device), scale_list=scales.tolist(), widths=widths, token_scale=token_scale)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-              projection: str) -> torch.Tensor:
-        """Add the step's delta of one projection to its output ``y`` (in place)."""
+              projection: str, lora_b_t: torch.Tensor | None = None) -> torch.Tensor:
+        """Add the step's delta of one projection to its output ``y`` (in place); ``lora_b_t``:
+        ``lora_b`` transposed to ``[slots, r_max, out]`` (the CPU's one-GEMM path)."""
         if y.is_cuda:
             if self.decode:
                 return bgmv(y, x, lora_a, lora_b, self.indices, self.scales)
             return sgmv(y, x, lora_a, lora_b, self.seg_starts, self.seg_slots, self.scales)
+        if self.token_scale is not None and lora_b_t is not None:
+            k, width = self.token_scale.shape[1], lora_a.shape[1]
+            xs = x if x.dtype == lora_a.dtype else x.to(lora_a.dtype)
+            xa = (xs @ lora_a[:k].reshape(k * width, -1).T).mul_(self.mask(width, xs.dtype))
+            delta = xa @ lora_b_t[:k].reshape(k * width, -1)
+            return y.add_(delta.to(y.dtype))
         return _add_grouped(y, x, lora_a, lora_b, self.groups, self.scale_list, self.widths.get(projection))

@@ -172,8 +172,10 @@ class ModelRunner:
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
         self.lora: LoRAManager | None = None
         if lora["enable_lora"]:
+            # over a quantized base on the CPU the activations are bf16: so are the adapters (AMX GEMMs)
+            quantized = self.device.type == "cpu" and self.model.quantization not in (None, "none")
             self.lora = LoRAManager(self.model, lora["max_loras"], lora["max_lora_rank"], lora["max_cpu_loras"],
-                                    self.device, self.dtype)
+                                    self.device, ACT_DTYPE if quantized else self.dtype)
             self.lora.attach()
             for module in lora["lora_modules"] or ():
                 name, sep, path = module.partition("=")
