@@ -5,7 +5,8 @@ fails there and nothing changes), keeps up to ``max_cpu_loras`` of them read in 
 recently used dropped first, read again from their folder when needed), and ``max_loras`` on the
 device in preallocated slots: per layer and projection, ``a`` ``[max_loras, parts * max_lora_rank,
 in]`` and ``b`` ``[max_loras, out, parts * max_lora_rank]`` (a fused projection's parts stacked
-along the rank: q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``). ``activate`` puts a step's
+along the rank: q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), on the CPU also ``b``
+transposed (``slot_b_t``, for punica's one-GEMM path), in the runner's activation dtype. ``activate`` puts a step's
 adapters into slots (the least recently used slot not needed by the step is evicted) and gives
 their slot numbers; copying an adapter in is a few device copies, done as the step starts.
 
