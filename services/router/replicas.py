@@ -164,7 +164,7 @@ class ReplicaSet:
         self._resyncing: dict[str, asyncio.Task] = {}
         api_key = api_key_from_env()
         self._models_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._models_refreshed_at = float("-inf")
+        self._models_asked_at: dict[str, float] = {}  # unknown model -> when it last made the lists be read
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.up]
@@ -203,13 +203,17 @@ class ReplicaSet:
             return entry
         return self.base_models().get(entry.parent, ServedModel(entry.parent))
 
-    async def refresh_models(self, min_interval_s: float) -> None:
-        """Read every live replica's model list now (an adapter loaded since the last poll), at most
-        once per ``min_interval_s``."""
+    async def refresh_models(self, model: str, min_interval_s: float) -> None:
+        """Read every live replica's model list now, for a request naming ``model``, which no list
+        has (an adapter loaded since the last poll): at most once per ``min_interval_s`` for each
+        name, so that a client repeating an unknown name cannot make every request re-read the
+        lists, while the first request for a newly loaded adapter always finds it."""
         now = asyncio.get_running_loop().time()
-        if now - self._models_refreshed_at < min_interval_s:
+        if now - self._models_asked_at.get(model, float("-inf")) < min_interval_s:
             return
-        self._models_refreshed_at = now
+        if len(self._models_asked_at) >= 1024:  # forget the names asked longest ago
+            self._models_asked_at = {m: t for m, t in self._models_asked_at.items() if now - t < min_interval_s}
+        self._models_asked_at[model] = now
         timeout = aiohttp.ClientTimeout(total=self.config.poll_timeout_s, sock_connect=self.config.connect_timeout_s)
         await asyncio.gather(*(self._read_models(r, timeout) for r in self.live()))
 

@@ -110,7 +110,7 @@ class RouterService:
         model = body.get("model") if isinstance(body.get("model"), str) else None
         candidates, entry = self.replicas.serving(model)
         if not candidates and model is not None:
-            await self.replicas.refresh_models(self.config.poll_interval_s)  # loaded since the last poll?
+            await self.replicas.refresh_models(model, self.config.poll_interval_s)  # loaded since the last poll?
             candidates, entry = self.replicas.serving(model)
         if not candidates and model is not None:
             self.counts["num_unknown_model"] += 1
