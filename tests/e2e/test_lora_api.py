@@ -18,10 +18,11 @@ import urllib.request
 import pytest
 import torch
 
+from folio.testing.lora import write_peft_adapter
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.server import start_server, stop_server
 
-peft = pytest.importorskip("peft")
+import peft  # noqa: E402  (a test extra: a missing peft fails, never skips)
 
 KEY = "lora-key"
 PROMPTS = [[1, 504, 1923, 7803, 28, 253, 2756], [1, 9690, 314, 260, 4536, 282, 3489, 30]]
@@ -31,19 +32,7 @@ ADAPTERS = {"sql": (8, ["q_proj", "v_proj"], 1), "chat": (16, ["o_proj", "gate_p
 
 
 def write_adapter(base: str, out_dir, rank: int, targets: list[str], seed: int) -> str:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-                             lora_dropout=0.0)
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(model, config)
-    with torch.no_grad():  # non-zero A and B, large enough to change greedy tokens
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(out_dir)
-    return str(out_dir)
+    return write_peft_adapter(base, out_dir, rank, targets, seed=seed)
 
 
 def peft_greedy(base: str, adapter: str | None) -> list[list[int]]:

@@ -18,9 +18,10 @@ from folio.core.executor.lora.adapters import projection_layout
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import EngineRequest, SamplingParams
+from folio.testing.lora import write_peft_adapter
 from folio.testing.models import write_tiny_model
 
-peft = pytest.importorskip("peft")
+import peft  # noqa: E402  (a test extra: a missing peft fails, never skips)
 
 # rank, target modules, rsLoRA, alpha
 ADAPTERS = {
@@ -31,19 +32,7 @@ ADAPTERS = {
 
 
 def write_adapter(base_path, out_dir, rank, targets, rslora, alpha, seed, std=0.3):
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                             init_lora_weights=False, lora_dropout=0.0)
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():  # peft's own random init, scaled so that every adapter changes the tokens
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, std)
-    model.save_pretrained(out_dir)
-    return str(out_dir)
+    return write_peft_adapter(base_path, out_dir, rank, targets, alpha=alpha, rslora=rslora, seed=seed, std=std)
 
 
 @pytest.fixture(scope="module")

@@ -9,29 +9,18 @@ import pytest
 import torch
 
 from folio import LLM, LoRARequest, SamplingParams
+from folio.testing.lora import write_peft_adapter
 from folio.testing.models import write_tiny_chat_model
 
-peft = pytest.importorskip("peft")
+import peft  # noqa: E402  (a test extra: a missing peft fails, never skips)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, smollm_dir):
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("lora-offline")
     base = write_tiny_chat_model(root / "base", smollm_dir)
-    adapters = {}
-    for i, (name, targets) in enumerate({"a": ["q_proj", "v_proj"], "b": ["o_proj", "down_proj"]}.items()):
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        torch.manual_seed(10 + i)
-        lora = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets,
-                                                          init_lora_weights=False))
-        with torch.no_grad():
-            for n, p in lora.named_parameters():
-                if "lora_" in n:
-                    p.normal_(0.0, 0.3)
-        lora.save_pretrained(root / name)
-        adapters[name] = str(root / name)
+    adapters = {name: write_peft_adapter(base, root / name, 8, targets, alpha=16, seed=10 + i)
+                for i, (name, targets) in enumerate({"a": ["q_proj", "v_proj"], "b": ["o_proj", "down_proj"]}.items())}
     return base, adapters
 
 

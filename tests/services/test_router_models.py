@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from folio.services.router.replicas import Replica, read_active_adapters, read_models
 from folio.shared.config import Endpoints, RouterConfig
 from folio.testing.backhalf import short_run_dir
+from folio.testing.lora import write_peft_adapter
 from folio.testing.models import write_tiny_chat_model, write_tiny_model
 from folio.testing.routerstack import Replica as ServedReplica
 from folio.testing.routerstack import http_json, post, start_router
@@ -194,21 +195,12 @@ def finished_requests(replica: ServedReplica) -> dict[str, int]:
 
 
 def write_adapter(base: str, out_dir: Path) -> str:
-    """A PEFT adapter of ``base`` (rank 4 on q and v, non-zero A and B), written by ``peft``."""
-    import peft
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                       init_lora_weights=False, lora_dropout=0.0))
-    model.save_pretrained(out_dir)
-    return str(out_dir)
+    """A PEFT adapter of ``base`` (rank 4 on q and v, peft's own non-zero A and B)."""
+    return write_peft_adapter(base, out_dir, 4, ["q_proj", "v_proj"], alpha=8, seed=None, std=None)
 
 
 def test_two_base_models_and_their_adapters_behind_one_router(tmp_path, smollm_dir):
     """model-a with adapter ``sql`` from the start, model-b with ``notes`` loaded at run time."""
-    pytest.importorskip("peft")
     model_a = write_tiny_chat_model(tmp_path / "model-a", smollm_dir, max_position_embeddings=512)
     model_b = str(tmp_path / "model-b")  # another model: one layer, other sizes, the same tokenizer files
     write_tiny_model(model_b, vocab_size=49152, max_position_embeddings=512, num_hidden_layers=1, hidden_size=32)
