@@ -210,9 +210,15 @@ def all_name_expressions() -> dict[str, list[str]]:
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 
-@functools.cache
 def module_source(module: str) -> str:
-    """The module's source with our own headers inlined.
+    """The loader's module ``module`` (a ``MODULE_FILES`` key) as ``source_of`` gives it."""
+    return source_of(MODULE_FILES[module])
+
+
+@functools.cache
+def source_of(filename: str) -> str:
+    """A kernel file of ``cuda/`` with our own headers inlined (every module: the loader's, and
+    ``moe_kernels``' and ``lora_kernels``' own).
 
     Inlining (rather than ``-I cuda``) makes the source text complete, so CuPy's on-disk cache,
     keyed by source and options, notices a change in a header too.
@@ -229,7 +235,7 @@ def module_source(module: str) -> str:
 
         return _INCLUDE.sub(include, path.read_text())
 
-    return expand(KERNEL_DIR / MODULE_FILES[module])
+    return expand(KERNEL_DIR / filename)
 
 
 def cupy_nvrtc_options(arch: str) -> tuple[str, ...]:
@@ -243,11 +249,12 @@ def cupy_nvrtc_options(arch: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def _raw_module(module: str, names: tuple[str, ...], device_id: int):
+def raw_module(filename: str, names: tuple[str, ...], device_id: int):
+    """``filename`` compiled (NVRTC, through CuPy) with the instances ``names``, once per process."""
     import cupy  # optional dependency: only a GPU run gets here
 
     with cupy.cuda.Device(device_id):
-        mod = cupy.RawModule(code=module_source(module), options=NVRTC_OPTIONS, name_expressions=list(names))
+        mod = cupy.RawModule(code=source_of(filename), options=NVRTC_OPTIONS, name_expressions=list(names))
         mod.compile()
     return mod
 
@@ -259,4 +266,4 @@ def compiled_kernel(name: str, names: KernelNames | FusedNames | QuantNames, dev
     wanted = tuple(sorted({n for n in vars(names).values() if n and module_of(n) == module}))
     if name not in wanted:
         raise UnsupportedKernelError(f"kernel instance {name} is not part of {names}")
-    return _raw_module(module, wanted, device_id).get_function(name)
+    return raw_module(MODULE_FILES[module], wanted, device_id).get_function(name)

@@ -36,7 +36,6 @@ launch the same instances in the CPU emulation (``tests/cuda/test_lora_kernels.p
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -228,35 +227,9 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
 
 
 # ---------------------------------------------------------------------------- compiling on a GPU
-_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
-
-
-@functools.cache
 def module_source() -> str:
-    """``cuda/lora.cu`` with our headers inlined (CuPy's disk cache is keyed by the source text)."""
-    seen: set[str] = set()
-
-    def expand(path) -> str:
-        def include(match: re.Match) -> str:
-            header = match.group(1)
-            if header in seen:
-                return ""
-            seen.add(header)
-            return expand(ck.KERNEL_DIR / header)
-
-        return _INCLUDE.sub(include, path.read_text())
-
-    return expand(ck.KERNEL_DIR / SOURCE)
-
-
-@functools.cache
-def _raw_module(device_id: int):
-    import cupy  # optional dependency: only a GPU run gets here
-
-    with cupy.cuda.Device(device_id):
-        mod = cupy.RawModule(code=module_source(), options=ck.NVRTC_OPTIONS, name_expressions=all_name_expressions())
-        mod.compile()
-    return mod
+    """``cuda/lora.cu`` with our headers inlined (``cuda_kernels.source_of``)."""
+    return ck.source_of(SOURCE)
 
 
 class LoraCupyLauncher:
@@ -272,7 +245,7 @@ class LoraCupyLauncher:
         import cupy
 
         device_id = device.index if device.index is not None else torch.cuda.current_device()
-        function = _raw_module(device_id).get_function(getattr(names, kernel))
+        function = ck.raw_module(SOURCE, tuple(all_name_expressions()), device_id).get_function(getattr(names, kernel))
         with cupy.cuda.Device(device_id), self._streams._stream(device_id):
             function(tuple(grid), tuple(block), args)
 

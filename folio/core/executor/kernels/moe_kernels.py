@@ -31,7 +31,6 @@ the CPU emulation (``tests/cuda/test_moe_kernels.py``).
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,35 +205,9 @@ def routed_experts(moe, x: torch.Tensor) -> torch.Tensor | None:
 
 
 # ---------------------------------------------------------------------------- compiling on a GPU
-_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
-
-
-@functools.cache
 def module_source() -> str:
-    """``cuda/moe.cu`` with our headers inlined (CuPy's disk cache is keyed by the source text)."""
-    seen: set[str] = set()
-
-    def expand(path) -> str:
-        def include(match: re.Match) -> str:
-            header = match.group(1)
-            if header in seen:
-                return ""
-            seen.add(header)
-            return expand(ck.KERNEL_DIR / header)
-
-        return _INCLUDE.sub(include, path.read_text())
-
-    return expand(ck.KERNEL_DIR / SOURCE)
-
-
-@functools.cache
-def _raw_module(names: tuple[str, ...], device_id: int):
-    import cupy  # optional dependency: only a GPU run gets here
-
-    with cupy.cuda.Device(device_id):
-        mod = cupy.RawModule(code=module_source(), options=ck.NVRTC_OPTIONS, name_expressions=list(names))
-        mod.compile()
-    return mod
+    """``cuda/moe.cu`` with our headers inlined (``cuda_kernels.source_of``)."""
+    return ck.source_of(SOURCE)
 
 
 class MoeCupyLauncher:
@@ -250,7 +223,7 @@ class MoeCupyLauncher:
         import cupy
 
         device_id = device.index if device.index is not None else torch.cuda.current_device()
-        function = _raw_module(tuple(sorted(vars(names).values())), device_id).get_function(getattr(names, kernel))
+        function = ck.raw_module(SOURCE, tuple(sorted(vars(names).values())), device_id).get_function(getattr(names, kernel))
         with cupy.cuda.Device(device_id), self._streams._stream(device_id):
             function(tuple(grid), tuple(block), args)
 
