@@ -238,11 +238,13 @@ class Scheduler(Admission, ExecutorExchange):
             budget -= num_new
             i += 1
         num_seqs = self._num_seqs() if self.swapped or self.waiting else 0
-        adapters = {r.lora_name for r in self.running if r.lora_name} if self.max_loras else set()
+        adapters: set[str] | None = None  # the running adapters, gathered once a request with one asks
         while self.swapped and budget > 0 and not preempted:
             req = self.swapped[0]
-            if not self._adapter_fits(req, adapters):
-                break
+            if req.lora_name and self.max_loras:
+                adapters = self._running_adapters() if adapters is None else adapters
+                if not self._adapter_fits(req, adapters):
+                    break
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
             seq = self.alloc.seqs[req.req_id]
             num_host = len(seq.host_block_ids)
@@ -253,7 +255,7 @@ class Scheduler(Admission, ExecutorExchange):
             self.kv.try_apply(KVSwapIn(req.req_id))
             self.counters["num_swap_ins"] += 1
             self.enqueue(self.running, req, Status.RUNNING)
-            if req.lora_name:
+            if adapters is not None and req.lora_name:
                 adapters.add(req.lora_name)
             if num_new and self._grow(req, num_new):
                 self._take(out, req, num_new)
@@ -262,9 +264,11 @@ class Scheduler(Admission, ExecutorExchange):
         j = 0
         while j < len(self.waiting) and budget > 0 and not preempted and not self.swapped:
             req = self.waiting[j]
-            if not self._adapter_fits(req, adapters):  # its adapter waits for a free slot; others go on
-                j += 1
-                continue
+            if req.lora_name and self.max_loras:
+                adapters = self._running_adapters() if adapters is None else adapters
+                if not self._adapter_fits(req, adapters):  # its adapter waits for a free slot; others go on
+                    j += 1
+                    continue
             self._find_cached(req)
             num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
             if not num_new and req.req_id in self.grammar_gate.held and req.num_computed_tokens >= req.num_tokens - 1:
@@ -280,7 +284,7 @@ class Scheduler(Admission, ExecutorExchange):
                 break
             self.waiting.pop(j)
             self.enqueue(self.running, req, Status.RUNNING)
-            if req.lora_name:
+            if adapters is not None and req.lora_name:
                 adapters.add(req.lora_name)
             num_seqs += cost
             if not req.admitted:
@@ -302,11 +306,13 @@ class Scheduler(Admission, ExecutorExchange):
         self.counters["num_steps_planned_ahead"] += out.ahead
         return out
 
+    def _running_adapters(self) -> set[str]:
+        return {r.lora_name for r in self.running if r.lora_name}
+
     def _adapter_fits(self, req: Request, adapters: set[str]) -> bool:
-        """Whether ``req`` may run beside the running requests' adapters: at most ``max_loras``
+        """Whether ``req`` (with an adapter) may run beside ``adapters``: at most ``max_loras``
         distinct adapters run at once, so that every step's fit in the executor's slots."""
-        return (not self.max_loras or not req.lora_name or req.lora_name in adapters
-                or len(adapters) < self.max_loras)
+        return req.lora_name in adapters or len(adapters) < self.max_loras
 
     def _settle(self, keep: list[str]) -> None:
         """What waited for this step, in the log's fixed order: tables shrunk after rejected drafts,
