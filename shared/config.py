@@ -118,6 +118,9 @@ class RuntimeConfig:
     attention_backend: str = flag("auto", "paged attention and the layers' small ops: our CUDA kernels, our CPU "
                                   "kernels (auto: for quantized weights) or the torch reference", ("executor",),
                                   choices=("auto", "torch", "cuda", "cpu"))
+    batch_invariant: bool = flag(True, "a token's logits do not depend on the batch, the chunk, prefill or decode, "
+                                 "prefix hits or a recompute (fixed reduction orders; --no-batch-invariant: the "
+                                 "faster batch-dependent kernels)", ("executor",))
     enforce_eager: bool = flag(False, "no CUDA graphs: every step launches its kernels from Python (GPU; the CPU is "
                                "always eager)", ("executor",), action="store_true")
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
