@@ -21,6 +21,7 @@ DEFAULT_PORT = 8000
 
 LAUNCHED = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")  # what ``folio serve`` starts, in order
 ALL_SERVICES = (*LAUNCHED, "router")
+TRACED = ("executor", "scheduler", "tokenizer", "gateway", "router")  # the services that record spans
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class LogConfig:
     log_json: bool = flag(False, "log JSON lines instead of console text", ALL_SERVICES, action="store_true",
                           env=log_json_from_env)
     log_level: str = flag("info", "debug, info, warning, error", ALL_SERVICES, launcher_default=True)
+    # the services that record spans take it (each config below has the field, filled by name)
+    otlp_traces_endpoint: str | None = flag(None, "export OpenTelemetry traces (one per request, a span per stage) "
+                                            "as OTLP/HTTP protobuf to URL/v1/traces (default: off)", TRACED,
+                                            metavar="URL")
 
 
 def cache_dir() -> Path:
@@ -248,6 +253,7 @@ class SchedulerConfig:
     speculative_model: str | None = None  # the executor's flag: with drafts every step waits for the last
     max_loras: int = 4  # the executor's flag: the most distinct adapters admitted into one step
     log_json: bool = False
+    otlp_traces_endpoint: str | None = None  # LogConfig's flag: tracing on (``folio.shared.tracing``)
 
 
 @dataclass(frozen=True)
@@ -258,6 +264,7 @@ class ExecutorServiceConfig:
     runtime: RuntimeConfig
     model_path: str
     log_json: bool = False
+    otlp_traces_endpoint: str | None = None  # tracing on: each step's result carries its start and end
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,7 @@ class TokenizerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     log_json: bool = False
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -292,6 +300,8 @@ class GatewayConfig:
     max_concurrent_requests: int = flag(4096, "open generation requests, streams included; more get 429 "
                                         "(default 4096)", ("gateway",))
     max_body_bytes: int = flag(32 * 1024 * 1024, "larger request bodies get 413 (default 33554432)", ("gateway",))
+    max_replays: int = flag(3, "times a request in flight is replayed after a scheduler or tokenizer restart "
+                            "before it ends with an error (default 3; 0: never replayed)", ("gateway",))
     # whose admin sockets /health pings; a request needs every one of them
     probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
     drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
@@ -299,6 +309,7 @@ class GatewayConfig:
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     log_json: bool = False
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -341,6 +352,7 @@ class RouterConfig:
     slow_polls_to_down: int = 3  # in a row: then the replica is down (hung), not just busy
     log_json: bool = False
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None
 
 
 def default_run_dir(port: int) -> Path:

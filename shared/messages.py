@@ -165,6 +165,9 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
     # result, compiled (``grammars_ready``) or not (``grammar_errors``: key -> why)
     grammars_ready: list[str] = []
     grammar_errors: dict[str, str] = {}
+    # tracing on: the executor's wall-clock start and end of the step (ns), for the scheduler's spans
+    # of its prefill chunks and decodes; empty when tracing is off
+    exec_ns: list[int] = []
 
     @staticmethod
     def flat(sampled: list[list[int]]) -> dict:
@@ -250,6 +253,12 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     guided: GuidedSpec | None = None
     tools: list[dict] | None = None  # OpenAI tool definitions, rendered by the chat template
     lora_name: str | None = None  # the LoRA adapter (the request's ``model`` names it); None: the base model
+    # tracing on (``folio.shared.tracing``): the W3C traceparent of the gateway's request span
+    traceparent: str | None = None
+    # a continuation (a replay after a restart, a stream resumed on another replica): output tokens
+    # already delivered, computed again but not sampled; they count as output (positions, penalties,
+    # max_tokens, the grammar) and their text and logprobs are not sent again
+    forced_token_ids: list[int] = []
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
@@ -269,6 +278,9 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     fork_req_ids: list[str] = []
     beam_search: BeamSearchParams | None = None
     lora_name: str | None = None  # the LoRA adapter; None: the base model
+    traceparent: str | None = None  # tracing on: the gateway's request span, the parent of the later stages'
+    # a continuation: output tokens placed as already generated (``GenerateRequest.forced_token_ids``)
+    forced_token_ids: list[int] = []
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):

@@ -12,10 +12,11 @@ Who reads it:
   as an answer: a busy loop may answer a ping late, but it is not down);
 - ``GatewayService.submit``: new requests get 503 while any service is down;
 - ``GatewayService.on_lost``, called from here: the tokenizer and scheduler hold in-flight
-  requests' state, so when one of them restarts (a new instance) or stays silent past
-  ``STALL_S``, the gateway ends those requests with an error. The executor and kvmanager hold
-  nothing a request cannot recompute: their in-flight requests wait (bounded by
-  ``--request-timeout``) and then complete.
+  requests' state, so when one of them restarts (a new instance) the gateway replays those
+  requests as continuations of what they delivered; one silent past ``STALL_S`` is logged, and its
+  requests wait for it or for its restart. The executor and kvmanager hold nothing a request
+  cannot recompute: their in-flight requests wait (bounded by ``--request-timeout``) and then
+  complete.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ STATEFUL = ("tokenizer", "scheduler")  # their restart loses the requests in fli
 PROBE_INTERVAL_S = 0.5
 PING_TIMEOUT_S = 0.5
 DOWN_AFTER_S = 1.5  # about two missed pings: one late answer on a busy machine is not a crash
-STALL_S = 5.0  # a tokenizer or scheduler silent this long fails its in-flight requests
+STALL_S = 5.0  # a tokenizer or scheduler silent this long is reported (its requests wait for it)
 
 # (admin address, command, timeout) -> the reply's data, or None when absent, slow or refusing
 AskAdmin = Callable[[str, str, float], Awaitable[dict | None]]

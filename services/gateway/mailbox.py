@@ -92,8 +92,15 @@ class OutputMailbox:
         self._pending: dict[int, list[TextDelta]] = {}
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits in ``get``
         self.lora_name: str | None = None  # the LoRA adapter its requests run with
+        # what a replay needs (``GatewayService.replay``): the requests as submitted, each choice's
+        # tokens delivered so far, and how many times it was replayed
+        self.reqs: list = []
+        self.token_ids: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
+        self.num_replays = 0
 
     def put(self, delta: TextDelta) -> None:
+        if delta.token_ids:
+            self.token_ids[delta.req_id] += delta.token_ids
         pending = self._pending.get(self.index[delta.req_id])
         if pending is None:
             self._pending[self.index[delta.req_id]] = [delta]

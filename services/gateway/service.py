@@ -19,8 +19,20 @@ is not unloaded (409): a request that names an adapter never finds it gone.
 The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
 ``submit`` refuses work up front: 503 while a service is down, 429 past ``--max-queue-len`` queued
 or ``--max-concurrent-requests`` open requests. ``fail`` ends a request's unfinished choices with
-an error delta (and aborts them, freeing their blocks): on a deadline, or when the tokenizer or
-scheduler that held them is lost.
+an error delta (and aborts them, freeing their blocks): on a deadline, or past its replays.
+
+Replay: when the tokenizer or the scheduler restarts (``health.HealthMonitor`` sees a new instance),
+every request in flight loses its state there, and ``replay`` sends each unfinished choice again as
+a continuation: the same prompt and params (a choice of ``n`` > 1 alone, with its own seed offset),
+the tokens it has delivered as ``forced_token_ids`` (computed again, not sampled; they count as
+output), under a new engine id (``<choice id>.r<k>``; the old one is aborted, so that the state a
+surviving service holds for it goes). Its deltas are put into the mailbox under the choice's id:
+the client's stream goes on with no token repeated or missing. Greedy and seeded choices go on
+exactly as they would have (sampling is seeded per output position); an unseeded sample goes on as
+another sample of the same distribution. A beam search, whose beams come out only at its end,
+starts over whole. A request replayed ``--max-replays`` times (a request that crashes the service
+each time) ends with the error instead. A service that is only silent (hung, not restarted) keeps
+its requests: they wait for it, bounded by ``--request-timeout``.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import sys
 import time
 from collections import OrderedDict
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -63,12 +76,16 @@ class GatewayService:
         self.config = config
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.metrics = GatewayMetrics(config.model_name)
-        self.mailboxes: dict[str, OutputMailbox] = {}  # req_id -> its HTTP request's mailbox
+        self.mailboxes: dict[str, OutputMailbox] = {}  # engine req_id -> its HTTP request's mailbox
+        # replayed choices run under a new engine id: engine id <-> the choice id the client knows
+        self.aliases: dict[str, str] = {}
+        self.engine_ids: dict[str, str] = {}
         self.decoder = Decoder(TextBatch, TokenizeReply)
         self.handlers = {TextBatch: self.handle_text_batch, TokenizeReply: self.handle_tokenize_reply}
         self.tokenizing: dict[str, asyncio.Future] = {}  # req_id -> its /tokenize or /detokenize reply
         self.stats = {"num_requests": 0, "num_aborts": 0, "num_malformed": 0, "num_refused_busy": 0,
-                      "num_refused_unavailable": 0, "num_failed": 0, "num_stray_aborts": 0}
+                      "num_refused_unavailable": 0, "num_failed": 0, "num_stray_aborts": 0, "num_replays": 0,
+                      "num_replays_exhausted": 0}
         self.started_at = int(time.time())
         self._tasks: list[asyncio.Task] = []
         self.send_to_tokenizer = self.recv_from_tokenizer = self.recv_from_admin = None
@@ -102,7 +119,7 @@ class GatewayService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for req_id in list(self.mailboxes):  # whatever still runs has nobody left to read it
-            self.abort(req_id)
+            self.abort(self.aliases.get(req_id, req_id))
         close_sockets(self.send_to_tokenizer, self.recv_from_tokenizer, self.recv_from_admin)
 
     async def _receive(self) -> None:
@@ -117,17 +134,24 @@ class GatewayService:
         self.health.heard_from("tokenizer", now)
         mailboxes, queued, on_delta = self.mailboxes, self.queued, self.metrics.on_delta
         num_tokens = 0
+        aliases = self.aliases
         for delta in batch.deltas:
-            mailbox = mailboxes.get(delta.req_id)
+            engine_id = delta.req_id
+            mailbox = mailboxes.get(engine_id)
             if mailbox is None:
                 self._abort_stray(delta)
                 continue
+            if aliases and engine_id in aliases:  # a replayed choice: the client knows its own id
+                delta = msgspec.structs.replace(delta, req_id=aliases[engine_id])
+                if delta.finish_reason is not None:
+                    del aliases[engine_id]
+                    self.engine_ids.pop(delta.req_id, None)
             queued.discard(mailbox)
             mailbox.put(delta)
             on_delta(mailbox.timing[delta.req_id], delta, now)
             num_tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
-                del mailboxes[delta.req_id]
+                del mailboxes[engine_id]
         self.metrics.on_batch(num_tokens)
 
     async def tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> TokenizeReply:
@@ -185,6 +209,7 @@ class GatewayService:
         self.admit()
         choice_ids = [choice_id for r in reqs for choice_id in (r.req_id, *r.fork_req_ids)]
         mailbox = OutputMailbox(choice_ids)
+        mailbox.reqs = reqs
         self.queued.add(mailbox)
         self.num_open += 1
         mailbox.lora_name = reqs[0].lora_name
@@ -201,8 +226,14 @@ class GatewayService:
 
     def abort(self, req_id: str) -> None:
         """Forget a choice and have the tokenizer and scheduler drop it (its blocks are freed)."""
-        if self.mailboxes.pop(req_id, None) is None:
+        engine_id = self.engine_ids.pop(req_id, None)
+        if engine_id is None:
+            engine_id = req_id
+        else:
+            self.aliases.pop(engine_id, None)
+        if self.mailboxes.pop(engine_id, None) is None:
             return
+        req_id = engine_id
         self.stats["num_aborts"] += 1
         self.send_to_tokenizer.send(encode(AbortRequest(req_id=req_id)))
         log.info("request aborted", req_id=req_id)
@@ -239,14 +270,77 @@ class GatewayService:
         return len(mailboxes)
 
     def on_lost(self, name: str, why: str) -> None:
-        """The tokenizer or scheduler lost (or may have lost) every request in flight."""
-        num = self.fail_all(f"the {name} {why}; the request was lost, retry it", 503)
+        """The tokenizer or scheduler restarted (every request in flight lost its state there: each
+        is replayed), or has been silent for a while (its requests wait for it)."""
         if name == "tokenizer":
             for future in self.tokenizing.values():
                 if not future.done():
                     future.set_exception(ApiError(f"the tokenizer {why}; retry the request", 503,
                                                   type_="server_error", code="service_unavailable"))
-        log.error("service lost: the requests in flight failed", service=name, why=why, num_requests=num)
+        if why != "restarted":
+            log.warning("service silent: its requests wait for it, or for its restart", service=name, why=why,
+                        num_requests=len(set(self.mailboxes.values())))
+            return
+        mailboxes = set(self.mailboxes.values())
+        replayed = sum(self.replay(mailbox, f"the {name} {why}") for mailbox in mailboxes)
+        log.error("service restarted: the requests in flight are replayed", service=name,
+                  num_requests=len(mailboxes), num_replayed=replayed)
+
+    def replay(self, mailbox: OutputMailbox, cause: str) -> bool:
+        """Send ``mailbox``'s unfinished choices again as continuations of what they delivered (see
+        the module's docstring); past ``--max-replays`` end them with an error. True if replayed."""
+        todo = mailbox.unfinished
+        if not todo:
+            return False
+        mailbox.num_replays += 1
+        limit = self.config.max_replays
+        if mailbox.num_replays > limit:
+            self.stats["num_replays_exhausted"] += 1
+            self.fail(mailbox, f"{cause}; the request was lost, retry it" + (
+                f" (it was replayed {limit} times already)" if limit else ""), 503)
+            return False
+        self.stats["num_replays"] += 1
+        sends = []
+        for req in mailbox.reqs:
+            choices = [req.req_id, *req.fork_req_ids]
+            if not any(c in todo for c in choices):
+                continue
+            got = mailbox.token_ids
+            if all(c in todo and not got[c] for c in choices):  # nothing out yet: the request again, whole
+                new_ids = [self._reroute(c, mailbox) for c in choices]
+                sends.append(msgspec.structs.replace(req, req_id=new_ids[0], fork_req_ids=new_ids[1:]))
+                continue
+            if req.beam_search is not None:  # its beams come out together: some did, some not
+                for c in choices:
+                    if c in todo:
+                        self.abort(c)
+                        mailbox.put(TextDelta(req_id=c, finish_reason="error", error_code=503,
+                                              error=f"{cause}; the request was lost, retry it"))
+                continue
+            for offset, c in enumerate(choices):
+                if c not in todo:
+                    continue
+                sampling = req.sampling.with_seed_offset(offset)
+                if got[c]:  # its prompt logprobs went out with its first tokens
+                    sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
+                sends.append(msgspec.structs.replace(req, req_id=self._reroute(c, mailbox), fork_req_ids=[],
+                                                     sampling=sampling, forced_token_ids=list(got[c])))
+        for req in sends:
+            self.send_to_tokenizer.send(encode(req))
+        log.info("request replayed", req_ids=[r.req_id for r in sends], replay=mailbox.num_replays)
+        return True
+
+    def _reroute(self, choice_id: str, mailbox: OutputMailbox) -> str:
+        """Abort the choice's current engine id; the new one it runs under from now on."""
+        old = self.engine_ids.get(choice_id, choice_id)
+        self.aliases.pop(old, None)
+        if self.mailboxes.pop(old, None) is not None:
+            self.send_to_tokenizer.send(encode(AbortRequest(req_id=old)))
+        new = f"{choice_id}.r{mailbox.num_replays}"
+        self.mailboxes[new] = mailbox
+        self.aliases[new] = choice_id
+        self.engine_ids[choice_id] = new
+        return new
 
     # ------------------------------------------------------------------ LoRA adapters
     async def resolve_model(self, model: str | None) -> tuple[str, str | None]:

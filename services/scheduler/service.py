@@ -21,6 +21,7 @@ The loop sleeps on an event when there is no work (never polls) and wakes on the
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 
@@ -54,6 +55,10 @@ log = structlog.get_logger()
 EXECUTOR_CHECK_S = 5.0
 # Step digests kept for replies still to come; a kvmanager that far behind is out of the picture.
 MAX_PENDING_DIGESTS = 10_000
+# Fault tests only: a request whose prompt starts with these token ids (comma-separated in the
+# environment of the scheduler's process) makes it exit at once, a "poison" request that crashes
+# every scheduler it reaches. Unset (always, outside the tests) it costs one falsy check.
+CRASH_ON_PROMPT = [int(t) for t in os.environ.get("FOLIO_TESTING_CRASH_ON_PROMPT", "").split(",") if t.strip()]
 
 
 class SchedulerService:
@@ -263,6 +268,9 @@ class SchedulerService:
         await serve_pull(self.recv_from_tokenizer, self.tokenizer_decoder, self.handlers, log, "tokenizer")
 
     async def handle_engine_request(self, msg: EngineRequest) -> None:
+        if CRASH_ON_PROMPT and msg.prompt_token_ids[:len(CRASH_ON_PROMPT)] == CRASH_ON_PROMPT:
+            log.error("crashing on purpose: the prompt starts with $FOLIO_TESTING_CRASH_ON_PROMPT")
+            os._exit(70)
         refusals = self.scheduler.add_request(msg)
         if refusals:
             log.warning("request refused", req_id=msg.req_id, error=refusals[0].error)

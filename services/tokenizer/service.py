@@ -10,6 +10,10 @@ Peers (``folio.shared.config.Endpoints``):
   and the ``TokenizeReply`` to each ``TokenizeRequest``/``DetokenizeRequest`` of the gateway;
 - ``recv_from_admin`` (ROUTER at ``admin_tokenizer``): ``stats``.
 
+A continuation (``GenerateRequest.forced_token_ids``: a request replayed by the gateway after a
+restart, or resumed from another replica) goes on where its stream stopped: its text state is
+rebuilt over the forced tokens (``OutputProcessor.add_request``) without sending their text again.
+
 All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
 The exception is structured output: a request whose spec was not seen before waits while a
 worker thread checks it (``shared/grammar.py``), and the loop goes on serving everybody else.
@@ -157,6 +161,7 @@ class TokenizerService:
             fork_req_ids=req.fork_req_ids,
             beam_search=req.beam_search,
             lora_name=req.lora_name,
+            forced_token_ids=req.forced_token_ids,
         )
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))

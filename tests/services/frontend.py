@@ -82,7 +82,7 @@ class ScriptedScheduler:
                                              sampling=msg.sampling.with_seed_offset(i))
             self.received.append(choice)
             self.requests[req_id] = choice
-            self._tokens[req_id] = []
+            self._tokens[req_id] = list(msg.forced_token_ids)  # a continuation goes on after them
 
     def _step(self) -> TokenBatch:
         deltas = []
@@ -97,7 +97,7 @@ class ScriptedScheduler:
                 finish = "stop"
             elif len(out) >= sp.max_tokens:
                 finish = "length"
-            first = len(out) == 1
+            first = len(out) == len(req.forced_token_ids) + 1
             deltas.append(TokenDelta(
                 req_id=req_id,
                 token_ids=[token],

@@ -71,9 +71,40 @@ async def test_the_request_timeout_ends_a_request_with_an_error_and_aborts_it():
         assert r.status == 200 and '"error"' in text and text.rstrip().endswith("data: [DONE]")
 
 
-async def test_a_restarted_tokenizer_fails_the_requests_in_flight():
+
+
+async def test_a_restarted_tokenizer_replays_the_requests_in_flight_as_continuations():
+    """A restart mid-stream (here: faked in the health monitor) sends the request again with the
+    tokens it delivered as a forced prefix; the client's stream goes on with no text repeated or
+    missing: a stop string spanning tokens, logprobs and their offsets included."""
+    body = {"model": MODEL, "prompt": "Say:", "max_tokens": 60, "ignore_eos": True, "stop": ["over and"],
+            "logprobs": 1}
+    async with front_half(step_s=0.03) as fh, TestClient(TestServer(fh.app)) as client:
+        solo = await (await client.post("/v1/completions", json=body)).json()
+        r = await client.post("/v1/completions", json={**body, "stream": True})
+        first = await r.content.readline()
+        health = fh.gateway.health
+        # (the next real probe sees the instance change back: a second replay, of a continuation)
+        health.record("tokenizer", {"pong": True, "instance": "another"}, asyncio.get_running_loop().time())
+        raw = (first + await r.read()).decode()
+        assert raw.rstrip().endswith("data: [DONE]") and '"error"' not in raw
+        events = [__import__("json").loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        offsets = [o for e in events for c in e["choices"] for o in (c["logprobs"] or {}).get("text_offset", [])]
+        want = solo["choices"][0]
+        assert text == want["text"] and want["finish_reason"] == "stop"
+        assert offsets == want["logprobs"]["text_offset"]
+        replayed = [m for m in fh.scheduler.received if m.req_id.endswith(".r1")]
+        assert len(replayed) == 1 and replayed[0].forced_token_ids
+        assert replayed[0].sampling.max_tokens == 60  # the forced tokens count against it
+        assert fh.gateway.stats["num_replays"] >= 1
+        await wait_for(lambda: any(a.req_id == replayed[0].req_id[:-3] for a in fh.scheduler.aborts))
+
+
+async def test_past_max_replays_a_restart_fails_the_requests_in_flight():
     script = text_tokenizer().hf.encode(SCRIPT_TEXT * 20)  # long enough to be in flight
-    async with front_half(script=lambda req: script, step_s=0.05) as fh, TestClient(TestServer(fh.app)) as client:
+    async with front_half(script=lambda req: script, step_s=0.05, max_replays=0) as fh, \
+            TestClient(TestServer(fh.app)) as client:
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 200,
                                                         "stream": True, "ignore_eos": True})
         await r.content.readline()

@@ -57,6 +57,11 @@ class Admission:
             return "the prompt is empty", 400
         if max_tokens < 1:
             return f"max_tokens must be at least 1, got {max_tokens}", 400
+        if msg.forced_token_ids and (msg.beam_search is not None or msg.fork_req_ids):
+            return "a continuation (forced output tokens) is one choice, without beam search", 400
+        if len(msg.forced_token_ids) >= max_tokens:
+            return (f"the continuation has {len(msg.forced_token_ids)} output tokens already, max_tokens is "
+                    f"{max_tokens}: nothing is left to generate"), 400
         if msg.beam_search is not None and msg.lora_name:
             return "beam search with a LoRA adapter is not supported", 400
         if msg.beam_search is not None and not 1 <= len(ids) <= msg.beam_search.width:

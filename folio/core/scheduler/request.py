@@ -4,7 +4,9 @@ holds, and where it is in its life (``Status``).
 Its block table lives in the scheduler's allocator replica (``folio.shared.kv``), under ``req_id``; the
 request remembers only how much of it the executor was sent. What a client asked for is one
 request, or several under their own ids: the choices of ``n`` > 1 (forked from the first once its
-prompt is computed) and the live beams of a beam search (``group``; ``forks.py``).
+prompt is computed) and the live beams of a beam search (``group``; ``forks.py``). A continuation
+(``EngineRequest.forced_token_ids``) starts with those tokens as its output, like a request
+preempted by recompute: only the tokens after them are sampled and sent.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class Request:
             stop_token_ids=frozenset(sampling.stop_token_ids),
             cache_salt=msg.cache_salt,
             lora_name=msg.lora_name,
+            # a continuation's forced tokens are output already generated: it goes on after them
+            # as a request preempted by recompute would (positions, penalties, grammar, max_tokens)
+            output_token_ids=list(msg.forced_token_ids),
+            prompt_logprobs_sent=bool(msg.forced_token_ids),
         )
 
     @property

@@ -4,7 +4,8 @@ The tokenizer service (``service.py``) registers each request here once it is en
 ``TokenBatch`` from the scheduler through ``OutputProcessor.process`` and sends back what it
 returns: ONE ``TextBatch`` for the gateway per incoming ``TokenBatch`` (each request's deltas of
 that batch merged into one ``TextDelta``, its mailbox), plus an ``AbortRequest(reason="stop")`` for
-the scheduler for each request that hit a stop string.
+the scheduler for each request that hit a stop string. A continuation (``forced_token_ids``) starts
+from the state its original had after those tokens (``_resume``).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class OutputProcessor:
     def add_request(self, req: GenerateRequest, prompt_token_ids: list[int], eos_token_id: int | None,
                     prompt_text: str | None) -> None:
         echo_text = (prompt_text if prompt_text is not None else self._decode(prompt_token_ids)) if req.echo else None
-        self.requests[req.req_id] = RequestState(
+        state = self.requests[req.req_id] = RequestState(
             req=req,
             prompt_token_ids=prompt_token_ids,
             prompt_text=echo_text,
@@ -126,6 +127,22 @@ class OutputProcessor:
             text_offset=len(echo_text) if echo_text else 0,
             num_prompt_tokens=len(prompt_token_ids),
         )
+        if req.forced_token_ids:
+            self._resume(state, req.forced_token_ids)
+
+    def _resume(self, state: RequestState, forced: list[int]) -> None:
+        """A continuation: the state its original request had after ``forced``, whose text (and
+        echo, and logprobs) the client has already. The detokenizer and the stop checker take the
+        tokens as they did then (their held-back tails come out with the tokens that follow);
+        nothing is emitted."""
+        wants_offsets = state.req.sampling.logprobs is not None
+        for token_id in forced:
+            state.stop.feed(state.detokenizer.add(token_id))
+            if wants_offsets:
+                state.text_offset += len(self._texts(token_id))
+        state.num_output_tokens = len(forced)
+        state.sent_first = True
+        state.plain = not state.stop.active
 
     def add_choices(self, req: GenerateRequest, prompt_token_ids: list[int], eos_token_id: int | None,
                     prompt_text: str | None) -> None:
