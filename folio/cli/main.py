@@ -5,6 +5,8 @@
   router in front of many replicas (``folio run router --replica URL ...``);
 - ``folio prepare [--force]``: convert the packaged default model once;
 - ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
+- ``folio bench serve [flags]``: vLLM's serving benchmark figures against any OpenAI-compatible
+  endpoint; ``folio bench NAME``: ``scripts/bench_NAME.py`` with one summary format (``folio bench list``);
 - ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
   ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
   ``folio router stats|replicas`` (``--json``):
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one service alone", add_help=False)
     run.add_argument("service", choices=RUNNABLE)
     sub.add_parser("quantize", help="write a quantized model folder (awq, int4, int8)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible endpoint), list, NAME", add_help=False)
     prepare = sub.add_parser("prepare", help="prepare the packaged default model")
     prepare.add_argument("--force", action="store_true")
     for cli_name, (service, verbs) in ADMIN_VERBS.items():
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from folio.cli.quantize import main as quantize_main
 
         return quantize_main(argv[1:])
+    if argv and argv[0] == "bench":  # its own parsers: serve's, and each script's
+        from folio.cli.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         from folio.services.serve import serve
