@@ -10,6 +10,11 @@ minute per service; past that everything stops with a message); ``--no-restart``
 at the first death instead. Ctrl-C or SIGTERM stops them all: the gateway first, which drains its
 streams, then the rest. Children are in their own process group (a Ctrl-C reaches only us) and get
 SIGTERM if we vanish.
+
+Once ``/health`` answers 200 it logs the start-up time, each service's time to answer and the
+executor's phases (imports, weights, pool, kernels, graphs; ``folio.shared.startup``) in one line.
+The services start together: none waits for another to start (the scheduler waits for the pool
+inside its own process).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from folio.shared.flags import add_launcher_flags, forwarded_argv
 from folio.shared.loops import admin_call
 
 SERVICES = LAUNCHED  # start order
+EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.shared.startup``'s
 LOCK_NAME = "serve.lock"
 _PR_SET_PDEATHSIG = 1
 
@@ -102,7 +108,8 @@ def serve(args: argparse.Namespace) -> int:
         supervisor = Supervisor(commands, env, restart=not args.no_restart, max_restarts=args.max_restarts,
                                 preexec_fn=_die_with_parent)
         print(f"folio: starting {model_path} (sockets in {run_dir}); Ctrl-C stops", file=sys.stderr, flush=True)
-        threading.Thread(target=_say_when_ready, args=(Endpoints.ipc(run_dir), args), daemon=True).start()
+        threading.Thread(target=_say_when_ready, args=(Endpoints.ipc(run_dir), args, time.monotonic()),
+                         daemon=True).start()
         return supervisor.run()
     finally:
         os.close(lock)
@@ -132,15 +139,65 @@ def _someone_answers(endpoints: Endpoints) -> bool:
         admin_call(endpoints.admin_kvmanager, "ping", {}, 0.3) is not None
 
 
-def _say_when_ready(endpoints: Endpoints, args: argparse.Namespace) -> None:
-    """Startup only (a side thread): print one line once every service answers and the pool is up."""
-    waiting = list(SERVICES)
-    while waiting:
-        reply = admin_call(getattr(endpoints, f"admin_{waiting[0]}"),
-                           "stats" if waiting[0] == "scheduler" else "ping", {}, 1.0)
-        if reply is not None and reply.data.get("pool_ready", True):
-            waiting.pop(0)
-        else:
-            time.sleep(0.2)
+def _say_when_ready(endpoints: Endpoints, args: argparse.Namespace, t0: float) -> None:
+    """Startup only (a side thread): once every service answers, the pool is up and ``/health``
+    says 200, print the ready line and where the start-up time went (``startup_breakdown``)."""
+    answered: dict[str, float] = {}
+
+    def wait_for(name: str) -> None:
+        while True:
+            reply = admin_call(getattr(endpoints, f"admin_{name}"), "stats" if name == "scheduler" else "ping", {},
+                               1.0)
+            if reply is not None and reply.data.get("pool_ready", True):
+                answered[name] = time.monotonic() - t0
+                return
+            time.sleep(0.1)
+
+    waiters = [threading.Thread(target=wait_for, args=(name,), daemon=True) for name in SERVICES]
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join()
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+    healthy = _wait_healthy("127.0.0.1" if host == "localhost" else host, args.port)
+    total = time.monotonic() - t0
+    reply = admin_call(endpoints.admin_executor, "stats", {}, 5.0)
+    executor = (reply.data.get("startup") if reply is not None else None) or {}
     print(f"folio: ready at http://{host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"folio: {startup_breakdown(total if healthy else None, answered, executor)}", file=sys.stderr, flush=True)
+
+
+def _wait_healthy(host: str, port: int, timeout_s: float = 30.0) -> bool:
+    """Poll the gateway's ``/health`` until it answers 200 (False: not within ``timeout_s``)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/health"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def startup_breakdown(total_s: float | None, answered: dict[str, float], executor: dict) -> str:
+    """One line: the time to a healthy ``/health``, each service's time to answer (from the launch;
+    the scheduler's: to a ready pool), and the executor's phases (from its process start; ``other``:
+    the rest of its time to ready)."""
+    line = f"start-up {total_s:.1f} s to a healthy /health" if total_s is not None else \
+        "start-up: /health not healthy in time"
+    line += "; services ready: " + ", ".join(f"{n} {answered[n]:.1f} s" for n in SERVICES if n in answered)
+    phases, notes, ready = executor.get("phases", {}), executor.get("notes", {}), executor.get("ready_s")
+    if ready is None:
+        return line
+    parts = []
+    for name in EXECUTOR_PHASES:
+        cache = notes.get(f"{name}_cache")
+        parts.append(f"{name} {phases.get(name, 0.0):.2f}" + (f" (cache {cache})" if cache else ""))
+    parts.append(f"other {max(0.0, ready - sum(phases.get(n, 0.0) for n in EXECUTOR_PHASES)):.2f}")
+    return line + f"; executor {ready:.1f} s: " + ", ".join(parts)

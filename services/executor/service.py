@@ -10,7 +10,8 @@ Who talks to it:
   fresh epoch, so that the kvmanager drops tables from an earlier executor's pool; then it sends
   the same registration every ``REGISTER_EVERY_S``, so that a restarted kvmanager learns the pool
   (to one that knows it already, it changes nothing);
-- CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend; with
+- CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend; its
+  start-up phases, ``startup``, which ``folio serve`` logs; with
   ``--tensor-parallel-size`` > 1 each rank's device, memory and step time, asked between steps);
 - with ``--enable-lora`` the runner holds the LoRA adapters (``--lora-modules``, registered as it
   starts); the gateway asks the admin socket for ``lora_list`` (names and folders) and, with
@@ -18,6 +19,9 @@ Who talks to it:
   thread between steps. A refused adapter (bad folder, rank above ``--max-lora-rank``, a target
   the model lacks) is answered ``{"error": why, "status": 400}`` and changes nothing. Adapters
   loaded at run time are not kept across a restart of this service.
+
+With ``--otlp-traces-endpoint`` each ``StepResult`` carries the step's wall-clock start and end
+(``exec_ns``): the scheduler records the executor's spans with them (``services/scheduler/tracing.py``).
 
 With ``--tensor-parallel-size N`` > 1 the runner is ``workers.ParallelRunner``: this process is
 rank 0 of N; a dead rank ends this process (exit code 1), so that its supervisor starts a new
@@ -38,6 +42,7 @@ import zmq.asyncio
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.parallel.workers import WorkerGroupError
+from folio.shared import startup
 from folio.shared.config import ExecutorServiceConfig
 from folio.shared.kv.window import all_layers_window
 from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_router
@@ -57,7 +62,9 @@ class ExecutorService:
         # team (the loading thread's) it counts more threads than cores and has its workers sleep
         # between regions instead of spinning, which doubled SmolLM2's decode step at batch 64
         self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        startup.PHASES["imports"] = startup.since_process_start()  # the interpreter, torch and folio
         self.runner = runner if runner is not None else self.step_thread.submit(make_runner, config).result()
+        self.startup = {**startup.report(), "ready_s": round(startup.since_process_start(), 3)}
         self.runner.grammars.start_loading()  # the vocabulary for structured output, off the step path
         self.epoch = uuid.uuid4().hex
         ep = config.endpoints
@@ -72,6 +79,7 @@ class ExecutorService:
         self.num_steps_queued = 0  # steps whose plan had arrived before the step before ended
         self.num_placeholder_tokens = 0
         self.execute_seconds_total = 0.0
+        self.traced = bool(getattr(config, "otlp_traces_endpoint", None))  # each result carries the step's start and end
 
     async def run(self) -> None:
         try:
@@ -115,6 +123,10 @@ class ExecutorService:
         try:
             # off the event loop: its admin socket answers pings (health) during a long step; the
             # router awaits each step, so steps still run one at a time
+            if self.traced:  # the scheduler's spans of this step's chunks and decodes take its times
+                start_ns = time.time_ns()
+                result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.execute, plan)
+                return msgspec.structs.replace(result, epoch=self.epoch, exec_ns=[start_ns, time.time_ns()])
             result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.execute, plan)
             return msgspec.structs.replace(result, epoch=self.epoch)
         except WorkerGroupError:
@@ -132,7 +144,7 @@ class ExecutorService:
     async def admin_stats(self, args: dict) -> dict:
         stats = {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps,
                  "num_steps_queued": self.num_steps_queued, "num_placeholder_tokens": self.num_placeholder_tokens,
-                 "execute_seconds_total": self.execute_seconds_total}
+                 "execute_seconds_total": self.execute_seconds_total, "startup": self.startup}
         if hasattr(self.runner, "rank_reports"):  # a collective: on the step thread, between steps
             loop = asyncio.get_running_loop()
             stats["ranks"] = await loop.run_in_executor(self.step_thread, self.runner.rank_reports)

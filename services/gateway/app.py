@@ -11,6 +11,7 @@ import asyncio
 import structlog
 from aiohttp import web
 
+from folio.services.gateway import tracing
 from folio.services.gateway.dashboard import add_dashboard_routes
 from folio.services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
 from folio.services.gateway.service import GatewayService
@@ -24,7 +25,9 @@ LISTEN_BACKLOG = 2048
 
 
 def build_app(service: GatewayService) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware(service.config.api_key)],
+    traced = getattr(service, "tracing", None)  # --otlp-traces-endpoint: the request spans around the rest
+    app = web.Application(middlewares=[*([tracing.middleware(traced)] if traced else []), error_middleware,
+                                       auth_middleware(service.config.api_key)],
                           client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     add_routes(app)

@@ -17,6 +17,8 @@ request names a model it does not know) to map a request's ``model`` to its adap
 is not unloaded (409): a request that names an adapter never finds it gone.
 
 The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
+With ``--otlp-traces-endpoint`` (``tracing.py``), ``submit`` puts the request span's context into
+the ``GenerateRequest``s.
 ``submit`` refuses work up front: 503 while a service is down, 429 past ``--max-queue-len`` queued
 or ``--max-concurrent-requests`` open requests. ``fail`` ends a request's unfinished choices with
 an error delta (and aborts them, freeing their blocks): on a deadline, or past its replays.
@@ -30,8 +32,11 @@ surviving service holds for it goes). Its deltas are put into the mailbox under 
 the client's stream goes on with no token repeated or missing. Greedy and seeded choices go on
 exactly as they would have (sampling is seeded per output position); an unseeded sample goes on as
 another sample of the same distribution. A beam search, whose beams come out only at its end,
-starts over whole. A request replayed ``--max-replays`` times (a request that crashes the service
-each time) ends with the error instead. A service that is only silent (hung, not restarted) keeps
+starts over whole. The requests that had delivered output are sent first; those without any (one
+of them may be what crashed the service) follow once output arrives again (or after
+``REPLAY_HOLD_S``), so that a request that crashes the scheduler on arrival does not take the others
+down again. A request replayed ``--max-replays`` times in a row without delivering a token in
+between (a "poison" request, crashing the service each time) ends with the error instead. A service that is only silent (hung, not restarted) keeps
 its requests: they wait for it, bounded by ``--request-timeout``.
 """
 
@@ -51,6 +56,7 @@ from folio.services.gateway.health import HealthMonitor
 from folio.services.gateway.mailbox import OutputMailbox
 from folio.services.gateway.metrics import GatewayMetrics
 from folio.services.gateway.protocol import ApiError
+from folio.services.gateway.tracing import current as request_trace
 from folio.shared.config import GatewayConfig
 from folio.shared.loops import ask_admin, close_sockets, serve_admin, serve_pull
 from folio.shared.messages import (
@@ -62,6 +68,7 @@ from folio.shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
+from folio.shared.tracing import setup as tracing_setup
 from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
@@ -69,6 +76,7 @@ NUM_REMEMBERED_STRAYS = 4096  # req_ids of stray deltas already aborted (bounded
 LORA_SYNC_S = 2.0  # how often the adapter names are read again from the executor (it may have restarted)
 LORA_ADMIN_TIMEOUT_S = 2.0
 LORA_LOAD_TIMEOUT_S = 120.0  # reading an adapter's folder and checking it
+REPLAY_HOLD_S = 5.0  # replays of requests without output wait at most this long for the others' output
 
 
 class GatewayService:
@@ -80,6 +88,7 @@ class GatewayService:
         # replayed choices run under a new engine id: engine id <-> the choice id the client knows
         self.aliases: dict[str, str] = {}
         self.engine_ids: dict[str, str] = {}
+        self._held_replays: list[GenerateRequest] = []  # replays of requests with no output yet
         self.decoder = Decoder(TextBatch, TokenizeReply)
         self.handlers = {TextBatch: self.handle_text_batch, TokenizeReply: self.handle_tokenize_reply}
         self.tokenizing: dict[str, asyncio.Future] = {}  # req_id -> its /tokenize or /detokenize reply
@@ -99,6 +108,7 @@ class GatewayService:
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> its folder, as the executor holds them
         self.lora_open: dict[str, int] = {}  # adapter -> requests open here (submitted, response not over)
         self._lora_change = asyncio.Lock()  # one load, unload or sync at a time
+        self.tracing = tracing_setup(config.otlp_traces_endpoint, "gateway")  # None: off
 
     async def start(self) -> None:
         ep = self.config.endpoints
@@ -135,6 +145,8 @@ class GatewayService:
         mailboxes, queued, on_delta = self.mailboxes, self.queued, self.metrics.on_delta
         num_tokens = 0
         aliases = self.aliases
+        if self._held_replays:
+            self._release_replays()
         for delta in batch.deltas:
             engine_id = delta.req_id
             mailbox = mailboxes.get(engine_id)
@@ -209,6 +221,9 @@ class GatewayService:
         self.admit()
         choice_ids = [choice_id for r in reqs for choice_id in (r.req_id, *r.fork_req_ids)]
         mailbox = OutputMailbox(choice_ids)
+        if self.tracing is not None and (trace := request_trace()) is not None:  # the later stages' parent
+            trace.mailbox = mailbox
+            reqs = [msgspec.structs.replace(r, traceparent=trace.traceparent) for r in reqs]
         mailbox.reqs = reqs
         self.queued.add(mailbox)
         self.num_open += 1
@@ -282,24 +297,39 @@ class GatewayService:
                         num_requests=len(set(self.mailboxes.values())))
             return
         mailboxes = set(self.mailboxes.values())
-        replayed = sum(self.replay(mailbox, f"the {name} {why}") for mailbox in mailboxes)
+        now, later = [], []
+        for mailbox in mailboxes:
+            # delivered something: proven to run; none yet: maybe the request that crashed it
+            (now if any(mailbox.token_ids.values()) else later).extend(self.replay(mailbox, f"the {name} {why}"))
+        if not now:
+            now, later = later, []
+        self._send_replays(now)
+        if later:
+            self._held_replays += later
+            asyncio.get_running_loop().call_later(REPLAY_HOLD_S, self._release_replays)
         log.error("service restarted: the requests in flight are replayed", service=name,
-                  num_requests=len(mailboxes), num_replayed=replayed)
+                  num_requests=len(mailboxes), num_sent=len(now), num_held=len(later))
 
-    def replay(self, mailbox: OutputMailbox, cause: str) -> bool:
-        """Send ``mailbox``'s unfinished choices again as continuations of what they delivered (see
-        the module's docstring); past ``--max-replays`` end them with an error. True if replayed."""
+    def replay(self, mailbox: OutputMailbox, cause: str) -> list[GenerateRequest]:
+        """``mailbox``'s unfinished choices as continuations of what they delivered (see the
+        module's docstring), to send; after ``--max-replays`` replays in a row with no token
+        delivered in between, they end with an error instead."""
         todo = mailbox.unfinished
         if not todo:
-            return False
+            return []
+        delivered = sum(len(t) for t in mailbox.token_ids.values())
+        if delivered > mailbox.num_delivered_at_replay:  # it moved since its last replay: not the culprit
+            mailbox.num_replays = 0
+        mailbox.num_delivered_at_replay = delivered
         mailbox.num_replays += 1
         limit = self.config.max_replays
         if mailbox.num_replays > limit:
             self.stats["num_replays_exhausted"] += 1
             self.fail(mailbox, f"{cause}; the request was lost, retry it" + (
-                f" (it was replayed {limit} times already)" if limit else ""), 503)
-            return False
+                f" (replayed {limit} times in a row without progress)" if limit else ""), 503)
+            return []
         self.stats["num_replays"] += 1
+        mailbox.num_replays_total += 1
         sends = []
         for req in mailbox.reqs:
             choices = [req.req_id, *req.fork_req_ids]
@@ -325,10 +355,18 @@ class GatewayService:
                     sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
                 sends.append(msgspec.structs.replace(req, req_id=self._reroute(c, mailbox), fork_req_ids=[],
                                                      sampling=sampling, forced_token_ids=list(got[c])))
-        for req in sends:
-            self.send_to_tokenizer.send(encode(req))
         log.info("request replayed", req_ids=[r.req_id for r in sends], replay=mailbox.num_replays)
-        return True
+        return sends
+
+    def _send_replays(self, reqs: list[GenerateRequest]) -> None:
+        for req in reqs:
+            if req.req_id in self.mailboxes:  # not aborted, nor replayed again, meanwhile
+                self.send_to_tokenizer.send(encode(req))
+
+    def _release_replays(self) -> None:
+        """The held replays go: the others delivered output again, or ``REPLAY_HOLD_S`` passed."""
+        held, self._held_replays = self._held_replays, []
+        self._send_replays(held)
 
     def _reroute(self, choice_id: str, mailbox: OutputMailbox) -> str:
         """Abort the choice's current engine id; the new one it runs under from now on."""
@@ -336,7 +374,7 @@ class GatewayService:
         self.aliases.pop(old, None)
         if self.mailboxes.pop(old, None) is not None:
             self.send_to_tokenizer.send(encode(AbortRequest(req_id=old)))
-        new = f"{choice_id}.r{mailbox.num_replays}"
+        new = f"{choice_id}.r{mailbox.num_replays_total}"
         self.mailboxes[new] = mailbox
         self.aliases[new] = choice_id
         self.engine_ids[choice_id] = new

@@ -18,6 +18,11 @@ answer began is left for another (up to ``max_attempts`` replicas); one whose co
 marked down, so new work goes elsewhere. A stream is only forwarded once its first bytes arrived,
 so a replica that dies before its first token costs the client nothing but time. A stream cut
 after it began ends there (the client holds part of an answer; retrying would repeat it).
+
+Tracing (``--otlp-traces-endpoint``, ``folio.shared.tracing``): a ``router.request`` span per
+request (the child of the client's ``traceparent``), a ``router.forward`` span per attempt (the
+replica, why it was chosen, its cached tokens), whose context the replica gets in its
+``traceparent`` header. With tracing off a client's ``traceparent`` is passed on as it is.
 """
 
 from __future__ import annotations
@@ -38,12 +43,15 @@ from folio.services.router.replicas import Replica, ReplicaSet, read_models
 from folio.services.router.routing import Decision, Router
 from folio.shared.config import RouterConfig
 from folio.shared.loops import close_sockets, serve_admin
+from folio.shared.tracing import TRACEPARENT, setup as tracing_setup, traceparent_of
 from folio.shared.transport import make_socket
 
 log = structlog.get_logger()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_PASSED_HEADERS = ("Authorization", "Content-Type", "Accept")
+# a client's trace context goes on to the replica (with tracing on: the ``router.forward`` span's)
+_PASSED_HEADERS = ("Authorization", "Content-Type", "Accept", TRACEPARENT, "tracestate")
+ROOT_SPAN, FORWARD_TRACEPARENT = "folio.router_span", "folio.forward_traceparent"  # keys on the aiohttp request
 _RETRY_STATUSES = (502, 503, 504)  # the replica cannot take it now (draining, overloaded, gone)
 REPLICA_HEADER = "X-Folio-Replica"  # which replica answered: for clients' logs, and tests
 
@@ -68,6 +76,7 @@ class RouterService:
         self.router = Router(self.index, config.policy, config.load_cost_tokens, config.block_size)
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, config.endpoints.admin_router)
         self.session: aiohttp.ClientSession | None = None
+        self.tracing = tracing_setup(config.otlp_traces_endpoint, "router")  # None: off
         self.counts = {"num_requests": 0, "num_routed": 0, "num_cache_aware_hits": 0, "num_retries": 0,
                        "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0}
 
@@ -99,6 +108,27 @@ class RouterService:
 
     # ------------------------------------------------------------------ routes
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        if self.tracing is None:
+            return await self._generate(request)
+        span = self.tracing.start("router.request", request.headers.get(TRACEPARENT), kind="server",
+                                  attributes={"url.path": request.path})
+        request[ROOT_SPAN] = span
+        try:
+            response = await self._generate(request)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+        finally:
+            span.end()
+
+    def _start_forward(self, request: web.Request, decision: Decision, attempt: int, lora_name: str | None):
+        """Tracing on: the ``router.forward`` span of one attempt; the replica gets its context."""
+        span = self.tracing.start("router.forward", request[ROOT_SPAN], kind="client", attributes={
+            "folio.replica": decision.replica.name, "folio.route_reason": decision.reason,
+            "folio.cached_tokens": decision.num_cached_tokens, "folio.attempt": attempt, "folio.lora_name": lora_name})
+        request[FORWARD_TRACEPARENT] = traceparent_of(span)
+        return span
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = json.loads(raw)
@@ -137,13 +167,18 @@ class RouterService:
             if lora_name is not None:
                 adapters = decision.replica.inflight_adapters
                 adapters[lora_name] = adapters.get(lora_name, 0) + 1
+            forward = self._start_forward(request, decision, len(tried), lora_name) if self.tracing else None
             try:
                 return await self._forward(request, decision.replica, raw)
             except _Retry as retry:
+                if forward is not None:
+                    forward.set_attribute("folio.retry", str(retry))
                 self.counts["num_retries"] += 1
                 self.metrics.retries.labels(decision.replica.name, str(retry)).inc()
                 log.info("retrying on another replica", replica=decision.replica.name, cause=str(retry))
             finally:
+                if forward is not None:
+                    forward.end()
                 decision.replica.num_inflight -= 1
                 if lora_name is not None:
                     adapters = decision.replica.inflight_adapters
@@ -197,6 +232,9 @@ class RouterService:
     async def _open(self, request: web.Request, replica: Replica, raw: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
         """Send the request: (the response, its whole body or, for a stream, its first bytes)."""
         headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        if FORWARD_TRACEPARENT in request:
+            headers[TRACEPARENT] = request[FORWARD_TRACEPARENT]
+            headers.pop("tracestate", None)
         upstream = await self.session.post(replica.name + request.path, data=raw, headers=headers)
         try:
             if upstream.status in _RETRY_STATUSES:

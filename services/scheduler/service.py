@@ -15,6 +15,8 @@ Who talks to it:
 - CLIs ask its admin ROUTER for ``stats`` (with the running and waiting requests per LoRA
   adapter; at most ``--max-loras`` distinct adapters run at once), ``requests``, ``abort``,
   ``drain`` (finish what was accepted, refuse new requests with 503) and ``resume``.
+With ``--otlp-traces-endpoint`` it records a traced request's queue span and, with the executor's
+step times, its prefill chunks and a summary of its decodes (``tracing.py``).
 The loop sleeps on an event when there is no work (never polls) and wakes on the next message.
 """
 
@@ -46,6 +48,8 @@ from folio.shared.messages import (
     TokenBatch,
     TokenDelta,
 )
+from folio.services.scheduler.tracing import SchedulerTracer
+from folio.shared.tracing import setup as tracing_setup
 from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()
@@ -89,6 +93,8 @@ class SchedulerService:
         self.resync_reason: str | None = None  # set when the kvmanager's state is not the replica's
         self.kv_reply: asyncio.Future | None = None  # a GetPool / KVReset waiting for its PoolInfo
         self.scheduler.speculative = config.speculative_model is not None
+        tracing = tracing_setup(config.otlp_traces_endpoint, "scheduler")
+        self.tracer = SchedulerTracer(tracing) if tracing is not None else None  # None: tracing off
         self.in_flight: deque[StepOutput] = deque()  # steps sent to the executor, oldest first (at most 2)
         # where step time goes: the bench compares them with the executor's execute time
         self.timers = {"step_seconds_total": 0.0, "plan_seconds_total": 0.0, "update_seconds_total": 0.0,
@@ -147,6 +153,8 @@ class SchedulerService:
             return True
         in_flight.popleft()
         batch = sched.update_from_result(out, result)
+        if self.tracer is not None:
+            self.tracer.on_result(out, result)
         t3 = time.perf_counter()
         await self.plan_ahead()  # the executor waits for that one, the tokenizer a moment longer
         t4 = time.perf_counter()
@@ -175,6 +183,8 @@ class SchedulerService:
         self.send_log(out)
         await self.send_to_executor.send(encode(sched.build_plan(out)))
         self.in_flight.append(out)
+        if self.tracer is not None:
+            self.tracer.on_sent(out)
         return True
 
     def send_log(self, out: StepOutput) -> None:
@@ -271,14 +281,20 @@ class SchedulerService:
         if CRASH_ON_PROMPT and msg.prompt_token_ids[:len(CRASH_ON_PROMPT)] == CRASH_ON_PROMPT:
             log.error("crashing on purpose: the prompt starts with $FOLIO_TESTING_CRASH_ON_PROMPT")
             os._exit(70)
+        if self.tracer is not None:
+            self.tracer.add(msg)
         refusals = self.scheduler.add_request(msg)
         if refusals:
+            if self.tracer is not None:
+                self.tracer.drop(msg.req_id)
             log.warning("request refused", req_id=msg.req_id, error=refusals[0].error)
             await self.push_deltas(self.scheduler.next_step_id, refusals)
             return
         self.wake.set()
 
     async def handle_abort_request(self, msg: AbortRequest) -> None:
+        if self.tracer is not None:
+            self.tracer.drop(msg.req_id, self.scheduler.requests.get(msg.req_id))
         if self.scheduler.abort(msg.req_id):
             log.info("request aborted", req_id=msg.req_id, reason=msg.reason)
             self.wake.set()  # its blocks go back in the next step, even when nothing else runs

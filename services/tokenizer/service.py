@@ -14,6 +14,10 @@ A continuation (``GenerateRequest.forced_token_ids``: a request replayed by the 
 restart, or resumed from another replica) goes on where its stream stopped: its text state is
 rebuilt over the forced tokens (``OutputProcessor.add_request``) without sending their text again.
 
+With ``--otlp-traces-endpoint`` (``folio.shared.tracing``) a request that carries a traceparent
+gets a ``tokenizer.encode`` span and, per choice, a ``tokenizer.detokenize`` span (first tokens to
+the last), and its ``EngineRequest`` carries the traceparent on.
+
 All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
 The exception is structured output: a request whose spec was not seen before waits while a
 worker thread checks it (``shared/grammar.py``), and the loop goes on serving everybody else.
@@ -46,6 +50,7 @@ from folio.shared.messages import (
     TokenizeRequest,
 )
 from folio.shared.text import RequestError, TextTokenizer
+from folio.shared.tracing import now_ns, setup as tracing_setup
 from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
@@ -80,6 +85,8 @@ class TokenizerService:
         self.grammars = GrammarChecker()
         self.compiling: dict[str, GenerateRequest] = {}  # req_id -> a request waiting for its grammar
         self.ended: OrderedDict[str, None] = OrderedDict()
+        self.tracing = tracing_setup(config.otlp_traces_endpoint, "tokenizer")  # None: off
+        self.traces: dict[str, list] = {}  # traced choice id -> [traceparent, first output ns, tokens]
 
     async def run(self) -> None:
         """Serve until cancelled (SIGTERM/SIGINT cancel it from ``main``)."""
@@ -113,11 +120,19 @@ class TokenizerService:
 
     def handle_generate(self, req: GenerateRequest) -> None:
         self.stats["num_generate"] += 1
+        t0 = now_ns() if self.tracing is not None and req.traceparent else 0
         try:
             prompt_token_ids, prompt_text, sampling = self.tokenizer.prepare(req)
         except RequestError as exc:
+            if t0:
+                self.tracing.record("tokenizer.encode", req.traceparent, t0, now_ns(), {"error.type": "rejected"})
             self._reject(req, str(exc), exc.param)
             return
+        if t0:
+            self.tracing.record("tokenizer.encode", req.traceparent, t0, now_ns(),
+                                {"gen_ai.usage.input_tokens": len(prompt_token_ids), "folio.lora_name": req.lora_name})
+            for choice_id in (req.req_id, *req.fork_req_ids):
+                self.traces[choice_id] = [req.traceparent, 0, 0]
         if req.guided is None:
             self._send(req, prompt_token_ids, prompt_text, sampling)
             return
@@ -162,6 +177,7 @@ class TokenizerService:
             beam_search=req.beam_search,
             lora_name=req.lora_name,
             forced_token_ids=req.forced_token_ids,
+            traceparent=req.traceparent,
         )
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))
@@ -181,13 +197,17 @@ class TokenizerService:
         self.stats["num_aborts"] += 1
         self.compiling.pop(abort.req_id, None)
         self._ended(abort.req_id)
+        self.traces.pop(abort.req_id, None)
         self.outputs.remove(abort.req_id)
         self.send_to_scheduler.send(encode(abort))
         log.info("request aborted", req_id=abort.req_id, reason=abort.reason)
 
     def handle_token_batch(self, batch: TokenBatch) -> None:
         self.stats["num_token_batches"] += 1
+        t0 = now_ns() if self.traces else 0
         deltas, aborts, unknown = self.outputs.process(batch)
+        if t0:
+            self._trace_detokenize(deltas, t0)
         for abort in aborts:
             log.debug("stop string hit", req_id=abort.req_id)
             self._ended(abort.req_id)
@@ -202,6 +222,23 @@ class TokenizerService:
             self.send_to_scheduler.send(encode(AbortRequest(req_id=req_id)))
         if deltas:
             self.send_to_gateway.send(encode(TextBatch(deltas=deltas)))
+
+    def _trace_detokenize(self, deltas: list[TextDelta], t0: int) -> None:
+        """Traced choices: ``tokenizer.detokenize`` spans from the first batch with their tokens to
+        the one that finished them."""
+        traces = self.traces
+        for delta in deltas:
+            trace = traces.get(delta.req_id)
+            if trace is None:
+                continue
+            if not trace[1]:
+                trace[1] = t0
+            trace[2] += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                del traces[delta.req_id]
+                self.tracing.record("tokenizer.detokenize", trace[0], trace[1], now_ns(),
+                                    {"gen_ai.usage.output_tokens": trace[2], "folio.choice_id": delta.req_id,
+                                     "folio.finish_reason": delta.finish_reason})
 
     def _ended(self, req_id: str) -> None:
         self.ended[req_id] = None

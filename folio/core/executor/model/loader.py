@@ -6,6 +6,13 @@ llama.cpp writes that a family here runs: its config rebuilt from the metadata, 
 their HF names). A checkpoint's own quantization (GGUF Q4_0/Q4_1/Q8_0, an AWQ folder, folio's int8
 folders, or the GGUF a prepared folder came from) is read through ``gguf_slices.py`` and
 ``quant/formats.py`` and served as it is unless ``--quantization`` says otherwise.
+On the CPU a quantized model, once built (its int4/int8 weights repacked for the kernels), is kept
+in the folio cache (``prepared/``) and later starts map it back from there (``torch.load(mmap=True)``:
+the default model in 0.1 s instead of 20 s). The entry's key hashes each input file's path, size and
+modification time, the loading code's source, torch's version, the dtype, the method and the group
+size, so a changed checkpoint or a new folio builds a new entry; ``FOLIO_MODEL_CACHE=0`` turns it
+off; the newest ``PREPARED_KEEP`` entries are kept, and a model that builds in under
+``PREPARED_MIN_BUILD_S`` gets none.
 The model's family (``registry.py``) builds the modules, and its ``checkpoint_layout`` maps
 checkpoint names onto ours: q/k/v and gate/up are concatenated into the fused projections,
 experts are stacked, and the ``model.`` prefix goes.
@@ -13,10 +20,16 @@ experts are stacked, and the ``model.`` prefix goes.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
+import time
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
+import structlog
 import torch
 
 from folio.core.executor.model import configs
@@ -30,7 +43,10 @@ from folio.core.executor.quant.formats import (
 )
 from folio.core.executor.quant.gpu import quantize_model_gpu, require_fp8
 from folio.core.executor.quant.linear import quantize_model
+from folio.shared import startup
+from folio.shared.config import cache_dir
 
+log = structlog.get_logger()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -215,12 +231,27 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
 
     ``quantization``: ``auto`` (the checkpoint's own), ``none`` (dense), ``int8``, ``int4`` (group
     ``group_size``), ``awq`` or ``fp8`` (GPU); the method chosen is ``model.quantization``. With a ``shard`` of
-    more than one rank, only this rank's slices (``sharded_load.py``)."""
+    more than one rank, only this rank's slices (``sharded_load.py``). A quantized model on the CPU
+    comes from the prepared-model cache when it is there, and goes into it when it is not."""
     path = Path(path)
-    if shard.size > 1:
-        from folio.core.executor.parallel.sharded_load import load_sharded
+    with startup.phase("weights"):
+        if shard.size > 1:
+            from folio.core.executor.parallel.sharded_load import load_sharded
 
-        return load_sharded(path, dtype, device, quantization, shard, comm)
+            return load_sharded(path, dtype, device, quantization, shard, comm)
+        entry = prepared_entry(path, dtype, device, quantization, group_size)
+        model = load_prepared(entry) if entry is not None else None
+        if model is None:
+            t0 = time.perf_counter()
+            model = _load_model(path, dtype, device, quantization, group_size)
+            if (entry is not None and model.quantization in ("int4", "int8")
+                    and time.perf_counter() - t0 >= PREPARED_MIN_BUILD_S):
+                save_prepared(model, entry)
+        return model
+
+
+def _load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str,
+                group_size: int) -> CausalLM:
     if path.is_dir():
         model_spec(load_hf_config(path))  # an unsupported model fails before its weights are read
     config, state, checkpoint_method, quant = read_checkpoint(path)
@@ -244,3 +275,112 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
         weights = _fused_quant_weights(state, quant, spec, method, group_size, layout=layout)
         quantize_model(model, weights, method, group_size)
     return model
+
+
+# --------------------------------------------------------------------------- the prepared-model cache
+PREPARED_KEEP = 8  # entries kept (the newest by use); each is about the quantized model's size
+PREPARED_MIN_BUILD_S = 1.0  # a model built faster than this is not worth a cache entry (the tests' tiny ones)
+
+
+@cache
+def _code_digest() -> str:
+    """The loading code's source (model families, quantization and packing): a new folio makes new entries."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(torch.__version__.encode())
+    for sub in ("model", "quant"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _input_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors"))
+    source = prepared_source(path)
+    return files + ([source] if source is not None else [])
+
+
+def prepared_entry(path: Path, dtype: torch.dtype, device: torch.device, quantization: str,
+                   group_size: int) -> Path | None:
+    """Where a quantized CPU model built from ``path`` is cached; None when it is not cached (another
+    device, ``FOLIO_MODEL_CACHE=0``, or a path that is neither a file nor a folder)."""
+    if device.type != "cpu" or quantization == "none" or os.environ.get("FOLIO_MODEL_CACHE", "1") in ("0", "false", "no"):
+        return None
+    if not path.exists():
+        return None
+    h = hashlib.sha256(f"{_code_digest()} {dtype} {quantization} {group_size}".encode())
+    for f in _input_files(path):
+        st = f.stat()
+        h.update(f"{f.resolve()} {st.st_size} {st.st_mtime_ns}".encode())
+    return cache_dir() / "prepared" / f"{h.hexdigest()[:24]}.pt"
+
+
+def load_prepared(entry: Path) -> CausalLM | None:
+    """The cached model, its tensors mapped from the file (copy on write); None when absent or unreadable."""
+    if not entry.exists():
+        startup.note("weights_cache", "miss")
+        return None
+    try:
+        model = torch.load(entry, mmap=True, weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: build the model again and replace it
+        log.warning("prepared model unreadable; rebuilding it", path=str(entry), error=str(exc))
+        startup.note("weights_cache", "unreadable")
+        return None
+    if not isinstance(model, CausalLM):
+        startup.note("weights_cache", "unreadable")
+        return None
+    os.utime(entry)  # its place among the newest
+    startup.note("weights_cache", "hit")
+    return model
+
+
+class LazyHFConfig:
+    """A cached model's transformers config, kept as its class's name and ``to_dict()`` and rebuilt on
+    first use: unpickling the config itself imports its transformers module, a second of start-up
+    that serving never needs (the model reads its config only while it is built)."""
+
+    def __init__(self, config):
+        self._cls = (type(config).__module__, type(config).__qualname__)
+        self._dict = config.to_dict()
+        self._config = None
+
+    def __getstate__(self) -> dict:
+        return {"_cls": self._cls, "_dict": self._dict, "_config": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_cls", "_dict", "_config"):
+            raise AttributeError(name)
+        if self._config is None:
+            import importlib
+
+            cls = getattr(importlib.import_module(self._cls[0]), self._cls[1])
+            self._config = cls.from_dict(self._dict)
+        return getattr(self._config, name)
+
+
+def save_prepared(model: CausalLM, entry: Path) -> None:
+    """Write the built model to ``entry`` (atomically) and drop the oldest entries past ``PREPARED_KEEP``;
+    a failure (a full disk) is logged and costs only the next start's time."""
+    tmp, hf_config = None, getattr(model, "hf_config", None)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=entry.parent, suffix=".tmp", delete=False) as f:
+            tmp = Path(f.name)
+            if hf_config is not None and hasattr(hf_config, "to_dict"):
+                model.hf_config = LazyHFConfig(hf_config)
+            try:
+                torch.save(model, f)
+            finally:
+                model.hf_config = hf_config
+        os.replace(tmp, entry)
+        entries = sorted(entry.parent.glob("*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in entries[PREPARED_KEEP:]:
+            old.unlink(missing_ok=True)
+    except Exception as exc:
+        log.warning("could not cache the prepared model", path=str(entry), error=str(exc))
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)

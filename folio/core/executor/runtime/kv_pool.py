@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import psutil
 import torch
 
@@ -46,8 +47,7 @@ class KVPool:
         dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
         # kv_caches[layer] = (k_cache, v_cache)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(dims, dtype=shape.dtype, device=device), torch.zeros(dims, dtype=shape.dtype, device=device))
-            for _ in range(shape.num_layers)
+            (_zeros(dims, shape.dtype, device), _zeros(dims, shape.dtype, device)) for _ in range(shape.num_layers)
         ]
         self.num_host_blocks = num_host_blocks
         host_dims = (num_host_blocks,) + dims[1:]
@@ -66,6 +66,16 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.shape.bytes_per_block
+
+
+def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool tensor. On the CPU from calloc (numpy's zeros): the kernel's zero pages, touched
+    only when a block is first written, instead of torch.zeros writing every byte at start (the
+    default 4 GiB pool: 7 s of start-up)."""
+    if device.type != "cpu":
+        return torch.zeros(dims, dtype=dtype, device=device)
+    nbytes = torch.Size(dims).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(dims)
 
 
 def cpu_kv_budget_bytes(available: int | None = None) -> int:
