@@ -84,7 +84,7 @@ def run_script(name: str, path: Path, argv: list[str], save_result: str | None) 
     wall = time.perf_counter() - start
     output = tee.copy.getvalue()
     figures = figures_in(output)
-    rows = [(f"{label}:", value) for label, value in figures.items()]
+    rows = [(f"{label}:", f"{value:.6g}") for label, value in figures.items()]  # as precise as printed
     rows += [("Wall time (s):", wall), ("Exit status:", rc)]
     print_block(f" folio bench {name} ", rows)
     if save_result:
