@@ -11,10 +11,11 @@ reference, for the rest and for GPUs.
 ``csrc/layers.c`` holds a decoder layer's small operations for ``cpu_backend.py``.
 
 The sources are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
-cache, under a name that hashes the source and the flags, the first time a process needs it;
-other processes reuse the file. Without a compiler, or when the compile fails, ``library()`` is
-None (logged once) and the torch path samples every row. ``library_for(march)`` builds them for
-another target (the tests check an AVX2-only build on CPUs with AVX-512).
+cache, under a name that hashes the sources, the compiler, the flags and the CPU's features, the
+first time a process needs it; other processes reuse the file (``num_compiles`` counts the compiler
+runs of this process). Without a compiler, or when the compile fails, ``library()`` is None
+(logged once) and the torch path samples every row. ``library_for(march)`` builds them for another
+target (the tests check an AVX2-only build on CPUs with AVX-512).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import structlog
 import torch
 
 from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_P
+from folio.shared import startup
 from folio.shared.config import c_compiler, cache_dir
 
 log = structlog.get_logger()
@@ -65,6 +67,7 @@ FUNCTIONS = {  # every exported function's arguments (they all return void)
 _lock = threading.Lock()
 _library: ctypes.PyDLL | None = None
 _tried = False
+num_compiles = 0  # compiler runs in this process (a cached library counts none)
 
 
 def _cpu_features() -> str:
@@ -85,7 +88,11 @@ def _compile(flags: tuple[str, ...] = FLAGS) -> Path:
     key = key.hexdigest()[:16]
     out = cache_dir() / "cpu-kernels" / f"folio-{key}.so"
     if out.exists():
+        startup.note("kernels_cache", "hit")
         return out
+    global num_compiles
+    num_compiles += 1
+    startup.note("kernels_cache", "miss")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
@@ -107,7 +114,8 @@ def library() -> ctypes.PyDLL | None:
             try:
                 # PyDLL: the calls keep the GIL. They are short, and a released GIL must be won back
                 # from whatever other thread took it meanwhile (the executor service's event loop)
-                _library = _load(_compile())
+                with startup.phase("kernels"):
+                    _library = _load(_compile())
             except (OSError, RuntimeError) as exc:
                 log.warning("the CPU kernels are unavailable; the torch ops run instead", error=str(exc))
             _tried = True

@@ -27,6 +27,7 @@ from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.kernels.cuda_kernels import DECODE_MAX_GROUP
 from folio.core.executor.runtime.input_batch import StepInputs
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
+from folio.shared import startup
 
 MAX_GRAPH_BATCH = 256
 
@@ -65,7 +66,9 @@ def make_decode_graphs(config, model, backend, kv_caches, device: torch.device) 
     if not uses_graphs(config, model.spec, backend, device):
         return None
     width = -(-model.spec.max_position_embeddings // config.block_size)
-    return DecodeGraphs(model, backend, kv_caches, config.block_size, width, graph_buckets(config.max_num_seqs), device)
+    with startup.phase("graphs"):  # the start-up breakdown ``folio serve`` logs
+        return DecodeGraphs(model, backend, kv_caches, config.block_size, width, graph_buckets(config.max_num_seqs),
+                            device)
 
 
 class DecodeGraphs:

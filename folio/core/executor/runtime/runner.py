@@ -41,6 +41,7 @@ from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
 from folio.core.executor.sampling.structured import GrammarStore, advance, compile_error
+from folio.shared import startup
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
@@ -157,7 +158,8 @@ class ModelRunner:
         self.kv_scales = calibrate_kv_scales(self.model, self.backend, self.device, config.block_size,
                                              calibration_ids(model_path, self.spec.vocab_size)) \
             if kv_dtype == FP8_DTYPE else []
-        self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
+        with startup.phase("pool"):
+            self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.requests: dict[str, RequestState] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
