@@ -7,6 +7,7 @@ the memory left after the weights and a profiling forward pass, times a utilizat
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,43 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.shape.bytes_per_block
+
+    # ------------------------------------------------------------------ block bytes (transfer, tiers)
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """The block's ``2 * num_layers`` views, K then V per layer, each ``[block_size,
+        num_kv_heads, head_dim]`` and contiguous: slices of the pool, no copy."""
+        self._check_block(block_id)
+        return [t[block_id] for kv in self.kv_caches for t in kv]
+
+    def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """One contiguous bytes buffer per block: every layer's K then V, in layer order (a copy;
+        from a GPU pool, to host memory)."""
+        out = []
+        for b in block_ids:
+            flat = torch.cat([v.reshape(-1).view(torch.uint8) for v in self.block_views(b)])
+            out.append(memoryview(flat.cpu().numpy()).cast("B"))
+        return out
+
+    def write_blocks(self, block_ids: list[int], buffers: list) -> None:
+        """The inverse of ``read_blocks``: each buffer (any bytes-like object) into its block."""
+        if len(block_ids) != len(buffers):
+            raise ValueError(f"{len(block_ids)} block ids but {len(buffers)} buffers")
+        nbytes = self.shape.bytes_per_block
+        for b, buf in zip(block_ids, buffers):
+            mv = memoryview(buf).cast("B")
+            if mv.nbytes != nbytes:
+                raise ValueError(f"block {b}: a buffer of {mv.nbytes} bytes, a block holds {nbytes}")
+            with warnings.catch_warnings():  # a read-only buffer (bytes) is only read from
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(mv, dtype=torch.uint8)
+            views = self.block_views(b)
+            per = nbytes // len(views)
+            for i, view in enumerate(views):
+                view.view(torch.uint8).reshape(-1).copy_(src[i * per:(i + 1) * per], non_blocking=False)
+
+    def _check_block(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} is outside the pool's {self.num_blocks} blocks")
 
 
 def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
