@@ -239,3 +239,38 @@ def test_poisson_arrivals_follow_the_seed_and_rate():
     got = asyncio.run(times(5, 50.0))
     assert got[-1] == pytest.approx(sum(gaps), abs=0.05) and got[-1] >= sum(gaps) - 1e-3
     assert asyncio.run(times(0, math.inf))[-1] < 0.01
+
+
+def test_prefix_repetition_and_sharegpt_datasets(tmp_path, capsys):
+    server = Synthetic({})
+    try:
+        rc = bench_serve.main(["--base-url", server.url, "--dataset", "prefix-repetition", "--num-prompts", "6",
+                               "--prefix-repetition-prefix-len", "10", "--prefix-repetition-suffix-len", "5",
+                               "--prefix-repetition-num-prefixes", "2", "--output-len", "3", "--disable-tqdm"])
+        assert rc == 0
+        prompts = [b["prompt"].split() for b in server.bodies[1:]]
+        assert [len(p) for p in prompts] == [15] * 6
+        assert len({tuple(p[:10]) for p in prompts}) == 2 and len({tuple(p[10:]) for p in prompts}) == 6
+        assert printed(capsys.readouterr().out, "Total input tokens:") == 90
+
+        conversations = [{"conversations": [{"from": "human", "value": f"question {i} " + "word " * (4 + i)},
+                                            {"from": "gpt", "value": "answer " * (4 + 2 * i)}]} for i in range(5)]
+        conversations.append({"conversations": [{"from": "human", "value": "too short"},
+                                                {"from": "gpt", "value": "no"}]})
+        path = tmp_path / "sharegpt.json"
+        path.write_text(json.dumps(conversations))
+        server.bodies.clear()
+        rc = bench_serve.main(["--base-url", server.url, "--dataset", "sharegpt", "--dataset-path", str(path),
+                               "--num-prompts", "5", "--seed", "2", "--disable-tqdm"])
+        out = capsys.readouterr().out
+        assert rc == 0
+        # each conversation's first turn is a prompt, its answer's length the output length
+        asked = sorted((len(b["prompt"].split()), b["max_tokens"]) for b in server.bodies[1:])
+        assert asked == [(6 + i, 4 + 2 * i) for i in range(5)]
+        assert printed(out, "Total input tokens:") == sum(6 + i for i in range(5))
+        assert printed(out, "Total generated tokens:") == sum(4 + 2 * i for i in range(5))
+        with pytest.raises(SystemExit, match="only 5 usable"):
+            bench_serve.main(["--base-url", server.url, "--dataset", "sharegpt", "--dataset-path", str(path),
+                              "--num-prompts", "6", "--disable-tqdm"])
+    finally:
+        server.close()
