@@ -1,0 +1,394 @@
+"""KV transfer: a request's KV blocks move from one executor's pool to another's (prefill -> decode).
+
+One interface, three backends, chosen by the receiver per pull (``backend=``):
+
+- ``zmq`` (the default; across processes and hosts): the sender answers a pull with ZeroMQ
+  multipart frames, ``2 * num_layers`` per block (K then V per layer), each a memoryview of the
+  pool's own memory sent with ``copy=False`` (no copy on the sender; from a GPU pool the block is
+  first staged to host memory). The receiver copies each frame into its pool's block
+  (``KVPool.block_views``). Over tcp.
+- ``cuda_ipc`` (GPUs on one host): the handshake hands over CUDA IPC handles of the sender's pool
+  tensors (``torch.multiprocessing.reductions.reduce_tensor``); a pull's answer names the blocks
+  and the receiver copies them device to device from the mapped pool. The handles are pickled:
+  only for peers on the same host that trust each other.
+- ``nixl`` (when the ``nixl`` package is importable; optional): the sender registers its pool with
+  a NIXL agent and sends the agent's metadata and the blocks' descriptors; the receiver READs them
+  into its own registered pool. Without ``nixl`` asking for it is a ``TransferError``.
+
+Records (``KVSender``): ``export(block_ids)`` puts the blocks under a fresh transfer id, owned by
+that transfer until the receiver confirms (``CONFIRM``: released as done) or reports a failure
+(``FAIL``), or until ``ttl_s`` passes unconfirmed (a dead receiver): both release them as failed.
+``on_release(transfer_id, block_ids, ok)`` is where the owner of the blocks (the kvmanager's
+allocator) frees them; ``outstanding`` is every transfer still owned. A pull of an unknown or
+released transfer is refused. The receiver confirms only after the last byte is in its pool; any
+failure on its side (timeout, refused, short answer) sends ``FAIL`` and raises ``TransferError``.
+
+The handshake: every pull carries the receiver's ``KVLayout`` (dtype, block size, KV heads, head
+size, layers, FP8 scales); a sender whose layout differs refuses with a message naming each
+difference, and the receiver raises ``LayoutMismatch`` with it. The transfer stays owned (the
+blocks are not freed: another receiver may take them).
+
+Wire (DEALER -> ROUTER, msgpack headers): ``[b"PULL", {transfer_id, layout, backend}]`` ->
+``[b"OK", {num_blocks, ...}, *frames]`` or ``[b"ERR", {message, kind}]``;
+``[b"CONFIRM"|b"FAIL", {transfer_id}]`` -> ``[b"OK", {}]``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import msgspec
+import torch
+import zmq
+
+from folio.core.executor.runtime.kv_pool import KVPool
+
+BACKENDS = ("zmq", "cuda_ipc", "nixl")
+DEFAULT_TTL_S = 60.0
+DEFAULT_TIMEOUT_S = 10.0
+_POLL_MS = 50
+
+
+class TransferError(RuntimeError):
+    """A pull that did not land: the sender is gone, refused it, or answered short."""
+
+
+class LayoutMismatch(TransferError):
+    """The two pools' layouts differ; the message names each difference."""
+
+
+def nixl_available() -> bool:
+    return importlib.util.find_spec("nixl") is not None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What must agree for a block's bytes to mean the same on both sides."""
+
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    kv_scales: tuple[tuple[float, float], ...] | None = None  # per layer (k, v) of an FP8 pool
+
+    @classmethod
+    def of(cls, pool: KVPool, kv_scales=None) -> "KVLayout":
+        s = pool.shape
+        scales = tuple((float(k), float(v)) for k, v in kv_scales) if kv_scales else None
+        return cls(dtype=str(s.dtype).removeprefix("torch."), block_size=s.block_size, num_kv_heads=s.num_kv_heads,
+                   head_dim=s.head_dim, num_layers=s.num_layers, kv_scales=scales)
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        d["kv_scales"] = [list(p) for p in self.kv_scales] if self.kv_scales else None
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "KVLayout":
+        scales = d.get("kv_scales")
+        return cls(dtype=str(d["dtype"]), block_size=int(d["block_size"]), num_kv_heads=int(d["num_kv_heads"]),
+                   head_dim=int(d["head_dim"]), num_layers=int(d["num_layers"]),
+                   kv_scales=tuple((float(k), float(v)) for k, v in scales) if scales else None)
+
+    def differences(self, other: "KVLayout") -> list[str]:
+        """Each field that differs, as ``name: here vs there``; empty when they match."""
+        out = []
+        for name in ("dtype", "block_size", "num_kv_heads", "head_dim", "num_layers"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                out.append(f"{name}: {a} vs {b}")
+        if self.kv_scales != other.kv_scales:
+            if self.kv_scales is None or other.kv_scales is None:
+                out.append(f"fp8 scales: {'none' if self.kv_scales is None else 'set'} vs "
+                           f"{'none' if other.kv_scales is None else 'set'}")
+            else:
+                bad = [i for i, (a, b) in enumerate(zip(self.kv_scales, other.kv_scales)) if a != b]
+                out.append(f"fp8 scales: differ at layers {bad[:8]}" if bad else
+                           f"fp8 scales: {len(self.kv_scales)} vs {len(other.kv_scales)} layers")
+        return out
+
+
+class TransferHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """Where and what to pull: travels from the prefill side to the decode side (through the router)."""
+
+    transfer_id: str
+    endpoint: str  # the sender's socket, tcp://host:port
+    num_blocks: int
+    num_tokens: int = 0  # the prompt tokens the blocks hold
+
+    def to_wire(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_wire(cls, d: object) -> "TransferHandle":
+        """Validated: a malformed handle is a ValueError naming the problem."""
+        try:
+            h = msgspec.convert(d, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid kv transfer handle: {exc}") from None
+        if not h.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"invalid kv transfer handle: endpoint {h.endpoint!r} is not a ZeroMQ address")
+        if h.num_blocks < 0 or h.num_tokens < 0:
+            raise ValueError("invalid kv transfer handle: negative counts")
+        return h
+
+
+def _frame_of(view: torch.Tensor) -> memoryview:
+    """A pool view's bytes as a memoryview of the pool's memory (staged to host from a GPU)."""
+    t = view if view.device.type == "cpu" else view.cpu()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+class KVSender:
+    """The prefill side: holds exported blocks until confirmed and answers pulls on ``endpoint``."""
+
+    def __init__(self, pool: KVPool, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*",
+                 on_release: Callable[[str, list[int], bool], None] | None = None, ttl_s: float = DEFAULT_TTL_S,
+                 ctx: zmq.Context | None = None):
+        self.pool, self.layout, self.ttl_s = pool, layout, ttl_s
+        self.on_release = on_release
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.outstanding: dict[str, tuple[list[int], float]] = {}  # transfer id -> (block ids, deadline)
+        self.counts = {"exported": 0, "confirmed": 0, "failed": 0, "expired": 0, "refused": 0, "bytes_sent": 0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._nixl = None
+        self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ records
+    def export(self, block_ids: list[int], num_tokens: int = 0, transfer_id: str | None = None) -> TransferHandle:
+        for b in block_ids:
+            self.pool._check_block(b)
+        tid = transfer_id or uuid.uuid4().hex
+        with self._lock:
+            if tid in self.outstanding:
+                raise ValueError(f"transfer {tid} is already outstanding")
+            self.outstanding[tid] = (list(block_ids), time.monotonic() + self.ttl_s)
+            self.counts["exported"] += 1
+        return TransferHandle(transfer_id=tid, endpoint=self.endpoint, num_blocks=len(block_ids), num_tokens=num_tokens)
+
+    def release(self, transfer_id: str, ok: bool, why: str = "failed") -> bool:
+        """Drop the transfer's record and hand its blocks back to their owner (False: not outstanding)."""
+        with self._lock:
+            entry = self.outstanding.pop(transfer_id, None)
+            if entry is None:
+                return False
+            self.counts["confirmed" if ok else why] += 1
+        if self.on_release is not None:
+            self.on_release(transfer_id, entry[0], ok)
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = [t for t, (_, deadline) in self.outstanding.items() if deadline <= now]
+        for t in late:
+            self.release(t, ok=False, why="expired")
+        return late
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close(0)
+
+    # ------------------------------------------------------------------ the socket
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(_POLL_MS):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                try:
+                    self._handle(frames)
+                except Exception as exc:  # a malformed message: answered, logged by the peer, dropped
+                    if len(frames) >= 2:
+                        self._send(frames[0], b"ERR", {"message": f"bad request: {exc}", "kind": "bad_request"})
+            self.expire()
+
+    def _send(self, who: bytes, status: bytes, header: dict, frames: list | None = None) -> None:
+        self.sock.send_multipart([who, status, msgspec.msgpack.encode(header), *(frames or [])], copy=False)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        who, verb, header = frames[0], frames[1], msgspec.msgpack.decode(frames[2]) if len(frames) > 2 else {}
+        if verb in (b"CONFIRM", b"FAIL"):
+            self.release(str(header["transfer_id"]), ok=verb == b"CONFIRM")
+            self._send(who, b"OK", {})
+            return
+        if verb != b"PULL":
+            self._send(who, b"ERR", {"message": f"unknown verb {verb[:16]!r}", "kind": "bad_request"})
+            return
+        diffs = self.layout.differences(KVLayout.from_wire(header["layout"]))
+        if diffs:
+            self.counts["refused"] += 1
+            self._send(who, b"ERR", {"message": "KV layouts differ (sender vs receiver): " + "; ".join(diffs),
+                                     "kind": "layout"})
+            return
+        tid = str(header["transfer_id"])
+        with self._lock:
+            entry = self.outstanding.get(tid)
+        if entry is None:
+            self._send(who, b"ERR", {"message": f"transfer {tid} is not outstanding (confirmed, failed or expired)",
+                                     "kind": "unknown"})
+            return
+        block_ids = entry[0]
+        backend = header.get("backend", "zmq")
+        if backend == "zmq":
+            out = [_frame_of(v) for b in block_ids for v in self.pool.block_views(b)]
+            self.counts["bytes_sent"] += sum(f.nbytes for f in out)
+            self._send(who, b"OK", {"num_blocks": len(block_ids)}, out)
+        elif backend == "cuda_ipc":
+            if self.pool.device.type != "cuda":
+                self._send(who, b"ERR", {"message": "cuda_ipc needs a GPU pool on the sender", "kind": "backend"})
+                return
+            from torch.multiprocessing.reductions import reduce_tensor
+            handles = [[reduce_tensor(t) for t in kv] for kv in self.pool.kv_caches]
+            self._send(who, b"OK", {"num_blocks": len(block_ids), "block_ids": block_ids},
+                       [pickle.dumps(handles)])
+        elif backend == "nixl":
+            if not nixl_available():
+                self._send(who, b"ERR", {"message": "the nixl package is not installed on the sender",
+                                         "kind": "backend"})
+                return
+            meta, descs = self._nixl_descs(block_ids)
+            self._send(who, b"OK", {"num_blocks": len(block_ids)}, [meta, descs])
+        else:
+            self._send(who, b"ERR", {"message": f"unknown backend {backend!r}; one of {BACKENDS}", "kind": "backend"})
+
+    def _nixl_descs(self, block_ids: list[int]) -> tuple[bytes, bytes]:  # pragma: no cover - needs nixl
+        from nixl._api import nixl_agent
+        if self._nixl is None:
+            self._nixl = nixl_agent(f"folio-kv-sender-{uuid.uuid4().hex[:8]}")
+            self._nixl.register_memory([t for kv in self.pool.kv_caches for t in kv])
+        views = [v for b in block_ids for v in self.pool.block_views(b)]
+        return self._nixl.get_agent_metadata(), self._nixl.get_serialized_descs(self._nixl.get_xfer_descs(views))
+
+
+class KVReceiver:
+    """The decode side: pulls a handle's blocks into its pool's blocks, then confirms."""
+
+    def __init__(self, pool: KVPool, layout: KVLayout, backend: str = "zmq", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 ctx: zmq.Context | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown KV transfer backend {backend!r}; one of {BACKENDS}")
+        if backend == "nixl" and not nixl_available():
+            raise TransferError("the nixl backend needs the nixl package (pip install nixl)")
+        self.pool, self.layout, self.backend, self.timeout_s = pool, layout, backend, timeout_s
+        self.ctx = ctx or zmq.Context.instance()
+        self.counts = {"pulled": 0, "failed": 0, "bytes_received": 0}
+        self._remote_pools: dict[str, list] = {}  # cuda_ipc: the sender's mapped pool, per endpoint
+        self._nixl = None
+
+    def _request(self, endpoint: str, verb: bytes, header: dict) -> tuple[dict, list]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart([verb, msgspec.msgpack.encode(header)])
+            if not sock.poll(int(self.timeout_s * 1000)):
+                raise TransferError(f"no answer from the KV sender at {endpoint} within {self.timeout_s} s")
+            frames = sock.recv_multipart(copy=False)
+        finally:
+            sock.close(0)
+        status, reply = frames[0].bytes, msgspec.msgpack.decode(frames[1].bytes)
+        if status != b"OK":
+            cls = LayoutMismatch if reply.get("kind") == "layout" else TransferError
+            raise cls(reply.get("message", "refused"))
+        return reply, frames[2:]
+
+    def pull(self, handle: TransferHandle, block_ids: list[int]) -> int:
+        """The handle's blocks into ``block_ids`` of this pool (as many); confirmed once all landed.
+        Returns the bytes moved. A layout mismatch leaves the transfer with its sender; any other
+        failure reports it (the sender frees the blocks) and raises."""
+        if len(block_ids) != handle.num_blocks:
+            raise ValueError(f"the handle holds {handle.num_blocks} blocks, {len(block_ids)} given to fill")
+        header = {"transfer_id": handle.transfer_id, "layout": self.layout.to_wire(), "backend": self.backend}
+        try:
+            reply, frames = self._request(handle.endpoint, b"PULL", header)
+            if int(reply.get("num_blocks", -1)) != len(block_ids):
+                raise TransferError(f"the sender holds {reply.get('num_blocks')} blocks, the handle said "
+                                    f"{len(block_ids)}")
+            moved = getattr(self, f"_land_{self.backend}")(handle, block_ids, reply, frames)
+        except LayoutMismatch:
+            self.counts["failed"] += 1
+            raise
+        except Exception as exc:
+            self.counts["failed"] += 1
+            try:
+                self._request(handle.endpoint, b"FAIL", {"transfer_id": handle.transfer_id})
+            except TransferError:
+                pass  # the sender is gone, or will expire it
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"KV transfer {handle.transfer_id} failed: {exc}") from exc
+        self._request(handle.endpoint, b"CONFIRM", {"transfer_id": handle.transfer_id})
+        self.counts["pulled"] += 1
+        self.counts["bytes_received"] += moved
+        return moved
+
+    def _land_zmq(self, handle, block_ids, reply, frames) -> int:
+        per_block = 2 * self.layout.num_layers
+        if len(frames) != per_block * len(block_ids):
+            raise TransferError(f"{len(frames)} frames for {len(block_ids)} blocks, wanted {per_block} each")
+        moved = 0
+        for i, b in enumerate(block_ids):
+            for j, view in enumerate(self.pool.block_views(b)):
+                buf = frames[i * per_block + j].buffer
+                dst = view.view(torch.uint8).reshape(-1)
+                if buf.nbytes != dst.numel():
+                    raise TransferError(f"a frame of {buf.nbytes} bytes for a view of {dst.numel()}")
+                dst.copy_(torch.frombuffer(buf, dtype=torch.uint8), non_blocking=False)
+                moved += buf.nbytes
+        return moved
+
+    def _land_cuda_ipc(self, handle, block_ids, reply, frames) -> int:  # pragma: no cover - needs 2 GPU processes
+        if self.pool.device.type != "cuda":
+            raise TransferError("cuda_ipc needs a GPU pool on the receiver")
+        remote = self._remote_pools.get(handle.endpoint)
+        if remote is None:
+            handles = pickle.loads(frames[0].bytes)
+            remote = [[fn(*args) for fn, args in kv] for kv in handles]  # maps the sender's pool (once)
+            self._remote_pools[handle.endpoint] = remote
+        src_ids = [int(b) for b in reply["block_ids"]]
+        moved = 0
+        idx_src = torch.tensor(src_ids, device=self.pool.device)
+        idx_dst = torch.tensor(block_ids, device=self.pool.device)
+        for (rk, rv), (k, v) in zip(remote, self.pool.kv_caches):
+            k.index_copy_(0, idx_dst, rk.index_select(0, idx_src))
+            v.index_copy_(0, idx_dst, rv.index_select(0, idx_src))
+            moved += 2 * len(block_ids) * k[0].numel() * k.element_size()
+        torch.cuda.current_stream(self.pool.device).synchronize()
+        return moved
+
+    def _land_nixl(self, handle, block_ids, reply, frames) -> int:  # pragma: no cover - needs nixl
+        from nixl._api import nixl_agent
+        if self._nixl is None:
+            self._nixl = nixl_agent(f"folio-kv-receiver-{uuid.uuid4().hex[:8]}")
+            self._nixl.register_memory([t for kv in self.pool.kv_caches for t in kv])
+        peer = self._nixl.add_remote_agent(frames[0].bytes)
+        remote = self._nixl.deserialize_descs(frames[1].bytes)
+        views = [v for b in block_ids for v in self.pool.block_views(b)]
+        local = self._nixl.get_xfer_descs(views)
+        xfer = self._nixl.initialize_xfer("READ", local, remote, peer)
+        state = self._nixl.transfer(xfer)
+        deadline = time.monotonic() + self.timeout_s
+        while state != "DONE":
+            if state == "ERR" or time.monotonic() > deadline:
+                raise TransferError(f"nixl transfer ended in state {state}")
+            state = self._nixl.check_xfer_state(xfer)
+        self._nixl.release_xfer_handle(xfer)
+        return sum(v.numel() * v.element_size() for v in views)

@@ -1,0 +1,210 @@
+"""KV transfer between two pools over tcp (ZeroMQ frames), the layout handshake, the records."""
+
+import time
+
+import pytest
+import torch
+import zmq
+
+from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.executor.runtime.kv_transfer import (
+    KVLayout, KVReceiver, KVSender, LayoutMismatch, TransferError, TransferHandle, nixl_available)
+from folio.shared.kv.allocator import BlockAllocator
+
+
+def _pool(dtype=torch.bfloat16, num_blocks=8, seed=0, **kw):
+    dims = {"num_layers": 3, "block_size": 4, "num_kv_heads": 2, "head_dim": 8, **kw}
+    pool = KVPool(PoolShape(dtype=dtype, **dims), num_blocks, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for k, v in pool.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=g).to(dtype))
+        v.copy_(torch.randn(v.shape, generator=g).to(dtype))
+    return pool
+
+
+@pytest.fixture
+def released():
+    return []
+
+
+def _sender(pool, released, **kw):
+    return KVSender(pool, KVLayout.of(pool, kw.pop("kv_scales", None)),
+                    on_release=lambda tid, ids, ok: released.append((tid, ids, ok)), **kw)
+
+
+@pytest.mark.parametrize("dtype,scales", [(torch.bfloat16, None), (torch.float8_e4m3fn, [(0.5, 0.25)] * 3)])
+def test_blocks_move_over_tcp_and_are_released_on_confirm(dtype, scales, released):
+    src, dst = _pool(dtype, seed=1), _pool(dtype, seed=2)
+    sender = _sender(src, released, kv_scales=scales)
+    try:
+        assert sender.endpoint.startswith("tcp://127.0.0.1:")
+        handle = sender.export([5, 1, 6], num_tokens=11)
+        assert sender.outstanding[handle.transfer_id][0] == [5, 1, 6] and not released  # owned until confirmed
+        wire = TransferHandle.from_wire(handle.to_wire())
+        moved = KVReceiver(dst, KVLayout.of(dst, scales)).pull(wire, [0, 2, 3])
+        assert moved == 3 * src.shape.bytes_per_block
+        for (sk, sv), (dk, dv) in zip(src.kv_caches, dst.kv_caches):
+            for s, d in ((5, 0), (1, 2), (6, 3)):
+                assert torch.equal(sk[s].view(torch.uint8), dk[d].view(torch.uint8))
+                assert torch.equal(sv[s].view(torch.uint8), dv[d].view(torch.uint8))
+        assert released == [(handle.transfer_id, [5, 1, 6], True)] and not sender.outstanding
+        # a released transfer cannot be pulled again
+        with pytest.raises(TransferError, match="not outstanding"):
+            KVReceiver(dst, KVLayout.of(dst, scales)).pull(handle, [0, 2, 3])
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"dtype": torch.float16}, "dtype: bfloat16 vs float16"),
+    ({"block_size": 8}, "block_size: 4 vs 8"),
+    ({"num_kv_heads": 1}, "num_kv_heads: 2 vs 1"),
+    ({"head_dim": 16}, "head_dim: 8 vs 16"),
+    ({"num_layers": 2}, "num_layers: 3 vs 2"),
+    ({"kv_scales": [(0.5, 0.25)] * 3}, "fp8 scales"),
+])
+def test_a_layout_mismatch_is_refused_naming_the_difference(change, named, released):
+    src = _pool()
+    sender = _sender(src, released)
+    try:
+        handle = sender.export([0, 1])
+        scales = change.pop("kv_scales", None)
+        other = _pool(change.pop("dtype", torch.bfloat16), **change)
+        with pytest.raises(LayoutMismatch, match=named.replace("(", r"\(")):
+            KVReceiver(other, KVLayout.of(other, scales)).pull(handle, [0, 1])
+        assert handle.transfer_id in sender.outstanding and not released  # still the request's
+        assert sender.counts["refused"] == 1
+    finally:
+        sender.close()
+
+
+def test_fp8_scales_that_differ_name_the_layers():
+    a = KVLayout("float8_e4m3fn", 16, 2, 64, 3, ((1.0, 1.0), (1.0, 1.0), (1.0, 1.0)))
+    b = KVLayout("float8_e4m3fn", 16, 2, 64, 3, ((1.0, 1.0), (2.0, 1.0), (1.0, 1.0)))
+    assert a.differences(b) == ["fp8 scales: differ at layers [1]"] and a.differences(a) == []
+
+
+def test_a_failed_transfer_frees_the_blocks_in_the_owners_records():
+    """The owner of record (the kvmanager's allocator) gets the blocks back when the pull fails."""
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    alloc.allocate("req-1", 10)
+    ids = alloc.block_table("req-1")
+    assert alloc.num_free_blocks == 5
+    src, dst = _pool(), _pool()
+    sender = KVSender(src, KVLayout.of(src), on_release=lambda tid, blocks, ok: alloc.free("req-1"))
+    try:
+        handle = sender.export(ids)
+        receiver = KVReceiver(dst, KVLayout.of(dst))
+        receiver._land_zmq = lambda *a: (_ for _ in ()).throw(OSError("the decode pool went away"))
+        with pytest.raises(TransferError, match="went away"):
+            receiver.pull(handle, [0, 1, 2])
+        deadline = time.monotonic() + 5
+        while sender.outstanding and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not sender.outstanding and sender.counts["failed"] == 1
+        assert alloc.num_free_blocks == 8 and "req-1" not in alloc.seqs
+    finally:
+        sender.close()
+
+
+def test_an_unconfirmed_transfer_expires_and_is_freed(released):
+    sender = _sender(_pool(), released, ttl_s=0.05)
+    try:
+        handle = sender.export([2])
+        deadline = time.monotonic() + 5
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert released == [(handle.transfer_id, [2], False)] and sender.counts["expired"] == 1
+    finally:
+        sender.close()
+
+
+def test_a_dead_sender_is_a_transfer_error():
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.ROUTER)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    s.close(0)  # nobody answers there now
+    dst = _pool()
+    handle = TransferHandle(transfer_id="x", endpoint=f"tcp://127.0.0.1:{port}", num_blocks=1)
+    with pytest.raises(TransferError, match="no answer"):
+        KVReceiver(dst, KVLayout.of(dst), timeout_s=0.2).pull(handle, [0])
+
+
+def test_handles_are_validated():
+    with pytest.raises(ValueError, match="invalid kv transfer handle"):
+        TransferHandle.from_wire({"transfer_id": "a", "endpoint": "tcp://h:1"})
+    with pytest.raises(ValueError, match="not a ZeroMQ address"):
+        TransferHandle.from_wire({"transfer_id": "a", "endpoint": "http://h:1", "num_blocks": 1})
+    with pytest.raises(ValueError, match="negative"):
+        TransferHandle.from_wire({"transfer_id": "a", "endpoint": "tcp://h:1", "num_blocks": -1})
+    with pytest.raises(ValueError, match="blocks"):
+        KVReceiver(_pool(), KVLayout.of(_pool())).pull(
+            TransferHandle(transfer_id="a", endpoint="tcp://127.0.0.1:1", num_blocks=2), [0])
+
+
+def test_a_malformed_request_is_answered_and_the_sender_keeps_serving(released):
+    src, dst = _pool(), _pool(seed=3)
+    sender = _sender(src, released)
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(sender.endpoint)
+        sock.send_multipart([b"PULL", b"\xc1not msgpack"])
+        assert sock.poll(2000)
+        assert sock.recv_multipart()[0] == b"ERR"
+        sock.close(0)
+        handle = sender.export([3])
+        KVReceiver(dst, KVLayout.of(dst)).pull(handle, [4])
+        assert torch.equal(src.kv_caches[0][0][3], dst.kv_caches[0][0][4])
+    finally:
+        sender.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="the nixl package is not installed")
+def test_nixl_backend_moves_blocks(released):  # pragma: no cover - needs nixl
+    src, dst = _pool(seed=1), _pool(seed=2)
+    sender = _sender(src, released)
+    try:
+        handle = sender.export([1, 2])
+        KVReceiver(dst, KVLayout.of(dst), backend="nixl").pull(handle, [3, 4])
+        assert torch.equal(src.kv_caches[2][1][2], dst.kv_caches[2][1][4])
+    finally:
+        sender.close()
+
+
+def test_nixl_missing_is_a_clear_error():
+    if nixl_available():
+        pytest.skip("nixl is installed")
+    with pytest.raises(TransferError, match="nixl"):
+        KVReceiver(_pool(), KVLayout.of(_pool()), backend="nixl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_ipc_device_to_device(tmp_path):  # pragma: no cover - needs a GPU
+    """The sender in another process shares its GPU pool by CUDA IPC; the receiver copies on device."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_ipc_sender, args=(q,))
+    proc.start()
+    try:
+        handle_wire, expected = q.get(timeout=120)
+        shape = PoolShape(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+        dst = KVPool(shape, 8, torch.device("cuda"))
+        KVReceiver(dst, KVLayout.of(dst), backend="cuda_ipc").pull(TransferHandle.from_wire(handle_wire), [6, 7])
+        assert torch.equal(dst.kv_caches[1][0][6].cpu(), expected)
+    finally:
+        q.put("done")
+        proc.join(30)
+
+
+def _ipc_sender(q):  # pragma: no cover - runs in a GPU subprocess
+    shape = PoolShape(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    pool = KVPool(shape, 8, torch.device("cuda"))
+    for k, v in pool.kv_caches:
+        k.normal_(), v.normal_()
+    sender = KVSender(pool, KVLayout.of(pool))
+    handle = sender.export([2, 5])
+    q.put((handle.to_wire(), pool.kv_caches[1][0][2].cpu()))
+    q.get(timeout=300)
+    sender.close()
