@@ -112,7 +112,7 @@ def test_which_batches_the_kernel_takes():
     plain = SamplingParams(temperature=0.8, top_p=0.9)
     assert sampler._kernel_takes_all(logits, batch_of([plain, SamplingParams(temperature=0.0)] * 2, logits, [[]] * 4))
     for other in (SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.8, top_k=5)):
-        assert not sampler._kernel_takes_all(logits, batch_of([plain, other] * 2, logits, [[]] * 4))
+        assert sampler._kernel_takes_all(logits, batch_of([plain, other] * 2, logits, [[]] * 4))  # every row
     greedy = [SamplingParams(temperature=0.0)] * 4
     assert not sampler._kernel_takes_all(logits, batch_of(greedy, logits, [[]] * 4))  # numpy's argmax does it
     assert not sampler._kernel_takes_all(logits.to(torch.float64), batch_of([plain] * 4, logits, [[]] * 4))
@@ -130,7 +130,7 @@ def test_the_kernels_keep_the_gil():
 def test_table_sampling_reads_the_persistent_rows_and_records_as_the_per_call_path():
     """``TableSampler`` (parameters and penalties read in place from scattered rows, the drawn
     tokens recorded in the same call) against ``sample`` over the gathered rows followed by
-    ``PenaltyState.record``: the same seed gives the same tokens, greedy under penalties included,
+    ``PenaltyState.record``: the same seeds and positions give the same tokens, greedy under penalties included,
     and the same counts, bias and repetition tables."""
     from folio.core.executor.runtime.input_batch import InputBatch
 
@@ -149,13 +149,13 @@ def test_table_sampling_reads_the_persistent_rows_and_records_as_the_per_call_pa
     counted_before = int(batches[0].penalties.counts.sum())
     for step in range(12):
         logits = torch.randn(25, vocab, generator=torch.Generator().manual_seed(step)) * 2
-        torch.manual_seed(100 + step)
-        ours = table.sample(logits, rows, batches[0].greedy, batches[0].params, batches[0].penalties)
+        seeds, positions = rng.integers(-2**63, 2**63 - 1, 25), rng.integers(0, 1000, 25)
+        ours = table.sample(logits, rows, batches[0].greedy, batches[0].params, batches[0].penalties, seeds, positions)
         ref_batch = batches[1]
         host_rows = rows.numpy()
         bias, rep = ref_batch.penalties.gather(rows, True, host_rows)
-        torch.manual_seed(100 + step)
-        theirs = cpu_kernels.sample(logits, ref_batch.greedy[host_rows], ref_batch.params[host_rows], bias, rep)
+        theirs = cpu_kernels.sample(logits, ref_batch.greedy[host_rows], ref_batch.params[host_rows], bias, rep,
+                                    seeds, positions)
         assert torch.equal(ours, theirs)
         params = torch.from_numpy(ref_batch.params[host_rows])
         ref_batch.penalties.record(rows, theirs, params[:, sampler.FREQUENCY], params[:, sampler.PRESENCE],

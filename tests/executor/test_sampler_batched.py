@@ -1,6 +1,8 @@
 """The batched sampler against the per-row sampler it replaced (tests/executor/reference_sampler.py):
-the same greedy tokens, the same seeded draws, the same processed distributions, and unseeded draws
-that follow them (chi-square), through the window, the full-row and the sorted-row paths."""
+the same greedy tokens, the same processed distributions, draws (seeded or not) inside the kept
+set, and draws that follow the distribution (chi-square), through the kernel, the window, the
+full-row and the sorted-row paths. (Seeded draws no longer equal the reference's exponential race:
+they come from counter-based uniforms, ``philox.py``; tests/executor/test_sampler_seeded.py checks them.)"""
 
 from __future__ import annotations
 
@@ -65,21 +67,34 @@ def test_draw_seeds_equal_the_oracles_keys(seed):
     assert len(set(keys)) == len(keys)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_greedy_and_seeded_draws_equal_the_per_row_sampler(seed):
+def assert_greedy_equal_and_draws_kept(logits, params, prompts, outputs, ours):
+    theirs = ref.sample(logits, rows_for(ref, params, prompts, outputs)).token_ids
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    assert greedy and drawn
+    assert [ours[i] for i in greedy] == [theirs[i] for i in greedy]
+    p = ref.processed_probs(logits, rows_for(ref, params, prompts, outputs))
+    assert all(p[i, ours[i]] > 0 for i in drawn)  # each drawn from its kept set
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_tokens_equal_the_per_row_sampler_and_seeded_draws_stay_in_the_kept_set(monkeypatch, seed, path):
+    if path == "torch":
+        monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *args: False)
     logits, params, prompts, outputs = random_case(seed, 48, seeded=True)
-    ours = sample(logits, rows_for(sampler, params, prompts, outputs))
-    theirs = ref.sample(logits, rows_for(ref, params, prompts, outputs))
-    assert ours.token_ids == theirs.token_ids
-    assert any(not p.greedy for p in params) and any(p.greedy for p in params)
+    ours = sample(logits, rows_for(sampler, params, prompts, outputs)).token_ids
+    assert_greedy_equal_and_draws_kept(logits, params, prompts, outputs, ours)
+    assert ours == sample(logits, rows_for(sampler, params, prompts, outputs)).token_ids  # seeded: the same again
 
 
-def test_seeded_draws_equal_through_the_sorted_fallback(monkeypatch):
+def test_seeded_draws_through_the_sorted_fallback(monkeypatch):
     monkeypatch.setattr(sampler, "WINDOW", 4)  # nearly every top-p row goes past the window
+    monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *args: False)
     for seed in range(3):
         logits, params, prompts, outputs = random_case(100 + seed, 32, seeded=True)
         ours = sample(logits, rows_for(sampler, params, prompts, outputs)).token_ids
-        assert ours == ref.sample(logits, rows_for(ref, params, prompts, outputs)).token_ids
+        assert_greedy_equal_and_draws_kept(logits, params, prompts, outputs, ours)
 
 
 @pytest.mark.parametrize("window", [4, 256])
@@ -157,7 +172,8 @@ def test_incremental_penalties_equal_the_ones_rebuilt_from_the_history():
     assert run_bias.data_ptr() == state.bias[2].data_ptr()
     assert torch.equal(run_bias, state.bias[2:6]) and torch.equal(run_rep, state.rep[2:6])
     logits = torch.randn(8, VOCAB)
-    greedy = SamplingBatch(table, np.ones(8, dtype=bool), table.numpy(), [], bias, rep)
+    keys = np.zeros(8, dtype=np.int64)
+    greedy = SamplingBatch(table, np.ones(8, dtype=bool), table.numpy(), keys, keys, bias, rep)
     assert torch.equal(sampler.sample_batch(logits, greedy),
                        torch.tensor(ref.sample(logits, [ref.SamplingRow(
                            SamplingParams(temperature=0.0, presence_penalty=p.presence_penalty,
@@ -166,21 +182,15 @@ def test_incremental_penalties_equal_the_ones_rebuilt_from_the_history():
                            for p, pr, o in zip(params, prompts, outputs)]).token_ids))
 
 
-def test_unseeded_rows_beside_seeded_greedy_and_top_k_rows_leave_theirs_as_before():
-    """Unseeded rows without top-k take the rejection path on the CPU; the others in the same
-    batch (seeded, greedy, top-k) keep the per-row sampler's tokens."""
+def test_unseeded_rows_beside_seeded_greedy_and_top_k_rows():
+    """Unseeded rows among seeded, greedy and top-k ones: greedy rows keep the per-row sampler's
+    tokens, every draw stays in its kept set."""
     for seed in range(4):
         logits, params, prompts, outputs = random_case(200 + seed, 40, seeded=True)
         rng = random.Random(seed)
         params = [msgspec.structs.replace(p, seed=None, top_k=None) if rng.random() < 0.5 else p for p in params]
         ours = sample(logits, rows_for(sampler, params, prompts, outputs)).token_ids
-        theirs = ref.sample(logits, rows_for(ref, params, prompts, outputs)).token_ids
-        kept = [i for i, p in enumerate(params) if p.greedy or p.seed is not None]
-        quick = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
-        assert kept and quick
-        assert [ours[i] for i in kept] == [theirs[i] for i in kept]
-        p = processed_probs(logits, rows_for(sampler, params, prompts, outputs))
-        assert all(p[i, ours[i]] > 0 for i in quick)  # each drawn from its kept set
+        assert_greedy_equal_and_draws_kept(logits, params, prompts, outputs, ours)
 
 
 @pytest.mark.parametrize("repetition", [[0.8, 0.8], [1.3, 1.3], [0.8, 1.3]])
@@ -204,7 +214,8 @@ def test_inverse_cdf_draws_follow_the_weights_and_never_a_zero(vocab):
     support = torch.tensor([0, 1, 63, 64, 65, 300, vocab - 2])  # block edges, not the row's ends
     weights[support] = torch.tensor([0.5, 2.0, 1.0, 0.25, 3.0, 1.5, 0.75])
     n = 20000
-    drawn = sampler._inverse_cdf(weights.repeat(n, 1))
+    u = sampler.uniforms(torch.arange(n, dtype=torch.int64) * 7919 + 5, torch.zeros(n, dtype=torch.int64), 0, 2)
+    drawn = sampler._inverse_cdf(weights.repeat(n, 1), u)
     got = torch.bincount(drawn, minlength=vocab).double()
     assert got.sum() == got[support].sum() == n  # no token of weight 0, the first and last included
     expected = weights[support].double() / weights.sum() * n

@@ -4,9 +4,10 @@ On the CPU, torch's fixed cost per operation (a few microseconds each, on one th
 what sampling a batch costs: the torch path in ``sampler.py`` runs some twenty operations for a
 batch with temperature, top-p and penalties. The kernel does a row's penalties, temperature,
 min-p, top-p and draw in a few passes over the row, for the whole batch in one call, and records
-the sampled tokens into the penalty state. ``sampler.py`` calls it for the rows it covers (greedy,
-and unseeded rows without top-k, with no grammar in the batch) and keeps the torch path, the
-reference, for the rest and for GPUs.
+the sampled tokens into the penalty state. On the CPU ``sampler.py`` and the runner call it for
+every row (greedy or drawn, seeded or not, top-k included; grammar masks are applied to the logits
+first), with each row's uniforms from its own (seed, position) key (``sampling/philox.py``), and
+keep the torch path, the reference, for GPUs and for when no compiler is at hand.
 
 ``csrc/layers.c`` holds a decoder layer's small operations for ``cpu_backend.py``.
 
@@ -33,7 +34,7 @@ import numpy as np
 import structlog
 import torch
 
-from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_P
+from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
 from folio.shared import startup
 from folio.shared.config import c_compiler, cache_dir
 
@@ -52,9 +53,10 @@ BLOCK = 64  # csrc/sampler.c's BLOCK
 _i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
 FUNCTIONS = {  # every exported function's arguments (they all return void)
     # csrc/sampler.c
-    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _u64, _ptr,
-                     _ptr],
+    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
+                     _ptr, _ptr],
     "folio_record_penalties": [_i64, _i64] + [_ptr] * 8,
+    "folio_philox_uniforms": [_i64, _ptr, _ptr, _i64, _i64, _ptr],
     "folio_exp_nonpositive": [_i64, _ptr, _ptr],
     # csrc/layers.c
     "folio_add_rms_norm": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _ptr, _f32, _ptr, _i64, _int],
@@ -163,33 +165,54 @@ _scratch = threading.local()  # per thread: the kernel's working row
 
 def _scratch_for(vocab: int) -> np.ndarray:
     buf = getattr(_scratch, "buf", None)
-    if buf is None or len(buf) < vocab + vocab // BLOCK + 1:
-        buf = _scratch.buf = np.empty(vocab + vocab // BLOCK + 1, dtype=np.float32)
+    if buf is None or len(buf) < _scratch_size(vocab):
+        buf = _scratch.buf = np.empty(_scratch_size(vocab), dtype=np.float32)
     return buf
 
 
-# the params columns ``folio_sample`` reads: temperature, top-p, min-p, presence, frequency, repetition
-_COLUMNS = np.array([TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION], dtype=np.int64)
+def _scratch_size(vocab: int) -> int:
+    return 2 * vocab + vocab // BLOCK + 1  # the working row, its block maxima, top-k's copy
 
 
-def _seed() -> int:
-    return int(torch.randint(0, 1 << 62, (1,)).item())  # torch's default generator: torch.manual_seed holds
+# the params columns ``folio_sample`` reads: temperature, top-p, min-p, presence, frequency, repetition, top-k
+_COLUMNS = np.array([TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION, TOP_K], dtype=np.int64)
+
+
+def _keys(seeds: np.ndarray, positions: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    seeds = np.ascontiguousarray(seeds, dtype=np.int64)  # the 64-bit keys' bits
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    if seeds.shape != (m,) or positions.shape != (m,):
+        raise ValueError(f"{m} rows need {m} seeds and positions, got {seeds.shape} and {positions.shape}")
+    return seeds, positions
 
 
 def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bias: torch.Tensor | None,
-           rep: torch.Tensor | None) -> torch.Tensor:
+           rep: torch.Tensor | None, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
     """[m] int64 tokens for the m logits rows: greedy rows their penalised argmax, the others
-    drawn with temperature, min-p and top-p (``host_params``: [m, NUM_PARAMS], a row per token to
-    draw); ``bias``/``rep`` as in ``SamplingBatch`` (None: no such penalty)."""
+    drawn with temperature, min-p, top-k and top-p (``host_params``: [m, NUM_PARAMS], a row per
+    token to draw) from the uniforms of their ``seeds`` and ``positions`` ([m] int64 each);
+    ``bias``/``rep`` as in ``SamplingBatch`` (None: no such penalty; with a bias, the repetition
+    penalty applies where its entry has a bit set, as the runner's tables are read)."""
     lib = library()
     m, vocab = len(greedy), logits.shape[1]
     flags = np.ascontiguousarray(greedy, dtype=np.bool_)
     params = np.ascontiguousarray(host_params, dtype=np.float32)
+    seeds, positions = _keys(seeds, positions, m)
     out = torch.empty(m, dtype=torch.int64)
     pen_ld = bias.stride(0) if bias is not None else rep.stride(0) if rep is not None else vocab
+    from_bias = int(bias is not None)
     lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, flags.ctypes.data, params.ctypes.data,
-                     params.shape[1], _COLUMNS.ctypes.data, _addr(bias), _addr(rep), 0, None, pen_ld, _seed(),
-                     out.data_ptr(), _scratch_for(vocab).ctypes.data)
+                     params.shape[1], _COLUMNS.ctypes.data, _addr(bias), _addr(rep), from_bias, None, pen_ld,
+                     seeds.ctypes.data, positions.ctypes.data, out.data_ptr(), _scratch_for(vocab).ctypes.data)
+    return out
+
+
+def philox_uniforms(seeds: np.ndarray, positions: np.ndarray, first: int, count: int) -> np.ndarray:
+    """[n, count] float64: the kernel's draws ``first ..`` for each (seed, position), for the tests."""
+    seeds, positions = _keys(seeds, positions, len(seeds))
+    out = np.empty((len(seeds), count), dtype=np.float64)
+    library().folio_philox_uniforms(len(seeds), seeds.ctypes.data, positions.ctypes.data, first, count,
+                                    out.ctypes.data)
     return out
 
 
@@ -206,27 +229,29 @@ class TableSampler:
             raise RuntimeError("the CPU kernels are unavailable")
         self._tables: tuple = ()
         self._pointers: tuple[int, int] = (0, 0)
-        self._scratch = np.empty(vocab + vocab // BLOCK + 1, dtype=np.float32)
+        self._scratch = np.empty(_scratch_size(vocab), dtype=np.float32)
         self._scratch_ptr, self._columns_ptr = self._scratch.ctypes.data, _COLUMNS.ctypes.data
 
     def sample(self, logits: torch.Tensor, rows: torch.Tensor, greedy: np.ndarray, params: np.ndarray,
-               penalties) -> torch.Tensor:
+               penalties, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """``logits`` [m, vocab] fp32 CPU rows (contiguous within each row); ``rows`` [m] int64
         (contiguous): their rows in ``greedy`` [*] bool and ``params`` [*, NUM_PARAMS] fp32;
-        ``penalties``: the rows' ``PenaltyState`` (its tables may be unallocated)."""
+        ``penalties``: the rows' ``PenaltyState`` (its tables may be unallocated); ``seeds`` and
+        ``positions`` [m] int64: each logits row's key for its uniforms."""
         if logits.shape[1] != self.vocab or penalties.vocab_size != self.vocab:
             raise ValueError(f"logits of width {logits.shape[1]} for a sampler of vocabulary {self.vocab}")
         if not self._tables or self._tables[0] is not greedy or self._tables[1] is not params:
             self._tables = (greedy, params)
             self._pointers = (greedy.ctypes.data, params.ctypes.data)
         m = len(rows)
+        seeds, positions = _keys(seeds, positions, m)
         out = torch.empty(m, dtype=torch.int64)
         # the rep table is only written: a seen token's bias entry has a bit set (penalties.py)
         tables = (penalties.bias.data_ptr(), penalties.rep.data_ptr(), 1, penalties.counts.data_ptr()) \
             if penalties.allocated else (None, None, 0, None)
         self._lib.folio_sample(m, self.vocab, logits.data_ptr(), logits.stride(0), rows.data_ptr(), self._pointers[0],
-                               self._pointers[1], params.shape[1], self._columns_ptr, *tables, self.vocab, _seed(),
-                               out.data_ptr(), self._scratch_ptr)
+                               self._pointers[1], params.shape[1], self._columns_ptr, *tables, self.vocab,
+                               seeds.ctypes.data, positions.ctypes.data, out.data_ptr(), self._scratch_ptr)
         return out
 
 

@@ -267,3 +267,44 @@ def compiled_kernel(name: str, names: KernelNames | FusedNames | QuantNames, dev
     if name not in wanted:
         raise UnsupportedKernelError(f"kernel instance {name} is not part of {names}")
     return raw_module(MODULE_FILES[module], wanted, device_id).get_function(name)
+
+
+# cuda/sampler.cu: the sampler's uniforms (a module of its own; sampling/philox.py asks for it)
+SAMPLER_FILE = "sampler.cu"
+PHILOX_UNIFORMS_NAME = "folio::philox_uniforms"
+PHILOX_THREADS = 128  # cuda/sampler.cu's PHILOX_THREADS
+
+
+def philox_launch(seeds, positions, out, first: int, count: int):
+    """(grid, block, args) of ``folio::philox_uniforms`` filling ``out`` [n, count] float64 from
+    ``seeds`` and ``positions`` ([n] int64, contiguous, on out's device): the GPU and the emulation
+    tests marshal it with this same code."""
+    import numpy as np
+
+    total = seeds.shape[0] * count
+    grid = (max(1, -(-total // PHILOX_THREADS)), 1, 1)
+    args = (np.uint64(seeds.data_ptr()), np.uint64(positions.data_ptr()), np.uint64(out.data_ptr()),
+            np.int64(seeds.shape[0]), np.int32(first), np.int32(count))
+    return grid, (PHILOX_THREADS, 1, 1), args
+
+
+def philox_uniforms(seeds, positions, first: int, count: int):
+    """[n, count] float64 draws ``first ..`` of each (seed, position) computed on the GPU by
+    ``cuda/sampler.cu`` on torch's current stream; None when CuPy is not importable (the caller
+    then computes them with torch)."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    import torch
+
+    device = seeds.device
+    device_id = device.index if device.index is not None else torch.cuda.current_device()
+    seeds = seeds.to(torch.int64).contiguous()
+    positions = positions.to(device=device, dtype=torch.int64).contiguous()
+    out = torch.empty((seeds.shape[0], count), dtype=torch.float64, device=device)
+    grid, block, args = philox_launch(seeds, positions, out, first, count)
+    function = raw_module(SAMPLER_FILE, (PHILOX_UNIFORMS_NAME,), device_id).get_function(PHILOX_UNIFORMS_NAME)
+    with cupy.cuda.Device(device_id), cupy.cuda.ExternalStream(torch.cuda.current_stream(device_id).cuda_stream):
+        function(grid, block, args)
+    return out

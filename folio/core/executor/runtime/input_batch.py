@@ -24,7 +24,8 @@ import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.sampling.penalties import PenaltyState, has_penalties
-from folio.core.executor.sampling.sampler import NUM_PARAMS, TOP_K, make_generator, param_row, position_seed
+from folio.core.executor.sampling.philox import draw_seed, seed_words
+from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
 
 NO_LOGPROBS = -1
 
@@ -71,12 +72,11 @@ class InputBatch:
         self.penalised = np.zeros(cap, dtype=bool)
         self.repetition = np.zeros(cap, dtype=bool)
         self.appends = np.zeros(cap, dtype=bool)  # False for beams: the scheduler sends their tokens
-        self.has_seed = np.zeros(cap, dtype=bool)
-        self.table_sampled = np.zeros(cap, dtype=bool)  # greedy, or unseeded without top-k: the C kernel's rows
         self.num_logprobs = np.full(cap, NO_LOGPROBS, dtype=np.int64)
         self.lora_ids = np.zeros(cap, dtype=np.int64)  # the row's LoRA adapter (the manager's id; 0: none)
-        self.seeds: list[int | None] = [None] * cap
-        self.generators: list[torch.Generator | None] = [None] * cap
+        # the key of the row's uniforms (sampling/philox.py): its request's seed, or a random one
+        # drawn when the request joined (int64 holding the 64 bits)
+        self.seeds = np.zeros(cap, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(cap))  # a heap: the lowest free row first, so that a batch's rows
         # stay a run of consecutive rows as long as requests come and go together (the sampler then
@@ -95,11 +95,9 @@ class InputBatch:
     def _grow_rows(self) -> None:
         old, cap = self.capacity, 2 * self.capacity
         for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "params",
-                     "greedy", "penalised", "repetition", "appends", "has_seed", "table_sampled", "lora_ids"):
+                     "greedy", "penalised", "repetition", "appends", "lora_ids", "seeds"):
             setattr(self, name, _grow(getattr(self, name), rows=cap))
         self.num_logprobs = np.concatenate([self.num_logprobs, np.full(cap - old, NO_LOGPROBS, dtype=np.int64)])
-        self.seeds += [None] * (cap - old)
-        self.generators += [None] * (cap - old)
         self.free_rows += range(old, cap)  # it grows only when no row is free: a sorted list is a heap
         self.penalties.grow(cap)
         self.last_sampled = torch.cat([self.last_sampled, torch.zeros(cap - old, dtype=torch.long, device=self.device)])
@@ -132,20 +130,15 @@ class InputBatch:
         self.penalised[row] = has_penalties(sampling)
         self.repetition[row] = sampling.repetition_penalty != 1.0
         self.num_logprobs[row] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
-        self.seeds[row] = sampling.seed
-        self.has_seed[row] = sampling.seed is not None
-        self.table_sampled[row] = sampling.greedy or (sampling.seed is None and self.params[row, TOP_K] >= self.vocab_size)
+        self.seeds[row] = seed_words(sampling.seed) if sampling.seed is not None else draw_seed()
         self.appends[row] = append_sampled
         self.lora_ids[row] = lora_id
-        self.generators[row] = make_generator(sampling.seed, self.device)
         self.penalties.set_row(row, sampling, token_ids[:num_prompt], token_ids[num_prompt:])
         return row
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
-            self.generators[row] = None
-            self.has_seed[row] = False
             heapq.heappush(self.free_rows, row)
 
     def apply_running(self, running, step_id: int) -> None:
@@ -303,16 +296,10 @@ class InputBatch:
         return {name: dev[offsets[name] : offsets[name] + a.nbytes].view(_TORCH[a.dtype]) for name, a in arrays.items()}
 
     # ------------------------------------------------------------------ sampling state
-    def seeded(self, sample_rows: np.ndarray) -> list[tuple[int, torch.Generator, int]]:
-        """(index in the sample rows, generator, seed of this draw) of the seeded non-greedy rows."""
-        out = []
-        if not self.has_seed.any():
-            return out
-        for i in np.flatnonzero(self.has_seed[sample_rows] & ~self.greedy[sample_rows]):
-            row = int(sample_rows[i])
-            out.append((int(i), self.generators[row],
-                        position_seed(self.seeds[row], int(self.num_tokens[row] - self.num_prompt[row]))))
-        return out
+    def keys(self, sample_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sample rows' seeds and output positions (tokens generated so far), [n] int64 each:
+        the keys of their uniforms for the token they sample now."""
+        return self.seeds[sample_rows], self.num_tokens[sample_rows] - self.num_prompt[sample_rows]
 
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}

@@ -2,8 +2,8 @@
 
 The executor service wraps this behind its socket. The scheduler sends per-step diffs (a
 ``StepPlan``: new requests in full, running ones as new block ids and counts); the runner keeps
-what it needs of each request between steps (its tokens, block table, sampling params and seeded
-generator), flattens the step into one varlen batch, runs the model and samples.
+what it needs of each request between steps (its tokens, block table, sampling params and the
+seed of its draws), flattens the step into one varlen batch, runs the model and samples.
 
 With tensor parallelism every rank has a runner over its shard (``workers.py`` drives them):
 rank 0 samples in ``execute`` and notes the tokens it appended; the other ranks ``follow`` the
@@ -40,7 +40,7 @@ from folio.core.executor.quant.linear import ACT_DTYPE
 from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
-from folio.core.executor.sampling.structured import GrammarStore, advance, compile_error
+from folio.core.executor.sampling.structured import GrammarStore, advance, apply_grammar_masks, compile_error
 from folio.shared import startup
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
@@ -60,8 +60,9 @@ class RequestState:
         self.matcher: object | None = None  # structured output: its grammar's state after its tokens
 
     @property
-    def generator(self) -> torch.Generator | None:
-        return self.batch.generators[self.row]
+    def seed(self) -> int:
+        """The key of its draws: its own seed, or the random one drawn when it joined."""
+        return int(self.batch.seeds[self.row])
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -455,16 +456,20 @@ class ModelRunner:
 
     def _sample_plain(self, logits: torch.Tensor, step: StepInputs, matchers: list | None) -> torch.Tensor:
         rows, batch = step.sample_rows, self.batch
-        if self.table_sampler is not None and matchers is None and batch.table_sampled[rows].all() \
-                and (batch.penalised[rows].any() or not batch.greedy[rows].all()) and logits.shape[1] == batch.vocab_size \
-                and cpu_kernels.usable(logits):
-            # the C kernel over the persistent rows: penalties, draw and penalty bookkeeping in one
-            # call (a batch that is all plain greedy takes numpy's argmax below: as fast, no setup)
+        seeds, positions = batch.keys(rows)  # each row's draws: keyed by its seed and output position
+        if self.table_sampler is not None and (matchers is not None or batch.penalised[rows].any()
+                                               or not batch.greedy[rows].all()) \
+                and logits.shape[1] == batch.vocab_size and cpu_kernels.usable(logits):
+            # the C kernel over the persistent rows, every row whatever the others are (grammar rows
+            # masked first): penalties, draw and penalty bookkeeping in one call (a batch that is all
+            # plain greedy takes numpy's argmax below: the same tokens, no setup)
+            if matchers is not None:
+                logits = apply_grammar_masks(logits, matchers)
             tokens = self.table_sampler.sample(logits, step.sample_rows_dev, batch.greedy, batch.params,
-                                               batch.penalties)
+                                               batch.penalties, seeds, positions)
             batch.last_sampled.index_copy_(0, step.sample_rows_dev, tokens)
             return tokens
-        sampling = SamplingBatch(step.sample_params, batch.greedy[rows], batch.params[rows], batch.seeded(rows),
+        sampling = SamplingBatch(step.sample_params, batch.greedy[rows], batch.params[rows], seeds, positions,
                                  matchers=matchers)
         penalised = bool(batch.penalised[rows].any())
         if penalised:
@@ -493,7 +498,7 @@ class ModelRunner:
             if proposal is None or proposal.token_ids[: len(d)] != d:
                 raise ValueError(f"{state.req_id}: the drafts to verify are not the ones proposed")
             q.append(proposal.probs[: len(d)] if proposal.probs is not None else None)
-        rows = [SamplingRow(s.sampling, s.generator, s.token_ids[: s.num_prompt_tokens], s.output_token_ids)
+        rows = [SamplingRow(s.sampling, None, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, seed=s.seed)
                 for s in states]
         out = verify(target, drafts, q, rows)
         for state, new in zip(states, out):

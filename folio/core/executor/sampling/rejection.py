@@ -15,23 +15,25 @@ samples from p without x. Greedy requests skip the coin: a draft stands while it
 argmax, and the first mismatch (or the bonus position) outputs that argmax, which is exactly the
 token plain greedy decoding gives.
 
-Randomness. The accept test draws u ~ U[0, 1) and accepts when u * q(x) < p(x) (that is u <
+Randomness. The accept test draws u ~ U(0, 1] and accepts when u * q(x) < p(x) (that is u <
 min(1, p(x)/q(x)); written this way it needs no division, accepts a token q thought impossible,
-and never accepts a token p rules out). The resample and the bonus use the exponential race,
-argmax(r / E) with E ~ Exp(1), which draws from r / sum(r) without normalising r, as ``sample``
-does. An unseeded request takes both from the global RNG. A seeded request reseeds its generator
-with ``position_seed(seed, len(output_token_ids) + j)`` before the draws for output position j
-(the noise, then at a draft position the uniform): its tokens do not depend on the batch, and the
-bonus row, which draws the noise alone, gives the very token ``sample`` would draw there. A seeded draft
-model must therefore not draw its proposals from this same (seed, position) stream, or q's sample
-and the verifier's coin would be correlated and the output no longer exactly p.
+and never accepts a token p rules out). The resample and the bonus invert the cumulative
+distribution of r (the residual, or p) with one uniform, which draws from r / sum(r) without
+normalising r. The uniforms are the sampler's (``philox.py``), keyed as plain sampling keys its
+draws: for output position j = len(output_token_ids) + the draft's index, the row's seed (a seeded
+request's own; the runner's per-request random seed otherwise, ``SamplingRow.seed``) and position
+j, draw 0 for the token and draw 1 for the coin. A request's tokens thus do not depend on the batch,
+and a verification that starts over draws the same. A seeded draft model must not draw its
+proposals from this same stream (``spec_decode`` salts its seed), or q's sample and the verifier's
+coin would be correlated and the output no longer exactly p.
 """
 
 from __future__ import annotations
 
 import torch
 
-from folio.core.executor.sampling.sampler import SamplingRow, has_penalties, position_seed, processed_probs
+from folio.core.executor.sampling.philox import uniforms
+from folio.core.executor.sampling.sampler import SamplingRow, _search, has_penalties, processed_probs
 
 __all__ = ["num_accepted", "processed_probs", "verify"]
 
@@ -73,7 +75,7 @@ def verify(
 
     greedy = [r.params.greedy for r in rows]
     if not all(greedy):
-        noise, uniform = _draws(p, rows, num_drafts, row_starts, greedy)
+        token_u, uniform = _draws(p, rows, num_drafts)
         q = _draft_q(draft_probs, draft_token_ids, draft_starts, drafts, p_draft)
         p_x = p_draft.gather(1, drafts[:, None]).squeeze(1)
         q_x = q.gather(1, drafts[:, None]).squeeze(1)
@@ -83,7 +85,7 @@ def verify(
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_draft)
         # in place: p is ours and [num_rows, vocab] is large at a real vocabulary; p_draft is a copy
         dist = p.index_copy_(0, draft_rows, residual)  # bonus rows keep p
-        drawn = dist.div_(noise).argmax(dim=-1)
+        drawn = _search(dist.cumsum_(dim=-1), token_u)
         row_greedy = torch.tensor([g for g, k in zip(greedy, num_drafts) for _ in range(k + 1)], device=device)
         candidates = torch.where(row_greedy, target_top, drawn)
         accepted = torch.where(row_greedy[draft_rows], accepted, coin)
@@ -114,7 +116,7 @@ def _position_rows(rows: list[SamplingRow], draft_token_ids: list[list[int]]) ->
             positions += [r] * (len(drafts) + 1)
             continue
         positions += [
-            SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids + drafts[:j])
+            SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids + drafts[:j], seed=r.seed)
             for j in range(len(drafts) + 1)
         ]
     return positions
@@ -128,24 +130,18 @@ def _starts(sizes: list[int]) -> list[int]:
     return starts
 
 
-def _draws(
-    p: torch.Tensor, rows: list[SamplingRow], num_drafts: list[int], row_starts: list[int], greedy: list[bool]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exponential noise [num_rows, vocab] for the race and one uniform [num_rows] per row for the
-    accept test (the bonus rows' uniforms go unused). Global RNG for all rows, then each seeded
-    request's rows are redrawn from its generator, reseeded per output position."""
-    noise = torch.empty_like(p).exponential_()
-    uniform = torch.rand(p.shape[0], device=p.device)
-    for i, r in enumerate(rows):
-        if r.generator is None or greedy[i]:
-            continue
-        for j in range(num_drafts[i] + 1):
-            row = row_starts[i] + j
-            r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids) + j))
-            noise[row].exponential_(generator=r.generator)
-            if j < num_drafts[i]:
-                uniform[row : row + 1].uniform_(generator=r.generator)
-    return noise, uniform
+def _draws(p: torch.Tensor, rows: list[SamplingRow], num_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per target row [num_rows], float64 in (0, 1]: the uniform of the token draw (draw 0) and of
+    the accept test (draw 1; unused at the bonus rows), keyed by the request's seed and the row's
+    output position."""
+    keys, positions = [], []
+    for r, k in zip(rows, num_drafts):
+        key, start = r.key(), len(r.output_token_ids)
+        keys += [key] * (k + 1)
+        positions += range(start, start + k + 1)
+    u = uniforms(torch.tensor(keys, dtype=torch.int64, device=p.device),
+                 torch.tensor(positions, dtype=torch.int64, device=p.device), 0, 2)
+    return u[:, 0], u[:, 1]
 
 
 def _draft_q(

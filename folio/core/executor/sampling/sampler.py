@@ -11,30 +11,38 @@ nucleus of a real model almost always ends. A row whose kept set goes past the w
 alone (on the CPU, where that check is free); on a GPU the window is the whole vocabulary, so the
 step never waits on the device. The kept set is the one the sorting rule gives (vLLM's: drop a
 token once the mass before it reaches top-p, on the distribution left by min-p and top-k), up to
-tokens tied exactly at the threshold. On the CPU an unseeded row without top-k skips the window
+tokens tied exactly at the threshold. On the CPU (torch path) a row without top-k skips the window
 (torch's CPU ``topk`` costs more than the rest of the step): it draws by rejection against its
 nucleus (``_draw_nucleus``), which needs no cut at all.
 
-On the CPU a batch whose rows are all greedy or unseeded without top-k (and have no grammar) is
-sampled by one call of a C kernel (``cpu_kernels.py``, ``csrc/sampler.c``): per row, the penalties
-(bit for bit these), the greedy argmax, or temperature, min-p, and top-p by the same rejection
-as ``_draw_nucleus``, in a few passes over the row; ``_draw_quick`` uses it too. The runner calls
-the same kernel on its persistent rows directly (``cpu_kernels.TableSampler``: parameters and
-penalty tables read in place, the drawn tokens recorded in the same call). What follows is
-the torch path: the reference, the GPU's path, and the CPU's for the other rows and when no C
-compiler is at hand. The CPU path avoids what torch's CPU kernels run slowly: argmax goes through
-numpy, masks are 0/1 floats to multiply by (``_above``) rather than booleans, and the repetition
-penalty is a select by ``minimum``/``maximum`` over a float table (``penalties.py``) rather than a
-``where``.
+On the CPU every row is sampled by one call of a C kernel (``cpu_kernels.py``, ``csrc/sampler.c``),
+whatever the batch holds: per row, the penalties (bit for bit these), the greedy argmax, or
+temperature, min-p, top-k (a quickselect) and top-p by the same rejection as ``_draw_nucleus``, in
+a few passes over the row. Rows with a grammar have the tokens it forbids masked in the logits
+before the call. The runner calls the same kernel on its persistent rows directly
+(``cpu_kernels.TableSampler``: parameters and penalty tables read in place, the drawn tokens
+recorded in the same call). What follows is the torch path: the reference, the GPU's path, and
+the CPU's when no C compiler is at hand. The CPU path avoids what torch's CPU kernels run slowly:
+argmax goes through numpy, masks are 0/1 floats to multiply by (``_above``) rather than booleans,
+and the repetition penalty is a select by ``minimum``/``maximum`` over a float table
+(``penalties.py``) rather than a ``where``.
 
-Draws. An unseeded row draws by inverting its cumulative distribution with one uniform (inside
-the window when its kept set fits there). A seeded row keeps the exponential race
-(``argmax(p / E)``, ``E ~ Exp(1)``), with its noise from its own ``torch.Generator`` seeded afresh
-for every draw from (seed, output position): the same seed gives the same tokens whatever else is
-in the batch, and a request that starts over (preempted, swapped, its executor restarted) or is
-forked draws exactly what it would have drawn. Logprobs are reported from the model's raw
-distribution (before penalties and temperature). Speculative verification (``rejection.py``)
-draws from ``processed_probs``, built from the same pieces.
+Draws. Every row has a 64-bit seed: a seeded request its own, an unseeded one a random seed drawn
+once (the runner draws it when the request joins; ``SamplingRow`` callers get a fresh one per call
+unless they set ``SamplingRow.seed``). A row's uniforms are a counter-based generator's
+(Philox4x32-10, ``philox.py``) keyed by (seed, output position = the number of tokens it has
+generated, draw index), computed for the whole batch at once (on a GPU by ``cuda/sampler.cu``):
+nothing is kept between steps, so the same seed gives the same tokens whatever else is in the
+batch and whatever its size, and a request that starts over (preempted, swapped, its executor
+restarted) draws exactly what it would have drawn. Which path a row takes and what it draws
+depend only on that row (its probabilities, parameters, seed and position). A row draws by
+inverting its cumulative distribution: the C kernel with draw 0, then draw d for the d-th
+redraw of the top-p rejection; the torch path with draws 0 and 1 (a block of 64 tokens, then a
+token in it, on long CPU rows) inside its exact kept set, and draws 2 + 2r, 3 + 2r for round r of
+``_draw_nucleus``. Seeded and unseeded rows take the same path. Logprobs are reported from the
+model's raw distribution (before penalties and temperature). Speculative verification
+(``rejection.py``) draws from ``processed_probs``, built from the same pieces, with uniforms keyed
+the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch
 from folio.core.executor.kernels import cpu_kernels
 from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, NUM_PARAMS, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
 from folio.core.executor.sampling.penalties import has_penalties, neutral_zero, tensors_from_rows
+from folio.core.executor.sampling.philox import draw_seed, seed_words, uniforms
 from folio.core.executor.sampling.structured import apply_grammar_masks
 from folio.shared.messages import SamplingParams, TokenLogprobs
 
@@ -62,10 +71,17 @@ class SamplingRow:
     """What the sampler needs of one request (for callers that keep token lists)."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # unused by the draws (counter-based: ``seed``); kept for callers
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     matcher: object | None = None  # structured output: the request's xgrammar matcher
+    seed: int | None = None  # the row's seed when its params have none (else a fresh one per call)
+
+    def key(self) -> int:
+        """The 64-bit key of this row's uniforms (as int64 bits)."""
+        if self.params.seed is not None:
+            return seed_words(self.params.seed)
+        return seed_words(self.seed) if self.seed is not None else draw_seed()
 
 
 @dataclass
@@ -109,7 +125,8 @@ class SamplingBatch:
     params: torch.Tensor  # [n, NUM_PARAMS] fp32, columns TEMPERATURE ... TOP_K
     greedy: np.ndarray  # [n] bool (host)
     host_params: np.ndarray  # [n, NUM_PARAMS] fp32, the same values on the host
-    seeded: list[tuple[int, torch.Generator, int]]  # (row, its generator, the seed of this draw)
+    seeds: np.ndarray  # [n] int64: each row's 64-bit seed (its uniforms' key)
+    positions: np.ndarray  # [n] int64: each row's output position (tokens it has generated)
     bias: torch.Tensor | None = None  # [n, vocab] additive penalties (presence, frequency)
     rep: torch.Tensor | None = None  # [n, vocab] fp32: the repetition penalty on seen tokens, 1 elsewhere
     matchers: list | None = None  # per row, its grammar matcher or None (None: no row has one)
@@ -117,10 +134,10 @@ class SamplingBatch:
     @staticmethod
     def from_rows(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
         host = np.array([param_row(r.params, vocab_size) for r in rows], dtype=np.float32).reshape(-1, NUM_PARAMS)
-        seeded = [(i, r.generator, position_seed(r.params.seed, len(r.output_token_ids)))
-                  for i, r in enumerate(rows) if r.generator is not None and not r.params.greedy]
+        seeds = np.array([r.key() for r in rows], dtype=np.int64)
+        positions = np.array([len(r.output_token_ids) for r in rows], dtype=np.int64)
         batch = SamplingBatch(torch.from_numpy(host).to(device), np.array([r.params.greedy for r in rows], dtype=bool),
-                              host, seeded)
+                              host, seeds, positions)
         if any(has_penalties(r.params) for r in rows):
             batch.bias, batch.rep = tensors_from_rows(rows, vocab_size, device)
         if any(r.matcher is not None for r in rows):
@@ -170,8 +187,9 @@ def _keep_threshold(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray,
         keep &= vals >= min_cut[:, None]
     closes = (top_k <= k) | (vals[:, -1] < min_cut)  # top-k and min-p end inside the window
     if need_p:
-        # top-p runs on what min-p and top-k leave, renormalised
-        full = (probs * (probs >= min_cut[:, None])).sum(-1) if need_min_p else torch.ones_like(top_p)
+        # top-p runs on what min-p and top-k leave, renormalised (a row without min-p gets the same
+        # bits either way: times 1 is exact, so no row's cut depends on the others')
+        full = (probs * (probs >= min_cut[:, None])).sum(-1) if need_min_p else probs.sum(-1)
         mass = torch.where(closes, (vals * keep).sum(-1), full)
         q = vals * keep / mass[:, None]
         cum = q.cumsum(-1)
@@ -191,26 +209,28 @@ def _keep_threshold(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray,
     return tau, closes, vals, idx
 
 
-def _inverse_cdf(weights: torch.Tensor) -> torch.Tensor:
-    """[m, n] non-negative weights -> [m] index drawn with probability weight / row sum; a token
-    of weight 0 is never drawn. A long row on the CPU is drawn in two levels: a block of 64
-    tokens by its sum, then a token inside it by a second uniform (torch's CPU cumsum over a
-    49,152-token row costs three times the block sums and the short scans)."""
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[m, n] non-negative weights -> [m] index drawn with probability weight / row sum, by the
+    uniforms ``u`` [m, 2] (float64 in (0, 1]); a token of weight 0 is never drawn. A long row on
+    the CPU is drawn in two levels: a block of 64 tokens by its sum (``u[:, 0]``), then a token
+    inside it (``u[:, 1]``; torch's CPU cumsum over a 49,152-token row costs three times the block
+    sums and the short scans). Other rows use ``u[:, 0]`` alone."""
     m, n = weights.shape
     size = 64
     if weights.device.type != "cpu" or n % size or n < size * size:
-        return _search(weights.cumsum(-1))
+        return _search(weights.cumsum(-1), u[:, 0])
     blocks = weights.reshape(m, n // size, size)
-    block = _search(blocks.sum(-1).cumsum(-1))  # P(block) = its sum / the row's
+    block = _search(blocks.sum(-1).cumsum(-1), u[:, 0])  # P(block) = its sum / the row's
     inner = blocks[torch.arange(m, device=weights.device), block]  # [m, size]
-    return block * size + _search(inner.cumsum(-1))  # P(token | block) = its weight / the block's
+    return block * size + _search(inner.cumsum(-1), u[:, 1])  # P(token | block) = its weight / the block's
 
 
-def _search(cum: torch.Tensor) -> torch.Tensor:
-    """[m, n] cumulative weights -> [m] the first index whose cumulative weight reaches a uniform
-    draw in (0, total]: one of positive weight."""
-    u = (1.0 - torch.rand((cum.shape[0], 1), device=cum.device)) * cum[:, -1:]
-    return torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1).squeeze(1)
+def _search(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[m, n] cumulative weights -> [m] the first index whose cumulative weight reaches u [m] (in
+    (0, 1]) times the total: one of positive weight (u is narrowed to the weights' dtype first, so
+    that the target never passes the total)."""
+    target = u.to(device=cum.device, dtype=cum.dtype)[:, None] * cum[:, -1:]
+    return torch.searchsorted(cum, target).clamp_(max=cum.shape[1] - 1).squeeze(1)
 
 
 def _above(probs: torch.Tensor, cut: torch.Tensor, strict: bool = True) -> torch.Tensor:
@@ -228,10 +248,21 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _draw_unseeded(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, tau, closes, vals, idx):
+def _uniforms(keys: tuple[torch.Tensor, torch.Tensor], first: int, count: int, rows=None) -> torch.Tensor:
+    seeds, positions = keys
+    if rows is not None:
+        seeds, positions = seeds[rows], positions[rows]
+    return uniforms(seeds, positions, first, count)
+
+
+def _draw(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, tau, closes, vals, idx, keys):
+    """Each row's token from its kept set (``tau``), by its draws 0 and 1 (``keys``: the rows'
+    seeds and positions, int64 tensors on the probabilities' device); rows whose top-p cut lies
+    past the window draw by ``_draw_nucleus``."""
+    u = _uniforms(keys, 0, 2)
     if tau is None:
-        return _inverse_cdf(probs)
-    drawn = idx.gather(1, _inverse_cdf(vals * _above(vals, tau[:, None], strict=False))[:, None]).squeeze(1)
+        return _inverse_cdf(probs, u)
+    drawn = idx.gather(1, _inverse_cdf(vals * _above(vals, tau[:, None], strict=False), u)[:, None]).squeeze(1)
     if vals.shape[1] < probs.shape[1]:
         vocab = probs.shape[1]
         wide = ~closes  # kept sets wider than the window: the whole row
@@ -239,20 +270,23 @@ def _draw_unseeded(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, 
         rows = torch.nonzero(wide & ~cut).flatten()
         if rows.numel():  # min-p or nothing: tau is exact
             sub, sub_tau = probs[rows], tau[rows]
-            drawn.index_copy_(0, rows, _inverse_cdf(sub * _above(sub, sub_tau[:, None], strict=False)))
+            drawn.index_copy_(0, rows, _inverse_cdf(sub * _above(sub, sub_tau[:, None], strict=False), u[rows]))
         rows = torch.nonzero(cut).flatten()
         if rows.numel():
-            drawn.index_copy_(0, rows, _draw_nucleus(probs[rows], params[rows], host[rows.cpu().numpy()]))
+            drawn.index_copy_(0, rows, _draw_nucleus(probs[rows], params[rows], host[rows.cpu().numpy()],
+                                                     (keys[0][rows], keys[1][rows])))
     return drawn
 
 
-def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, max_rounds: int = 64):
+def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, keys, max_rounds: int = 64):
     """Rows drawn without finding their top-p cut (FlashInfer's sorting-free rejection): draw x
     from the tokens above a pivot (min-p's cut at first); keep it when the mass of the tokens more
     likely than x is below top-p (x is in the nucleus), else raise the pivot to x and draw again.
     A kept draw is distributed as p on the nucleus, since every pivot lies below it; each round
     keeps a row with probability at least top-p. ``probs`` may be unnormalised. Rows with a top-k
-    cut, or left after ``max_rounds``, are sorted. CPU only: the rounds' bookkeeping is on the host."""
+    cut, or left after ``max_rounds``, are sorted. Round r draws by the rows' draws 2 + 2r and
+    3 + 2r (``keys``: their seeds and positions), a sorted row by draws 2 + 2 * max_rounds and the
+    next. CPU only: the rounds' bookkeeping is on the host."""
     m, vocab = probs.shape
     if (host[:, MIN_P] > 0).any():  # what min-p leaves; top-p is taken on it, renormalised
         weights = probs * _above(probs, probs.amax(-1, keepdim=True) * params[:, MIN_P, None], strict=False)
@@ -263,10 +297,10 @@ def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, m
     out = np.empty(m, dtype=np.int64)
     todo = np.flatnonzero(host[:, TOP_K] >= vocab)
     w = weights if len(todo) == m else weights[torch.from_numpy(todo)]
-    for _ in range(max_rounds):
+    for r in range(max_rounds):
         if not len(todo):
             break
-        x = _inverse_cdf(w)
+        x = _inverse_cdf(w, _uniforms(keys, 2 + 2 * r, 2, torch.from_numpy(todo)))
         ok = whole[todo]
         if not ok.all():
             px = w.gather(1, x[:, None])
@@ -285,7 +319,8 @@ def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, m
         rows = torch.from_numpy(np.flatnonzero(rest))
         sub = weights[rows]
         sub_tau, _, _, _ = _keep_threshold(sub, params[rows], host[rest], vocab)
-        out[rest] = _inverse_cdf(sub * _above(sub, sub_tau[:, None], strict=False)).numpy()
+        u = _uniforms(keys, 2 + 2 * max_rounds, 2, rows)
+        out[rest] = _inverse_cdf(sub * _above(sub, sub_tau[:, None], strict=False), u).numpy()
     return torch.from_numpy(out)
 
 
@@ -299,7 +334,8 @@ def _window(vocab: int) -> int:
 
 def _random_rows(logits: torch.Tensor, batch: SamplingBatch, exact_all: bool):
     """Temperature-scaled logits, probabilities and kept-set threshold of the non-greedy rows
-    (exact for every row when ``exact_all``, else for the seeded ones)."""
+    (exact for every row when ``exact_all``; else a row whose cut lies past the window is left to
+    ``_draw_nucleus``), and their row indices (None: all rows)."""
     rand = None
     params, host = batch.params, batch.host_params
     if batch.greedy.any():
@@ -309,19 +345,25 @@ def _random_rows(logits: torch.Tensor, batch: SamplingBatch, exact_all: bool):
     x = logits / params[:, TEMPERATURE, None]
     probs = x.softmax(dim=-1)
     window = _window(probs.shape[1]) if probs.device.type == "cpu" else probs.shape[1]
-    exact = None
-    if not exact_all:
-        exact = np.zeros(len(host), dtype=bool)
-        where = np.cumsum(~batch.greedy) - 1
-        exact[[int(where[i]) for i, _, _ in batch.seeded]] = True
+    exact = None if exact_all else np.zeros(len(host), dtype=bool)
     return rand, x, probs, params, host, _keep_threshold(probs, params, host, window, exact)
+
+
+def _keys(batch: SamplingBatch, device: torch.device, idx: np.ndarray | None = None):
+    """The rows' (seeds, positions) as int64 tensors on ``device`` (rows ``idx``, or all)."""
+    seeds, positions = (batch.seeds, batch.positions) if idx is None else (batch.seeds[idx], batch.positions[idx])
+    return (torch.from_numpy(np.ascontiguousarray(seeds, dtype=np.int64)).to(device),
+            torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(device))
 
 
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[n, vocab] fp32 logits -> [n] sampled token ids (on the logits' device; on a GPU with no
     host sync)."""
-    if _kernel_takes_all(logits, batch):  # the CPU kernel: penalties and draw in one call
-        return cpu_kernels.sample(logits, batch.greedy, batch.host_params, batch.bias, batch.rep)
+    if _kernel_takes_all(logits, batch):  # the CPU kernel: penalties and draw in one call, every row
+        if batch.matchers is not None:  # structured output: forbidden tokens -> -inf first
+            logits = apply_grammar_masks(logits, batch.matchers)
+        return cpu_kernels.sample(logits, batch.greedy, batch.host_params, batch.bias, batch.rep, batch.seeds,
+                                  batch.positions)
     logits = process_logits(logits, batch)
     if batch.greedy.all():
         return _argmax(logits)
@@ -329,12 +371,12 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if not quick.any():
         return _sample_processed(logits, batch)
     if quick.all():
-        return _draw_quick(logits, batch.params, batch.host_params)
+        return _draw_quick(logits, batch.params, batch.host_params, _keys(batch, logits.device))
     out = _argmax(logits)  # the greedy rows' tokens; the others are overwritten
     idx = np.flatnonzero(quick)
     sel = torch.as_tensor(idx, device=logits.device)
     out.index_copy_(0, sel, _draw_quick(logits.index_select(0, sel), batch.params.index_select(0, sel),
-                                        batch.host_params[idx]))
+                                        batch.host_params[idx], _keys(batch, logits.device, idx)))
     idx = np.flatnonzero(~quick & ~batch.greedy)
     if len(idx):
         sel = torch.as_tensor(idx, device=logits.device)
@@ -343,63 +385,46 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _kernel_takes_all(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-    """Whether ``cpu_kernels`` samples the whole batch: every row greedy or quick (below), no
-    grammar, and something for it to do that numpy's argmax alone would not."""
-    if logits.device.type != "cpu" or batch.matchers is not None:
+    """Whether ``cpu_kernels`` samples the batch (every row of it: on the CPU whenever the kernel
+    can read these tensors), except a batch of plain greedy rows, which numpy's argmax takes (the
+    same tokens: the kernel's argmax is the first index of the maximum too)."""
+    if logits.device.type != "cpu":
         return False
-    if batch.greedy.all() and batch.bias is None and batch.rep is None:
-        return False
-    if not (batch.greedy | _quick_rows(batch, logits)).all():
+    if batch.greedy.all() and batch.bias is None and batch.rep is None and batch.matchers is None:
         return False
     return cpu_kernels.usable(logits, batch.bias, batch.rep)
 
 
 def _quick_rows(batch: SamplingBatch, logits: torch.Tensor) -> np.ndarray:
-    """Host bool [n]: the rows ``_draw_quick`` takes (on the CPU: unseeded, not greedy, no top-k)."""
+    """Host bool [n]: the rows ``_draw_quick`` takes (on the CPU: not greedy, no top-k)."""
     if logits.device.type != "cpu":
         return np.zeros(len(batch.greedy), dtype=bool)
-    quick = ~batch.greedy & (batch.host_params[:, TOP_K] >= logits.shape[1])
-    quick[[i for i, _, _ in batch.seeded]] = False
-    return quick
+    return ~batch.greedy & (batch.host_params[:, TOP_K] >= logits.shape[1])
 
 
-def _draw_quick(logits: torch.Tensor, params: torch.Tensor, host: np.ndarray) -> torch.Tensor:
-    """Unseeded rows without top-k on the CPU: temperature, then min-p and top-p by rejection
-    (``_draw_nucleus``) over the unnormalised probabilities, with no top-k window and no sort:
-    the fewest passes over the rows."""
-    if cpu_kernels.usable(logits, None, None):
-        return cpu_kernels.sample(logits, np.zeros(len(host), dtype=bool), host, None, None)
+def _draw_quick(logits: torch.Tensor, params: torch.Tensor, host: np.ndarray, keys) -> torch.Tensor:
+    """Rows without top-k on the CPU (the torch path): temperature, then min-p and top-p by
+    rejection (``_draw_nucleus``) over the unnormalised probabilities, with no top-k window and no
+    sort: the fewest passes over the rows."""
     x = logits / params[:, TEMPERATURE, None]
     weights = x.sub_(x.amax(-1, keepdim=True)).exp_()  # the best token's weight is 1
     if not ((host[:, TOP_P] < 1.0) | (host[:, MIN_P] > 0)).any():
-        return _inverse_cdf(weights)
-    return _draw_nucleus(weights, params, host)
+        return _inverse_cdf(weights, _uniforms(keys, 0, 2))
+    return _draw_nucleus(weights, params, host, keys)
 
 
 def _subset(batch: SamplingBatch, idx: np.ndarray) -> SamplingBatch:
     """Rows ``idx`` of a batch whose logits are processed already (no penalties, no grammar)."""
-    new = {int(old): i for i, old in enumerate(idx)}
-    seeded = [(new[i], gen, seed) for i, gen, seed in batch.seeded if i in new]
     sel = torch.as_tensor(idx, device=batch.params.device)
-    return SamplingBatch(batch.params.index_select(0, sel), batch.greedy[idx], batch.host_params[idx], seeded)
+    return SamplingBatch(batch.params.index_select(0, sel), batch.greedy[idx], batch.host_params[idx],
+                         batch.seeds[idx], batch.positions[idx])
 
 
 def _sample_processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``sample_batch`` after ``process_logits``, through the top-k window (GPU, seeded, top-k)."""
+    """``sample_batch`` after ``process_logits``, through the top-k window (GPU; top-k rows on the CPU)."""
     rand, x, probs, params, host, (tau, closes, vals, idx) = _random_rows(logits, batch, exact_all=False)
-    drawn = _draw_unseeded(probs, params, host, tau, closes, vals, idx)
-    if batch.seeded:
-        # rows of the seeded requests inside the random subset
-        where = np.cumsum(~batch.greedy) - 1
-        sub = [int(where[i]) for i, _, _ in batch.seeded]
-        noise = torch.empty((len(sub), x.shape[1]), device=x.device)
-        for j, (_, gen, seed) in enumerate(batch.seeded):
-            gen.manual_seed(seed)
-            noise[j].exponential_(generator=gen)
-        rows = torch.as_tensor(sub, device=x.device)
-        seeded_tau = None if tau is None else tau[rows]
-        race = _masked(x[rows], probs[rows], seeded_tau).softmax(dim=-1) / noise
-        drawn.index_copy_(0, rows, _argmax(race))
+    keys = _keys(batch, logits.device, None if rand is None else np.flatnonzero(~batch.greedy))
+    drawn = _draw(probs, params, host, tau, closes, vals, idx, keys)
     if rand is None:
         return drawn
     return _argmax(logits).index_copy_(0, rand, drawn)

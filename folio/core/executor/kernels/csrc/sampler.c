@@ -1,4 +1,4 @@
-/* The CPU sampler's one pass per row: penalties, temperature, min-p, top-p and the draw.
+/* The CPU sampler's one pass per row: penalties, temperature, min-p, top-k, top-p and the draw.
  *
  * Loaded by folio/core/executor/kernels/cpu_kernels.py (compiled there with the machine's C compiler,
  * -O3 -march=native -mprefer-vector-width=512 -fopenmp-simd -ffp-contract=off -fno-math-errno
@@ -13,14 +13,21 @@
  *            and the additive penalties (+ bias) applied;
  *   greedy = the first index of max(l) (as numpy's and torch's argmax), found in the first block
  *            of BLOCK tokens whose maximum it is;
- *   else w = exp(l / T - max(l / T)), the best token's weight 1; min-p keeps w >= min_p;
+ *   else w = exp(l / T - max(l / T)), the best token's weight 1; min-p keeps w >= min_p; top-k
+ *            keeps w >= the k-th largest weight (found by a quickselect on a copy: ties at the
+ *            cut stay, as in the torch path);
  *   top-p by rejection (FlashInfer's sorting-free scheme): draw x from the candidates in
  *   proportion to w; accept when the weight of the tokens strictly above w[x] is below
- *   top_p * (the weight min-p kept); otherwise the candidates become the tokens strictly above
- *   w[x] and draw again. The nucleus (tokens with less than top_p of the mass strictly above
+ *   top_p * (the weight min-p and top-k kept); otherwise the candidates become the tokens strictly
+ *   above w[x] and draw again. The nucleus (tokens with less than top_p of the mass strictly above
  *   them) is an upper set of the weights, so every candidate set holds it and the accepted draw is
  *   distributed as w restricted to it; each rejection shrinks the candidates, so it ends.
- * Uniforms come from splitmix64 over (seed, row, draw); the caller gives a fresh seed each call.
+ * Uniforms: draw d (0 for the first, d for the d-th redraw) of row r is philox_uniform(seeds[r],
+ * positions[r], d): Philox4x32-10 (Salmon et al. 2011, Random123's constants) keyed by the 64-bit
+ * seed, counter (d, position low, position high, 0); the first two output words make a 53-bit
+ * uniform in (0, 1]. The torch implementation (sampling/philox.py) and cuda/sampler.cu compute the
+ * same bits. A row's token thus depends on its logits, parameters, penalties, seed and position
+ * alone, never on the other rows of the call.
  * With a penalty state to record into, each drawn token is counted there in the same call.
  */
 
@@ -29,17 +36,69 @@
 #define BLOCK 64 /* tokens per block: the inverse-CDF walk sums whole blocks, then searches one;
                   * greedy rows find their maximum by its block */
 
-static inline uint64_t splitmix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+/* Philox4x32-10 of counter c under key (k0, k1), in place */
+static inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int round = 0; round < 10; round++) {
+        if (round) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        const uint32_t c1 = c[1], c3 = c[3];
+        c[0] = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
+        c[1] = (uint32_t)p1;
+        c[2] = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c[3] = (uint32_t)p0;
+    }
 }
 
-/* a uniform in (0, 1] */
-static inline double uniform(uint64_t *state) {
-    *state += 0x9E3779B97F4A7C15ull;
-    return ((splitmix64(*state) >> 11) + 1) * (1.0 / 9007199254740992.0);
+/* the uniform in (0, 1] of draw `draw` at output position `position` under `seed` */
+static inline double philox_uniform(uint64_t seed, int64_t position, uint32_t draw) {
+    uint32_t c[4] = {draw, (uint32_t)(uint64_t)position, (uint32_t)((uint64_t)position >> 32), 0u};
+    philox4x32_10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+    const uint64_t bits = ((uint64_t)c[0] << 21) | (c[1] >> 11);
+    return (double)(bits + 1) * (1.0 / 9007199254740992.0);
+}
+
+/* the k-th largest of w[0..n) (1 <= k <= n), by a three-way quickselect on the copy tmp */
+static float kth_largest(const float *w, int64_t n, int64_t k, float *tmp) {
+    memcpy(tmp, w, (size_t)n * sizeof *tmp);
+    int64_t lo = 0, hi = n - 1;
+    const int64_t target = k - 1; /* its index in descending order */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        float a = tmp[lo], b = tmp[mid], c = tmp[hi]; /* the median of three as the pivot */
+        const float pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t lt = lo, i = lo, gt = hi; /* [lo, lt) > pivot, [lt, i) == pivot, (gt, hi] < pivot */
+        while (i <= gt) {
+            const float x = tmp[i];
+            if (x > pivot) {
+                tmp[i++] = tmp[lt];
+                tmp[lt++] = x;
+            } else if (x < pivot) {
+                tmp[i] = tmp[gt];
+                tmp[gt--] = x;
+            } else {
+                i++;
+            }
+        }
+        if (target < lt) hi = lt - 1;
+        else if (target > gt) lo = gt + 1;
+        else return pivot;
+    }
+    return tmp[lo];
+}
+
+/* w[j] = 0 where w[j] < tau; returns the weights' sum */
+static inline float cut_below(float *w, int64_t vocab, float tau) {
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < vocab; j++) {
+        const float e = w[j] >= tau ? w[j] : 0.0f;
+        w[j] = e;
+        total += e;
+    }
+    return total;
 }
 
 /* the first token of positive weight whose running sum reaches u times total (the weights'
@@ -149,12 +208,14 @@ static inline __attribute__((always_inline)) float penalise(const float *restric
 }
 
 /* One row's token: l is its logits; its penalties as penalise() reads them (rep_mode, rp, rep;
- * bp added when add_bias). w and block_max are the scratch row and its per-block maxima. */
+ * bp added when add_bias). w and block_max are the scratch row and its per-block maxima, tmp a
+ * second scratch row (top-k). Its uniforms: philox_uniform(seed, position, 0, 1, ...). */
 static inline __attribute__((always_inline)) int64_t draw_row(const float *l, const float *rp, const float *bp,
                                                               float rep, int rep_mode, int add_bias, int greedy,
                                                               float temperature, float top_p, float min_p,
-                                                              uint64_t state, int64_t vocab, float *w,
-                                                              float *block_max) {
+                                                              int64_t top_k, uint64_t seed, int64_t position,
+                                                              int64_t vocab, float *w, float *block_max,
+                                                              float *tmp) {
     /* penalties (the torch path's arithmetic, bit for bit), then the temperature (a multiply:
      * these rows draw, nothing compares them with the torch path's bits) */
     const float scale = greedy ? 1.0f : 1.0f / temperature;
@@ -181,16 +242,18 @@ static inline __attribute__((always_inline)) int64_t draw_row(const float *l, co
         }
         return vocab - 1; /* no maximum (a row of NaN) */
     }
-    /* weights (the best token's is 1), what min-p keeps */
-    const float kept = weigh(w, vocab, mx, min_p);
+    /* weights (the best token's is 1), what min-p keeps, then what top-k keeps of that */
+    float kept = weigh(w, vocab, mx, min_p);
+    if (top_k > 0 && top_k < vocab) kept = cut_below(w, vocab, kth_largest(w, vocab, top_k, tmp));
     const float limit = top_p * kept;
-    int64_t x = inverse_cdf(w, vocab, kept, uniform(&state));
+    uint32_t draw = 0;
+    int64_t x = inverse_cdf(w, vocab, kept, philox_uniform(seed, position, draw++));
     while (top_p < 1.0f) {
         const float px = w[x];
         const float heavier = above(w, vocab, px, 0);
         if (heavier < limit || heavier == 0.0f) break; /* (nothing above: x is the best token) */
         /* x is outside the nucleus: the candidates become the tokens above it */
-        x = inverse_cdf(w, vocab, above(w, vocab, px, 1), uniform(&state));
+        x = inverse_cdf(w, vocab, above(w, vocab, px, 1), philox_uniform(seed, position, draw++));
     }
     return x;
 }
@@ -207,17 +270,18 @@ static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float 
 /* logits: [m, vocab] fp32 rows (row stride ld), one per token to draw. rows [m]: each logits
  * row's row in the tables below (NULL: row r is table row r). Tables, indexed by that row:
  * greedy [*] (0/1); params [*, params_ld] with the temperature, top-p, min-p, presence,
- * frequency and repetition penalties in the columns of cols [6]; bias and rep [*, pen_ld] (NULL:
+ * frequency and repetition penalties and top-k in the columns of cols [7]; bias and rep [*, pen_ld] (NULL:
  * no such penalty), read only for the rows whose own penalties are not neutral (a neutral row's
  * are zero and one); with rep_from_bias the rep table is not read at all: a row's repetition
  * penalty applies to the tokens whose bias entry has a bit set (penalise()). counts [*, pen_ld]
  * int32: NULL, or the penalty state to record each drawn token into (as folio_record_penalties,
- * for the penalised rows). out [m]; scratch: vocab + vocab / BLOCK + 1 floats */
+ * for the penalised rows). seeds [m] and positions [m]: each logits row's seed and output
+ * position (its uniforms' key). out [m]; scratch: 2 * vocab + vocab / BLOCK + 1 floats */
 void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
                   const uint8_t *greedy, const float *params, int64_t params_ld, const int64_t *cols, float *bias,
-                  float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, uint64_t seed, int64_t *out,
-                  float *scratch) {
-    float *w = scratch, *block_max = scratch + vocab;
+                  float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, const uint64_t *seeds,
+                  const int64_t *positions, int64_t *out, float *scratch) {
+    float *w = scratch, *block_max = scratch + vocab, *tmp = scratch + vocab + vocab / BLOCK + 1;
     for (int64_t r = 0; r < m; r++) {
         const int64_t row = rows != NULL ? rows[r] : r;
         const float *param = params + row * params_ld;
@@ -228,7 +292,7 @@ void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, con
         const int64_t token = draw_row(logits + r * ld, rep != NULL ? rep + row * pen_ld : NULL,
                                        bias != NULL ? bias + row * pen_ld : NULL, repetition, rep_mode, add_bias,
                                        greedy[row], param[cols[0]], param[cols[1]], param[cols[2]],
-                                       splitmix64(seed ^ splitmix64((uint64_t)r)), vocab, w, block_max);
+                                       (int64_t)param[cols[6]], seeds[r], positions[r], vocab, w, block_max, tmp);
         out[r] = token;
         if (counts != NULL && bias != NULL && rep != NULL && (has_rep || add_bias))
             record_one(row, token, pen_ld, frequency, presence, repetition, counts, bias, rep);
@@ -242,6 +306,13 @@ void folio_record_penalties(int64_t n, int64_t vocab, const int64_t *rows, const
                             int32_t *counts, float *bias, float *rep) {
     for (int64_t i = 0; i < n; i++)
         record_one(rows[i], tokens[i], vocab, frequency[i], presence[i], repetition[i], counts, bias, rep);
+}
+
+/* out[i, d] = draw first + d of (seeds[i], positions[i]), for i < n and d < count: for the tests */
+void folio_philox_uniforms(int64_t n, const uint64_t *seeds, const int64_t *positions, int64_t first, int64_t count,
+                           double *out) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < count; d++) out[i * count + d] = philox_uniform(seeds[i], positions[i], (uint32_t)(first + d));
 }
 
 /* exp_nonpositive over n values, for the tests */
