@@ -85,6 +85,14 @@ def serve(args: argparse.Namespace) -> int:
     if args.lora_modules and not args.enable_lora:
         print("folio: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
+    if args.otlp_traces_endpoint:
+        from folio.shared.tracing import setup
+
+        try:  # said once here, not by five services failing to start
+            setup(args.otlp_traces_endpoint, "serve").shutdown()
+        except RuntimeError as exc:
+            print(f"folio: {exc}", file=sys.stderr)
+            return 2
     try:
         model_path = str(resolve_model(args.model))
     except FileNotFoundError as exc:

@@ -116,10 +116,13 @@ def _clean(attributes: dict | None) -> dict | None:
 
 def setup(endpoint: str | None, service: str) -> Tracing | None:
     """The service's ``Tracing`` exporting to ``endpoint`` (an OTLP/HTTP collector's base URL), or
-    None when tracing is off (no endpoint). Raises ``RuntimeError`` when the OpenTelemetry SDK or its
-    OTLP exporter is not installed."""
+    None when tracing is off (no endpoint). Raises ``RuntimeError`` for an endpoint that is not an
+    http(s) URL, or when the OpenTelemetry SDK or its OTLP exporter is not installed."""
     if not endpoint:
         return None
+    if not endpoint.startswith(("http://", "https://")):
+        raise RuntimeError(f"--otlp-traces-endpoint takes an OTLP/HTTP collector's http:// or https:// URL, "
+                           f"not {endpoint!r}")
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource

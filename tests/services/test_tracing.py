@@ -247,3 +247,10 @@ def test_traceparent_parsing():
                 f"00-{CLIENT_TRACE}-{'0' * 16}-01", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01-extra"):
         assert parse_traceparent(bad) is None, bad
     assert traces_url("http://c:4318/") == "http://c:4318/v1/traces" == traces_url("http://c:4318/v1/traces")
+
+
+def test_serve_refuses_an_endpoint_that_is_not_a_url(capsys):
+    from folio.cli.main import main as folio
+
+    assert folio(["serve", "--otlp-traces-endpoint", "collector:4318"]) == 2
+    assert "--otlp-traces-endpoint takes an OTLP/HTTP collector's http:// or https:// URL" in capsys.readouterr().err
