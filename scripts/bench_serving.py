@@ -19,6 +19,11 @@ Every figure is a ratio against a baseline run here, on this machine, in this ru
   server with the same budget started with ``--no-enable-chunked-prefill`` (the scheduler then
   takes a whole prompt in one step even past the budget). Prints ITL p50/p99, the longest gap,
   the long prompt's latency, and unchunked/chunked ratios (with under 100 gaps, p99 is the max).
+- sampling: the throughput workload, all at once, through one served folio (async scheduling),
+  greedy against temperature 0.8, top-p 0.95 and presence penalty 0.5, unseeded and with a
+  ``seed`` on every request (``--no-request-seeds``: without the seeded run), taking turns for
+  ``--repeats`` rounds (the fastest of each counting). Prints output tokens/s and each sampled
+  run's share of greedy's.
 - concurrency: the same workload, all at once, against a server whose KV pool is only
   ``--budget-kv-blocks`` blocks. Peak requests running at once (the scheduler's
   ``max_num_running``, or the most ``num_running`` seen polling its stats every 50 ms) against
@@ -30,7 +35,7 @@ A server is reused by the next section when its flags match (with the defaults n
 one logs to its own file. After each section the script says how much of the CPUs other
 processes took meanwhile: on a shared machine that is what makes figures meaningless.
 
-    python scripts/bench_serving.py [--sections all|throughput,itl,concurrency] [--num-requests 64]
+    python scripts/bench_serving.py [--sections all|throughput,itl,sampling,concurrency] [--num-requests 64]
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ from folio.core.models import resolve_model  # noqa: E402
 from folio.testing.server import Server, start_server, stop_server  # noqa: E402
 from scripts.cpu_meter import CpuMeter  # noqa: E402
 
-SECTIONS = ("throughput", "itl", "concurrency")  # in the order they run
+SECTIONS = ("throughput", "itl", "sampling", "concurrency")  # in the order they run
+# the sampling section's sampled requests (a seed is added per request unless --no-request-seeds)
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.5}
 WORDS = ("river mountain city code model light quiet storm paper engine story garden window "
          "morning silver market bridge winter signal harbor").split()
 ITL_NUM_STREAMS = 8
@@ -144,10 +151,11 @@ def run_hf_static(path: str, jobs: list[Job], batch_size: int, pad_id: int) -> f
 
 # ---------------------------------------------------------------------------- HTTP clients
 async def one_stream(session, base_url: str, prompt: list[int], max_tokens: int,
-                     stamps: list[float] | None = None) -> dict:
-    """One streaming completion; ``stamps`` (when given) fills live with each text chunk's arrival."""
+                     stamps: list[float] | None = None, sampling: dict | None = None) -> dict:
+    """One streaming completion; ``stamps`` (when given) fills live with each text chunk's arrival;
+    ``sampling``: body fields over the greedy default."""
     body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, **(sampling or {})}
     stamps = [] if stamps is None else stamps
     t0 = time.perf_counter()
     async with session.post(base_url + "/completions", json=body) as resp:
@@ -174,11 +182,15 @@ def http_session():
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800))
 
 
-async def run_served(base_url: str, jobs: list[Job], warmup: list[int]) -> tuple[float, list[dict]]:
+async def run_served(base_url: str, jobs: list[Job], warmup: list[int],
+                     sampling: list[dict] | None = None) -> tuple[float, list[dict]]:
+    """All jobs at once; ``sampling``: per job, body fields over the greedy default."""
+    sampling = sampling or [{}] * len(jobs)
     async with http_session() as session:
-        await one_stream(session, base_url, warmup, 4)
+        await one_stream(session, base_url, warmup, 4, sampling=sampling[0])
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(session, base_url, p, n) for p, n in jobs))
+        results = await asyncio.gather(*(one_stream(session, base_url, p, n, sampling=extra)
+                                         for (p, n), extra in zip(jobs, sampling)))
     return time.perf_counter() - t0, results
 
 
@@ -279,6 +291,24 @@ def section_throughput(args, path: str, jobs: list[Job], warmup: list[int], pad_
     itls = [x for r in results for x in r["itl"]]
     print(f"served TTFT  p50 {ms(pct(ttfts, .5))}  p90 {ms(pct(ttfts, .9))}  p99 {ms(pct(ttfts, .99))}")
     print(f"served ITL   p50 {ms(pct(itls, .5))}  p90 {ms(pct(itls, .9))}  p99 {ms(pct(itls, .99))}")
+
+
+# ---------------------------------------------------------------------------- section: sampling
+def section_sampling(args, jobs: list[Job], warmup: list[int], servers: Servers) -> None:
+    runs = {"greedy": [{}] * len(jobs), "sampled, unseeded": [dict(SAMPLED)] * len(jobs)}
+    if args.request_seeds:
+        runs["sampled, seed on every request"] = [dict(SAMPLED, seed=args.seed + i) for i in range(len(jobs))]
+    print(f"\n== sampling: {len(jobs)} streams at once through one server (async scheduling), greedy vs "
+          f"{', '.join(f'{k} {v}' for k, v in SAMPLED.items())}")
+    server = servers.get(*common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens))
+    out_tokens = sum(n for _, n in jobs)
+    best = {name: float("inf") for name in runs}
+    for _ in range(args.repeats):  # taking turns: a drift of the cores' speed slows all alike
+        for name, sampling in runs.items():
+            best[name] = min(best[name], asyncio.run(run_served(server.base_url, jobs, warmup, sampling))[0])
+            server.admin("kvmanager", "clear")
+    for name, seconds in best.items():
+        print(f"{name:<32} {out_tokens / seconds:>9.1f} out tok/s  {best['greedy'] / seconds:.3f} of greedy's")
 
 
 # ---------------------------------------------------------------------------- section: concurrency
@@ -411,6 +441,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers static batch size")
     parser.add_argument("--repeats", type=int, default=3,
                         help="throughput: rounds of in-process, served sync and served async; the fastest counts")
+    parser.add_argument("--request-seeds", action=argparse.BooleanOptionalAction, default=True,
+                        help="sampling: also run with a seed on every sampled request (--seed + its index)")
     parser.add_argument("--budget-kv-blocks", type=int, default=128, help="KV pool of the concurrency server")
     parser.add_argument("--itl-chunk-tokens", type=int, default=256, help="step budget of both itl servers")
     parser.add_argument("--itl-long-prompt", type=int, default=2000, help="tokens of the long prompt")
@@ -446,6 +478,7 @@ def main() -> None:
     meter, total = CpuMeter(), CpuMeter()
     runners = {"throughput": lambda: section_throughput(args, path, jobs, warmup, pad_id, servers),
                "itl": lambda: section_itl(args, tokenizer, servers),
+               "sampling": lambda: section_sampling(args, jobs, warmup, servers),
                "concurrency": lambda: section_concurrency(args, path, jobs, warmup, servers)}
     try:
         for name in SECTIONS:

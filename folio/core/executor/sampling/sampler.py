@@ -102,7 +102,9 @@ _MASK64 = (1 << 64) - 1
 
 
 def position_seed(seed: int, position: int) -> int:
-    """A 64-bit seed for the draw of output token ``position`` (splitmix64 of the pair)."""
+    """A 64-bit seed for output token ``position`` (splitmix64 of the pair): the draft model's
+    ``torch.Generator`` seeds (``spec_decode``, with a salted seed); the sampler's own draws are
+    keyed by ``philox.py`` instead."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
