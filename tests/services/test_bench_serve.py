@@ -274,3 +274,8 @@ def test_prefix_repetition_and_sharegpt_datasets(tmp_path, capsys):
                               "--num-prompts", "6", "--disable-tqdm"])
     finally:
         server.close()
+
+
+def test_an_endpoint_that_is_not_there_is_a_clear_error():
+    with pytest.raises(SystemExit, match=r"folio bench serve: http://127\.0\.0\.1:\d+: Cannot connect"):
+        bench_serve.main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--num-prompts", "1", "--disable-tqdm"])
