@@ -190,6 +190,14 @@ def test_one_request_is_one_trace_with_a_span_per_stage_under_the_clients_span(s
     (stream,) = named["gateway.stream"]
     assert stream["attributes"]["folio.output_tokens"] == 5 and stream["attributes"]["folio.stream"] is True
     assert {s["service"] for s in spans} == {"folio-gateway", "folio-tokenizer", "folio-scheduler"}
+    # the same prompt again: its full blocks come from the prefix cache, and the spans say so
+    again = "1" * 32
+    post(replica.url + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+         {"traceparent": f"00-{again}-{CLIENT_SPAN}-01"})
+    named = _by_name(receiver.wait_for(again, STAGES))
+    cached = named["scheduler.queue"][0]["attributes"]["folio.cached_tokens"]
+    assert cached == (prompt_tokens - 1) // 8 * 8 > 0  # whole blocks, the last token computed again
+    assert min(c["attributes"]["folio.chunk_start"] for c in named["executor.prefill_chunk"]) == cached
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(stack):
