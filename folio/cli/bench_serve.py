@@ -319,7 +319,8 @@ async def send(session, args, prompt: Prompt, ignore_eos: bool) -> RequestResult
                     return res
                 now = time.perf_counter()
                 for choice in event.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") if args.endpoint == "chat" else choice.get("text")
+                    chat = args.endpoint == "chat"
+                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:
                         if chunks == 0:
                             res.ttft = now - res.start
@@ -540,7 +541,8 @@ async def run(args) -> dict:
             raise SystemExit(f"folio bench serve: the test request failed: {test.error}")
         print("Initial test run completed. Starting main benchmark run...")
         print(f"Traffic request rate: {args.request_rate}")
-        print(f"Burstiness factor: {args.burstiness} ({'Poisson process' if args.burstiness == 1 else 'Gamma distribution'})")
+        kind = "Poisson process" if args.burstiness == 1 else "Gamma distribution"
+        print(f"Burstiness factor: {args.burstiness} ({kind})")
         print(f"Maximum request concurrency: {args.max_concurrency}")
 
         bar = tqdm(total=len(prompts), disable=args.disable_tqdm, file=sys.stderr)

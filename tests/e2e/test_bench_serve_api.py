@@ -1,13 +1,13 @@
-"""``folio bench serve`` (the CLI, as a process) against a running ``folio serve`` and, when one can
-be had, llama.cpp's server on the same packaged GGUF, with the same ``--seed``: every figure of
-vLLM's layout is printed, and the token counts are exactly what was asked."""
+"""``folio bench serve`` (the CLI, as a process) against a running ``folio serve`` and llama.cpp's
+server (``folio.testing.llamacpp``: skipped, saying how to build it, when it is not built) on the
+same packaged GGUF, with the same ``--seed``: every figure of vLLM's layout is printed, and the
+token counts are exactly what was asked."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +22,7 @@ METRICS = ["Successful requests:", "Failed requests:", "Maximum request concurre
            "Peak concurrent requests:", "Total Token throughput (tok/s):"]
 METRICS += [f"{s} {m} (ms):" for m in ("TTFT", "TPOT", "ITL", "E2EL") for s in ("Mean", "Median", "P99")]
 BENCH = ["--num-prompts", "6", "--input-len", "24", "--output-len", "8", "--max-concurrency", "3", "--seed", "7",
-         "--goodput", "ttft:60000", "tpot:10000", "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm"]
+         "--goodput", "ttft:3600000", "tpot:600000", "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm"]
 
 
 def bench(base_url: str, tmp_path, *extra: str) -> tuple[str, dict]:
@@ -44,45 +44,36 @@ def test_bench_serve_against_folio(server, tmp_path):
     out, saved = bench(server.base_url, tmp_path)
     for name in METRICS:
         figure(out, name)
-    assert "Tokenizer: the endpoint's /tokenize" in out
-    assert figure(out, "Successful requests:") == 6 and figure(out, "Failed requests:") == 0
+    assert "Tokenizer: the endpoint's /tokenize" in out, out
+    assert figure(out, "Successful requests:") == 6 and figure(out, "Failed requests:") == 0, out
     # token-accurate prompts (the served tokenizer) and ignore_eos: exactly the lengths asked
-    assert figure(out, "Total input tokens:") == 6 * 24 and figure(out, "Total generated tokens:") == 6 * 8
-    assert saved["output_lens"] == [8] * 6 and saved["model_id"]
-    assert figure(out, "Request goodput (req/s):") == figure(out, "Request throughput (req/s):") > 0
-    assert 0 < saved["mean_ttft_ms"] <= saved["mean_e2el_ms"] and saved["mean_tpot_ms"] > 0
+    assert figure(out, "Total input tokens:") == 6 * 24 and figure(out, "Total generated tokens:") == 6 * 8, out
+    assert saved["input_lens"] == [24] * 6 and saved["output_lens"] == [8] * 6 and saved["model_id"], out
+    # SLOs no run misses (a loaded 2-core machine saw 10 s per token): every request is good
+    assert figure(out, "Request goodput (req/s):") == figure(out, "Request throughput (req/s):") > 0, out
+    assert 0 < saved["mean_ttft_ms"] <= saved["mean_e2el_ms"] and saved["mean_tpot_ms"] > 0, out
     assert 1 <= saved["max_concurrent_requests"] <= 6  # 1-second buckets, as vLLM counts it
 
 
 # ---------------------------------------------------------------- llama.cpp's server
 
 
-def llama_server_command(gguf: str, port: int) -> list[str] | None:
-    """llama.cpp's server on ``gguf``: ``$FOLIO_LLAMA_SERVER`` or ``llama-server`` on the PATH (the C++
-    server), else llama-cpp-python's (``pip install 'llama-cpp-python[server]'``, which builds
-    llama.cpp from source); None when neither is installed."""
-    binary = os.environ.get("FOLIO_LLAMA_SERVER") or shutil.which("llama-server")
-    if binary:
-        return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "3"]
-    try:
-        import llama_cpp.server  # noqa: F401
-    except ImportError:
-        return None
-    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-            "--n_ctx", "2048"]
-
-
 def test_bench_serve_against_llama_cpp_server(tmp_path):
     from folio.core.models import packaged_gguf
+    from folio.testing.llamacpp import build_llama_server, find_llama_server, server_command
 
+    binary = find_llama_server()
+    if binary is None and os.environ.get("FOLIO_BUILD_LLAMA_SERVER") == "1":
+        binary = build_llama_server()
+    if binary is None:
+        pytest.skip("llama.cpp's server is not built: `python -m folio.testing.llamacpp` builds llama-server from "
+                    "the llama-cpp-python source on the package index (minutes), or set FOLIO_LLAMA_SERVER, or "
+                    "put llama-server on the PATH, or run with FOLIO_BUILD_LLAMA_SERVER=1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = llama_server_command(str(packaged_gguf()), port)
-    if cmd is None:
-        pytest.skip("llama.cpp's server is not installed: put llama-server on the PATH (or set FOLIO_LLAMA_SERVER), "
-                    "or pip install 'llama-cpp-python[server]' (it compiles llama.cpp from source)")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "llama.log", "w"))
+    proc = subprocess.Popen(server_command(binary, str(packaged_gguf()), port, parallel=3),
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "llama.log", "w"))
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -141,16 +141,23 @@ def test_figures_match_a_server_with_known_latencies(tmp_path, capsys):
     assert saved["request_throughput"] == pytest.approx(12 / duration)
     assert saved["output_throughput"] == pytest.approx(72 / duration)
     assert saved["total_token_throughput"] == pytest.approx(312 / duration)
-    # goodput: the two slow first tokens (350 ms) miss ttft:250, the ten others meet it
-    assert saved["request_goodput"] * duration == pytest.approx(10)
-    assert printed(out, "Request goodput (req/s):") == pytest.approx(10 / duration, abs=0.006)
-    # TTFT: ten at 100 ms and two at 350 ms; timers on a busy machine only ever run late
-    assert 100 <= saved["median_ttft_ms"] < 140
-    assert (10 * 100 + 2 * 350) / 12 <= saved["mean_ttft_ms"] < (10 * 100 + 2 * 350) / 12 + 40
-    assert 350 <= saved["p99_ttft_ms"] < 400
+    # goodput: the two slow first tokens (350 ms) miss ttft:250; the others meet it unless the machine
+    # held them past 250 ms, which the saved TTFTs show
+    ttfts_ms = [t * 1000 for t in saved["ttfts"][:12]]
+    good = sum(t <= 250 for t in ttfts_ms)
+    assert sum(t >= 350 for t in ttfts_ms) >= 2 and good <= 10
+    assert saved["request_goodput"] * duration == pytest.approx(good)
+    assert printed(out, "Request goodput (req/s):") == pytest.approx(good / duration, abs=0.006)
+    # TTFT: ten at 100 ms and two at 350 ms. Timers only ever run late, so the lower bounds are
+    # exact; the upper ones leave room for a machine loaded many times over
+    assert 100 <= saved["median_ttft_ms"] < 400
+    assert (10 * 100 + 2 * 350) / 12 <= saved["mean_ttft_ms"] < (10 * 100 + 2 * 350) / 12 + 300
+    assert 350 <= saved["p99_ttft_ms"] < 1000
     # TPOT excludes the first token: (latency - TTFT) / 5 = 20 ms; ITL: 5 gaps of 20 ms per request
-    assert 20 <= saved["mean_tpot_ms"] < 30 and 20 <= saved["median_tpot_ms"] < 30
-    assert sum(len(x) for x in saved["itls"]) == 60 and 19 <= saved["median_itl_ms"] < 30
+    assert 20 <= saved["mean_tpot_ms"] < 80 and 20 <= saved["median_tpot_ms"] < 80
+    assert sum(len(x) for x in saved["itls"]) == 60 and 19 <= saved["median_itl_ms"] < 80
+    # whatever the load: a request's TPOT is its mean gap (nothing follows its last token but usage)
+    assert saved["mean_tpot_ms"] == pytest.approx(saved["mean_itl_ms"], rel=0.15)
     assert saved["p50_ttft_ms"] == saved["median_ttft_ms"]
     assert printed(out, "Mean TPOT (ms):") == pytest.approx(saved["mean_tpot_ms"], abs=0.006)
     assert printed(out, "P99 ITL (ms):") == pytest.approx(saved["p99_itl_ms"], abs=0.006)
@@ -183,7 +190,7 @@ def test_failures_are_counted_and_left_out(tmp_path, capsys):
     assert sorted(e.split(":")[0] for e in saved["errors"] if e) == ["HTTP 500", "error event",
                                                                       "the stream ended without [DONE]"]
     assert "Request goodput" not in out  # only with --goodput, as vLLM prints it
-    assert 20 <= saved["mean_tpot_ms"] < 30
+    assert 20 <= saved["mean_tpot_ms"] < 80
 
 
 def test_an_endpoint_that_refuses_ignore_eos_runs_without_it(capsys):
@@ -237,7 +244,7 @@ def test_poisson_arrivals_follow_the_seed_and_rate():
     rng = bench_serve.random.Random(5)
     gaps = [rng.gammavariate(1.0, 1 / 50.0) for _ in range(5)]
     got = asyncio.run(times(5, 50.0))
-    assert got[-1] == pytest.approx(sum(gaps), abs=0.05) and got[-1] >= sum(gaps) - 1e-3
+    assert sum(gaps) - 1e-3 <= got[-1] < sum(gaps) + 0.5  # sleeps only ever run late
     assert asyncio.run(times(0, math.inf))[-1] < 0.01
 
 
