@@ -9,7 +9,10 @@ Reported:
 - completed (the whole answer), errored (a clear error: an HTTP error object, 429 and 503
   included, or an error event in the stream), lost (neither: a dropped connection or a client
   deadline passed; must be 0);
-- p50/p99 latency of the completed ones;
+- p50/p99 latency of the completed, and the cost of a kill: p50/p99 of the completed requests
+  that were in flight when a service was killed against those that were not (a scheduler or
+  tokenizer kill replays its requests, an executor or kvmanager kill recomputes them); and how
+  many failed after their stream began (an error event: 0 expected, kills included);
 - each service's resident memory at the start (after a warm-up) and the end: a restarted service
   is a new process (its pid is shown), whose figure is that of its own life only; and the KV
   blocks in use once the load stops (must be 0);
@@ -23,7 +26,8 @@ Reported:
     python scripts/bench_soak.py --duration 600            # the README figure
     python scripts/bench_soak.py --duration 60 --check     # CI's minute: exit 1 on a loss or leak
 
-The gateway is not killed by default: its crash drops its connections by design (README).
+The gateway is not killed by default: its crash drops its connections (only a router in front
+resumes them elsewhere, ``tests/faults/test_resume.py``).
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def memory(served: Served) -> dict[str, tuple[int, float]]:
     return out
 
 
-async def killer(served: Served, names: list[str], every_s: float, stop: asyncio.Event, log: list[str]) -> None:
+async def killer(served: Served, names: list[str], every_s: float, stop: asyncio.Event, log: list[str],
+                 kill_times: list[float] | None = None) -> None:
     i = 0
     while not stop.is_set():
         try:
@@ -94,6 +99,8 @@ async def killer(served: Served, names: list[str], every_s: float, stop: asyncio
         try:
             served.child(name).kill()
             log.append(f"{time.strftime('%H:%M:%S')} killed the {name}")
+            if kill_times is not None:
+                kill_times.append(time.monotonic())
         except (LookupError, psutil.Error):
             log.append(f"{time.strftime('%H:%M:%S')} no {name} to kill (restarting)")
 
@@ -124,31 +131,47 @@ def python_blocks(served: Served) -> int:
         return -1
 
 
+async def timed_stream(http, base: str, route: str, body: dict, deadline_s: float):
+    t0 = time.monotonic()
+    return t0, await stream(http, base, route, body, deadline_s)
+
+
 async def load(served: Served, args, gateway_mib: list[float],
-               gateway_blocks: list[int]) -> tuple[Counter, list[float], Counter]:
+               gateway_blocks: list[int]) -> tuple[Counter, list[float], Counter, dict]:
     rng = random.Random(args.seed)
     specs = workload_specs(args.max_tokens)
     deadline_s = args.request_timeout + 15
     tasks: list[asyncio.Task] = []
     stop = asyncio.Event()
     kills: list[str] = []
+    kill_times: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        kill_task = asyncio.ensure_future(killer(served, args.kill.split(","), args.kill_every, stop, kills))
+        kill_task = asyncio.ensure_future(killer(served, args.kill.split(","), args.kill_every, stop, kills,
+                                                 kill_times))
         mem_task = asyncio.ensure_future(sample_memory(served, args.mem_every, stop, gateway_mib, gateway_blocks))
         t_end = time.monotonic() + args.duration
         while time.monotonic() < t_end:
             route, body = specs[rng.randrange(len(specs))]
-            tasks.append(asyncio.ensure_future(stream(http, served.base, route, body, deadline_s)))
+            tasks.append(asyncio.ensure_future(timed_stream(http, served.base, route, body, deadline_s)))
             await asyncio.sleep(rng.expovariate(args.rate))
         stop.set()
         await kill_task
         await mem_task
-        outcomes = await asyncio.gather(*tasks)
+        timed = await asyncio.gather(*tasks)
     for line in kills:
         print(line)
+    outcomes = [o for _, o in timed]
     kinds = Counter("completed" if o.kind == "ok" else "errored" if o.kind == "error" else "lost" for o in outcomes)
     statuses = Counter(o.status for o in outcomes if o.kind == "error")
-    return kinds, [o.elapsed_s for o in outcomes if o.kind == "ok"], statuses
+    hit, clear = [], []  # completed: in flight at a kill, or not
+    for t0, o in timed:
+        if o.kind == "ok":
+            (hit if any(t0 <= k <= t0 + o.elapsed_s for k in kill_times) else clear).append(o.elapsed_s)
+    kill_cost = {"hit": hit, "clear": clear,
+                 "failed_mid_stream": sum(o.kind == "error" and o.status == 200 for o in outcomes),
+                 "mid_stream_errors": Counter(o.error.split(";")[0] for o in outcomes
+                                              if o.kind == "error" and o.status == 200)}
+    return kinds, [o.elapsed_s for o in outcomes if o.kind == "ok"], statuses, kill_cost
 
 
 def main(argv=None) -> int:
@@ -162,7 +185,7 @@ def main(argv=None) -> int:
         mem_start = memory(served)
         gateway_mib: list[float] = []
         gateway_blocks: list[int] = []
-        kinds, latencies, statuses = asyncio.run(load(served, args, gateway_mib, gateway_blocks))
+        kinds, latencies, statuses, kill_cost = asyncio.run(load(served, args, gateway_mib, gateway_blocks))
         served.wait_healthy()
         leaked = served.wait_idle(60)["num_blocks_used"]
         mem_end = memory(served)
@@ -172,6 +195,13 @@ def main(argv=None) -> int:
         print(f"requests: {total}  completed {kinds['completed']}  errored {kinds['errored']} "
               f"(by status: {dict(sorted(statuses.items()))})  lost {kinds['lost']}")
         print(f"latency of the completed: p50 {pct(latencies, 0.5):.2f} s  p99 {pct(latencies, 0.99):.2f} s")
+        hit, clear = kill_cost["hit"], kill_cost["clear"]
+        if hit and clear:
+            print(f"cost of a kill: {len(hit)} completed requests were in flight at a kill: p50 {pct(hit, 0.5):.2f} s "
+                  f"p99 {pct(hit, 0.99):.2f} s, against p50 {pct(clear, 0.5):.2f} s p99 {pct(clear, 0.99):.2f} s for "
+                  f"the {len(clear)} others (p99 {pct(hit, 0.99) - pct(clear, 0.99):+.2f} s)")
+        print(f"failed after their stream began: {kill_cost['failed_mid_stream']} "
+              f"{dict(kill_cost['mid_stream_errors'])}")
         print(f"KV blocks in use after the load: {leaked}")
         print("resident memory (MiB), start -> end:")
         for name in SERVICES:
@@ -189,8 +219,8 @@ def main(argv=None) -> int:
               + " ".join(str(b) for b in gateway_blocks))
     finally:
         served.stop()
-    if args.check and (kinds["lost"] or leaked):
-        print("soak: FAILED (a request was lost or a block leaked)")
+    if args.check and (kinds["lost"] or leaked or kill_cost["failed_mid_stream"]):
+        print("soak: FAILED (a request was lost, failed mid-stream, or a block leaked)")
         return 1
     return 0
 

@@ -300,8 +300,9 @@ class GatewayConfig:
     max_concurrent_requests: int = flag(4096, "open generation requests, streams included; more get 429 "
                                         "(default 4096)", ("gateway",))
     max_body_bytes: int = flag(32 * 1024 * 1024, "larger request bodies get 413 (default 33554432)", ("gateway",))
-    max_replays: int = flag(3, "times a request in flight is replayed after a scheduler or tokenizer restart "
-                            "before it ends with an error (default 3; 0: never replayed)", ("gateway",))
+    max_replays: int = flag(3, "times in a row (without output in between) a request in flight is replayed "
+                            "after a scheduler or tokenizer restart before it ends with an error (default 3; 0: "
+                            "never replayed)", ("gateway",))
     # whose admin sockets /health pings; a request needs every one of them
     probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
     drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish

@@ -96,7 +96,9 @@ class OutputMailbox:
         # tokens delivered so far, and how many times it was replayed
         self.reqs: list = []
         self.token_ids: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
-        self.num_replays = 0
+        self.num_replays = 0  # in a row, without a token delivered in between
+        self.num_delivered_at_replay = 0
+        self.num_replays_total = 0
 
     def put(self, delta: TextDelta) -> None:
         if delta.token_ids:

@@ -60,6 +60,15 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+class ContinueChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One choice of a stream resumed on this replica (the router's extension, ``continue_choices``):
+    the token ids its client already has (their text is not sent again), or ``finished``."""
+
+    index: Annotated[int, Meta(ge=0)]
+    token_ids: list[TokenId] = []
+    finished: bool = False
+
+
 class _Params(msgspec.Struct, kw_only=True):
     """Fields both endpoints take. ``None`` means "not given": the engine default applies."""
 
@@ -90,6 +99,11 @@ class _Params(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # vLLM's: each streamed choice also carries the ``token_ids`` of its delta
+    return_token_ids: bool = False
+    # router <-> gateway: this request continues a stream another replica began (``ContinueChoice``;
+    # choices not named start from the beginning)
+    continue_choices: Annotated[list[ContinueChoice], Meta(max_length=MAX_N * 64)] | None = None
 
 
 class CompletionRequest(_Params, kw_only=True):

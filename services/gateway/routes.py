@@ -90,9 +90,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
                         echo=req.echo)
     params = convert.completion_params(req)
-    mailbox = service.submit(convert.completion_generate_requests(req, meta.id, params, lora_name))
+    mailbox = service.submit(convert.completion_generate_requests(req, meta.id, params, lora_name), _resumed(req))
     best_of = params.num_sequences if params.ranks_by_logprob else None
     return await _respond(request, mailbox, meta, req, _stream_completion, responses.completion_response, best_of)
+
+
+def _resumed(req) -> dict[int, tuple[list[int], bool]] | None:
+    """``continue_choices`` (the router resuming a stream another replica began): choice index ->
+    (the token ids the client has, finished). Only for streams without tools: the tool-call
+    reader's state is not rebuilt."""
+    if not req.continue_choices:
+        return None
+    if not req.stream:
+        raise ApiError("continue_choices resumes a stream: set stream", param="continue_choices")
+    if getattr(req, "tools", None) or getattr(req, "use_beam_search", False):
+        raise ApiError("a stream with tools or beam search cannot be resumed", param="continue_choices")
+    return {c.index: (c.token_ids, c.finished) for c in req.continue_choices}
+
+
+def _continued(req) -> set[int]:
+    """The choices whose stream began on another replica (their opening chunk went out there)."""
+    return {c.index for c in req.continue_choices or () if c.token_ids or c.finished}
+
+
+def _with_token_ids(chunk: dict, delta) -> dict:
+    """``return_token_ids``: the delta's token ids on its choice (vLLM's field)."""
+    for choice in chunk["choices"]:
+        choice["token_ids"] = list(delta.token_ids)
+    return chunk
 
 
 async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, response_fn,
@@ -133,10 +158,18 @@ def _best_of(deltas: dict, best_of: int, n: int, keep_logprobs: bool) -> dict:
 
 async def _stream_completion(request, mailbox, meta: ResponseMeta, req: CompletionRequest):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    started: set[int] = set()
+    started: set[int] = _continued(req)
     templates: dict[int, responses.TextChunkTemplate] = {}
+    with_ids = req.return_token_ids
 
     def make_chunks(index, delta):
+        if with_ids:
+            if not (delta.text or delta.token_ids or delta.logprobs or delta.finish_reason
+                    or (meta.echo and index not in started)):
+                return []
+            choice = responses.completion_choice(index, delta, meta.echo, first=index not in started)
+            started.add(index)
+            return [_with_token_ids(responses.completion_chunk(meta, [choice], None, include_usage), delta)]
         if _text_only(delta) and (index in started or not meta.echo):
             template = templates.get(index)
             if template is None:
@@ -160,7 +193,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse(await request.read(), ChatCompletionRequest)
     model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
-    mailbox = service.submit(convert.chat_generate_requests(req, meta.id, lora_name=lora_name))
+    mailbox = service.submit(convert.chat_generate_requests(req, meta.id, lora_name=lora_name), _resumed(req))
     response_fn = responses.chat_response
     if ToolCallReader.for_request(req) is not None:
         response_fn = partial(responses.chat_response, tools=lambda: ToolCallReader.for_request(req))
@@ -169,12 +202,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletionRequest):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    role_sent: set[int] = set()
-    readers: dict[int, ToolCallReader | None] = {}
+    role_sent: set[int] = _continued(req)
+    readers: dict[int, ToolCallReader | None] = {i: None for i in role_sent}
     templates: dict[int, responses.TextChunkTemplate] = {}
+    with_ids = req.return_token_ids
 
     def make_chunks(index, delta):
-        if index in role_sent and readers[index] is None and _text_only(delta):
+        if index in role_sent and readers[index] is None and _text_only(delta) and not with_ids:
             template = templates.get(index)
             if template is None:
                 template = templates[index] = responses.chat_text_template(meta, index, include_usage)
@@ -187,8 +221,11 @@ async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletion
         reader = readers[index]
         if reader is not None:
             choices.extend(_tool_chunk_choices(reader, index, delta))
-        elif delta.text or delta.logprobs or delta.finish_reason:
-            choices.append(responses.chat_chunk_choice(index, delta))
+        elif delta.text or delta.logprobs or delta.finish_reason or (with_ids and delta.token_ids):
+            choice = responses.chat_chunk_choice(index, delta)
+            if with_ids:
+                choice["token_ids"] = list(delta.token_ids)
+            choices.append(choice)
         return [responses.chat_chunk(meta, [c], None, include_usage) for c in choices]
 
     def usage_chunk(usage):

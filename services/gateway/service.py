@@ -32,10 +32,10 @@ surviving service holds for it goes). Its deltas are put into the mailbox under 
 the client's stream goes on with no token repeated or missing. Greedy and seeded choices go on
 exactly as they would have (sampling is seeded per output position); an unseeded sample goes on as
 another sample of the same distribution. A beam search, whose beams come out only at its end,
-starts over whole. The requests that had delivered output are sent first; those without any (one
-of them may be what crashed the service) follow once output arrives again (or after
-``REPLAY_HOLD_S``), so that a request that crashes the scheduler on arrival does not take the others
-down again. A request replayed ``--max-replays`` times in a row without delivering a token in
+starts over whole. The requests that had delivered output are sent at once; those without any
+(one of them may be what crashed the service) follow one at a time, each once the one before
+delivered tokens (or after ``REPLAY_HOLD_S``), so that a request that crashes the scheduler on
+arrival takes nobody down with it again; a replay counts when it is sent. A request replayed ``--max-replays`` times in a row without delivering a token in
 between (a "poison" request, crashing the service each time) ends with the error instead. A service that is only silent (hung, not restarted) keeps
 its requests: they wait for it, bounded by ``--request-timeout``.
 """
@@ -76,7 +76,7 @@ NUM_REMEMBERED_STRAYS = 4096  # req_ids of stray deltas already aborted (bounded
 LORA_SYNC_S = 2.0  # how often the adapter names are read again from the executor (it may have restarted)
 LORA_ADMIN_TIMEOUT_S = 2.0
 LORA_LOAD_TIMEOUT_S = 120.0  # reading an adapter's folder and checking it
-REPLAY_HOLD_S = 5.0  # replays of requests without output wait at most this long for the others' output
+REPLAY_HOLD_S = 30.0  # a probed replay (of a request without output) gets this long to deliver
 
 
 class GatewayService:
@@ -88,13 +88,17 @@ class GatewayService:
         # replayed choices run under a new engine id: engine id <-> the choice id the client knows
         self.aliases: dict[str, str] = {}
         self.engine_ids: dict[str, str] = {}
-        self._held_replays: list[GenerateRequest] = []  # replays of requests with no output yet
+        # replays of requests without output yet, sent one at a time (``_probe_next``)
+        self._suspects: list[tuple[OutputMailbox, list[GenerateRequest]]] = []
+        self._probing: OutputMailbox | None = None
+        self._probing_tokens = 0
+        self._replay_cause = ""
         self.decoder = Decoder(TextBatch, TokenizeReply)
         self.handlers = {TextBatch: self.handle_text_batch, TokenizeReply: self.handle_tokenize_reply}
         self.tokenizing: dict[str, asyncio.Future] = {}  # req_id -> its /tokenize or /detokenize reply
         self.stats = {"num_requests": 0, "num_aborts": 0, "num_malformed": 0, "num_refused_busy": 0,
                       "num_refused_unavailable": 0, "num_failed": 0, "num_stray_aborts": 0, "num_replays": 0,
-                      "num_replays_exhausted": 0}
+                      "num_replays_exhausted": 0, "num_resumed": 0}
         self.started_at = int(time.time())
         self._tasks: list[asyncio.Task] = []
         self.send_to_tokenizer = self.recv_from_tokenizer = self.recv_from_admin = None
@@ -145,8 +149,6 @@ class GatewayService:
         mailboxes, queued, on_delta = self.mailboxes, self.queued, self.metrics.on_delta
         num_tokens = 0
         aliases = self.aliases
-        if self._held_replays:
-            self._release_replays()
         for delta in batch.deltas:
             engine_id = delta.req_id
             mailbox = mailboxes.get(engine_id)
@@ -165,6 +167,8 @@ class GatewayService:
             if delta.finish_reason is not None:
                 del mailboxes[engine_id]
         self.metrics.on_batch(num_tokens)
+        if self._suspects and num_tokens:  # output again: is it the probed suspect's?
+            self._check_probe()
 
     async def tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> TokenizeReply:
         """Ask the tokenizer (``/tokenize``, ``/detokenize``); 503 while it is down or lost, 504
@@ -216,8 +220,11 @@ class GatewayService:
             raise ApiError(f"the server is busy ({limit[0]} {limit[1]} reached); retry later", 429,
                            type_="server_error", code="too_many_requests")
 
-    def submit(self, reqs: list[GenerateRequest]) -> OutputMailbox:
-        """Send the requests; the mailbox holds every choice, forked ones (``fork_req_ids``) included."""
+    def submit(self, reqs: list[GenerateRequest],
+               resumed: dict[int, tuple[list[int], bool]] | None = None) -> OutputMailbox:
+        """Send the requests; the mailbox holds every choice, forked ones (``fork_req_ids``) included.
+        ``resumed`` (a stream another replica began, ``continue_choices``): choice index -> (the
+        token ids its client has, finished); those choices go on after their tokens, or not at all."""
         self.admit()
         choice_ids = [choice_id for r in reqs for choice_id in (r.req_id, *r.fork_req_ids)]
         mailbox = OutputMailbox(choice_ids)
@@ -230,13 +237,22 @@ class GatewayService:
         mailbox.lora_name = reqs[0].lora_name
         if mailbox.lora_name is not None:
             self.lora_open[mailbox.lora_name] = self.lora_open.get(mailbox.lora_name, 0) + 1
+        if resumed:
+            for index, (token_ids, finished) in resumed.items():
+                if index < len(choice_ids):
+                    mailbox.token_ids[choice_ids[index]] = list(token_ids)
+                    if finished:
+                        mailbox.unfinished.discard(choice_ids[index])
+            reqs = self._continuations(mailbox, lambda c: c, "a beam search cannot be resumed part way")
+            self.stats["num_resumed"] += 1
         for choice_id in choice_ids:
-            self.mailboxes[choice_id] = mailbox
+            if choice_id in mailbox.unfinished:
+                self.mailboxes[choice_id] = mailbox
         for req in reqs:
             self.send_to_tokenizer.send(encode(req))
         self.stats["num_requests"] += 1
-        log.info("request received", req_id=reqs[0].req_id.rpartition("-")[0], num_choices=len(choice_ids),
-                 stream=reqs[0].stream)
+        log.info("request received", req_id=choice_ids[0].rpartition("-")[0], num_choices=len(choice_ids),
+                 stream=mailbox.reqs[0].stream)
         return mailbox
 
     def abort(self, req_id: str) -> None:
@@ -297,23 +313,31 @@ class GatewayService:
                         num_requests=len(set(self.mailboxes.values())))
             return
         mailboxes = set(self.mailboxes.values())
-        now, later = [], []
-        for mailbox in mailboxes:
-            # delivered something: proven to run; none yet: maybe the request that crashed it
-            (now if any(mailbox.token_ids.values()) else later).extend(self.replay(mailbox, f"the {name} {why}"))
-        if not now:
-            now, later = later, []
+        cause = f"the {name} {why}"
+        # suspects (no output yet: one of them may be what crashed it) keep their turn in line; the
+        # one probed when it crashed goes to the back
+        order = {id(mb): i for i, (mb, _) in enumerate(self._suspects) if mb is not self._probing}
+        self._suspects, self._probing = [], None
+        now = []
+        for mailbox in sorted(mailboxes, key=lambda mb: order.get(id(mb), len(order))):
+            if any(mailbox.token_ids.values()):  # delivered something: proven to run
+                now += self.replay(mailbox, cause)
+            elif mailbox.unfinished:
+                self._suspects.append((mailbox, self.replay(mailbox, cause, counted=False)))
         self._send_replays(now)
-        if later:
-            self._held_replays += later
-            asyncio.get_running_loop().call_later(REPLAY_HOLD_S, self._release_replays)
+        self._replay_cause = cause
+        if not now:
+            self._probe_next()
+        elif self._suspects:  # should the others deliver nothing either, the suspects go all the same
+            asyncio.get_running_loop().call_later(REPLAY_HOLD_S, self._probe_timeout, None)
         log.error("service restarted: the requests in flight are replayed", service=name,
-                  num_requests=len(mailboxes), num_sent=len(now), num_held=len(later))
+                  num_requests=len(mailboxes), num_sent=len(now), num_held=len(self._suspects))
 
-    def replay(self, mailbox: OutputMailbox, cause: str) -> list[GenerateRequest]:
+    def replay(self, mailbox: OutputMailbox, cause: str, counted: bool = True) -> list[GenerateRequest]:
         """``mailbox``'s unfinished choices as continuations of what they delivered (see the
         module's docstring), to send; after ``--max-replays`` replays in a row with no token
-        delivered in between, they end with an error instead."""
+        delivered in between, they end with an error instead. ``counted`` False: a suspect's
+        replay, counted when it is sent (``_probe_next``)."""
         todo = mailbox.unfinished
         if not todo:
             return []
@@ -321,31 +345,35 @@ class GatewayService:
         if delivered > mailbox.num_delivered_at_replay:  # it moved since its last replay: not the culprit
             mailbox.num_replays = 0
         mailbox.num_delivered_at_replay = delivered
-        mailbox.num_replays += 1
-        limit = self.config.max_replays
-        if mailbox.num_replays > limit:
-            self.stats["num_replays_exhausted"] += 1
-            self.fail(mailbox, f"{cause}; the request was lost, retry it" + (
-                f" (replayed {limit} times in a row without progress)" if limit else ""), 503)
+        if counted and not self._count_replay(mailbox, cause):
             return []
         self.stats["num_replays"] += 1
         mailbox.num_replays_total += 1
-        sends = []
+        sends = self._continuations(mailbox, lambda c: self._reroute(c, mailbox), f"{cause}; the request was lost, "
+                                    "retry it")
+        log.info("request replayed", req_ids=[r.req_id for r in sends], replay=mailbox.num_replays)
+        return sends
+
+    def _continuations(self, mailbox: OutputMailbox, new_id, lost: str) -> list[GenerateRequest]:
+        """The requests that continue ``mailbox``'s unfinished choices after the tokens each
+        delivered (``mailbox.token_ids``), each under ``new_id(choice id)``: a request none of
+        whose choices delivered anything goes again whole (its choices forked from it); otherwise
+        each choice alone, with its seed offset. A beam search some of whose beams came out cannot
+        go on: its other choices end with ``lost``."""
+        todo, got, sends = mailbox.unfinished, mailbox.token_ids, []
         for req in mailbox.reqs:
             choices = [req.req_id, *req.fork_req_ids]
             if not any(c in todo for c in choices):
                 continue
-            got = mailbox.token_ids
             if all(c in todo and not got[c] for c in choices):  # nothing out yet: the request again, whole
-                new_ids = [self._reroute(c, mailbox) for c in choices]
+                new_ids = [new_id(c) for c in choices]
                 sends.append(msgspec.structs.replace(req, req_id=new_ids[0], fork_req_ids=new_ids[1:]))
                 continue
             if req.beam_search is not None:  # its beams come out together: some did, some not
                 for c in choices:
                     if c in todo:
                         self.abort(c)
-                        mailbox.put(TextDelta(req_id=c, finish_reason="error", error_code=503,
-                                              error=f"{cause}; the request was lost, retry it"))
+                        mailbox.put(TextDelta(req_id=c, finish_reason="error", error_code=503, error=lost))
                 continue
             for offset, c in enumerate(choices):
                 if c not in todo:
@@ -353,20 +381,51 @@ class GatewayService:
                 sampling = req.sampling.with_seed_offset(offset)
                 if got[c]:  # its prompt logprobs went out with its first tokens
                     sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
-                sends.append(msgspec.structs.replace(req, req_id=self._reroute(c, mailbox), fork_req_ids=[],
+                sends.append(msgspec.structs.replace(req, req_id=new_id(c), fork_req_ids=[],
                                                      sampling=sampling, forced_token_ids=list(got[c])))
-        log.info("request replayed", req_ids=[r.req_id for r in sends], replay=mailbox.num_replays)
         return sends
+
+    def _count_replay(self, mailbox: OutputMailbox, cause: str) -> bool:
+        """One more replay in a row; past ``--max-replays`` the request fails (False)."""
+        mailbox.num_replays += 1
+        limit = self.config.max_replays
+        if mailbox.num_replays <= limit:
+            return True
+        self.stats["num_replays_exhausted"] += 1
+        self.fail(mailbox, f"{cause}; the request was lost, retry it" + (
+            f" (replayed {limit} times in a row without progress)" if limit else ""), 503)
+        return False
 
     def _send_replays(self, reqs: list[GenerateRequest]) -> None:
         for req in reqs:
             if req.req_id in self.mailboxes:  # not aborted, nor replayed again, meanwhile
                 self.send_to_tokenizer.send(encode(req))
 
-    def _release_replays(self) -> None:
-        """The held replays go: the others delivered output again, or ``REPLAY_HOLD_S`` passed."""
-        held, self._held_replays = self._held_replays, []
-        self._send_replays(held)
+    def _probe_next(self) -> None:
+        """Send the next suspect's replay, alone: the next goes once it delivered tokens (it is not
+        what crashes the service), or ended, or after ``REPLAY_HOLD_S``."""
+        self._probing = None
+        while self._suspects:
+            mailbox, sends = self._suspects.pop(0)
+            if not mailbox.unfinished or not any(r.req_id in self.mailboxes for r in sends):
+                continue  # ended or aborted meanwhile
+            if not self._count_replay(mailbox, self._replay_cause):
+                continue
+            self._probing, self._probing_tokens = mailbox, sum(len(t) for t in mailbox.token_ids.values())
+            self._send_replays(sends)
+            asyncio.get_running_loop().call_later(REPLAY_HOLD_S, self._probe_timeout, mailbox)
+            return
+
+    def _probe_timeout(self, mailbox: OutputMailbox) -> None:
+        if self._probing is mailbox:
+            self._probe_next()
+
+    def _check_probe(self) -> None:
+        """After output arrived: the probed suspect delivered (or ended): the next one goes."""
+        mailbox = self._probing
+        if mailbox is None or not mailbox.unfinished or (
+                sum(len(t) for t in mailbox.token_ids.values()) > self._probing_tokens):
+            self._probe_next()
 
     def _reroute(self, choice_id: str, mailbox: OutputMailbox) -> str:
         """Abort the choice's current engine id; the new one it runs under from now on."""

@@ -84,7 +84,7 @@ ChunkMaker = Callable[[int, TextDelta], list[dict | bytes]]
 async def stream(request: web.Request, mailbox: OutputMailbox, make_chunks: ChunkMaker,
                  usage_chunk: Callable[[dict], dict] | None, n: int) -> web.StreamResponse:
     """Write the request's outputs as SSE events until every choice finished."""
-    outputs = await mailbox.get()
+    outputs = {} if mailbox.done else await mailbox.get()  # (a resumed stream may have nothing left)
     raise_if_error(outputs)  # nothing sent yet: a plain HTTP error is still possible
     sse = SseWriter(request)
     await sse.prepare()

@@ -17,7 +17,9 @@ Failures: a replica that refuses the connection, drops it, or answers 502/503/50
 answer began is left for another (up to ``max_attempts`` replicas); one whose connection failed is
 marked down, so new work goes elsewhere. A stream is only forwarded once its first bytes arrived,
 so a replica that dies before its first token costs the client nothing but time. A stream cut
-after it began ends there (the client holds part of an answer; retrying would repeat it).
+after it began goes on from another replica serving the model, as a continuation of what the
+client has (``resume.py``: the streamed token ids are the forced prefix there); without one that
+takes it, it ends there.
 
 Tracing (``--otlp-traces-endpoint``, ``folio.shared.tracing``): a ``router.request`` span per
 request (the child of the client's ``traceparent``), a ``router.forward`` span per attempt (the
@@ -40,6 +42,7 @@ from folio.services.router.index import KVIndex
 from folio.services.router.metrics import RouterMetrics
 from folio.services.router.prompt import PromptEncoder, PromptEncoders
 from folio.services.router.replicas import Replica, ReplicaSet, read_models
+from folio.services.router.resume import ResumableStream
 from folio.services.router.routing import Decision, Router
 from folio.shared.config import RouterConfig
 from folio.shared.loops import close_sockets, serve_admin
@@ -78,7 +81,7 @@ class RouterService:
         self.session: aiohttp.ClientSession | None = None
         self.tracing = tracing_setup(config.otlp_traces_endpoint, "router")  # None: off
         self.counts = {"num_requests": 0, "num_routed": 0, "num_cache_aware_hits": 0, "num_retries": 0,
-                       "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0}
+                       "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0, "num_resumed_streams": 0}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
@@ -154,6 +157,16 @@ class RouterService:
             token_ids = await asyncio.to_thread(encoder.token_ids, body, request.path.endswith("/chat/completions"))
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         tried: set[str] = set()
+        resume = ResumableStream.for_body(body)  # a stream cut mid-way goes on elsewhere (``resume.py``)
+        if resume is not None:
+            raw = resume.first_body()
+
+            def pick():
+                decision = self.router.choose(candidates, token_ids, salt, tried, lora_name)
+                if decision is not None:
+                    tried.add(decision.replica.name)
+                return decision
+            resume.pick = pick
         for _ in range(self.config.max_attempts):
             decision = self.router.choose(candidates, token_ids, salt, tried, lora_name)
             if decision is None:
@@ -169,7 +182,7 @@ class RouterService:
                 adapters[lora_name] = adapters.get(lora_name, 0) + 1
             forward = self._start_forward(request, decision, len(tried), lora_name) if self.tracing else None
             try:
-                return await self._forward(request, decision.replica, raw)
+                return await self._forward(request, decision.replica, raw, resume)
             except _Retry as retry:
                 if forward is not None:
                     forward.set_attribute("folio.retry", str(retry))
@@ -201,7 +214,8 @@ class RouterService:
             self.metrics.cache_hits.inc()
             self.metrics.cached_tokens.inc(decision.num_cached_tokens)
 
-    async def _forward(self, request: web.Request, replica: Replica, raw: bytes) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, replica: Replica, raw: bytes,
+                       resume: ResumableStream | None = None) -> web.StreamResponse:
         """Proxy one attempt. Until the replica begins to answer, its going down (a failed poll, or
         another request's failure) abandons the attempt for another replica: a hung replica holds
         no request longer than it takes to notice."""
@@ -225,7 +239,7 @@ class RouterService:
             if upstream.content_type != "text/event-stream":
                 return web.Response(status=upstream.status, body=payload, headers={
                     "Content-Type": upstream.headers.get("Content-Type", ""), REPLICA_HEADER: replica.name})
-            return await self._pass_stream(request, replica, upstream, payload)
+            return await self._pass_stream(request, replica, upstream, payload, resume)
         finally:
             upstream.release()
 
@@ -250,11 +264,15 @@ class RouterService:
             raise
 
     async def _pass_stream(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
-                           first: bytes) -> web.StreamResponse:
+                           first: bytes, resume: ResumableStream | None = None) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
             REPLICA_HEADER: replica.name})
         await response.prepare(request)
+        if resume is not None:
+            await resume.relay(self, request, response, replica, upstream, first, resume.pick)
+            await response.write_eof()
+            return response
         await response.write(first)
         try:
             async for chunk in upstream.content.iter_any():
