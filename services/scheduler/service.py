@@ -181,10 +181,10 @@ class SchedulerService:
         if out is None:
             return False
         self.send_log(out)
+        if self.tracer is not None:  # before the send yields: the requests are as ``schedule`` left them
+            self.tracer.on_sent(out)
         await self.send_to_executor.send(encode(sched.build_plan(out)))
         self.in_flight.append(out)
-        if self.tracer is not None:
-            self.tracer.on_sent(out)
         return True
 
     def send_log(self, out: StepOutput) -> None:

@@ -127,7 +127,11 @@ def stack(tmp_path_factory, smollm_dir):
          str(replica.port), "--run-dir", replica.run_dir, "--log-level", "warning", *replica.flags], stderr=log)
     router = None
     try:
-        replica.wait_ready()
+        try:
+            replica.wait_ready()
+        except RuntimeError as exc:
+            log.seek(0)
+            raise RuntimeError(f"{exc}; its log:\n{log.read()[-4000:]}") from None
         router = start_router(model, [replica], "--policy", "round_robin", "--otlp-traces-endpoint", receiver.url)
         with urllib.request.urlopen(replica.url + "/v1/models", timeout=30) as resp:
             global MODEL
