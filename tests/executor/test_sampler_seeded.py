@@ -68,7 +68,7 @@ OTHERS = [
 ]
 
 
-def seeded_tokens(size: int, where: int, steps: int, case: int) -> list[int]:
+def seeded_tokens(size: int, where: int, steps: int, case: int, params: SamplingParams = SEEDED) -> list[int]:
     """The seeded row's tokens over ``steps`` output positions, at row ``where`` of batches of
     ``size`` whose other rows (random kinds, logits and histories) change from step to step."""
     gen = torch.Generator().manual_seed(17)
@@ -80,7 +80,7 @@ def seeded_tokens(size: int, where: int, steps: int, case: int) -> list[int]:
         logits[where] = target[step]
         rows = [SamplingRow(rng.choice(OTHERS), None, [1, 2], [rng.randrange(VOCAB) for _ in range(rng.randrange(6))])
                 for _ in range(size)]
-        rows[where] = SamplingRow(SEEDED, None, [1, 2], list(history))
+        rows[where] = SamplingRow(params, None, [1, 2], list(history))
         token = sample(logits, rows).token_ids[where]
         out.append(token)
         history.append(token)
@@ -88,12 +88,15 @@ def seeded_tokens(size: int, where: int, steps: int, case: int) -> list[int]:
 
 
 @PATHS
-def test_a_seeded_row_draws_the_same_alone_and_in_batches_of_7_and_64(monkeypatch, path):
+@pytest.mark.parametrize("params", [SEEDED, SamplingParams(temperature=1.2, seed=5),
+                                    SamplingParams(temperature=0.9, top_k=30, min_p=0.01, seed=6)],
+                         ids=["top-p+presence", "temperature", "top-k+min-p"])
+def test_a_seeded_row_draws_the_same_alone_and_in_batches_of_7_and_64(monkeypatch, path, params):
     use(monkeypatch, path)
-    alone = seeded_tokens(1, 0, 16, 0)
+    alone = seeded_tokens(1, 0, 10, 0, params)
     assert len(set(alone)) > 3  # it does draw
     for size, where in ((7, 0), (7, 6), (64, 31), (64, 63)):
-        assert seeded_tokens(size, where, 16, size) == alone, (size, where)
+        assert seeded_tokens(size, where, 10, size, params) == alone, (size, where)
 
 
 def test_an_unseeded_row_with_a_seed_of_its_own_draws_as_a_seeded_one():

@@ -38,7 +38,7 @@ restarted) draws exactly what it would have drawn. Which path a row takes and wh
 depend only on that row (its probabilities, parameters, seed and position). A row draws by
 inverting its cumulative distribution: the C kernel with draw 0, then draw d for the d-th
 redraw of the top-p rejection; the torch path with draws 0 and 1 (a block of 64 tokens, then a
-token in it, on long CPU rows) inside its exact kept set, and draws 2 + 2r, 3 + 2r for round r of
+token in it, on long CPU rows) inside its exact kept set, and draws 2r, 2r + 1 for round r of
 ``_draw_nucleus``. Seeded and unseeded rows take the same path. Logprobs are reported from the
 model's raw distribution (before penalties and temperature). Speculative verification
 (``rejection.py``) draws from ``processed_probs``, built from the same pieces, with uniforms keyed
@@ -286,9 +286,10 @@ def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, k
     likely than x is below top-p (x is in the nucleus), else raise the pivot to x and draw again.
     A kept draw is distributed as p on the nucleus, since every pivot lies below it; each round
     keeps a row with probability at least top-p. ``probs`` may be unnormalised. Rows with a top-k
-    cut, or left after ``max_rounds``, are sorted. Round r draws by the rows' draws 2 + 2r and
-    3 + 2r (``keys``: their seeds and positions), a sorted row by draws 2 + 2 * max_rounds and the
-    next. CPU only: the rounds' bookkeeping is on the host."""
+    cut, or left after ``max_rounds``, are sorted. Round r draws by the rows' draws 2r and 2r + 1
+    (``keys``: their seeds and positions; round 0's are those ``_draw`` and ``_draw_quick`` give a
+    row without a cut, so that a row draws the same whichever of them takes it), a sorted row by
+    draws 2 * max_rounds and the next. CPU only: the rounds' bookkeeping is on the host."""
     m, vocab = probs.shape
     if (host[:, MIN_P] > 0).any():  # what min-p leaves; top-p is taken on it, renormalised
         weights = probs * _above(probs, probs.amax(-1, keepdim=True) * params[:, MIN_P, None], strict=False)
@@ -302,7 +303,7 @@ def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, k
     for r in range(max_rounds):
         if not len(todo):
             break
-        x = _inverse_cdf(w, _uniforms(keys, 2 + 2 * r, 2, torch.from_numpy(todo)))
+        x = _inverse_cdf(w, _uniforms(keys, 2 * r, 2, torch.from_numpy(todo)))
         ok = whole[todo]
         if not ok.all():
             px = w.gather(1, x[:, None])
@@ -321,7 +322,7 @@ def _draw_nucleus(probs: torch.Tensor, params: torch.Tensor, host: np.ndarray, k
         rows = torch.from_numpy(np.flatnonzero(rest))
         sub = weights[rows]
         sub_tau, _, _, _ = _keep_threshold(sub, params[rows], host[rest], vocab)
-        u = _uniforms(keys, 2 + 2 * max_rounds, 2, rows)
+        u = _uniforms(keys, 2 * max_rounds, 2, rows)
         out[rest] = _inverse_cdf(sub * _above(sub, sub_tau[:, None], strict=False), u).numpy()
     return torch.from_numpy(out)
 
