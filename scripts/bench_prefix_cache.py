@@ -8,13 +8,21 @@
    filled last block) against 4 independent requests sent together, with and without prefix
    caching.
 
+3. With ``--kv-disk-dir DIR``, instead: the disk tier across a restart. A fresh server (a new
+   runner: a new, empty pool) with its disk tier on DIR serves a ~2,000-token prompt cold and
+   stops; a second fresh server on the same folder serves the same prompt. Prints both times to
+   first token, their ratio, the second server's disk hits (its kvmanager's ``tiers``) and
+   whether the outputs are equal.
+
     python scripts/bench_prefix_cache.py [--model PATH] [--num-requests 8] [--system-tokens 800]
+    python scripts/bench_prefix_cache.py --kv-disk-dir /tmp/kv [--system-tokens 2000]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import time
@@ -78,12 +86,50 @@ async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: 
     return peak
 
 
+async def serve_once(model_path: str, runner: ModelRunner, prompt: list[int]) -> tuple[float, list[int], dict]:
+    """One request on a fresh back half: seconds to its first token, its output, the kvmanager's stats."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    decoder, out = Decoder(TokenBatch), []
+    async with back_half(model_path, runner=runner, **LIMITS) as bh:
+        t0 = time.perf_counter()
+        await bh.submit("disk", prompt, params)
+        ttft, done = None, False
+        while not done:
+            for d in decoder.decode(await bh.from_scheduler.recv()).all_deltas():
+                if d.req_id == "disk":
+                    out += d.token_ids
+                    ttft = ttft if ttft is not None or not out else time.perf_counter() - t0
+                    done = done or d.finish_reason is not None
+        kv = (await bh.admin("kvmanager", "stats")).data
+    return ttft, out, kv
+
+
+def disk_restart(model_path: str, prompt: list[int], disk_dir: str) -> None:
+    def fresh() -> ModelRunner:
+        return ModelRunner(RuntimeConfig(model=model_path, num_kv_blocks=512, kv_disk_dir=disk_dir, **LIMITS),
+                           model_path)
+
+    runner = fresh()
+    shutil.rmtree(runner.tiers.disk.dir, ignore_errors=True)  # this model's folder in it: a cold start
+    runner.tiers.disk.rescan()
+    asyncio.run(serve_once(model_path, runner, prompt[-40:][::-1]))  # warm-up, another prefix
+    cold, out_cold, _ = asyncio.run(serve_once(model_path, runner, prompt))
+    del runner
+    warm, out_warm, kv = asyncio.run(serve_once(model_path, fresh(), prompt))
+    disk = kv["tiers"]["disk"]
+    print(f"{len(prompt)}-token prompt, disk tier {disk_dir}: cold TTFT {cold * 1000:.0f} ms, after a restart "
+          f"{warm * 1000:.0f} ms: {warm / cold:.3f}x; disk hit blocks {disk['hit_blocks']} "
+          f"({disk['blocks_cached']} blocks, {disk['bytes'] / 1e6:.1f} MB on disk); "
+          f"outputs equal: {out_cold == out_warm}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=800)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-disk-dir", default=None, help="measure the disk tier across a restart instead")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -96,6 +142,9 @@ def main() -> None:
     prompts = [system + tokenizer.encode(" User: " + QUESTIONS[i % len(QUESTIONS)] + " Assistant:")
                for i in range(args.num_requests)]
     LIMITS["block_size"] = args.block_size
+    if args.kv_disk_dir:
+        disk_restart(model_path, prompts[0], args.kv_disk_dir)
+        return
     runner = ModelRunner(RuntimeConfig(model=model_path, num_kv_blocks=512, **LIMITS), model_path)
     asyncio.run(measure_ttft(model_path, runner, [prompts[0][-32:]], caching=False))  # warm-up
     print(f"model {args.model} on {runner.device} ({runner.dtype}), block size {args.block_size}; "

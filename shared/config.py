@@ -112,8 +112,14 @@ class RuntimeConfig:
     block_size: int = flag(16, "tokens per KV block (the router: the replicas', until their snapshots say it)",
                            ("executor", "router"))
     num_kv_blocks: int | None = flag(None, "KV pool size in blocks (overrides budgets)", ("executor",))
-    num_host_blocks: int = flag(0, "host-memory KV blocks that preemption by swapping copies blocks to (0: none)",
-                                ("executor",))
+    num_host_blocks: int = flag(0, "host-memory KV blocks: preemption by swapping copies blocks there, and with "
+                                "prefix caching the blocks the device evicts go there (0: none)", ("executor",))
+    kv_disk_dir: str | None = flag(None, "a folder for the disk tier of the prefix cache: computed prefix blocks "
+                                   "are written there by hash and loaded again (after a restart too, and by other "
+                                   "replicas of the same model) when that beats recomputing (default: none)",
+                                   ("executor",))
+    kv_disk_gb: float = flag(10.0, "the most the disk tier's folder holds, in GB (least recently used files go)",
+                             ("executor",))
     kv_cache_bytes: int | None = flag(None, "KV pool budget in bytes (CPU; default: a fraction of free memory)",
                                       ("executor",), name="--kv-cache-memory-bytes")
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory the weights and the pool may use",

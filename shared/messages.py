@@ -142,6 +142,11 @@ class StepPlan(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_pl
     # async scheduling: decodes whose input is the token the executor sampled in the step before,
     # which the scheduler had not seen when it planned this one (the executor holds it already)
     num_placeholder_tokens: int = 0
+    # the disk tier (``folio.shared.kv.tiers``): before every copy above, write these blocks
+    # (0 device / 1 host, block id, block hash) to files; after the swap-ins, read these files
+    # (device block id, block hash) into the blocks
+    tier_saves: list[tuple[int, int, bytes]] = []
+    tier_loads: list[tuple[int, bytes]] = []
 
 
 class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_result"):
@@ -446,6 +451,9 @@ class RegisterPool(msgspec.Struct, frozen=True, kw_only=True, tag="register_pool
     max_model_len: int = 0  # the model's context length (0: unknown)
     num_host_blocks: int = 0  # the host tier for swapping (0: none)
     sliding_window: int = 0  # every layer's attention window W (0: some layer attends to all positions)
+    kv_disk_dir: str = ""  # the disk tier's folder ("": none) and the pool's layout id in it
+    kv_layout_id: str = ""
+    kv_disk_bytes: int = 0
 
 
 class GetPool(msgspec.Struct, frozen=True, kw_only=True, tag="get_pool"):
@@ -462,6 +470,9 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
     num_host_blocks: int = 0
     enable_prefix_caching: bool = True  # the kvmanager's setting: the scheduler's replica follows it
     sliding_window: int = 0  # the model's, when every layer has one: blocks behind it go back (``shared/kv``)
+    kv_disk_dir: str = ""  # the executor's disk tier ("": none), its layout id and cap
+    kv_layout_id: str = ""
+    kv_disk_bytes: int = 0
 
 
 # The step log: the allocator operations of one scheduler step, in the order the scheduler
@@ -520,6 +531,9 @@ class KVAllocate(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="a"
     num_tokens: int
     new_token_ids: list[int] = []
     cache_salt: str | None = None
+    # a table new here: the disk tier's blocks, after its device and host hits, that the planner
+    # verified and decided to load (``folio.shared.kv.tiers``)
+    load_hashes: list[bytes] = []
 
 
 class KVClear(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="x"):

@@ -173,6 +173,9 @@ def print_table(data: dict, indent: str = "") -> None:
             print(f"{indent}{key}:")
             for item in value:
                 print(f"{indent}  - " + "  ".join(f"{k}={v}" for k, v in item.items()))
+        elif isinstance(value, dict) and value:  # e.g. the kvmanager's tiers: one indented block each
+            print(f"{indent}{key}:")
+            print_table(value, indent + "  ")
         elif isinstance(value, float):
             print(f"{indent}{key:<{width}}  {value:.4g}")
         else:

@@ -102,7 +102,8 @@ class ExecutorService:
                                       bytes_per_block=runner.pool_shape.bytes_per_block, epoch=self.epoch,
                                       max_model_len=runner.spec.max_position_embeddings,
                                       num_host_blocks=runner.pool.num_host_blocks,
-                                      sliding_window=all_layers_window(getattr(runner.spec, "layer_windows", ()))))
+                                      sliding_window=all_layers_window(getattr(runner.spec, "layer_windows", ())),
+                                      **_disk_tier_fields(runner)))
         decoder = Decoder(PoolInfo)
         registered = False
         while True:
@@ -202,6 +203,15 @@ class ExecutorService:
         if not name or not isinstance(name, str):
             return {"error": "lora_name is required", "status": 400}
         return None
+
+
+def _disk_tier_fields(runner) -> dict:
+    """The disk tier's folder, layout id and cap for RegisterPool (the scheduler looks hashes up there)."""
+    tiers = getattr(runner, "tiers", None)
+    if tiers is None:
+        return {}
+    return {"kv_disk_dir": str(tiers.disk.root), "kv_layout_id": tiers.disk.layout,
+            "kv_disk_bytes": tiers.disk.capacity_bytes}
 
 
 def make_runner(config: ExecutorServiceConfig):

@@ -4,7 +4,8 @@
   shipped as package data; nothing comes from elsewhere). They hold no data, so they need no key.
 - ``/dashboard/api/state?since=T&cells=N&req_id=R``: what the page draws, gathered from the admin
   sockets: the kvmanager's ``map`` (both tiers in at most N cells, ``services/kvmanager/blockmap.py``,
-  and the block table of request R, the one hovered or clicked, taken at the same moment) and the
+  and the block table of request R, the one hovered or clicked, taken at the same moment), the
+  kvmanager's ``tiers`` (blocks, bytes and hits of the device, host and disk tiers) and the
   samples of the engine's figures taken after ``since``.
 It sits behind ``--api-key`` like ``/v1/`` (``routes.auth_middleware``); the page takes the key
 from its ``?key=`` parameter or asks for it, and sends it as a bearer token.
@@ -152,7 +153,8 @@ async def state(request: web.Request) -> web.Response:
                                              "max_num_seqs", "max_num_batched_tokens", "num_steps")}
     now.update({k: (kv or {}).get(k) for k in ("num_blocks_total", "num_blocks_used", "num_blocks_cached",
                                                "num_blocks_free", "block_size", "prefix_cache_hit_rate",
-                                               "num_host_blocks_total", "num_host_blocks_used", "usage")})
+                                               "num_host_blocks_total", "num_host_blocks_used", "usage",
+                                               "tiers")})
     return web.json_response({"model": service.config.model_name, "time": time.time(),
                               "interval_s": SAMPLE_INTERVAL_S, "down": service.health.down(),
                               "now": now, "map": kv_map, "samples": history.since(since)})

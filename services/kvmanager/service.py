@@ -15,7 +15,14 @@ It PUBlishes the prefix cache's changes on ``Endpoints.kv_events`` (one ``KVEven
 that changed it, numbered, vLLM's framing) for routers and dashboards, and answers
 ``KVSnapshotRequest`` on ``Endpoints.kv_snapshot`` with every hash the cache holds and the number
 of the next batch, so a router that starts late or misses batches rebuilds its view.
-Its admin ROUTER (``Endpoints.admin_kvmanager``) answers ``stats``, ``seq`` (a block table),
+The tiers (``folio.shared.kv.tiers``): the allocator of record holds the device and host tiers'
+index (a device block evicted from the prefix cache goes to the host tier, a host block evicted goes
+to the disk tier); the executor holds their bytes and the disk's files, and performs the copies
+each step plan names. The disk tier's folder outlives this process and is shared with other
+replicas: the scheduler looks it up while it plans and puts the hashes to load in the log, so this
+record follows without reading the disk; its ``stats`` count the folder's blocks and bytes.
+Its admin ROUTER (``Endpoints.admin_kvmanager``) answers ``stats`` (with ``tiers``: blocks, bytes and
+hits per tier), ``seq`` (a block table),
 ``blocks`` (a map of both tiers), ``map`` (the same, aggregated for the gateway's live KV page:
 ``blockmap.py``) and ``clear`` (drop the free cached blocks).
 """
@@ -33,6 +40,7 @@ from folio.services.kvmanager.blockmap import DEFAULT_MAX_CELLS, block_map
 from folio.shared.config import KVManagerConfig
 from folio.shared.kv.allocator import BlockAllocator
 from folio.shared.kv.steplog import StepLog
+from folio.shared.kv.tiers import scan_folder
 from folio.shared.loops import close_sockets, reply, serve_admin, serve_router
 from folio.shared.messages import (
     KV_EVENTS_TOPIC,
@@ -129,7 +137,8 @@ class KVManagerService:
         return PoolInfo(num_blocks=p.num_blocks, block_size=p.block_size, bytes_per_block=p.bytes_per_block,
                         epoch=p.epoch, max_model_len=p.max_model_len,
                         num_free_blocks=self.allocator.num_free_blocks, num_host_blocks=p.num_host_blocks,
-                        enable_prefix_caching=self.config.enable_prefix_caching, sliding_window=p.sliding_window)
+                        enable_prefix_caching=self.config.enable_prefix_caching, sliding_window=p.sliding_window,
+                        kv_disk_dir=p.kv_disk_dir, kv_layout_id=p.kv_layout_id, kv_disk_bytes=p.kv_disk_bytes)
 
     def reset_allocator(self, new_pool: bool = False) -> None:
         """Empty tables and cache for the current pool; subscribers hear that everything went
@@ -138,7 +147,7 @@ class KVManagerService:
         p = self.pool
         self.kv = StepLog(BlockAllocator(p.num_blocks, p.block_size, p.num_host_blocks,
                                          enable_prefix_caching=self.config.enable_prefix_caching,
-                                         sliding_window=p.sliding_window))
+                                         sliding_window=p.sliding_window, disk_tier=bool(p.kv_disk_dir)))
         if cleared:
             self.publish([AllBlocksCleared()])
 
@@ -178,7 +187,8 @@ class KVManagerService:
             log.warning("no pool registered: adopting the scheduler's", num_blocks=p.num_blocks, epoch=p.epoch)
             return await self.adopt_pool(RegisterPool(
                 num_blocks=p.num_blocks, block_size=p.block_size, bytes_per_block=p.bytes_per_block, epoch=p.epoch,
-                max_model_len=p.max_model_len, num_host_blocks=p.num_host_blocks, sliding_window=p.sliding_window))
+                max_model_len=p.max_model_len, num_host_blocks=p.num_host_blocks, sliding_window=p.sliding_window,
+                kv_disk_dir=p.kv_disk_dir, kv_layout_id=p.kv_layout_id, kv_disk_bytes=p.kv_disk_bytes))
         self.reset_allocator()
         log.info("new sync epoch: tables dropped", generation=msg.generation)
         return self.pool_info()
@@ -218,7 +228,33 @@ class KVManagerService:
             "num_event_batches": self.next_event_seq,
             "generation": self.generation,
             "num_refused_ops": self.num_refused_ops,
+            "tiers": self.tier_stats(),
         }
+
+    def tier_stats(self) -> dict:
+        """Blocks, bytes and hits per tier (``folio kv stats``, the live KV page). Device and host
+        from the allocator of record; the disk's blocks and bytes from its folder (shared with other
+        processes), its hits from the loads the step logs carried."""
+        a, p = self.allocator, self.pool
+        c = a.counters
+        tiers = {
+            "device": {"blocks": a.num_blocks, "blocks_cached": len(a.device.cached),
+                       "bytes": a.num_blocks * p.bytes_per_block, "hit_blocks": c["num_prefix_cache_hits"] // a.block_size
+                       - c["num_host_hit_blocks"] - c["num_disk_hit_blocks"]},
+            "host": {"blocks": a.host.num_blocks, "blocks_cached": len(a.host.cached),
+                     "bytes": a.host.num_blocks * p.bytes_per_block, "hit_blocks": c["num_host_hit_blocks"],
+                     "spilled_blocks": c["num_host_spilled_blocks"], "prefix_tier": a.host_tier},
+        }
+        if p.kv_disk_dir:
+            disk = {"dir": p.kv_disk_dir, "capacity_bytes": p.kv_disk_bytes, "hit_blocks": c["num_disk_hit_blocks"],
+                    "saved_blocks": c["num_disk_saved_blocks"]}
+            try:
+                found = scan_folder(p.kv_disk_dir, p.kv_layout_id)
+                disk.update(blocks_cached=found["num_disk_blocks"], bytes=found["disk_bytes"])
+            except OSError as exc:
+                disk["error"] = str(exc)
+            tiers["disk"] = disk
+        return tiers
 
     def admin_seq(self, args: dict) -> dict:
         req_id = args["req_id"]

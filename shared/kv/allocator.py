@@ -27,6 +27,20 @@ ids are the handles of the executor's pools. What it adds to ``block_pool.BlockP
   back like any other: to the prefix cache (evictable) when it was indexed, else to the free
   queue; only the owner of a block writes it, and eviction unindexes a block before it is
   handed out again, so a prefix hit never points at overwritten KV.
+- lower tiers (``tiers.py``): with prefix caching and a host tier, a cached device block that an
+  allocation evicts is copied to a host block (a ``swap_out`` pair) and indexed there under the
+  same hash; with a disk tier (``disk_tier``), every block the device index takes is written
+  through to a file once computed (so a restart finds it), and a cached host block evicted (or a
+  device block, with no room or no host tier) is written too, unless its file exists (a
+  ``tier_saves`` entry: (medium, block id, hash);
+  a host block filled in the same step is saved from its device source instead, which still holds
+  the bytes: saves run before any copy). A sequence new here takes its device hits, then the host
+  hits that continue them (fresh device blocks, ``swap_in`` pairs; the host blocks stay pinned
+  until the step's copies are taken), then the disk hashes the planner verified and put in its
+  ``KVAllocate`` (``load_hashes``: fresh device blocks, ``tier_loads`` entries (block id, hash)).
+  Loaded blocks are indexed at once (their bytes land before the step runs) and are not spilled
+  again in the step that fills them. Both replicas take the same decisions: the disk's contents
+  enter only through the op.
 The copies accumulate until the service takes them for the step's reply (``take_copies``).
 """
 
@@ -70,7 +84,8 @@ class RequestTable:
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, record_events: bool = True, sliding_window: int = 0):
+                 enable_prefix_caching: bool = True, record_events: bool = True, sliding_window: int = 0,
+                 disk_tier: bool = False):
         if num_blocks < 1 or block_size < 1 or sliding_window < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1 and sliding_window >= 0, got {num_blocks}, "
                              f"{block_size}, {sliding_window}")
@@ -87,7 +102,22 @@ class BlockAllocator:
         self.swap_in_pairs: list[tuple[int, int]] = []
         self.unconfirmed: dict[str, None] = {}  # sequences allocated since the last confirm (in order)
         self.counters = dict(num_prefix_cache_queries=0, num_prefix_cache_hits=0, num_cow_copies=0,
-                             num_swapped_out_blocks=0, num_swapped_in_blocks=0, num_window_skipped_blocks=0)
+                             num_swapped_out_blocks=0, num_swapped_in_blocks=0, num_window_skipped_blocks=0,
+                             num_host_hit_blocks=0, num_disk_hit_blocks=0, num_host_spilled_blocks=0,
+                             num_disk_saved_blocks=0)
+        # the lower tiers (not for windowed models: their skipped entries complicate the chain)
+        tiers_on = enable_prefix_caching and not sliding_window
+        self.host_tier = tiers_on and num_host_blocks > 0
+        self.disk_tier = tiers_on and disk_tier
+        if self.host_tier or self.disk_tier:
+            self.device.spill = []
+        if self.host_tier and self.disk_tier:
+            self.host.spill = []
+        self.tier_saves: list[tuple[int, int, bytes]] = []  # (DEVICE/HOST, block id, hash) to write to disk
+        self.tier_loads: list[tuple[int, bytes]] = []  # (device block id, hash) to read from disk
+        self._pinned_host: list[int] = []  # host hits read this step
+        self._host_filled: dict[int, int] = {}  # host block -> the device block it is filled from this step
+        self._filled: set[int] = set()  # device blocks whose bytes land by this step's copies
 
     # ------------------------------------------------------------------ views
     @property
@@ -145,13 +175,15 @@ class BlockAllocator:
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
             hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra_keys))
-            if self.device.lookup(hashes[-1]) is None:
+            if self.device.lookup(hashes[-1]) is None and not self.host_tier:
                 break
-        return len(self._match_prefix(hashes, token_ids, max_blocks))
+        hits = self._match_prefix(hashes, token_ids, max_blocks)
+        return len(hits) + len(self._match_host(hashes, token_ids, len(hits), max_blocks))
 
     # ------------------------------------------------------------------ growing a table
     def allocate(self, req_id: str, num_tokens: int, new_token_ids: list[int] | None = None,
-                 cache_salt: str | None = None, num_computed: int | None = None) -> list[int]:
+                 cache_salt: str | None = None, num_computed: int | None = None,
+                 load_hashes: list[bytes] = ()) -> list[int]:
         """Grow ``req_id``'s table to hold ``num_tokens`` tokens; all or nothing (``NoFreeBlocks``
         changes nothing). ``num_computed``: where this step's writes start (default: the tokens
         the table held at its last allocation); a write into a shared, partly filled block copies
@@ -159,7 +191,10 @@ class BlockAllocator:
         blocks first, and ``seqs[req_id].num_cached_tokens`` says how many tokens those hold)."""
         seq = self.seqs.get(req_id)
         if seq is None:
-            return self._allocate_new(req_id, num_tokens, new_token_ids, cache_salt)
+            new_ids = self._allocate_new(req_id, num_tokens, new_token_ids, cache_salt, load_hashes)
+            if self.device.spill:
+                self._spill()
+            return new_ids
         if seq.host_block_ids is not None:
             raise ValueError(f"{req_id} is swapped out: swap it in before it grows")
         # a table that grows (most calls: a decode that starts a block), without a cache lookup;
@@ -195,19 +230,33 @@ class BlockAllocator:
             fresh = [block_id]
         else:
             fresh = device.take(num_fresh - cow) if num_fresh > cow else []
+        if device.spill:
+            self._spill()
         block_ids += fresh
         if num_tokens > seq.num_tokens:
             seq.num_tokens = num_tokens  # its blocks are indexed once computed
         self.unconfirmed[req_id] = None
         return fresh
 
-    def _allocate_new(self, req_id: str, num_tokens: int, new_token_ids, cache_salt: str | None) -> list[int]:
-        """``allocate`` for a sequence new here: its table starts with the prefix-cache hits."""
+    def _allocate_new(self, req_id: str, num_tokens: int, new_token_ids, cache_salt: str | None,
+                      load_hashes=()) -> list[int]:
+        """``allocate`` for a sequence new here: its table starts with the prefix-cache hits
+        (device, then host, then the disk's ``load_hashes``)."""
         seq = RequestTable(req_id, extra_keys=block_extra_keys(cache_salt))
         new_token_ids = list(new_token_ids or ())
         new_hashes = self._new_hashes(seq, new_token_ids)
-        hits = self._match_prefix(new_hashes, new_token_ids, (num_tokens - 1) // self.block_size)
-        num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(hits))
+        max_blocks = (num_tokens - 1) // self.block_size
+        hits = self._match_prefix(new_hashes, new_token_ids, max_blocks)
+        host_hits = self._match_host(new_hashes, new_token_ids, len(hits), max_blocks)
+        disk_hashes: list[bytes] = []
+        if self.disk_tier and load_hashes:
+            start = len(hits) + len(host_hits)
+            for i, block_hash in enumerate(load_hashes):  # the run that continues the chain here
+                if start + i >= min(max_blocks, len(new_hashes)) or new_hashes[start + i] != block_hash:
+                    break
+                disk_hashes.append(block_hash)
+        num_loaded = len(host_hits) + len(disk_hashes)
+        num_fresh = max(0, cdiv(num_tokens, self.block_size) - len(hits) - num_loaded) + num_loaded
         # its first write is at the first position past the hit: hits wholly before that
         # position's window are skipped at once (entered in the table, not revived)
         num_skipped = 0
@@ -219,7 +268,14 @@ class BlockAllocator:
             raise NoFreeBlocks(f"{req_id}: {num_fresh + num_revived} blocks needed, {self.num_free_blocks} free")
         for block_id in hits[num_skipped:]:
             self.device.touch(block_id)
+        for block_id in host_hits:  # pinned until the step's copies are taken
+            self.host.touch(block_id)
+        self._pinned_host += host_hits
         new_ids = hits + self.device.take(num_fresh)
+        loaded = new_ids[len(hits):len(hits) + num_loaded]
+        self.swap_in_pairs.extend(zip(host_hits, loaded))
+        self.tier_loads.extend(zip(loaded[len(host_hits):], disk_hashes))
+        self._filled.update(loaded)
         seq.block_ids.extend(new_ids)
         seq.token_ids.extend(new_token_ids)
         seq.block_hashes.extend(new_hashes)
@@ -228,9 +284,13 @@ class BlockAllocator:
         self.seqs[req_id] = seq
         seq.num_indexed_blocks = len(hits)
         seq.num_skipped_blocks = num_skipped
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = (len(hits) + num_loaded) * self.block_size
+        if num_loaded:
+            self._index_full_blocks(seq)  # their bytes land before the step runs
         self.counters["num_prefix_cache_queries"] += num_tokens
         self.counters["num_prefix_cache_hits"] += seq.num_cached_tokens
+        self.counters["num_host_hit_blocks"] += len(host_hits)
+        self.counters["num_disk_hit_blocks"] += len(disk_hashes)
         return new_ids
 
     def _new_hashes(self, seq: RequestTable, new_token_ids: list[int]) -> list[bytes]:
@@ -259,6 +319,68 @@ class BlockAllocator:
                 break
             hits.append(self.device.block_id_of(block_hash))
         return hits
+
+    def _match_host(self, hashes: list[bytes], token_ids: list[int], start: int, max_blocks: int) -> list[int]:
+        """The host blocks that continue a run of ``start`` device hits, each verified."""
+        if not self.host_tier:
+            return []
+        hits: list[int] = []
+        bs = self.block_size
+        for i in range(start, min(max_blocks, len(hashes))):
+            entry = self.host.lookup(hashes[i])
+            if (entry is None or entry.parent_block_hash != (hashes[i - 1] if i else None)
+                    or list(entry.token_ids) != token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(self.host.block_id_of(hashes[i]))
+        return hits
+
+    def prefix_hashes(self, token_ids: list[int], cache_salt: str | None, max_blocks: int) -> list[bytes]:
+        """The chained hashes of a sequence's first ``max_blocks`` full blocks (the planner's disk lookup)."""
+        extra_keys = block_extra_keys(cache_salt)
+        hashes: list[bytes] = []
+        bs = self.block_size
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra_keys))
+        return hashes
+
+    def _spill(self) -> None:
+        """Copy the cached blocks that ``take`` just evicted one tier down: device -> host (a
+        ``swap_out`` pair; the host index takes the entry) or, without room there, -> disk;
+        host -> disk. A block whose bytes land in this very step is not spilled (they are not there
+        yet when the saves run), nor one whose hash the host tier holds already."""
+        device, host = self.device, self.host
+        self._spill_host()
+        while device.spill:
+            block_id, entry = device.spill.pop(0)
+            if block_id in self._filled:
+                continue
+            if self.host_tier:
+                known = host.block_id_by_hash.get(entry.block_hash)
+                if known is not None:
+                    if known in host.cached_queue:
+                        host.cached_queue.move_to_end(known)
+                    continue
+                if host.num_free_blocks:
+                    (host_id,) = host.take(1)
+                    self._spill_host()  # (before the host block's new source is recorded)
+                    host.index(host_id, entry)
+                    host.release([host_id])
+                    self.swap_out_pairs.append((block_id, host_id))
+                    self._host_filled[host_id] = block_id
+                    self.counters["num_host_spilled_blocks"] += 1
+                    continue
+            if self.disk_tier:
+                self.tier_saves.append((0, block_id, entry.block_hash))
+                self.counters["num_disk_saved_blocks"] += 1
+
+    def _spill_host(self) -> None:
+        """Host blocks just evicted -> disk: saved from the host block, or from the device block it
+        was filled from in this step (its bytes reach the host only after the saves run)."""
+        while self.host.spill:
+            block_id, entry = self.host.spill.pop(0)
+            src = self._host_filled.pop(block_id, None)
+            self.tier_saves.append((0, src, entry.block_hash) if src is not None else (1, block_id, entry.block_hash))
+            self.counters["num_disk_saved_blocks"] += 1
 
     def confirm_computed(self, discard_req_ids=(), keep_req_ids=()) -> None:
         """Every allocation so far has been computed (the executor runs steps in order: what
@@ -290,6 +412,9 @@ class BlockAllocator:
                                 tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             if self.device.index(seq.block_ids[i], entry):
                 run.append(i)
+                if self.disk_tier and seq.block_ids[i] not in self._filled:  # written through to disk
+                    self.tier_saves.append((0, seq.block_ids[i], entry.block_hash))
+                    self.counters["num_disk_saved_blocks"] += 1
                 continue
             self._store_event(seq, run)
             run = []
@@ -318,6 +443,8 @@ class BlockAllocator:
         index = start // self.block_size
         src = seq.block_ids[index]
         (dst,) = self.device.take(1)
+        if self.device.spill:
+            self._spill()
         self.device.release([src])
         seq.block_ids[index] = dst
         self.block_copies.append((src, dst))
@@ -387,8 +514,9 @@ class BlockAllocator:
         self.counters["num_window_skipped_blocks"] += len(skipped)
 
     def clear_cache(self) -> int:
-        """Drop the free cached blocks (``folio kv clear``). Returns how many."""
-        return self.device.drop_cached_free_blocks()
+        """Drop the free cached blocks (``folio kv clear``), the host tier's too. Returns how many
+        (the disk tier is shared with other processes: it stays)."""
+        return self.device.drop_cached_free_blocks() + (self.host.drop_cached_free_blocks() if self.host_tier else 0)
 
     # ------------------------------------------------------------------ the host tier
     def swap_out(self, req_id: str) -> list[tuple[int, int]]:
@@ -398,6 +526,8 @@ class BlockAllocator:
             raise ValueError(f"{req_id} is swapped out already")
         held = seq.held_block_ids
         host_ids = self.host.take(len(held))
+        if self.host.spill:
+            self._spill_host()
         pairs = list(zip(held, host_ids))
         self.device.release(list(reversed(held)))
         seq.host_block_ids, seq.block_ids = host_ids, seq.block_ids[:seq.num_skipped_blocks]
@@ -412,6 +542,9 @@ class BlockAllocator:
         if seq.host_block_ids is None:
             raise ValueError(f"{req_id} is not swapped out")
         device_ids = self.device.take(len(seq.host_block_ids))
+        self._filled.update(device_ids)
+        if self.device.spill:
+            self._spill()
         pairs = list(zip(seq.host_block_ids, device_ids))
         self.host.release(list(reversed(seq.host_block_ids)))
         seq.block_ids, seq.host_block_ids = seq.block_ids + device_ids, None
@@ -425,7 +558,18 @@ class BlockAllocator:
         """(block_copies, swap_out, swap_in) gathered since the last call, for one step's reply."""
         copies = (self.block_copies, self.swap_out_pairs, self.swap_in_pairs)
         self.block_copies, self.swap_out_pairs, self.swap_in_pairs = [], [], []
+        if self._pinned_host:  # the host hits were read by this step's copies: evictable again
+            self.host.release(self._pinned_host)
+            self._pinned_host = []
+        self._host_filled.clear()
+        self._filled.clear()
         return copies
+
+    def take_tier_ops(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, bytes]]]:
+        """(tier_saves, tier_loads) gathered since the last call: the disk's part of the step."""
+        ops = (self.tier_saves, self.tier_loads)
+        self.tier_saves, self.tier_loads = [], []
+        return ops
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict:
@@ -447,5 +591,6 @@ class BlockAllocator:
             **self.counters,
             "num_host_blocks_total": h.num_blocks,
             "num_host_blocks_used": h.num_used_blocks,
+            "num_host_blocks_cached": h.num_cached_free_blocks,
             "num_seqs_swapped_out": sum(1 for s in self.seqs.values() if s.host_block_ids is not None),
         }

@@ -12,6 +12,9 @@ freed) and only then evicts cached ones, least recently freed first. ``release``
 blocks in the order given: the allocator passes them deepest first, so that a sequence's tail is
 evicted before its head (a tail is only useful together with its head).
 
+With a lower tier below it (``spill`` set), each cached block ``take`` evicts is listed there with
+its index entry, for the allocator to copy down a tier (host, disk: ``tiers.py``).
+
 Every change to the index is recorded in ``events`` (``BlockStored``/``BlockRemoved``) for the
 kvmanager to publish once per step (the scheduler's replica drops them).
 """
@@ -52,6 +55,9 @@ class BlockPool:
         self.events: list[BlockStored | BlockRemoved] = []
         self.record_events = True  # False in the scheduler's replica: only the owner publishes
         self.num_evictions = 0
+        # with a lower tier: the (block id, entry) of each cached block ``take`` evicted, which the
+        # allocator copies down a tier before the block is written again (``allocator._spill``)
+        self.spill: list[tuple[int, CachedBlock]] | None = None
 
     # ------------------------------------------------------------------ counts
     @property
@@ -85,6 +91,8 @@ class BlockPool:
                 block_id = self.free_queue.popleft()
             else:
                 block_id, _ = self.cached_queue.popitem(last=False)
+                if self.spill is not None:
+                    self.spill.append((block_id, self.cached[block_id]))
                 evicted.append(self._unindex(block_id))
                 self.num_evictions += 1
             self.ref_counts[block_id] = 1

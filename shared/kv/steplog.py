@@ -34,7 +34,7 @@ def _free(alloc: BlockAllocator, op: KVFree) -> int:
 
 
 def _allocate(alloc: BlockAllocator, op: KVAllocate) -> list[int]:
-    return alloc.allocate(op.req_id, op.num_tokens, op.new_token_ids, op.cache_salt, op.num_computed)
+    return alloc.allocate(op.req_id, op.num_tokens, op.new_token_ids, op.cache_salt, op.num_computed, op.load_hashes)
 
 
 _APPLY = {
@@ -55,6 +55,7 @@ class StepLog:
         self.ops: list[KVOp] = []  # this step's, in the order applied
         self.effects: list = []  # what each did, for the digest
         self.digest = b""
+        self.tier_ops: tuple[list, list] = ([], [])  # the last sealed step's (tier_saves, tier_loads)
 
     def try_apply(self, op: KVOp):
         """Apply ``op`` and keep it for the log; None when the allocator refused (nothing changed)."""
@@ -82,12 +83,15 @@ class StepLog:
 
     def seal(self) -> tuple[list[KVOp], Copies, bytes]:
         """End the step: its ops, the copies the executor makes before it, the chained digest
-        (unchanged by a step without ops: the owner never hears of it)."""
+        (unchanged by a step without ops: the owner never hears of it). The disk tier's saves and loads
+of the step wait in ``tier_ops``."""
         alloc = self.alloc
         copies = alloc.take_copies()
+        self.tier_ops = alloc.take_tier_ops()
         if not self.ops:
             return [], copies, self.digest  # a step that changed nothing leaves the digest alone
-        self.effects.append([copies, alloc.num_free_blocks, alloc.host.num_free_blocks, len(alloc.device.cached)])
+        self.effects.append([copies, self.tier_ops, alloc.num_free_blocks, alloc.host.num_free_blocks,
+                             len(alloc.device.cached), len(alloc.host.cached)])
         self.digest = hashlib.blake2b(self.digest + _encode(self.effects), digest_size=16).digest()
         ops, self.ops, self.effects = self.ops, [], []
         return ops, copies, self.digest

@@ -27,9 +27,11 @@ with a state digest, without the step waiting for it (``service.py``). The servi
 as ``schedule`` -> ``build_plan`` -> executor -> ``update_from_result``; with async scheduling it
 plans the next step before the last one's result (``schedule(in_flight)``, when ``can_plan_ahead``).
 
-A sequence new to the allocator first looks up the prefix cache: it starts after the blocks
-found there (whole blocks, at least one token left to compute), and those tokens cost nothing
-from the token budget nor from the free blocks beyond reviving them. Tokens reach the allocator
+A sequence new to the allocator first looks up the prefix cache: with lower tiers, the device's
+hits, then the host tier's (the replica knows them), then the disk tier's files (verified here,
+loaded when ``TierCostModel`` says loading beats recomputing; their hashes ride in the
+``KVAllocate``): it starts after the blocks found there (whole blocks, at least one token left to
+compute), and those tokens cost nothing from the token budget nor from the free blocks beyond reviving them. Tokens reach the allocator
 with each allocation (those it has not seen), so that it can hash blocks as they fill; blocks
 become findable once the step that computed them ran (``KVConfirm`` at the start of the next
 step). Requests that want prompt logprobs send none: they neither hit nor feed the cache, since a
@@ -59,6 +61,7 @@ from folio.core.scheduler.grammars import GrammarGate
 from folio.core.scheduler.request import Request, Status
 from folio.shared.kv.allocator import BlockAllocator, cdiv
 from folio.shared.kv.steplog import StepLog
+from folio.shared.kv.tiers import DiskTier, TierCostModel
 from folio.shared.messages import (
     KVAllocate,
     KVClear,
@@ -133,7 +136,15 @@ class Scheduler(Admission, ExecutorExchange):
         self.pool = info
         self.kv = StepLog(BlockAllocator(info.num_blocks, info.block_size, info.num_host_blocks,
                                          enable_prefix_caching=info.enable_prefix_caching, record_events=False,
-                                         sliding_window=info.sliding_window))
+                                         sliding_window=info.sliding_window, disk_tier=bool(info.kv_disk_dir)))
+        self.disk = None  # the disk tier's folder, looked up by ``_find_cached`` (``folio.shared.kv.tiers``)
+        if info.kv_disk_dir and self.kv.alloc.disk_tier:
+            try:
+                self.disk = DiskTier(info.kv_disk_dir, info.kv_layout_id, 0, info.bytes_per_block)
+            except (OSError, ValueError):
+                self.disk = None
+        self.tier_cost = TierCostModel()
+        self._last_prefill: tuple[float, int] | None = None
         limits = [n for n in (self.max_model_len_limit, info.max_model_len) if n]
         self.max_model_len = min(limits) if limits else None
 
@@ -297,6 +308,8 @@ class Scheduler(Admission, ExecutorExchange):
             budget -= num_new
         self.max_num_running = max(self.max_num_running, len(self.running))
         out.ops, (out.block_copies, out.swap_out, out.swap_in), out.digest = self.kv.seal()
+        out.tier_saves, out.tier_loads = self.kv.tier_ops
+        self._time_prefill(out)
         out.grammars, held = self.grammar_gate.take_step()
         self.counters["num_grammar_held_steps"] += held
         out.await_grammars = held and not out.scheduled  # nothing to run but a compile to wait for
@@ -392,8 +405,24 @@ class Scheduler(Admission, ExecutorExchange):
             return
         end = req.num_prompt_tokens - 1 if req.pending_forks else req.num_tokens
         # at least one token is left to compute: the last one, which samples
-        num_blocks = self.alloc.num_cached_blocks(req.all_token_ids, req.kv_salt, (end - 1) // self.block_size)
+        max_blocks = (end - 1) // self.block_size
+        num_blocks = self.alloc.num_cached_blocks(req.all_token_ids, req.kv_salt, max_blocks)
+        req.kv_load_hashes = []
+        if self.disk is not None and num_blocks < max_blocks:  # then the disk tier's files (verified)
+            hashes = self.alloc.prefix_hashes(req.all_token_ids, req.kv_salt, max_blocks)
+            req.kv_load_hashes = self.disk.find_run(hashes[num_blocks:], self.block_size, self.tier_cost)
+            num_blocks += len(req.kv_load_hashes)
         req.num_computed_tokens = req.num_cached_tokens = num_blocks * self.block_size
+
+    def _time_prefill(self, out) -> None:
+        """The cost model's prefill rate: a step with a long prefill takes about as long as the
+        time to the next plan (rough, and enough: loads win or lose by an order of magnitude)."""
+        now = time.perf_counter()
+        if self._last_prefill is not None:
+            t, n = self._last_prefill
+            self.tier_cost.observe_prefill(n, now - t)
+        n = sum(k for _, k in out.scheduled if k > 1)
+        self._last_prefill = (now, n) if n >= 256 and self.disk is not None else None
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Make room in ``req``'s table for its next ``num_new`` tokens (False: refused, nothing
@@ -414,7 +443,8 @@ class Scheduler(Admission, ExecutorExchange):
         nothing changed). The tokens the allocator has not seen ride along, so that it hashes the
         blocks they fill; draft tokens are not known until accepted."""
         known = min(end, req.num_tokens) if req.sampling.prompt_logprobs is None else req.num_kv_token_ids
-        op = KVAllocate(req.req_id, start, end, req.token_slice(req.num_kv_token_ids, known), cache_salt)
+        op = KVAllocate(req.req_id, start, end, req.token_slice(req.num_kv_token_ids, known), cache_salt,
+                        (getattr(req, "kv_load_hashes", None) or []) if req.req_id not in self.alloc.seqs else [])
         if self.kv.try_apply(op) is None:
             return False
         req.num_kv_token_ids = max(req.num_kv_token_ids, known)

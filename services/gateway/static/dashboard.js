@@ -57,6 +57,7 @@ async function poll() {
       drawRequests(s.map);
       drawTable(s.map.table);
     }
+    drawTiers(s.now && s.now.tiers);
     drawPlots(s.time);
     const down = s.down.length ? " · down: " + s.down.join(", ") : "";
     setStatus("updated " + new Date(s.time * 1000).toLocaleTimeString() + down, !!s.down.length);
@@ -129,6 +130,26 @@ function drawPool(m) {
     hel[i].title = `host blocks ${a}–${b}: ${used} hold swapped-out tables`;
   }
   $("host-summary").textContent = h.num_blocks ? `${h.num_blocks} blocks` : "none (no swap space)";
+}
+
+// The tiers: device, host and, with --kv-disk-dir, disk (the kvmanager's ``stats``).
+function drawTiers(tiers) {
+  const el = $("tiers");
+  el.replaceChildren();
+  if (!tiers) return;
+  const mb = (n) => n == null ? "–" : (n / 1e6).toFixed(1) + " MB";
+  for (const [name, t] of Object.entries(tiers)) {
+    const tr = document.createElement("tr");
+    const cached = t.blocks_cached == null ? "–" : t.blocks_cached;
+    const cells = [name, `${t.blocks == null ? cached : t.blocks} blocks`, `${cached} cached`, mb(t.bytes),
+      `${t.hit_blocks} hit blocks`];
+    for (const c of cells) {
+      const td = document.createElement("td");
+      td.textContent = c;
+      tr.appendChild(td);
+    }
+    el.appendChild(tr);
+  }
 }
 
 // Rows are kept per request and updated in place, so that the row under the mouse stays hovered.

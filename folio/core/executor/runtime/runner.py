@@ -161,6 +161,7 @@ class ModelRunner:
             if kv_dtype == FP8_DTYPE else []
         with startup.phase("pool"):
             self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
+        self.tiers = self._make_tiers(model_path)  # the disk tier, with --kv-disk-dir
         self.requests: dict[str, RequestState] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
@@ -306,16 +307,34 @@ class ModelRunner:
             self._add_request(new)
         self.batch.apply_running(plan.running_reqs, plan.step_id)
 
+    def _make_tiers(self, model_path: str):
+        disk_dir = getattr(self.config, "kv_disk_dir", None)
+        if not disk_dir:
+            return None
+        from folio.core.executor.runtime.kv_tiers import KVTierStore, pool_layout_id
+        from folio.shared.kv.tiers import DiskTier
+
+        ident = pool_layout_id(self.pool, model_path, self.config.quantization, str(self.dtype), self.kv_scales,
+                               self.shard.rank, self.shard.size)
+        cap = int(float(getattr(self.config, "kv_disk_gb", 10.0)) * 1e9)
+        return KVTierStore(self.pool, DiskTier(disk_dir, ident, cap, self.pool_shape.bytes_per_block))
+
     def _copy_blocks(self, plan: StepPlan) -> None:
-        """The kvmanager's copies, before the step reads the pool: swap-outs first (the blocks
-        they vacate may be written by swap-ins, copies or this step), then swap-ins, then
-        copy-on-write."""
+        """The kvmanager's copies, before the step reads the pool: disk-tier saves first (they
+        read blocks that this step may write again), then swap-outs (the blocks they vacate may be
+        written by swap-ins, copies or this step), then swap-ins, disk-tier loads, copy-on-write."""
         if (plan.swap_out or plan.swap_in) and not self.pool.host_caches:
             raise ValueError(f"step {plan.step_id} swaps blocks but this executor has no host tier")
+        if (plan.tier_saves or plan.tier_loads) and self.tiers is None:
+            raise ValueError(f"step {plan.step_id} moves blocks to or from disk but this executor has no disk tier")
+        if plan.tier_saves:
+            self.tiers.save(plan.tier_saves, protect=[h for _, h in plan.tier_loads])
         if plan.swap_out:
             self.backend.swap_out(self.pool.kv_caches, self.pool.host_caches, plan.swap_out)
         if plan.swap_in:
             self.backend.swap_in(self.pool.host_caches, self.pool.kv_caches, plan.swap_in)
+        if plan.tier_loads:
+            self.tiers.load(plan.tier_loads)
         if plan.block_copies:
             self.backend.copy_blocks(self.pool.kv_caches, plan.block_copies)
 
@@ -579,6 +598,7 @@ class ModelRunner:
             "cuda_graph_buckets": self.graphs.buckets if self.graphs is not None else [],
             "num_graph_replays": self.graphs.num_replays if self.graphs is not None else 0,
             "tensor_parallel_size": self.shard.size,
+            **({"kv_tiers": self.tiers.stats()} if self.tiers is not None else {}),
             **self.grammars.stats,
             **(self.lora.stats() if self.lora is not None else {}),
         }
