@@ -172,3 +172,28 @@ def test_a_seeded_request_gives_the_same_output_alone_and_among_32(small_pool_ru
         engine.add(msg)
     assert engine.run()["seeded"].token_ids == solo
     assert engine.sched.counters["num_preemptions"] > 0
+
+
+def test_an_avx2_build_gives_the_same_uniforms_and_keeps_its_draws_in_the_kept_set(monkeypatch):
+    """The kernels compiled for x86-64-v3 (AVX2, no AVX-512): the same uniforms bit for bit, the
+    same greedy tokens, every draw (top-k, top-p, min-p, penalties) inside its kept set."""
+    native = cpu_kernels.library()
+    try:
+        avx2 = cpu_kernels.library_for("x86-64-v3")
+    except RuntimeError as exc:
+        pytest.skip(f"no AVX2 build here: {exc}")
+    seeds, positions = np.arange(-50, 50, dtype=np.int64) * 977, np.arange(100, dtype=np.int64) * 31
+    want = cpu_kernels.philox_uniforms(seeds, positions, 0, 5)
+    monkeypatch.setattr(cpu_kernels, "_library", avx2)
+    assert cpu_kernels.library() is avx2 and native is not avx2
+    assert np.array_equal(cpu_kernels.philox_uniforms(seeds, positions, 0, 5), want)
+    rng = random.Random(8)
+    logits = torch.randn(64, VOCAB, generator=torch.Generator().manual_seed(8)) * 3
+    rows = [SamplingRow(rng.choice(OTHERS + [SEEDED]), None, [1], [rng.randrange(VOCAB) for _ in range(4)])
+            for _ in range(64)]
+    got = sample(logits, rows).token_ids
+    p = ref.processed_probs(logits, [ref.SamplingRow(r.params, None, r.prompt_token_ids, r.output_token_ids)
+                                     for r in rows])
+    assert all(p[i, t] > 0 for i, t in enumerate(got))
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    assert greedy and all(p[i, got[i]] == 1 for i in greedy)  # greedy rows: the one-hot's token
