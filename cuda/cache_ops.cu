@@ -5,16 +5,12 @@
 
 namespace folio {
 
-// A new K/V element as the pool stores it: unchanged in a pool of the activations' type; divided
-// by the layer's scale and narrowed (nearest even, saturated) in an fp8 pool.
-template <typename T>
-__device__ __forceinline__ T to_cache(T x, float, T*) { return x; }
-template <typename T>
-__device__ __forceinline__ fp8e4m3 to_cache(T x, float scale, fp8e4m3*) { return fp8_from_float(to_float(x) / scale); }
+// to_cache (common.cuh): a K/V element as the pool stores it.
 
 // One CUDA block per new token; its threads stride over num_kv_heads * head_dim elements, so
 // each token's K/V row is read and written with consecutive (coalesced) addresses. C is the
-// pool's element type: T, or fp8e4m3 (then k_scale/v_scale are the layer's scales).
+// pool's element type: T, or fp8e4m3 (then k_scale/v_scale are the layer's scales and k_shift
+// its K shift, fp32 [num_kv_heads, head_dim] each; k_shift may be null). A pool of T ignores them.
 template <typename T, typename C = T>
 __global__ void __launch_bounds__(128) write_kv(
     const T* __restrict__ key,             // [num_tokens, num_kv_heads, head_dim], strided
@@ -23,16 +19,18 @@ __global__ void __launch_bounds__(128) write_kv(
     C* __restrict__ v_cache,               // [num_blocks, block_size, num_kv_heads, head_dim]
     const long long* __restrict__ slot_mapping,  // [num_tokens]; negative = padding
     int num_kv_heads, int head_dim, long long key_token_stride, long long key_head_stride,
-    long long value_token_stride, long long value_head_stride, float k_scale, float v_scale) {
+    long long value_token_stride, long long value_head_stride, const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale, const float* __restrict__ k_shift) {
   const long long token = blockIdx.x;
   const long long slot = slot_mapping[token];
   if (slot < 0) return;  // the whole block leaves together: no barrier below
   const int row = num_kv_heads * head_dim;
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
     const int head = i / head_dim, d = i % head_dim;
-    k_cache[slot * row + i] = to_cache(key[token * key_token_stride + head * key_head_stride + d], k_scale, k_cache);
+    k_cache[slot * row + i] =
+        to_cache(key[token * key_token_stride + head * key_head_stride + d], k_scale, k_shift, i, k_cache);
     v_cache[slot * row + i] =
-        to_cache(value[token * value_token_stride + head * value_head_stride + d], v_scale, v_cache);
+        to_cache(value[token * value_token_stride + head * value_head_stride + d], v_scale, nullptr, i, v_cache);
   }
 }
 

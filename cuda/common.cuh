@@ -93,6 +93,18 @@ __device__ __forceinline__ fp8e4m3 fp8_from_float(float x) {
   return fp8e4m3{(unsigned char)(r | sign)};
 }
 
+// A new K/V element as the pool stores it (write_kv, rope_write_kv): unchanged in a pool of the
+// activations' type; in an fp8 pool, less its channel's shift (K; none for V: shift null), divided
+// by its channel's scale (i: the element's index in [num_kv_heads, head_dim]) and narrowed:
+// (x - shift) / scale in fp32, as kv_quant.quantize computes it.
+template <typename T>
+__device__ __forceinline__ T to_cache(T x, const float*, const float*, int, T*) { return x; }
+template <typename T>
+__device__ __forceinline__ fp8e4m3 to_cache(T x, const float* scale, const float* shift, int i, fp8e4m3*) {
+  const float f = shift != nullptr ? to_float(x) - shift[i] : to_float(x);
+  return fp8_from_float(f / scale[i]);
+}
+
 // One 16-byte vector of T. Reading through an aggregate of T (not a word type reinterpreted as T)
 // keeps the access legal under C++ aliasing rules, which g++ -O2 enforces in the emulation.
 template <typename T>

@@ -102,7 +102,10 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ items,            // [num_items]: the sequence of each decode item
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale, int num_splits,
-    int split_size, float k_scale, float v_scale, int window, float softcap, float softcap_inv) {
+    int split_size, const float* __restrict__ k_scale, const float* __restrict__ v_scale, int window,
+    float softcap, float softcap_inv) {
+  // k_scale, v_scale: an fp8 pool's, fp32 [num_kv_heads, HEAD] (per head and channel); null for a
+  // pool of T
   using S = DecodeShape<T, HEAD, C>;
   constexpr int VEC = S::VEC, HPT = S::HPT, KJ = DECODE_KEYS_PER_STEP;
   alignas(16) __shared__ unsigned char smem[S::SMEM_BYTES];
@@ -138,10 +141,12 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
 #pragma unroll
     for (int v = 0; v < VEC; ++v) q[i][v] = acc[i][v] = 0.f;
     if (i < hpt && h < group && lane_on) {
-      // the softmax scale and the pool's K scale are folded into q once instead of into every score
+      // the softmax scale and the pool's K scale of each channel are folded into q once instead of
+      // into every score
       read_vec<T, VEC>(query + token * q_stride + (long long)(kv_head * group + h) * HEAD + tx * VEC, q[i]);
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) q[i][v] *= scale * k_scale;
+      for (int v = 0; v < VEC; ++v)
+        q[i][v] *= scale * (k_scale != nullptr ? k_scale[kv_head * HEAD + tx * VEC + v] : 1.f);
     }
   }
 
@@ -253,7 +258,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS) paged_decode(
         o += acc_s[e * HEAD + d] * w;
       }
     }
-    o = l_all > 0.f ? o / l_all * v_scale : 0.f;  // the pool's V scale, once per output
+    // the pool's V scale of this channel, once per output
+    o = l_all > 0.f ? o / l_all * (v_scale != nullptr ? v_scale[kv_head * HEAD + d] : 1.f) : 0.f;
     const int head = kv_head * group + h;
     if (num_splits == 1) {
       out[((long long)token * num_heads + head) * HEAD + d] = from_float<T>(o);

@@ -148,17 +148,28 @@ __global__ void __launch_bounds__(ACT_THREADS) gelu_tanh_and_mul(
 // Work unit = one 16-byte vector of a head's first half and the matching vector of its second
 // half, or one 16-byte vector of the value row. Padding tokens (slot < 0) rotate q, write nothing.
 // Grid (num_tokens), one block per token; (head_dim / 2) * sizeof(T) % 16 == 0.
-template <typename T>
+//
+// C: the pool's element type, T or fp8e4m3. An fp8 pool's layer (kv_quant) also has a rotated
+// basis: `rotation` (T [head_dim, head_dim], orthogonal) multiplies every q, k and v head after
+// RoPE (the reference's `x @ rotation`, accumulated in fp32 and rounded to T once), and k and v
+// are stored through to_cache with k_scale/v_scale/k_shift (fp32 [num_kv_heads, head_dim]; k_shift
+// may be null). That path works head by head through shared memory (ROPE_ROT_FLOATS of them per
+// pass); a pool of T without a rotation takes the vector path (rotation, scales and shift null).
+constexpr int ROPE_ROT_FLOATS = 4096;
+
+template <typename T, typename C = T>
 __global__ void __launch_bounds__(ROPE_THREADS) rope_write_kv(
     T* __restrict__ q_out,                    // [num_tokens, num_heads, head_dim], contiguous
-    T* __restrict__ k_cache,                  // [num_blocks, block_size, num_kv_heads, head_dim]
-    T* __restrict__ v_cache,                  // [num_blocks, block_size, num_kv_heads, head_dim]
+    C* __restrict__ k_cache,                  // [num_blocks, block_size, num_kv_heads, head_dim]
+    C* __restrict__ v_cache,                  // [num_blocks, block_size, num_kv_heads, head_dim]
     const T* __restrict__ qkv,                // [num_tokens, (num_heads + 2 num_kv_heads) head_dim], stride
     const long long* __restrict__ positions,  // [num_tokens]
     const T* __restrict__ cos_table,          // [max_positions, head_dim]
     const T* __restrict__ sin_table,          // [max_positions, head_dim]
     const long long* __restrict__ slot_mapping,  // [num_tokens]; negative = padding
-    int num_heads, int num_kv_heads, int head_dim, long long qkv_stride) {
+    int num_heads, int num_kv_heads, int head_dim, long long qkv_stride,
+    const T* __restrict__ rotation,           // [head_dim, head_dim] or null
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale, const float* __restrict__ k_shift) {
   constexpr int VEC = 16 / sizeof(T);
   const long long token = blockIdx.x;
   const long long slot = slot_mapping[token];
@@ -167,12 +178,60 @@ __global__ void __launch_bounds__(ROPE_THREADS) rope_write_kv(
   const T* cos_row = cos_table + positions[token] * head_dim;
   const T* sin_row = sin_table + positions[token] * head_dim;
   const long long kv_row = (long long)num_kv_heads * head_dim;
+  if (rotation != nullptr || sizeof(C) != sizeof(T)) {
+    // heads [h0, h1) of q, k, v (in that order) per pass: RoPE'd (q, k) or copied (v) into x_s,
+    // rounded to T as the reference's apply_rope leaves them; then each output element is a
+    // column of the rotation (or the element itself), rounded to T, then stored
+    __shared__ float x_s[ROPE_ROT_FLOATS];
+    const int total_heads = num_heads + 2 * num_kv_heads, per_pass = ROPE_ROT_FLOATS / head_dim;
+    for (int h0 = 0; h0 < total_heads; h0 += per_pass) {
+      const int n = (min(total_heads, h0 + per_pass) - h0) * head_dim;
+      for (int e = threadIdx.x; e < n; e += ROPE_THREADS) {
+        const int head = h0 + e / head_dim, d = e % head_dim;
+        const T* src = row + (long long)head * head_dim;
+        float x;
+        if (head < num_heads + num_kv_heads) {
+          const float lo = to_float(src[d % half]), hi = to_float(src[d % half + half]);
+          const float c = to_float(cos_row[d]), sn = to_float(sin_row[d]);
+          x = d < half ? round_to<T>(lo * c) + round_to<T>(-hi * sn) : round_to<T>(hi * c) + round_to<T>(lo * sn);
+          x = round_to<T>(x);
+        } else {
+          x = to_float(src[d]);
+        }
+        x_s[e] = x;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < n; e += ROPE_THREADS) {
+        const int local = e / head_dim, head = h0 + local, i = e % head_dim;
+        float acc = x_s[e];
+        if (rotation != nullptr) {
+          acc = 0.f;
+          for (int j = 0; j < head_dim; ++j) acc += x_s[local * head_dim + j] * to_float(rotation[j * head_dim + i]);
+        }
+        const T y = from_float<T>(acc);
+        if (head < num_heads) {
+          q_out[(token * num_heads + head) * head_dim + i] = y;
+        } else if (slot >= 0 && head < num_heads + num_kv_heads) {
+          const int c = (head - num_heads) * head_dim + i;
+          k_cache[slot * kv_row + c] = to_cache(y, k_scale, k_shift, c, k_cache);
+        } else if (slot >= 0) {
+          const int c = (head - num_heads - num_kv_heads) * head_dim + i;
+          v_cache[slot * kv_row + c] = to_cache(y, v_scale, nullptr, c, v_cache);
+        }
+      }
+      __syncthreads();
+    }
+    return;
+  }
+  // a pool of T, no rotation: whole 16-byte vectors
+  T* k_pool = reinterpret_cast<T*>(k_cache);
+  T* v_pool = reinterpret_cast<T*>(v_cache);
   const int num_rotations = (num_heads + num_kv_heads) * vecs_per_half;
   const int num_units = num_rotations + (slot >= 0 ? num_kv_heads * head_dim / VEC : 0);
   for (int u = threadIdx.x; u < num_units; u += ROPE_THREADS) {
     if (u >= num_rotations) {  // a vector of the value row, copied as it is
       const int c = (u - num_rotations) * VEC;
-      *reinterpret_cast<vec16<T>*>(v_cache + slot * kv_row + c) =
+      *reinterpret_cast<vec16<T>*>(v_pool + slot * kv_row + c) =
           *reinterpret_cast<const vec16<T>*>(row + (long long)(num_heads + num_kv_heads) * head_dim + c);
       continue;
     }
@@ -194,7 +253,7 @@ __global__ void __launch_bounds__(ROPE_THREADS) rope_write_kv(
     if (head < num_heads) {
       dst = q_out + (token * num_heads + head) * head_dim;
     } else if (slot >= 0) {
-      dst = k_cache + slot * kv_row + (long long)(head - num_heads) * head_dim;
+      dst = k_pool + slot * kv_row + (long long)(head - num_heads) * head_dim;
     } else {
       continue;
     }

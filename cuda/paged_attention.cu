@@ -47,7 +47,8 @@ __device__ __forceinline__ void score_key(const C* __restrict__ k, const float (
   }
 }
 
-// C: the pool's element type (T, or fp8e4m3 with the layer's k_scale/v_scale).
+// C: the pool's element type (T, or fp8e4m3 with the layer's k_scale/v_scale: fp32
+// [num_kv_heads, HEAD] each, per head and channel; null for a pool of T).
 template <typename T, int HEAD, int BLOCK, typename C = T>
 __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention(
     T* __restrict__ out,                   // [num_tokens, num_heads, HEAD] (one partition)
@@ -61,8 +62,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ work,          // [num_work, 2]: (seq, first row)
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale,
-    int num_partitions, int partition_size, float k_scale, float v_scale, int window, float softcap,
-    float softcap_inv) {
+    int num_partitions, int partition_size, const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale, int window, float softcap, float softcap_inv) {
   constexpr int PER_LANE = HEAD / WARP_SIZE;  // head dims each lane accumulates
   __shared__ float q_s[ATTN_ROWS][HEAD];
   __shared__ float p_s[ATTN_WARPS][ATTN_ROWS][WARP_SIZE];
@@ -92,8 +93,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
   const int part_begin = kv_begin + blockIdx.z * span;
   const int part_end = min(kv_end, part_begin + span);
 
-  // The softmax scale and the pool's K scale are folded into q once instead of into every score.
-  const float q_scale = scale * k_scale;
+  // The softmax scale and the pool's K scale of each channel are folded into q once instead of
+  // into every score.
   for (int i = threadIdx.x; i < ATTN_ROWS * HEAD; i += ATTN_THREADS) {
     const int r = i / HEAD, d = i % HEAD, row = row0 + r;
     float q = 0.f;
@@ -103,6 +104,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     }
     q_s[r][d] = q;
   }
+      const float q_scale = scale * (k_scale != nullptr ? k_scale[kv_head * HEAD + d] : 1.f);
   __syncthreads();
 
   float m[ATTN_ROWS], l[ATTN_ROWS], acc[ATTN_ROWS][PER_LANE];
@@ -187,7 +189,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
         o += acc_s[w][r][d] * weight;
       }
     }
-    o = l_all > 0.f ? o / l_all * v_scale : 0.f;  // the pool's V scale, once per output
+    // the pool's V scale of this channel, once per output
+    o = l_all > 0.f ? o / l_all * (v_scale != nullptr ? v_scale[kv_head * HEAD + d] : 1.f) : 0.f;
     const long long out_row = (long long)(q_begin + row / group) * num_heads + kv_head * group + row % group;
     if (num_partitions == 1) {
       out[out_row * HEAD + d] = from_float<T>(o);

@@ -66,9 +66,9 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ work,             // [num_work, 2]: (seq, first row)
     int num_kv_heads, int group, int max_blocks, long long q_stride, float scale, int num_partitions,
-    int partition_size, float k_scale, float v_scale, int window, float softcap, float softcap_inv) {
-  // k_scale/v_scale: the pool's (1 for a pool of T; fp8 pools take the CUDA-core kernel)
-  scale *= k_scale;
+    int partition_size, const float*, const float*, int window, float softcap, float softcap_inv) {
+  // the two pointers: an fp8 pool's K/V scales, the other kernels' argument; null here (a pool of
+  // T: fp8 pools take the CUDA-core kernel)
   using S = PrefillShape<T, HEAD>;
   alignas(16) __shared__ T smem[S::SMEM_ELEMS];
 
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
     l += __shfl_xor_sync(FULL_MASK, l, 2);
     const int r = warp * 16 + g + 8 * h, row = row0 + r;
     if (r >= num_rows) continue;
-    const float inv = l > 0.f ? v_scale / l : 0.f;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
     const long long out_row = (long long)(q_begin + row / group) * num_heads + kv_head * group + row % group;
     if (num_partitions == 1) {
 #pragma unroll

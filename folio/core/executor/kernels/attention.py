@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, dequantize, quantize, raw, stored
+from folio.core.executor.quant.kv_quant import FP8_DTYPE, dequantize, quantize, raw, split_scales, stored
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
 
 SHORT_CHUNK_ROWS = 16  # chunks this short (verification: k + 1 tokens) attend row by row, as decodes
@@ -237,7 +237,7 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: stored = value / scale
+        kv_scales=(1.0, 1.0),  # an fp8 pool's (k_scale, v_scale) or KVScales: stored = (value - shift) / scale
     ) -> None:
         # only the padding rows matter here: the attention plan waits for ``attend``
         write_idx = meta.plan.write_idx if isinstance(meta.plan, _TorchPlan) else _write_idx(meta)
@@ -248,7 +248,8 @@ class TorchAttentionBackend:
             value = value[write_idx]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         if k_cache.dtype == FP8_DTYPE:
-            key, value = quantize(key, kv_scales[0]), quantize(value, kv_scales[1])
+            k_scale, v_scale, k_shift = split_scales(kv_scales)
+            key, value = quantize(key, k_scale, k_shift), quantize(value, v_scale)
         raw(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, raw(key.to(k_cache.dtype)))
         raw(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, raw(value.to(v_cache.dtype)))
 
@@ -259,7 +260,7 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
+        kv_scales=(1.0, 1.0),  # an fp8 pool's (k_scale, v_scale) or KVScales: dequantized = stored * scale
         window: int = 0,  # > 0: position p attends keys p - window < k <= p (a sliding-window layer)
         softcap: float = 0.0,  # > 0: score = softcap * tanh(score / softcap), after the scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -273,7 +274,6 @@ class TorchAttentionBackend:
         return out
 
     def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales, window=0, softcap=0.0) -> None:
-        k_scale, v_scale = kv_scales
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         if plan.decode is not None:
             group = plan.decode
@@ -327,7 +327,7 @@ def _attention(
     v: torch.Tensor,
     mask: torch.Tensor,  # [batch or 1, 1, query_len or 1, keys] True = attend
     scale: float,
-    kv_scales: tuple[float, float],
+    kv_scales,  # (k_scale, v_scale) or KVScales; a scale is a float or [num_kv_heads, head_dim]
     softcap: float,
 ) -> torch.Tensor:  # [batch, num_heads, query_len, head_dim]
     """SDPA without a cap; with one, the scores explicitly in fp32: scale, cap, mask, softmax, @ v.
@@ -337,7 +337,8 @@ def _attention(
     weight in p @ v, so it must be finite: it is the sequence's own keys before its window inside
     the window's first block, or slots past its end (written or zeroed pool entries, as without a
     window). Blocks wholly before the window, the ones a scheduler may free, are not gathered."""
-    k_scale, v_scale = kv_scales
+    # per head and channel scales against [batch, kv_heads, keys, head_dim]
+    k_scale, v_scale = (s.unsqueeze(-2) if isinstance(s, torch.Tensor) else s for s in split_scales(kv_scales)[:2])
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if softcap == 0.0:
         return F.scaled_dot_product_attention(q, dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype),

@@ -128,6 +128,11 @@ QUANT_KERNELS = ("awq_gemv", "awq_gemm")  # cuda/quant_gemm.cu, templated on the
 
 @dataclass(frozen=True)
 class QuantNames:
+def rope_write_kv_fp8_name(dtype: str) -> str:
+    """The fused RoPE + KV write into an fp8 pool (its rotation, scales and K shift applied)."""
+    return f"folio::rope_write_kv<{DTYPES[dtype]}, {FP8_CACHE}>"
+
+
     """Name expressions of the W4A16 kernels for one activation dtype."""
 
     awq_gemv: str
@@ -222,6 +227,8 @@ def source_of(filename: str) -> str:
 
     Inlining (rather than ``-I cuda``) makes the source text complete, so CuPy's on-disk cache,
     keyed by source and options, notices a change in a header too.
+        if dtype in FP8_ACTIVATION_DTYPES:
+            names["fused"].append(rope_write_kv_fp8_name(dtype))
     """
     seen: set[str] = set()
 

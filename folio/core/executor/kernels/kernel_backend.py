@@ -22,7 +22,7 @@ import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
 from folio.core.executor.kernels.attention import AttentionMetadata
-from folio.core.executor.quant.kv_quant import FP8_DTYPE
+from folio.core.executor.quant.kv_quant import FP8_DTYPE, DeviceScales, scales_key
 from folio.core.executor.kernels.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
 from folio.core.executor.kernels.layer_ops import KernelLayerOps
 
@@ -53,6 +53,7 @@ class KernelAttentionBackend:
         self.layer_ops = KernelLayerOps(launcher)  # the fused kernels of cuda/fused_ops.cu
 
     # ------------------------------------------------------------------ planning
+        self._scales = DeviceScales()  # fp8 scales as the kernels read them
     def names(self, dtype: torch.dtype, head_size: int, block_size: int, cache_dtype: torch.dtype | None = None
               ) -> ck.KernelNames:
         """Instances for activations of ``dtype`` over a pool of ``cache_dtype`` (default: the same)."""
@@ -86,7 +87,7 @@ class KernelAttentionBackend:
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: stored = value / scale
+        kv_scales=(1.0, 1.0),  # an fp8 pool's (k_scale, v_scale) or KVScales: stored = (value - shift) / scale
     ) -> None:
         num_tokens, num_kv_heads, head_dim = key.shape
         if num_tokens == 0:
@@ -99,7 +100,7 @@ class KernelAttentionBackend:
             _ptr(key), _ptr(value), _ptr(k_cache), _ptr(v_cache), _ptr(slots),
             np.int32(num_kv_heads), np.int32(head_dim),
             np.int64(key.stride(0)), np.int64(key.stride(1)), np.int64(value.stride(0)), np.int64(value.stride(1)),
-            *_scale_args(k_cache, kv_scales),
+            *self._scale_args(k_cache, kv_scales, with_shift=True),
         )
         self.launcher.launch(names, "write_kv", (num_tokens, 1, 1), (ck.WRITE_THREADS, 1, 1), args, key.device)
 
@@ -110,7 +111,7 @@ class KernelAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 pool's: dequantized = stored * scale
+        kv_scales=(1.0, 1.0),  # an fp8 pool's (k_scale, v_scale) or KVScales: dequantized = stored * scale
         window: int = 0,  # > 0: position p attends keys p - window < k <= p (a sliding-window layer)
         softcap: float = 0.0,  # > 0: score = softcap * tanh(score / softcap), after the scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -152,24 +153,29 @@ class KernelAttentionBackend:
         return out
 
     def _path_args(self, path: PathPlan, meta, k_cache, v_cache, query, scale: float, num_heads: int, head_dim: int,
-                   kv_scales: tuple[float, float], window: int = 0, softcap: float = 0.0):
+                   kv_scales, window: int = 0, softcap: float = 0.0):
         """The launch arguments after the query pointer, and the partials' pointers: the same for
         every call of a step on one layer, so they are built once per (step, layer) (numpy scalars
         cost microseconds each, and a step calls attend once per layer)."""
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), query.stride(0), scale, query.shape[0], kv_scales, window, softcap)
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), query.stride(0), scale, query.shape[0], scales_key(kv_scales),
+               window, softcap)
         if key not in path.arg_cache:
             part_out, part_lse = self._partials(path, query.shape[0], num_heads, head_dim, query.device)
             tail = (_ptr(k_cache), _ptr(v_cache), _ptr(_int32(meta.block_tables)), _ptr(_int32(meta.seq_lens)),
                     _ptr(_int32(meta.query_start_loc)), _ptr(path.items), np.int32(k_cache.shape[2]),
                     np.int32(num_heads // k_cache.shape[2]), np.int32(meta.block_tables.shape[1]),
                     np.int64(query.stride(0)), np.float32(scale), np.int32(path.num_splits),
-                    np.int32(path.split_size), *_scale_args(k_cache, kv_scales), *_softcap_args(window, softcap))
+                    np.int32(path.split_size), *self._scale_args(k_cache, kv_scales), *_softcap_args(window, softcap))
             path.arg_cache[key] = (tail, (_ptr(part_out), _ptr(part_lse)))
         return path.arg_cache[key]
 
     @staticmethod
     def _partials(path: PathPlan, num_tokens: int, num_heads: int, head_dim: int, device):
         """fp32 partial outputs and log-sum-exps of a split path, indexed by token, allocated once
+    def _scale_args(self, k_cache: torch.Tensor, kv_scales, with_shift: bool = False) -> tuple[np.uint64, ...]:
+        """The kernels' (k_scale, v_scale[, k_shift]) pointers (``kv_quant.DeviceScales``)."""
+        return tuple(np.uint64(p) for p in self._scales.pointers(k_cache, kv_scales, with_shift))
+
         per step (layers run in order on one stream, so they share them). Unsplit launches get a
         1-element placeholder."""
         shape = (num_tokens, num_heads, path.num_splits)
@@ -263,13 +269,6 @@ def make_host_pool(kv_caches, num_blocks: int, pin: bool = True) -> list[tuple[t
         (torch.zeros(shape, dtype=k0.dtype, pin_memory=pin), torch.zeros(shape, dtype=k0.dtype, pin_memory=pin))
         for _ in kv_caches
     ]
-
-
-def _scale_args(k_cache: torch.Tensor, kv_scales: tuple[float, float]) -> tuple[np.float32, np.float32]:
-    """The kernels' (k_scale, v_scale): the layer's for an fp8 pool, 1 for a pool of the activations' type."""
-    if k_cache.dtype != FP8_DTYPE:
-        return np.float32(1.0), np.float32(1.0)
-    return np.float32(kv_scales[0]), np.float32(kv_scales[1])
 
 
 def _softcap_args(window: int, softcap: float) -> tuple[np.int32, np.float32, np.float32]:

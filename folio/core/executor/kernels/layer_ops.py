@@ -11,11 +11,14 @@ other than the activations', rows that are not whole 16-byte vectors, misaligned
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.quant.kv_quant import FP8_DTYPE, DeviceScales
 
 
 def _ptr(tensor: torch.Tensor) -> np.uint64:
@@ -106,6 +109,7 @@ class KernelLayerOps:
         self.launcher = launcher
         self.num_fallbacks = 0  # calls that took the reference path (tests check the kernels ran)
         self._aligned: dict[int, torch.Tensor] = {}  # misaligned norm weights -> aligned copies
+        self._scales = DeviceScales()  # an fp8 pool's scales as the kernel reads them
 
     def _weight(self, norm) -> torch.Tensor:
         """The norm's weight on a 16-byte boundary (a loader may leave it inside a larger buffer)."""
@@ -168,21 +172,35 @@ class KernelLayerOps:
         return out
 
     def rope_write_kv(self, qkv: torch.Tensor, attn, rope: KernelRope, k_cache, v_cache, meta, backend) -> torch.Tensor:
+        """An fp8 pool (f16/bf16 activations) takes the kernel's fp8 instance: the layer's rotation
+        and its scales and K shift (``attn.kv_scales``) applied on the write."""
         n, head_dim = qkv.shape[0], attn.head_dim
         slots = meta.slot_mapping
-        if not (qkv.dim() == 2 and qkv.dtype in _DTYPE_NAMES and n > 0 and k_cache.dtype == qkv.dtype
-                and attn.kv_rotation is None
+        fp8 = k_cache.dtype == FP8_DTYPE and qkv.dtype in (torch.float16, torch.bfloat16)
+        rotation = attn.kv_rotation
+        pools = (k_cache, v_cache) if not fp8 else ()  # an fp8 pool is written element by element
+        if not (qkv.dim() == 2 and qkv.dtype in _DTYPE_NAMES and n > 0 and (k_cache.dtype == qkv.dtype or fp8)
+                and v_cache.dtype == k_cache.dtype
+                and (rotation is None or (rotation.dtype == qkv.dtype and rotation.is_contiguous()
+                                          and tuple(rotation.shape) == (head_dim, head_dim)))
                 and rope.cos_table.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
                 and rope.positions.dtype == torch.int64 and rope.positions.is_contiguous()
                 and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and _fits(qkv, rope.cos_table, rope.sin_table, k_cache, v_cache, row_elems=head_dim // 2)):
+                and _fits(qkv, rope.cos_table, rope.sin_table, *pools, row_elems=head_dim // 2)):
             self.num_fallbacks += 1
             return TORCH_LAYER_OPS.rope_write_kv(qkv, attn, rope.reference(), k_cache, v_cache, meta, backend)
         q = torch.empty((n, attn.num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+        scales = self._scales.pointers(k_cache, attn.kv_scales, with_shift=True)
         args = (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(qkv), _ptr(rope.positions), _ptr(rope.cos_table),
                 _ptr(rope.sin_table), _ptr(slots), np.int32(attn.num_heads), np.int32(attn.num_kv_heads),
-                np.int32(head_dim), np.int64(qkv.stride(0)), qkv.dtype)
-        self._launch("rope_write_kv", n, ck.ROPE_THREADS, args, qkv.device)
+                np.int32(head_dim), np.int64(qkv.stride(0)), np.uint64(0 if rotation is None else rotation.data_ptr()),
+                *(np.uint64(p) for p in scales))
+        if fp8:
+            name = ck.rope_write_kv_fp8_name(_DTYPE_NAMES[qkv.dtype])
+            self.launcher.launch(SimpleNamespace(rope_write_kv=name), "rope_write_kv", (n, 1, 1), (ck.ROPE_THREADS, 1, 1),
+                                 args, qkv.device)
+        else:
+            self._launch("rope_write_kv", n, ck.ROPE_THREADS, (*args, qkv.dtype), qkv.device)
         return q
 
 

@@ -1,19 +1,28 @@
-"""The FP8 KV cache (``--kv-cache-dtype fp8``): an e4m3 pool with per-layer K and V scales, over
-K and V in a rotated basis.
+"""The FP8 KV cache (``--kv-cache-dtype fp8``): an e4m3 pool over K and V in a rotated basis, with
+per-channel K scales and a K mean shift, and one V scale per layer (``KVScales``).
 
-vLLM's scheme: each layer has one fp32 scale for K and one for V. A write divides by the scale,
-saturates to the e4m3 range (+-448) and rounds to nearest even; a read multiplies by the scale.
-The pool costs one byte per element: half of bf16/fp16, a quarter of fp32, so the same byte budget
-holds twice (four times) the blocks.
+A write stores a K element as ``(k - k_shift) / k_scale`` and a V element as ``v / v_scale``,
+saturated to the e4m3 range (+-448) and rounded to nearest even; a read multiplies by the scale.
+Each of ``k_scale``, ``v_scale`` and ``k_shift`` is an fp32 ``[num_kv_heads, head_dim]`` array (V's
+holds one value). The pool costs one byte per element: half of bf16/fp16, a quarter of fp32, so
+the same byte budget holds twice (four times) the blocks.
+
+The K shift is free: attention never adds it back. A query's scores against shifted keys are
+q.(k - k_shift) = q.k - q.k_shift, every score of that query moved by the same amount, which the
+softmax does not see; the kernels fold the per-channel K scale into the query and the V scale
+into each output channel, so neither costs a per-element multiply. A soft-capped layer (tanh of
+the score is not shift-invariant) calibrates a zero shift. What the shift buys is e4m3's error:
+it is relative to each stored element, and keys share a large common part (RoPE's slow pairs,
+biases), which then no longer carries that error into every score.
 
 Scales are calibrated once at start, before the pool is sized: the model runs a forward pass over
 ``CALIBRATION_TEXT`` (a few hundred tokens of prose, code and lists; ids spread over the
-vocabulary when the model has no tokenizer) into a scratch pool of the model's dtype, and each
-layer's scale is ``CALIBRATION_MARGIN * amax / 448``, amax the largest magnitude of its K (or V)
-entries there. The margin leaves room for text whose K/V run larger than the calibration's before
-anything saturates; being floating point, e4m3 keeps its relative precision (3 mantissa bits)
-across the range, so the margin costs only the few values that fall below its smallest normal
-(2^-6 x the scale).
+vocabulary when the model has no tokenizer) into a scratch pool of the model's dtype. Per layer,
+``k_shift`` is each K channel's mean there, ``k_scale`` per channel ``CALIBRATION_MARGIN * amax /
+448`` of the shifted channel, and ``v_scale`` the same rule over all of the layer's V. The margin
+leaves room for text whose K/V run larger than the calibration's before anything saturates; being
+floating point, e4m3 keeps its relative precision (3 mantissa bits) across the range, so the
+margin costs only the few values that fall below its smallest normal (2^-6 x the scale).
 
 The rotation (QuaRot's, for the KV cache): before the write, each head's q, k and v are multiplied
 by one orthogonal ``head_dim x head_dim`` matrix R (the normalised Sylvester-Hadamard matrix when
@@ -22,12 +31,19 @@ head_dim is a power of two, else a seeded random orthogonal one), and attention'
 error. Its rounding error is relative to each element, so a key whose energy sits in a few channels
 (RoPE's slow pairs carry large values that queries share) puts most of a score's error into those
 channels' products; rotated, every channel holds about ||k|| / sqrt(head_dim) and the error spreads.
-On SmolLM2-135M (2,135 sampled tokens) the rotation took the fp8 pool's mean KLD against fp32 from
-7.7e-3 to 4.2e-3 and top-1 agreement from 95.6% to 97.2%; subtracting a calibrated per-channel mean
-from K as well gained nothing more. The rotation costs four small matmuls per layer, on fp8 pools only.
+The shift and the scales are calibrated in the rotated basis.
+
+Measured on SmolLM2-135M (``scripts/eval_quant.py --configs kv-fp8``, 727 teacher-forced tokens,
+mean KLD against fp32): one scale per layer 4.0e-3; a K scale per KV head 4.1e-3 (no gain: e4m3
+is floating point, so a scale moves little but the subnormal edge); per-channel K scales with the
+mean shift 3.6e-3; the same without the rotation 5.6e-3. Earlier, on 2,135 tokens, the rotation
+alone took the pool from 7.7e-3 to 4.2e-3. The rotation costs four small matmuls per layer, on fp8
+pools only (inside the fused RoPE + KV-write kernel on a GPU).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -55,13 +71,41 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_DTYPE if kv_cache_dtype == "fp8" else model_dtype
 
 
-def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale, saturated to +-448, rounded to the nearest e4m3 (ties to even)."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+class KVScales(NamedTuple):
+    """One layer's fp8 pool parameters, fp32 ``[num_kv_heads, head_dim]`` each: a K element is
+    stored as ``(k - k_shift) / k_scale``, a V element as ``v / v_scale``; read back as stored x scale
+    (the shift is not added back: see the module docstring)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_shift: torch.Tensor
+
+    def summary(self) -> tuple[float, float]:
+        """(largest K scale, largest V scale): what the executor's stats report per layer."""
+        return float(self.k.max()), float(self.v.max())
 
 
-def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Pool entries as ``dtype``: e4m3 times its scale (in fp32, then rounded once), others cast."""
+def split_scales(kv_scales) -> tuple[torch.Tensor | float, torch.Tensor | float, torch.Tensor | None]:
+    """(k_scale, v_scale, k_shift or None) of a layer's ``KVScales`` or of a plain (k_scale,
+    v_scale) pair (floats or tensors: one scale for the layer, or per head and channel)."""
+    if isinstance(kv_scales, KVScales):
+        return kv_scales
+    k_scale, v_scale = kv_scales
+    return k_scale, v_scale, None
+
+
+def quantize(x: torch.Tensor, scale, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """(x - shift) / scale, saturated to +-448, rounded to the nearest e4m3 (ties to even). ``scale``
+    (and ``shift``) is a float or a tensor broadcast against x's last dims ([num_kv_heads, head_dim])."""
+    x = x.float()
+    if shift is not None:
+        x = x - shift
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize(x: torch.Tensor, scale, dtype: torch.dtype) -> torch.Tensor:
+    """Pool entries as ``dtype``: e4m3 times its scale (in fp32, then rounded once), others cast.
+    ``scale`` broadcasts against x (a caller with heads before positions shapes it to match)."""
     if x.dtype != FP8_DTYPE:
         return x.to(dtype)
     return (x.float() * scale).to(dtype)
@@ -98,6 +142,78 @@ def rotation(head_dim: int, dtype: torch.dtype = torch.float32, device: torch.de
     return r.to(dtype=dtype, device=device)
 
 
-def set_kv_scales(model, scales: list[tuple[float, float]]) -> None:
+def kv_scales_from(k: torch.Tensor, v: torch.Tensor, shift: bool = True) -> KVScales:
+    """A layer's scales from its calibration K and V, ``[tokens, num_kv_heads, head_dim]`` each: K's
+    shift is its per-channel mean over the tokens (``shift``; else zeros), K's scale per channel
+    (``scale_for`` of the shifted channel's amax); V's one scale for the layer."""
+    k, v = k.float(), v.float()
+    k_shift = k.mean(0) if shift else torch.zeros_like(k[0])
+    k_amax = (k - k_shift).abs().amax(0)
+    k_scale = torch.where(k_amax > 0, CALIBRATION_MARGIN * k_amax / FP8_MAX, torch.ones_like(k_amax))
+    v_scale = torch.full_like(k_shift, scale_for(v.abs().max().item()))
+    return KVScales(k_scale.contiguous(), v_scale.contiguous(), k_shift.contiguous())
+
+
+class DeviceScales:
+    """fp8 pool scales as the CUDA kernels read them: fp32 ``[num_kv_heads, head_dim]`` arrays,
+    contiguous, on the pool's device. A layer's ``KVScales`` are used as they are (they outlive every
+    launch and CUDA graph that reads them); a float, or a tensor of another shape, dtype or device,
+    is spread once and kept (with its source, so that its id stays its own)."""
+
+    def __init__(self):
+        self._spread: dict[tuple, tuple] = {}
+
+    def pointers(self, k_cache: torch.Tensor, kv_scales, with_shift: bool = False) -> tuple[int, ...]:
+        """(k_scale, v_scale[, k_shift]) addresses for a pool; 0 (null) for a pool of the
+        activations' type, and for a layer without a K shift."""
+        if k_cache.dtype != FP8_DTYPE:
+            return (0,) * (3 if with_shift else 2)
+        shape = tuple(k_cache.shape[2:])
+        parts = split_scales(kv_scales)
+        parts = parts if with_shift else parts[:2]
+        return tuple(0 if t is None else self.tensor(t, shape, k_cache.device).data_ptr() for t in parts)
+
+    def tensor(self, value, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.device == device \
+                and tuple(value.shape) == shape and value.is_contiguous():
+            return value
+        key = (value_key(value), shape, str(device))
+        if key not in self._spread:
+            spread = torch.as_tensor(value, dtype=torch.float32).expand(shape).contiguous().to(device)
+            self._spread[key] = (value, spread)
+        return self._spread[key][1]
+
+
+def value_key(value) -> tuple:
+    """A float scale by value, a tensor by identity and address (a layer's scales stay put)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value.data_ptr(), tuple(value.shape), str(value.dtype))
+    return ("float", float(value))
+
+
+def scales_key(kv_scales) -> tuple:
+    """A hashable key for a layer's scales (launch arguments are cached by it)."""
+    return tuple(None if t is None else value_key(t) for t in split_scales(kv_scales))
+
+
+def scales_fingerprint(kv_scales) -> str:
+    """A short digest of one layer's scales (a KVScales, or a (k, v) pair of floats): the bytes in an
+    fp8 pool mean the same on two sides (a KV transfer, the disk tier) only where these agree."""
+    import hashlib
+    import struct
+
+    digest = hashlib.sha256()
+    for t in split_scales(kv_scales):
+        if t is None:
+            digest.update(b"-")
+        elif isinstance(t, torch.Tensor):
+            t = t.detach().float().cpu().contiguous()
+            digest.update(repr(tuple(t.shape)).encode() + t.numpy().tobytes())
+        else:
+            digest.update(struct.pack("<f", float(t)))
+    return digest.hexdigest()[:16]
+
+
+def set_kv_scales(model, scales: list[KVScales]) -> None:
     for layer, kv_scales in zip(model.layers, scales):
         layer.self_attn.kv_scales = kv_scales

@@ -1,5 +1,6 @@
-"""Calibrating an FP8 KV pool at start: per layer, the K and V scales of one forward pass over a
-calibration text (``quant/kv_quant.py`` holds the format, the rotation and the scale rule).
+"""Calibrating an FP8 KV pool at start: per layer, the K and V scales (and K's shift) of one
+forward pass over a calibration text (``quant/kv_quant.py`` holds the format, the rotation and
+the scale rule).
 
 The runner calls ``calibrate_kv_scales`` when ``--kv-cache-dtype fp8``; ``scripts/eval_quant.py``
 calls it on its own model.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata
-from folio.core.executor.quant.kv_quant import CALIBRATION_TEXT, rotation, scale_for, set_kv_scales
+from folio.core.executor.quant.kv_quant import CALIBRATION_TEXT, KVScales, kv_scales_from, rotation, set_kv_scales
 from folio.shared.text import TextTokenizer
 
 
@@ -28,10 +29,11 @@ def calibration_ids(model_path: str | None, vocab_size: int) -> list[int]:
 
 @torch.inference_mode()
 def calibrate_kv_scales(model, backend, device: torch.device, block_size: int,
-                        token_ids: list[int]) -> list[tuple[float, float]]:
-    """Sets the rotation on the model's attention layers, then per layer (k_scale, v_scale) of the
+                        token_ids: list[int]) -> list[KVScales]:
+    """Sets the rotation on the model's attention layers, then per layer the ``KVScales`` of the
     rotated K and V from one forward pass over ``token_ids`` (a single sequence) into a scratch pool
-    of the model's dtype; sets those too and returns them."""
+    of the model's dtype (``kv_quant.kv_scales_from``: K's per-channel mean as its shift, none on a
+    soft-capped layer); sets those too and returns them."""
     n = len(token_ids)
     num_blocks = (n + block_size - 1) // block_size
     attn = model.layers[0].self_attn
@@ -44,6 +46,7 @@ def calibrate_kv_scales(model, backend, device: torch.device, block_size: int,
                for _ in model.layers]
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], None, block_size, device)
     model(torch.tensor(token_ids, dtype=torch.long, device=device), meta.positions, scratch, meta, backend)
-    scales = [(scale_for(k.abs().max().item()), scale_for(v.abs().max().item())) for k, v in scratch]
+    scales = [kv_scales_from(k.flatten(0, 1)[:n], v.flatten(0, 1)[:n], shift=not layer.self_attn.softcap)
+              for (k, v), layer in zip(scratch, model.layers)]
     set_kv_scales(model, scales)
     return scales

@@ -47,6 +47,7 @@ import msgspec
 import torch
 import zmq
 
+from folio.core.executor.quant.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
 
 BACKENDS = ("zmq", "cuda_ipc", "nixl")
@@ -76,18 +77,18 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     num_layers: int
-    kv_scales: tuple[tuple[float, float], ...] | None = None  # per layer (k, v) of an FP8 pool
+    kv_scales: tuple[str, ...] | None = None  # per layer of an FP8 pool: kv_quant.scales_fingerprint
 
     @classmethod
     def of(cls, pool: KVPool, kv_scales=None) -> "KVLayout":
         s = pool.shape
-        scales = tuple((float(k), float(v)) for k, v in kv_scales) if kv_scales else None
+        scales = tuple(scales_fingerprint(s) for s in kv_scales) if kv_scales else None
         return cls(dtype=str(s.dtype).removeprefix("torch."), block_size=s.block_size, num_kv_heads=s.num_kv_heads,
                    head_dim=s.head_dim, num_layers=s.num_layers, kv_scales=scales)
 
     def to_wire(self) -> dict:
         d = asdict(self)
-        d["kv_scales"] = [list(p) for p in self.kv_scales] if self.kv_scales else None
+        d["kv_scales"] = list(self.kv_scales) if self.kv_scales else None
         return d
 
     @classmethod
@@ -95,7 +96,7 @@ class KVLayout:
         scales = d.get("kv_scales")
         return cls(dtype=str(d["dtype"]), block_size=int(d["block_size"]), num_kv_heads=int(d["num_kv_heads"]),
                    head_dim=int(d["head_dim"]), num_layers=int(d["num_layers"]),
-                   kv_scales=tuple((float(k), float(v)) for k, v in scales) if scales else None)
+                   kv_scales=tuple(str(s) for s in scales) if scales else None)
 
     def differences(self, other: "KVLayout") -> list[str]:
         """Each field that differs, as ``name: here vs there``; empty when they match."""

@@ -592,7 +592,7 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.pool_shape.dtype).removeprefix("torch."),
-            "kv_scales": self.kv_scales,  # per layer (k, v) of an fp8 pool
+            "kv_scales": [s.summary() for s in self.kv_scales],  # per layer of an fp8 pool: (largest k, v scale)
             "quantization": self.model.quantization,
             "attention_backend": self.backend.name,
             "cuda_graph_buckets": self.graphs.buckets if self.graphs is not None else [],
