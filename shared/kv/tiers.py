@@ -218,8 +218,9 @@ class DiskTier:
             with open(path, "rb") as f:
                 data = f.read()
                 st = os.fstat(f.fileno())
-        except OSError:
-            self.index.pop(block_hash, None)
+        except OSError:  # gone (evicted by a process on the same folder)
+            self.total_bytes -= self.index.pop(block_hash, 0)
+            self.verified.pop(block_hash, None)
             return None
         payload = self._check(block_hash, data)
         if payload is None:

@@ -47,6 +47,9 @@ def test_disk_tier_round_trip_checksum_and_lru_order(tmp_path):
     assert list(DiskTier(tmp_path, LAYOUT, block_bytes=100).index) == [H[1]]
     # another layout's folder is another tier
     assert DiskTier(tmp_path, "cd" * 16).find_run([H[1]], 4) == []
+    # a file another process deleted since it was verified here: a miss, and forgotten
+    disk.path(H[1]).unlink()
+    assert disk.find_run([H[1]], 4) == [] and list(disk.index) == [] and disk.total_bytes == 0
 
 
 def test_disk_tier_evicts_least_recently_used_beyond_its_cap(tmp_path):
