@@ -163,6 +163,8 @@ async def one_stream(session, base_url: str, prompt: list[int], max_tokens: int,
         async for line in resp.content:
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 chunk = json.loads(line[6:])
+                if "choices" not in chunk:  # an error event (a request timeout, say)
+                    raise RuntimeError(f"the stream ended with {chunk}")
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
     return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "end": stamps[-1]}
