@@ -100,11 +100,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     float q = 0.f;
     if (r < num_rows) {
       const int head = kv_head * group + row % group;
+      const float q_scale = scale * (k_scale != nullptr ? k_scale[kv_head * HEAD + d] : 1.f);
       q = to_float(query[(long long)(q_begin + row / group) * q_stride + head * HEAD + d]) * q_scale;
     }
     q_s[r][d] = q;
   }
-      const float q_scale = scale * (k_scale != nullptr ? k_scale[kv_head * HEAD + d] : 1.f);
   __syncthreads();
 
   float m[ATTN_ROWS], l[ATTN_ROWS], acc[ATTN_ROWS][PER_LANE];

@@ -123,16 +123,16 @@ def fused_names(dtype: str) -> FusedNames:
     return FusedNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in FUSED_KERNELS))
 
 
-QUANT_KERNELS = ("awq_gemv", "awq_gemm")  # cuda/quant_gemm.cu, templated on the activation type
-
-
-@dataclass(frozen=True)
-class QuantNames:
 def rope_write_kv_fp8_name(dtype: str) -> str:
     """The fused RoPE + KV write into an fp8 pool (its rotation, scales and K shift applied)."""
     return f"folio::rope_write_kv<{DTYPES[dtype]}, {FP8_CACHE}>"
 
 
+QUANT_KERNELS = ("awq_gemv", "awq_gemm")  # cuda/quant_gemm.cu, templated on the activation type
+
+
+@dataclass(frozen=True)
+class QuantNames:
     """Name expressions of the W4A16 kernels for one activation dtype."""
 
     awq_gemv: str
@@ -207,6 +207,8 @@ def all_name_expressions() -> dict[str, list[str]]:
         if dtype in FP8_ACTIVATION_DTYPES:
             names["cache"].append(write_kv_name(dtype, fp8=True))
         names["fused"].extend(vars(fused_names(dtype)).values())
+        if dtype in FP8_ACTIVATION_DTYPES:
+            names["fused"].append(rope_write_kv_fp8_name(dtype))
         names["quant"].extend(vars(quant_names(dtype)).values())
     names["cache"].append(COPY_BLOCKS_NAME)
     return names
@@ -227,8 +229,6 @@ def source_of(filename: str) -> str:
 
     Inlining (rather than ``-I cuda``) makes the source text complete, so CuPy's on-disk cache,
     keyed by source and options, notices a change in a header too.
-        if dtype in FP8_ACTIVATION_DTYPES:
-            names["fused"].append(rope_write_kv_fp8_name(dtype))
     """
     seen: set[str] = set()
 

@@ -50,10 +50,10 @@ class KernelAttentionBackend:
         self.split = split  # None: decide per step; True/False: force (tests, benchmarks)
         self.partition_size = partition_size  # keys per split when forced, and the chunk kernel's
         self._address_tables: dict[tuple, torch.Tensor] = {}
+        self._scales = DeviceScales()  # fp8 scales as the kernels read them
         self.layer_ops = KernelLayerOps(launcher)  # the fused kernels of cuda/fused_ops.cu
 
     # ------------------------------------------------------------------ planning
-        self._scales = DeviceScales()  # fp8 scales as the kernels read them
     def names(self, dtype: torch.dtype, head_size: int, block_size: int, cache_dtype: torch.dtype | None = None
               ) -> ck.KernelNames:
         """Instances for activations of ``dtype`` over a pool of ``cache_dtype`` (default: the same)."""
@@ -169,13 +169,13 @@ class KernelAttentionBackend:
             path.arg_cache[key] = (tail, (_ptr(part_out), _ptr(part_lse)))
         return path.arg_cache[key]
 
-    @staticmethod
-    def _partials(path: PathPlan, num_tokens: int, num_heads: int, head_dim: int, device):
-        """fp32 partial outputs and log-sum-exps of a split path, indexed by token, allocated once
     def _scale_args(self, k_cache: torch.Tensor, kv_scales, with_shift: bool = False) -> tuple[np.uint64, ...]:
         """The kernels' (k_scale, v_scale[, k_shift]) pointers (``kv_quant.DeviceScales``)."""
         return tuple(np.uint64(p) for p in self._scales.pointers(k_cache, kv_scales, with_shift))
 
+    @staticmethod
+    def _partials(path: PathPlan, num_tokens: int, num_heads: int, head_dim: int, device):
+        """fp32 partial outputs and log-sum-exps of a split path, indexed by token, allocated once
         per step (layers run in order on one stream, so they share them). Unsplit launches get a
         1-element placeholder."""
         shape = (num_tokens, num_heads, path.num_splits)
