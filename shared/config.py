@@ -120,6 +120,11 @@ class RuntimeConfig:
                                    ("executor",))
     kv_disk_gb: float = flag(10.0, "the most the disk tier's folder holds, in GB (least recently used files go)",
                              ("executor",))
+    kv_role: str = flag("both", "disaggregated serving: prefill computes prompts and first tokens and hands their "
+                        "KV to a decode instance (through the router's --prefill/--decode); both: neither, "
+                        "the default", ("executor", "gateway"), choices=("prefill", "decode", "both"))
+    kv_transfer_port: int = flag(0, "tcp port a prefill instance's executor serves KV transfers on (0: any free "
+                                 "port, which the gateway reports with each handle)", ("executor",))
     kv_cache_bytes: int | None = flag(None, "KV pool budget in bytes (CPU; default: a fraction of free memory)",
                                       ("executor",), name="--kv-cache-memory-bytes")
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory the weights and the pool may use",
@@ -314,6 +319,7 @@ class GatewayConfig:
     drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
     enable_lora: bool = False  # the executor's flags: ``model`` may name an adapter the executor holds
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    kv_role: str = "both"  # the executor's flag: a prefill instance answers the kv_transfer extension
     log_json: bool = False
     log_level: str = "info"
     otlp_traces_endpoint: str | None = None
@@ -335,6 +341,14 @@ class RouterConfig:
                                      "to --kv-events-port and --kv-snapshot-port on the same host", ("router",),
                                      name="--replica", action="append",
                                      metavar="URL[,kv_events_port=P][,kv_snapshot_port=Q]")
+    prefill: tuple[str, ...] = flag((), "disaggregated serving: a --kv-role prefill instance's HTTP base URL (repeat "
+                                    "for more; same suffixes as --replica); needs --decode", ("router",),
+                                    name="--prefill", action="append",
+                                    metavar="URL[,kv_events_port=P][,kv_snapshot_port=Q]")
+    decode: tuple[str, ...] = flag((), "disaggregated serving: a --kv-role decode instance's HTTP base URL (repeat for "
+                                   "more); it also serves requests whole when no prefill instance is up", ("router",),
+                                   name="--decode", action="append",
+                                   metavar="URL[,kv_events_port=P][,kv_snapshot_port=Q]")
     replica_dns: str | None = flag(None, "every address NAME resolves to is a replica on PORT (a Kubernetes "
                                    "headless Service)", ("router",), metavar="NAME:PORT")
     kv_events_port: int = flag(5555, "where replicas publish KV events (default: the tcp layout's, 5555)",

@@ -112,6 +112,18 @@ class RunningRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     block_ids: list[int] | None = None
 
 
+class KVLoad(msgspec.Struct, gc=False, frozen=True, kw_only=True):
+    """A new request whose prompt KV comes from a prefill instance: the handle's blocks go into
+    ``block_ids`` (-1: a block this pool's prefix cache holds already, skipped). The request is
+    planned from ``num_computed_tokens`` on; should the pull fail, the executor computes it from
+    ``fallback_computed_tokens`` (its cached prefix) in the same step instead."""
+
+    req_id: str
+    handle: dict
+    block_ids: list[int]
+    fallback_computed_tokens: int = 0
+
+
 class StepPlan(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_plan"):
     """One iteration's work for the executor.
 
@@ -142,6 +154,8 @@ class StepPlan(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_pl
     # async scheduling: decodes whose input is the token the executor sampled in the step before,
     # which the scheduler had not seen when it planned this one (the executor holds it already)
     num_placeholder_tokens: int = 0
+    # disaggregated prefill: KV to pull into new requests' blocks before the step
+    kv_loads: list[KVLoad] = []
     # the disk tier (``folio.shared.kv.tiers``): before every copy above, write these blocks
     # (0 device / 1 host, block id, block hash) to files; after the swap-ins, read these files
     # (device block id, block hash) into the blocks
@@ -264,6 +278,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # already delivered, computed again but not sampled; they count as output (positions, penalties,
     # max_tokens, the grammar) and their text and logprobs are not sent again
     forced_token_ids: list[int] = []
+    # disaggregated prefill: where the prompt's KV is to be pulled from (a ``kv_transfer.TransferHandle``
+    # as a dict); with ``forced_token_ids`` = the first token the prefill instance sampled
+    kv_transfer: dict | None = None
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
@@ -286,6 +303,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     traceparent: str | None = None  # tracing on: the gateway's request span, the parent of the later stages'
     # a continuation: output tokens placed as already generated (``GenerateRequest.forced_token_ids``)
     forced_token_ids: list[int] = []
+    kv_transfer: dict | None = None  # pull the prompt's KV from there (``GenerateRequest.kv_transfer``)
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):

@@ -20,6 +20,10 @@ Who talks to it:
   the model lacks) is answered ``{"error": why, "status": 400}`` and changes nothing. Adapters
   loaded at run time are not kept across a restart of this service.
 
+With ``--kv-role prefill`` it exports each prompt's KV when the prompt is computed and serves the
+pulls (its admin ``stats`` name the ``kv_transfer_port``); with ``--kv-role decode`` it pulls the
+KV a plan's ``kv_loads`` name before the step (``kv_roles.py``).
+
 With ``--otlp-traces-endpoint`` each ``StepResult`` carries the step's wall-clock start and end
 (``exec_ns``): the scheduler records the executor's spans with them (``services/scheduler/tracing.py``).
 
@@ -42,6 +46,7 @@ import zmq.asyncio
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.parallel.workers import WorkerGroupError
+from folio.services.executor.kv_roles import make_kv_role
 from folio.shared import startup
 from folio.shared.config import ExecutorServiceConfig
 from folio.shared.kv.window import all_layers_window
@@ -80,6 +85,9 @@ class ExecutorService:
         self.num_placeholder_tokens = 0
         self.execute_seconds_total = 0.0
         self.traced = bool(getattr(config, "otlp_traces_endpoint", None))  # each result carries the step's start and end
+        # --kv-role prefill|decode: KV transfers around each step (``kv_roles.py``); both: None
+        self.kv_role = make_kv_role(config.runtime, self.runner)
+        self.execute = self.kv_role.execute if self.kv_role is not None else self.runner.execute
 
     async def run(self) -> None:
         try:
@@ -92,6 +100,8 @@ class ExecutorService:
             self.step_thread.shutdown(wait=False)
             if hasattr(self.runner, "close"):
                 self.runner.close()
+            if self.kv_role is not None:
+                self.kv_role.close()
             close_sockets(self.recv_from_scheduler, self.send_to_kvmanager, self.recv_from_admin)
 
     async def keep_pool_registered(self) -> None:
@@ -126,9 +136,9 @@ class ExecutorService:
             # router awaits each step, so steps still run one at a time
             if self.traced:  # the scheduler's spans of this step's chunks and decodes take its times
                 start_ns = time.time_ns()
-                result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.execute, plan)
+                result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.execute, plan)
                 return msgspec.structs.replace(result, epoch=self.epoch, exec_ns=[start_ns, time.time_ns()])
-            result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.runner.execute, plan)
+            result = await asyncio.get_running_loop().run_in_executor(self.step_thread, self.execute, plan)
             return msgspec.structs.replace(result, epoch=self.epoch)
         except WorkerGroupError:
             raise  # on_failure ends the process: an answer would only say the step went wrong
@@ -145,7 +155,8 @@ class ExecutorService:
     async def admin_stats(self, args: dict) -> dict:
         stats = {**self.runner.stats(), "epoch": self.epoch, "num_steps": self.num_steps,
                  "num_steps_queued": self.num_steps_queued, "num_placeholder_tokens": self.num_placeholder_tokens,
-                 "execute_seconds_total": self.execute_seconds_total, "startup": self.startup}
+                 "execute_seconds_total": self.execute_seconds_total, "startup": self.startup,
+                 **(self.kv_role.stats() if self.kv_role is not None else {})}
         if hasattr(self.runner, "rank_reports"):  # a collective: on the step thread, between steps
             loop = asyncio.get_running_loop()
             stats["ranks"] = await loop.run_in_executor(self.step_thread, self.runner.rank_reports)

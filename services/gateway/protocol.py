@@ -60,6 +60,18 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+class KVTransferParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Disaggregated serving, between the router and the gateways (an extension, not for clients).
+    ``export``: a prefill instance (``--kv-role prefill``) computes the prompt and the first token
+    and answers with the transfer's handle and the token's id (``responses``' ``kv_transfer``).
+    ``handle`` with ``forced_token_ids``: a decode instance pulls the prompt's KV from the handle
+    and goes on after those tokens (the prefill side's first token: output position 0)."""
+
+    export: bool = False
+    handle: dict | None = None
+    forced_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = []
+
+
 class ContinueChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One choice of a stream resumed on this replica (the router's extension, ``continue_choices``):
     the token ids its client already has (their text is not sent again), or ``finished``."""
@@ -99,6 +111,7 @@ class _Params(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
+    kv_transfer: KVTransferParams | None = None  # router <-> gateway only (``KVTransferParams``)
     # vLLM's: each streamed choice also carries the ``token_ids`` of its delta
     return_token_ids: bool = False
     # router <-> gateway: this request continues a stream another replica began (``ContinueChoice``;
@@ -182,6 +195,22 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 Rule = tuple[str, Callable[[msgspec.Struct], bool], str]
 
 
+def _kv_transfer_bad(r) -> str | None:
+    """Why a ``kv_transfer`` extension cannot be served (None: it can); its handle is checked apart."""
+    kt = r.kv_transfer
+    if (r.n or 1) > 1 or getattr(r, "best_of", None) not in (None, 1) or getattr(r, "use_beam_search", False):
+        return "n"
+    if isinstance(getattr(r, "prompt", ""), list) and r.prompt and not isinstance(r.prompt[0], int):
+        return "prompts"
+    if kt.export == (kt.handle is not None):
+        return "export xor handle"
+    if kt.export and (r.stream or kt.forced_token_ids):
+        return "export streamed"
+    if kt.handle is not None and not kt.forced_token_ids:
+        return "forced tokens"
+    return None
+
+
 def _prompt_kind_mixed(req: CompletionRequest) -> bool:
     p = req.prompt
     if isinstance(p, str):
@@ -214,6 +243,9 @@ _COMMON_RULES: list[Rule] = [
      "response_format of type json_schema needs json_schema.schema"),
     ("stream_options", lambda r: r.stream_options is not None and not r.stream,
      "stream_options is only allowed when stream is true"),
+    ("kv_transfer", lambda r: r.kv_transfer is not None and _kv_transfer_bad(r) is not None,
+     "kv_transfer: one choice only (n = 1, no best_of or beam search), and either export (not streamed) or a "
+     "handle with forced_token_ids"),
 ]
 _COMPLETION_RULES: list[Rule] = [
     ("prompt", lambda r: r.prompt == "" or r.prompt == [], "prompt must not be empty"),

@@ -90,9 +90,59 @@ async def completions(request: web.Request) -> web.StreamResponse:
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
                         echo=req.echo)
     params = convert.completion_params(req)
-    mailbox = service.submit(convert.completion_generate_requests(req, meta.id, params, lora_name), _resumed(req))
+    gen = _with_kv_transfer(service, req, convert.completion_generate_requests(req, meta.id, params, lora_name))
+    response_fn = await _kv_export_response(service, req, responses.completion_response)
+    mailbox = service.submit(gen, _resumed(req))
     best_of = params.num_sequences if params.ranks_by_logprob else None
-    return await _respond(request, mailbox, meta, req, _stream_completion, responses.completion_response, best_of)
+    return await _respond(request, mailbox, meta, req, _stream_completion, response_fn, best_of)
+
+
+def _with_kv_transfer(service, req, gen: list[messages.GenerateRequest]) -> list[messages.GenerateRequest]:
+    """The ``kv_transfer`` extension (router <-> gateway, disaggregated serving) onto the request:
+    refused (400) where this instance's ``--kv-role`` cannot serve it or the handle is malformed."""
+    kt = req.kv_transfer
+    if kt is None:
+        return gen
+    from folio.shared.kv.handle import TransferHandle
+    role = getattr(service.config, "kv_role", "both")
+    if kt.export and role != "prefill":
+        raise ApiError(f"kv_transfer export needs a prefill instance (--kv-role prefill); this one is {role}",
+                       param="kv_transfer")
+    if kt.handle is None:
+        return gen
+    if role == "prefill":
+        raise ApiError("a prefill instance (--kv-role prefill) does not decode from a kv_transfer handle",
+                       param="kv_transfer")
+    try:
+        handle = TransferHandle.from_wire(kt.handle).to_wire()
+    except ValueError as exc:
+        raise ApiError(str(exc), param="kv_transfer") from None
+    return [msgspec.structs.replace(g, kv_transfer=handle, forced_token_ids=list(kt.forced_token_ids)) for g in gen]
+
+
+async def _kv_export_response(service, req, response_fn):
+    """With ``kv_transfer.export``: the response also names the transfer (the choice's request id,
+    which the executor exports its prompt's KV under), the executor's transfer port and the first
+    token's id, for the router to hand to a decode instance."""
+    if req.kv_transfer is None or not req.kv_transfer.export:
+        return response_fn
+    sender = getattr(service, "kv_sender", None)  # (port, block size) of the executor's KV sender
+    if sender is None:
+        stats = await service._ask_executor("stats", {})
+        if not stats.get("kv_transfer_port"):
+            raise ApiError("the executor serves no KV transfers (start it with --kv-role prefill)", 503,
+                           type_="server_error", code="service_unavailable")
+        sender = service.kv_sender = (stats["kv_transfer_port"], stats["kv_block_size"])
+    port, block_size = sender
+
+    def respond(meta, deltas, usage):
+        body = response_fn(meta, deltas, usage)
+        d = deltas[0]
+        body["kv_transfer"] = {"transfer_id": f"{meta.id}-0", "port": port, "token_ids": list(d.token_ids),
+                               "num_prompt_tokens": d.num_prompt_tokens,
+                               "num_blocks": -(-d.num_prompt_tokens // block_size)}
+        return body
+    return respond
 
 
 def _resumed(req) -> dict[int, tuple[list[int], bool]] | None:
@@ -193,10 +243,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse(await request.read(), ChatCompletionRequest)
     model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
-    mailbox = service.submit(convert.chat_generate_requests(req, meta.id, lora_name=lora_name), _resumed(req))
+    gen = _with_kv_transfer(service, req, convert.chat_generate_requests(req, meta.id, lora_name=lora_name))
     response_fn = responses.chat_response
     if ToolCallReader.for_request(req) is not None:
         response_fn = partial(responses.chat_response, tools=lambda: ToolCallReader.for_request(req))
+    response_fn = await _kv_export_response(service, req, response_fn)
+    mailbox = service.submit(gen, _resumed(req))
     return await _respond(request, mailbox, meta, req, _stream_chat, response_fn)
 
 

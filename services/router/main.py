@@ -1,7 +1,8 @@
 """``folio run router``: parse flags into ``RouterConfig`` and route HTTP until SIGTERM/SIGINT.
 
 Its admin socket comes from the environment (``folio.shared.config.Endpoints.from_env``), as for every
-service; the replicas come from ``--replica`` (repeatable) and ``--replica-dns``.
+service; the replicas come from ``--replica`` (repeatable) and ``--replica-dns``, or, disaggregated,
+from ``--prefill`` and ``--decode`` (``disagg.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 
     parser = service_parser("router", __doc__.splitlines()[0])
     args = parser.parse_args(argv)
-    if not args.replica and not args.replica_dns:
-        parser.error("give at least one --replica URL or --replica-dns NAME:PORT")
+    if bool(args.prefill) != bool(args.decode):
+        parser.error("disaggregated serving needs both --prefill and --decode instances")
+    if not args.replica and not args.replica_dns and not args.prefill:
+        parser.error("give at least one --replica URL or --replica-dns NAME:PORT (or --prefill and --decode URLs)")
     if args.replica_dns and not args.replica_dns.rpartition(":")[2].isdigit():
         parser.error(f"--replica-dns wants NAME:PORT, got {args.replica_dns!r}")
     if args.max_attempts < 1:
         parser.error("--max-attempts must be at least 1")
-    for spec in args.replica:
+    for spec in [*args.replica, *args.prefill, *args.decode]:
         try:
             parse_replica(spec, args.kv_events_port, args.kv_snapshot_port)
         except ValueError as exc:

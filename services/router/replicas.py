@@ -242,7 +242,7 @@ class ReplicaSet:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         self.session = session
-        for spec in self.config.replicas:
+        for spec in (*self.config.replicas, *self.config.prefill, *self.config.decode):
             self.add(parse_replica(spec, self.config.kv_events_port, self.config.kv_snapshot_port))
         loops = [self._poll_forever()]
         if self.config.replica_dns:

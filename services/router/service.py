@@ -21,6 +21,9 @@ after it began goes on from another replica serving the model, as a continuation
 client has (``resume.py``: the streamed token ids are the forced prefix there); without one that
 takes it, it ends there.
 
+Disaggregated (``--prefill`` and ``--decode``): each request runs a prefill leg and a decode leg
+(``disagg.py``), its stream starting with the prefill side's first token.
+
 Tracing (``--otlp-traces-endpoint``, ``folio.shared.tracing``): a ``router.request`` span per
 request (the child of the client's ``traceparent``), a ``router.forward`` span per attempt (the
 replica, why it was chosen, its cached tokens), whose context the replica gets in its
@@ -38,6 +41,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from folio.services.router.disagg import Disaggregated
 from folio.services.router.index import KVIndex
 from folio.services.router.metrics import RouterMetrics
 from folio.services.router.prompt import PromptEncoder, PromptEncoders
@@ -80,6 +84,7 @@ class RouterService:
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, config.endpoints.admin_router)
         self.session: aiohttp.ClientSession | None = None
         self.tracing = tracing_setup(config.otlp_traces_endpoint, "router")  # None: off
+        self.disagg = Disaggregated(self) if config.prefill else None
         self.counts = {"num_requests": 0, "num_routed": 0, "num_cache_aware_hits": 0, "num_retries": 0,
                        "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0, "num_resumed_streams": 0}
 
@@ -156,6 +161,8 @@ class RouterService:
         if encoder is not None:
             token_ids = await asyncio.to_thread(encoder.token_ids, body, request.path.endswith("/chat/completions"))
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        if self.disagg is not None:  # --prefill/--decode: two legs per request (``disagg.py``)
+            return await self.disagg.generate(request, body, token_ids, salt)
         tried: set[str] = set()
         resume = ResumableStream.for_body(body)  # a stream cut mid-way goes on elsewhere (``resume.py``)
         if resume is not None:
@@ -331,7 +338,8 @@ class RouterService:
     # ------------------------------------------------------------------ admin
     def admin_stats(self, args: dict) -> dict:
         return {"policy": self.config.policy, "num_replicas": len(self.replicas.replicas),
-                "num_replicas_up": len(self.replicas.live()), **self.counts}
+                "num_replicas_up": len(self.replicas.live()), **self.counts,
+                **(self.disagg.counts if self.disagg is not None else {})}
 
     def admin_replicas(self, args: dict) -> dict:
         rows = []

@@ -177,6 +177,7 @@ class TokenizerService:
             beam_search=req.beam_search,
             lora_name=req.lora_name,
             forced_token_ids=req.forced_token_ids,
+            kv_transfer=req.kv_transfer,
             traceparent=req.traceparent,
         )
         self.send_to_scheduler.send(encode(engine_req))

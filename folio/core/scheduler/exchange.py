@@ -16,6 +16,7 @@ from folio.core.scheduler.request import Request, Status
 from folio.shared.kv.allocator import cdiv
 from folio.shared.messages import (
     Grammar,
+    KVLoad,
     KVOp,
     KVStepRequest,
     NewRequestData,
@@ -50,6 +51,7 @@ class StepOutput:
     ahead: bool = False  # planned while the step before was still running (async scheduling)
     # a sequence in it has choices to fork or a grammar: the next step waits for its result
     waits_for_result: bool = False
+    kv_loads: list[KVLoad] = field(default_factory=list)  # prompts' KV to pull from prefill instances
     tier_saves: list[tuple[int, int, bytes]] = field(default_factory=list)  # blocks to write to the disk tier
     tier_loads: list[tuple[int, bytes]] = field(default_factory=list)  # disk-tier files to read into blocks
 
@@ -103,7 +105,7 @@ class ExecutorExchange:
                         spec_token_ids=out.spec_token_ids, block_copies=out.block_copies,
                         swap_out=out.swap_out, swap_in=out.swap_in, grammars=out.grammars,
                         await_grammars=out.await_grammars, num_placeholder_tokens=out.num_placeholders,
-                        tier_saves=out.tier_saves, tier_loads=out.tier_loads)
+                        kv_loads=out.kv_loads, tier_saves=out.tier_saves, tier_loads=out.tier_loads)
 
     def can_plan_ahead(self, in_flight: StepOutput) -> bool:
         """Whether the next step may be planned before ``in_flight``'s result (async scheduling):

@@ -67,6 +67,7 @@ from folio.shared.messages import (
     KVClear,
     KVConfirm,
     KVFree,
+    KVLoad,
     KVSwapIn,
     KVSwapOut,
     KVTruncate,
@@ -281,7 +282,10 @@ class Scheduler(Admission, ExecutorExchange):
                     j += 1
                     continue
             self._find_cached(req)
-            num_new = self._num_new_tokens(req, budget, whole_prefill_taken)
+            kv_import = self._imports_kv(req)
+            # an import takes blocks for all its tokens but computes only its last (the prefill side's token)
+            num_new = req.num_tokens - req.num_computed_tokens if kv_import else \
+                self._num_new_tokens(req, budget, whole_prefill_taken)
             if not num_new and req.req_id in self.grammar_gate.held and req.num_computed_tokens >= req.num_tokens - 1:
                 # all it lacks is its grammar: the others go on
                 req.num_computed_tokens = req.num_cached_tokens = 0
@@ -303,6 +307,8 @@ class Scheduler(Admission, ExecutorExchange):
                 self.counters["num_prompt_tokens_total"] += req.num_prompt_tokens
             self.counters["num_cached_tokens_total"] += req.num_cached_tokens
             req.counts_sent = False
+            if kv_import:
+                num_new = self._import_kv(out, req)
             whole_prefill_taken |= num_new > 1
             self._take(out, req, num_new)
             budget -= num_new
@@ -423,6 +429,35 @@ class Scheduler(Admission, ExecutorExchange):
             self.tier_cost.observe_prefill(n, now - t)
         n = sum(k for _, k in out.scheduled if k > 1)
         self._last_prefill = (now, n) if n >= 256 and self.disk is not None else None
+
+    def _imports_kv(self, req: Request) -> bool:
+        """Whether ``req`` takes its prompt's KV from a prefill instance now: a handle for exactly its
+        prompt, the prefill side's token forced after it, and a plain table (no sliding window, no
+        prompt logprobs, no choices to fork)."""
+        h = req.kv_transfer
+        if h is None:
+            return False
+        ok = (req.num_tokens == req.num_prompt_tokens + 1 and h.get("num_tokens") == req.num_prompt_tokens
+              and h.get("num_blocks") == cdiv(req.num_prompt_tokens, self.block_size)
+              and req.req_id not in self.alloc.seqs and not self.alloc.sliding_window
+              and req.sampling.prompt_logprobs is None and not req.pending_forks)
+        if not ok:
+            req.kv_transfer = None  # computed here instead
+        return ok
+
+    def _import_kv(self, out: StepOutput, req: Request) -> int:
+        """Plan the pull of ``req``'s prompt KV into its new table (the blocks its prefix-cache hit
+        holds already are skipped); the step computes only its last token. Returns that 1."""
+        bs, start = self.block_size, req.num_computed_tokens
+        table = self.alloc.seqs[req.req_id].block_ids
+        handle, req.kv_transfer = req.kv_transfer, None
+        block_ids = [b if i >= start // bs else -1 for i, b in enumerate(table[:handle["num_blocks"]])]
+        out.kv_loads.append(KVLoad(req_id=req.req_id, handle=handle, block_ids=block_ids,
+                                   fallback_computed_tokens=start))
+        self.counters["num_kv_imported_tokens"] = self.counters.get("num_kv_imported_tokens", 0) + \
+            req.num_prompt_tokens - start
+        req.num_computed_tokens = req.num_prompt_tokens
+        return 1
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Make room in ``req``'s table for its next ``num_new`` tokens (False: refused, nothing

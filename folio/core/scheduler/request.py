@@ -58,6 +58,9 @@ class Request:
     executor_computed: int = -1
     table_changed: bool = False  # blocks inside its table changed (copy-on-write, truncation): send it whole
     append_sampled: bool = True  # False for beams: the group picks their tokens
+    # disaggregated prefill: its prompt's KV comes from this handle (``KVLoad``), once: cleared when
+    # the plan takes it, so that a readmission recomputes
+    kv_transfer: dict | None = None
     unsent_token_ids: list[int] = field(default_factory=list)  # tokens appended here, for the executor
     group: object = None  # the BeamGroup of a beam
     first_scheduled_time: float | None = None
@@ -87,6 +90,7 @@ class Request:
             # as a request preempted by recompute would (positions, penalties, grammar, max_tokens)
             output_token_ids=list(msg.forced_token_ids),
             prompt_logprobs_sent=bool(msg.forced_token_ids),
+            kv_transfer=msg.kv_transfer,
         )
 
     @property

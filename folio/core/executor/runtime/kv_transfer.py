@@ -49,6 +49,7 @@ import zmq
 
 from folio.core.executor.quant.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
+from folio.shared.kv.handle import TransferHandle
 
 BACKENDS = ("zmq", "cuda_ipc", "nixl")
 DEFAULT_TTL_S = 60.0
@@ -114,31 +115,6 @@ class KVLayout:
                 out.append(f"fp8 scales: differ at layers {bad[:8]}" if bad else
                            f"fp8 scales: {len(self.kv_scales)} vs {len(other.kv_scales)} layers")
         return out
-
-
-class TransferHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """Where and what to pull: travels from the prefill side to the decode side (through the router)."""
-
-    transfer_id: str
-    endpoint: str  # the sender's socket, tcp://host:port
-    num_blocks: int
-    num_tokens: int = 0  # the prompt tokens the blocks hold
-
-    def to_wire(self) -> dict:
-        return msgspec.to_builtins(self)
-
-    @classmethod
-    def from_wire(cls, d: object) -> "TransferHandle":
-        """Validated: a malformed handle is a ValueError naming the problem."""
-        try:
-            h = msgspec.convert(d, cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid kv transfer handle: {exc}") from None
-        if not h.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"invalid kv transfer handle: endpoint {h.endpoint!r} is not a ZeroMQ address")
-        if h.num_blocks < 0 or h.num_tokens < 0:
-            raise ValueError("invalid kv transfer handle: negative counts")
-        return h
 
 
 def _frame_of(view: torch.Tensor) -> memoryview:
