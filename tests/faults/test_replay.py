@@ -110,12 +110,21 @@ def workload(served):
             text = plain[0][0]
             stop = text[len(text) // 2: len(text) // 2 + 3]  # met halfway through: it ends that stream early
             work = specs(stop)
-            return work, [await read_stream(http, served.base, route, body) for route, body in work]
+            return work, [await solo(http, route, body) for route, body in work]
+
+    async def solo(http, route, body):
+        for _ in range(10):  # a loaded machine may miss a ping: 503 "not answering" for a moment
+            out = await read_stream(http, served.base, route, body)
+            if out.get("status") != 503:
+                return out
+            await asyncio.sleep(1.0)
+        return out
 
     return asyncio.run(run())
 
 
 async def under_fault(served, work, inject, extra=None) -> list[dict]:
+    await asyncio.get_running_loop().run_in_executor(None, served.wait_healthy)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         events = [asyncio.Event() for _ in work]
         tasks = [asyncio.ensure_future(read_stream(http, served.base, route, body, events[i]))
