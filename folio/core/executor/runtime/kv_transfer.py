@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -115,6 +116,17 @@ class KVLayout:
                 out.append(f"fp8 scales: differ at layers {bad[:8]}" if bad else
                            f"fp8 scales: {len(self.kv_scales)} vs {len(other.kv_scales)} layers")
         return out
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Consecutive block ids as (first, count) runs, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and b >= 0 and runs[-1][0] >= 0 and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
 
 
 def _frame_of(view: torch.Tensor) -> memoryview:
@@ -225,9 +237,11 @@ class KVSender:
         block_ids = entry[0]
         backend = header.get("backend", "zmq")
         if backend == "zmq":
-            out = [_frame_of(v) for b in block_ids for v in self.pool.block_views(b)]
+            # one frame per run of consecutive blocks, per layer, K then V: slices of the pool itself
+            runs = _runs(block_ids)
+            out = [_frame_of(t[start:start + n]) for start, n in runs for kv in self.pool.kv_caches for t in kv]
             self.counts["bytes_sent"] += sum(f.nbytes for f in out)
-            self._send(who, b"OK", {"num_blocks": len(block_ids)}, out)
+            self._send(who, b"OK", {"num_blocks": len(block_ids), "runs": [n for _, n in runs]}, out)
         elif backend == "cuda_ipc":
             if self.pool.device.type != "cuda":
                 self._send(who, b"ERR", {"message": "cuda_ipc needs a GPU pool on the sender", "kind": "backend"})
@@ -268,19 +282,26 @@ class KVReceiver:
         self.ctx = ctx or zmq.Context.instance()
         self.counts = {"pulled": 0, "failed": 0, "bytes_received": 0}
         self._remote_pools: dict[str, list] = {}  # cuda_ipc: the sender's mapped pool, per endpoint
+        self._sockets: dict[str, zmq.Socket] = {}  # a DEALER per sender, reused
         self._nixl = None
 
     def _request(self, endpoint: str, verb: bytes, header: dict) -> tuple[dict, list]:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
+        """One request and its answer on this endpoint's socket (kept for the next; dropped after
+        a timeout, so that a late answer is never taken for the next request's)."""
+        sock = self._sockets.pop(endpoint, None)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
+        try:
             sock.send_multipart([verb, msgspec.msgpack.encode(header)])
             if not sock.poll(int(self.timeout_s * 1000)):
                 raise TransferError(f"no answer from the KV sender at {endpoint} within {self.timeout_s} s")
             frames = sock.recv_multipart(copy=False)
-        finally:
+        except BaseException:
             sock.close(0)
+            raise
+        self._sockets[endpoint] = sock
         status, reply = frames[0].bytes, msgspec.msgpack.decode(frames[1].bytes)
         if status != b"OK":
             cls = LayoutMismatch if reply.get("kind") == "layout" else TransferError
@@ -318,18 +339,36 @@ class KVReceiver:
         return moved
 
     def _land_zmq(self, handle, block_ids, reply, frames) -> int:
-        per_block = 2 * self.layout.num_layers
-        if len(frames) != per_block * len(block_ids):
-            raise TransferError(f"{len(frames)} frames for {len(block_ids)} blocks, wanted {per_block} each")
+        """Each frame (a run of the sender's blocks, one layer's K or V) into the receiving blocks:
+        one copy per run of consecutive receiving blocks; -1 entries are skipped."""
+        per_run = 2 * self.layout.num_layers
+        sizes = [int(n) for n in reply.get("runs", [])]
+        if sum(sizes) != len(block_ids) or len(frames) != per_run * len(sizes):
+            raise TransferError(f"{len(frames)} frames in runs {sizes[:8]} for {len(block_ids)} blocks")
+        caches = [t for kv in self.pool.kv_caches for t in kv]
+        block_bytes = caches[0][0].numel() * caches[0].element_size()
+        dst_runs, first = [], 0
+        for n in sizes:
+            dst_runs.append(_runs(block_ids[first:first + n]))
+            first += n
         moved = 0
-        for i, b in enumerate(block_ids):
-            for j, view in enumerate(self.pool.block_views(b)):
-                buf = frames[i * per_block + j].buffer
-                dst = view.view(torch.uint8).reshape(-1)
-                if buf.nbytes != dst.numel():
-                    raise TransferError(f"a frame of {buf.nbytes} bytes for a view of {dst.numel()}")
-                dst.copy_(torch.frombuffer(buf, dtype=torch.uint8), non_blocking=False)
-                moved += buf.nbytes
+        for r, n in enumerate(sizes):
+            for j, cache in enumerate(caches):
+                buf = frames[r * per_run + j].buffer
+                if buf.nbytes != n * block_bytes:
+                    raise TransferError(f"a frame of {buf.nbytes} bytes for {n} blocks of {block_bytes}")
+                src = np.frombuffer(buf, dtype=np.uint8)
+                offset = 0
+                for start, m in dst_runs[r]:
+                    if start >= 0:
+                        part = src[offset * block_bytes:(offset + m) * block_bytes]
+                        dst = cache[start:start + m]
+                        if dst.device.type == "cpu":  # one memcpy on this thread (no thread team to wake)
+                            np.copyto(dst.view(torch.uint8).numpy().reshape(-1), part)
+                        else:
+                            dst.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(part), non_blocking=False)
+                        moved += m * block_bytes
+                    offset += m
         return moved
 
     def _land_cuda_ipc(self, handle, block_ids, reply, frames) -> int:  # pragma: no cover - needs 2 GPU processes
