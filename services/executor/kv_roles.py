@@ -6,7 +6,7 @@
   token), the prompt's blocks are copied into a host staging pool (one copy: the device blocks go
   back to the allocator as the one-token request finishes, the staged copy belongs to the
   transfer) and exported under the request's id. The staged blocks are the transfer's until the
-  decode side confirms, reports a failure, or ``ttl_s`` passes: then they go back to the staging
+  decode side confirms, reports a failure, or ``STAGING_TTL_S`` passes: then they go back to the staging
   pool's free list (``staging_free``; ``stats()`` counts both).
 - ``decode``: before a step, each ``plan.kv_loads`` entry is pulled into the request's new blocks
   (``KVReceiver``; the layout handshake runs with each pull). A pull that fails (the prefill
@@ -30,6 +30,7 @@ from folio.shared.messages import StepPlan, StepResult
 
 log = structlog.get_logger()
 MAX_STAGING_BLOCKS = 4096
+STAGING_TTL_S = 300.0  # a transfer no decode instance pulled by then is freed (its pull is computed there)
 
 
 def make_kv_role(runtime, runner):
@@ -52,7 +53,7 @@ class PrefillRole:
         self.staging = KVPool(pool.shape, min(pool.num_blocks, MAX_STAGING_BLOCKS), torch.device("cpu"))
         self.staging_free = list(range(self.staging.num_blocks))
         self.sender = KVSender(self.staging, _layout(runner), f"tcp://0.0.0.0:{port}" if port else "tcp://0.0.0.0:*",
-                               on_release=self._released)
+                               on_release=self._released, ttl_s=STAGING_TTL_S)
         self.port = int(self.sender.endpoint.rsplit(":", 1)[1])
         self.tables: dict[str, tuple[list[int], int]] = {}  # req id -> (device block ids, prompt tokens)
         self.exported: set[str] = set()
