@@ -9,7 +9,10 @@ import os
 import zlib
 
 import pytest
+import torch
 
+from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.executor.runtime.kv_tiers import pool_layout_id
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.block_hash import chain_block_hashes
 from folio.shared.config import RuntimeConfig
@@ -77,6 +80,25 @@ def test_find_run_stops_at_the_first_missing_file_and_asks_the_cost_model(tmp_pa
     disk = DiskTier(tmp_path, LAYOUT, block_bytes=1000)  # nothing verified yet in this process
     assert disk.find_run([H[0], H[1]], 16, fast_disk) == [H[0], H[1]]
     assert fast_disk.load_bytes_per_s != 1e9  # the verified reads were measured
+
+
+def test_the_layout_id_names_the_model_the_pool_layout_and_the_fp8_scales(tiny_model_dir, tmp_path):
+    cpu = torch.device("cpu")
+    pool = KVPool(PoolShape(2, 4, 2, 16, torch.float32), 4, cpu)
+    base = pool_layout_id(pool, tiny_model_dir, "auto", "float32")
+    assert base == pool_layout_id(KVPool(PoolShape(2, 4, 2, 16, torch.float32), 8, cpu), tiny_model_dir, "auto",
+                                  "float32")  # the pool's size is not part of it
+    other_model = tmp_path / "copy"
+    other_model.mkdir()
+    (other_model / "config.json").write_text("{}")
+    ids = {base,
+           pool_layout_id(KVPool(PoolShape(2, 8, 2, 16, torch.float32), 4, cpu), tiny_model_dir, "auto", "float32"),
+           pool_layout_id(KVPool(PoolShape(2, 4, 2, 16, torch.bfloat16), 4, cpu), tiny_model_dir, "auto", "float32"),
+           pool_layout_id(pool, tiny_model_dir, "auto", "float32", kv_scales=[(1.0, 2.0), (1.0, 2.0)]),
+           pool_layout_id(pool, tiny_model_dir, "auto", "float32", kv_scales=[(1.0, 2.0), (1.0, 2.5)]),
+           pool_layout_id(pool, tiny_model_dir, "auto", "float32", rank=1, world=2),
+           pool_layout_id(pool, str(other_model), "auto", "float32")}
+    assert len(ids) == 7
 
 
 # ---------------------------------------------------------------------- the allocator's tiers

@@ -16,11 +16,7 @@ import time
 
 import torch
 
-try:
-    from folio.core.executor.quant.kv_quant import scales_fingerprint
-except ImportError:  # per-layer (k, v) floats only
-    def scales_fingerprint(kv_scales) -> list[float]:
-        return [float(x) for x in kv_scales]
+from folio.core.executor.quant.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
 from folio.shared.kv.tiers import HOST, DiskTier, layout_id, model_identity
 
