@@ -87,9 +87,13 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
 
   // Keys this block may need: from its first row's window start (0 without a window) to the causal
   // limit of its last row, clipped to its partition.
-  const int kv_begin = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
+  // partition_size > 0: partitions of that many keys from kv_first rounded down to a multiple of
+  // it (fixed positions, whatever the CTA's rows: batch-invariant plans); 0: one partition, the
+  // CTA's own keys. Keys before kv_first are never read (zero-filled or skipped).
+  const int kv_first = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
+  const int kv_begin = partition_size > 0 ? kv_first - kv_first % partition_size : kv_first;
   const int kv_end = min(seq_len, ctx_len + (row0 + num_rows - 1) / group + 1);
-  const int span = num_partitions == 1 ? kv_end - kv_begin : partition_size;
+  const int span = partition_size > 0 ? partition_size : kv_end - kv_begin;
   const int part_begin = kv_begin + blockIdx.z * span;
   const int part_end = min(kv_end, part_begin + span);
 
@@ -119,7 +123,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
   const long long token_stride = (long long)num_kv_heads * HEAD;
   for (int tile = part_begin + warp * WARP_SIZE; tile < part_end; tile += ATTN_WARPS * WARP_SIZE) {
     const int pos = tile + lane;
-    const bool valid = pos < part_end;
+    const bool valid = pos >= kv_first && pos < part_end;
     long long off = 0;
     float s[ATTN_ROWS];
     if (valid) {
@@ -148,7 +152,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
     __syncwarp();
     // Each V row is read once (lanes take interleaved dims: coalesced) and serves every row.
     const int num_keys = min(WARP_SIZE, part_end - tile);
-    for (int j = 0; j < num_keys; ++j) {
+    for (int j = max(0, kv_first - tile); j < num_keys; ++j) {  // keys before kv_first weigh 0 and are not read
       const C* v = v_cache + off_s[warp][j];
       float vf[PER_LANE];
 #pragma unroll
@@ -218,12 +222,17 @@ __global__ void __launch_bounds__(128) paged_attention_reduce(
   float m_all = neg_inf();
   for (int p = 0; p < num_partitions; ++p) m_all = fmaxf(m_all, lse[p]);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    // the sums start at the first non-empty partition, so that one partition gives back its
+    // output bit for bit (a -0 too), as an unsplit launch writes it
     float num = 0.f, den = 0.f;
+    bool first = true;
     for (int p = 0; p < num_partitions; ++p) {
       if (lse[p] == neg_inf()) continue;
       const float weight = __expf(lse[p] - m_all);
-      num += part_out[(row * num_partitions + p) * head_dim + d] * weight;
-      den += weight;
+      const float term = part_out[(row * num_partitions + p) * head_dim + d] * weight;
+      num = first ? term : num + term;
+      den = first ? weight : den + weight;
+      first = false;
     }
     out[row * head_dim + d] = from_float<T>(den > 0.f ? num / den : 0.f);
   }

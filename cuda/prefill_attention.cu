@@ -37,15 +37,16 @@ struct PrefillShape {
 };
 
 // The K/V load path of this kernel: keys [first, first + PREFILL_KEYS) of one KV head into a
-// [PREFILL_KEYS][STRIDE] tile each, 16-byte cp.async, zero-filled past `end`.
+// [PREFILL_KEYS][STRIDE] tile each, 16-byte cp.async, zero-filled before `lo` and past `end`.
 template <typename T, int HEAD, int BLOCK>
 __device__ __forceinline__ void load_prefill_tile(T* k_s, T* v_s, const T* __restrict__ k_cache,
                                                   const T* __restrict__ v_cache, const int* __restrict__ table,
-                                                  int first, int end, long long token_stride, int head_offset) {
+                                                  int first, int end, long long token_stride, int head_offset,
+                                                  int lo) {
   using S = PrefillShape<T, HEAD>;
   for (int c = threadIdx.x; c < PREFILL_KEYS * S::CHUNKS; c += PREFILL_THREADS) {
     const int key = c / S::CHUNKS, col = c % S::CHUNKS, pos = first + key;
-    const bool valid = pos < end;
+    const bool valid = pos >= lo && pos < end;
     long long off = 0;
     if (valid) off = ((long long)table[pos / BLOCK] * BLOCK + pos % BLOCK) * token_stride + head_offset + col * 8;
     cp_async16(k_s + key * S::STRIDE + col * 8, k_cache + off, valid ? 16 : 0);
@@ -85,9 +86,13 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
 
   // Keys this CTA may need: from its first row's window start (0 without a window) to the causal
   // limit of its last row, clipped to its partition.
-  const int kv_begin = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
+  // partition_size > 0: partitions of that many keys from kv_first rounded down to a multiple of
+  // it (fixed positions, whatever the CTA's rows: batch-invariant plans); 0: one partition, the
+  // CTA's own keys. Keys before kv_first are never read (zero-filled or skipped).
+  const int kv_first = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
+  const int kv_begin = partition_size > 0 ? kv_first - kv_first % partition_size : kv_first;
   const int kv_end = min(seq_len, ctx_len + (row0 + num_rows - 1) / group + 1);
-  const int span = num_partitions == 1 ? kv_end - kv_begin : partition_size;
+  const int span = partition_size > 0 ? partition_size : kv_end - kv_begin;
   const int part_begin = kv_begin + blockIdx.z * span;
   const int part_end = min(kv_end, part_begin + span);
 
@@ -130,13 +135,14 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill(
   const int num_tiles = part_begin < part_end ? (part_end - part_begin + PREFILL_KEYS - 1) / PREFILL_KEYS : 0;
   if (num_tiles > 0)
     load_prefill_tile<T, HEAD, BLOCK>(smem, smem + S::TILE_ELEMS, k_cache, v_cache, table, part_begin, part_end,
-                                      token_stride, kv_head * HEAD);
+                                      token_stride, kv_head * HEAD, kv_first);
   cp_async_commit();
   for (int tile = 0; tile < num_tiles; ++tile) {
     if (tile + 1 < num_tiles) {
       T* next = smem + ((tile + 1) % PREFILL_STAGES) * 2 * S::TILE_ELEMS;
       load_prefill_tile<T, HEAD, BLOCK>(next, next + S::TILE_ELEMS, k_cache, v_cache, table,
-                                        part_begin + (tile + 1) * PREFILL_KEYS, part_end, token_stride, kv_head * HEAD);
+                                        part_begin + (tile + 1) * PREFILL_KEYS, part_end, token_stride, kv_head * HEAD,
+                                        kv_first);
     }
     cp_async_commit();
     cp_async_wait<1>();  // this thread's copies of this tile have landed

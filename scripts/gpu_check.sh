@@ -29,8 +29,11 @@
 # 9. runs the MoE kernels' gpu tests (tests/cuda/test_moe_kernels.py: routing and the grouped GEMM
 #    against torch up to 128 experts, top-8, 2048 x 768; MoE.forward on the GPU against the CPU);
 # 10. runs the multi-LoRA kernels' gpu tests (tests/cuda/test_lora_kernels.py: BGMV, SGMV on
-#    tensor cores and on CUDA cores against torch, f16/bf16/fp32, ranks 8/16/64, 300 rows).
-#    The timeouts add up to 7 minutes 25 s.
+#    tensor cores and on CUDA cores against torch, f16/bf16/fp32, ranks 8/16/64, 300 rows);
+# 11. runs the batch-invariance gpu tests (tests/cuda/test_gpu_batch_invariant.py, the 1B shape
+#    in bf16: 8 concurrent greedy streams against their solo outputs, prefill vs decode vs
+#    prefix-hit logits bitwise).
+#    The timeouts add up to 9 minutes 25 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(msgspec pyzmq structlog gguf)
@@ -80,7 +83,7 @@ fi
 
 echo "== gpu tests (tests/cuda -m gpu)"
 timeout 150 "$PY" -m pytest -q -m "gpu and not slow" tests/cuda -p no:cacheprovider -o addopts="" \
-  --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -25
+  --ignore=tests/cuda/test_gpu_batch_invariant.py --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmark"
@@ -107,6 +110,11 @@ timeout 60 "$PY" -m pytest -q -m gpu tests/cuda/test_moe_kernels.py -p no:cachep
 echo "== multi-LoRA kernels (BGMV, SGMV) against torch"
 timeout 45 "$PY" -m pytest -q -m gpu tests/cuda/test_lora_kernels.py -p no:cacheprovider -o addopts="" \
   --junitxml="$OUT_DIR/lora_tests.xml" 2>&1 | tail -8
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== batch invariance, 1B shape bf16 (streams vs solo, prefill vs decode logits bitwise)"
+timeout 120 "$PY" -m pytest -q -m gpu tests/cuda/test_gpu_batch_invariant.py -p no:cacheprovider -o addopts="" \
+  --junitxml="$OUT_DIR/invariance_tests.xml" 2>&1 | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done (status $status); figures in $OUT_DIR"

@@ -7,6 +7,7 @@
 #include "cache_ops.cu"
 #include "fused_ops.cu"
 #include "quant_gemm.cu"
+#include "dense_gemm.cu"
 
 #include "emu_instances.inc"
 

@@ -1,8 +1,9 @@
 """The ``cuda`` attention backend: folio's kernels from ``cuda/``, launched with CuPy.
 
-``runner.make_backend`` builds ``CudaAttentionBackend(model_dtype)`` on a CUDA device (``auto``
+``runner.make_backend`` builds ``CudaAttentionBackend(model_dtype, batch_invariant=...)`` on a CUDA device (``auto``
 or ``--attention-backend cuda``). Importing this module raises ImportError when CuPy is missing,
-and the runner then falls back to the torch backend. GEMMs stay in torch; this backend only
+and the runner then falls back to the torch backend. GEMMs stay in torch (with
+``--batch-invariant``, ``gemm_kernels`` moves the dense f16/bf16 ones off cuBLAS); this backend only
 replaces what paging needs (see ``kernel_backend``): it launches each kernel on torch's current
 stream with raw device pointers, so it orders correctly with the model's torch ops and with CUDA
 graphs captured on that stream.
@@ -49,5 +50,6 @@ class CudaAttentionBackend(KernelAttentionBackend):
     name = "cuda"
 
     def __init__(self, model_dtype: torch.dtype, device: torch.device | None = None, split: bool | None = None,
-                 kv_dtype: torch.dtype | None = None):
-        super().__init__(CupyLauncher(device), model_dtype, split=split, kv_dtype=kv_dtype)
+                 kv_dtype: torch.dtype | None = None, batch_invariant: bool = False):
+        super().__init__(CupyLauncher(device), model_dtype, split=split, kv_dtype=kv_dtype,
+                         batch_invariant=batch_invariant)

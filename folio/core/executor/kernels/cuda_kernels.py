@@ -21,7 +21,7 @@ KERNEL_DIR = Path(folio.cuda.__file__).resolve().parent  # cuda/ in a checkout, 
 
 # module name -> source file; each module is compiled separately (only the instances a model needs)
 MODULE_FILES = {"attention": "paged_attention.cu", "decode": "decode_attention.cu", "prefill": "prefill_attention.cu",
-                "cache": "cache_ops.cu", "fused": "fused_ops.cu", "quant": "quant_gemm.cu"}
+                "cache": "cache_ops.cu", "fused": "fused_ops.cu", "quant": "quant_gemm.cu", "gemm": "dense_gemm.cu"}
 
 # storage dtype name (torch's) -> C++ type in the kernels
 DTYPES = {"float32": "float", "float16": "folio::f16", "bfloat16": "folio::bf16"}
@@ -57,6 +57,11 @@ GEMM_BM = 32
 GEMM_BN = 128
 GEMM_BK = 32
 QUANT_DTYPES = ("float32", "float16", "bfloat16")  # activation types of the W4A16 kernels
+# cuda/dense_gemm.cu (the batch-invariant dense GEMM on tensor cores)
+DGEMM_THREADS = 128
+DGEMM_TILE_M = 64
+DGEMM_TILE_N = 64
+DGEMM_DTYPES = ("float16", "bfloat16")
 
 # Our options. CuPy's RawModule adds its own (see cupy_nvrtc_options); -std=c++17 for constexpr
 # and alignas; no --use_fast_math: the kernels call __expf where they want the fast exponential.
@@ -146,6 +151,19 @@ def quant_names(dtype: str) -> QuantNames:
     return QuantNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in QUANT_KERNELS))
 
 
+@dataclass(frozen=True)
+class GemmNames:
+    """Name expression of the batch-invariant dense GEMM for one dtype."""
+
+    dense_gemm: str
+
+
+def gemm_names(dtype: str) -> GemmNames:
+    if dtype not in DGEMM_DTYPES:
+        raise UnsupportedKernelError(f"no batch-invariant GEMM for dtype {dtype} (built: {', '.join(DGEMM_DTYPES)})")
+    return GemmNames(f"folio::dense_gemm<{DTYPES[dtype]}>")
+
+
 @functools.cache  # asked once per layer and step
 def kernel_names(dtype: str, head_size: int, block_size: int, fp8: bool = False) -> KernelNames:
     """The instances for one configuration (``fp8``: over an fp8 pool), or an error that names the
@@ -182,6 +200,8 @@ def module_of(name: str) -> str:
         return "fused"
     if base in QUANT_KERNELS:
         return "quant"
+    if base == "dense_gemm":
+        return "gemm"
     if name.startswith("folio::paged_decode"):
         return "decode"
     if name.startswith("folio::paged_prefill"):
@@ -210,6 +230,8 @@ def all_name_expressions() -> dict[str, list[str]]:
         if dtype in FP8_ACTIVATION_DTYPES:
             names["fused"].append(rope_write_kv_fp8_name(dtype))
         names["quant"].extend(vars(quant_names(dtype)).values())
+        if dtype in DGEMM_DTYPES:
+            names["gemm"].extend(vars(gemm_names(dtype)).values())
     names["cache"].append(COPY_BLOCKS_NAME)
     return names
 
@@ -266,7 +288,7 @@ def raw_module(filename: str, names: tuple[str, ...], device_id: int):
     return mod
 
 
-def compiled_kernel(name: str, names: KernelNames | FusedNames | QuantNames, device_id: int):
+def compiled_kernel(name: str, names: KernelNames | FusedNames | QuantNames | GemmNames, device_id: int):
     """A launchable ``cupy.RawKernel`` for ``name``; compiles its module (with the configuration's
     other instances of that module) on first use in this process."""
     module = module_of(name)

@@ -9,7 +9,8 @@ planning and argument marshalling lives here, so the emulation exercises it too.
 
 A launcher provides ``launch(names, kernel, grid, block, args, device)`` (``kernel`` is a field of
 ``KernelNames``; ``args`` are numpy scalars in the kernel's parameter order, pointers as uint64)
-and ``num_sms``. Every launch keeps within CUDA's grid limits (x < 2^31, y and z <= 65535), for
+and ``num_sms``. ``batch_invariant=True`` makes every plan batch-invariant (``kernel_plan``: a
+token's attention output does not depend on the batch, its chunk, prefill or decode). Every launch keeps within CUDA's grid limits (x < 2^31, y and z <= 65535), for
 any batch the scheduler can form: the count that grows with the batch (work items) goes along x.
 """
 
@@ -37,7 +38,7 @@ class KernelAttentionBackend:
     name = "cuda"
 
     def __init__(self, launcher, model_dtype: torch.dtype, split: bool | None = None,
-                 partition_size: int = 512, kv_dtype: torch.dtype | None = None):
+                 partition_size: int = 512, kv_dtype: torch.dtype | None = None, batch_invariant: bool = False):
         if model_dtype not in DTYPE_NAMES:
             raise ck.UnsupportedKernelError(f"no CUDA kernels for dtype {model_dtype}; built: {list(DTYPE_NAMES)}")
         self.fp8 = kv_dtype == FP8_DTYPE  # an e4m3 pool: its kernels take the layer's K/V scales
@@ -49,6 +50,8 @@ class KernelAttentionBackend:
         self.model_dtype = model_dtype
         self.split = split  # None: decide per step; True/False: force (tests, benchmarks)
         self.partition_size = partition_size  # keys per split when forced, and the chunk kernel's
+        # every plan batch-invariant (kernel_plan): one kernel, fixed partitions of partition_size keys
+        self.batch_invariant = batch_invariant
         self._address_tables: dict[tuple, torch.Tensor] = {}
         self._scales = DeviceScales()  # fp8 scales as the kernels read them
         self.layer_ops = KernelLayerOps(launcher)  # the fused kernels of cuda/fused_ops.cu
@@ -76,7 +79,7 @@ class KernelAttentionBackend:
             tensor_cores = DTYPE_NAMES[self.model_dtype] in ck.TENSOR_CORE_DTYPES and not fp8
             rows = ck.PREFILL_ROWS if tensor_cores else ck.ATTN_ROWS
             plans[key] = build_plan(meta, group, num_kv_heads, self.launcher.num_sms, self.split, self.partition_size,
-                                    rows, window=window, like=base)
+                                    rows, window=window, like=base, invariant=self.batch_invariant)
         return plans[key]
 
     # ------------------------------------------------------------------ per layer

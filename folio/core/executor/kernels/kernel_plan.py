@@ -10,6 +10,15 @@ tensor-core ``cuda/prefill_attention.cu`` for f16/bf16, ``cuda/paged_attention.c
 Every count that grows with the batch goes along grid x, so any batch the scheduler can form
 stays within CUDA's grid limits. A sliding-window layer gets its own plan (the same items, splits
 sized by the keys inside the window).
+
+Batch-invariant plans (``invariant=True``, the executor's ``--batch-invariant``): every sequence,
+one new token or many, goes to the chunk kernel, whose rows are computed independently of the
+other rows of their CTA; the context is cut into partitions of one fixed size (``partition_size``
+keys, aligned to multiples of it from position 0, whatever the batch, the chunk or the context
+length), each computed in the same tile order, and ``paged_attention_reduce`` merges them in
+partition order. So a query row over the same keys gets bitwise the same output in a decode step,
+inside a prefill chunk, after a prefix hit, or in any batch. The decode kernel (fp32 P, another key
+order) is not used then: it could not agree bitwise with the tensor-core kernel (P rounded to T).
 """
 
 from __future__ import annotations
@@ -92,22 +101,24 @@ def num_splits_heuristic(num_ctas: int, num_slots: int, num_granules: int, max_s
 
 def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: int, split: bool | None,
                partition_size: int, rows_per_item: int = ck.ATTN_ROWS, window: int = 0,
-               like: KernelPlan | None = None) -> KernelPlan:
+               like: KernelPlan | None = None, invariant: bool = False) -> KernelPlan:
     """``split``: None decides per step; True/False force it (tests, benchmarks). Forced splits
     are ``partition_size`` keys long. ``rows_per_item``: rows per chunk CTA (64 for the
     tensor-core prefill kernel, 8 for the CUDA-core one).
 
     ``window`` > 0 (a sliding-window layer): splits are sized by the keys a CTA actually reads,
     at most ``window`` for a decode sequence and ``window - 1`` plus the tokens of a work item for
-    a chunk CTA; the kernels cut their splits from the window's first key on. ``like``: the plan of
+    a chunk CTA; the chunk kernels cut split plans' partitions from the window's first key rounded
+    down to a multiple of the partition size, the decode kernel from the window's first key. ``like``: the plan of
     the same step and GQA shape for another window, whose item and token tensors are reused (no
-    new host-to-device copies, so a windowed plan may be built during a CUDA graph's capture)."""
+    new host-to-device copies, so a windowed plan may be built during a CUDA graph's capture).
+    ``invariant``: a batch-invariant plan (see the module docstring; ``split`` is then ignored)."""
     q_lens, s_lens = meta.query_lens_list, meta.seq_lens_list
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
     device = meta.block_tables.device
-    is_decode = [n == 1 and group <= ck.DECODE_MAX_GROUP for n in q_lens]
+    is_decode = [n == 1 and group <= ck.DECODE_MAX_GROUP and not invariant for n in q_lens]
 
     decode = None
     seqs = [b for b, d in enumerate(is_decode) if d]
@@ -134,13 +145,23 @@ def build_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, num_sms: 
         # a CTA's rows span at most (rows - 1) // group + 2 tokens, each seeing `window` keys
         tokens_per_item = (rows_per_item - 1) // group + 2
         max_len = max(1, max(_window_keys(s, window, tokens_per_item) for s, n in zip(s_lens, chunk_lens) if n))
-        size = max(partition_size, math.ceil(max_len / MAX_GRID_YZ))  # partitions go along grid z
-        parts = max(1, math.ceil(max_len / size))
-        if split is None:
+        if invariant:
+            size = partition_size  # fixed: never sized by the context or the batch
+        else:
+            size = max(partition_size, math.ceil(max_len / MAX_GRID_YZ))  # partitions go along grid z
+        # a window's partitions start at its first key rounded down to a multiple of the size
+        parts = max(1, math.ceil((max_len + (size - 1 if window > 0 else 0)) / size))
+        if invariant:
+            if parts > MAX_GRID_YZ:
+                raise ValueError(f"a context of {max_len} keys needs {parts} partitions of {size} keys, more than "
+                                 f"CUDA's grid takes along z ({MAX_GRID_YZ}) in batch-invariant mode")
+        elif split is None:
             fills_gpu = len(items) * num_kv_heads >= MIN_BLOCKS_PER_SM * num_sms
             parts = parts if parts > 1 and (not fills_gpu or max_len > SPLIT_ABOVE_SEQ_LEN) else 1
         elif not split:
             parts = 1
+        if parts == 1 and not invariant:
+            size = 0  # the kernels' one partition: the CTA's own key range
         num_tokens = sum(chunk_lens)
         if like is not None and like.chunk is not None:
             items_t, tokens_t = like.chunk.items, like.chunk.tokens

@@ -6,6 +6,10 @@
   up to ``GEMV_MAX_ROWS`` rows (decode) through ``awq_gemv`` (fp32 partial sums per K slice,
   summed here), more through the tiled ``awq_gemm`` (split along K, with partial sums, when its
   tiles alone would not fill twice the SMs). Activations stay in the model's dtype.
+  Batch-invariant mode (``AwqLinear.batch_invariant``, set by ``--batch-invariant``): every M
+  goes through ``awq_gemm`` (its rows' sums do not depend on the other rows), split along K at
+  fixed ``INVARIANT_K_SPLIT`` rows whatever M is, the fp32 partials added in split order
+  elementwise; so a row's bits do not depend on the batch.
   The kernels launch through a launcher (CuPy on a GPU, the CPU emulation in tests).
 - ``Fp8Linear`` holds e4m3 weights with one fp32 scale per output channel (quantized at load
   time) and quantizes each call's activations per token (row), then ``torch._scaled_mm`` with
@@ -27,6 +31,7 @@ from folio.core.executor.quant.formats import Int4Weight, int4_to_awq
 
 GEMV_MAX_ROWS = 8  # rows up to which awq_gemv (reads the weights once per 2 rows) beats the tile (unmeasured)
 GEMM_MIN_SPLIT = 256  # K rows per split of awq_gemm at least
+INVARIANT_K_SPLIT = 512  # K rows per split of awq_gemm in batch-invariant mode (fixed; a multiple of GEMM_BK)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -46,8 +51,9 @@ def check_awq_shape(in_features: int, out_features: int, group_size: int) -> Non
 
 
 def awq_matmul(launcher, x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               group_size: int) -> torch.Tensor:
-    """``x [M, K] @ W`` with W in AutoAWQ's GEMM layout -> ``[M, N]`` in x's dtype."""
+               group_size: int, invariant: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W`` with W in AutoAWQ's GEMM layout -> ``[M, N]`` in x's dtype. ``invariant``:
+    batch-invariant (see the module docstring)."""
     m, k = x.shape
     n = scales.shape[1]
     names = ck.quant_names(str(x.dtype).removeprefix("torch."))
@@ -56,6 +62,8 @@ def awq_matmul(launcher, x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.T
         return x.new_empty(0, n)
     ints = [np.int32(v) for v in (m, n, k, group_size)]
     weights = [_ptr(qweight), _ptr(qzeros), _ptr(scales)]
+    if invariant:
+        return _awq_gemm_invariant(launcher, names, x, weights, ints, m, n, k)
     if m <= GEMV_MAX_ROWS:
         splits = -(-k // ck.GEMV_K)
         partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -81,6 +89,24 @@ def awq_matmul(launcher, x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.T
     return y if splits == 1 else partial.sum(0).to(x.dtype)
 
 
+def _awq_gemm_invariant(launcher, names, x, weights, ints, m: int, n: int, k: int) -> torch.Tensor:
+    k_split = INVARIANT_K_SPLIT
+    splits = -(-k // k_split)
+    grid = (-(-n // ck.GEMM_BN), -(-m // ck.GEMM_BM), splits)
+    if splits == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        launcher.launch(names, "awq_gemm", grid, (ck.GEMM_THREADS, 1, 1),
+                        [_ptr(y), _ptr(y), _ptr(x), *weights, *ints, np.int32(k_split)], x.device)
+        return y
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    launcher.launch(names, "awq_gemm", grid, (ck.GEMM_THREADS, 1, 1),
+                    [_ptr(partial), _ptr(partial), _ptr(x), *weights, *ints, np.int32(k_split)], x.device)
+    total = partial[0].clone()
+    for s in range(1, splits):  # elementwise, in split order (torch's sum(0) may reduce by shape)
+        total += partial[s]
+    return total.to(x.dtype)
+
+
 class AwqLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W 4-bit in AutoAWQ's GEMM layout, on the W4A16 kernel."""
 
@@ -95,11 +121,12 @@ class AwqLinear(nn.Module):
         self.scales = packed["scales"].to(device)
         self.bias = bias
         self.launcher = launcher
+        self.batch_invariant = False  # --batch-invariant sets it (kernels/gemm_kernels.make_linears_batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = awq_matmul(self.launcher, x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales,
-                       self.group_size)
+                       self.group_size, invariant=self.batch_invariant)
         y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -88,7 +88,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
-                 model=None):
+                 model=None, batch_invariant: bool = False):
     """``auto`` picks the CUDA kernels on a GPU when CuPy is importable, and on the CPU the C
     kernels (``cpu_backend``) for a model with quantized linears, else the torch backend (the
     reference, which the fp32 greedy oracle compares with transformers); ``cpu`` asks for the C
@@ -118,7 +118,7 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_d
             raise ValueError(f"the cuda attention backend is unavailable: {exc}") from exc
         return TorchAttentionBackend()
     try:
-        return CudaAttentionBackend(model_dtype, kv_dtype=kv_dtype)
+        return CudaAttentionBackend(model_dtype, kv_dtype=kv_dtype, batch_invariant=batch_invariant)
     except UnsupportedKernelError:  # fp32 activations over an fp8 pool: no kernel instances
         if name == "cuda":
             raise
@@ -148,7 +148,12 @@ class ModelRunner:
             pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model)
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model,
+                                    batch_invariant=config.batch_invariant)
+        if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
+            from folio.core.executor.kernels.gemm_kernels import make_linears_batch_invariant
+
+            make_linears_batch_invariant(self.model)  # the projections and the LM head off cuBLAS
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
