@@ -139,7 +139,7 @@ def rotation(head_dim: int, dtype: torch.dtype = torch.float32, device: torch.de
     else:
         gen = torch.Generator().manual_seed(head_dim)
         r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
-    return r.to(dtype=dtype, device=device)
+    return r.to(dtype=dtype, device=device).contiguous()  # QR's Q is column-major; kernels read rows
 
 
 def kv_scales_from(k: torch.Tensor, v: torch.Tensor, shift: bool = True) -> KVScales:
