@@ -208,3 +208,20 @@ def _ipc_sender(q):  # pragma: no cover - runs in a GPU subprocess
     q.put((handle.to_wire(), pool.kv_caches[1][0][2].cpu()))
     q.get(timeout=300)
     sender.close()
+
+
+def test_blocks_the_receiver_holds_already_are_skipped(released):
+    """-1 in the receiving ids: a block its prefix cache holds; the frame's bytes are not written."""
+    src, dst = _pool(seed=1), _pool(seed=2)
+    before = [t.clone() for kv in dst.kv_caches for t in kv]
+    sender = _sender(src, released)
+    try:
+        handle = sender.export([2, 3, 4, 6])
+        moved = KVReceiver(dst, KVLayout.of(dst)).pull(handle, [-1, -1, 5, 0])
+        assert moved == 2 * src.shape.bytes_per_block
+        for (sk, sv), (dk, dv), i in zip(src.kv_caches, dst.kv_caches, range(3)):
+            assert torch.equal(sk[4], dk[5]) and torch.equal(sv[6], dv[0])
+            assert torch.equal(dk[1], before[2 * i][1]) and torch.equal(dk[2], before[2 * i][2])
+        assert released[0][2] is True
+    finally:
+        sender.close()
