@@ -8,7 +8,7 @@ that has to go with it. It runs a vocabulary of 512 so that the sampler's arithm
 hide its overhead. Decode steps at batch 1, 64 and 256, greedy and with temperature 0.8, top-p
 0.95 and presence/frequency/repetition penalties; ms per step for each.
 
-    python scripts/bench_step.py [--steps 40] [--profile] [--device cuda]
+    python scripts/bench_step.py [--steps 40] [--profile] [--device cuda] [--smollm] [--batch-invariance]
 
 With ``--device cuda`` it also runs the random-weight Llama-3.2-1B shape (hidden 2048, 16 layers,
 32 heads, 8 KV heads, vocabulary 49,152, bf16) in process, eager (``enforce_eager``) and with CUDA
@@ -171,6 +171,48 @@ def run_smollm(args) -> None:
     constrained_step(runner, args, g)
 
 
+def prefill_step(runner: ModelRunner, length: int) -> float:
+    """Seconds for one step that prefills a ``length``-token prompt whole."""
+    ids = torch.randint(0, 49152, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    blocks = list(range((length + BLOCK_SIZE - 1) // BLOCK_SIZE))
+    plan = StepPlan(step_id=0, new_reqs=[NewRequestData(req_id="p", token_ids=ids, num_prompt_tokens=length,
+                                                        sampling=GREEDY, block_ids=blocks)],
+                    num_scheduled_tokens={"p": length})
+    t0 = time.perf_counter()
+    runner.execute(plan)
+    elapsed = time.perf_counter() - t0
+    runner.execute(StepPlan(step_id=1, finished_req_ids=["p"]))
+    return elapsed
+
+
+def run_invariance_cost(args) -> None:
+    """SmolLM2 with ``--batch-invariant`` and without, in turns: decode steps at batch 1 and 64
+    (greedy and sampled) and the prefill of a 512- and a 2048-token prompt; ms of each and on/off."""
+    from folio.core.models import prepare_default_model
+
+    path = str(prepare_default_model(quiet=True))
+    runners = {}
+    for on in (True, False):
+        config = RuntimeConfig(device="cpu", num_kv_blocks=64 * 8 + 128, max_num_seqs=64, block_size=BLOCK_SIZE,
+                               quantization=args.smollm_quantization, batch_invariant=on)
+        runners[on] = ModelRunner(config, path)
+        decode_steps(runners[on], 8, GREEDY, 2, None)  # warm-up
+    cases = [(f"decode B={b} {kind}", lambda r, b=b, p=p: decode_steps(r, b, p, args.steps, None))
+             for b in (1, 64) for kind, p in (("greedy", GREEDY), ("sampled", SMOLLM_SAMPLED))]
+    cases += [(f"prefill {n} tokens", lambda r, n=n: prefill_step(r, n)) for n in (512, 2048)]
+    meter = CpuMeter()
+    print(f"SmolLM2 ({runners[True].model.quantization}) batch invariance on/off, fastest of {args.repeats}")
+    print(f"{'case':<24} {'on ms':>9} {'off ms':>9} {'on/off':>7}")
+    for name, run in cases:
+        times = {True: [], False: []}
+        for _ in range(args.repeats):  # in turns: a drift in the machine's speed hits both alike
+            for on in (True, False):
+                times[on].append(run(runners[on]))
+        on, off = min(times[True]) * 1e3, min(times[False]) * 1e3
+        print(f"{name:<24} {on:>9.1f} {off:>9.1f} {on / off:>7.3f}", flush=True)
+    print(f"other processes kept {100 * meter.lap():.0f}% of the CPUs busy meanwhile")
+
+
 def constrained_step(runner: ModelRunner, args, greedy_s: float) -> None:
     """The same batch greedy with every row following ``bench_structured``'s JSON schema (its
     grammar compiled before timing): the constrained step cost."""
@@ -240,6 +282,8 @@ def main() -> None:
     parser.add_argument("--smollm", action="store_true",
                         help="also SmolLM2 at batch 64 on the CPU, greedy vs sampled vs constrained")
     parser.add_argument("--smollm-quantization", default="auto", help="its weights (auto: the packaged int4)")
+    parser.add_argument("--batch-invariance", action="store_true",
+                        help="also SmolLM2 with --batch-invariant and without, in turns (decode and prefill)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the step's small ops never wait on a busy core)")
     args = parser.parse_args()
@@ -247,6 +291,8 @@ def main() -> None:
     greedy_256 = run_null(args) if not args.skip_null else float("nan")
     if args.smollm:
         run_smollm(args)
+    if args.batch_invariance:
+        run_invariance_cost(args)
     if args.device == "cuda":
         with contextlib.suppress(KeyboardInterrupt):
             run_cuda_1b(args)

@@ -170,22 +170,24 @@ class _TorchPlan:
     write_idx: torch.Tensor | None  # rows to write when some slots are padding, else None
 
 
-def decode_rows_and_chunks(meta: AttentionMetadata) -> tuple[list[tuple[int, int, int]], list[_ChunkSeq]]:
+def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_CHUNK_ROWS
+                           ) -> tuple[list[tuple[int, int, int]], list[_ChunkSeq]]:
     """(row of q, sequence, keys this token sees) for each token attended as a decode, and the
     chunks attended whole. Decode tokens, and each token of a short chunk (speculative
     verification) as if it were decoded alone, so that a verified token is computed exactly as
     plain decoding computes it. SDPA with several query rows runs another kernel, whose last bits
     differ; with bf16 activations (the quantized layers) such a bit can flip a near-tie and change
-    a greedy output."""
+    a greedy output. ``max_row_chunk``: chunks up to this long go row by row (a batch-invariant
+    backend passes no limit: every token is attended as a decode, prefill included)."""
     device, bs = meta.block_tables.device, meta.block_size
     starts = meta.query_start_loc.tolist()
     rows: list[tuple[int, int, int]] = []
     chunks = []
     for b, n in enumerate(meta.query_lens_list):
         seq_len = meta.seq_lens_list[b]
-        if 0 < n <= SHORT_CHUNK_ROWS:
+        if 0 < n <= max_row_chunk:
             rows += [(starts[b] + i, b, seq_len - n + 1 + i) for i in range(n)]
-        elif n > SHORT_CHUNK_ROWS:
+        elif n > max_row_chunk:
             k_pos = torch.arange(seq_len, device=device)
             q_pos = k_pos[seq_len - n:]
             chunks.append(_ChunkSeq(start=starts[b], end=starts[b] + n,

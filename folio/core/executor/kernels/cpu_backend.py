@@ -25,12 +25,14 @@ greedy oracle compares with transformers), or always for ``--attention-backend c
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import numpy as np
 import torch
 
 from folio.core.executor.kernels import cpu_kernels
-from folio.core.executor.kernels.attention import TorchAttentionBackend, _TorchPlan, _write_idx, decode_rows_and_chunks
+from folio.core.executor.kernels.attention import (SHORT_CHUNK_ROWS, TorchAttentionBackend, _TorchPlan, _write_idx,
+                                                  decode_rows_and_chunks)
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelRope
 
 _BF16 = torch.bfloat16
@@ -117,8 +119,8 @@ class CpuLayerOps:
 class _CpuPlan(_TorchPlan):
     """The torch plan's chunks, and the decode rows as arrays for the kernel."""
 
-    def __init__(self, meta):
-        rows, chunks = decode_rows_and_chunks(meta)
+    def __init__(self, meta, max_row_chunk: int):
+        rows, chunks = decode_rows_and_chunks(meta, max_row_chunk)
         super().__init__(decode=None, chunks=chunks, write_idx=_write_idx(meta))
         self.tok = None
         if rows:
@@ -132,19 +134,22 @@ class _CpuPlan(_TorchPlan):
 
 
 class CpuKernelBackend(TorchAttentionBackend):
-    """The torch backend with decode attention (and the layer operations) in ``csrc/layers.c``."""
+    """The torch backend with decode attention (and the layer operations) in ``csrc/layers.c``.
+    ``batch_invariant``: every token, prefill chunks' included, is attended by the decode kernel."""
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype, final_norm):
+    def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype, final_norm, batch_invariant: bool = False):
         self.lib = lib
+        self.batch_invariant = batch_invariant
+        self.max_row_chunk = sys.maxsize if batch_invariant else SHORT_CHUNK_ROWS
         self.layer_ops = CpuLayerOps(lib, act_dtype, final_norm)
         self._scratch = np.empty(0, dtype=np.float32)
         self._scratch_ptr = self._scratch.ctypes.data
 
     def plan(self, meta) -> _TorchPlan:
         if not isinstance(meta.plan, _CpuPlan):
-            meta.plan = _CpuPlan(meta)
+            meta.plan = _CpuPlan(meta, self.max_row_chunk)
         return meta.plan
 
     def _attend_decode(self, out, query, k_cache, v_cache, plan, scale, kv_scales, window=0, softcap=0.0) -> None:
@@ -163,10 +168,10 @@ class CpuKernelBackend(TorchAttentionBackend):
 
 
 def make_cpu_backend(model, model_dtype: torch.dtype, kv_dtype: torch.dtype | None,
-                     act_dtype: torch.dtype) -> CpuKernelBackend | None:
+                     act_dtype: torch.dtype, batch_invariant: bool = False) -> CpuKernelBackend | None:
     """The kernel backend for ``model``, or None when it would not run its kernels (a model or
     pool in another dtype than fp32) or they cannot be built here."""
     if model_dtype != torch.float32 or (kv_dtype or model_dtype) != torch.float32:
         return None
     lib = cpu_kernels.library()
-    return None if lib is None else CpuKernelBackend(lib, act_dtype, model.norm)
+    return None if lib is None else CpuKernelBackend(lib, act_dtype, model.norm, batch_invariant)

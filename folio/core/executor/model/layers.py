@@ -313,8 +313,12 @@ class PackedLinear(nn.Module):
 
     MKL's sgemm is slow for the skinny GEMMs of decode on many CPUs; oneDNN with a weight packed
     once at load time is about twice as fast at batch 8 here. Results differ from the dense path
-    only by float rounding.
+    only by float rounding. oneDNN computes a one-row call in another order than calls of two
+    rows or more (whose rows agree bit for bit, whatever else is in the call): a batch-invariant
+    layer (``batch_invariant``, set by the runner) computes a lone row as a call of two.
     """
+
+    batch_invariant = False
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -323,6 +327,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.dim() == 2 and x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.packed, self.bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -100,7 +100,11 @@ class QuantLMHead(nn.Module):
     head 1.6e-3 (scripts/eval_quant.py), more than all the int4 layers. The probability mass sits
     in the top few logits, so refining those restores nearly all of it for a few rows' work. A
     row's refined logits are exact whichever pass found them; only the tail beyond them depends
-    on the call's size."""
+    on the call's size, unless ``batch_invariant``: then every call takes the int4 pair, whose rows
+    are each computed alone (so a token's whole distribution, logprobs included, is the same in
+    any batch, at more time for calls of many rows: prompt logprobs)."""
+
+    batch_invariant = False  # the runner sets it from --batch-invariant
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -112,7 +116,7 @@ class QuantLMHead(nn.Module):
 
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
         xa = aligned(x.to(ACT_DTYPE))
-        if self.pair is not None and x.shape[0] <= SMALL_ROWS:
+        if self.pair is not None and (x.shape[0] <= SMALL_ROWS or self.batch_invariant):
             (hi, hi_sz), (lo, lo_sz) = self.pair
             mm = torch.ops.aten._weight_int4pack_mm_for_cpu
             return mm(xa, hi, HEAD_GROUP, hi_sz).float() + mm(xa, lo, HEAD_GROUP, lo_sz).float()

@@ -34,9 +34,9 @@ from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype
 from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
-from folio.core.executor.model.layers import cpu_linear_packing_available, pack_linears_for_cpu
+from folio.core.executor.model.layers import PackedLinear, cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
-from folio.core.executor.quant.linear import ACT_DTYPE
+from folio.core.executor.quant.linear import ACT_DTYPE, QuantLMHead
 from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
@@ -90,19 +90,20 @@ def resolve_device(name: str) -> torch.device:
 def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                  model=None, batch_invariant: bool = False):
     """``auto`` picks the CUDA kernels on a GPU when CuPy is importable, and on the CPU the C
-    kernels (``cpu_backend``) for a model with quantized linears, else the torch backend (the
-    reference, which the fp32 greedy oracle compares with transformers); ``cpu`` asks for the C
-    kernels whatever the weights."""
+    kernels (``cpu_backend``) for a model with quantized linears, or for any fp32 model when
+    ``batch_invariant`` (every token through the same per-row kernels), else the torch backend
+    (the reference); ``cpu`` asks for the C kernels whatever the weights."""
     if name not in ("auto", "torch", "cuda", "cpu"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, cuda or cpu")
     if name == "cpu" and device.type != "cpu":
         raise ValueError("the cpu attention backend runs on the CPU")
     if device.type == "cpu" and name in ("auto", "cpu") and model is not None:
         quantized = model.quantization not in (None, "none")
-        if name == "cpu" or quantized:
+        if name == "cpu" or quantized or batch_invariant:
             from folio.core.executor.kernels.cpu_backend import make_cpu_backend
 
-            backend = make_cpu_backend(model, model_dtype, kv_dtype, ACT_DTYPE if quantized else model_dtype)
+            backend = make_cpu_backend(model, model_dtype, kv_dtype, ACT_DTYPE if quantized else model_dtype,
+                                       batch_invariant)
             if backend is not None:
                 return backend
             if name == "cpu":
@@ -154,6 +155,9 @@ class ModelRunner:
             from folio.core.executor.kernels.gemm_kernels import make_linears_batch_invariant
 
             make_linears_batch_invariant(self.model)  # the projections and the LM head off cuBLAS
+        for module in self.model.modules():  # the layers whose kernels change order with the call's rows
+            if isinstance(module, (PackedLinear, QuantLMHead)):
+                module.batch_invariant = config.batch_invariant
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
