@@ -24,6 +24,8 @@ Every figure is a ratio against a baseline run here, on this machine, in this ru
   ``seed`` on every request (``--no-request-seeds``: without the seeded run), taking turns for
   ``--repeats`` rounds (the fastest of each counting). Prints output tokens/s and each sampled
   run's share of greedy's.
+- invariance: the same workload through a server with the default ``--batch-invariant`` and one
+  with ``--no-batch-invariant``, in turns: the served cost of batch-independent numerics.
 - concurrency: the same workload, all at once, against a server whose KV pool is only
   ``--budget-kv-blocks`` blocks. Peak requests running at once (the scheduler's
   ``max_num_running``, or the most ``num_running`` seen polling its stats every 50 ms) against
@@ -60,7 +62,7 @@ from folio.core.models import resolve_model  # noqa: E402
 from folio.testing.server import Server, start_server, stop_server  # noqa: E402
 from scripts.cpu_meter import CpuMeter  # noqa: E402
 
-SECTIONS = ("throughput", "itl", "sampling", "concurrency")  # in the order they run
+SECTIONS = ("throughput", "itl", "sampling", "invariance", "concurrency")  # in the order they run
 # the sampling section's sampled requests (a seed is added per request unless --no-request-seeds)
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.5}
 WORDS = ("river mountain city code model light quiet storm paper engine story garden window "
@@ -313,6 +315,25 @@ def section_sampling(args, jobs: list[Job], warmup: list[int], servers: Servers)
         print(f"{name:<32} {out_tokens / seconds:>9.1f} out tok/s  {best['greedy'] / seconds:.3f} of greedy's")
 
 
+def section_invariance(args, jobs: list[Job], warmup: list[int], servers: Servers) -> None:
+    """The throughput workload through a server with the default ``--batch-invariant`` and one
+    with ``--no-batch-invariant``, in turns: what a batch-independent answer costs served."""
+    print(f"\n== invariance: {len(jobs)} requests at once, --batch-invariant (default) against "
+          f"--no-batch-invariant; {describe(jobs)}")
+    flags = common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens)
+    both = {"on": servers.get(*flags), "off": Servers(servers.path).get(*flags, "--no-batch-invariant")}
+    out_tokens = sum(n for _, n in jobs)
+    best = {name: float("inf") for name in both}
+    for _ in range(args.repeats):  # taking turns: a drift of the cores' speed slows both alike
+        for name, server in both.items():
+            best[name] = min(best[name], asyncio.run(run_served(server.base_url, jobs, warmup))[0])
+            server.admin("kvmanager", "clear")
+    stop_server(both["off"])
+    for name, seconds in best.items():
+        print(f"batch invariance {name:<4} {out_tokens / seconds:>9.1f} out tok/s")
+    print(f"on / off throughput: {best['off'] / best['on']:.3f}")
+
+
 # ---------------------------------------------------------------------------- section: concurrency
 class RunningPoller:
     """Polls the scheduler's ``num_running`` every 50 ms in a thread and keeps the largest."""
@@ -481,6 +502,7 @@ def main() -> None:
     runners = {"throughput": lambda: section_throughput(args, path, jobs, warmup, pad_id, servers),
                "itl": lambda: section_itl(args, tokenizer, servers),
                "sampling": lambda: section_sampling(args, jobs, warmup, servers),
+               "invariance": lambda: section_invariance(args, jobs, warmup, servers),
                "concurrency": lambda: section_concurrency(args, path, jobs, warmup, servers)}
     try:
         for name in SECTIONS:
