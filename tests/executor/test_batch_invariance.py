@@ -72,3 +72,42 @@ def test_the_batch_dependent_kernels_fail_the_bitwise_check(smollm_dir):
     """The check above can fail: without batch invariance a prefilled token's logprobs differ."""
     decoded, prefilled = _decoded_and_prefilled(LLM(smollm_dir, batch_invariant=False, **ENGINE))
     assert prefilled != decoded
+
+
+@pytest.mark.parametrize("num_threads", [2, 3, 16])
+def test_attention_rows_shared_among_threads_are_bitwise_the_same(num_threads):
+    """A step's rows split among threads (as a long prefill's are) give the single thread's bits."""
+    import numpy as np
+    import torch
+
+    from folio.core.executor.kernels import cpu_kernels
+
+    lib = cpu_kernels.library()
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_heads, num_kv_heads, head_dim = 40, 16, 6, 2, 64
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=gen)[:36].view(2, 18).to(torch.int32).contiguous()
+    # a prefill of 200 tokens (sequence 0, positions 0..199) and 3 decodes of sequence 1
+    lens = np.array(list(range(1, 201)) + [250, 270, 288], dtype=np.int64)
+    seq = np.array([0] * 200 + [1] * 3, dtype=np.int64)
+    tok = np.arange(len(lens), dtype=np.int64)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    need = (num_heads // num_kv_heads) * int(lens.max())
+    outs = []
+    for threads in (1, num_threads):
+        out, scratch = torch.empty_like(q), np.empty(threads * need, dtype=np.float32)
+        args = (q.data_ptr(), tables.data_ptr(), tables.stride(0), lens.ctypes.data, k_cache.data_ptr(),
+                v_cache.data_ptr(), block_size, num_heads, num_kv_heads, head_dim, 0.125, 0, 0.0, out.data_ptr(),
+                scratch.ctypes.data)
+        if threads == 1:
+            lib.folio_decode_attention(len(lens), tok.ctypes.data, seq.ctypes.data, *args)
+        else:
+            lib.folio_decode_attention_threads(threads, need, len(lens), tok.ctypes.data, seq.ctypes.data, *args)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    # and the kernel computes attention: row 199 (the prefill's last token) against the reference
+    keys = torch.cat([k_cache[b] for b in tables[0, :13].long()])[:200]  # [200, kv_heads, head_dim]
+    vals = torch.cat([v_cache[b] for b in tables[0, :13].long()])[:200]
+    qh = q[199].view(num_kv_heads, 3, head_dim)
+    p = torch.softmax(torch.einsum("ghd,kgd->ghk", qh, keys) * 0.125, dim=-1)
+    torch.testing.assert_close(outs[0][199], torch.einsum("ghk,kgd->ghd", p, vals).reshape(num_heads, head_dim))

@@ -141,12 +141,13 @@ def test_decode_attention_matches_the_torch_backend(backend, heads, kv_heads, di
         assert torch.equal(out[0], got[starts[b]])
 
 
-def test_auto_picks_the_kernels_for_quantized_weights_only(tiny_model_dir):
+def test_auto_picks_the_kernels_for_quantized_or_batch_invariant_models(tiny_model_dir):
     def backend_of(**kw):
         return ModelRunner(RuntimeConfig(num_kv_blocks=16, device="cpu", **kw), tiny_model_dir).backend.name
 
     assert backend_of(quantization="int4") == "cpu"
-    assert backend_of(quantization="none") == "torch"  # the fp32 reference, what the oracle compares
+    assert backend_of(quantization="none") == "cpu"  # batch invariance: every token through the per-row kernels
+    assert backend_of(quantization="none", batch_invariant=False) == "torch"  # the fp32 reference
     assert backend_of(quantization="none", attention_backend="cpu") == "cpu"
     assert backend_of(quantization="int4", attention_backend="torch") == "torch"
     assert backend_of(quantization="int4", kv_cache_dtype="fp8") == "torch"  # the kernels read fp32 pools

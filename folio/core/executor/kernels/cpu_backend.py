@@ -36,6 +36,7 @@ from folio.core.executor.kernels.attention import (SHORT_CHUNK_ROWS, TorchAttent
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelRope
 
 _BF16 = torch.bfloat16
+THREADED_KEYS = 16384  # keys a step's attention reads before its rows are shared among threads
 
 
 def _rows(t: torch.Tensor, dtypes=(torch.float32, _BF16)) -> bool:
@@ -127,6 +128,7 @@ class _CpuPlan(_TorchPlan):
             cols = np.array(rows, dtype=np.int64).T
             self.tok, self.seq, self.lens = (np.ascontiguousarray(c) for c in cols)
             self.max_len = int(self.lens.max())
+            self.num_keys = int(self.lens.sum())  # keys read per KV head (windows aside)
         self.block_tables = meta.block_tables.contiguous()
         if rows:  # the kernel's row arguments, the same for every layer
             self.row_args = (len(rows), self.tok.ctypes.data, self.seq.ctypes.data)
@@ -159,12 +161,18 @@ class CpuKernelBackend(TorchAttentionBackend):
         # RoPE path gives a contiguous fp32 query
         num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
         need = (num_heads // num_kv_heads) * plan.max_len
-        if len(self._scratch) < need:
-            self._scratch = np.empty(max(need, 2 * len(self._scratch)), dtype=np.float32)
+        # a step that reads many keys (a prefill attended row by row, long contexts) shares its rows
+        # among the torch threads, idle meanwhile; each row stays whole on one thread
+        threads = torch.get_num_threads() if plan.num_keys >= THREADED_KEYS else 1
+        if len(self._scratch) < threads * need:
+            self._scratch = np.empty(max(threads * need, 2 * len(self._scratch)), dtype=np.float32)
             self._scratch_ptr = self._scratch.ctypes.data
-        self.lib.folio_decode_attention(*plan.row_args, query.data_ptr(), *plan.table_args, k_cache.data_ptr(),
-                                        v_cache.data_ptr(), k_cache.shape[1], num_heads, num_kv_heads, head_dim,
-                                        scale, window, softcap, out.data_ptr(), self._scratch_ptr)
+        args = (query.data_ptr(), *plan.table_args, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                num_heads, num_kv_heads, head_dim, scale, window, softcap, out.data_ptr(), self._scratch_ptr)
+        if threads > 1:
+            self.lib.folio_decode_attention_threads(threads, need, *plan.row_args, *args)
+        else:
+            self.lib.folio_decode_attention(*plan.row_args, *args)
 
 
 def make_cpu_backend(model, model_dtype: torch.dtype, kv_dtype: torch.dtype | None,

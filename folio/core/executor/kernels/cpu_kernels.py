@@ -47,7 +47,7 @@ HEADERS = (CSRC / "common.h",)
 # -fno-trapping-math: no value changes, but without it gcc leaves the selects in the exp and
 # penalty loops scalar on AVX2-only CPUs (a 2x slower sampler on one)
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=off",
-         "-fno-math-errno", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
+         "-fno-math-errno", "-fno-trapping-math", "-std=c11", "-pthread", "-shared", "-fPIC")
 BLOCK = 64  # csrc/sampler.c's BLOCK
 
 _i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
@@ -64,6 +64,8 @@ FUNCTIONS = {  # every exported function's arguments (they all return void)
     "folio_silu_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
     "folio_gelu_tanh_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
     "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _i64, _f32, _ptr, _ptr],
+    "folio_decode_attention_threads": [_i64, _i64, _i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4
+                                      + [_f32, _i64, _f32, _ptr, _ptr],
 }
 
 _lock = threading.Lock()

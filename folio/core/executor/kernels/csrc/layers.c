@@ -10,6 +10,8 @@
  * fp32 ([num_blocks, block_size, num_kv_heads, head_dim]), the arithmetic fp32.
  */
 
+#include <pthread.h>
+
 #include "common.h"
 
 static inline float load(const void *p, int64_t i, int bf16) {
@@ -227,5 +229,59 @@ void folio_decode_attention(int64_t m, const int64_t *tok, const int64_t *seq, c
                 attend_group(qg, table, first, len, k_cache, v_cache, block_size, kv_size, g * head_dim, group,
                              head_dim, scale, softcap, og, scratch);
         }
+    }
+}
+
+/* folio_decode_attention's rows shared by num_threads threads (the caller's among them), split where
+ * the keys read (the rows' lens) are halved, thirded...: each row is still computed whole by one
+ * thread, in the same order, so the result is bit for bit the single-threaded one. scratch holds
+ * num_threads areas of scratch_stride floats (what one thread needs). */
+typedef struct {
+    int64_t m;
+    const int64_t *tok, *seq, *lens;
+    const float *q, *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t bt_stride, block_size, num_heads, num_kv_heads, head_dim, window;
+    float scale, softcap;
+    float *out, *scratch;
+} attention_rows;
+
+static void *attend_rows(void *arg) {
+    const attention_rows *a = arg;
+    folio_decode_attention(a->m, a->tok, a->seq, a->q, a->block_tables, a->bt_stride, a->lens, a->k_cache, a->v_cache,
+                           a->block_size, a->num_heads, a->num_kv_heads, a->head_dim, a->scale, a->window, a->softcap,
+                           a->out, a->scratch);
+    return NULL;
+}
+
+void folio_decode_attention_threads(int64_t num_threads, int64_t scratch_stride, int64_t m, const int64_t *tok,
+                                    const int64_t *seq, const float *q, const int32_t *block_tables, int64_t bt_stride,
+                                    const int64_t *lens, const float *k_cache, const float *v_cache,
+                                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    float scale, int64_t window, float softcap, float *out, float *scratch) {
+    enum { MAX_THREADS = 16 };
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > m) num_threads = m;
+    int64_t total = 0;
+    for (int64_t r = 0; r < m; r++) total += lens[r];
+    attention_rows parts[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t r = 0, seen = 0;
+    for (int64_t t = 0; t < num_threads; t++) {
+        const int64_t r0 = r, goal = total * (t + 1) / num_threads;
+        while (r < m && (t == num_threads - 1 || seen + lens[r] <= goal || r == r0)) seen += lens[r++];
+        parts[t] = (attention_rows){r - r0, tok + r0, seq + r0, lens + r0, q, k_cache, v_cache, block_tables,
+                                    bt_stride, block_size, num_heads, num_kv_heads, head_dim, window, scale, softcap,
+                                    out, scratch + t * scratch_stride};
+    }
+    for (int64_t t = 1; t < num_threads; t++)
+        started[t] = parts[t].m > 0 && pthread_create(&threads[t], NULL, attend_rows, &parts[t]) == 0;
+    attend_rows(&parts[0]);
+    for (int64_t t = 1; t < num_threads; t++) {
+        if (started[t])
+            pthread_join(threads[t], NULL);
+        else if (parts[t].m > 0)
+            attend_rows(&parts[t]); /* no thread to be had: the caller takes the part */
     }
 }
