@@ -1,7 +1,7 @@
 """Disaggregated serving for real: ``folio serve --kv-role prefill`` and two ``--kv-role decode``
 instances (SmolLM2-135M int4, CPU, tcp between them) behind ``folio run router --prefill --decode``.
 Every answer through prefill -> decode equals a single instance's (the decode instance asked
-directly, without a handle): greedy and seeded, streamed and not, n > 1, 32 at once; a layout
+directly, without a handle): greedy and seeded, streamed and not, n > 1, 32 at once (greedy); a layout
 mismatch is refused; a decode instance killed mid-stream and then the prefill instance killed
 lose no request. The stack starts once; the tests run in order (the kills come last)."""
 
