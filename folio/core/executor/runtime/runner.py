@@ -30,7 +30,7 @@ from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype
+from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
 from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
@@ -338,10 +338,17 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id} moves blocks to or from disk but this executor has no disk tier")
         if plan.tier_saves:
             self.tiers.save(plan.tier_saves, protect=[h for _, h in plan.tier_loads])
+        swap_in, host_in = plan.swap_in, self.pool.host_caches
+        if swap_in and plan.swap_out and {h for _, h in plan.swap_out} & {h for h, _ in swap_in}:
+            # a host block a swap-in reads is rewritten by a swap-out of the same step (the allocator
+            # gave it back and took it again, for a prefix the device evicts): read it first
+            idx = torch.tensor([h for h, _ in swap_in], dtype=torch.long)
+            host_in = [tuple(stored(raw(c).index_select(0, idx), c.dtype) for c in kv) for kv in host_in]
+            swap_in = [(i, d) for i, (_, d) in enumerate(swap_in)]
         if plan.swap_out:
             self.backend.swap_out(self.pool.kv_caches, self.pool.host_caches, plan.swap_out)
-        if plan.swap_in:
-            self.backend.swap_in(self.pool.host_caches, self.pool.kv_caches, plan.swap_in)
+        if swap_in:
+            self.backend.swap_in(host_in, self.pool.kv_caches, swap_in)
         if plan.tier_loads:
             self.tiers.load(plan.tier_loads)
         if plan.block_copies:
