@@ -24,7 +24,7 @@ Every figure is a ratio against a baseline run here, on this machine, in this ru
   ``seed`` on every request (``--no-request-seeds``: without the seeded run), taking turns for
   ``--repeats`` rounds (the fastest of each counting). Prints output tokens/s and each sampled
   run's share of greedy's.
-- invariance: the same workload through a server with the default ``--batch-invariant`` and one
+- invariance: the same workload through a server with ``--batch-invariant`` and one
   with ``--no-batch-invariant``, in turns: the served cost of batch-independent numerics.
 - concurrency: the same workload, all at once, against a server whose KV pool is only
   ``--budget-kv-blocks`` blocks. Peak requests running at once (the scheduler's
@@ -318,10 +318,11 @@ def section_sampling(args, jobs: list[Job], warmup: list[int], servers: Servers)
 def section_invariance(args, jobs: list[Job], warmup: list[int], servers: Servers) -> None:
     """The throughput workload through a server with the default ``--batch-invariant`` and one
     with ``--no-batch-invariant``, in turns: what a batch-independent answer costs served."""
-    print(f"\n== invariance: {len(jobs)} requests at once, --batch-invariant (default) against "
+    print(f"\n== invariance: {len(jobs)} requests at once, --batch-invariant against "
           f"--no-batch-invariant; {describe(jobs)}")
     flags = common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens)
-    both = {"on": servers.get(*flags), "off": Servers(servers.path).get(*flags, "--no-batch-invariant")}
+    both = {"on": servers.get(*flags, "--batch-invariant"),
+            "off": Servers(servers.path).get(*flags, "--no-batch-invariant")}
     out_tokens = sum(n for _, n in jobs)
     best = {name: float("inf") for name in both}
     for _ in range(args.repeats):  # taking turns: a drift of the cores' speed slows both alike

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from folio.testing.models import write_tiny_model
+# the engine's tests run batch-invariant (off by default in production for its cost), services started by
+# the tests included: they inherit the environment
+os.environ.setdefault("FOLIO_BATCH_INVARIANT", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from folio.testing.models import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Batch invariance on the CPU (``--batch-invariant``, on by default): a token's logits do not depend
+"""Batch invariance on the CPU (``--batch-invariant``, which the test suite runs with): a token's logits do not depend
 on the batch it was computed in, on the chunk that held it, on prefill against decode, on prefix-cache
 hits or on a recompute after preemption. Checked on the real default model (SmolLM2-135M, int4 with
 bf16 activations, where a reordered reduction flips near ties) and on its fp32 dequantization:

@@ -1,4 +1,5 @@
-"""An executor SIGKILL on the default server (SmolLM2 int4, bf16 activations) costs its streams only
+"""An executor SIGKILL on the default model's server (SmolLM2 int4, bf16 activations; batch-invariant,
+as the suite runs) costs its streams only
 latency: 6 greedy streams in flight each end with exactly their solo output. After the restart the
 scheduler recomputes every running request: its generated tokens go through prefill chunks instead
 of the one-token decode steps that made them, so this holds only because the logits do not depend on

@@ -22,6 +22,7 @@ from torch import nn
 from folio.core.executor.quant.formats import Int4Weight, Int8Weight
 
 ACT_DTYPE = torch.bfloat16
+INVARIANT_ROWS = 16  # rows per oneDNN call of a batch-invariant head (its rows agree in calls of 2..17)
 REFINE_TOP = 64  # logits per row the LM head recomputes exactly (see QuantLMHead)
 
 
@@ -100,9 +101,11 @@ class QuantLMHead(nn.Module):
     head 1.6e-3 (scripts/eval_quant.py), more than all the int4 layers. The probability mass sits
     in the top few logits, so refining those restores nearly all of it for a few rows' work. A
     row's refined logits are exact whichever pass found them; only the tail beyond them depends
-    on the call's size, unless ``batch_invariant``: then every call takes the int4 pair, whose rows
-    are each computed alone (so a token's whole distribution, logprobs included, is the same in
-    any batch, at more time for calls of many rows: prompt logprobs)."""
+    on the call's size, unless ``batch_invariant``: then every call takes a oneDNN-packed copy (bf16,
+    or fp32 where oneDNN has no bf16 path) in calls of 2 to ``INVARIANT_ROWS`` rows, a lone row
+    padded to two, where oneDNN's rows agree bit for bit whatever else is in the call (tested), so
+    a token's whole distribution, logprobs included, is the same in any batch. (The int4 pair is
+    row-invariant too, but 14x slower than the packed copy at 64 rows.)"""
 
     batch_invariant = False  # the runner sets it from --batch-invariant
 
@@ -110,13 +113,32 @@ class QuantLMHead(nn.Module):
         super().__init__()
         self.weight = weight  # [vocab, hidden], shared with the embedding table when tied
         self.weight_bf16 = weight.to(ACT_DTYPE)
+        self.packed = None  # the oneDNN-packed copy a batch-invariant head reads, made on first use
         self.pair = None
         if weight.shape[1] % HEAD_GROUP == 0 and weight.shape[0] % 16 == 0:  # what the packed kernel takes
             self.pair = [int4_pack_for_cpu(w) for w in int8_as_int4_pair(weight)]
 
+    def _invariant(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        if self.packed is None:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_bf16, None)
+            except RuntimeError:  # no bf16 path in oneDNN on this CPU (AVX2 only)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), None)
+        xa = x.to(self.packed.dtype)
+        parts = []
+        for start in range(0, xa.shape[0], INVARIANT_ROWS):
+            rows = xa[start:start + INVARIANT_ROWS]
+            lone = rows.shape[0] == 1
+            rows = rows.expand(2, -1).contiguous() if lone else rows.contiguous()
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+            parts.append(out[:1] if lone else out)
+        return torch.cat(parts).float()
+
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        if self.batch_invariant:
+            return self._invariant(x)
         xa = aligned(x.to(ACT_DTYPE))
-        if self.pair is not None and (x.shape[0] <= SMALL_ROWS or self.batch_invariant):
+        if self.pair is not None and x.shape[0] <= SMALL_ROWS:
             (hi, hi_sz), (lo, lo_sz) = self.pair
             mm = torch.ops.aten._weight_int4pack_mm_for_cpu
             return mm(xa, hi, HEAD_GROUP, hi_sz).float() + mm(xa, lo, HEAD_GROUP, lo_sz).float()
