@@ -35,9 +35,11 @@ another sample of the same distribution. A beam search, whose beams come out onl
 starts over whole. The requests that had delivered output are sent at once; those without any
 (one of them may be what crashed the service) follow one at a time, each once the one before
 delivered tokens (or after ``REPLAY_HOLD_S``), so that a request that crashes the scheduler on
-arrival takes nobody down with it again; a replay counts when it is sent. A request replayed ``--max-replays`` times in a row without delivering a token in
-between (a "poison" request, crashing the service each time) ends with the error instead. A service that is only silent (hung, not restarted) keeps
-its requests: they wait for it, bounded by ``--request-timeout``.
+arrival takes nobody down with it again; a replay counts when it is sent. A crash while such a
+suspect is probed is its own: the requests beside it go again without it counting against them. A
+request replayed ``--max-replays`` times in a row without delivering a token in between (a "poison"
+request, crashing the service each time) ends with the error instead. A service that is only
+silent (hung, not restarted) keeps its requests: they wait for it, bounded by ``--request-timeout``.
 """
 
 from __future__ import annotations
@@ -317,11 +319,14 @@ class GatewayService:
         # suspects (no output yet: one of them may be what crashed it) keep their turn in line; the
         # one probed when it crashed goes to the back
         order = {id(mb): i for i, (mb, _) in enumerate(self._suspects) if mb is not self._probing}
+        # a crash while a suspect was probed is blamed on it alone (its replay counted when sent):
+        # a request beside it that had no time to deliver since its own replay is not charged
+        blamed = self._probing is not None and self._probing in mailboxes
         self._suspects, self._probing = [], None
         now = []
         for mailbox in sorted(mailboxes, key=lambda mb: order.get(id(mb), len(order))):
             if any(mailbox.token_ids.values()):  # delivered something: proven to run
-                now += self.replay(mailbox, cause)
+                now += self.replay(mailbox, cause, counted=not blamed)
             elif mailbox.unfinished:
                 self._suspects.append((mailbox, self.replay(mailbox, cause, counted=False)))
         self._send_replays(now)

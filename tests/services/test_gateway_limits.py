@@ -113,3 +113,54 @@ async def test_past_max_replays_a_restart_fails_the_requests_in_flight():
         text = (await r.read()).decode()
         assert "the tokenizer restarted; the request was lost" in text and text.rstrip().endswith("data: [DONE]")
         await wait_for(lambda: len(fh.scheduler.aborts) == 1)
+
+
+async def test_a_crash_while_a_suspect_is_probed_is_charged_to_it_alone():
+    """A poison request (the scheduler "crashes" as it arrives: ``on_lost``, as the health monitor
+    calls it) beside two streams, one of whose continuations is slow to deliver (a long re-prefill):
+    the poison is probed alone, replayed ``--max-replays`` times and fails; the slow stream, which
+    delivers nothing between those crashes, is not charged for them and ends whole."""
+    import time
+
+    from folio.shared.messages import EngineRequest
+
+    script = text_tokenizer().hf.encode(SCRIPT_TEXT * 20)
+    async with front_half(script=lambda req: script, step_s=0.02, max_replays=3) as fh, \
+            TestClient(TestServer(fh.app)) as client:
+        sched, arrived = fh.scheduler, {}
+        take, step = sched._take, sched._step
+
+        def crashing_take(msg):
+            if isinstance(msg, EngineRequest):
+                if msg.sampling.max_tokens == 7:  # the poison
+                    asyncio.get_running_loop().call_soon(fh.gateway.on_lost, "scheduler", "restarted")
+                    return
+                arrived[msg.req_id] = time.monotonic()
+            take(msg)
+
+        def slow_step():  # the slow stream's continuations deliver nothing for their first second
+            held = {rid: r for rid, r in sched.requests.items() if r.sampling.max_tokens == 150
+                    and r.forced_token_ids and time.monotonic() - arrived[rid] < 1.0}
+            for rid in held:
+                del sched.requests[rid]
+            try:
+                return step()
+            finally:
+                sched.requests.update(held)
+
+        sched._take, sched._step = crashing_take, slow_step
+        body = {"model": MODEL, "prompt": "Say:", "ignore_eos": True, "stream": True}
+        slow = await client.post("/v1/completions", json={**body, "max_tokens": 150})
+        fast = await client.post("/v1/completions", json={**body, "max_tokens": 160})
+        firsts = [await slow.content.readline(), await fast.content.readline()]
+        poison = await client.post("/v1/completions", json={**body, "max_tokens": 7})
+        error = (await poison.json())["error"]["message"]
+        assert poison.status == 503 and "replayed 3 times in a row without progress" in error, error
+        assert fh.gateway.stats["num_replays_exhausted"] == 1
+        for r, first, n in ((slow, firsts[0], 150), (fast, firsts[1], 160)):
+            raw = (first + await r.read()).decode()
+            assert '"error"' not in raw and raw.rstrip().endswith("data: [DONE]"), raw[-500:]
+            events = [__import__("json").loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
+            text = "".join(c["text"] for e in events for c in e["choices"])
+            assert text == text_tokenizer().hf.decode(script[:n])
+        assert any(m.req_id.endswith(".r4") for m in sched.received)  # both streams went again each time
