@@ -29,6 +29,7 @@ transfer that no decode instance pulls expires on the prefill side (its blocks a
 
 from __future__ import annotations
 
+import copy
 import asyncio
 import json
 from urllib.parse import urlsplit
@@ -41,6 +42,8 @@ from folio.services.router.replicas import Replica, parse_replica
 
 log = structlog.get_logger()
 _RETRY_STATUSES = (502, 503, 504)
+_NO_DECODE = {"error": {"message": "no decode instance could take the request", "type": "service_unavailable",
+                         "param": None, "code": None}}
 
 
 class _LegFailed(Exception):
@@ -178,6 +181,17 @@ class Disaggregated:
 
     async def _decode_json(self, request, body: dict) -> tuple[int, dict]:
         raw = json.dumps(body).encode()
+
+        def failed(replica, exc) -> None:
+            self.counts["num_decode_retries"] += 1
+            log.info("decode leg failed: another decode instance", replica=replica.name, cause=str(exc))
+
+        answer = await self._on_a_decode_instance(lambda replica: self._post(request, replica, raw), _LegFailed, failed)
+        return answer if answer is not None else (503, copy.deepcopy(_NO_DECODE))
+
+    async def _on_a_decode_instance(self, attempt, errors, failed):
+        """``attempt(replica)`` on the decode instances the router picks, one after another while it
+        raises one of ``errors`` (``failed(replica, exc)`` is told); None when none answered."""
         tried: set[str] = set()
         for _ in range(max(1, len(self.decode_names))):
             decision = self.service.router.choose(self._of(self.decode_names), None, None, tried)
@@ -185,12 +199,10 @@ class Disaggregated:
                 break
             tried.add(decision.replica.name)
             try:
-                return await self._post(request, decision.replica, raw)
-            except _LegFailed as exc:
-                self.counts["num_decode_retries"] += 1
-                log.info("decode leg failed: another decode instance", replica=decision.replica.name, cause=str(exc))
-        return 503, {"error": {"message": "no decode instance could take the request", "type": "service_unavailable",
-                               "param": None, "code": None}}
+                return await attempt(decision.replica)
+            except errors as exc:
+                failed(decision.replica, exc)
+        return None
 
     @staticmethod
     def _merge(answers: list[tuple[int, dict]]) -> dict:
@@ -209,18 +221,13 @@ class Disaggregated:
 
     async def _colocated(self, request, raw: bytes) -> web.StreamResponse:
         self.counts["num_colocated_fallbacks"] += 1
-        tried: set[str] = set()
-        for _ in range(max(1, len(self.decode_names))):
-            decision = self.service.router.choose(self._of(self.decode_names), None, None, tried)
-            if decision is None:
-                break
-            tried.add(decision.replica.name)
-            try:
-                return await self.service._forward(request, decision.replica, raw)
-            except Exception as exc:  # the router's _Retry, a connection error
-                log.info("colocated attempt failed", replica=decision.replica.name, cause=str(exc))
-        return web.json_response({"error": {"message": "no decode instance could take the request",
-                                            "type": "service_unavailable", "param": None, "code": None}}, status=503)
+
+        def failed(replica, exc) -> None:  # the router's _Retry, a connection error
+            log.info("colocated attempt failed", replica=replica.name, cause=str(exc))
+
+        response = await self._on_a_decode_instance(lambda replica: self.service._forward(request, replica, raw),
+                                                     Exception, failed)
+        return response if response is not None else web.json_response(_NO_DECODE, status=503)
 
     # ------------------------------------------------------------------ streamed
     async def _stream(self, request, body: dict, bodies: list[dict], token_ids, salt) -> web.StreamResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import os
 import subprocess
 import tempfile
@@ -55,6 +56,64 @@ def build_library(instances: list[str] | None = None) -> Path:
         raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
     tmp.rename(lib)  # atomic: a concurrent session sees either nothing or a whole library
     return lib
+
+
+_UNIT_ENTRY = """#include "{unit}.cu"
+{registrations}
+extern "C" int folio_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                unsigned by, unsigned bz, void** params, unsigned long long first_block,
+                                unsigned long long num_blocks) {{
+  auto it = emu::registry().find(name);
+  if (it == emu::registry().end()) return 1;
+  it->second(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, params, first_block, num_blocks);
+  return 0;
+}}
+"""
+
+
+def build_unit_library(unit: str, names: list[str], headers: tuple[str, ...] = ()) -> Path:
+    """g++'s build of one kernel file, cuda/<unit>.cu, after cuda_emu.h, each of ``names`` registered
+    under its name expression; cached like ``build_library``, by a hash of the file, ``headers``
+    (the cuda/ headers it includes), the names and the flags."""
+    entry = _UNIT_ENTRY.format(unit=unit, registrations="".join(f"FOLIO_EMU_REGISTER({n})\n" for n in names))
+    digest = hashlib.sha256(entry.encode() + " ".join(CXX_FLAGS).encode())
+    for path in [ck.KERNEL_DIR / f"{unit}.cu", *(ck.KERNEL_DIR / h for h in headers), EMU_DIR / "cuda_emu.h"]:
+        digest.update(path.read_bytes())
+    out_dir = Path(tempfile.gettempdir()) / "folio-cuda-emu" / f"{unit}-{digest.hexdigest()[:16]}"
+    lib = out_dir / f"libfolio_{unit}_emu.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = out_dir / f"emu_{unit}.cpp"
+    source.write_text(entry)
+    tmp = out_dir / f"lib.{os.getpid()}.so"
+    cmd = ["g++", *CXX_FLAGS, "-include", str(EMU_DIR / "cuda_emu.h"), f"-I{ck.KERNEL_DIR}", str(source), "-o", str(tmp)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
+    tmp.rename(lib)  # atomic, as in build_library
+    return lib
+
+
+def compile_problems(source: str, filename: str, names: list[str], arch: str) -> list[str]:
+    """NVRTC's build of ``source`` for sm_``arch`` with ``names`` instantiated: each instance that
+    spills or passes the register or static shared memory limits, and every warning (empty: clean).
+    Skips the test when CuPy's NVRTC bindings are missing."""
+    import pytest
+
+    compiler = pytest.importorskip("cupy.cuda.compiler", reason="CuPy (with its NVRTC bindings) is not installed")
+    from tests.cuda.test_compile import MAX_REGISTERS, MAX_STATIC_SMEM, ptxas_report
+
+    program = compiler._NVRTCProgram(source, filename, name_expressions=names, method="cubin")
+    log = io.StringIO()
+    _, mapping = program.compile(ck.cupy_nvrtc_options(arch) + ("-Xptxas=-v",), log)
+    problems = [] if sorted(mapping) == sorted(names) else [f"instances {sorted(mapping)} != {sorted(names)}"]
+    report = ptxas_report(log.getvalue())
+    for name, lowered in mapping.items():
+        r = report[lowered]
+        if r["spill_stores"] or r["spill_loads"] or r["registers"] > MAX_REGISTERS or r["smem"] > MAX_STATIC_SMEM:
+            problems.append(f"{name}: {r}")
+    return problems + [line for line in log.getvalue().splitlines() if "warning" in line.lower()]
 
 
 class EmulatedLauncher:

@@ -7,61 +7,19 @@ test runs the same cases on a GPU through CuPy.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
 from folio.core.executor.kernels import lora_kernels as lk
-from tests.cuda.emu_runtime import CXX_FLAGS, EMU_DIR, EmulatedLauncher
-
-# ---------------------------------------------------------------------------- the emulation library
-ENTRY = """#include "lora.cu"
-{registrations}
-extern "C" int folio_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                                unsigned by, unsigned bz, void** params, unsigned long long first_block,
-                                unsigned long long num_blocks) {{
-  auto it = emu::registry().find(name);
-  if (it == emu::registry().end()) return 1;
-  it->second(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, params, first_block, num_blocks);
-  return 0;
-}}
-"""
-
-
-def build_lora_library() -> Path:
-    """g++'s build of cuda/lora.cu after cuda_emu.h, every instance registered under its name
-    expression (cached under the temp dir by a hash of the sources)."""
-    entry = ENTRY.format(registrations="".join(f"FOLIO_EMU_REGISTER({n})\n" for n in lk.all_name_expressions()))
-    digest = hashlib.sha256(entry.encode() + " ".join(CXX_FLAGS).encode())
-    for path in [ck.KERNEL_DIR / "lora.cu", ck.KERNEL_DIR / "mma.cuh", ck.KERNEL_DIR / "common.cuh",
-                 EMU_DIR / "cuda_emu.h"]:
-        digest.update(path.read_bytes())
-    out_dir = Path(tempfile.gettempdir()) / "folio-cuda-emu" / f"lora-{digest.hexdigest()[:16]}"
-    lib = out_dir / "libfolio_lora_emu.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    source = out_dir / "emu_lora.cpp"
-    source.write_text(entry)
-    tmp = out_dir / f"lib.{id(entry)}.so"
-    cmd = ["g++", *CXX_FLAGS, "-include", str(EMU_DIR / "cuda_emu.h"), f"-I{ck.KERNEL_DIR}", str(source), "-o", str(tmp)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    tmp.rename(lib)
-    return lib
+from tests.cuda.emu_runtime import EmulatedLauncher, build_unit_library, compile_problems
 
 
 @pytest.fixture(scope="module")
 def launcher() -> EmulatedLauncher:
-    return EmulatedLauncher(build_lora_library())
+    return EmulatedLauncher(build_unit_library("lora", lk.all_name_expressions(), ("mma.cuh", "common.cuh")))
 
 
 # ---------------------------------------------------------------------------- cases and the reference
@@ -299,21 +257,7 @@ ARCHS = ("80", "90")
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiles_without_spills(arch):
-    compiler = pytest.importorskip("cupy.cuda.compiler", reason="CuPy (with its NVRTC bindings) is not installed")
-    from tests.cuda.test_compile import MAX_REGISTERS, MAX_STATIC_SMEM, ptxas_report
-
-    names = lk.all_name_expressions()
-    program = compiler._NVRTCProgram(lk.module_source(), "lora.cu", name_expressions=names, method="cubin")
-    log = io.StringIO()
-    _, mapping = program.compile(ck.cupy_nvrtc_options(arch) + ("-Xptxas=-v",), log)
-    assert sorted(mapping) == names
-    report = ptxas_report(log.getvalue())
-    problems = []
-    for name, lowered in mapping.items():
-        r = report[lowered]
-        if r["spill_stores"] or r["spill_loads"] or r["registers"] > MAX_REGISTERS or r["smem"] > MAX_STATIC_SMEM:
-            problems.append(f"{name}: {r}")
-    problems += [line for line in log.getvalue().splitlines() if "warning" in line.lower()]
+    problems = compile_problems(lk.module_source(), "lora.cu", lk.all_name_expressions(), arch)
     assert not problems, f"sm_{arch}:\n" + "\n".join(problems)
 
 

@@ -5,12 +5,7 @@ loader's ``philox_launch`` as a GPU launch is. The ``gpu`` test runs the same on
 
 from __future__ import annotations
 
-import hashlib
-import io
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,44 +15,12 @@ import torch
 from folio.core.executor.kernels import cpu_kernels
 from folio.core.executor.kernels import cuda_kernels as ck
 from folio.core.executor.sampling.philox import uniforms
-from tests.cuda.emu_runtime import CXX_FLAGS, EMU_DIR, EmulatedLauncher
-
-ENTRY = """#include "sampler.cu"
-FOLIO_EMU_REGISTER(folio::philox_uniforms)
-extern "C" int folio_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                                unsigned by, unsigned bz, void** params, unsigned long long first_block,
-                                unsigned long long num_blocks) {
-  auto it = emu::registry().find(name);
-  if (it == emu::registry().end()) return 1;
-  it->second(dim3{gx, gy, gz}, dim3{bx, by, bz}, params, first_block, num_blocks);
-  return 0;
-}
-"""
-
-
-def build_sampler_library() -> Path:
-    digest = hashlib.sha256(ENTRY.encode() + " ".join(CXX_FLAGS).encode())
-    for path in (ck.KERNEL_DIR / "sampler.cu", ck.KERNEL_DIR / "common.cuh", EMU_DIR / "cuda_emu.h"):
-        digest.update(path.read_bytes())
-    out_dir = Path(tempfile.gettempdir()) / "folio-cuda-emu" / f"sampler-{digest.hexdigest()[:16]}"
-    lib = out_dir / "libfolio_sampler_emu.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    source = out_dir / "emu_sampler.cpp"
-    source.write_text(ENTRY)
-    tmp = out_dir / f"lib.{id(source)}.so"
-    cmd = ["g++", *CXX_FLAGS, "-include", str(EMU_DIR / "cuda_emu.h"), f"-I{ck.KERNEL_DIR}", str(source), "-o", str(tmp)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    tmp.rename(lib)
-    return lib
+from tests.cuda.emu_runtime import EmulatedLauncher, build_unit_library, compile_problems
 
 
 @pytest.fixture(scope="module")
 def launcher() -> EmulatedLauncher:
-    return EmulatedLauncher(build_sampler_library())
+    return EmulatedLauncher(build_unit_library("sampler", [ck.PHILOX_UNIFORMS_NAME], ("common.cuh",)))
 
 
 def keys(n: int, seed: int):
@@ -94,20 +57,8 @@ ARCHS = ("80", "90")
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiles_without_spills(arch):
-    compiler = pytest.importorskip("cupy.cuda.compiler", reason="CuPy (with its NVRTC bindings) is not installed")
-    from tests.cuda.test_compile import MAX_REGISTERS, MAX_STATIC_SMEM, ptxas_report
-
-    names = [ck.PHILOX_UNIFORMS_NAME]
-    program = compiler._NVRTCProgram(ck.source_of(ck.SAMPLER_FILE), "sampler.cu", name_expressions=names,
-                                     method="cubin")
-    log = io.StringIO()
-    _, mapping = program.compile(ck.cupy_nvrtc_options(arch) + ("-Xptxas=-v",), log)
-    assert sorted(mapping) == names
-    report = ptxas_report(log.getvalue())
-    r = report[mapping[ck.PHILOX_UNIFORMS_NAME]]
-    assert not (r["spill_stores"] or r["spill_loads"] or r["registers"] > MAX_REGISTERS
-                or r["smem"] > MAX_STATIC_SMEM), r
-    assert not [line for line in log.getvalue().splitlines() if "warning" in line.lower()]
+    problems = compile_problems(ck.source_of(ck.SAMPLER_FILE), "sampler.cu", [ck.PHILOX_UNIFORMS_NAME], arch)
+    assert not problems, f"sm_{arch}:\n" + "\n".join(problems)
 
 
 @pytest.mark.gpu

@@ -127,6 +127,13 @@ def test_unseeded_draws_follow_the_processed_distribution(monkeypatch, window, p
     rows = [SamplingRow(params, None, [], [])] * n
     p = processed_probs(base, rows[:1])[0]
     torch.testing.assert_close(p, ref.processed_probs(base, [ref.SamplingRow(params, None, [], [])])[0])
+    check_draws(base, rows, p)
+
+
+def check_draws(base: torch.Tensor, rows: list, p: torch.Tensor) -> None:
+    """``sample`` of ``base`` once per row (a row each) lands only where ``p`` is, and a chi-square
+    test at p = 0.001 finds the counts consistent with ``p``."""
+    n = len(rows)
     got = torch.bincount(torch.tensor(sample(base.repeat(n, 1), rows).token_ids), minlength=VOCAB).double()
     support = p > 1e-4
     assert got[~support].sum() == 0

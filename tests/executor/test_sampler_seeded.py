@@ -20,6 +20,7 @@ from folio.core.executor.sampling.philox import philox4x32_10, seed_words, unifo
 from folio.core.executor.sampling.sampler import SamplingRow, processed_probs, sample
 from folio.shared.messages import SamplingParams
 from tests.executor import reference_sampler as ref
+from tests.executor.test_sampler_batched import check_draws
 
 CPU = torch.device("cpu")
 VOCAB = 600
@@ -110,9 +111,6 @@ def test_an_unseeded_row_with_a_seed_of_its_own_draws_as_a_seeded_one():
     assert len(draws) > 1  # without a seed, each call draws afresh
 
 
-CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
-
-
 @PATHS
 @pytest.mark.parametrize("vary", ["seed", "position"])
 @pytest.mark.parametrize("params", [
@@ -130,12 +128,7 @@ def test_seeded_draws_follow_the_target_distribution(monkeypatch, path, vary, pa
                         seed=42 if vary == "position" else i) for i in range(n)]
     p = processed_probs(base, rows[:1])[0]
     torch.testing.assert_close(p, ref.processed_probs(base, [ref.SamplingRow(params, None, [], [3, 3])])[0])
-    got = torch.bincount(torch.tensor(sample(base.repeat(n, 1), rows).token_ids), minlength=VOCAB).double()
-    support = p > 1e-4
-    assert got[~support].sum() == 0
-    expected = p[support].double() * n
-    chi2 = float(((got[support] - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_P001[int(support.sum()) - 1]
+    check_draws(base, rows, p)
 
 
 # ---------------------------------------------------------------------------- through EngineCore
