@@ -228,6 +228,22 @@ def test_lm_head_refines_its_top_logits_exactly(rows):
     torch.testing.assert_close(out, exact, rtol=2e-2, atol=0.1 if rows > SMALL_ROWS else 0.3)
 
 
+def test_a_batch_invariant_lm_head_keeps_one_copy_and_turns_back():
+    """Invariant: the oneDNN-packed copy alone (the bf16 copy and the int4 pair dropped), each row
+    the same alone or in a batch; turned off again, the head gives what a fresh head gives."""
+    from folio.core.executor.quant.linear import QuantLMHead
+
+    torch.manual_seed(2)
+    weight, x = torch.randn(512, 64), torch.randn(9, 64)
+    head = QuantLMHead(weight)
+    head.batch_invariant = True
+    batch = head(x)
+    assert head.packed is not None and head.weight_bf16 is None and head.pair is None
+    assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(9)]), batch)
+    head.batch_invariant = False
+    assert torch.equal(head(x), QuantLMHead(weight)(x)) and head.packed is None
+
+
 def test_the_lm_heads_int4_pair_sums_to_its_int8_groups_and_recovers_q8_0():
     from folio.core.executor.quant.linear import int8_as_int4_pair
 

@@ -112,18 +112,24 @@ class QuantLMHead(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight  # [vocab, hidden], shared with the embedding table when tied
+        # the copies the approximate pass reads: the bf16 copy and the int4 pair, or only the
+        # oneDNN-packed copy of a batch-invariant head (the others are dropped when it is made)
+        self.weight_bf16 = self.pair = self.packed = None
+        self._copies_for_any_batch()
+
+    def _copies_for_any_batch(self) -> None:
+        weight = self.weight
         self.weight_bf16 = weight.to(ACT_DTYPE)
-        self.packed = None  # the oneDNN-packed copy a batch-invariant head reads, made on first use
-        self.pair = None
         if weight.shape[1] % HEAD_GROUP == 0 and weight.shape[0] % 16 == 0:  # what the packed kernel takes
             self.pair = [int4_pack_for_cpu(w) for w in int8_as_int4_pair(weight)]
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
         if self.packed is None:
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_bf16, None)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(ACT_DTYPE), None)
             except RuntimeError:  # no bf16 path in oneDNN on this CPU (AVX2 only)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), None)
+            self.weight_bf16 = self.pair = None
         xa = x.to(self.packed.dtype)
         parts = []
         for start in range(0, xa.shape[0], INVARIANT_ROWS):
@@ -137,6 +143,9 @@ class QuantLMHead(nn.Module):
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
         if self.batch_invariant:
             return self._invariant(x)
+        if self.weight_bf16 is None:  # the flag was turned off after the packed copy was made
+            self.packed = None
+            self._copies_for_any_batch()
         xa = aligned(x.to(ACT_DTYPE))
         if self.pair is not None and x.shape[0] <= SMALL_ROWS:
             (hi, hi_sz), (lo, lo_sz) = self.pair
