@@ -2,7 +2,9 @@
 
 1. KV transfer over tcp loopback (``kv_transfer``'s ZeroMQ backend): a sender and a receiver pool
    of SmolLM2-135M's layout (30 layers, 3 KV heads of 64, bf16, 16-token blocks); GB/s of block
-   bytes landed in the receiver's pool, confirmations included. Target: >= 1 GB/s.
+   bytes landed in the receiver's pool, confirmations included. Target: >= 1 GB/s. Each end has a
+   ZeroMQ context of its own (its own I/O thread), as two processes do; the same with one shared
+   context is printed beside it.
 2. CUDA IPC against the device's own copy bandwidth (a GPU only; "unmeasured" elsewhere): a
    sender process shares its GPU pool, the receiver copies blocks device to device; the device
    figure is a plain ``copy_`` of the same bytes. Target: IPC >= 50% of it.
@@ -26,6 +28,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import zmq
 
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSender
@@ -33,13 +36,16 @@ from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSend
 SHAPE = PoolShape(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 
 
-def tcp_throughput(num_blocks: int, reps: int) -> dict:
+def tcp_throughput(num_blocks: int, reps: int, one_context: bool = False) -> dict:
     src = KVPool(SHAPE, num_blocks, torch.device("cpu"))
     dst = KVPool(SHAPE, num_blocks, torch.device("cpu"))
     for k, v in src.kv_caches:
         k.normal_(), v.normal_()
-    sender = KVSender(src, KVLayout.of(src))
-    receiver = KVReceiver(dst, KVLayout.of(dst), timeout_s=60)
+    # a ZeroMQ context (its I/O thread) each, as two processes have; ``one_context``: one I/O
+    # thread carries both ends of the loopback
+    ctx = zmq.Context()
+    sender = KVSender(src, KVLayout.of(src), ctx=ctx)
+    receiver = KVReceiver(dst, KVLayout.of(dst), timeout_s=60, ctx=ctx if one_context else zmq.Context())
     ids = list(range(num_blocks))
     try:
         receiver.pull(sender.export(ids), ids)  # warm: connections, first-touch pages
@@ -188,7 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between long prompts")
     args = ap.parse_args(argv)
-    result = {"tcp_loopback": tcp_throughput(args.blocks, args.reps), "cuda_ipc": cuda_ipc(args.blocks, args.reps)}
+    result = {"tcp_loopback": tcp_throughput(args.blocks, args.reps),
+              "tcp_loopback_one_context": tcp_throughput(args.blocks, args.reps, one_context=True),
+              "cuda_ipc": cuda_ipc(args.blocks, args.reps)}
     print(json.dumps(result), flush=True)
     if not args.skip_serving:
         result["itl"] = serving(args)
