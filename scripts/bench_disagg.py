@@ -134,15 +134,19 @@ def itl_under_prefills(url: str, streams: int, max_tokens: int, prompt_tokens: i
 
     def keep_arriving():
         i = 0
-        with ThreadPoolExecutor(4) as pool:
-            while not stop.is_set():
-                arrivals.append(pool.submit(urllib.request.urlopen, urllib.request.Request(
-                    url + "/v1/completions", headers={"Content-Type": "application/json"},
-                    data=json.dumps({"prompt": f"{i} {words}", "max_tokens": 2, "temperature": 0}).encode()), None, 900))
-                i += 1
-                stop.wait(interval_s)
+        pool = ThreadPoolExecutor(4)
+        while not stop.is_set():
+            arrivals.append(pool.submit(urllib.request.urlopen, urllib.request.Request(
+                url + "/v1/completions", headers={"Content-Type": "application/json"},
+                data=json.dumps({"prompt": f"{i} {words}", "max_tokens": 2, "temperature": 0}).encode()), None, 900))
+            i += 1
+            stop.wait(interval_s)
+        # the streams are measured: the prompts still queued here are dropped (those in flight end
+        # with the server), not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
 
     feeder = threading.Thread(target=keep_arriving, daemon=True)
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         futures = [pool.submit(_stream_gaps, url, {"prompt": f"Story {i}: once upon a time", "max_tokens": max_tokens,
                                                    "temperature": 0, "ignore_eos": True}) for i in range(streams)]
@@ -154,7 +158,8 @@ def itl_under_prefills(url: str, streams: int, max_tokens: int, prompt_tokens: i
     gaps.sort()
     return {"num_gaps": len(gaps), "p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
             "p99_ms": round(1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))], 1),
-            "num_long_prompts": len(arrivals)}
+            "streams_s": round(time.perf_counter() - t0, 1), "num_long_prompts_sent": len(arrivals),
+            "num_long_prompts_done": sum(f.done() and not f.cancelled() and f.exception() is None for f in arrivals)}
 
 
 def serving(args) -> dict:
