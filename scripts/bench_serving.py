@@ -316,8 +316,8 @@ def section_sampling(args, jobs: list[Job], warmup: list[int], servers: Servers)
 
 
 def section_invariance(args, jobs: list[Job], warmup: list[int], servers: Servers) -> None:
-    """The throughput workload through a server with the default ``--batch-invariant`` and one
-    with ``--no-batch-invariant``, in turns: what a batch-independent answer costs served."""
+    """The throughput workload through a server with ``--batch-invariant`` and one with
+    ``--no-batch-invariant`` (the default), in turns: what a batch-independent answer costs served."""
     print(f"\n== invariance: {len(jobs)} requests at once, --batch-invariant against "
           f"--no-batch-invariant; {describe(jobs)}")
     flags = common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens)
