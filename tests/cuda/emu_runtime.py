@@ -42,20 +42,12 @@ def build_library(instances: list[str] | None = None) -> Path:
     for path in _sources():
         digest.update(path.name.encode() + path.read_bytes())
     digest.update("\n".join(instances + CXX_FLAGS).encode())
-    out_dir = Path(tempfile.gettempdir()) / "folio-cuda-emu" / digest.hexdigest()[:16]
-    lib = out_dir / "libfolio_emu.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "emu_instances.inc").write_text("".join(f"FOLIO_EMU_REGISTER({name})\n" for name in instances))
-    tmp = out_dir / f"libfolio_emu.{os.getpid()}.so"
-    cmd = ["g++", *CXX_FLAGS, "-include", str(EMU_DIR / "cuda_emu.h"), f"-I{ck.KERNEL_DIR}", f"-I{out_dir}",
-           str(EMU_DIR / "emu_entry.cpp"), "-o", str(tmp)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    tmp.rename(lib)  # atomic: a concurrent session sees either nothing or a whole library
-    return lib
+
+    def inputs(out_dir: Path) -> Path:
+        (out_dir / "emu_instances.inc").write_text("".join(f"FOLIO_EMU_REGISTER({name})\n" for name in instances))
+        return EMU_DIR / "emu_entry.cpp"
+
+    return _build_cached(digest.hexdigest()[:16], "libfolio_emu.so", inputs)
 
 
 _UNIT_ENTRY = """#include "{unit}.cu"
@@ -79,19 +71,32 @@ def build_unit_library(unit: str, names: list[str], headers: tuple[str, ...] = (
     digest = hashlib.sha256(entry.encode() + " ".join(CXX_FLAGS).encode())
     for path in [ck.KERNEL_DIR / f"{unit}.cu", *(ck.KERNEL_DIR / h for h in headers), EMU_DIR / "cuda_emu.h"]:
         digest.update(path.read_bytes())
-    out_dir = Path(tempfile.gettempdir()) / "folio-cuda-emu" / f"{unit}-{digest.hexdigest()[:16]}"
-    lib = out_dir / f"libfolio_{unit}_emu.so"
+
+    def inputs(out_dir: Path) -> Path:
+        source = out_dir / f"emu_{unit}.cpp"
+        source.write_text(entry)
+        return source
+
+    return _build_cached(f"{unit}-{digest.hexdigest()[:16]}", f"libfolio_{unit}_emu.so", inputs)
+
+
+def _build_cached(key: str, lib_name: str, inputs) -> Path:
+    """The library ``lib_name`` under the temp dir's ``folio-cuda-emu/<key>``, built once: ``inputs(out_dir)``
+    writes what the build needs there and returns the file g++ compiles (after cuda_emu.h, with
+    cuda/ and ``out_dir`` on the include path)."""
+    out_dir = Path(tempfile.gettempdir()) / "folio-cuda-emu" / key
+    lib = out_dir / lib_name
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    source = out_dir / f"emu_{unit}.cpp"
-    source.write_text(entry)
-    tmp = out_dir / f"lib.{os.getpid()}.so"
-    cmd = ["g++", *CXX_FLAGS, "-include", str(EMU_DIR / "cuda_emu.h"), f"-I{ck.KERNEL_DIR}", str(source), "-o", str(tmp)]
+    entry = inputs(out_dir)
+    tmp = out_dir / f"{lib.stem}.{os.getpid()}.so"
+    cmd = ["g++", *CXX_FLAGS, "-include", str(EMU_DIR / "cuda_emu.h"), f"-I{ck.KERNEL_DIR}", f"-I{out_dir}",
+           str(entry), "-o", str(tmp)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    tmp.rename(lib)  # atomic, as in build_library
+    tmp.rename(lib)  # atomic: a concurrent test run sees either nothing or a whole library
     return lib
 
 
