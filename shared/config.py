@@ -110,6 +110,9 @@ class RuntimeConfig:
                              "dequantizes to --dtype; int8/int4 round to nearest at load time (CPU: bf16 activations); "
                              "a GPU takes awq/int4 (W4A16 kernel) and fp8 (sm_89+)",
                              ("executor",), choices=("auto", "none", "int8", "int4", "awq", "fp8"))
+    cpu_quant_activations: str = flag("int8", "CPU int4/int8 weights: int8 quantizes each row's activations per "
+                                      "block of 32 for folio's integer kernels (llama.cpp's way, the fast one); "
+                                      "bf16 feeds torch's packed kernels", ("executor",), choices=("int8", "bf16"))
     kv_cache_dtype: str = flag("auto", "KV pool elements: auto = --dtype; fp8 = e4m3 with per-layer K/V scales "
                                "calibrated at start (twice the blocks of bf16 for the same bytes)", ("executor",),
                                choices=("auto", "fp8"))

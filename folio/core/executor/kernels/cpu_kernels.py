@@ -9,7 +9,8 @@ every row (greedy or drawn, seeded or not, top-k included; grammar masks are app
 first), with each row's uniforms from its own (seed, position) key (``sampling/philox.py``), and
 keep the torch path, the reference, for GPUs and for when no compiler is at hand.
 
-``csrc/layers.c`` holds a decoder layer's small operations for ``cpu_backend.py``.
+``csrc/layers.c`` holds a decoder layer's small operations for ``cpu_backend.py``; ``csrc/qgemm.c``
+the quantized GEMMs (``quant/cpu_gemm.py``).
 
 The sources are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
 cache, under a name that hashes the sources, the compiler, the flags and the CPU's features, the
@@ -41,7 +42,7 @@ from folio.shared.config import c_compiler, cache_dir
 log = structlog.get_logger()
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "sampler.c", CSRC / "layers.c")
+SOURCES = (CSRC / "sampler.c", CSRC / "layers.c", CSRC / "qgemm.c", CSRC / "stack.c")
 HEADERS = (CSRC / "common.h",)
 # 512-bit vectors where the CPU has them (gcc's -march=native picks 256-bit ones on some that do)
 # -fno-trapping-math: no value changes, but without it gcc leaves the selects in the exp and
@@ -51,7 +52,7 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "
 BLOCK = 64  # csrc/sampler.c's BLOCK
 
 _i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
-FUNCTIONS = {  # every exported function's arguments (they all return void)
+FUNCTIONS = {  # every exported function's arguments
     # csrc/sampler.c
     "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
                      _ptr, _ptr],
@@ -66,7 +67,15 @@ FUNCTIONS = {  # every exported function's arguments (they all return void)
     "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _i64, _f32, _ptr, _ptr],
     "folio_decode_attention_threads": [_i64, _i64, _i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4
                                       + [_f32, _i64, _f32, _ptr, _ptr],
+    # csrc/qgemm.c
+    "folio_qgemm": [_i64] * 4 + [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64],
+    "folio_qgemm_set_threads": [_i64],
+    "folio_qgemm_threads": [],
+    "folio_qgemm_path": [],
+    # csrc/stack.c
+    "folio_decode_stack": [_i64, _ptr, _ptr, _f32, _f32, _f32, _i64] + [_ptr] * 6 + [_i64] + [_ptr] * 6,
 }
+RESTYPES = {"folio_qgemm": _i64, "folio_qgemm_threads": _i64, "folio_qgemm_path": ctypes.c_char_p}  # others: void
 
 _lock = threading.Lock()
 _library: ctypes.PyDLL | None = None
@@ -130,7 +139,7 @@ def _load(path: Path) -> ctypes.PyDLL:
     lib = ctypes.PyDLL(str(path))
     for name, argtypes in FUNCTIONS.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = RESTYPES.get(name)
     return lib
 
 

@@ -440,6 +440,11 @@ class CausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden) in the activations' dtype, as transformers
             residual = residual * torch.tensor(self.spec.embed_scale, dtype=residual.dtype)
+        stack = getattr(backend, "decode_stack", None)  # the CPU kernels' whole stack in one call
+        if stack is not None:
+            normed = stack(self, residual, positions, kv_caches, meta)
+            if normed is not None:
+                return normed
         rope = ops.rope_inputs(self, positions)
         local = rope if self.local_rope is None else ops.rope_inputs(self.local_rope, positions)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]

@@ -19,11 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from folio.core.executor.quant import cpu_gemm
+from folio.core.executor.quant.cpu_gemm import BLOCK, TILE
 from folio.core.executor.quant.formats import Int4Weight, Int8Weight
 
 ACT_DTYPE = torch.bfloat16
 INVARIANT_ROWS = 16  # rows per oneDNN call of a batch-invariant head (its rows agree in calls of 2..17)
 REFINE_TOP = 64  # logits per row the LM head recomputes exactly (see QuantLMHead)
+Q8_BLOCK_BYTES = 544  # cpu_gemm's int8 block: 512 values and 16 fp16 scales
 
 
 def int4_pack_for_cpu(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,22 +44,96 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
+def unpack_int4(packed: torch.Tensor, n: int, k: int) -> Int4Weight:
+    """The ``Int4Weight`` (groups of 32) that ``cpu_gemm.pack_int4`` packed (fp16 scales, as stored)."""
+    tiles, blocks = (n + TILE - 1) // TILE, k // BLOCK
+    raw = packed.view(tiles, blocks, 320)
+    nibbles = raw[..., :256].reshape(tiles, blocks, 4, TILE, 4)  # [t, b, chunk, r, j]
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=3)  # [t, b, chunk, half, r, j]
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, k)[:n]
+    halves = raw[..., 256:].contiguous().view(torch.float16).float()  # [t, b, 32]: d then m per row
+    d = halves[..., :TILE].permute(0, 2, 1).reshape(tiles * TILE, blocks)[:n]
+    m = halves[..., TILE:].permute(0, 2, 1).reshape(tiles * TILE, blocks)[:n]
+    return Int4Weight(q.contiguous(), d.contiguous(), (m + 8.0 * d).contiguous(), BLOCK)
+
+
 class QuantLinear(nn.Module):
-    """``y = x @ W.T (+ bias)`` with W held int4 (grouped) or int8 (per channel)."""
+    """``y = x @ W.T (+ bias)`` with W held int4 (grouped) or int8 (per channel).
+
+    With folio's kernels (``cpu_gemm``; ``int8_activations``, the default) each call quantizes its
+    rows to int8 per block of 32 and multiplies in integers, reading W packed once for every row of
+    the call; otherwise torch's packed kernels take bf16 rows (``--cpu-quant-activations bf16``).
+    Only the form in use is kept: the other is made from it when the setting changes."""
+
+    int8_activations = True  # the runner sets it from --cpu-quant-activations
 
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.q.shape
         self.bits = 4 if isinstance(weight, Int4Weight) else 8
+        self.group_size = weight.group_size if self.bits == 4 else 0
+        self.packed = self.scale_zero = self.scale = self.qpacked = None
+        self._qgemm = None
+        if cpu_gemm.available() and self.in_features % BLOCK == 0 and self.group_size % BLOCK == 0:
+            if self.bits == 4:
+                self.qpacked = cpu_gemm.pack_int4(weight)
+            else:  # a per-channel scale is every block's
+                blocks = weight.scale.float()[:, None].expand(-1, self.in_features // BLOCK)
+                self.qpacked = cpu_gemm.pack_int8(weight.q, blocks.half().float())
+        else:
+            self._torch_form(weight)
+        self.bias = bias
+
+    def _torch_form(self, weight: Int4Weight | Int8Weight) -> None:
         if self.bits == 4:
             self.group_size = weight.group_size
             self.packed, self.scale_zero = int4_pack_for_cpu(weight)
         else:
             self.packed = aligned(weight.q)
             self.scale = aligned(weight.scale.to(ACT_DTYPE))
-        self.bias = bias
+
+    def _weight_from_qpacked(self) -> Int4Weight | Int8Weight:
+        n, k = self.out_features, self.in_features
+        if self.bits == 4:
+            return unpack_int4(self.qpacked, n, k)
+        values = self.qpacked.view(-1, k // BLOCK, Q8_BLOCK_BYTES)[..., :512]
+        q = values.reshape(-1, k // BLOCK, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(-1, k)[:n].view(torch.int8)
+        # the per-channel scale: every block of a row holds it
+        d = self.qpacked.view(-1, k // BLOCK, Q8_BLOCK_BYTES)[:, 0, 512:].contiguous().view(torch.float16)
+        return Int8Weight(q.contiguous(), d.float().reshape(-1)[:n].contiguous())
+
+    def set_int8_activations(self, on: bool) -> None:
+        """Keep the form the setting uses (the other is dropped, and made again if it changes)."""
+        self.int8_activations = on
+        if on and self.qpacked is None and cpu_gemm.available() and self.in_features % BLOCK == 0:
+            if self.bits == 4 and self.group_size % BLOCK == 0:
+                self.qpacked = cpu_gemm.pack_int4(self._weight_from_torch())
+            elif self.bits == 8:
+                w = self._weight_from_torch()
+                blocks = w.scale.float()[:, None].expand(-1, self.in_features // BLOCK)
+                self.qpacked = cpu_gemm.pack_int8(w.q, blocks.half().float())
+        if self.qpacked is not None and on:
+            self.packed = self.scale_zero = self.scale = None
+        elif not on and self.packed is None:
+            self._torch_form(self._weight_from_qpacked())
+            self.qpacked, self._qgemm = None, None
+
+    def _weight_from_torch(self) -> Int4Weight | Int8Weight:
+        if self.bits == 8:
+            return Int8Weight(self.packed, self.scale.float())
+        raise ValueError("an int4 weight in torch's packed form cannot be unpacked; load the model again")
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__().copy()
+        state["_qgemm"] = None  # ctypes functions: bound again after loading
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
+        if self.qpacked is not None and self.int8_activations:
+            if self._qgemm is None:
+                self._qgemm = cpu_gemm.QGemm(self.bits, self.qpacked, self.out_features, self.in_features)
+            y = self._qgemm(x)
+            return y if self.bias is None else y + self.bias
         xa = aligned(x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE))  # bf16 already from the CPU kernels
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scale_zero)
@@ -108,17 +185,37 @@ class QuantLMHead(nn.Module):
     row-invariant too, but 14x slower than the packed copy at 64 rows.)"""
 
     batch_invariant = False  # the runner sets it from --batch-invariant
+    int8_activations = True  # the runner sets it from --cpu-quant-activations
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight  # [vocab, hidden], shared with the embedding table when tied
-        # the copies the approximate pass reads: the bf16 copy and the int4 pair, or only the
-        # oneDNN-packed copy of a batch-invariant head (the others are dropped when it is made)
-        self.weight_bf16 = self.pair = self.packed = None
+        # the copies the approximate pass reads: folio's int8 blocks (with --cpu-quant-activations
+        # int8), else the bf16 copy and the int4 pair, or only the oneDNN-packed copy of a
+        # batch-invariant head (the others are dropped when it is made)
+        self.weight_bf16 = self.pair = self.packed = self.qhead = None
+        self._qgemm = None
         self._copies_for_any_batch()
+
+    def _int8_blocks_usable(self) -> bool:
+        return self.int8_activations and cpu_gemm.available() and self.weight.shape[1] % BLOCK == 0
+
+    def set_int8_activations(self, on: bool) -> None:
+        self.int8_activations = on
+        if (self.qhead is not None) != self._int8_blocks_usable():
+            self.weight_bf16 = self.pair = self.packed = self.qhead = self._qgemm = None
+            self._copies_for_any_batch()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__().copy()
+        state["_qgemm"] = None  # ctypes functions: bound again after loading
+        return state
 
     def _copies_for_any_batch(self) -> None:
         weight = self.weight
+        if self._int8_blocks_usable():  # one pass of integer dots; its rows are batch-invariant
+            self.qhead = cpu_gemm.pack_int8(*cpu_gemm.int8_blocks(weight))
+            return
         self.weight_bf16 = weight.to(ACT_DTYPE)
         if weight.shape[1] % HEAD_GROUP == 0 and weight.shape[0] % 16 == 0:  # what the packed kernel takes
             self.pair = [int4_pack_for_cpu(w) for w in int8_as_int4_pair(weight)]
@@ -141,6 +238,10 @@ class QuantLMHead(nn.Module):
         return torch.cat(parts).float()
 
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        if self.qhead is not None:
+            if self._qgemm is None:
+                self._qgemm = cpu_gemm.QGemm(8, self.qhead, *self.weight.shape)
+            return self._qgemm(x, out_dtype=torch.float32)
         if self.batch_invariant:
             return self._invariant(x)
         if self.weight_bf16 is None:  # the flag was turned off after the packed copy was made

@@ -36,7 +36,7 @@ from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_bu
 from folio.core.executor.model.loader import load_model, resolve_dtype
 from folio.core.executor.model.layers import PackedLinear, cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
-from folio.core.executor.quant.linear import ACT_DTYPE, QuantLMHead
+from folio.core.executor.quant.linear import ACT_DTYPE, QuantLinear, QuantLMHead
 from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
@@ -158,6 +158,8 @@ class ModelRunner:
         for module in self.model.modules():  # the layers whose kernels change order with the call's rows
             if isinstance(module, (PackedLinear, QuantLMHead)):
                 module.batch_invariant = config.batch_invariant
+            if isinstance(module, (QuantLinear, QuantLMHead)):
+                module.set_int8_activations(config.cpu_quant_activations == "int8")
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,

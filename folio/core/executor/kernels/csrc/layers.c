@@ -206,17 +206,19 @@ static inline __attribute__((always_inline)) void attend_group(
  * scale)) . v for each head (GQA: num_heads / num_kv_heads query heads read each KV head; cap(s)
  * = softcap * tanh(s / softcap) when softcap > 0, else s). scratch: (num_heads / num_kv_heads) *
  * max(lens) floats. */
-void folio_decode_attention(int64_t m, const int64_t *tok, const int64_t *seq, const float *q,
-                            const int32_t *block_tables, int64_t bt_stride, const int64_t *lens, const float *k_cache,
-                            const float *v_cache, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, float scale, int64_t window, float softcap, float *out, float *scratch) {
+/* KV heads g0 .. g1 of each row (the stack in stack.c shares (row, head) pairs among threads) */
+void folio_decode_attention_heads(int64_t m, const int64_t *tok, const int64_t *seq, const float *q,
+                                  const int32_t *block_tables, int64_t bt_stride, const int64_t *lens,
+                                  const float *k_cache, const float *v_cache, int64_t block_size, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float softcap,
+                                  float *out, float *scratch, int64_t g0, int64_t g1) {
     const int64_t group = num_heads / num_kv_heads, kv_size = num_kv_heads * head_dim;
     for (int64_t r = 0; r < m; r++) {
         const int32_t *table = block_tables + seq[r] * bt_stride;
         const float *qr = q + tok[r] * num_heads * head_dim;
         float *orow = out + tok[r] * num_heads * head_dim;
         const int64_t len = lens[r], first = window > 0 && len > window ? len - window : 0;
-        for (int64_t g = 0; g < num_kv_heads; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             const float *qg = qr + g * group * head_dim;
             float *og = orow + g * group * head_dim;
             if (head_dim == 64)
@@ -230,6 +232,15 @@ void folio_decode_attention(int64_t m, const int64_t *tok, const int64_t *seq, c
                              head_dim, scale, softcap, og, scratch);
         }
     }
+}
+
+void folio_decode_attention(int64_t m, const int64_t *tok, const int64_t *seq, const float *q,
+                            const int32_t *block_tables, int64_t bt_stride, const int64_t *lens, const float *k_cache,
+                            const float *v_cache, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, float scale, int64_t window, float softcap, float *out, float *scratch) {
+    folio_decode_attention_heads(m, tok, seq, q, block_tables, bt_stride, lens, k_cache, v_cache, block_size,
+                                 num_heads, num_kv_heads, head_dim, scale, window, softcap, out, scratch, 0,
+                                 num_kv_heads);
 }
 
 /* folio_decode_attention's rows shared by num_threads threads (the caller's among them), split where
