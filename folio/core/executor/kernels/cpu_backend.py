@@ -135,73 +135,19 @@ class _CpuPlan(_TorchPlan):
             self.table_args = (self.block_tables.data_ptr(), self.block_tables.stride(0), self.lens.ctypes.data)
 
 
-L_FIELDS = 14  # csrc/stack.c's per-layer entries
-
-
 class DecodeStack:
     """``csrc/stack.c``: every decoder layer of a step in one call, when each token of the step is
-    attended row by row and the model's layers are plain (see stack.c). The same kernels run, in
-    the same order and dtypes, as through the modules: the bits are the same, the Python between
-    them is gone. ``__call__`` returns None when the step or the model does not qualify; the
-    caller then runs the modules."""
+    attended row by row and the model's layers are plain (``model.stack_layout``, see stack.c). The
+    same kernels run, in the same order and dtypes, as through the modules: the bits are the same,
+    the Python between them is gone. ``__call__`` returns None when the step or the model does not
+    qualify; the caller then runs the modules."""
 
     def __init__(self, lib: ctypes.PyDLL, final_norm):
         self.lib, self.final_norm = lib, final_norm
-        self._key = None
-        self._table = None  # [num_layers, L_FIELDS] int64, or None: the model does not qualify
         self._dims = np.zeros(12, dtype=np.int64)
         self._bufs: dict[str, torch.Tensor] = {}
         self._buf_ptrs = (ctypes.c_void_p * 9)()
         self.num_calls = 0  # steps it ran (tests check it does)
-
-    @staticmethod
-    def _plain(model) -> bool:
-        from folio.core.executor.model.layers import MLP, Attention, DecoderLayer
-        from folio.core.executor.quant.linear import QuantLinear
-
-        if getattr(model, "local_rope", None) is not None or getattr(model, "comm", None) is not None:
-            return False
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if type(layer) is not DecoderLayer or layer.sandwich or type(attn) is not Attention or type(mlp) is not MLP:
-                return False
-            if attn.qk_norm or attn.clip_qkv is not None or attn.kv_rotation is not None or attn.comm is not None \
-                    or mlp.comm is not None or tuple(attn.kv_scales) != (1.0, 1.0):
-                return False
-            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if type(proj) is not QuantLinear or proj.bias is not None or proj.qpacked is None \
-                        or not proj.int8_activations:
-                    return False
-        return True
-
-    def _build(self, model, kv_caches) -> None:
-        self._table = None
-        if not self._plain(model):
-            return
-        layers, spec = model.layers, model.spec
-        table = np.zeros((len(layers), L_FIELDS), dtype=np.int64)
-        nexts = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
-        for i, (layer, (k_cache, v_cache), nxt) in enumerate(zip(layers, kv_caches, nexts)):
-            attn, mlp = layer.self_attn, layer.mlp
-            if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-                return
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm, nxt):
-                if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
-                    return
-            projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            for j, proj in enumerate(projs):
-                table[i, 2 * j], table[i, 2 * j + 1] = proj.qpacked.data_ptr(), proj.bits
-            table[i, 8:] = (layer.post_attention_layernorm.weight.data_ptr(), nxt.weight.data_ptr(),
-                            k_cache.data_ptr(), v_cache.data_ptr(), attn.window, int(mlp.gelu))
-        a0, m0 = layers[0].self_attn, layers[0].mlp
-        if len({(layer.self_attn.scale, layer.mlp.intermediate_size) for layer in layers}) != 1:
-            return
-        self._dims[:9] = (spec.hidden_size, a0.q_size, a0.kv_size, m0.intermediate_size, a0.num_heads,
-                          a0.num_kv_heads, a0.head_dim, kv_caches[0][0].shape[1], 0)
-        self._scale, self._softcap, self._eps = float(a0.scale), float(a0.softcap), float(model.norm.eps)
-        self._first_norm = layers[0].input_layernorm.weight
-        self._table = table
-        self._keepalive = (kv_caches, [layer.input_layernorm.weight for layer in layers])
 
     def _workspace(self, n: int, scratch: int) -> None:
         d = self._dims
@@ -221,16 +167,11 @@ class DecodeStack:
     def __call__(self, model, residual: torch.Tensor, positions: torch.Tensor, kv_caches, meta, plan):
         if plan.chunks or plan.tok is None or len(plan.tok) != residual.shape[0]:
             return None
-        l0, last = model.layers[0], model.layers[-1]
-        key = (id(kv_caches), id(l0.self_attn.qkv_proj), id(getattr(l0.self_attn.qkv_proj, "qpacked", None)),
-               id(last.mlp) if hasattr(last, "mlp") else 0, id(getattr(getattr(last, "mlp", None), "down_proj", None)),
-               len(kv_caches))
-        if key != self._key:
-            self._key = key
-            self._build(model, kv_caches)
-        if self._table is None or residual.dtype != torch.float32 or not residual.is_contiguous() \
+        layout = model.stack_layout(kv_caches)  # None: the model's layers are not plain
+        if layout is None or residual.dtype != torch.float32 or not residual.is_contiguous() \
                 or positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
             return None
+        self._dims[:8] = layout.dims
         n = residual.shape[0]
         threads = torch.get_num_threads()
         group = int(self._dims[4] // self._dims[5])
@@ -239,8 +180,8 @@ class DecodeStack:
         self._workspace(n, threads * stride)
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         out = torch.empty_like(residual)
-        self.lib.folio_decode_stack(len(self._table), self._table.ctypes.data, self._dims.ctypes.data, self._eps,
-                                    self._scale, self._softcap, n, residual.data_ptr(), self._first_norm.data_ptr(),
+        self.lib.folio_decode_stack(len(layout.table), layout.table.ctypes.data, self._dims.ctypes.data, layout.eps,
+                                    layout.scale, layout.softcap, n, residual.data_ptr(), layout.first_norm.data_ptr(),
                                     positions.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
                                     slots.data_ptr(), len(plan.tok), plan.tok.ctypes.data, plan.seq.ctypes.data,
                                     plan.lens.ctypes.data, plan.block_tables.data_ptr(), self._buf_ptrs,

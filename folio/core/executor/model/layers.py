@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +38,7 @@ from torch import nn
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
 from folio.core.executor.parallel.comm import Comm, Shard
+from folio.core.executor.quant.linear import QuantLinear
 
 # (checkpoint tensor name, dim to slice or None for the whole tensor, start, end); a parameter is
 # its parts concatenated along rows, then reshaped to the parameter's shape
@@ -424,6 +426,22 @@ class CausalLM(nn.Module):
             layout.update(mlp_layout(spec, shard, f"model.layers.{i}.mlp.", f"layers.{i}.mlp."))
         return layout
 
+    def stack_layout(self, kv_caches) -> StackLayout | None:
+        """This model's layers as ``csrc/stack.c`` reads them, or None when they are not plain."""
+        l0, last = self.layers[0], self.layers[-1]
+        key = (id(kv_caches), len(kv_caches), id(l0.self_attn.qkv_proj),
+               id(getattr(l0.self_attn.qkv_proj, "qpacked", None)), id(getattr(last, "mlp", None)),
+               id(getattr(getattr(last, "mlp", None), "down_proj", None)))
+        cached = self.__dict__.get("_stack_layout")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_stack_layout"] = (key, StackLayout.of(self, kv_caches))
+        return cached[1]
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__().copy()
+        state.pop("_stack_layout", None)  # addresses of this process
+        return state
+
     def init_rope(self, dtype: torch.dtype, device: torch.device) -> None:
         cos, sin = rope_cos_sin(self.hf_config, self.spec.max_position_embeddings, dtype)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
@@ -467,6 +485,71 @@ class CausalLM(nn.Module):
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+L_FIELDS = 14  # csrc/stack.c's entries per layer
+
+
+@dataclass
+class StackLayout:
+    """A plain model's layers for ``csrc/stack.c`` (the CPU kernels' whole stack in one call): per
+    layer the packed projections (int4 or int8 blocks of ``quant/cpu_gemm.py``), the norms, the KV
+    pool and the window, as addresses; the shape; what every layer shares."""
+
+    table: np.ndarray  # [num_layers, L_FIELDS] int64
+    dims: tuple[int, ...]  # hidden, q_size, kv_size, intermediate, heads, KV heads, head_dim, block_size
+    scale: float
+    softcap: float
+    eps: float
+    first_norm: torch.Tensor
+    keepalive: tuple  # what the addresses point into
+
+    @staticmethod
+    def plain(model) -> bool:
+        """Pre-norm layers, dense gated MLPs, the four projections quantized for folio's kernels, no
+        bias, q/k norm, clipping, rotation, LoRA, sharding or second RoPE table, an fp32 pool."""
+        if model.local_rope is not None or model.comm is not None:
+            return False
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(layer) is not DecoderLayer or layer.sandwich or type(attn) is not Attention or type(mlp) is not MLP:
+                return False
+            if attn.qk_norm or attn.clip_qkv is not None or attn.kv_rotation is not None or attn.comm is not None \
+                    or mlp.comm is not None or tuple(attn.kv_scales) != (1.0, 1.0):
+                return False
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if type(proj) is not QuantLinear or proj.bias is not None or proj.qpacked is None \
+                        or not proj.int8_activations:
+                    return False
+        return True
+
+    @classmethod
+    def of(cls, model, kv_caches) -> StackLayout | None:
+        if not cls.plain(model):
+            return None
+        layers = model.layers
+        a0, m0 = layers[0].self_attn, layers[0].mlp
+        if len({(layer.self_attn.scale, layer.self_attn.softcap, layer.mlp.intermediate_size)
+                for layer in layers}) != 1:
+            return None
+        table = np.zeros((len(layers), L_FIELDS), dtype=np.int64)
+        nexts = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
+        for i, (layer, (k_cache, v_cache), nxt) in enumerate(zip(layers, kv_caches, nexts)):
+            attn, mlp = layer.self_attn, layer.mlp
+            if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                return None
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm, nxt):
+                if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
+                    return None
+            for j, proj in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                table[i, 2 * j], table[i, 2 * j + 1] = proj.qpacked.data_ptr(), proj.bits
+            table[i, 8:] = (layer.post_attention_layernorm.weight.data_ptr(), nxt.weight.data_ptr(),
+                            k_cache.data_ptr(), v_cache.data_ptr(), attn.window, int(mlp.gelu))
+        dims = (model.spec.hidden_size, a0.q_size, a0.kv_size, m0.intermediate_size, a0.num_heads, a0.num_kv_heads,
+                a0.head_dim, kv_caches[0][0].shape[1])
+        keep = (kv_caches, [layer.input_layernorm.weight for layer in layers], model.norm.weight)
+        return cls(table, dims, float(a0.scale), float(a0.softcap), float(model.norm.eps),
+                   layers[0].input_layernorm.weight, keep)
 
 
 def base_layout(spec: ModelSpec, shard: Shard) -> dict[str, list[Part]]:
