@@ -32,7 +32,7 @@ import msgspec
 
 
 class Grammar(msgspec.Struct, frozen=True, kw_only=True):
-    """A structured-output spec the tokenizer checked (``shared/grammar.py``); the executor
+    """A structured-output spec the tokenizer checked (``folio/core/structured/grammar.py``); the executor
     compiles it against the vocabulary once per ``key`` (a hash of kind and spec)."""
 
     key: str
@@ -156,7 +156,7 @@ class StepPlan(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_pl
     num_placeholder_tokens: int = 0
     # disaggregated prefill: KV to pull into new requests' blocks before the step
     kv_loads: list[KVLoad] = []
-    # the disk tier (``folio.shared.kv.tiers``): before every copy above, write these blocks
+    # the disk tier (``folio.core.kv.tiers``): before every copy above, write these blocks
     # (0 device / 1 host, block id, block hash) to files; after the swap-ins, read these files
     # (device block id, block hash) into the blocks
     tier_saves: list[tuple[int, int, bytes]] = []
@@ -244,6 +244,34 @@ class GuidedSpec(msgspec.Struct, frozen=True, kw_only=True):
     param: str = "response_format"
 
 
+class TransferHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """The handle of a KV transfer (``folio.core.executor.runtime.kv_transfer``): where a prefill
+    instance holds a request's prompt KV for a decode instance to pull. It travels prefill gateway
+    -> router -> decode gateway (the ``kv_transfer`` extension field) -> scheduler -> executor, as a
+    dict in ``GenerateRequest.kv_transfer``."""
+
+    transfer_id: str
+    endpoint: str  # the sender's socket, tcp://host:port
+    num_blocks: int
+    num_tokens: int = 0  # the prompt tokens the blocks hold
+
+    def to_wire(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_wire(cls, d: object) -> "TransferHandle":
+        """Validated: a malformed handle is a ValueError naming the problem."""
+        try:
+            h = msgspec.convert(d, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid kv transfer handle: {exc}") from None
+        if not h.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"invalid kv transfer handle: endpoint {h.endpoint!r} is not a ZeroMQ address")
+        if h.num_blocks < 0 or h.num_tokens < 0 or not h.transfer_id:
+            raise ValueError("invalid kv transfer handle: negative counts or an empty transfer id")
+        return h
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     """gateway -> tokenizer: one completion choice to produce (the gateway fans out ``n``).
 
@@ -278,7 +306,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # already delivered, computed again but not sampled; they count as output (positions, penalties,
     # max_tokens, the grammar) and their text and logprobs are not sent again
     forced_token_ids: list[int] = []
-    # disaggregated prefill: where the prompt's KV is to be pulled from (a ``kv_transfer.TransferHandle``
+    # disaggregated prefill: where the prompt's KV is to be pulled from (a ``TransferHandle``
     # as a dict); with ``forced_token_ids`` = the first token the prefill instance sampled
     kv_transfer: dict | None = None
 
@@ -487,14 +515,14 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
     num_free_blocks: int = 0
     num_host_blocks: int = 0
     enable_prefix_caching: bool = True  # the kvmanager's setting: the scheduler's replica follows it
-    sliding_window: int = 0  # the model's, when every layer has one: blocks behind it go back (``shared/kv``)
+    sliding_window: int = 0  # the model's, when every layer has one: blocks behind it go back (``folio/core/kv``)
     kv_disk_dir: str = ""  # the executor's disk tier ("": none), its layout id and cap
     kv_layout_id: str = ""
     kv_disk_bytes: int = 0
 
 
 # The step log: the allocator operations of one scheduler step, in the order the scheduler
-# applied them to its own replica while it planned the step (``shared/kv/steplog.py``). The
+# applied them to its own replica while it planned the step (``folio/core/kv/steplog.py``). The
 # kvmanager applies the same log in the same order, so both hold the same tables and block ids.
 # Each op is a short array on the wire: [tag, fields...].
 
@@ -550,7 +578,7 @@ class KVAllocate(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="a"
     new_token_ids: list[int] = []
     cache_salt: str | None = None
     # a table new here: the disk tier's blocks, after its device and host hits, that the planner
-    # verified and decided to load (``folio.shared.kv.tiers``)
+    # verified and decided to load (``folio.core.kv.tiers``)
     load_hashes: list[bytes] = []
 
 

@@ -24,7 +24,7 @@ from folio.core.scheduler.exchange import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import scheduler_stats
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
-from folio.shared.kv.window import all_layers_window
+from folio.core.kv.window import all_layers_window
 from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
@@ -35,7 +35,7 @@ from folio.shared.messages import (
     TokenBatch,
     TokenDelta,
 )
-from folio.shared.text import TextTokenizer
+from folio.core.tokenizer.text import TextTokenizer
 
 
 class EngineCore:

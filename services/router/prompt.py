@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams
-from folio.shared.text import TextTokenizer
+from folio.core.tokenizer.text import TextTokenizer
 
 log = structlog.get_logger()
 

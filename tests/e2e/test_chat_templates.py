@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams
-from folio.shared.text import RequestError, TextTokenizer
+from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.server import start_server, stop_server
 

@@ -9,7 +9,7 @@ import zmq
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import (
     KVLayout, KVReceiver, KVSender, LayoutMismatch, TransferError, TransferHandle, nixl_available)
-from folio.shared.kv.allocator import BlockAllocator
+from folio.core.kv.allocator import BlockAllocator
 
 
 def _pool(dtype=torch.bfloat16, num_blocks=8, seed=0, **kw):

@@ -11,7 +11,7 @@ import torch
 
 from folio.core.executor.runtime.spec_decode import NgramProposer
 from folio.shared.config import RuntimeConfig
-from folio.shared.kv.allocator import cdiv
+from folio.core.kv.allocator import cdiv
 from folio.shared.messages import KVTruncate
 from folio.testing.models import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request

@@ -15,7 +15,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from folio.core.executor.sampling.sampler import SamplingRow, sample  # noqa: E402
-from folio.core.executor.sampling.structured import advance, apply_grammar_masks, unpack_bitmask  # noqa: E402
+from folio.core.structured.masks import advance, apply_grammar_masks, unpack_bitmask  # noqa: E402
 from folio.shared.messages import SamplingParams  # noqa: E402
 
 EOS = 0

@@ -14,7 +14,7 @@ import torch
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.kv.allocator import cdiv
+from folio.core.kv.allocator import cdiv
 from folio.shared.messages import SamplingParams
 from folio.testing.backhalf import back_half
 from folio.testing.models import write_tiny_model

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from folio.shared.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
+from folio.core.structured.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
 from folio.shared.messages import AbortRequest, GuidedSpec, SamplingParams, TokenBatch  # noqa: E402
 from folio.shared.transport import Decoder, encode  # noqa: E402
 from folio.testing.backhalf import back_half  # noqa: E402

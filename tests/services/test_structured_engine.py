@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from folio.shared.grammar import GrammarChecker  # noqa: E402
+from folio.core.structured.grammar import GrammarChecker  # noqa: E402
 from folio.shared.messages import GuidedSpec  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.frontend import text_tokenizer  # noqa: E402

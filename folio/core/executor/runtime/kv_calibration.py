@@ -12,7 +12,7 @@ import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.quant.kv_quant import CALIBRATION_TEXT, KVScales, kv_scales_from, rotation, set_kv_scales
-from folio.shared.text import TextTokenizer
+from folio.core.tokenizer.text import TextTokenizer
 
 
 def calibration_ids(model_path: str | None, vocab_size: int) -> list[int]:

@@ -50,7 +50,7 @@ import zmq
 
 from folio.core.executor.quant.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
-from folio.shared.kv.handle import TransferHandle
+from folio.shared.messages import TransferHandle
 
 BACKENDS = ("zmq", "cuda_ipc", "nixl")
 DEFAULT_TTL_S = 60.0

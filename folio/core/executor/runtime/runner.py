@@ -40,7 +40,7 @@ from folio.core.executor.quant.linear import ACT_DTYPE, QuantLMHead
 from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
-from folio.core.executor.sampling.structured import GrammarStore, advance, apply_grammar_masks, compile_error
+from folio.core.structured.masks import GrammarStore, advance, apply_grammar_masks, compile_error
 from folio.shared import startup
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
@@ -321,7 +321,7 @@ class ModelRunner:
         if not disk_dir:
             return None
         from folio.core.executor.runtime.kv_tiers import KVTierStore, pool_layout_id
-        from folio.shared.kv.tiers import DiskTier
+        from folio.core.kv.tiers import DiskTier
 
         ident = pool_layout_id(self.pool, model_path, self.config.quantization, str(self.dtype), self.kv_scales,
                                self.shard.rank, self.shard.size)
