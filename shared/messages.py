@@ -40,8 +40,12 @@ class Grammar(msgspec.Struct, frozen=True, kw_only=True):
     spec: str  # the schema as JSON text, the regex, the choices as a JSON list, the EBNF
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """How one request picks its next tokens. Defaults are OpenAI's."""
+class WireSampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How one request picks its next tokens, as the engine reads it. Defaults are OpenAI's.
+
+    Users set ``folio.core.frontdoor.SamplingParams`` (vLLM's names and defaults, checked), whose
+    ``engine_sampling`` builds this, copying the fields both name; ``grammar`` is set by the
+    tokenizer once it checked the request's spec."""
 
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -63,7 +67,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def with_seed_offset(self, offset: int) -> "SamplingParams":
+    def with_seed_offset(self, offset: int) -> "WireSampling":
         """The params of choice ``offset`` of a seeded request with several choices: ``seed +
         offset`` (stepping down where that would leave the int64 range), so that choices differ
         yet each is reproducible."""
@@ -92,7 +96,7 @@ class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     req_id: str
     token_ids: list[int]  # prompt, then any output already generated
     num_prompt_tokens: int
-    sampling: SamplingParams
+    sampling: WireSampling
     block_ids: list[int]
     num_computed_tokens: int = 0
     # False for beams: the scheduler picks each beam's next token and sends it (``new_token_ids``)
@@ -279,7 +283,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     """
 
     req_id: str
-    sampling: SamplingParams
+    sampling: WireSampling
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -316,7 +320,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: WireSampling
     eos_token_id: int | None = None
     priority: int = 0
     arrival_time: float = 0.0

@@ -29,7 +29,7 @@ from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
     PoolInfo,
-    SamplingParams,
+    WireSampling,
     StepPlan,
     TextDelta,
     TokenBatch,
@@ -167,12 +167,12 @@ class LLMEngine:
         return texts
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+def generate(runner: ModelRunner, prompts: list[list[int]], params: WireSampling | list[WireSampling],
              eos_token_id: int | None = None, **engine_options) -> list[list[int]]:
     """Token ids in, each request's generated token ids out, through the real scheduler (token
     budget, preemption, prefix caching): the in-process path of the benchmarks and of
     calibration. ``engine_options``: ``EngineCore``'s keyword arguments."""
-    if isinstance(params, SamplingParams):
+    if isinstance(params, WireSampling):
         params = [params] * len(prompts)
     core = EngineCore(runner, **engine_options)
     outputs: dict[str, list[int]] = {}

@@ -19,7 +19,7 @@ from folio.shared.config import RuntimeConfig
 from folio.core.kv.allocator import BlockAllocator
 from folio.core.kv.steplog import StepLog
 from folio.core.kv.tiers import HEADER_BYTES, DiskTier, TierCostModel
-from folio.shared.messages import KVAllocate, KVConfirm, KVFree, SamplingParams
+from folio.shared.messages import KVAllocate, KVConfirm, KVFree, WireSampling
 from folio.testing.backhalf import back_half
 
 LAYOUT = "ab" * 16
@@ -173,7 +173,7 @@ def test_the_replica_and_the_owner_take_the_same_tier_decisions():
 
 
 # ---------------------------------------------------------------------- served, on a tiny model
-GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+GREEDY = WireSampling(temperature=0.0, max_tokens=4, ignore_eos=True)
 BS = 4
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from folio.core.kv.block_hash import kv_salt
-from folio.shared.messages import EngineRequest, SamplingParams
+from folio.shared.messages import EngineRequest, WireSampling
 
 
 class Status(str, Enum):
@@ -33,7 +33,7 @@ class Status(str, Enum):
 class Request:
     req_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: WireSampling
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
@@ -75,7 +75,7 @@ class Request:
     num_pending: int = 0
 
     @staticmethod
-    def from_message(msg: EngineRequest, req_id: str | None = None, sampling: SamplingParams | None = None) -> "Request":
+    def from_message(msg: EngineRequest, req_id: str | None = None, sampling: WireSampling | None = None) -> "Request":
         sampling = sampling or msg.sampling
         return Request(
             req_id=req_id or msg.req_id,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from folio.shared.messages import Grammar, SamplingParams
+from folio.shared.messages import Grammar, WireSampling
 
 MAX_READY_KEYS = 256  # the executor's LRU (``masks.MAX_CACHED_GRAMMARS``)
 
@@ -33,7 +33,7 @@ class Constrained(Protocol):
     """What the gate reads and sets on a request (the scheduler's ``Request``)."""
 
     req_id: str
-    sampling: SamplingParams
+    sampling: WireSampling
     grammar_ready: bool  # set here once its grammar is known compiled
 
 

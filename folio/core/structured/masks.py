@@ -2,7 +2,7 @@
 request, and the allowed-token mask.
 
 The tokenizer service checks each request's spec (``grammar.py``) and sends it in
-``SamplingParams.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
+``WireSampling.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
 (an LRU), with xgrammar's dynamic compilation, in a worker thread beside the steps. The scheduler
 names each grammar it has not seen compiled in a step plan (``StepPlan.grammars``: ``watch``) and
 holds back the token its request samples first until a step result names the key ready

@@ -43,7 +43,7 @@ from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
 from folio.core.structured.masks import GrammarStore, advance, apply_grammar_masks, compile_error
 from folio.shared import startup
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
+from folio.shared.messages import NewRequestData, WireSampling, StepPlan, StepResult, TokenLogprobs
 
 
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
@@ -52,7 +52,7 @@ LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max
 class RequestState:
     """What the runner keeps of a request besides its row of the persistent batch."""
 
-    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: SamplingParams, append_sampled: bool):
+    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: WireSampling, append_sampled: bool):
         self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
         self.append_sampled = append_sampled  # False for beams: the scheduler sends their tokens
         self.prompt_logprobs: list[TokenLogprobs | None] = []
