@@ -121,7 +121,7 @@ def test_copy_blocks_and_swap_roundtrip(cuda_backend_cls):
 def test_fp8_pool_write_and_attend(cuda_backend_cls, dtype):
     """An e4m3 pool: write_kv bit for bit as the torch backend, decode and chunks (split and
     unsplit) against the torch backend dequantizing the same pool."""
-    from folio.core.executor.quant.kv_quant import FP8_DTYPE
+    from folio.core.executor.kernels.kv_quant import FP8_DTYPE
 
     step = make_fp8_step([1, 9, 1, 30], [700, 9, 40, 1100], dtype, num_heads=8, num_kv_heads=2, head_dim=128,
                          block_size=16, device="cuda")

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import zmq
 
-from folio.core.executor.quant.kv_quant import scales_fingerprint
+from folio.core.executor.kernels.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
 from folio.shared.messages import TransferHandle
 

@@ -30,7 +30,7 @@ from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
 from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
@@ -153,8 +153,10 @@ class ModelRunner:
                                     batch_invariant=config.batch_invariant)
         if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
             from folio.core.executor.kernels.gemm_kernels import make_linears_batch_invariant
+            from folio.core.executor.quant.gpu import AwqLinear
 
-            make_linears_batch_invariant(self.model)  # the projections and the LM head off cuBLAS
+            # the projections and the LM head off cuBLAS; W4A16 layers in their own invariant mode
+            make_linears_batch_invariant(self.model, own_mode=(AwqLinear,))
         for module in self.model.modules():  # the layers whose kernels change order with the call's rows
             if isinstance(module, (PackedLinear, QuantLMHead)):
                 module.batch_invariant = config.batch_invariant

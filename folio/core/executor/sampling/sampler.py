@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from folio.core.executor.kernels import cpu_kernels
-from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, NUM_PARAMS, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
+from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, NUM_PARAMS, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
 from folio.core.executor.sampling.penalties import has_penalties, neutral_zero, tensors_from_rows
 from folio.core.executor.sampling.philox import draw_seed, seed_words, uniforms
 from folio.core.structured.masks import apply_grammar_masks
