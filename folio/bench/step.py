@@ -23,25 +23,21 @@ import contextlib
 import cProfile
 import os
 import pstats
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
 
-from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
-from folio.shared.config import RuntimeConfig  # noqa: E402
-from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan  # noqa: E402
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
+GREEDY = WireSampling(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+SAMPLED = WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
                          repetition_penalty=1.1, max_tokens=1 << 20, ignore_eos=True)
 PROMPT_LEN, BLOCK_SIZE = 16, 16
 # the issue's SmolLM2 case: temperature 0.8, top-p 0.95 and a presence penalty
-SMOLLM_SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, max_tokens=1 << 20,
+SMOLLM_SAMPLED = WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.5, max_tokens=1 << 20,
                                 ignore_eos=True)
 
 
@@ -98,7 +94,7 @@ def null_runner(folder: str, device: str, max_num_seqs: int) -> ModelRunner:
     return runner
 
 
-def decode_steps(runner: ModelRunner, batch: int, params: SamplingParams, steps: int, profile: cProfile.Profile | None):
+def decode_steps(runner: ModelRunner, batch: int, params: WireSampling, steps: int, profile: cProfile.Profile | None):
     """Prefill ``batch`` prompts, then time ``steps`` decode steps; returns seconds per step."""
     rng = torch.Generator().manual_seed(batch)
     ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -220,9 +216,9 @@ def constrained_step(runner: ModelRunner, args, greedy_s: float) -> None:
 
     import msgspec
 
-    from folio.shared.grammar import check_spec
+    from folio.core.structured.grammar import check_spec
     from folio.shared.messages import GuidedSpec
-    from scripts.bench_structured import SCHEMA
+    from folio.bench.structured import SCHEMA
 
     grammar = check_spec(GuidedSpec(kind="json_schema", spec=json.dumps(SCHEMA)))
     runner.grammars.prepare(grammar).result()
@@ -253,7 +249,7 @@ def run_cuda_1b(args) -> None:
                 prompts = [[(i * 7 + j) % 49152 for j in range(128)] for i in range(batch)]
                 for params in (GREEDY, SAMPLED):
                     def once(n, p=params):
-                        p = SamplingParams(**{**{f: getattr(p, f) for f in p.__struct_fields__}, "max_tokens": n})
+                        p = WireSampling(**{**{f: getattr(p, f) for f in p.__struct_fields__}, "max_tokens": n})
                         torch.cuda.synchronize()
                         t0 = time.perf_counter()
                         generate(runner, prompts, p)
@@ -269,7 +265,7 @@ def run_cuda_1b(args) -> None:
             torch.cuda.empty_cache()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5,
@@ -286,7 +282,7 @@ def main() -> None:
                         help="also SmolLM2 with --batch-invariant and without, in turns (decode and prefill)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the step's small ops never wait on a busy core)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     greedy_256 = run_null(args) if not args.skip_null else float("nan")
     if args.smollm:

@@ -24,17 +24,15 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from folio.core.executor.quant.kv_quant import FP8_DTYPE  # noqa: E402
-from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids  # noqa: E402
-from folio.core.executor.model.loader import load_model  # noqa: E402
-from folio.core.executor.runtime.runner import make_backend  # noqa: E402
-from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir  # noqa: E402
-from folio.core.models import resolve_model  # noqa: E402
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE
+from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
+from folio.core.executor.model.loader import load_model
+from folio.core.executor.runtime.runner import make_backend
+from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir
+from folio.core.models import resolve_model
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration; ``int8-gptq`` is the
 # label for a ``folio quantize --method int8`` folder (``int8-gptq=FOLDER``), ``int8`` the load-time one.
@@ -71,14 +69,14 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
     from folio.core.engine import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import SamplingParams
+    from folio.shared.messages import WireSampling
 
     num_seqs = len(PROMPTS)
     new = math.ceil(num_tokens / num_seqs)
     runner = ModelRunner(RuntimeConfig(quantization="none", dtype="float32", device="cpu",
                                        num_kv_blocks=num_seqs * ((new + 64) // 16 + 2)), str(path))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=new, ignore_eos=True, seed=seed + i)
+    params = [WireSampling(temperature=0.8, top_p=0.95, max_tokens=new, ignore_eos=True, seed=seed + i)
               for i in range(num_seqs)]
     outs = generate(runner, prompts, params)
     seqs = [p + o for p, o in zip(prompts, outs)]
@@ -156,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from scripts.cpu_meter import CpuMeter
+    from folio.bench.cpu_meter import CpuMeter
 
     path = resolve_model(args.model)
     meter = CpuMeter()

@@ -54,13 +54,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from folio import LLM, SamplingParams  # noqa: E402
-from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
-from folio.core.models import resolve_model  # noqa: E402
-from folio.testing.server import Server, start_server, stop_server  # noqa: E402
-from scripts.cpu_meter import CpuMeter  # noqa: E402
+from folio import LLM, SamplingParams
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
+from folio.core.models import resolve_model
+from folio.testing.server import Server, start_server, stop_server
+from folio.bench.cpu_meter import CpuMeter
 
 SECTIONS = ("throughput", "itl", "sampling", "invariance", "concurrency")  # in the order they run
 # the sampling section's sampled requests (a seed is added per request unless --no-request-seeds)
@@ -452,7 +450,7 @@ def section_itl(args, tokenizer, servers: Servers) -> None:
 
 
 # ---------------------------------------------------------------------------- main
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="all", help=f"all, or a comma list of {', '.join(SECTIONS)}")
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
@@ -471,7 +469,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--itl-chunk-tokens", type=int, default=256, help="step budget of both itl servers")
     parser.add_argument("--itl-long-prompt", type=int, default=2000, help="tokens of the long prompt")
     parser.add_argument("--itl-max-tokens", type=int, default=96, help="tokens each decoding stream generates")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     chosen = set(SECTIONS) if args.sections == "all" else set(args.sections.split(","))
     if chosen - set(SECTIONS):
         parser.error(f"unknown sections: {', '.join(sorted(chosen - set(SECTIONS)))}")
@@ -483,12 +481,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    args = parse_args()
+    args = parse_args(argv)
     hf_logging.disable_progress_bar()
     path = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -39,15 +39,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import aiohttp
+import psutil
 
-import aiohttp  # noqa: E402
-import psutil  # noqa: E402
-
-from folio.testing.faults import SERVICES, Served, start_serve, stream, workload_specs  # noqa: E402
-from scripts.bench_serving import CpuMeter, pct  # noqa: E402
+from folio.testing.faults import SERVICES, Served, start_serve, stream, workload_specs
+from folio.bench.cpu_meter import CpuMeter
+from folio.bench.serving import pct
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,14 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from folio.core.executor.kernels.attention import AttentionMetadata  # noqa: E402
-from folio.core.executor.model.moe import MoE  # noqa: E402
-from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
-from folio.shared.config import RuntimeConfig  # noqa: E402
-from folio.testing.models import write_tiny_model  # noqa: E402
-from scripts.cpu_meter import CpuMeter  # noqa: E402
+from folio.core.executor.kernels.attention import AttentionMetadata
+from folio.core.executor.model.moe import MoE
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import RuntimeConfig
+from folio.testing.models import write_tiny_model
+from folio.bench.cpu_meter import CpuMeter
 
 CONTEXT, BLOCK = 64, 16
 
@@ -78,7 +75,7 @@ def step_ms(steps: int, *runs) -> list[float]:
     return [1000 * statistics.median(t) for t in times]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=64)
@@ -86,7 +83,7 @@ def main() -> None:
     ap.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size I")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--profile", action="store_true", help="print the MoE step's operations (torch profiler)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the comparison is of work, not of thread scaling on a shared machine
     shape = dict(vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=2 * CONTEXT)

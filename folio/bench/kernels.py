@@ -32,10 +32,8 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from folio.core.executor.kernels.attention import AttentionMetadata  # noqa: E402
-from folio.core.executor.kernels.cuda_backend import CudaAttentionBackend  # noqa: E402
+from folio.core.executor.kernels.attention import AttentionMetadata
+from folio.core.executor.kernels.cuda_backend import CudaAttentionBackend
 
 DTYPE, BLOCK_SIZE, NUM_KV_HEADS = torch.bfloat16, 16, 8
 
@@ -183,7 +181,7 @@ def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
     from folio.core.engine import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import SamplingParams
+    from folio.shared.messages import WireSampling
     from folio.testing.models import write_tiny_model
 
     folder = tempfile.mkdtemp(prefix="folio-bench-model-")
@@ -191,14 +189,14 @@ def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 32000, (prompt_len,), generator=gen).tolist() for _ in range(num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = WireSampling(temperature=0.0, max_tokens=max_tokens)
     result = {}
     for name in ("torch", "cuda"):
         blocks = num_prompts * math.ceil((prompt_len + max_tokens) / 16) + 8
         config = RuntimeConfig(device="cuda", dtype="bfloat16", num_kv_blocks=blocks, block_size=16,
                                attention_backend=name)
         runner = ModelRunner(config, folder)
-        generate(runner, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm up, compile
+        generate(runner, prompts[:2], WireSampling(temperature=0.0, max_tokens=4))  # warm up, compile
         torch.cuda.synchronize()
         start = time.perf_counter()
         outputs = generate(runner, prompts, params, max_num_batched_tokens=512)
@@ -220,13 +218,13 @@ def others_cpu_share(start_cpu: dict, seconds: float) -> float:
     return max(0.0, busy - mine) / (seconds * psutil.cpu_count())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     parser.add_argument("--e2e", action="store_true", help="also greedy tokens/s of the in-process driver")
     parser.add_argument("--max-kv-gib", type=float, default=16.0)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     start_cpu = {"all": psutil.cpu_times(), "mine": sum(psutil.Process().cpu_times()[:2])}

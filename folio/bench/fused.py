@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelLayerOps  # noqa: E402
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelLayerOps
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD = 2048, 8192, 32, 8, 64
 DTYPE = torch.bfloat16
@@ -82,10 +79,10 @@ def cases(n: int, ops: KernelLayerOps):
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from folio.core.executor.kernels.cuda_backend import CupyLauncher
 
     ops = KernelLayerOps(CupyLauncher())

@@ -32,20 +32,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import msgspec
+import zmq
+import zmq.asyncio
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-import zmq.asyncio  # noqa: E402
+from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints
+from folio.shared.loops import QUIET, freeze_heap, serve_admin
+from folio.shared.messages import AbortRequest, EngineRequest, TokenBatch, TokenDelta
+from folio.shared.transport import Decoder, encode, make_socket
 
-from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints  # noqa: E402
-from folio.shared.loops import QUIET, freeze_heap, serve_admin  # noqa: E402
-from folio.shared.messages import AbortRequest, EngineRequest, TokenBatch, TokenDelta  # noqa: E402
-from folio.shared.transport import Decoder, encode, make_socket  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 # what every stream says, over and over: accents, CJK and an emoji split over several tokens
 SCRIPT_TEXT = " Streams of text — naïve café, 数据流 and 🚀 rockets, again and again."
 PROMPT = "Tell me a story about streams."
@@ -146,7 +142,7 @@ class Services:
             # with a profile folder, each service runs under cProfile (written when it stops)
             profile = ["-m", "cProfile", "-o", f"{profile_dir}/{name}.prof"] if profile_dir else []
             self.procs[name] = subprocess.Popen(
-                [sys.executable, *profile, "-m", "folio.cli.main", "run", name, *common, *extra], cwd=ROOT, env=env)
+                [sys.executable, *profile, "-m", "folio.cli.main", "run", name, *common, *extra], env=env)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until the gateway's /ready says every service answers (the backend must be running)."""
@@ -328,7 +324,7 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
     walking transformers' objects holds the backend's steps back (the script does; a test leaves
     its own process alone)."""
     from folio.core.models import resolve_model
-    from folio.shared.text import TextTokenizer
+    from folio.core.tokenizer.text import TextTokenizer
 
     tokenizer = TextTokenizer(resolve_model(model))
     token_ids = tokenizer.hf.encode(SCRIPT_TEXT, add_special_tokens=False)
@@ -347,9 +343,9 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
         steps_before, late_before = backend.num_steps, backend.num_late_steps
         backend.request_times.clear()
         client = await asyncio.create_subprocess_exec(
-            sys.executable, str(Path(__file__).resolve()), "--client", "--port", str(services.port),
+            sys.executable, "-m", "folio.bench.streams", "--client", "--port", str(services.port),
             "--num-streams", str(num_streams), "--max-tokens", str(max_tokens), "--model", model,
-            "--timeout", str(timeout_s), stdout=asyncio.subprocess.PIPE, cwd=ROOT)
+            "--timeout", str(timeout_s), stdout=asyncio.subprocess.PIPE)
         out, _ = await client.communicate()
         cpu_after = services.cpu_seconds()
         cpu_after["backend (this process)"] = time.process_time() - own_before
@@ -380,14 +376,14 @@ def _children_cpu() -> float:
 
 def _cpu_meter():
     try:
-        from scripts.cpu_meter import CpuMeter
+        from folio.bench.cpu_meter import CpuMeter
 
         return CpuMeter()
     except ImportError:  # psutil is a test extra
         return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-streams", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -398,7 +394,7 @@ def main() -> int:
                         help="run the gateway and tokenizer under cProfile, writing DIR/{gateway,tokenizer}.prof")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.client:
         return _client_main(args)
     if args.profile:

@@ -21,17 +21,14 @@ the ratio, and the mean accepted length (tokens per verification: accepted draft
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from folio.core.engine import EngineCore  # noqa: E402
-from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
-from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir  # noqa: E402
-from folio.shared.messages import EngineRequest, SamplingParams  # noqa: E402
-from folio.core.models import resolve_model, truncate_layers  # noqa: E402
+from folio.core.engine import EngineCore
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir
+from folio.shared.messages import EngineRequest, WireSampling
+from folio.core.models import resolve_model, truncate_layers
 
 DOCUMENT = (
     "The harbor town of Westmere keeps three lighthouses. The north light was built in 1821 from grey "
@@ -63,7 +60,7 @@ def decode_rate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, 
     outputs: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(req_id=f"b{i}", prompt_token_ids=p, eos_token_id=eos,
-                                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+                                         sampling=WireSampling(temperature=0.0, max_tokens=max_tokens)))
     t0 = tokens0 = None
     while (deltas := engine.step()) is not None:
         for d in deltas:
@@ -77,14 +74,14 @@ def decode_rate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, 
     return tokens / elapsed, accepted, [outputs[f"b{i}"] for i in range(len(prompts))]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--batch", type=int, default=8, help="the larger batch (the other is 1)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
     parser.add_argument("--draft-layers", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     path = str(resolve_model(args.model))

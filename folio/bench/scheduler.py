@@ -30,16 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zmq
+import zmq.asyncio
 
-import zmq  # noqa: E402
-import zmq.asyncio  # noqa: E402
-
-from scripts.cpu_meter import CpuMeter  # noqa: E402
-from folio.shared.config import Endpoints  # noqa: E402
-from folio.shared.messages import (  # noqa: E402
+from folio.bench.cpu_meter import CpuMeter
+from folio.shared.config import Endpoints
+from folio.shared.messages import (
     AdminReply,
     AdminRequest,
     EngineRequest,
@@ -50,7 +47,7 @@ from folio.shared.messages import (  # noqa: E402
     StepResult,
     TokenBatch,
 )
-from folio.shared.transport import Decoder, encode, make_socket, recv_multipart  # noqa: E402
+from folio.shared.transport import Decoder, encode, make_socket, recv_multipart
 
 EPOCH = "bench"
 
@@ -216,21 +213,20 @@ def in_process(args) -> None:
     print("  per step, on the wire: " + ", ".join(f"{name} {n / num_steps:.0f} bytes" for name, n in sizes.items()))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--scheduler-args", default="", help="more flags for the scheduler")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     run_dir = tempfile.mkdtemp(prefix="folio-bs-", dir="/tmp")
     env = {**os.environ, "FOLIO_RUN_DIR": run_dir}
-    root = Path(__file__).resolve().parents[1]
     scheduler_flags = ["--max-num-seqs", str(args.num_requests), "--max-num-batched-tokens", "8192",
                        *args.scheduler_args.split()]
     procs = [subprocess.Popen([sys.executable, "-m", f"folio.services.{name}.main", "--log-level", "warning", *flags],
-                              cwd=root, env=env)
+                              env=env)
              for name, flags in (("kvmanager", []), ("scheduler", scheduler_flags))]
     try:
         asyncio.run(run(args, Endpoints.ipc(run_dir)))

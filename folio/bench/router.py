@@ -27,17 +27,13 @@ import signal
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from bench_serving import CpuMeter  # noqa: E402
-from folio.shared.config import DEFAULT_MODEL_NAME  # noqa: E402
-from folio.core.models import resolve_model  # noqa: E402
-from folio.testing.routerstack import Replica, start_router  # noqa: E402
+from folio.bench.cpu_meter import CpuMeter
+from folio.shared.config import DEFAULT_MODEL_NAME
+from folio.core.models import resolve_model
+from folio.testing.routerstack import Replica, start_router
 
 TOPICS = ["harbour", "orchard", "observatory", "bakery", "railway", "museum", "vineyard", "glacier",
           "lighthouse", "monastery", "brewery", "aquarium"]
@@ -106,7 +102,7 @@ def cache_counters(replicas: list[Replica]) -> list[tuple[int, int]]:
             for s in (r.admin("kvmanager", "stats") for r in replicas)]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--groups", type=int, default=4, help="conversations, each with its own system prompt")
@@ -115,7 +111,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="per replica (default: room for a bit more than half the groups' prefixes)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     model = str(resolve_model(args.model))

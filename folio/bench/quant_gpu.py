@@ -14,28 +14,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from folio.core.executor.quant.formats import quantize_int4  # noqa: E402
-from folio.core.executor.quant.gpu import AwqLinear, Fp8Linear, cupy_launcher  # noqa: E402
-from scripts.bench_fused import time_us  # noqa: E402
+from folio.core.executor.quant.formats import quantize_int4
+from folio.core.executor.quant.gpu import AwqLinear, Fp8Linear, cupy_launcher
+from folio.bench.fused import time_us
 
 HIDDEN, INTER, Q_SIZE, KV_SIZE = 2048, 8192, 2048, 512
 SHAPES = {"qkv": (Q_SIZE + 2 * KV_SIZE, HIDDEN), "o": (HIDDEN, Q_SIZE), "gate_up": (2 * INTER, HIDDEN),
           "down": (HIDDEN, INTER)}  # name -> (out, in)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--group-size", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     launcher = cupy_launcher(device)
     fp8 = torch.cuda.get_device_capability() >= (8, 9)

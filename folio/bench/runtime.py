@@ -13,19 +13,15 @@ folio with ``--quantization none`` (fp32) and of each quantized mode with its ra
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from folio.core.engine import generate  # noqa: E402
-from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
-from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
-from folio.shared.messages import SamplingParams  # noqa: E402
-from folio.core.models import resolve_model  # noqa: E402
+from folio.core.engine import generate
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
+from folio.shared.messages import WireSampling
+from folio.core.models import resolve_model
 
 WORDS = "the a river mountain city code model light quiet storm paper engine story garden".split()
 
@@ -40,7 +36,7 @@ def make_prompts(tokenizer, batch: int) -> list[list[int]]:
 
 def time_folio(runner, prompts, new_tokens: int) -> float:
     def once(n):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        params = WireSampling(temperature=0.0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
         generate(runner, prompts, params)
         return time.perf_counter() - t0
@@ -60,7 +56,7 @@ def time_hf(hf, prompts, new_tokens: int) -> float:
     return once(new_tokens) - once(1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -69,9 +65,9 @@ def main() -> None:
                         help="modes timed against fp32 (--quantization none) in the same run")
     parser.add_argument("--no-transformers", action="store_true", help="leave the transformers column out")
     parser.add_argument("--repeats", type=int, default=3, help="timings per mode and batch; the fastest counts")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    from scripts.cpu_meter import CpuMeter
+    from folio.bench.cpu_meter import CpuMeter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     meter = CpuMeter()

@@ -13,22 +13,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from folio.core.engine import EngineCore  # noqa: E402
-from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
-from folio.core.models import prepare_default_model  # noqa: E402
-from folio.shared.config import RuntimeConfig  # noqa: E402
-from folio.shared.messages import EngineRequest, SamplingParams  # noqa: E402
-from folio.testing.lora import write_peft_adapter  # noqa: E402
-from scripts.cpu_meter import CpuMeter  # noqa: E402
+from folio.core.engine import EngineCore
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.models import prepare_default_model
+from folio.shared.config import RuntimeConfig
+from folio.shared.messages import EngineRequest, WireSampling
+from folio.testing.lora import write_peft_adapter
+from folio.bench.cpu_meter import CpuMeter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -37,7 +34,7 @@ def throughput(runner: ModelRunner, names: list[str | None], streams: int, promp
                tag: str) -> float:
     """Tokens/s of ``streams`` requests (request i on adapter ``names[i % len(names)]``)."""
     core = EngineCore(runner, max_num_seqs=streams, max_num_batched_tokens=2048, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = WireSampling(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(streams):
         prompt = [(31 * i + 7 * j) % 40000 + 100 for j in range(prompt_len)]
         assert not core.add_request(EngineRequest(req_id=f"{tag}{i}", prompt_token_ids=prompt, sampling=params,
@@ -51,7 +48,7 @@ def throughput(runner: ModelRunner, names: list[str | None], streams: int, promp
     return (streams * prompt_len + tokens) / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=8)
@@ -60,7 +57,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     smol = str(prepare_default_model(quiet=True))

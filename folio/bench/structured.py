@@ -14,23 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import msgspec
+import torch
 
-import msgspec  # noqa: E402
-import torch  # noqa: E402
-
-from scripts.bench_serving import CpuMeter  # noqa: E402
-from folio.core.engine import generate  # noqa: E402
-from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
-from folio.core.executor.sampling.structured import apply_grammar_masks  # noqa: E402
-from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
-from folio.shared.grammar import check_spec  # noqa: E402
-from folio.shared.messages import GuidedSpec, SamplingParams  # noqa: E402
-from folio.core.models import resolve_model  # noqa: E402
+from folio.bench.cpu_meter import CpuMeter
+from folio.core.engine import generate
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.structured.masks import apply_grammar_masks
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
+from folio.core.structured.grammar import check_spec
+from folio.shared.messages import GuidedSpec, WireSampling
+from folio.core.models import resolve_model
 
 # long enough that no row completes its structure within the measured tokens
 SCHEMA = {"type": "object", "properties": {
@@ -40,7 +36,7 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "notes", "rating"]}
 
 
-def decode_step_times(runner, prompts, params: SamplingParams, new_tokens: int) -> list[float]:
+def decode_step_times(runner, prompts, params: WireSampling, new_tokens: int) -> list[float]:
     times: list[float] = []
     execute = runner.execute
 
@@ -69,12 +65,12 @@ def mask_parts(runner, grammar, batch: int, steps: int = 10) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=24)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = resolve_model(args.model)
     runner = ModelRunner(RuntimeConfig(num_kv_blocks=args.batch * 8), path)
@@ -88,7 +84,7 @@ def main() -> None:
     prompts = [hf.encode(text.format(w))[:24] for w in ("a river", "a city", "a storm", "a garden") * (args.batch // 4)]
     prompts += prompts[: args.batch - len(prompts)]
     meter = CpuMeter()
-    plain = SamplingParams(temperature=0.0, ignore_eos=True)
+    plain = WireSampling(temperature=0.0, ignore_eos=True)
     guided = msgspec.structs.replace(plain, grammar=grammar)
     decode_step_times(runner, prompts[:4], guided, 2)  # warm-up
     free_steps, constrained_steps = [], []

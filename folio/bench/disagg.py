@@ -67,7 +67,7 @@ def cuda_ipc(num_blocks: int, reps: int) -> dict:
     if not torch.cuda.is_available():
         return {"unmeasured": "no GPU here"}
     import multiprocessing as mp
-    from folio.shared.kv.handle import TransferHandle
+    from folio.shared.messages import TransferHandle
     dev = torch.device("cuda")
     a = torch.empty(num_blocks * SHAPE.bytes_per_block, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)

@@ -24,18 +24,14 @@ import argparse
 import asyncio
 import shutil
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from folio.core.executor.runtime.runner import ModelRunner  # noqa: E402
-from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig  # noqa: E402
-from folio.shared.messages import SamplingParams, TokenBatch  # noqa: E402
-from folio.core.models import resolve_model  # noqa: E402
-from folio.shared.transport import Decoder  # noqa: E402
-from folio.testing.backhalf import back_half  # noqa: E402
+from folio.core.executor.runtime.runner import ModelRunner
+from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
+from folio.shared.messages import TokenBatch, WireSampling
+from folio.core.models import resolve_model
+from folio.shared.transport import Decoder
+from folio.testing.backhalf import back_half
 
 # the back half's limits (its pool is the runner's, made in main)
 LIMITS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)
@@ -50,7 +46,7 @@ QUESTIONS = ["When does the library open?", "Where are the maps?", "How many boo
 
 async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[int]], caching: bool) -> list[float]:
     """Serve ``prompts`` one after the other; seconds from submit to the first token of each."""
-    params = SamplingParams(temperature=0.0, max_tokens=1)
+    params = WireSampling(temperature=0.0, max_tokens=1)
     decoder, ttfts = Decoder(TokenBatch), []
     async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
         for i, prompt in enumerate(prompts):
@@ -67,7 +63,7 @@ async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[
 async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: list[int], num_samples: int,
                                   num_new: int, forked: bool, caching: bool) -> int:
     """Most device blocks in use while ``num_samples`` samples of ``prompt`` run to ``num_new`` tokens."""
-    params = SamplingParams(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
+    params = WireSampling(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
     ids = [f"s{i}" for i in range(num_samples)]
     decoder = Decoder(TokenBatch)
     async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
@@ -88,7 +84,7 @@ async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: 
 
 async def serve_once(model_path: str, runner: ModelRunner, prompt: list[int]) -> tuple[float, list[int], dict]:
     """One request on a fresh back half: seconds to its first token, its output, the kvmanager's stats."""
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = WireSampling(temperature=0.0, max_tokens=8, ignore_eos=True)
     decoder, out = Decoder(TokenBatch), []
     async with back_half(model_path, runner=runner, **LIMITS) as bh:
         t0 = time.perf_counter()
@@ -123,14 +119,14 @@ def disk_restart(model_path: str, prompt: list[int], disk_dir: str) -> None:
           f"outputs equal: {out_cold == out_warm}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=800)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-disk-dir", default=None, help="measure the disk tier across a restart instead")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     model_path = str(resolve_model(args.model))
