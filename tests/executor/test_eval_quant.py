@@ -1,16 +1,11 @@
-"""scripts/eval_quant.py as the CI quality gate, run for real on SmolLM2: the shipped configurations
-against the fp32 reference on text the model writes itself (4,183 tokens here, --num-tokens 4096;
-the full gate uses 10,240), each held to its target in eval_quant.TARGETS; and a configuration made
-worse on purpose, which the gate must fail."""
+"""The quality gate (``folio bench eval_quant``) in CI, run for real on SmolLM2: the shipped
+configurations against the fp32 reference on text the model writes itself (4,183 tokens here,
+--num-tokens 4096; the full gate uses 10,240), each held to its target in eval_quant.TARGETS; and a
+configuration made worse on purpose, which the gate must fail."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 NUM_TOKENS = "4096"  # the text length TARGETS' restated top-1 figures were measured on
 SHIPPED = ["int4", "int8", "int8-gptq", "kv-fp8"]
@@ -28,8 +23,7 @@ def table_rows(out: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_the_shipped_configurations_meet_their_targets(smollm_dir, tmp_path, capsys):
-    import eval_quant
-
+    from folio.bench import eval_quant
     from folio.cli.quantize import main as quantize
 
     # folio quantize --method int8 (GPTQ over the model's own sampled text, 2,048 tokens)
@@ -49,8 +43,7 @@ def test_the_shipped_configurations_meet_their_targets(smollm_dir, tmp_path, cap
 
 @pytest.mark.slow
 def test_a_worse_configuration_misses_its_target_and_fails_the_gate(smollm_dir, tmp_path, capsys):
-    import eval_quant
-
+    from folio.bench import eval_quant
     from folio.cli.quantize import main as quantize
 
     # int4 rounded to nearest in groups of 64 (twice the shipped group size, no fractional zero
