@@ -8,12 +8,14 @@ too: a lazy import hides a cycle from the interpreter, not from this test).
   output processing and the front door never import torch (directly or through what they import).
 - ``shared/`` holds only what crosses a socket or configures a service (``SHARED_MODULES``).
 - The core's folders depend on each other one way, in the order ``CORE_LAYERS`` declares.
+- ``pyproject.toml`` lists every package folder, so the wheel holds what the checkout does.
 - Nothing outside ``tests/`` imports ``tests``.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,6 +222,13 @@ def test_scheduler_policy_output_processing_and_front_door_never_import_torch():
     assert torchless
     bad = {m: sorted(d for d in closure(m) if "torch" in EXTERNAL[d]) for m in torchless}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_pyproject_lists_every_package():
+    """The wheel takes the packages ``pyproject.toml`` names: a folder added or moved is listed there."""
+    block = (ROOT / "pyproject.toml").read_text().split("\npackages = [", 1)[1].split("]", 1)[0]
+    listed = set(re.findall(r'"([\w.]+)"', block))
+    assert listed == {m for m, p in MODULES.items() if p.name == "__init__.py"}
 
 
 def test_nothing_outside_tests_imports_tests():
