@@ -19,6 +19,7 @@ weights over an FP8 (e4m3) KV pool whose per-layer scales are calibrated as the 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -31,22 +32,18 @@ from folio.core.executor.kernels.kv_quant import FP8_DTYPE
 from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.model.loader import load_model
 from folio.core.executor.runtime.runner import make_backend
-from folio.shared.config import DEFAULT_MODEL_NAME, cache_dir
+from folio.shared.config import DEFAULT_MODEL_NAME, batch_invariant_from_env, cache_dir
 from folio.core.models import resolve_model
 
-# (mean KLD at most, top-1 agreement at least), per kind of configuration; ``int8-gptq`` is the
-# label for a ``folio quantize --method int8`` folder (``int8-gptq=FOLDER``), ``int8`` the load-time one.
-# Three top-1 targets were 98% and are restated to what the shipped configurations measure on
-# SmolLM2-135M-Instruct with --num-tokens 4096 (4,183 teacher-forced tokens; 2026-12-04, 2-core Intel
-# Xeon), at 0.1-point steps and at least 4 tokens below the measurement:
-#   int8 (round to nearest at load time): 97.11% (4,062 of 4,183) -> 97.0%
-#   int8-gptq: 97.90% (4,095 of 4,183) -> 97.8%
-#   kv-fp8 (fp32 weights over the fp8 KV pool): 96.99% (4,057 of 4,183) -> 96.8%; with per-channel
-#   K scales and the K mean shift (kv_quant, 2026-12-05): 97.25% (4,068 of 4,183), KLD 3.26e-3
-# int4 meets its 99% there (99.26%, 4,152 of 4,183); every KLD target is met (int4 2.78e-4, int8
-# 3.39e-3, int8-gptq 1.95e-3, kv-fp8 4.05e-3 with one scale per layer).
-TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.970), "int8-gptq": (5e-3, 0.978), "awq": (0.05, 0.90),
-           "int4-g": (None, None), "kv-fp8": (5e-3, 0.968)}
+# (mean KLD at most, top-1 agreement at least), per kind of configuration: the figures of the issue
+# that set the gate (issue 14's table: int4 1e-3 and 99%, int8 and the FP8 KV cache 5e-3 and 98%,
+# AWQ 0.05 and 90%), never fitted to a run. ``int8-gptq`` is the label for a ``folio quantize
+# --method int8`` folder (``int8-gptq=FOLDER``), ``int8`` the load-time one; both are int8.
+# On SmolLM2-135M-Instruct the three 98% top-1 targets are missed on the 4,183-token text (2026-12-04
+# and -05, 2-core Intel Xeon: int8 97.11%, int8-gptq 97.90%, kv-fp8 97.25%); GPTQ meets it on the
+# full 10,327 tokens (98.47%). Every KLD target is met (docs/quantization.md has the figures).
+TARGETS = {"int4": (1e-3, 0.99), "int8": (5e-3, 0.98), "int8-gptq": (5e-3, 0.98), "awq": (0.05, 0.90),
+           "int4-g": (None, None), "kv-fp8": (5e-3, 0.98)}
 PROMPTS = [
     "The history of the printing press", "def merge_sort(items):", "A recipe for a quick vegetable soup:",
     "Dear hiring manager,", "The three laws of thermodynamics say", "Once upon a time in a northern forest,",
@@ -57,13 +54,45 @@ PROMPTS = [
 ]
 
 
+# how the reference samples its text (a change of either makes a new text, so a new cache entry)
+TEMPERATURE, TOP_P = 0.8, 0.95
+
+
 def model_tag(path: Path) -> str:
     return path.name.replace("/", "_")
 
 
+def sampler_version() -> str:
+    """A digest of the code that turns the reference's logits into tokens: the sampler, its seeded
+    uniforms (Philox) and the C kernel that samples on the CPU. A change to any of them can change
+    the seeded text, so it keys the cache."""
+    from folio.core.executor import sampling
+    from folio.core.executor.kernels import cpu_kernels
+
+    files = sorted(Path(sampling.__file__).parent.glob("*.py")) + [cpu_kernels.CSRC / "sampler.c"]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def reference_key(path: Path, num_tokens: int, seed: int, batch_invariant: bool) -> str:
+    """What the reference text depends on: the model (its files' names and sizes), the prompts and
+    the sampling parameters, the sampler's code, whether the reference ran batch-invariant (its
+    logits take other kernels, hence other tokens where two are close), torch's version and threads."""
+    model_files = sorted((f.name, f.stat().st_size) for f in path.iterdir() if f.is_file())
+    parts = {"model": model_files, "num_tokens": num_tokens, "seed": seed, "prompts": PROMPTS,
+             "sampling": [TEMPERATURE, TOP_P], "sampler": sampler_version(), "batch_invariant": batch_invariant,
+             "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
 def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> list[list[int]]:
-    """Seeded samples of the reference model continuing PROMPTS; about ``num_tokens`` in all."""
-    cache = cache_dir() / "eval" / f"{model_tag(path)}-{num_tokens}-{seed}.json"
+    """Seeded samples of the reference model continuing PROMPTS; about ``num_tokens`` in all; cached
+    under the folio cache folder, keyed by everything that changes them (``reference_key``)."""
+    batch_invariant = batch_invariant_from_env()
+    key = reference_key(path, num_tokens, seed, batch_invariant)
+    cache = cache_dir() / "eval" / f"{model_tag(path)}-{num_tokens}-{seed}-{key}.json"
     if cache.exists():
         return json.loads(cache.read_text())
     from folio.core.engine import generate
@@ -74,9 +103,10 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
     num_seqs = len(PROMPTS)
     new = math.ceil(num_tokens / num_seqs)
     runner = ModelRunner(RuntimeConfig(quantization="none", dtype="float32", device="cpu",
-                                       num_kv_blocks=num_seqs * ((new + 64) // 16 + 2)), str(path))
+                                       num_kv_blocks=num_seqs * ((new + 64) // 16 + 2),
+                                       batch_invariant=batch_invariant), str(path))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    params = [WireSampling(temperature=0.8, top_p=0.95, max_tokens=new, ignore_eos=True, seed=seed + i)
+    params = [WireSampling(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=new, ignore_eos=True, seed=seed + i)
               for i in range(num_seqs)]
     outs = generate(runner, prompts, params)
     seqs = [p + o for p, o in zip(prompts, outs)]
