@@ -20,22 +20,22 @@ import time
 from collections import deque
 
 from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.kv.window import all_layers_window
 from folio.core.scheduler.exchange import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import scheduler_stats
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
-from folio.core.kv.window import all_layers_window
+from folio.core.tokenizer.text import TextTokenizer
 from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
     PoolInfo,
-    WireSampling,
     StepPlan,
     TextDelta,
     TokenBatch,
     TokenDelta,
+    WireSampling,
 )
-from folio.core.tokenizer.text import TextTokenizer
 
 
 class EngineCore:

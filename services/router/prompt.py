@@ -21,8 +21,8 @@ from pathlib import Path
 
 import structlog
 
-from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
 from folio.core.tokenizer.text import TextTokenizer
+from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
 
 log = structlog.get_logger()
 

@@ -34,9 +34,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
-from folio.shared.config import TokenizerConfig
 from folio.core.structured.grammar import GrammarChecker, GrammarError
+from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.text import RequestError, TextTokenizer
+from folio.shared.config import TokenizerConfig
 from folio.shared.loops import close_sockets, serve_admin, serve_pull
 from folio.shared.messages import (
     AbortRequest,
@@ -49,7 +50,6 @@ from folio.shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
-from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.shared.tracing import now_ns, setup as tracing_setup
 from folio.shared.transport import Decoder, encode, make_socket
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from folio.shared.messages import WireSampling, TokenLogprobs
+from folio.shared.messages import TokenLogprobs, WireSampling
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from folio.core.executor.runtime.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, WireSampling, StepPlan
+from folio.shared.messages import NewRequestData, StepPlan, WireSampling
 from tests.executor.toy_driver import generate
 
 PROMPTS = [[5, 9, 14, 2, 77, 3], list(range(10, 50)), [101], [7] * 19, [60, 61, 62, 63, 64, 65, 66, 67, 68]]

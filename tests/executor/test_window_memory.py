@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.shared.config import RuntimeConfig
 from folio.core.kv.allocator import cdiv
+from folio.shared.config import RuntimeConfig
 from folio.shared.messages import WireSampling
 from folio.testing.backhalf import back_half
 from folio.testing.models import write_tiny_model

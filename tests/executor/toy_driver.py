@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.shared.messages import NewRequestData, RunningRequestData, WireSampling, StepPlan
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
 
 
 @dataclass

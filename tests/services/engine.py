@@ -12,7 +12,7 @@ import msgspec
 from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import EngineRequest, WireSampling, StepPlan, TokenDelta
+from folio.shared.messages import EngineRequest, StepPlan, TokenDelta, WireSampling
 from tests.services.kv_owner import Owner
 
 

@@ -14,11 +14,11 @@ import torch
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_tiers import pool_layout_id
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.core.kv.block_hash import chain_block_hashes
-from folio.shared.config import RuntimeConfig
 from folio.core.kv.allocator import BlockAllocator
+from folio.core.kv.block_hash import chain_block_hashes
 from folio.core.kv.steplog import StepLog
 from folio.core.kv.tiers import HEADER_BYTES, DiskTier, TierCostModel
+from folio.shared.config import RuntimeConfig
 from folio.shared.messages import KVAllocate, KVConfirm, KVFree, WireSampling
 from folio.testing.backhalf import back_half
 

@@ -16,9 +16,9 @@ from folio.shared.messages import (
     Grammar,
     KVConfirm,
     PoolInfo,
-    WireSampling,
     StepResult,
     TokenDelta,
+    WireSampling,
 )
 from tests.services.kv_owner import Owner
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.core.scheduler.policy import Scheduler
-from folio.shared.messages import EngineRequest, PoolInfo, WireSampling, StepResult
+from folio.shared.messages import EngineRequest, PoolInfo, StepResult, WireSampling
 from tests.services.kv_owner import Owner
 
 

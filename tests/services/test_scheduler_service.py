@@ -10,7 +10,7 @@ import structlog
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling, TokenBatch
+from folio.shared.messages import TokenBatch, WireSampling
 from folio.shared.transport import Decoder, encode
 from tests.executor.toy_driver import generate
 from folio.testing.backhalf import back_half

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from folio.core.structured.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
-from folio.shared.messages import AbortRequest, GuidedSpec, WireSampling, TokenBatch  # noqa: E402
+from folio.shared.messages import AbortRequest, GuidedSpec, TokenBatch, WireSampling  # noqa: E402
 from folio.shared.transport import Decoder, encode  # noqa: E402
 from folio.testing.backhalf import back_half  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402

@@ -92,7 +92,7 @@ def test_max_tokens_mid_structure_finishes_with_length(chat_model, tok, grammars
 def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import NewRequestData, WireSampling, StepPlan
+    from folio.shared.messages import NewRequestData, StepPlan, WireSampling
 
     config = RuntimeConfig(num_kv_blocks=16, block_size=16, device="cpu", dtype="float32",
                            speculative_model="ngram", num_speculative_tokens=3)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
-from folio.shared.messages import GenerateRequest, WireSampling, TokenBatch, TokenDelta, TokenLogprobs
+from folio.shared.messages import GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs, WireSampling
 from tests.services.frontend import text_tokenizer
 
 PIECES = ["Hello", " 😀", " 世界", " café", " —", " naïve", " 🧑‍🚀", " END", "\n", " stop", "ST", "OP", " ∑", "日本語"]

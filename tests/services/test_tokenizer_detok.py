@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from folio.core.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
-from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling, TokenBatch, TokenDelta, TokenLogprobs
 from folio.core.tokenizer.text import RequestError
+from folio.shared.messages import ChatMessage, GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs, WireSampling
 from tests.services.frontend import text_tokenizer
 
 MIXED = "Hello 😀 世界 café — naïve 🧑‍🚀 done.\n  Indented ∑ 日本語のテキスト"

@@ -24,11 +24,11 @@ from folio.shared.messages import (
     ChatMessage,
     EngineRequest,
     GenerateRequest,
-    WireSampling,
     TextBatch,
     TokenBatch,
     TokenDelta,
     ToolCall,
+    WireSampling,
 )
 from folio.shared.transport import Decoder, encode, make_socket
 from tests.services.frontend import admin_call, short_run_dir, text_tokenizer

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from folio.core.scheduler.beam import BeamSearch
 from folio.core.scheduler.request import Request, Status
-from folio.shared.messages import EngineRequest, KVFork, WireSampling, TokenDelta
+from folio.shared.messages import EngineRequest, KVFork, TokenDelta, WireSampling
 
 
 @dataclass(eq=False)

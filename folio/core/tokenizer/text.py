@@ -19,9 +19,9 @@ from folio.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     GenerateRequest,
-    WireSampling,
     TokenizeReply,
     TokenizeRequest,
+    WireSampling,
 )
 
 

@@ -43,7 +43,7 @@ from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
 from folio.core.structured.masks import GrammarStore, advance, apply_grammar_masks, compile_error
 from folio.shared import startup
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, WireSampling, StepPlan, StepResult, TokenLogprobs
+from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
 
 
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}

@@ -57,7 +57,7 @@ from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, NUM_PA
 from folio.core.executor.sampling.penalties import has_penalties, neutral_zero, tensors_from_rows
 from folio.core.executor.sampling.philox import draw_seed, seed_words, uniforms
 from folio.core.structured.masks import apply_grammar_masks
-from folio.shared.messages import WireSampling, TokenLogprobs
+from folio.shared.messages import TokenLogprobs, WireSampling
 
 __all__ = ["SamplingBatch", "SamplingRow", "SamplerOutput", "has_penalties", "make_generator", "position_seed",
            "process_logits", "processed_probs", "processed_probs_batch", "sample", "sample_batch",
