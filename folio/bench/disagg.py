@@ -1,14 +1,11 @@
 """Disaggregated serving's figures.
 
-1. KV transfer over tcp loopback (``kv_transfer``'s ZeroMQ backend): a sender and a receiver pool
+1. KV transfer over tcp loopback (``kv_transfer``, ZeroMQ frames): a sender and a receiver pool
    of SmolLM2-135M's layout (30 layers, 3 KV heads of 64, bf16, 16-token blocks); GB/s of block
    bytes landed in the receiver's pool, confirmations included. Target: >= 1 GB/s. Each end has a
    ZeroMQ context of its own (its own I/O thread), as two processes do; the same with one shared
    context is printed beside it.
-2. CUDA IPC against the device's own copy bandwidth (a GPU only; "unmeasured" elsewhere): a
-   sender process shares its GPU pool, the receiver copies blocks device to device; the device
-   figure is a plain ``copy_`` of the same bytes. Target: IPC >= 50% of it.
-3. Inter-token latency of 8 decode streams while 2,000-token prompts keep arriving, colocated
+2. Inter-token latency of 8 decode streams while 2,000-token prompts keep arriving, colocated
    (one ``folio serve``) against disaggregated (a prefill and a decode instance behind the
    router), in the same run: p50/p99 of the gaps between a stream's chunks. Reported, not
    targeted, on a CPU (prefill and decode share the same cores there).
@@ -61,55 +58,6 @@ def tcp_throughput(num_blocks: int, reps: int, one_context: bool = False) -> dic
     best, median = min(times), statistics.median(times)
     return {"bytes": moved, "median_s": round(median, 4), "gb_per_s_median": round(moved / median / 1e9, 2),
             "gb_per_s_best": round(moved / best / 1e9, 2)}
-
-
-def cuda_ipc(num_blocks: int, reps: int) -> dict:
-    if not torch.cuda.is_available():
-        return {"unmeasured": "no GPU here"}
-    import multiprocessing as mp
-    from folio.shared.messages import TransferHandle
-    dev = torch.device("cuda")
-    a = torch.empty(num_blocks * SHAPE.bytes_per_block, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    device_gbs = a.numel() * reps / (time.perf_counter() - t0) / 1e9
-    ctx = mp.get_context("spawn")
-    q_out, q_in = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_ipc_sender, args=(num_blocks, reps + 1, q_out, q_in))
-    proc.start()
-    try:
-        dst = KVPool(SHAPE, num_blocks, dev)
-        receiver = KVReceiver(dst, KVLayout.of(dst), backend="cuda_ipc", timeout_s=120)
-        ids = list(range(num_blocks))
-        times = []
-        for i in range(reps + 1):
-            handle = TransferHandle.from_wire(q_out.get(timeout=300))
-            t0 = time.perf_counter()
-            moved = receiver.pull(handle, ids)
-            if i:
-                times.append(time.perf_counter() - t0)
-            q_in.put("next")
-    finally:
-        q_in.put("stop")
-        proc.join(60)
-    ipc_gbs = moved / statistics.median(times) / 1e9
-    return {"device_copy_gb_per_s": round(device_gbs, 1), "cuda_ipc_gb_per_s": round(ipc_gbs, 1),
-            "ratio": round(ipc_gbs / device_gbs, 2)}
-
-
-def _ipc_sender(num_blocks, rounds, q_out, q_in):  # pragma: no cover - GPU subprocess
-    pool = KVPool(SHAPE, num_blocks, torch.device("cuda"))
-    sender = KVSender(pool, KVLayout.of(pool))
-    for _ in range(rounds):
-        q_out.put(sender.export(list(range(num_blocks))).to_wire())
-        if q_in.get(timeout=300) == "stop":
-            break
-    sender.close()
 
 
 # ---------------------------------------------------------------------- serving
@@ -200,8 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between long prompts")
     args = ap.parse_args(argv)
     result = {"tcp_loopback": tcp_throughput(args.blocks, args.reps),
-              "tcp_loopback_one_context": tcp_throughput(args.blocks, args.reps, one_context=True),
-              "cuda_ipc": cuda_ipc(args.blocks, args.reps)}
+              "tcp_loopback_one_context": tcp_throughput(args.blocks, args.reps, one_context=True)}
     print(json.dumps(result), flush=True)
     if not args.skip_serving:
         result["itl"] = serving(args)
