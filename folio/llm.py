@@ -59,7 +59,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
         from folio.core.models import resolve_model
         from folio.core.executor.runtime.runner import ModelRunner
-        from folio.shared.text import TextTokenizer
+        from folio.core.tokenizer.text import TextTokenizer
 
         lora_args = {k: engine_args.pop(k) for k in _LORA_ARGS & set(engine_args)}
         runtime, core_args = engine_configs(model, engine_args)
@@ -139,7 +139,7 @@ class LLM:
 
     def _add_all(self, prompts: list[dict], params: list[SamplingParams]) -> list[RequestBuilder]:
         """Queue every prompt; a prompt that cannot run raises ValueError and queues nothing."""
-        from folio.shared.text import RequestError
+        from folio.core.tokenizer.text import RequestError
 
         builders: list[RequestBuilder] = []
         for i, (fields, sp) in enumerate(zip(prompts, params)):

@@ -1,66 +1,10 @@
 """Quantized projections on a GPU against bf16 ``F.linear``, on the Llama-3.2-1B shape.
 
-One decoder layer's projections (hidden 2048, intermediate 8192, 32 heads, 8 KV heads, head 64:
-qkv 2048->3072, o 2048->2048, gate_up 2048->16384, down 8192->2048), summed: microseconds per
-layer (CUDA events, median of repeated runs) for bf16, AWQ W4A16 (cuda/quant_gemm.cu, group 128)
-at batch 1, 8 and 256, and FP8 weights (``torch._scaled_mm``, sm_89+ only) at batch 1 and 256,
-with each mode's speedup over bf16 in the same run. The issue's targets: AWQ at batch 1 at least
-2x bf16; FP8 at batch 256 at least 1.3x.
+An entry point: the benchmark is ``folio.bench.quant_gpu`` (``folio bench quant_gpu``)."""
 
-    python scripts/bench_quant_gpu.py [--json FILE]
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from folio.core.executor.quant.formats import quantize_int4  # noqa: E402
-from folio.core.executor.quant.gpu import AwqLinear, Fp8Linear, cupy_launcher  # noqa: E402
-from scripts.bench_fused import time_us  # noqa: E402
-
-HIDDEN, INTER, Q_SIZE, KV_SIZE = 2048, 8192, 2048, 512
-SHAPES = {"qkv": (Q_SIZE + 2 * KV_SIZE, HIDDEN), "o": (HIDDEN, Q_SIZE), "gate_up": (2 * INTER, HIDDEN),
-          "down": (HIDDEN, INTER)}  # name -> (out, in)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--group-size", type=int, default=128)
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    launcher = cupy_launcher(device)
-    fp8 = torch.cuda.get_device_capability() >= (8, 9)
-    layers = {}
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k) * 0.02
-        layers[name] = dict(k=k, bf16=w.to(device, torch.bfloat16),
-                            awq=AwqLinear(quantize_int4(w, args.group_size), None, launcher, device),
-                            fp8=Fp8Linear(w.to(device, torch.bfloat16)) if fp8 else None)
-    print(f"{torch.cuda.get_device_name()}: one 1B-shape layer's projections, bf16 activations")
-    print(f"{'mode':>5} {'batch':>5} {'bf16 us':>8} {'quant us':>9} {'speedup':>8}")
-    rows = []
-    modes = [("awq", 1), ("awq", 8), ("awq", 256)] + ([("fp8", 1), ("fp8", 256)] if fp8 else [])
-    for mode, batch in modes:
-        xs = {name: torch.randn(batch, layer["k"], device=device, dtype=torch.bfloat16)
-              for name, layer in layers.items()}
-        t_ref = sum(time_us(lambda x=xs[name], w=layer["bf16"]: F.linear(x, w)) for name, layer in layers.items())
-        t_q = sum(time_us(lambda x=xs[name], f=layer[mode]: f(x)) for name, layer in layers.items())
-        rows.append(dict(mode=mode, batch=batch, bf16_us=t_ref, quant_us=t_q, speedup=t_ref / t_q))
-        print(f"{mode:>5} {batch:>5} {t_ref:>8.1f} {t_q:>9.1f} {t_ref / t_q:>7.2f}x", flush=True)
-    if not fp8:
-        print(f"fp8: not run (compute capability {torch.cuda.get_device_capability()} < 8.9)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-
+from folio.bench.quant_gpu import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,7 +32,7 @@ import msgspec
 
 
 class Grammar(msgspec.Struct, frozen=True, kw_only=True):
-    """A structured-output spec the tokenizer checked (``shared/grammar.py``); the executor
+    """A structured-output spec the tokenizer checked (``folio/core/structured/grammar.py``); the executor
     compiles it against the vocabulary once per ``key`` (a hash of kind and spec)."""
 
     key: str
@@ -40,8 +40,12 @@ class Grammar(msgspec.Struct, frozen=True, kw_only=True):
     spec: str  # the schema as JSON text, the regex, the choices as a JSON list, the EBNF
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """How one request picks its next tokens. Defaults are OpenAI's."""
+class WireSampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How one request picks its next tokens, as the engine reads it. Defaults are OpenAI's.
+
+    Users set ``folio.core.frontdoor.SamplingParams`` (vLLM's names and defaults, checked), whose
+    ``engine_sampling`` builds this, copying the fields both name; ``grammar`` is set by the
+    tokenizer once it checked the request's spec."""
 
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -63,7 +67,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def with_seed_offset(self, offset: int) -> "SamplingParams":
+    def with_seed_offset(self, offset: int) -> "WireSampling":
         """The params of choice ``offset`` of a seeded request with several choices: ``seed +
         offset`` (stepping down where that would leave the int64 range), so that choices differ
         yet each is reproducible."""
@@ -92,7 +96,7 @@ class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     req_id: str
     token_ids: list[int]  # prompt, then any output already generated
     num_prompt_tokens: int
-    sampling: SamplingParams
+    sampling: WireSampling
     block_ids: list[int]
     num_computed_tokens: int = 0
     # False for beams: the scheduler picks each beam's next token and sends it (``new_token_ids``)
@@ -156,7 +160,7 @@ class StepPlan(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_pl
     num_placeholder_tokens: int = 0
     # disaggregated prefill: KV to pull into new requests' blocks before the step
     kv_loads: list[KVLoad] = []
-    # the disk tier (``folio.shared.kv.tiers``): before every copy above, write these blocks
+    # the disk tier (``folio.core.kv.tiers``): before every copy above, write these blocks
     # (0 device / 1 host, block id, block hash) to files; after the swap-ins, read these files
     # (device block id, block hash) into the blocks
     tier_saves: list[tuple[int, int, bytes]] = []
@@ -244,6 +248,34 @@ class GuidedSpec(msgspec.Struct, frozen=True, kw_only=True):
     param: str = "response_format"
 
 
+class TransferHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """The handle of a KV transfer (``folio.core.executor.runtime.kv_transfer``): where a prefill
+    instance holds a request's prompt KV for a decode instance to pull. It travels prefill gateway
+    -> router -> decode gateway (the ``kv_transfer`` extension field) -> scheduler -> executor, as a
+    dict in ``GenerateRequest.kv_transfer``."""
+
+    transfer_id: str
+    endpoint: str  # the sender's socket, tcp://host:port
+    num_blocks: int
+    num_tokens: int = 0  # the prompt tokens the blocks hold
+
+    def to_wire(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_wire(cls, d: object) -> "TransferHandle":
+        """Validated: a malformed handle is a ValueError naming the problem."""
+        try:
+            h = msgspec.convert(d, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid kv transfer handle: {exc}") from None
+        if not h.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"invalid kv transfer handle: endpoint {h.endpoint!r} is not a ZeroMQ address")
+        if h.num_blocks < 0 or h.num_tokens < 0 or not h.transfer_id:
+            raise ValueError("invalid kv transfer handle: negative counts or an empty transfer id")
+        return h
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     """gateway -> tokenizer: one completion choice to produce (the gateway fans out ``n``).
 
@@ -251,7 +283,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     """
 
     req_id: str
-    sampling: SamplingParams
+    sampling: WireSampling
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -278,7 +310,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # already delivered, computed again but not sampled; they count as output (positions, penalties,
     # max_tokens, the grammar) and their text and logprobs are not sent again
     forced_token_ids: list[int] = []
-    # disaggregated prefill: where the prompt's KV is to be pulled from (a ``kv_transfer.TransferHandle``
+    # disaggregated prefill: where the prompt's KV is to be pulled from (a ``TransferHandle``
     # as a dict); with ``forced_token_ids`` = the first token the prefill instance sampled
     kv_transfer: dict | None = None
 
@@ -288,7 +320,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: WireSampling
     eos_token_id: int | None = None
     priority: int = 0
     arrival_time: float = 0.0
@@ -487,14 +519,14 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True, tag="pool_info"):
     num_free_blocks: int = 0
     num_host_blocks: int = 0
     enable_prefix_caching: bool = True  # the kvmanager's setting: the scheduler's replica follows it
-    sliding_window: int = 0  # the model's, when every layer has one: blocks behind it go back (``shared/kv``)
+    sliding_window: int = 0  # the model's, when every layer has one: blocks behind it go back (``folio/core/kv``)
     kv_disk_dir: str = ""  # the executor's disk tier ("": none), its layout id and cap
     kv_layout_id: str = ""
     kv_disk_bytes: int = 0
 
 
 # The step log: the allocator operations of one scheduler step, in the order the scheduler
-# applied them to its own replica while it planned the step (``shared/kv/steplog.py``). The
+# applied them to its own replica while it planned the step (``folio/core/kv/steplog.py``). The
 # kvmanager applies the same log in the same order, so both hold the same tables and block ids.
 # Each op is a short array on the wire: [tag, fields...].
 
@@ -550,7 +582,7 @@ class KVAllocate(msgspec.Struct, gc=False, frozen=True, array_like=True, tag="a"
     new_token_ids: list[int] = []
     cache_salt: str | None = None
     # a table new here: the disk tier's blocks, after its device and host hits, that the planner
-    # verified and decided to load (``folio.shared.kv.tiers``)
+    # verified and decided to load (``folio.core.kv.tiers``)
     load_hashes: list[bytes] = []
 
 

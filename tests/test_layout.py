@@ -6,12 +6,16 @@ too: a lazy import hides a cycle from the interpreter, not from this test).
   shared library and its own package, never another service.
 - ``folio.shared`` imports neither torch nor any service nor the core; the scheduler's policy, the
   output processing and the front door never import torch (directly or through what they import).
+- ``shared/`` holds only what crosses a socket or configures a service (``SHARED_MODULES``).
+- The core's folders depend on each other one way, in the order ``CORE_LAYERS`` declares.
+- ``pyproject.toml`` lists every package folder, so the wheel holds what the checkout does.
 - Nothing outside ``tests/`` imports ``tests``.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +102,55 @@ def closure(name: str) -> set[str]:
     return seen
 
 
+# what shared/ may hold: the wire contract, transport and socket loops, config and flags, logs,
+# tracing and start-up timing; engine logic belongs in the core
+SHARED_MODULES = {"folio.shared", "folio.shared.messages", "folio.shared.transport", "folio.shared.loops",
+                  "folio.shared.config", "folio.shared.flags", "folio.shared.logs", "folio.shared.tracing",
+                  "folio.shared.startup"}
+
+# The core's folders (and top-level modules), lowest first. A unit imports only units of lower
+# layers, never one of its own layer or above; a new folder must be placed here.
+CORE_LAYERS = [
+    ["kv", "structured", "tokenizer", "frontdoor", "models"],  # over folio.shared only
+    ["executor.parallel", "executor.kernels"],  # process groups; kernels and the layouts they share
+    ["executor.quant", "executor.sampling", "executor.lora"],  # each over the kernels
+    ["executor.model"],  # model families and loading
+    ["executor.runtime", "scheduler"],  # the model runner and its workers; the scheduler's policy
+    ["engine"],  # both in one process
+]
+CORE_PACKAGES = {"folio.core", "folio.core.executor"}  # their __init__ only, importing no unit
+
+
+def core_unit(name: str) -> str | None:
+    """The core unit a module belongs to: ``executor.<folder>`` or ``<folder or module>``."""
+    parts = name.split(".")
+    if parts[:2] != ["folio", "core"] or name in CORE_PACKAGES:
+        return None
+    if parts[2] == "executor":
+        return ".".join(parts[2:4])
+    return parts[2]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a core unit from a unit not below it (or of a unit not in ``CORE_LAYERS``)."""
+    layer = {unit: i for i, units in enumerate(CORE_LAYERS) for unit in units}
+    bad = []
+    for m, deps in sorted(graph.items()):
+        here = core_unit(m)
+        if m in CORE_PACKAGES and any(core_unit(d) for d in deps):
+            bad.append(f"{m} (a package's __init__) imports {sorted(d for d in deps if core_unit(d))}")
+        if here is None:
+            continue
+        if here not in layer:
+            bad.append(f"{m}: its unit {here} is not in CORE_LAYERS")
+            continue
+        for d in sorted(deps):
+            there = core_unit(d)
+            if there is not None and there != here and layer.get(there, len(CORE_LAYERS)) >= layer[here]:
+                bad.append(f"{m} ({here}) imports {d} ({there}), not below it")
+    return bad
+
+
 def service_of(name: str) -> str | None:
     parts = name.split(".")
     return parts[2] if parts[:2] == ["folio", "services"] and len(parts) > 3 else None
@@ -143,12 +196,39 @@ def test_shared_imports_no_torch_no_service_no_core():
     assert bad == {}
 
 
+def test_shared_holds_only_the_wire_config_transport_logs_and_tracing():
+    assert sorted(m for m in MODULES if m.startswith("folio.shared")) == sorted(SHARED_MODULES)
+
+
+def test_the_layer_check_finds_a_back_edge():
+    ok = {"folio.core.executor.quant.gpu": {"folio.core.executor.kernels.cuda_kernels", "folio.shared.messages"}}
+    assert layer_violations(ok) == []
+    back = {"folio.core.executor.kernels.attention": {"folio.core.executor.quant.formats"}}
+    same_layer = {"folio.core.executor.sampling.sampler": {"folio.core.executor.lora.punica"}}
+    unplaced = {"folio.core.newfolder.x": set()}
+    for graph in (back, same_layer, unplaced):
+        assert len(layer_violations(graph)) == 1
+
+
+def test_core_folders_depend_on_each_other_one_way():
+    placed = {unit for units in CORE_LAYERS for unit in units}
+    assert {core_unit(m) for m in MODULES if core_unit(m)} == placed  # no layer names a unit that is gone
+    assert layer_violations(GRAPH) == []
+
+
 def test_scheduler_policy_output_processing_and_front_door_never_import_torch():
     torchless = [m for m in MODULES if m.startswith(("folio.core.scheduler", "folio.core.tokenizer",
                                                       "folio.core.frontdoor"))]
     assert torchless
     bad = {m: sorted(d for d in closure(m) if "torch" in EXTERNAL[d]) for m in torchless}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_pyproject_lists_every_package():
+    """The wheel takes the packages ``pyproject.toml`` names: a folder added or moved is listed there."""
+    block = (ROOT / "pyproject.toml").read_text().split("\npackages = [", 1)[1].split("]", 1)[0]
+    listed = set(re.findall(r'"([\w.]+)"', block))
+    assert listed == {m for m, p in MODULES.items() if p.name == "__init__.py"}
 
 
 def test_nothing_outside_tests_imports_tests():

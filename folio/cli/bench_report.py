@@ -3,7 +3,7 @@ vLLM's layout (a 50-column ``=`` title, the name padded to 40 columns, ``-`` sec
 the same figures written as JSON.
 
 ``folio bench serve`` prints its result block with it; every ``folio bench NAME`` subcommand that
-runs a ``scripts/bench_NAME.py`` prints its summary with it (the figures that script printed as
+runs a benchmark module (``folio.bench.NAME``) prints its summary with it (the figures it printed as
 ``label: number`` lines, the wall time and the exit status) and writes it with ``--save-result``.
 """
 

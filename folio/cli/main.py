@@ -6,7 +6,7 @@
 - ``folio prepare [--force]``: convert the packaged default model once;
 - ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
 - ``folio bench serve [flags]``: vLLM's serving benchmark figures against any OpenAI-compatible
-  endpoint; ``folio bench NAME``: ``scripts/bench_NAME.py`` with one summary format (``folio bench list``);
+  endpoint; ``folio bench NAME``: the benchmark ``folio.bench.NAME`` with one summary format (``folio bench list``);
 - ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
   ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
   ``folio router stats|replicas`` (``--json``):

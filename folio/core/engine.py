@@ -20,22 +20,22 @@ import time
 from collections import deque
 
 from folio.core.executor.runtime.runner import ModelRunner
+from folio.core.kv.window import all_layers_window
 from folio.core.scheduler.exchange import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import scheduler_stats
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
-from folio.shared.kv.window import all_layers_window
+from folio.core.tokenizer.text import TextTokenizer
 from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
     PoolInfo,
-    SamplingParams,
     StepPlan,
     TextDelta,
     TokenBatch,
     TokenDelta,
+    WireSampling,
 )
-from folio.shared.text import TextTokenizer
 
 
 class EngineCore:
@@ -167,12 +167,12 @@ class LLMEngine:
         return texts
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+def generate(runner: ModelRunner, prompts: list[list[int]], params: WireSampling | list[WireSampling],
              eos_token_id: int | None = None, **engine_options) -> list[list[int]]:
     """Token ids in, each request's generated token ids out, through the real scheduler (token
     budget, preemption, prefix caching): the in-process path of the benchmarks and of
     calibration. ``engine_options``: ``EngineCore``'s keyword arguments."""
-    if isinstance(params, SamplingParams):
+    if isinstance(params, WireSampling):
         params = [params] * len(prompts)
     core = EngineCore(runner, **engine_options)
     outputs: dict[str, list[int]] = {}

@@ -113,16 +113,17 @@ class SamplingParams:
     def stop_strings(self) -> list[str]:
         return stop_strings(self.stop)
 
-    def engine_sampling(self) -> messages.SamplingParams:
+    def engine_sampling(self) -> messages.WireSampling:
+        """The request's ``WireSampling``: the fields both classes name are copied (``WIRE_FIELDS``,
+        read from the two classes), but for two that differ: top-k's "off" values (0, -1) are None
+        there, and best_of asks for logprobs to rank by. The stop ids get a list of their own; the
+        grammar is the tokenizer's to set, once it checked the spec."""
+        copied = {name: getattr(self, name) for name in WIRE_FIELDS}
         logprobs = self.logprobs
         if logprobs is None and self.ranks_by_logprob:
             logprobs = 0  # best_of ranks the sequences by their cumulative logprob
-        return messages.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k if self.top_k > 0 else None,
-            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=self.max_tokens,
-            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs)
+        return messages.WireSampling(**copied, top_k=self.top_k if self.top_k > 0 else None, logprobs=logprobs,
+                                     stop_token_ids=list(self.stop_token_ids))
 
     def to_generate_request(self, req_id: str, prompt_index: int = 0, **fields) -> messages.GenerateRequest:
         """The request for one prompt: ``fields`` carry the prompt (``prompt=``,
@@ -140,6 +141,12 @@ class SamplingParams:
         return messages.GenerateRequest(
             req_id=f"{req_id}-{first}", fork_req_ids=[f"{req_id}-{first + i}" for i in range(1, num)],
             sampling=self.engine_sampling(), stop=self.stop_strings(), beam_search=beam, **fields)
+
+
+# the fields ``engine_sampling`` copies as they are, by name
+WIRE_FIELDS = tuple(name for name in messages.WireSampling.__struct_fields__
+                    if name in SamplingParams.__dataclass_fields__
+                    and name not in ("top_k", "logprobs", "stop_token_ids"))
 
 
 def best_of_order(cumulative_logprobs: list[float], n: int) -> list[int]:

@@ -18,7 +18,7 @@ from folio.services.kvmanager.service import KVManagerService
 from folio.services.scheduler.service import SchedulerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
 from folio.shared.loops import QUIET, ask_admin
-from folio.shared.messages import AdminReply, EngineRequest, SamplingParams, TokenBatch
+from folio.shared.messages import AdminReply, EngineRequest, TokenBatch, WireSampling
 from folio.shared.transport import Decoder, encode, make_socket
 
 
@@ -42,7 +42,7 @@ class BackHalf:
         self.from_scheduler = make_socket(ctx, zmq.PULL, endpoints.tokenizer_in)
         self.batches: list[TokenBatch] = []
 
-    async def submit(self, req_id: str, prompt: list[int], params: SamplingParams, eos_token_id=None,
+    async def submit(self, req_id: str, prompt: list[int], params: WireSampling, eos_token_id=None,
                      **extra) -> None:
         """``extra``: more EngineRequest fields (fork_req_ids, beam_search, priority)."""
         msg = EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params, eos_token_id=eos_token_id,

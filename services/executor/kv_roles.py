@@ -24,8 +24,8 @@ import torch
 
 from folio.core.executor.runtime.kv_pool import KVPool
 from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSender, TransferError
-from folio.shared.kv.allocator import cdiv
-from folio.shared.kv.handle import TransferHandle
+from folio.core.kv.allocator import cdiv
+from folio.shared.messages import TransferHandle
 from folio.shared.messages import StepPlan, StepResult
 
 log = structlog.get_logger()

@@ -45,11 +45,11 @@ import zmq
 import zmq.asyncio
 
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.core.executor.parallel.workers import WorkerGroupError
+from folio.core.executor.runtime.workers import WorkerGroupError
+from folio.core.kv.window import all_layers_window
 from folio.services.executor.kv_roles import make_kv_role
 from folio.shared import startup
 from folio.shared.config import ExecutorServiceConfig
-from folio.shared.kv.window import all_layers_window
 from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_router
 from folio.shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
 from folio.shared.transport import Decoder, encode, make_socket
@@ -232,6 +232,6 @@ def make_runner(config: ExecutorServiceConfig):
         raise ValueError(f"--tensor-parallel-size must be 1 or more, got {size}")
     if size == 1:
         return ModelRunner(config.runtime, config.model_path)
-    from folio.core.executor.parallel.workers import ParallelRunner
+    from folio.core.executor.runtime.workers import ParallelRunner
 
     return ParallelRunner(config.runtime, config.model_path)

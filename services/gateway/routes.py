@@ -103,7 +103,7 @@ def _with_kv_transfer(service, req, gen: list[messages.GenerateRequest]) -> list
     kt = req.kv_transfer
     if kt is None:
         return gen
-    from folio.shared.kv.handle import TransferHandle
+    from folio.shared.messages import TransferHandle
     role = getattr(service.config, "kv_role", "both")
     if kt.export and role != "prefill":
         raise ApiError(f"kv_transfer export needs a prefill instance (--kv-role prefill); this one is {role}",

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from folio.shared.kv.allocator import BlockAllocator
-from folio.shared.kv.block_pool import BlockPool
+from folio.core.kv.allocator import BlockAllocator
+from folio.core.kv.block_pool import BlockPool
 
 DEFAULT_MAX_CELLS = 2048
 MAX_CELLS_LIMIT = 8192

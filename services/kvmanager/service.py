@@ -7,7 +7,7 @@ Who talks to it, on its ROUTER (``Endpoints.kvmanager``), DEALER peers:
 - the scheduler: ``GetPool`` -> ``PoolInfo`` (held until a pool is registered); ``KVReset`` ->
   ``PoolInfo`` at each new sync epoch (empty tables on both sides; a kvmanager that restarted and
   knows no pool adopts the scheduler's); then the ``KVStepRequest`` log of each step that changed
-  the tables, applied in order (``folio.shared.kv.steplog``) -> ``KVStepReply`` with the state digest,
+  the tables, applied in order (``folio.core.kv.steplog``) -> ``KVStepReply`` with the state digest,
   which the scheduler checks against its replica's without having waited for it.
   ``folio kv clear`` goes the other way: ``KVClearCache`` asks the scheduler for a ``KVClear`` in
   its next log, so that both allocators drop the same blocks at the same point.
@@ -15,7 +15,7 @@ It PUBlishes the prefix cache's changes on ``Endpoints.kv_events`` (one ``KVEven
 that changed it, numbered, vLLM's framing) for routers and dashboards, and answers
 ``KVSnapshotRequest`` on ``Endpoints.kv_snapshot`` with every hash the cache holds and the number
 of the next batch, so a router that starts late or misses batches rebuilds its view.
-The tiers (``folio.shared.kv.tiers``): the allocator of record holds the device and host tiers'
+The tiers (``folio.core.kv.tiers``): the allocator of record holds the device and host tiers'
 index (a device block evicted from the prefix cache goes to the host tier, a host block evicted goes
 to the disk tier); the executor holds their bytes and the disk's files, and performs the copies
 each step plan names. The disk tier's folder outlives this process and is shared with other
@@ -36,11 +36,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from folio.core.kv.allocator import BlockAllocator
+from folio.core.kv.steplog import StepLog
+from folio.core.kv.tiers import scan_folder
 from folio.services.kvmanager.blockmap import DEFAULT_MAX_CELLS, block_map
 from folio.shared.config import KVManagerConfig
-from folio.shared.kv.allocator import BlockAllocator
-from folio.shared.kv.steplog import StepLog
-from folio.shared.kv.tiers import scan_folder
 from folio.shared.loops import close_sockets, reply, serve_admin, serve_router
 from folio.shared.messages import (
     KV_EVENTS_TOPIC,

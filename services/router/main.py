@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     encoder = None
     if config.policy == "cache_aware":
         from folio.core.models import resolve_model
-        from folio.shared.text import TextTokenizer
+        from folio.core.tokenizer.text import TextTokenizer
 
         try:
             encoder = PromptEncoder(TextTokenizer(resolve_model(config.model)))

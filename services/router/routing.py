@@ -9,7 +9,7 @@ request on an adapter, ``load_cost_tokens`` more where the adapter is not runnin
 weight, and the tie-break: a replica running it wins against one more queued request, so an
 adapter's traffic stays where its slot is until that replica is two requests busier). The
 cheapest wins; among equals the next in turn after the last one chosen, so uniform traffic
-spreads evenly. Block hashes are ``folio.shared.block_hash``'s, the kvmanager's own, with the
+spreads evenly. Block hashes are ``folio.core.kv.block_hash``'s, the kvmanager's own, with the
 same extra keys (cache salt and adapter: blocks computed with different adapters never match).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from folio.services.router.index import KVIndex
 from folio.services.router.replicas import Replica
-from folio.shared.block_hash import block_extra_keys, chain_block_hashes
+from folio.core.kv.block_hash import block_extra_keys, chain_block_hashes
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 

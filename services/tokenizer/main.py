@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from folio.shared.loops import freeze_heap, run_until_signal
     from folio.core.models import resolve_model
     from folio.services.tokenizer.service import TokenizerService
-    from folio.shared.text import TextTokenizer
+    from folio.core.tokenizer.text import TextTokenizer
 
     config = parse_config(argv)
     log = setup_logging("tokenizer", config.log_json, config.log_level)

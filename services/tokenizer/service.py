@@ -20,7 +20,7 @@ the last), and its ``EngineRequest`` carries the traceparent on.
 
 All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
 The exception is structured output: a request whose spec was not seen before waits while a
-worker thread checks it (``shared/grammar.py``), and the loop goes on serving everybody else.
+worker thread checks it (``folio/core/structured/grammar.py``), and the loop goes on serving everybody else.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from folio.core.structured.grammar import GrammarChecker, GrammarError
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.shared.config import TokenizerConfig
-from folio.shared.grammar import GrammarChecker, GrammarError
 from folio.shared.loops import close_sockets, serve_admin, serve_pull
 from folio.shared.messages import (
     AbortRequest,
@@ -49,7 +50,6 @@ from folio.shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
-from folio.shared.text import RequestError, TextTokenizer
 from folio.shared.tracing import now_ns, setup as tracing_setup
 from folio.shared.transport import Decoder, encode, make_socket
 

@@ -48,7 +48,7 @@ def make_step(query_lens, seq_lens, *, num_heads, num_kv_heads, head_dim, block_
 def make_fp8_step(query_lens, seq_lens, dtype, *, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                   device="cpu", seed=0) -> Step:
     """A step over an fp8 (e4m3) pool holding random K/V quantized with FP8_KV_SCALES; the query in ``dtype``."""
-    from folio.core.executor.quant.kv_quant import quantize
+    from folio.core.executor.kernels.kv_quant import quantize
 
     step = make_step(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      block_size=block_size, seed=seed)

@@ -19,7 +19,7 @@ from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.kernels.gemm_kernels import dense_matmul
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
 from folio.core.executor.quant.gpu import awq_matmul
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, quantize
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, quantize
 from folio.core.executor.quant.formats import int4_to_awq
 from tests.cuda.quant_cases import random_awq
 

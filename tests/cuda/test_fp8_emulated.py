@@ -16,7 +16,7 @@ from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttent
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend, make_host_pool
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelLayerOps
 from folio.core.executor.model.layers import rope_cos_sin
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, FP8_MAX, KVScales, kv_scales_from, quantize, rotation
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, FP8_MAX, KVScales, kv_scales_from, quantize, rotation
 from tests.cuda.emu_runtime import run_probe
 from tests.cuda.fused_cases import llama3_config
 from tests.cuda.kv_cases import FP8_KV_SCALES, fresh_meta, make_fp8_step

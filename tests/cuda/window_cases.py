@@ -13,7 +13,7 @@ import torch
 from folio.core.executor.kernels import cuda_kernels as ck
 from folio.core.executor.kernels.attention import TorchAttentionBackend
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelLayerOps
-from folio.core.executor.quant.kv_quant import FP8_DTYPE
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE
 from tests.cuda.kv_cases import TOLERANCE, Step, fresh_meta
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams
-from folio.shared.text import RequestError, TextTokenizer
+from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
+from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.server import start_server, stop_server
 
@@ -71,7 +71,7 @@ def reference_ids(model_dir: str, messages: list[dict]) -> list[int]:
 def served_ids(model_dir: str, messages: list[dict]) -> list[int]:
     """The prompt the tokenizer service makes of a chat request."""
     req = GenerateRequest(req_id="c", messages=[ChatMessage(**m) for m in messages],
-                          sampling=SamplingParams(max_tokens=4))
+                          sampling=WireSampling(max_tokens=4))
     return TextTokenizer(model_dir).prepare(req)[0]
 
 

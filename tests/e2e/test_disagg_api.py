@@ -18,7 +18,7 @@ import torch
 
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, LayoutMismatch
-from folio.shared.kv.handle import TransferHandle
+from folio.shared.messages import TransferHandle
 from folio.testing.routerstack import Replica, post, start_router
 
 pytestmark = pytest.mark.slow

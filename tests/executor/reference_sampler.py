@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from folio.shared.messages import SamplingParams, TokenLogprobs
+from folio.shared.messages import TokenLogprobs, WireSampling
 
 
 @dataclass
 class SamplingRow:
     """What the sampler needs of one request."""
 
-    params: SamplingParams
+    params: WireSampling
     generator: torch.Generator | None  # not read: a row is seeded when params.seed is set (see seeded_noise)
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -137,7 +137,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
 
 
-def has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: WireSampling) -> bool:
     """Whether the token history changes this request's distribution (only penalties read it)."""
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, quantize
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, quantize
 
 BS = 8
 # (cached tokens, new tokens) per sequence: decodes at several lengths (partial last blocks), a

@@ -304,7 +304,7 @@ def test_two_ranks_read_their_slices_of_a_mixtral_gguf(tmp_path):
     """Tensor parallel 2 from the GGUF (each rank its heads of the permuted q/k rows, its half of every
     expert's rows and columns, read from the stacked 3-D tensors): the tokens and logprobs of one
     rank on the folder."""
-    from folio.core.executor.parallel.workers import ParallelRunner
+    from folio.core.executor.runtime.workers import ParallelRunner
     from tests.executor.test_model_families import PROMPTS, run
 
     model_type, overrides = CASES["mixtral"]

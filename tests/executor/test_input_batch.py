@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.runtime.input_batch import InputBatch
 from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
-from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams
+from folio.shared.messages import NewRequestData, RunningRequestData, WireSampling
 
 VOCAB, BS = 97, 4
 
@@ -27,7 +27,7 @@ class Req:
     tokens: list[int]
     num_prompt: int
     blocks: list[int]
-    params: SamplingParams
+    params: WireSampling
     num_computed: int = 0
     drafts: list[int] = field(default_factory=list)
 
@@ -44,7 +44,7 @@ class World:
 
     def params(self):
         r = self.rng
-        return SamplingParams(temperature=r.choice([0.0, 0.7]), top_p=r.choice([1.0, 0.9]), seed=r.choice([None, 5]),
+        return WireSampling(temperature=r.choice([0.0, 0.7]), top_p=r.choice([1.0, 0.9]), seed=r.choice([None, 5]),
                               presence_penalty=r.choice([0.0, 0.5]))
 
     def join(self, new_reqs, req_id=None, tokens=None, num_prompt=None, params=None, computed=0, blocks=None):
@@ -170,10 +170,10 @@ def test_the_persistent_batch_equals_a_rebuild_every_step(seed):
 
 def test_a_plan_the_rows_cannot_run_is_a_clear_error():
     batch = InputBatch(max_num_reqs=4, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))
-    batch.add("a", [1, 2, 3], 3, 0, [0], SamplingParams())
+    batch.add("a", [1, 2, 3], 3, 0, [0], WireSampling())
     with pytest.raises(ValueError, match="a: 4 tokens scheduled but only 3"):
         batch.prepare({"a": 4}, {})
-    batch.add("b", list(range(9)), 9, 0, [1], SamplingParams())
+    batch.add("b", list(range(9)), 9, 0, [1], WireSampling())
     with pytest.raises(ValueError, match="b: 9 tokens need more than its 1 blocks"):
         batch.prepare({"a": 3, "b": 9}, {})
     with pytest.raises(KeyError, match="unknown request 'c'"):
@@ -184,7 +184,7 @@ def test_a_request_takes_the_lowest_free_row():
     """Rows stay a run from 0 while requests come and go together (the sampler reads the penalty
     state of consecutive rows in place)."""
     batch = InputBatch(max_num_reqs=2, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))
-    params = SamplingParams(temperature=0.0)
+    params = WireSampling(temperature=0.0)
     rows = [batch.add(f"r{i}", [1, 2], 2, 0, [i], params) for i in range(5)]  # the rows grow past 2
     assert rows == [0, 1, 2, 3, 4]
     for req_id in ("r3", "r0", "r1"):

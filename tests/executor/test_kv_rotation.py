@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata
-from folio.core.executor.quant.kv_quant import dequantize, quantize, rotation, scale_for
+from folio.core.executor.kernels.kv_quant import dequantize, quantize, rotation, scale_for
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 

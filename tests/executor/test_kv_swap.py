@@ -74,6 +74,24 @@ def test_a_plan_swaps_out_before_it_swaps_in_and_copies():
     assert same(block(pool.kv_caches, 5), cow_src)
 
 
+def test_a_host_block_swapped_in_and_rewritten_by_a_swap_out_of_the_same_step_is_read_first():
+    """The allocator gave host block 1 back and took it again in one step: its resident prefix goes
+    to device block 5 while device block 2 leaves for it. The swap-in must read the old contents
+    (de024f8: two seeded streams got the block that was leaving), and host block 0 beside it too."""
+    pool, backend = filled_pool(), TorchAttentionBackend()
+    for value, host_id in ((7.0, 1), (3.0, 0)):
+        for k, v in pool.host_caches:
+            k[host_id].fill_(value)
+            v[host_id].fill_(-value)
+    resident, other, leaving = block(pool.host_caches, 1), block(pool.host_caches, 0), block(pool.kv_caches, 2)
+    runner = SimpleNamespace(pool=pool, backend=backend)
+    plan = StepPlan(step_id=0, swap_out=[(2, 1)], swap_in=[(0, 4), (1, 5)])
+    ModelRunner._copy_blocks(runner, plan)
+    assert same(block(pool.kv_caches, 5), resident), "the swap-in read the block the swap-out wrote"
+    assert same(block(pool.kv_caches, 4), other)
+    assert same(block(pool.host_caches, 1), leaving)
+
+
 def test_swaps_without_a_host_tier_are_refused():
     runner = SimpleNamespace(pool=KVPool(SHAPE, 2, torch.device("cpu")), backend=TorchAttentionBackend())
     with pytest.raises(ValueError, match="host tier"):

@@ -35,7 +35,7 @@ def test_moe_over_two_ranks(tmp_path, name):
     replicated; one all-reduce per block. Exact against transformers in fp32."""
     from transformers import AutoModelForCausalLM
 
-    from folio.core.executor.parallel.workers import ParallelRunner
+    from folio.core.executor.runtime.workers import ParallelRunner
 
     model_type, overrides = FAMILIES[name]
     path = write_tiny_model(tmp_path / name, model_type, **overrides)
@@ -62,7 +62,7 @@ def test_moe_over_two_ranks(tmp_path, name):
 
 
 def test_experts_that_do_not_split_are_refused_before_any_rank_starts(tmp_path):
-    from folio.core.executor.parallel.workers import _check_model
+    from folio.core.executor.runtime.workers import _check_model
 
     path = write_tiny_model(tmp_path / "odd", "qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=34)

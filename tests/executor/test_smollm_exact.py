@@ -12,7 +12,7 @@ import torch
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import SamplingParams
+from folio.shared.messages import WireSampling
 from tests.executor.toy_driver import generate
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_prompts_are_varied(case):
 
 def run(smollm_dir, prompts, block_size=16, chunk_size=None, alone=False):
     runner = ModelRunner(RuntimeConfig(num_kv_blocks=600, block_size=block_size, quantization="none"), smollm_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    params = WireSampling(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     if alone:
         return [generate(runner, [p], params)[0] for p in prompts]
     return generate(runner, prompts, params, chunk_size=chunk_size)

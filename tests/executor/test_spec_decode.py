@@ -11,7 +11,7 @@ import torch
 
 from folio.core.executor.runtime.spec_decode import NgramProposer
 from folio.shared.config import RuntimeConfig
-from folio.shared.kv.allocator import cdiv
+from folio.core.kv.allocator import cdiv
 from folio.shared.messages import KVTruncate
 from folio.testing.models import write_tiny_model
 from tests.services.engine import LocalEngine, engine_request
@@ -125,7 +125,7 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
     from folio.core.executor.runtime.input_batch import InputBatch
     from folio.core.executor.runtime.runner import RequestState
     from folio.core.executor.runtime.spec_decode import DraftModelProposer
-    from folio.shared.messages import SamplingParams
+    from folio.shared.messages import WireSampling
 
     target, draft = tiny_pair
 
@@ -134,8 +134,8 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
 
     prompt = repetitive_prompts(1, seed=11)[0]
     batch = InputBatch(1, 64, 4, torch.device("cpu"))
-    row = batch.add("a", list(prompt), len(prompt), 0, [], SamplingParams(temperature=0.0))
-    state = RequestState("a", row, batch, SamplingParams(temperature=0.0), True)
+    row = batch.add("a", list(prompt), len(prompt), 0, [], WireSampling(temperature=0.0))
+    state = RequestState("a", row, batch, WireSampling(temperature=0.0), True)
     used = proposer()
     first = used.propose([state])[0].token_ids
     other = (first[1] + 1) % 64  # the target accepted the first draft, then chose something else

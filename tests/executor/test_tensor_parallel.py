@@ -15,7 +15,7 @@ import torch
 
 from folio.core.executor.parallel.comm import Shard
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.core.executor.parallel.workers import ParallelRunner, resident_tensors
+from folio.core.executor.runtime.workers import ParallelRunner, resident_tensors
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import BeamSearchParams
 from folio.testing.models import write_tiny_model

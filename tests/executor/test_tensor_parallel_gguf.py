@@ -19,7 +19,7 @@ import torch
 from folio.core.executor.model.gguf_slices import GGUFSlices
 from folio.core.executor.model.loader import load_hf_config, read_safetensors
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.core.executor.parallel.workers import ParallelRunner
+from folio.core.executor.runtime.workers import ParallelRunner
 from folio.shared.config import RuntimeConfig
 from folio.core.models import packaged_gguf
 from tests.services.engine import LocalEngine, engine_request

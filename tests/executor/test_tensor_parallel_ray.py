@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.core.executor.parallel.workers import ParallelRunner, WorkerGroupError
+from folio.core.executor.runtime.workers import ParallelRunner, WorkerGroupError
 from folio.testing.models import write_tiny_model
 from tests.executor.test_tensor_parallel import PROMPTS, config, outputs, requests
 from tests.services.engine import LocalEngine, engine_request

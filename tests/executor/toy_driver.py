@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.shared.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
 
 
 @dataclass
 class _Seq:
     req_id: str
     prompt: list[int]
-    params: SamplingParams
+    params: WireSampling
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     output: list[int] = field(default_factory=list)
@@ -30,7 +30,7 @@ class _Seq:
 def generate(
     runner: ModelRunner,
     prompts: list[list[int]],
-    params: SamplingParams | list[SamplingParams],
+    params: WireSampling | list[WireSampling],
     chunk_size: int | None = None,
     eos_token_id: int | None = None,
     block_order: list[int] | None = None,
@@ -39,7 +39,7 @@ def generate(
 
     ``block_order`` (a permutation of block ids) lets tests hand out non-contiguous blocks.
     """
-    if isinstance(params, SamplingParams):
+    if isinstance(params, WireSampling):
         params = [params] * len(prompts)
     free = list(block_order if block_order is not None else range(runner.pool.num_blocks))
     free.reverse()

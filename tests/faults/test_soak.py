@@ -1,4 +1,4 @@
-"""CI's minute of ``scripts/bench_soak.py``: Poisson arrivals above capacity (the queue limit
+"""CI's minute of ``folio bench soak``: Poisson arrivals above capacity (the queue limit
 refuses some with 429) while a service is killed every 15 s; no request may be lost and no KV
 block may leak (the script's ``--check``)."""
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_minute_of_soak_loses_nothing_and_leaks_nothing(smollm_dir):
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_soak.py"), "--duration", "60",
+    run = subprocess.run([sys.executable, "-m", "folio.bench.soak", "--duration", "60",
                           "--kill-every", "15", "--rate", "20", "--check"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]

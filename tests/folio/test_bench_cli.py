@@ -1,5 +1,6 @@
-"""``folio bench NAME``: runs ``scripts/bench_NAME.py`` as that script runs alone, with its own
-flags, and prints one summary block in the shared format (JSON with ``--save-result``)."""
+"""``folio bench NAME``: runs the benchmark module ``folio.bench.NAME`` with its own flags, as
+``python -m folio.bench.NAME`` and the checkout's ``scripts/bench_NAME.py`` entry point do, and prints
+one summary block in the shared format (JSON with ``--save-result``)."""
 
 from __future__ import annotations
 
@@ -16,50 +17,54 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE = '''"""A benchmark that prints two figures."""
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helper_mod import FACTOR  # noqa: E402  (the scripts import their neighbours)
+from fakebench.helper_mod import FACTOR  # the benchmarks import their neighbours from the package
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, required=True)
 p.add_argument("--fail", action="store_true")
 
 
-def main():
-    args = p.parse_args()
+def main(argv=None):
+    args = p.parse_args(argv)
     print(f"ran {args.steps} steps (argv {sys.argv[1:]})")
     print(f"host ms/step at B=256: {args.steps * FACTOR}")
     print("served/static = 1.9x")
     if args.fail:
         raise SystemExit(3)
-
-
-if __name__ == "__main__":
-    main()
 '''
 
 
-def test_every_script_is_a_subcommand(capsys):
+def test_every_benchmark_is_a_subcommand_and_has_its_script(capsys):
     assert folio_main(["bench", "list"]) == 0
     out = capsys.readouterr().out
-    names = sorted(p.stem[len("bench_"):] for p in (ROOT / "scripts").glob("bench_*.py"))
+    names = sorted(p.stem for p in (ROOT / "folio" / "bench").glob("*.py") if "\ndef main(" in p.read_text())
     assert len(names) >= 12
     listed = [line.split()[0] for line in out.splitlines() if line.strip()]
     assert listed == ["serve", *names]
+    # each keeps its checkout entry point: a few lines calling the package's main
+    scripts = {p.stem.removeprefix("bench_"): p for p in (ROOT / "scripts").glob("*.py")}
+    assert sorted(scripts) == names
+    for name, path in scripts.items():
+        text = path.read_text()
+        assert f"from folio.bench.{name} import main" in text and len(text.splitlines()) <= 12, path
 
 
-def test_a_script_runs_with_its_flags_and_the_shared_summary(tmp_path, monkeypatch, capsys):
-    scripts = tmp_path / "scripts"
-    scripts.mkdir()
-    (scripts / "bench_fake.py").write_text(FAKE)
-    (scripts / "helper_mod.py").write_text("FACTOR = 0.5\n")
-    monkeypatch.setattr(bench, "SCRIPTS_DIR", scripts)
+def test_a_benchmark_runs_with_its_flags_and_the_shared_summary(tmp_path, monkeypatch, capsys):
+    package = tmp_path / "fakebench"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fake.py").write_text(FAKE)
+    (package / "helper_mod.py").write_text("FACTOR = 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(bench, "PACKAGE", "fakebench")
     argv_before = list(sys.argv)
     result = tmp_path / "r.json"
+    assert folio_main(["bench", "list"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["serve", "fake"]  # not helper_mod
     assert folio_main(["bench", "fake", "--steps", "8", "--save-result", str(result)]) == 0
     out = capsys.readouterr().out
-    assert "ran 8 steps (argv ['--steps', '8'])" in out  # --save-result is the dispatcher's, not the script's
+    assert "ran 8 steps (argv ['--steps', '8'])" in out  # --save-result is the dispatcher's, not the benchmark's
     assert "================ folio bench fake ================" in out
     assert "host ms/step at B=256:                   4" in out
     assert "served/static (x):                       1.9" in out
@@ -67,7 +72,7 @@ def test_a_script_runs_with_its_flags_and_the_shared_summary(tmp_path, monkeypat
     assert saved["figures"] == {"host ms/step at B=256": 4.0, "served/static (x)": 1.9}
     assert saved["exit_status"] == 0 and saved["argv"] == ["--steps", "8"] and "ran 8 steps" in saved["output"]
     assert sys.argv == argv_before
-    # the script's exit status and its argparse errors come through
+    # the benchmark's exit status and its argparse errors come through
     assert folio_main(["bench", "fake", "--steps", "2", "--fail"]) == 3
     assert "Exit status:                             3" in capsys.readouterr().out
     assert folio_main(["bench", "fake"]) == 2
@@ -80,5 +85,5 @@ def test_a_real_script_through_the_cli():
     proc = subprocess.run([sys.executable, "-m", "folio.cli.main", "bench", "step", "--help"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert "usage: bench_step.py" in proc.stdout and "--steps" in proc.stdout
+    assert "usage: folio bench step" in proc.stdout and "--steps" in proc.stdout
     assert "Exit status:                             0" in proc.stdout

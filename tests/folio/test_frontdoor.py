@@ -76,3 +76,20 @@ def test_chat_bodies_and_offline_chats_read_messages_alike():
 def test_best_of_keeps_the_highest_cumulative_logprobs_ties_in_order():
     assert best_of_order([-3.0, -1.0, -2.0, -1.0], 2) == [1, 3]
     assert best_of_order([-0.5], 1) == [0]
+
+
+def test_the_wire_sampling_is_built_from_the_front_door_field_by_field():
+    """Every ``WireSampling`` field but the grammar (the tokenizer's) comes from a front-door field
+    of the same name: a field added to one class and not the other fails here."""
+    from folio.core.frontdoor import WIRE_FIELDS
+    from folio.shared.messages import WireSampling
+
+    set_apart = {"top_k", "logprobs", "stop_token_ids"}
+    assert set(WIRE_FIELDS) | set_apart | {"grammar"} == set(WireSampling.__struct_fields__)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, presence_penalty=0.1,
+                            frequency_penalty=0.2, repetition_penalty=1.1, seed=3, max_tokens=9,
+                            stop_token_ids=[5], ignore_eos=True, prompt_logprobs=2, n=1, best_of=2)
+    wire = params.engine_sampling()
+    assert {name: getattr(wire, name) for name in WIRE_FIELDS} == {name: getattr(params, name) for name in WIRE_FIELDS}
+    assert (wire.top_k, wire.logprobs, wire.stop_token_ids, wire.grammar) == (None, 0, [5], None)
+    assert wire.stop_token_ids is not params.stop_token_ids

@@ -3,8 +3,8 @@ log, checked against the scheduler's replica after every step (digest and whole 
 
 from __future__ import annotations
 
-from folio.shared.kv.allocator import BlockAllocator
-from folio.shared.kv.steplog import StepLog
+from folio.core.kv.allocator import BlockAllocator
+from folio.core.kv.steplog import StepLog
 
 
 class Owner(BlockAllocator):

@@ -9,12 +9,12 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
+from folio.core.kv.allocator import BlockAllocator
 from folio.services.gateway.app import build_app
 from folio.services.gateway.dashboard import sample
 from folio.services.gateway.service import GatewayService
 from folio.services.kvmanager.blockmap import MAX_CELLS_LIMIT, block_map
 from folio.shared.config import Endpoints, GatewayConfig
-from folio.shared.kv.allocator import BlockAllocator
 
 
 def test_a_small_pool_maps_one_cell_per_block_with_exact_states():

@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from folio.shared.kv.allocator import BlockAllocator, NoFreeBlocks, hash_block
-from folio.shared.kv.steplog import StepLog
+from folio.core.kv.allocator import BlockAllocator, NoFreeBlocks, hash_block
+from folio.core.kv.steplog import StepLog
 from folio.shared.messages import (
     BlockRemoved,
     BlockStored,

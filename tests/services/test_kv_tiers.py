@@ -14,12 +14,12 @@ import torch
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_tiers import pool_layout_id
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.shared.block_hash import chain_block_hashes
+from folio.core.kv.allocator import BlockAllocator
+from folio.core.kv.block_hash import chain_block_hashes
+from folio.core.kv.steplog import StepLog
+from folio.core.kv.tiers import HEADER_BYTES, DiskTier, TierCostModel
 from folio.shared.config import RuntimeConfig
-from folio.shared.kv.allocator import BlockAllocator
-from folio.shared.kv.steplog import StepLog
-from folio.shared.kv.tiers import HEADER_BYTES, DiskTier, TierCostModel
-from folio.shared.messages import KVAllocate, KVConfirm, KVFree, SamplingParams
+from folio.shared.messages import KVAllocate, KVConfirm, KVFree, WireSampling
 from folio.testing.backhalf import back_half
 
 LAYOUT = "ab" * 16
@@ -173,7 +173,7 @@ def test_the_replica_and_the_owner_take_the_same_tier_decisions():
 
 
 # ---------------------------------------------------------------------- served, on a tiny model
-GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+GREEDY = WireSampling(temperature=0.0, max_tokens=4, ignore_eos=True)
 BS = 4
 
 

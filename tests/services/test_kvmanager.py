@@ -10,10 +10,10 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
+from folio.core.kv.allocator import BlockAllocator, NoFreeBlocks
+from folio.core.kv.steplog import StepLog
 from folio.services.kvmanager.service import KVManagerService
 from folio.shared.config import Endpoints, KVManagerConfig
-from folio.shared.kv.allocator import BlockAllocator, NoFreeBlocks
-from folio.shared.kv.steplog import StepLog
 from folio.shared.messages import (
     GetPool,
     KVAllocate,

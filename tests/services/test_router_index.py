@@ -6,8 +6,8 @@ from __future__ import annotations
 from folio.services.router.index import KVIndex
 from folio.services.router.replicas import Replica, parse_replica, read_load
 from folio.services.router.routing import Router
-from folio.shared.block_hash import block_extra_keys, chain_block_hashes
-from folio.shared.kv.allocator import BlockAllocator
+from folio.core.kv.block_hash import block_extra_keys, chain_block_hashes
+from folio.core.kv.allocator import BlockAllocator
 from folio.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 BS = 4
@@ -186,14 +186,14 @@ def test_prompts_are_tokenized_as_the_tokenizer_service_does(smollm_dir):
     """Chat (template included), text and token-id prompts give the ids the replica computes; a
     body the router cannot read gives None (routed by load) instead of an error."""
     from folio.services.router.prompt import PromptEncoder
-    from folio.shared.text import TextTokenizer
-    from folio.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+    from folio.core.tokenizer.text import TextTokenizer
+    from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
 
     tokenizer = TextTokenizer(smollm_dir)
     encoder = PromptEncoder(tokenizer)
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
-    replica_side = tokenizer.encode_request(GenerateRequest(req_id="x", sampling=SamplingParams(), messages=[
+    replica_side = tokenizer.encode_request(GenerateRequest(req_id="x", sampling=WireSampling(), messages=[
         ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there")]))[0]
     assert encoder.token_ids({"messages": messages}, chat=True) == replica_side
     assert encoder.token_ids({"prompt": "Hello world"}, chat=False) == tokenizer.hf.encode("Hello world")

@@ -280,7 +280,7 @@ def test_the_prefix_index_keeps_adapters_apart_as_the_engine_does():
     model, not for another adapter (the engine's own rule, ``block_extra_keys``)."""
     from folio.services.router.index import KVIndex
     from folio.services.router.routing import Router
-    from folio.shared.block_hash import block_extra_keys, chain_block_hashes
+    from folio.core.kv.block_hash import block_extra_keys, chain_block_hashes
     from folio.shared.messages import BlockStored, KVEventBatch
 
     index, bs = KVIndex(), 4

@@ -15,7 +15,7 @@ from folio.services.kvmanager.service import KVManagerService
 from folio.services.router.index import KVIndex
 from folio.services.router.metrics import RouterMetrics
 from folio.services.router.replicas import Replica, ReplicaSet
-from folio.shared.block_hash import block_extra_keys, chain_block_hashes
+from folio.core.kv.block_hash import block_extra_keys, chain_block_hashes
 from folio.shared.config import Endpoints, KVManagerConfig, RouterConfig
 from folio.shared.messages import KVAllocate, KVConfirm, KVFree, KVReset, KVStepReply, KVStepRequest, PoolInfo, RegisterPool
 from folio.shared.transport import Decoder, encode, make_socket

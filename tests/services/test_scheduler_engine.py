@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from folio.shared.kv.allocator import cdiv
+from folio.core.kv.allocator import cdiv
 from tests.services.engine import LocalEngine, alone, engine_request, make_runner
 
 BLOCK = 16

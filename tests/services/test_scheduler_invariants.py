@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import msgspec
 import pytest
 
-from folio.shared.kv.allocator import BlockAllocator
+from folio.core.kv.allocator import BlockAllocator
 from folio.shared.messages import PoolInfo, StepResult
 from tests.services.kv_owner import Owner
 from tests.services.plan_mirror import ExecutorMirror

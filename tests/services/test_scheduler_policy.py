@@ -16,9 +16,9 @@ from folio.shared.messages import (
     Grammar,
     KVConfirm,
     PoolInfo,
-    SamplingParams,
     StepResult,
     TokenDelta,
+    WireSampling,
 )
 from tests.services.kv_owner import Owner
 
@@ -33,7 +33,7 @@ def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
 
 def request(req_id, num_prompt, max_tokens=4, **sampling):
     return EngineRequest(req_id=req_id, prompt_token_ids=list(range(1, num_prompt + 1)),
-                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling), eos_token_id=0)
+                         sampling=WireSampling(temperature=0.0, max_tokens=max_tokens, **sampling), eos_token_id=0)
 
 
 def step_batch(sched, alloc: Owner, token=7):

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.core.scheduler.policy import Scheduler
-from folio.shared.kv.allocator import BlockAllocator, cdiv
-from folio.shared.kv.window import all_layers_window, hybrid_kv_bytes, layer_windows_from_config, window_blocks
+from folio.core.kv.allocator import BlockAllocator, cdiv
+from folio.core.kv.window import all_layers_window, hybrid_kv_bytes, layer_windows_from_config, window_blocks
 from folio.shared.messages import KVReset, KVStepRequest, PoolInfo, RegisterPool, StepResult
 from folio.shared.transport import make_socket
 from folio.testing.backhalf import admin_call

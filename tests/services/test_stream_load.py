@@ -1,5 +1,5 @@
 """512 SSE streams at once through the real gateway and tokenizer processes (``folio run``), fed
-by the stream benchmark's fake back half at a fixed step rate (``scripts/bench_streams.py``):
+by the stream benchmark's fake back half at a fixed step rate (``folio/bench/streams.py``):
 every stream must end with status 200, ``[DONE]``, its whole text (characters split across tokens
 included), finish reason ``length`` and the right usage. No speed is asserted: the benchmark
 measures that."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from scripts.bench_streams import run_bench
+from folio.bench.streams import run_bench
 from folio.shared.config import DEFAULT_MODEL_NAME
 
 NUM_STREAMS = 512

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from folio.shared.grammar import GrammarChecker  # noqa: E402
+from folio.core.structured.grammar import GrammarChecker  # noqa: E402
 from folio.shared.messages import GuidedSpec  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.frontend import text_tokenizer  # noqa: E402
@@ -92,7 +92,7 @@ def test_max_tokens_mid_structure_finishes_with_length(chat_model, tok, grammars
 def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import NewRequestData, SamplingParams, StepPlan
+    from folio.shared.messages import NewRequestData, StepPlan, WireSampling
 
     config = RuntimeConfig(num_kv_blocks=16, block_size=16, device="cpu", dtype="float32",
                            speculative_model="ngram", num_speculative_tokens=3)
@@ -100,7 +100,7 @@ def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
     grammar = grammars.check(GuidedSpec(kind="regex", spec="[a-z ]{1,40}"))
     prompt = tok.hf.encode("the cat sat on the mat the cat sat on the mat the cat sat on the")
     reqs = [NewRequestData(req_id=r, token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=[i * 4 + j for j in range(4)],
-                           sampling=SamplingParams(temperature=0.0, max_tokens=8, grammar=g))
+                           sampling=WireSampling(temperature=0.0, max_tokens=8, grammar=g))
             for i, (r, g) in enumerate((("plain", None), ("constrained", grammar)))]
     runner.execute(StepPlan(step_id=0, new_reqs=reqs, num_scheduled_tokens={r.req_id: len(prompt) for r in reqs}))
     states = [runner.requests["plain"], runner.requests["constrained"]]

@@ -1,4 +1,4 @@
-"""A request samples only once its grammar is compiled (``scheduler/grammars.py``): the scheduler
+"""A request samples only once its grammar is compiled (``folio/core/structured/gate.py``): the scheduler
 holds back the token it samples from until a step result names its grammar ready, asks for each
 new grammar once, holds nothing back for a grammar the executor reported compiled, ends the
 requests of a grammar that failed to compile with the reason, and forgets what it knew when the
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from folio.shared.messages import GuidedSpec, SamplingParams  # noqa: E402
+from folio.shared.messages import GuidedSpec, WireSampling  # noqa: E402
 from folio.testing.backhalf import back_half  # noqa: E402
 from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_compile import new_wide_schema  # noqa: E402
@@ -113,13 +113,13 @@ def test_a_grammar_the_executor_cannot_compile_ends_its_requests_with_the_reason
 async def test_an_executor_restart_while_a_grammar_compiles(chat_model, tok):  # noqa: F811
     """The new executor has compiled nothing: the scheduler asks it again (a scheduler that kept
     waiting for the old executor's answer would hold the request forever)."""
-    from folio.shared.grammar import check_spec
+    from folio.core.structured.grammar import check_spec
 
     async with back_half(chat_model, num_kv_blocks=64, block_size=16, max_num_seqs=4,
                          max_num_batched_tokens=64) as bh:
         schema = new_wide_schema(1500)
         grammar = await asyncio.to_thread(check_spec, GuidedSpec(kind="json_schema", spec=json.dumps(schema)))
-        await bh.submit("r", tok.hf.encode("JSON:"), SamplingParams(temperature=0.0, max_tokens=100, grammar=grammar),
+        await bh.submit("r", tok.hf.encode("JSON:"), WireSampling(temperature=0.0, max_tokens=100, grammar=grammar),
                         tok.eos_token_id)
         collected = asyncio.ensure_future(bh.collect(["r"], timeout_s=120))
         for _ in range(2000):  # until the scheduler asked for the grammar

@@ -1,6 +1,7 @@
-"""The wheel carries the kernels: built from the checkout's files and installed into a fresh folder,
-folio compiles its CUDA kernels (NVRTC, through CuPy; no GPU needed) and its CPU C kernels from the
-installed package, with nothing read from the checkout.
+"""The wheel carries the kernels and the benchmarks: built from the checkout's files and installed
+into a fresh folder, folio compiles its CUDA kernels (NVRTC, through CuPy; no GPU needed) and its CPU
+C kernels from the installed package, and ``folio bench`` runs a benchmark from a folder outside the
+checkout, with nothing read from the checkout.
 
 The wheel is built from a copy of the checkout's files (what a fresh clone holds), not in place: an
 in-place build reuses ``build/`` and ``folio.egg-info/SOURCES.txt`` from earlier builds, which still
@@ -111,6 +112,29 @@ def test_installed_package_compiles_its_kernels(installed, tmp_path):
     # and the C compiler built the CPU kernels into the (fresh) cache folder
     assert out["cpu_library"] is not None, proc.stderr[-4000:]
     assert Path(out["cpu_library"]).parent == cache / "cpu-kernels", out
+
+
+def test_installed_folio_bench_runs_outside_the_checkout(installed, tmp_path):
+    _, site = installed
+    env = {**os.environ, "PYTHONPATH": str(site), "FOLIO_CACHE_DIR": str(tmp_path / "cache")}
+    folio = [sys.executable, str(site / "bin" / "folio"), "bench"]
+
+    def run(*argv: str) -> str:
+        proc = subprocess.run([*folio, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    listed = [line.split()[0] for line in run("list").splitlines() if line.strip()]
+    assert {"serve", "step", "serving", "eval_quant"} <= set(listed), listed
+    assert "usage: folio bench step" in run("step", "--help")
+    # one tiny real run: the executor's cost per step on a null model, its figures in the summary
+    out = run("step", "--steps", "2", "--repeats", "1", "--save-result", str(tmp_path / "step.json"))
+    assert "================ folio bench step ================" in out, out
+    saved = json.loads((tmp_path / "step.json").read_text())
+    assert saved["exit_status"] == 0 and saved["figures"]["host ms/step at B=256"] > 0, saved
+    where = subprocess.run([sys.executable, "-c", "import folio.bench.step as m; print(m.__file__)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    assert Path(where).is_relative_to(site), where
 
 
 def test_checkout_cuda_folder_does_not_hide_nvidias_cuda_package():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 
 from folio.core.scheduler.request import Request, Status
-from folio.shared.kv.allocator import cdiv
+from folio.core.kv.allocator import cdiv
 from folio.shared.messages import EngineRequest, TokenDelta
 
 

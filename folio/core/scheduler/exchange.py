@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from folio.core.scheduler.forks import BeamGroup
 from folio.core.scheduler.request import Request, Status
-from folio.shared.kv.allocator import cdiv
+from folio.core.kv.allocator import cdiv
 from folio.shared.messages import (
     Grammar,
     KVLoad,

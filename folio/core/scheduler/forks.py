@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from folio.core.scheduler.beam import BeamSearch
 from folio.core.scheduler.request import Request, Status
-from folio.shared.messages import EngineRequest, KVFork, SamplingParams, TokenDelta
+from folio.shared.messages import EngineRequest, KVFork, TokenDelta, WireSampling
 
 
 @dataclass(eq=False)
@@ -31,7 +31,7 @@ class BeamGroup:
     req_id: str
     choice_ids: list[str]
     search: BeamSearch
-    sampling: SamplingParams  # what each beam runs with: greedy, top-2W logprobs
+    sampling: WireSampling  # what each beam runs with: greedy, top-2W logprobs
     live: dict[int, Request] = field(default_factory=dict)  # beam id -> request
     candidates: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     width: int = 1
@@ -102,7 +102,7 @@ class Forks:
                             early_stopping=params.early_stopping, max_tokens=msg.sampling.max_tokens,
                             eos_token_ids=eos)
         # every beam runs greedy and reports its top raw logprobs; the group picks its tokens
-        sampling = SamplingParams(temperature=0.0, max_tokens=msg.sampling.max_tokens, ignore_eos=True,
+        sampling = WireSampling(temperature=0.0, max_tokens=msg.sampling.max_tokens, ignore_eos=True,
                                   logprobs=search.top_k)
         group = BeamGroup(req_id=msg.req_id, choice_ids=[msg.req_id, *msg.fork_req_ids], search=search,
                           sampling=sampling, width=params.width, num_prompt_tokens=len(msg.prompt_token_ids))

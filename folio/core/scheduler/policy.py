@@ -11,7 +11,7 @@ behind it may go first.
 Without chunked prefill a prompt is computed whole: the first one of a step even beyond the
 budget, the others only while they fit.
 
-The scheduler plans with its own replica of the block allocator (``folio.shared.kv``): ``schedule``
+The scheduler plans with its own replica of the block allocator (``folio.core.kv``): ``schedule``
 applies each allocator operation to it as it decides it, so it knows exact block ids, prefix-cache
 hits and refusals while it plans. When a running sequence cannot grow (the allocator refuses,
 changing nothing), the last one in queue order gives its blocks back and the growth is tried
@@ -39,7 +39,7 @@ cached prompt token would have no logprob.
 
 A model whose every layer is windowed (``PoolInfo.sliding_window``, from the executor's model)
 gets a replica that gives back the blocks behind the window: an allocation writing from position
-p skips the blocks before p - W + 1 (``folio.shared.kv.allocator``); the scheduler passes p, the
+p skips the blocks before p - W + 1 (``folio.core.kv.allocator``); the scheduler passes p, the
 sequence's computed tokens, which never moves back (drafts are verified from p on, rollbacks stop
 at or after it, preemption frees the whole table). A request is refused only when its prefill
 chunk and the window before it cannot fit in the whole pool.
@@ -57,11 +57,11 @@ import time
 from folio.core.scheduler.admission import Admission
 from folio.core.scheduler.exchange import ExecutorExchange, StepOutput
 from folio.core.scheduler.forks import Forks
-from folio.core.scheduler.grammars import GrammarGate
+from folio.core.structured.gate import GrammarGate
 from folio.core.scheduler.request import Request, Status
-from folio.shared.kv.allocator import BlockAllocator, cdiv
-from folio.shared.kv.steplog import StepLog
-from folio.shared.kv.tiers import DiskTier, TierCostModel
+from folio.core.kv.allocator import BlockAllocator, cdiv
+from folio.core.kv.steplog import StepLog
+from folio.core.kv.tiers import DiskTier, TierCostModel
 from folio.shared.messages import (
     KVAllocate,
     KVClear,
@@ -106,7 +106,7 @@ class Scheduler(Admission, ExecutorExchange):
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request by req_id (choices and beams by their own ids)
         self.forks = Forks(self)  # the choices of n > 1 still to fork, beam groups
-        self.grammar_gate = GrammarGate()  # structured output: who may sample (``grammars.py``)
+        self.grammar_gate = GrammarGate()  # structured output: who may sample (``structured/gate.py``)
         # applied at the start of the next step (``_settle``)
         self.pending_free_req_ids: list[str] = []
         self.pending_discard_req_ids: list[str] = []  # the same, for tables whose last growth never ran
@@ -138,7 +138,7 @@ class Scheduler(Admission, ExecutorExchange):
         self.kv = StepLog(BlockAllocator(info.num_blocks, info.block_size, info.num_host_blocks,
                                          enable_prefix_caching=info.enable_prefix_caching, record_events=False,
                                          sliding_window=info.sliding_window, disk_tier=bool(info.kv_disk_dir)))
-        self.disk = None  # the disk tier's folder, looked up by ``_find_cached`` (``folio.shared.kv.tiers``)
+        self.disk = None  # the disk tier's folder, looked up by ``_find_cached`` (``folio.core.kv.tiers``)
         if info.kv_disk_dir and self.kv.alloc.disk_tier:
             try:
                 self.disk = DiskTier(info.kv_disk_dir, info.kv_layout_id, 0, info.bytes_per_block)

@@ -1,7 +1,7 @@
 """One request as the scheduler sees it: its tokens, how many are computed, how many blocks it
 holds, and where it is in its life (``Status``).
 
-Its block table lives in the scheduler's allocator replica (``folio.shared.kv``), under ``req_id``; the
+Its block table lives in the scheduler's allocator replica (``folio.core.kv``), under ``req_id``; the
 request remembers only how much of it the executor was sent. What a client asked for is one
 request, or several under their own ids: the choices of ``n`` > 1 (forked from the first once its
 prompt is computed) and the live beams of a beam search (``group``; ``forks.py``). A continuation
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from folio.shared.block_hash import kv_salt
-from folio.shared.messages import EngineRequest, SamplingParams
+from folio.core.kv.block_hash import kv_salt
+from folio.shared.messages import EngineRequest, WireSampling
 
 
 class Status(str, Enum):
@@ -33,7 +33,7 @@ class Status(str, Enum):
 class Request:
     req_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: WireSampling
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
@@ -69,13 +69,13 @@ class Request:
     # change when a readmission finds a different prefix in the cache)
     counts_sent: bool = False
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
-    grammar_ready: bool = False  # the executor reported its grammar compiled (``grammars.py``)
+    grammar_ready: bool = False  # the executor reported its grammar compiled (``structured/gate.py``)
     # tokens it samples in steps sent but not answered yet (async scheduling): the next step may
     # decode them as placeholders, which the executor fills in with what it sampled
     num_pending: int = 0
 
     @staticmethod
-    def from_message(msg: EngineRequest, req_id: str | None = None, sampling: SamplingParams | None = None) -> "Request":
+    def from_message(msg: EngineRequest, req_id: str | None = None, sampling: WireSampling | None = None) -> "Request":
         sampling = sampling or msg.sampling
         return Request(
             req_id=req_id or msg.req_id,

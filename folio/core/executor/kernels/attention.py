@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, dequantize, quantize, raw, split_scales, stored
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, dequantize, quantize, raw, split_scales, stored
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS
 
 SHORT_CHUNK_ROWS = 16  # chunks this short (verification: k + 1 tokens) attend row by row, as decodes

@@ -35,7 +35,7 @@ import numpy as np
 import structlog
 import torch
 
-from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
+from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
 from folio.shared import startup
 from folio.shared.config import c_compiler, cache_dir
 

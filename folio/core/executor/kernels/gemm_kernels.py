@@ -79,12 +79,12 @@ class InvariantLinear(nn.Module):
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def make_linears_batch_invariant(model, launcher=None) -> int:
+def make_linears_batch_invariant(model, launcher=None, own_mode: tuple[type, ...] = ()) -> int:
     """Swap the decoder's dense f16/bf16 projections (and the LM head, through the model's
-    ``packed_lm_head`` hook) for ``InvariantLinear``; set W4A16 layers to their invariant mode.
-    Returns how many layers changed. ``launcher``: default CuPy on the model's device."""
-    from folio.core.executor.quant.gpu import AwqLinear
-
+    ``packed_lm_head`` hook) for ``InvariantLinear``; set the layers of the ``own_mode`` types
+    (W4A16's ``AwqLinear``: the runner passes it, the kernels do not import the quantized layers)
+    to their invariant mode. Returns how many layers changed. ``launcher``: default CuPy on the
+    model's device."""
     device = model.embed_tokens.weight.device
     if launcher is None:
         from folio.core.executor.kernels.cuda_backend import CupyLauncher
@@ -95,7 +95,7 @@ def make_linears_batch_invariant(model, launcher=None) -> int:
         for parent in list(layer.modules()):
             for attr in PROJECTIONS:
                 module = getattr(parent, attr, None)
-                if isinstance(module, AwqLinear):
+                if isinstance(module, own_mode):
                     module.batch_invariant = True
                     changed += 1
                 elif type(module) is nn.Linear and _fits(module.weight):

@@ -23,7 +23,7 @@ import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
 from folio.core.executor.kernels.attention import AttentionMetadata
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, DeviceScales, scales_key
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, DeviceScales, scales_key
 from folio.core.executor.kernels.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
 from folio.core.executor.kernels.layer_ops import KernelLayerOps
 

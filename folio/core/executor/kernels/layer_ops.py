@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from folio.core.executor.kernels import cuda_kernels as ck
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, DeviceScales
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, DeviceScales
 
 
 def _ptr(tensor: torch.Tensor) -> np.uint64:

@@ -1,1 +1,2 @@
-"""Model families (one file each, over shared layers) and checkpoint loading."""
+"""Model families (one file each, over shared layers) and checkpoint loading (whole, or one
+tensor-parallel rank's shard: ``sharded_load.py``)."""

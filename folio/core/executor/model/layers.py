@@ -9,7 +9,7 @@ soft-caps, the query scale, Gemma's ``(1 + w)`` norms (``norm_offset``, folded i
 and GeGLU, and a second RoPE table for windowed layers (``CausalLM.local_rope``, Gemma 3).
 
 The family files (``llama.py``, ``qwen3.py``, ``mixtral.py``, ...) pick from these; ``registry.py``
-maps a checkpoint to its family; ``loader.py`` and ``parallel/sharded_load.py`` build the model
+maps a checkpoint to its family; ``loader.py`` and ``sharded_load.py`` build the model
 through it; ``runtime/runner.py`` packs its linears for the CPU (``pack_linears_for_cpu``).
 
 The forward pass takes one flattened varlen batch (``input_ids``/``positions`` of every new token

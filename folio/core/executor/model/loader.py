@@ -236,7 +236,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     path = Path(path)
     with startup.phase("weights"):
         if shard.size > 1:
-            from folio.core.executor.parallel.sharded_load import load_sharded
+            from folio.core.executor.model.sharded_load import load_sharded
 
             return load_sharded(path, dtype, device, quantization, shard, comm)
         entry = prepared_entry(path, dtype, device, quantization, group_size)

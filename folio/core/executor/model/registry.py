@@ -1,6 +1,6 @@
 """Which family runs a checkpoint: its config's ``architectures`` first, then its ``model_type``.
 
-``loader.load_model``, ``parallel/sharded_load.py`` and the tensor-parallel workers' start-up
+``loader.load_model``, ``sharded_load.py`` and the tensor-parallel workers' start-up
 check call it; an unsupported model fails there, before any weight is read, with the list of
 what runs. ``check_runtime`` refuses, also at start, what a family cannot do yet (mixture of
 experts: CUDA, quantization other than int8/int4).

@@ -16,7 +16,7 @@ Megatron's split, as vLLM, SGLang and TGI do it:
 ``Comm`` wraps one gloo (CPU) or NCCL (GPU) process group built from a TCP store, without
 ``torch.distributed``'s global default group, so a process may hold more than one. Its users:
 the model (all-reduce, all-gather), the runner (the pool size: the minimum over ranks), and
-``workers.py`` (the step plan broadcast as bytes, per-rank stats gathered as bytes).
+``runtime/workers.py`` (the step plan broadcast as bytes, per-rank stats gathered as bytes).
 """
 
 from __future__ import annotations

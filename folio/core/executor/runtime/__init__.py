@@ -1,1 +1,2 @@
-"""The runtime: the model runner, its persistent input batch, the KV pool, CUDA graphs, draft proposers."""
+"""The runtime: the model runner, its persistent input batch, the KV pool, CUDA graphs, draft
+proposers, and the tensor-parallel worker group (``workers.py``) that runs a runner per rank."""

@@ -1,5 +1,5 @@
 """Calibrating an FP8 KV pool at start: per layer, the K and V scales (and K's shift) of one
-forward pass over a calibration text (``quant/kv_quant.py`` holds the format, the rotation and
+forward pass over a calibration text (``kernels/kv_quant.py`` holds the format, the rotation and
 the scale rule).
 
 The runner calls ``calibrate_kv_scales`` when ``--kv-cache-dtype fp8``; ``scripts/eval_quant.py``
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata
-from folio.core.executor.quant.kv_quant import CALIBRATION_TEXT, KVScales, kv_scales_from, rotation, set_kv_scales
-from folio.shared.text import TextTokenizer
+from folio.core.executor.kernels.kv_quant import CALIBRATION_TEXT, KVScales, kv_scales_from, rotation, set_kv_scales
+from folio.core.tokenizer.text import TextTokenizer
 
 
 def calibration_ids(model_path: str | None, vocab_size: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The executor's side of the disk tier: it holds the pool, so it moves the bytes.
 
-The scheduler and the kvmanager decide (``folio.shared.kv.allocator``, ``folio.shared.kv.tiers``); a
+The scheduler and the kvmanager decide (``folio.core.kv.allocator``, ``folio.core.kv.tiers``); a
 step plan carries ``tier_saves`` (block -> file) and ``tier_loads`` (file -> device block). The
 runner calls ``save`` before any other copy of the step (the blocks saved may be written again in
 the same step) and ``load`` after the swap-ins, before the copy-on-write copies and the forward
@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from folio.core.executor.quant.kv_quant import scales_fingerprint
+from folio.core.executor.kernels.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
-from folio.shared.kv.tiers import HOST, DiskTier, layout_id, model_identity
+from folio.core.kv.tiers import HOST, DiskTier, layout_id, model_identity
 
 
 class TierLoadError(RuntimeError):
@@ -27,7 +27,7 @@ class TierLoadError(RuntimeError):
 
 def pool_layout_id(pool: KVPool, model_path: str, quantization: str, dtype: str, kv_scales=(),
                    rank: int = 0, world: int = 1) -> str:
-    """The layout id of this pool's blocks for the disk tier (``folio.shared.kv.tiers``)."""
+    """The layout id of this pool's blocks for the disk tier (``folio.core.kv.tiers``)."""
     s = pool.shape
     layout = {"dtype": str(s.dtype).removeprefix("torch."), "block_size": s.block_size,
               "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "num_layers": s.num_layers,

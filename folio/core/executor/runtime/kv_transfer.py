@@ -1,19 +1,11 @@
 """KV transfer: a request's KV blocks move from one executor's pool to another's (prefill -> decode).
 
-One interface, three backends, chosen by the receiver per pull (``backend=``):
-
-- ``zmq`` (the default; across processes and hosts): the sender answers a pull with ZeroMQ
-  multipart frames, ``2 * num_layers`` per block (K then V per layer), each a memoryview of the
-  pool's own memory sent with ``copy=False`` (no copy on the sender; from a GPU pool the block is
-  first staged to host memory). The receiver copies each frame into its pool's block
-  (``KVPool.block_views``). Over tcp.
-- ``cuda_ipc`` (GPUs on one host): the handshake hands over CUDA IPC handles of the sender's pool
-  tensors (``torch.multiprocessing.reductions.reduce_tensor``); a pull's answer names the blocks
-  and the receiver copies them device to device from the mapped pool. The handles are pickled:
-  only for peers on the same host that trust each other.
-- ``nixl`` (when the ``nixl`` package is importable; optional): the sender registers its pool with
-  a NIXL agent and sends the agent's metadata and the blocks' descriptors; the receiver READs them
-  into its own registered pool. Without ``nixl`` asking for it is a ``TransferError``.
+The bytes move over ZeroMQ (across processes and hosts, over tcp): the sender answers a pull with
+multipart frames, one per run of consecutive blocks per layer (K then V), each a memoryview of the
+pool's own memory sent with ``copy=False`` (no copy on the sender; a prefill executor stages a GPU
+pool's blocks to a host pool first, ``services/executor/kv_roles.py``). The receiver copies each
+frame into its pool's blocks. This is the one transport ``folio serve --kv-role`` runs; device to
+device transports (CUDA IPC, NIXL) are not offered until a flag can choose them.
 
 Records (``KVSender``): ``export(block_ids)`` puts the blocks under a fresh transfer id, owned by
 that transfer until the receiver confirms (``CONFIRM``: released as done) or reports a failure
@@ -28,15 +20,13 @@ size, layers, FP8 scales); a sender whose layout differs refuses with a message 
 difference, and the receiver raises ``LayoutMismatch`` with it. The transfer stays owned (the
 blocks are not freed: another receiver may take them).
 
-Wire (DEALER -> ROUTER, msgpack headers): ``[b"PULL", {transfer_id, layout, backend}]`` ->
+Wire (DEALER -> ROUTER, msgpack headers): ``[b"PULL", {transfer_id, layout}]`` ->
 ``[b"OK", {num_blocks, ...}, *frames]`` or ``[b"ERR", {message, kind}]``;
 ``[b"CONFIRM"|b"FAIL", {transfer_id}]`` -> ``[b"OK", {}]``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import pickle
 import threading
 import time
 import uuid
@@ -48,11 +38,10 @@ import numpy as np
 import torch
 import zmq
 
-from folio.core.executor.quant.kv_quant import scales_fingerprint
+from folio.core.executor.kernels.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
-from folio.shared.kv.handle import TransferHandle
+from folio.shared.messages import TransferHandle
 
-BACKENDS = ("zmq", "cuda_ipc", "nixl")
 DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0
 _POLL_MS = 50
@@ -64,10 +53,6 @@ class TransferError(RuntimeError):
 
 class LayoutMismatch(TransferError):
     """The two pools' layouts differ; the message names each difference."""
-
-
-def nixl_available() -> bool:
-    return importlib.util.find_spec("nixl") is not None
 
 
 @dataclass(frozen=True)
@@ -152,7 +137,6 @@ class KVSender:
         self.counts = {"exported": 0, "confirmed": 0, "failed": 0, "expired": 0, "refused": 0, "bytes_sent": 0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._nixl = None
         self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -235,55 +219,22 @@ class KVSender:
                                      "kind": "unknown"})
             return
         block_ids = entry[0]
-        backend = header.get("backend", "zmq")
-        if backend == "zmq":
-            # one frame per run of consecutive blocks, per layer, K then V: slices of the pool itself
-            runs = _runs(block_ids)
-            out = [_frame_of(t[start:start + n]) for start, n in runs for kv in self.pool.kv_caches for t in kv]
-            self.counts["bytes_sent"] += sum(f.nbytes for f in out)
-            self._send(who, b"OK", {"num_blocks": len(block_ids), "runs": [n for _, n in runs]}, out)
-        elif backend == "cuda_ipc":
-            if self.pool.device.type != "cuda":
-                self._send(who, b"ERR", {"message": "cuda_ipc needs a GPU pool on the sender", "kind": "backend"})
-                return
-            from torch.multiprocessing.reductions import reduce_tensor
-            handles = [[reduce_tensor(t) for t in kv] for kv in self.pool.kv_caches]
-            self._send(who, b"OK", {"num_blocks": len(block_ids), "block_ids": block_ids},
-                       [pickle.dumps(handles)])
-        elif backend == "nixl":
-            if not nixl_available():
-                self._send(who, b"ERR", {"message": "the nixl package is not installed on the sender",
-                                         "kind": "backend"})
-                return
-            meta, descs = self._nixl_descs(block_ids)
-            self._send(who, b"OK", {"num_blocks": len(block_ids)}, [meta, descs])
-        else:
-            self._send(who, b"ERR", {"message": f"unknown backend {backend!r}; one of {BACKENDS}", "kind": "backend"})
-
-    def _nixl_descs(self, block_ids: list[int]) -> tuple[bytes, bytes]:  # pragma: no cover - needs nixl
-        from nixl._api import nixl_agent
-        if self._nixl is None:
-            self._nixl = nixl_agent(f"folio-kv-sender-{uuid.uuid4().hex[:8]}")
-            self._nixl.register_memory([t for kv in self.pool.kv_caches for t in kv])
-        views = [v for b in block_ids for v in self.pool.block_views(b)]
-        return self._nixl.get_agent_metadata(), self._nixl.get_serialized_descs(self._nixl.get_xfer_descs(views))
+        # one frame per run of consecutive blocks, per layer, K then V: slices of the pool itself
+        runs = _runs(block_ids)
+        out = [_frame_of(t[start:start + n]) for start, n in runs for kv in self.pool.kv_caches for t in kv]
+        self.counts["bytes_sent"] += sum(f.nbytes for f in out)
+        self._send(who, b"OK", {"num_blocks": len(block_ids), "runs": [n for _, n in runs]}, out)
 
 
 class KVReceiver:
     """The decode side: pulls a handle's blocks into its pool's blocks, then confirms."""
 
-    def __init__(self, pool: KVPool, layout: KVLayout, backend: str = "zmq", timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, pool: KVPool, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S,
                  ctx: zmq.Context | None = None):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown KV transfer backend {backend!r}; one of {BACKENDS}")
-        if backend == "nixl" and not nixl_available():
-            raise TransferError("the nixl backend needs the nixl package (pip install nixl)")
-        self.pool, self.layout, self.backend, self.timeout_s = pool, layout, backend, timeout_s
+        self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
         self.ctx = ctx or zmq.Context.instance()
         self.counts = {"pulled": 0, "failed": 0, "bytes_received": 0}
-        self._remote_pools: dict[str, list] = {}  # cuda_ipc: the sender's mapped pool, per endpoint
         self._sockets: dict[str, zmq.Socket] = {}  # a DEALER per sender, reused
-        self._nixl = None
 
     def _request(self, endpoint: str, verb: bytes, header: dict) -> tuple[dict, list]:
         """One request and its answer on this endpoint's socket (kept for the next; dropped after
@@ -314,13 +265,13 @@ class KVReceiver:
         failure reports it (the sender frees the blocks) and raises."""
         if len(block_ids) != handle.num_blocks:
             raise ValueError(f"the handle holds {handle.num_blocks} blocks, {len(block_ids)} given to fill")
-        header = {"transfer_id": handle.transfer_id, "layout": self.layout.to_wire(), "backend": self.backend}
+        header = {"transfer_id": handle.transfer_id, "layout": self.layout.to_wire()}
         try:
             reply, frames = self._request(handle.endpoint, b"PULL", header)
             if int(reply.get("num_blocks", -1)) != len(block_ids):
                 raise TransferError(f"the sender holds {reply.get('num_blocks')} blocks, the handle said "
                                     f"{len(block_ids)}")
-            moved = getattr(self, f"_land_{self.backend}")(handle, block_ids, reply, frames)
+            moved = self._land(block_ids, reply, frames)
         except LayoutMismatch:
             self.counts["failed"] += 1
             raise
@@ -338,7 +289,7 @@ class KVReceiver:
         self.counts["bytes_received"] += moved
         return moved
 
-    def _land_zmq(self, handle, block_ids, reply, frames) -> int:
+    def _land(self, block_ids, reply, frames) -> int:
         """Each frame (a run of the sender's blocks, one layer's K or V) into the receiving blocks:
         one copy per run of consecutive receiving blocks; -1 entries are skipped."""
         per_run = 2 * self.layout.num_layers
@@ -370,41 +321,3 @@ class KVReceiver:
                         moved += m * block_bytes
                     offset += m
         return moved
-
-    def _land_cuda_ipc(self, handle, block_ids, reply, frames) -> int:  # pragma: no cover - needs 2 GPU processes
-        if self.pool.device.type != "cuda":
-            raise TransferError("cuda_ipc needs a GPU pool on the receiver")
-        remote = self._remote_pools.get(handle.endpoint)
-        if remote is None:
-            handles = pickle.loads(frames[0].bytes)
-            remote = [[fn(*args) for fn, args in kv] for kv in handles]  # maps the sender's pool (once)
-            self._remote_pools[handle.endpoint] = remote
-        src_ids = [int(b) for b in reply["block_ids"]]
-        moved = 0
-        idx_src = torch.tensor(src_ids, device=self.pool.device)
-        idx_dst = torch.tensor(block_ids, device=self.pool.device)
-        for (rk, rv), (k, v) in zip(remote, self.pool.kv_caches):
-            k.index_copy_(0, idx_dst, rk.index_select(0, idx_src))
-            v.index_copy_(0, idx_dst, rv.index_select(0, idx_src))
-            moved += 2 * len(block_ids) * k[0].numel() * k.element_size()
-        torch.cuda.current_stream(self.pool.device).synchronize()
-        return moved
-
-    def _land_nixl(self, handle, block_ids, reply, frames) -> int:  # pragma: no cover - needs nixl
-        from nixl._api import nixl_agent
-        if self._nixl is None:
-            self._nixl = nixl_agent(f"folio-kv-receiver-{uuid.uuid4().hex[:8]}")
-            self._nixl.register_memory([t for kv in self.pool.kv_caches for t in kv])
-        peer = self._nixl.add_remote_agent(frames[0].bytes)
-        remote = self._nixl.deserialize_descs(frames[1].bytes)
-        views = [v for b in block_ids for v in self.pool.block_views(b)]
-        local = self._nixl.get_xfer_descs(views)
-        xfer = self._nixl.initialize_xfer("READ", local, remote, peer)
-        state = self._nixl.transfer(xfer)
-        deadline = time.monotonic() + self.timeout_s
-        while state != "DONE":
-            if state == "ERR" or time.monotonic() > deadline:
-                raise TransferError(f"nixl transfer ended in state {state}")
-            state = self._nixl.check_xfer_state(xfer)
-        self._nixl.release_xfer_handle(xfer)
-        return sum(v.numel() * v.element_size() for v in views)

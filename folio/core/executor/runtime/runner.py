@@ -30,7 +30,7 @@ from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
-from folio.core.executor.quant.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
+from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
 from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
@@ -40,10 +40,10 @@ from folio.core.executor.quant.linear import ACT_DTYPE, QuantLinear, QuantLMHead
 from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
-from folio.core.executor.sampling.structured import GrammarStore, advance, apply_grammar_masks, compile_error
+from folio.core.structured.masks import GrammarStore, advance, apply_grammar_masks, compile_error
 from folio.shared import startup
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, SamplingParams, StepPlan, StepResult, TokenLogprobs
+from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
 
 
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
@@ -52,7 +52,7 @@ LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max
 class RequestState:
     """What the runner keeps of a request besides its row of the persistent batch."""
 
-    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: SamplingParams, append_sampled: bool):
+    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: WireSampling, append_sampled: bool):
         self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
         self.append_sampled = append_sampled  # False for beams: the scheduler sends their tokens
         self.prompt_logprobs: list[TokenLogprobs | None] = []
@@ -153,8 +153,10 @@ class ModelRunner:
                                     batch_invariant=config.batch_invariant)
         if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
             from folio.core.executor.kernels.gemm_kernels import make_linears_batch_invariant
+            from folio.core.executor.quant.gpu import AwqLinear
 
-            make_linears_batch_invariant(self.model)  # the projections and the LM head off cuBLAS
+            # the projections and the LM head off cuBLAS; W4A16 layers in their own invariant mode
+            make_linears_batch_invariant(self.model, own_mode=(AwqLinear,))
         for module in self.model.modules():  # the layers whose kernels change order with the call's rows
             if isinstance(module, (PackedLinear, QuantLMHead)):
                 module.batch_invariant = config.batch_invariant
@@ -323,7 +325,7 @@ class ModelRunner:
         if not disk_dir:
             return None
         from folio.core.executor.runtime.kv_tiers import KVTierStore, pool_layout_id
-        from folio.shared.kv.tiers import DiskTier
+        from folio.core.kv.tiers import DiskTier
 
         ident = pool_layout_id(self.pool, model_path, self.config.quantization, str(self.dtype), self.kv_scales,
                                self.shard.rank, self.shard.size)

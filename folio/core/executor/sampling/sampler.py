@@ -53,11 +53,11 @@ import numpy as np
 import torch
 
 from folio.core.executor.kernels import cpu_kernels
-from folio.core.executor.sampling.columns import FREQUENCY, MIN_P, NUM_PARAMS, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
+from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, NUM_PARAMS, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
 from folio.core.executor.sampling.penalties import has_penalties, neutral_zero, tensors_from_rows
 from folio.core.executor.sampling.philox import draw_seed, seed_words, uniforms
-from folio.core.executor.sampling.structured import apply_grammar_masks
-from folio.shared.messages import SamplingParams, TokenLogprobs
+from folio.core.structured.masks import apply_grammar_masks
+from folio.shared.messages import TokenLogprobs, WireSampling
 
 __all__ = ["SamplingBatch", "SamplingRow", "SamplerOutput", "has_penalties", "make_generator", "position_seed",
            "process_logits", "processed_probs", "processed_probs_batch", "sample", "sample_batch",
@@ -70,7 +70,7 @@ WINDOW = 256  # tokens the sorting-free top-k/top-p looks at before sorting a ro
 class SamplingRow:
     """What the sampler needs of one request (for callers that keep token lists)."""
 
-    params: SamplingParams
+    params: WireSampling
     generator: torch.Generator | None  # unused by the draws (counter-based: ``seed``); kept for callers
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -111,7 +111,7 @@ def position_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def param_row(params: SamplingParams, vocab_size: int) -> list[float]:
+def param_row(params: WireSampling, vocab_size: int) -> list[float]:
     """One row of ``SamplingBatch.params``; a greedy row keeps temperature 1 (it never divides)."""
     top_k = vocab_size if params.top_k is None else min(params.top_k, vocab_size)
     temperature = 1.0 if params.greedy else params.temperature

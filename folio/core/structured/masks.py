@@ -1,12 +1,12 @@
 """Structured output in the executor: grammars compiled against the vocabulary, a matcher per
 request, and the allowed-token mask.
 
-The tokenizer service checks each request's spec (``shared/grammar.py``) and sends it in
-``SamplingParams.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
+The tokenizer service checks each request's spec (``grammar.py``) and sends it in
+``WireSampling.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
 (an LRU), with xgrammar's dynamic compilation, in a worker thread beside the steps. The scheduler
 names each grammar it has not seen compiled in a step plan (``StepPlan.grammars``: ``watch``) and
 holds back the token its request samples first until a step result names the key ready
-(``take_reports``; ``scheduler/grammars.py``), so that a compile never stalls a step. A request
+(``take_reports``; ``gate.py``), so that a compile never stalls a step. A request
 that samples while its compile has not ended (its key dropped from the LRU since the scheduler
 learnt it was ready) waits for it in ``matcher``: ``grammar_wait_seconds_total``.
 
@@ -66,7 +66,7 @@ class GrammarStore:
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
-        from folio.shared.grammar import tokenizer_info
+        from folio.core.structured.grammar import tokenizer_info
 
         path = Path(self.model_path)
         try:
@@ -127,7 +127,7 @@ class GrammarStore:
             wait(pending, timeout_s, return_when=FIRST_COMPLETED)
 
     def _compile(self, grammar: Grammar):
-        from folio.shared.grammar import compile_grammar
+        from folio.core.structured.grammar import compile_grammar
 
         t0 = time.perf_counter()
         compiled = compile_grammar(self._compiler.result(), grammar)
@@ -155,7 +155,7 @@ class GrammarStore:
 
 def compile_error(exc: BaseException) -> str:
     """Why a grammar did not compile here, for the request's error."""
-    from folio.shared.grammar import error_text
+    from folio.core.structured.grammar import error_text
 
     return f"the executor could not compile the request's grammar: {error_text(exc)}"
 

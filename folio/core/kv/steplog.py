@@ -21,7 +21,7 @@ import hashlib
 
 import msgspec
 
-from folio.shared.kv.allocator import BlockAllocator, NoFreeBlocks
+from folio.core.kv.allocator import BlockAllocator, NoFreeBlocks
 from folio.shared.messages import KVAllocate, KVClear, KVConfirm, KVFork, KVFree, KVOp, KVSwapIn, KVSwapOut, KVTruncate
 
 _encode = msgspec.msgpack.Encoder().encode

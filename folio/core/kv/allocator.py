@@ -5,7 +5,7 @@ it and the kvmanager owns the record, both driven by the same step log (``steplo
 ids are the handles of the executor's pools. What it adds to ``block_pool.BlockPool``'s counting:
 
 - prefix caching: a full block is named by a chained hash of (parent hash, its token ids, extra
-  keys such as the request's cache salt): ``folio.shared.block_hash``, which the router uses too. A
+  keys such as the request's cache salt): ``folio.core.kv.block_hash``, which the router uses too. A
   request new to the allocator first takes the longest run of cached blocks that match its tokens
   (each hit verified against the stored tokens and parent); the hit is capped so that at least
   one token of the allocation, and so the last prompt token, is still computed.
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.shared.block_hash import block_extra_keys, hash_block
-from folio.shared.kv.block_pool import BlockPool, CachedBlock, NoFreeBlocks
+from folio.core.kv.block_hash import block_extra_keys, hash_block
+from folio.core.kv.block_pool import BlockPool, CachedBlock, NoFreeBlocks
 from folio.shared.messages import BlockStored
 
 __all__ = ["BlockAllocator", "NoFreeBlocks", "RequestTable", "cdiv", "hash_block"]

@@ -1,7 +1,7 @@
 """Structured output in the scheduler: a request samples only once its grammar is compiled.
 
 The executor compiles each grammar against the vocabulary in a worker thread
-(``executor/structured.py``). A request whose grammar it has not reported compiled is scheduled up
+(``masks.py``). A request whose grammar it has not reported compiled is scheduled up
 to, but not including, the token it samples from (its last prompt token; after a recompute, its
 last token): its prefill chunks run while the grammar compiles, and no step (the others' decodes,
 its own chunks) ever waits for a compile. A waiting request held that way lets the ones behind it
@@ -22,11 +22,19 @@ forgets everything: what was asked, what was ready.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
-from folio.core.scheduler.request import Request
-from folio.shared.messages import Grammar
+from folio.shared.messages import Grammar, WireSampling
 
-MAX_READY_KEYS = 256  # the executor's LRU (``structured.MAX_CACHED_GRAMMARS``)
+MAX_READY_KEYS = 256  # the executor's LRU (``masks.MAX_CACHED_GRAMMARS``)
+
+
+class Constrained(Protocol):
+    """What the gate reads and sets on a request (the scheduler's ``Request``)."""
+
+    req_id: str
+    sampling: WireSampling
+    grammar_ready: bool  # set here once its grammar is known compiled
 
 
 class GrammarGate:
@@ -36,7 +44,7 @@ class GrammarGate:
         self.to_ask: dict[str, Grammar] = {}  # keys for the next plan
         self.held: set[str] = set()  # this step's requests held back
 
-    def holds(self, req: Request) -> bool:
+    def holds(self, req: Constrained) -> bool:
         """Whether ``req`` must not sample yet, its grammar not known compiled (asking for it)."""
         grammar = req.sampling.grammar
         if grammar is None or req.grammar_ready:

@@ -19,9 +19,9 @@ from folio.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     GenerateRequest,
-    SamplingParams,
     TokenizeReply,
     TokenizeRequest,
+    WireSampling,
 )
 
 
@@ -118,7 +118,7 @@ class TextTokenizer:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
-    def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None, SamplingParams]:
+    def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None, WireSampling]:
         """(prompt token ids, prompt text when there is one, the sampling params with the
         max_tokens the context allows), or RequestError."""
         prompt_token_ids, prompt_text = self.encode_request(req)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from folio.shared.kv.allocator import cdiv
+from folio.core.kv.allocator import cdiv
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -23,7 +23,7 @@ the model's identity (its config.json, its weight files' names and sizes, the qu
 pool's layout (dtype, block size, KV heads, head size, layers, the tensor-parallel shard, the FP8
 scales when the pool is FP8): a block's bytes mean the same to every process that computes the same
 id. The block hash is the chained hash of the router and the prefix cache
-(``folio.shared.block_hash``), so it names the whole prefix, salt and adapter included.
+(``folio.core.kv.block_hash``), so it names the whole prefix, salt and adapter included.
 
 A file: ``MAGIC`` (8 bytes), the layout id's 16 bytes, the block hash (16), the payload's length
 (u64) and its CRC-32 (u32), then the payload (``KVPool.read_blocks``' bytes of one block). A file

@@ -5,11 +5,11 @@ tokenizer, compiled against the vocabulary in the executor.
   schema, ``json_object``, a regex, a list of choices, an EBNF/GBNF grammar) into an xgrammar
   ``Grammar`` (no vocabulary needed: milliseconds even for large schemas), in a worker thread and
   once per spec (cached by a hash of it), so that a spec that cannot be compiled is a 400 naming
-  the problem before anything is scheduled. The request then carries ``SamplingParams.grammar``
+  the problem before anything is scheduled. The request then carries ``WireSampling.grammar``
   (the spec and its key: a few hundred bytes, where xgrammar's serialized compiled grammar is
   tens of megabytes for a large schema).
 - The executor compiles it where the vocabulary and the logits live
-  (``folio/core/executor/sampling/structured.py``), once per key, with ``compile_grammar`` below.
+  (``masks.py``), once per key, with ``compile_grammar`` below.
 
 Why xgrammar rather than llguidance: on SmolLM2's 49,152-token vocabulary (2-core CPU), filling
 and advancing 64 matchers took 0.18 ms per step with xgrammar against 1.5 ms with llguidance.
