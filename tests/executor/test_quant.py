@@ -44,19 +44,21 @@ def test_round_to_nearest_errors_are_within_half_a_step():
         quantize_int4(torch.randn(8, 576), 128)
 
 
+@pytest.mark.parametrize("act", ["int8", "bf16"])  # folio's kernels; torch's
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
-def test_packed_layer_matches_its_dequantized_reference(bits, rows):
+def test_packed_layer_matches_its_dequantized_reference(bits, rows, act):
     torch.manual_seed(bits * 100 + rows)
     w = torch.randn(96, 128) * 0.05
     qw = quantize_int4(w, 32) if bits == 4 else quantize_int8(w)
     bias = torch.randn(96)
     layer = QuantLinear(qw, bias)
+    layer.set_int8_activations(act == "int8")
     x = torch.randn(rows, 128)
     ref = torch.nn.functional.linear(x.bfloat16().float(), qw.dequantize().bfloat16().float(), bias)
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 96)
-    # bf16 activations and scales: a few bf16 ulps of the output's scale
+    # bf16 (or int8 per block of 32) activations and scales: about 1% of the output's scale
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
@@ -217,8 +219,10 @@ def test_lm_head_refines_its_top_logits_exactly(rows):
     torch.manual_seed(0)
     weight, x = torch.randn(512, 64), torch.randn(rows, 64)
     exact = x @ weight.t()
-    head = QuantLMHead(weight)
-    assert head.pair is not None and QuantLMHead(weight[:500]).pair is None  # a vocabulary the kernel takes
+    head, short = QuantLMHead(weight), QuantLMHead(weight[:500])
+    head.set_int8_activations(False)  # torch's kernels (--cpu-quant-activations bf16)
+    short.set_int8_activations(False)
+    assert head.pair is not None and short.pair is None  # a vocabulary the kernel takes
     out = head(x)
     top = exact.topk(REFINE_TOP // 2, dim=-1).indices  # surely inside the approximate pass's top 64
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
@@ -235,13 +239,15 @@ def test_a_batch_invariant_lm_head_keeps_one_copy_and_turns_back():
 
     torch.manual_seed(2)
     weight, x = torch.randn(512, 64), torch.randn(9, 64)
-    head = QuantLMHead(weight)
+    head, fresh = QuantLMHead(weight), QuantLMHead(weight)
+    head.set_int8_activations(False)  # torch's kernels (--cpu-quant-activations bf16)
+    fresh.set_int8_activations(False)
     head.batch_invariant = True
     batch = head(x)
     assert head.packed is not None and head.weight_bf16 is None and head.pair is None
     assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(9)]), batch)
     head.batch_invariant = False
-    assert torch.equal(head(x), QuantLMHead(weight)(x)) and head.packed is None
+    assert torch.equal(head(x), fresh(x)) and head.packed is None
 
 
 def test_the_lm_heads_int4_pair_sums_to_its_int8_groups_and_recovers_q8_0():
@@ -256,12 +262,14 @@ def test_the_lm_heads_int4_pair_sums_to_its_int8_groups_and_recovers_q8_0():
     hi, lo = int8_as_int4_pair(weight)
     assert hi.q.max() <= 15 and lo.q.max() <= 15
     assert torch.equal(hi.dequantize() + lo.dequantize(), weight)  # exact in fp32 scales
+@pytest.mark.parametrize("act", ["int8", "bf16"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_packed_layers_are_row_invariant(bits):
+def test_packed_layers_are_row_invariant(bits, act):
     # a row's output is bitwise the same alone or in any batch: tokens do not depend on batching
     torch.manual_seed(bits)
     w = torch.randn(192, 128) * 0.05
     layer = QuantLinear(quantize_int4(w, 32) if bits == 4 else quantize_int8(w))
+    layer.set_int8_activations(act == "int8")
     x = torch.randn(70, 128)
     full = layer(x)
     for i in range(0, 70, 9):

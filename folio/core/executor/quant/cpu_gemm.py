@@ -150,7 +150,8 @@ def reference(kind: int, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: t
     amax = xb.abs().amax(-1)
     dx = amax / 127.0
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = torch.round(xb * inv[..., None])  # round half to even, as nearbyintf
+    v = xb * inv[..., None]
+    xq = torch.sign(v) * torch.floor(v.abs() + 0.5)  # half away from zero, as the kernel's roundf
     dots = torch.einsum("rbj,nbj->rnb", xq.double(), q.double().view(q.shape[0], k // BLOCK, BLOCK))
     out = (dots * d.double()[None] * dx.double()[:, None, :]).sum(-1)
     if m is not None:

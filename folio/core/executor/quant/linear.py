@@ -62,8 +62,8 @@ class QuantLinear(nn.Module):
 
     With folio's kernels (``cpu_gemm``; ``int8_activations``, the default) each call quantizes its
     rows to int8 per block of 32 and multiplies in integers, reading W packed once for every row of
-    the call; otherwise torch's packed kernels take bf16 rows (``--cpu-quant-activations bf16``).
-    Only the form in use is kept: the other is made from it when the setting changes."""
+    the call; otherwise torch's packed kernels take bf16 rows (``--cpu-quant-activations bf16``),
+    in a form made from folio's when the setting asks for it."""
 
     int8_activations = True  # the runner sets it from --cpu-quant-activations
 
@@ -103,25 +103,15 @@ class QuantLinear(nn.Module):
         return Int8Weight(q.contiguous(), d.float().reshape(-1)[:n].contiguous())
 
     def set_int8_activations(self, on: bool) -> None:
-        """Keep the form the setting uses (the other is dropped, and made again if it changes)."""
+        """folio's kernels (on) or torch's: folio's packed form is the source, torch's is made from it
+        when asked for and dropped when not used."""
         self.int8_activations = on
-        if on and self.qpacked is None and cpu_gemm.available() and self.in_features % BLOCK == 0:
-            if self.bits == 4 and self.group_size % BLOCK == 0:
-                self.qpacked = cpu_gemm.pack_int4(self._weight_from_torch())
-            elif self.bits == 8:
-                w = self._weight_from_torch()
-                blocks = w.scale.float()[:, None].expand(-1, self.in_features // BLOCK)
-                self.qpacked = cpu_gemm.pack_int8(w.q, blocks.half().float())
-        if self.qpacked is not None and on:
+        if self.qpacked is None:
+            return  # no compiler here: torch's form is the only one
+        if on:
             self.packed = self.scale_zero = self.scale = None
-        elif not on and self.packed is None:
+        elif self.packed is None:
             self._torch_form(self._weight_from_qpacked())
-            self.qpacked, self._qgemm = None, None
-
-    def _weight_from_torch(self) -> Int4Weight | Int8Weight:
-        if self.bits == 8:
-            return Int8Weight(self.packed, self.scale.float())
-        raise ValueError("an int4 weight in torch's packed form cannot be unpacked; load the model again")
 
     def __getstate__(self) -> dict:
         state = super().__getstate__().copy()

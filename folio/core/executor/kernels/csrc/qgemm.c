@@ -57,6 +57,7 @@ static struct {
     int started;   /* workers running */
     int size;      /* threads the pool was asked for, the caller's included */
     pthread_t workers[MAX_THREADS];
+    uint32_t first_generation[MAX_THREADS]; /* the generation a worker was started in: it waits for the next */
 } pool = {.size = 1};
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -69,7 +70,8 @@ static long now_ns(void) {
 
 static void *worker_main(void *p) {
     const int ith = (int)(intptr_t)p;
-    uint32_t seen = atomic_load_explicit(&pool.generation, memory_order_acquire);
+    /* not the generation now: the caller may have posted a task before this thread ran */
+    uint32_t seen = pool.first_generation[ith];
     for (;;) {
         uint32_t gen;
         long spin_start = now_ns();
@@ -108,6 +110,7 @@ static void pool_start(void) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setstacksize(&attr, 1 << 20);
+        pool.first_generation[pool.started + 1] = atomic_load(&pool.generation);
         if (pthread_create(&pool.workers[pool.started], &attr, worker_main, (void *)(intptr_t)(pool.started + 1))) {
             pthread_attr_destroy(&attr);
             break;
@@ -159,7 +162,7 @@ void folio_run_parallel(task_fn fn, void *arg, int nth) {
 
 /* ---------------------------------------------------------------------------- activations */
 
-/* one row's blocks of 32: xq = round(x / dx) in -127..127 with dx = max|x| / 127, and per block
+/* one row's blocks of 32: xq = round(x / dx) (half away from zero) in -127..127 with dx = max|x| / 127, and per block
  * dx, dx * sum(xq) (the int4 minimum's factor) and sum(xq) (the int8 VNNI offset's) */
 static void quantize_row(const void *x, int bf16, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
@@ -173,7 +176,7 @@ static void quantize_row(const void *x, int bf16, int64_t k, int8_t *xq, float *
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int j = 0; j < QBLOCK; j++) {
-            const int32_t q = (int32_t)nearbyintf(v[j] * inv);
+            const int32_t q = (int32_t)roundf(v[j] * inv); /* half away from zero, as llama.cpp rounds */
             xq[b * QBLOCK + j] = (int8_t)q;
             sum += q;
         }
