@@ -253,6 +253,7 @@ def smollm_prompts(smollm_dir):
     return out, tok.eos_token_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer,quantization", [("ngram", "none"), ("draft", "none"), ("ngram", "auto")])
 def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts, tmp_path_factory, proposer,
                                                       quantization):

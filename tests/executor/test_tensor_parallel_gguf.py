@@ -24,6 +24,8 @@ from folio.shared.config import RuntimeConfig
 from folio.core.models import packaged_gguf
 from tests.services.engine import LocalEngine, engine_request
 
+pytestmark = pytest.mark.slow
+
 
 def test_slices_are_transformers_dequantization_bitwise(smollm_dir):
     gguf = packaged_gguf()

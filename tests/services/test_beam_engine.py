@@ -87,6 +87,7 @@ SMOLLM_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_beams_equal_transformers_on_smollm2(smollm_dir):
     """The issue's check: width 4 on SmolLM2-135M-Instruct, five chat prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
