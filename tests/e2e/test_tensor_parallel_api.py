@@ -15,7 +15,7 @@ import pytest
 
 from folio.testing.models import write_tiny_model
 from folio.testing.server import start_server, stop_server
-from tests.services.engine import LocalEngine, engine_request
+from tests.core.engine import LocalEngine, engine_request
 
 PROMPT = [504, 3458, 282, 4889, 314, 253, 1345, 30]
 MAX_TOKENS = 8

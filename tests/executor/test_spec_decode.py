@@ -14,7 +14,7 @@ from folio.shared.config import RuntimeConfig
 from folio.core.kv.allocator import cdiv
 from folio.shared.messages import KVTruncate
 from folio.testing.models import write_tiny_model
-from tests.services.engine import LocalEngine, engine_request
+from tests.core.engine import LocalEngine, engine_request
 
 # --------------------------------------------------------------------------- n-gram proposer
 

@@ -12,7 +12,7 @@ import torch
 
 from folio.shared.messages import BeamSearchParams
 from folio.testing.models import write_tiny_model
-from tests.services.engine import LocalEngine, engine_request, make_runner
+from tests.core.engine import LocalEngine, engine_request, make_runner
 
 VOCAB, EOS = 48, 24  # a tiny model whose beams do end on EOS now and then
 
