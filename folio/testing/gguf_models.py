@@ -1,8 +1,8 @@
 """GGUF files written by llama.cpp's own tools from random-weight Hugging Face checkpoints.
 
-``convert_tiny_model(folder)`` gives a tiny checkpoint (``folio.testing.models.write_tiny_model``)
-the tokenizer llama.cpp's converter wants and runs ``convert_hf_to_gguf.py`` on it: the GGUF the
-readers are checked against. Most families take a SentencePiece ``tokenizer.model`` of under 128
+``convert_tiny_models({folder: out})`` gives tiny checkpoints (``folio.testing.models.
+write_tiny_model``) the tokenizer llama.cpp's converter wants and runs ``convert_hf_to_gguf.py`` on
+them, all in one process: the GGUFs the readers are checked against. Most families take a SentencePiece ``tokenizer.model`` of under 128
 pieces (made here, no download); the converter reads Qwen's MoE families only as a byte-level BPE
 whose pre-tokenizer it recognises, so those get SmolLM2's tokenizer and need a vocabulary of at
 least ``SMOLLM_VOCAB`` tokens.
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from folio.shared.config import cache_dir
-from folio.testing.llamacpp import LLAMA_CPP_PYTHON, convert_hf_to_gguf, find_llama_quantize, quantize
+from folio.testing.llamacpp import LLAMA_CPP_PYTHON, convert_hf_to_gguf, convert_many, find_llama_quantize, quantize
 
 SMOLLM_VOCAB = 49152
 # the model types whose converter classes read no tokenizer.model (TextModel's byte-level BPE only)
@@ -71,9 +71,8 @@ def smollm_tokenizer_files(folder) -> Path:
     return folder
 
 
-def convert_tiny_model(folder, out=None, outtype: str = "f32", log=None) -> Path:
-    """``folder`` (a checkpoint without a tokenizer) converted by llama.cpp's ``convert_hf_to_gguf.py``
-    into ``out`` (default: ``<folder>.gguf`` beside it), after adding the tokenizer it needs."""
+def add_tokenizer(folder) -> Path:
+    """The tokenizer llama.cpp's converter wants for the checkpoint in ``folder``, written beside it."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if config["model_type"] in BPE_ONLY:
@@ -82,7 +81,22 @@ def convert_tiny_model(folder, out=None, outtype: str = "f32", log=None) -> Path
         smollm_tokenizer_files(folder)
     else:
         write_tiny_tokenizer(folder, max_pieces=min(100, config["vocab_size"]))
-    out = Path(out) if out is not None else folder.with_suffix(".gguf")
+    return folder
+
+
+def convert_tiny_models(outputs: dict, outtype: str = "f32", log=None) -> dict[str, str]:
+    """Each checkpoint folder (without a tokenizer) -> its GGUF path in ``outputs``, converted by
+    llama.cpp's ``convert_hf_to_gguf.py`` in one process after adding the tokenizer it needs;
+    returns {out: the converter's traceback} for those that failed."""
+    for folder in outputs:
+        add_tokenizer(folder)
+    return convert_many([(folder, out, outtype) for folder, out in outputs.items()], log)
+
+
+def convert_tiny_model(folder, out=None, outtype: str = "f32", log=None) -> Path:
+    """``convert_tiny_models`` for one folder (``out`` default: ``<folder>.gguf`` beside it)."""
+    out = Path(out) if out is not None else Path(folder).with_suffix(".gguf")
+    add_tokenizer(folder)
     return convert_hf_to_gguf(folder, out, outtype=outtype, log=log)
 
 

