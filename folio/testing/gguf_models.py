@@ -1,11 +1,11 @@
 """GGUF files written by llama.cpp's own tools from random-weight Hugging Face checkpoints.
 
-``convert_tiny_models({folder: out})`` gives tiny checkpoints (``folio.testing.models.
-write_tiny_model``) the tokenizer llama.cpp's converter wants and runs ``convert_hf_to_gguf.py`` on
-them, all in one process: the GGUFs the readers are checked against. Most families take a SentencePiece ``tokenizer.model`` of under 128
-pieces (made here, no download); the converter reads Qwen's MoE families only as a byte-level BPE
-whose pre-tokenizer it recognises, so those get SmolLM2's tokenizer and need a vocabulary of at
-least ``SMOLLM_VOCAB`` tokens.
+``convert_tiny_models({folder: out})`` gives tiny checkpoints (``write_tiny_model``'s) the
+tokenizer llama.cpp's converter wants and runs ``convert_hf_to_gguf.py`` on them, all in one
+process: the GGUFs the readers are checked against. Most families take a SentencePiece
+``tokenizer.model`` of under 128 pieces (made here, no download); the converter reads Qwen's MoE
+families only as a byte-level BPE whose pre-tokenizer it recognises, so those get SmolLM2's
+tokenizer and need a vocabulary of at least ``SMOLLM_VOCAB`` tokens.
 
 ``write_llama_gguf(path, shape, qtype)`` writes a random-weight Llama of any ``shape`` one layer at a
 time (sharded safetensors, so memory stays at one layer's size), converts it with llama.cpp's
