@@ -122,6 +122,26 @@ __device__ __forceinline__ float soft_cap(float s, float cap, float inv_cap) {
   return cap > 0.f ? cap * tanhf(s * inv_cap) : s;
 }
 
+// The keys a CTA of attention rows (rows row0 .. row0 + num_rows - 1, `group` rows per key
+// position, the sequence's new tokens starting at ctx_len) may need: from its first row's window
+// start (0 without a window) to the causal limit of its last row, clipped to partition `part`.
+// partition_size > 0: partitions of that many keys from `first` rounded down to a multiple of it
+// (fixed positions, whatever the CTA's rows: batch-invariant plans); 0: one partition, the CTA's
+// own keys. Keys before `first` are never read (zero-filled or skipped).
+struct KeySpan {
+  int first, begin, end;  // the first key any row attends; the partition's keys [begin, end)
+};
+
+__device__ __forceinline__ KeySpan cta_key_span(int seq_len, int ctx_len, int row0, int num_rows, int group,
+                                                int window, int partition_size, int part) {
+  const int kv_first = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
+  const int kv_begin = partition_size > 0 ? kv_first - kv_first % partition_size : kv_first;
+  const int kv_end = min(seq_len, ctx_len + (row0 + num_rows - 1) / group + 1);
+  const int span = partition_size > 0 ? partition_size : kv_end - kv_begin;
+  const int part_begin = kv_begin + part * span;
+  return {kv_first, part_begin, min(kv_end, part_begin + span)};
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, mask));

@@ -85,17 +85,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS) paged_attention
   const int num_rows = min(ATTN_ROWS, q_len * group - row0);
   const int num_heads = num_kv_heads * group;
 
-  // Keys this block may need: from its first row's window start (0 without a window) to the causal
-  // limit of its last row, clipped to its partition.
-  // partition_size > 0: partitions of that many keys from kv_first rounded down to a multiple of
-  // it (fixed positions, whatever the CTA's rows: batch-invariant plans); 0: one partition, the
-  // CTA's own keys. Keys before kv_first are never read (zero-filled or skipped).
-  const int kv_first = window > 0 ? max(0, ctx_len + row0 / group - window + 1) : 0;
-  const int kv_begin = partition_size > 0 ? kv_first - kv_first % partition_size : kv_first;
-  const int kv_end = min(seq_len, ctx_len + (row0 + num_rows - 1) / group + 1);
-  const int span = partition_size > 0 ? partition_size : kv_end - kv_begin;
-  const int part_begin = kv_begin + blockIdx.z * span;
-  const int part_end = min(kv_end, part_begin + span);
+  // Keys this block may need (cta_key_span): its partition's, none before kv_first.
+  const KeySpan keys = cta_key_span(seq_len, ctx_len, row0, num_rows, group, window, partition_size, blockIdx.z);
+  const int kv_first = keys.first, part_begin = keys.begin, part_end = keys.end;
 
   // The softmax scale and the pool's K scale of each channel are folded into q once instead of
   // into every score.

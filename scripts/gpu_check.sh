@@ -18,12 +18,12 @@
 #    sliding windows, logit soft-caps at fp32 edge values and GeGLU against a dense fp32 oracle);
 #    (the fused layer kernels against torch, greedy tokens with CUDA graphs against eager;
 #    the W4A16 kernels and FP8 weights against torch);
-# 5. runs scripts/bench_kernels.py --quick (copy bandwidth; decode GB/s and prefill TFLOP/s against
+# 5. runs folio.bench.kernels --quick (copy bandwidth; decode GB/s and prefill TFLOP/s against
 #    contiguous SDPA);
-# 6. runs scripts/bench_fused.py (the fused layer kernels against the torch ops, GB/s);
-# 7. runs scripts/bench_step.py --device cuda --skip-null (the 1B shape, eager and with CUDA
+# 6. runs folio.bench.fused (the fused layer kernels against the torch ops, GB/s);
+# 7. runs folio.bench.step --device cuda --skip-null (the 1B shape, eager and with CUDA
 #    graphs: tok/s and ms per step at batch 1, 64, 256);
-# 8. runs scripts/bench_quant_gpu.py (one 1B-shape layer's projections: AWQ W4A16 at batch 1, 8,
+# 8. runs folio.bench.quant_gpu (one 1B-shape layer's projections: AWQ W4A16 at batch 1, 8,
 #    256 and FP8 weights at 1, 256 against bf16). Figures land in $OUT (or /tmp/folio_gpu_check)
 #    as well;
 # 9. runs the MoE kernels' gpu tests (tests/cuda/test_moe_kernels.py: routing and the grouped GEMM
@@ -86,36 +86,31 @@ timeout 150 "$PY" -m pytest -q -m "gpu and not slow" tests/cuda -p no:cacheprovi
   --ignore=tests/cuda/test_gpu_batch_invariant.py --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== kernel benchmark"
-timeout 60 "$PY" scripts/bench_kernels.py --quick --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# run TITLE SECONDS NAME ARGS...: "$PY" ARGS under a time limit, its output also in $OUT_DIR/NAME.txt
+run() {
+  local title=$1 limit=$2 name=$3
+  shift 3
+  echo "== $title"
+  timeout "$limit" "$PY" "$@" 2>&1 | tee "$OUT_DIR/$name.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+# gpu_tests TITLE SECONDS FILE NAME: one file of tests/cuda's gpu tests, the last lines of its report
+gpu_tests() {
+  echo "== $1"
+  timeout "$2" "$PY" -m pytest -q -m gpu "tests/cuda/$3" -p no:cacheprovider -o addopts="" \
+    --junitxml="$OUT_DIR/$4.xml" 2>&1 | tail -8
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
 
-echo "== fused layer kernels"
-timeout 25 "$PY" scripts/bench_fused.py --json "$OUT_DIR/fused.json" 2>&1 | tee "$OUT_DIR/fused.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== executor step, 1B shape: eager vs CUDA graphs"
-timeout 75 "$PY" scripts/bench_step.py --device cuda --skip-null 2>&1 | tee "$OUT_DIR/step.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== quantized projections (AWQ W4A16, FP8) against bf16"
-timeout 30 "$PY" scripts/bench_quant_gpu.py --json "$OUT_DIR/quant.json" 2>&1 | tee "$OUT_DIR/quant.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== MoE kernels (routing, grouped GEMM) against torch"
-timeout 60 "$PY" -m pytest -q -m gpu tests/cuda/test_moe_kernels.py -p no:cacheprovider -o addopts="" \
-  --junitxml="$OUT_DIR/moe_tests.xml" 2>&1 | tail -8
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== multi-LoRA kernels (BGMV, SGMV) against torch"
-timeout 45 "$PY" -m pytest -q -m gpu tests/cuda/test_lora_kernels.py -p no:cacheprovider -o addopts="" \
-  --junitxml="$OUT_DIR/lora_tests.xml" 2>&1 | tail -8
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== batch invariance, 1B shape bf16 (streams vs solo, prefill vs decode logits bitwise)"
-timeout 120 "$PY" -m pytest -q -m gpu tests/cuda/test_gpu_batch_invariant.py -p no:cacheprovider -o addopts="" \
-  --junitxml="$OUT_DIR/invariance_tests.xml" 2>&1 | tail -8
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# the benchmarks as modules (python -m finds folio in the checkout, installed or not)
+run "kernel benchmark" 60 bench -m folio.bench.kernels --quick --json "$OUT_DIR/bench.json"
+run "fused layer kernels" 25 fused -m folio.bench.fused --json "$OUT_DIR/fused.json"
+run "executor step, 1B shape: eager vs CUDA graphs" 75 step -m folio.bench.step --device cuda --skip-null
+run "quantized projections (AWQ W4A16, FP8) against bf16" 30 quant -m folio.bench.quant_gpu --json "$OUT_DIR/quant.json"
+gpu_tests "MoE kernels (routing, grouped GEMM) against torch" 60 test_moe_kernels.py moe_tests
+gpu_tests "multi-LoRA kernels (BGMV, SGMV) against torch" 45 test_lora_kernels.py lora_tests
+gpu_tests "batch invariance, 1B shape bf16 (streams vs solo, prefill vs decode logits bitwise)" 120 \
+  test_gpu_batch_invariant.py invariance_tests
 
 echo "== done (status $status); figures in $OUT_DIR"
 exit $status

@@ -56,7 +56,7 @@ def log_json_from_env() -> bool:
 
 
 def batch_invariant_from_env() -> bool:
-    """``FOLIO_BATCH_INVARIANT=1`` turns ``--batch-invariant`` on by default (the test suite runs so)."""
+    """``FOLIO_BATCH_INVARIANT=1`` turns ``--batch-invariant`` on by default."""
     return os.environ.get("FOLIO_BATCH_INVARIANT", "0") in ("1", "true", "yes")
 
 

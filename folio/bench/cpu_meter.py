@@ -29,9 +29,13 @@ class CpuMeter:
                 own += t.user + t.system + t.children_user + t.children_system
         return time.perf_counter(), machine, own
 
-    def lap(self) -> str:
+    def share(self) -> tuple[float, float]:
+        """(seconds since the last lap, the share of the CPUs other processes kept busy meanwhile)."""
         now = self._sample()
         (t0, machine0, own0), (t1, machine1, own1) = self.last, now
         self.last = now
-        others = max(0.0, (machine1 - machine0) - (own1 - own0)) / ((t1 - t0) * os.cpu_count())
-        return f"{t1 - t0:.0f} s; other processes kept {100 * others:.0f}% of the CPUs busy meanwhile"
+        return t1 - t0, max(0.0, (machine1 - machine0) - (own1 - own0)) / ((t1 - t0) * os.cpu_count())
+
+    def lap(self) -> str:
+        seconds, others = self.share()
+        return f"{seconds:.0f} s; other processes kept {100 * others:.0f}% of the CPUs busy meanwhile"

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import os
 import pstats
 import tempfile
 import time
 
 import torch
 
+from folio.bench.cpu_meter import CpuMeter
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
@@ -39,29 +39,6 @@ PROMPT_LEN, BLOCK_SIZE = 16, 16
 # the issue's SmolLM2 case: temperature 0.8, top-p 0.95 and a presence penalty
 SMOLLM_SAMPLED = WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.5, max_tokens=1 << 20,
                                 ignore_eos=True)
-
-
-class CpuMeter:
-    """Share of the machine's CPUs that other processes kept busy since the last ``lap``."""
-
-    def __init__(self):
-        self.last = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        import psutil
-
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-        machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-        t = psutil.Process().cpu_times()
-        return time.perf_counter(), machine, t.user + t.system
-
-    def lap(self) -> float:
-        now = self._sample()
-        (t0, m0, own0), (t1, m1, own1) = self.last, now
-        self.last = now
-        return max(0.0, (m1 - m0) - (own1 - own0)) / ((t1 - t0) * os.cpu_count())
 
 
 class NullModel(torch.nn.Module):
@@ -143,7 +120,7 @@ def run_null(args) -> float:
             print(f"{batch:>5} {g * 1e3:>10.3f} {s * 1e3:>11.3f} {s / g:>6.2f}", flush=True)
             if batch == 256:
                 greedy_256 = g
-    print(f"other processes kept {100 * meter.lap():.0f}% of the CPUs busy meanwhile")
+    print(f"other processes kept {100 * meter.share()[1]:.0f}% of the CPUs busy meanwhile")
     return greedy_256 * 1e3
 
 
@@ -163,7 +140,7 @@ def run_smollm(args) -> None:
     g, s = min(greedy), min(sampled)
     print(f"SmolLM2 ({runner.model.quantization}) B=64: greedy {g * 1e3:.1f} ms/step, sampled (t 0.8, top-p 0.95, "
           f"presence 0.5) {s * 1e3:.1f} ms/step, ratio {s / g:.3f}; other processes kept "
-          f"{100 * meter.lap():.0f}% of the CPUs busy meanwhile", flush=True)
+          f"{100 * meter.share()[1]:.0f}% of the CPUs busy meanwhile", flush=True)
     constrained_step(runner, args, g)
 
 
@@ -206,7 +183,7 @@ def run_invariance_cost(args) -> None:
                 times[on].append(run(runners[on]))
         on, off = min(times[True]) * 1e3, min(times[False]) * 1e3
         print(f"{name:<24} {on:>9.1f} {off:>9.1f} {on / off:>7.3f}", flush=True)
-    print(f"other processes kept {100 * meter.lap():.0f}% of the CPUs busy meanwhile")
+    print(f"other processes kept {100 * meter.share()[1]:.0f}% of the CPUs busy meanwhile")
 
 
 def constrained_step(runner: ModelRunner, args, greedy_s: float) -> None:
@@ -226,7 +203,8 @@ def constrained_step(runner: ModelRunner, args, greedy_s: float) -> None:
     meter = CpuMeter()
     c = min(decode_steps(runner, 64, guided, args.steps, None) for _ in range(args.repeats))
     print(f"SmolLM2 B=64 constrained (a JSON schema, every row): {c * 1e3:.1f} ms/step, ratio to greedy "
-          f"{c / greedy_s:.3f}; other processes kept {100 * meter.lap():.0f}% of the CPUs busy meanwhile", flush=True)
+          f"{c / greedy_s:.3f}; other processes kept {100 * meter.share()[1]:.0f}% of the CPUs busy meanwhile",
+          flush=True)
 
 
 def run_cuda_1b(args) -> None:

@@ -139,11 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     args = parser.parse_args(argv)
     try:
-        folder = prepare_default_model(force=args.force)
+        print(prepare_default_model(force=args.force))
     except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(folder)
+        sys.exit(f"error: {exc}")  # on stderr, exit status 1
     return 0
 
 

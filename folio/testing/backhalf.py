@@ -77,19 +77,18 @@ class BackHalf:
 
     async def restart_executor(self) -> None:
         """Stop the executor and start a new one (a new epoch) on the same sockets."""
-        old_task, old = self.tasks[1], self.services[1]
-        old_task.cancel()
-        await asyncio.gather(old_task, return_exceptions=True)
-        new = ExecutorService(old.config, self.ctx)
-        self.services[1], self.tasks[1] = new, asyncio.ensure_future(new.run())
+        await self._restart(1, ExecutorService)
 
     async def restart_kvmanager(self) -> None:
         """Stop the kvmanager and start a new, empty one on the same sockets (it knows no pool)."""
-        old_task, old = self.tasks[0], self.services[0]
+        await self._restart(0, KVManagerService)
+
+    async def _restart(self, index: int, service_type) -> None:
+        old_task, old = self.tasks[index], self.services[index]
         old_task.cancel()
         await asyncio.gather(old_task, return_exceptions=True)
-        new = KVManagerService(old.config, self.ctx)
-        self.services[0], self.tasks[0] = new, asyncio.ensure_future(new.run())
+        new = service_type(old.config, self.ctx)
+        self.services[index], self.tasks[index] = new, asyncio.ensure_future(new.run())
 
     async def admin(self, service: str, command: str, **args) -> AdminReply:
         return await admin_call(self.ctx, getattr(self.endpoints, f"admin_{service}"), command, **args)

@@ -88,62 +88,51 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
-        self.ttft = Histogram("folio:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+
+        def one(kind, name: str, doc: str, **kwargs):  # a metric of one series: this model's
+            return kind(name, doc, labels, registry=r, **kwargs).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return one(Counter, name, doc)
+
+        def gauge(name: str, doc: str):
+            return one(Gauge, name, doc)
+
+        def histogram(name: str, doc: str, buckets):
+            return one(Histogram, name, doc, buckets=buckets)
+
+        # The prefix-cache counters and the preemptions are read from the kvmanager's and the
+        # scheduler's cumulative stats at scrape time (a counter grows by the difference). Speculative
+        # decoding has vLLM's spec_decode names (per position: drafts accepted at position i). Structured
+        # output: the executor's compiles, cache and constrained work; the tokenizer's 400s.
+        self.ttft = histogram("folio:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = TokenHistogram("folio:inter_token_latency_seconds", "Time between output tokens.",
                                   ("model_name", model_name), ITL_BUCKETS, r)
-        self.e2e = Histogram("folio:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.running = Gauge("folio:num_requests_running", "Requests in the running batch.", labels,
-                             registry=r).labels(model_name)
-        self.waiting = Gauge("folio:num_requests_waiting", "Requests waiting to be scheduled.", labels,
-                             registry=r).labels(model_name)
-        self.kv_usage = Gauge("folio:kv_cache_usage_perc", "KV cache usage (1 = all blocks in use).", labels,
-                              registry=r).labels(model_name)
-        self.kv_blocks_used = Gauge("folio:kv_cache_blocks_used", "KV blocks in use.", labels,
-                                    registry=r).labels(model_name)
-        self.kv_blocks_total = Gauge("folio:kv_cache_blocks_total", "KV blocks in the pool.", labels,
-                                     registry=r).labels(model_name)
-        # read from the kvmanager's cumulative stats at scrape time; counters grow by the difference
-        self.prefix_cache_queries = Counter("folio:prefix_cache_queries", "Prefix cache queries, in tokens.",
-                                            labels, registry=r).labels(model_name)
-        self.prefix_cache_hits = Counter("folio:prefix_cache_hits", "Prefix cache hits, in tokens.", labels,
-                                         registry=r).labels(model_name)
-        self.kv_blocks_cached = Gauge("folio:kv_cache_blocks_cached", "Free KV blocks kept for prefix reuse.",
-                                      labels, registry=r).labels(model_name)
-        self.prompt_tokens = Counter("folio:prompt_tokens", "Prefill tokens processed.", labels,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter("folio:generation_tokens", "Generation tokens produced.", labels,
-                                         registry=r).labels(model_name)
-        self.queue_time = Histogram("folio:request_queue_time_seconds", "Time from arrival to the first step.",
-                                    labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.swapped = Gauge("folio:num_requests_swapped", "Requests swapped out to the host tier.", labels,
-                             registry=r).labels(model_name)
-        # the scheduler's cumulative count, read at scrape time like the prefix-cache counters
-        self.preemptions = Counter("folio:num_preemptions", "Preemptions (recompute or swap).", labels,
-                                   registry=r).labels(model_name)
-        # speculative decoding, vLLM's spec_decode names; per position: drafts accepted at position i
-        self.spec_drafts = Counter("folio:spec_decode_num_drafts", "Verifications of at least one draft.", labels,
-                                   registry=r).labels(model_name)
-        self.spec_draft_tokens = Counter("folio:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
-                                         registry=r).labels(model_name)
-        self.spec_accepted_tokens = Counter("folio:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                            labels, registry=r).labels(model_name)
+        self.e2e = histogram("folio:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.queue_time = histogram("folio:request_queue_time_seconds", "Arrival to the first step.", E2E_BUCKETS)
+        self.running = gauge("folio:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("folio:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("folio:kv_cache_usage_perc", "KV cache usage (1 = all blocks in use).")
+        self.kv_blocks_used = gauge("folio:kv_cache_blocks_used", "KV blocks in use.")
+        self.kv_blocks_total = gauge("folio:kv_cache_blocks_total", "KV blocks in the pool.")
+        self.prefix_cache_queries = counter("folio:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_cache_hits = counter("folio:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.kv_blocks_cached = gauge("folio:kv_cache_blocks_cached", "Free KV blocks kept for prefix reuse.")
+        self.prompt_tokens = counter("folio:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("folio:generation_tokens", "Generation tokens produced.")
+        self.swapped = gauge("folio:num_requests_swapped", "Requests swapped out to the host tier.")
+        self.preemptions = counter("folio:num_preemptions", "Preemptions (recompute or swap).")
+        self.spec_drafts = counter("folio:spec_decode_num_drafts", "Verifications of at least one draft.")
+        self.spec_draft_tokens = counter("folio:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("folio:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_accepted_per_pos = Counter("folio:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position.", labels + ["position"], registry=r)
-        # structured output: the executor's compiles, cache and constrained work; the tokenizer's 400s
-        self.grammar_compiles = Counter("folio:grammar_compiles", "Grammars compiled (one per new spec).", labels,
-                                        registry=r).labels(model_name)
-        self.grammar_compile_seconds = Counter("folio:grammar_compile_seconds", "Time spent compiling grammars.",
-                                               labels, registry=r).labels(model_name)
-        self.grammar_cache_hits = Counter("folio:grammar_cache_hits", "Requests whose grammar was compiled already.",
-                                          labels, registry=r).labels(model_name)
-        self.grammar_errors = Counter("folio:grammar_errors", "Specs that could not be compiled (400s).", labels,
-                                      registry=r).labels(model_name)
-        self.constrained_steps = Counter("folio:constrained_steps", "Steps with at least one constrained row.",
-                                         labels, registry=r).labels(model_name)
-        self.constrained_rows = Counter("folio:constrained_rows", "Tokens sampled under a grammar.", labels,
-                                        registry=r).labels(model_name)
+        self.grammar_compiles = counter("folio:grammar_compiles", "Grammars compiled (one per new spec).")
+        self.grammar_compile_seconds = counter("folio:grammar_compile_seconds", "Time spent compiling grammars.")
+        self.grammar_cache_hits = counter("folio:grammar_cache_hits", "Requests whose grammar was compiled already.")
+        self.grammar_errors = counter("folio:grammar_errors", "Specs that could not be compiled (400s).")
+        self.constrained_steps = counter("folio:constrained_steps", "Steps with at least one constrained row.")
+        self.constrained_rows = counter("folio:constrained_rows", "Tokens sampled under a grammar.")
         # LoRA adapters (--enable-lora): vLLM's lora_requests_info (one sample, its value the time it
         # was set, labelled with the adapters running and waiting), per-adapter queues, the
         # executor's loads into device slots and evictions from them
@@ -153,10 +142,8 @@ class GatewayMetrics:
                                   labels + ["lora_name"], registry=r)
         self.lora_waiting = Gauge("folio:lora_num_requests_waiting", "Requests waiting, per LoRA adapter.",
                                   labels + ["lora_name"], registry=r)
-        self.lora_loads = Counter("folio:lora_loads", "LoRA adapters copied into a device slot.", labels,
-                                  registry=r).labels(model_name)
-        self.lora_evictions = Counter("folio:lora_evictions", "LoRA adapters evicted from a device slot.", labels,
-                                      registry=r).labels(model_name)
+        self.lora_loads = counter("folio:lora_loads", "LoRA adapters copied into a device slot.")
+        self.lora_evictions = counter("folio:lora_evictions", "LoRA adapters evicted from a device slot.")
         self._last_totals: dict[str | tuple, float] = {}  # each cumulative stat's value at the last scrape
         self._success = Counter("folio:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)

@@ -7,19 +7,15 @@ from ``--prefill`` and ``--decode`` (``disagg.py``).
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
-from folio.shared.config import Endpoints, RouterConfig
-from folio.shared.flags import config_values, service_parser
-from folio.shared.logs import setup_logging
+from folio.shared.config import RouterConfig
+from folio.shared.loops import ServiceSpec, StartError
 
 
-def parse_config(argv: list[str] | None = None) -> RouterConfig:
+def check(parser, args) -> None:
     from folio.services.router.replicas import parse_replica
 
-    parser = service_parser("router", __doc__.splitlines()[0])
-    args = parser.parse_args(argv)
     if bool(args.prefill) != bool(args.decode):
         parser.error("disaggregated serving needs both --prefill and --decode instances")
     if not args.replica and not args.replica_dns and not args.prefill:
@@ -33,18 +29,12 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
             parse_replica(spec, args.kv_events_port, args.kv_snapshot_port)
         except ValueError as exc:
             parser.error(str(exc))
-    return RouterConfig(endpoints=Endpoints.from_env(), **config_values(RouterConfig, args, "router"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    import zmq.asyncio
-
-    from folio.shared.loops import run_until_signal
+def open_service(config: RouterConfig, ctx, log):
     from folio.services.router.prompt import PromptEncoder
     from folio.services.router.service import RouterService
 
-    config = parse_config(argv)
-    log = setup_logging("router", config.log_json, config.log_level)
     encoder = None
     if config.policy == "cache_aware":
         from folio.core.models import resolve_model
@@ -53,18 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             encoder = PromptEncoder(TextTokenizer(resolve_model(config.model)))
         except (FileNotFoundError, OSError, ValueError) as exc:
-            log.error("cannot load the replicas' tokenizer; give --model", model=config.model, error=str(exc))
-            return 1
+            raise StartError("cannot load the replicas' tokenizer; give --model", model=config.model,
+                             error=str(exc)) from exc
+    return RouterService(config, encoder, ctx)
 
-    async def serve() -> None:
-        ctx = zmq.asyncio.Context()
-        try:
-            await RouterService(config, encoder, ctx).run()
-        finally:
-            ctx.destroy(linger=0)
 
-    return asyncio.run(run_until_signal(serve(), log))
+SPEC = ServiceSpec("router", RouterConfig, __doc__.splitlines()[0], open_service, check=check, drop_unsent=True)
 
+parse_config, main = SPEC.config, SPEC.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -55,6 +55,9 @@ from folio.shared.transport import Decoder, encode, make_socket
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 NUM_REMEMBERED_ENDED = 4096  # req_ids recently aborted here, whose late tokens need no new abort
+# what a GenerateRequest hands on to its EngineRequest as it is
+PASSED_ON = ("priority", "arrival_time", "cache_salt", "fork_req_ids", "beam_search", "lora_name", "forced_token_ids",
+             "kv_transfer", "traceparent")
 
 
 class TokenizerService:
@@ -165,21 +168,9 @@ class TokenizerService:
 
     def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, sampling) -> None:
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
-        engine_req = EngineRequest(
-            req_id=req.req_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling=sampling,
-            eos_token_id=self.tokenizer.eos_token_id,
-            priority=req.priority,
-            arrival_time=req.arrival_time,
-            cache_salt=req.cache_salt,
-            fork_req_ids=req.fork_req_ids,
-            beam_search=req.beam_search,
-            lora_name=req.lora_name,
-            forced_token_ids=req.forced_token_ids,
-            kv_transfer=req.kv_transfer,
-            traceparent=req.traceparent,
-        )
+        engine_req = EngineRequest(req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+                                   eos_token_id=self.tokenizer.eos_token_id,
+                                   **{name: getattr(req, name) for name in PASSED_ON})
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))
 

@@ -16,6 +16,8 @@ import urllib.request
 
 import pytest
 
+pytestmark = pytest.mark.slow  # both servers run the packaged SmolLM2
+
 METRICS = ["Successful requests:", "Failed requests:", "Maximum request concurrency:", "Benchmark duration (s):",
            "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
            "Request goodput (req/s):", "Output token throughput (tok/s):", "Peak output token throughput (tok/s):",

@@ -76,8 +76,8 @@ def served_ids(model_dir: str, messages: list[dict]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def gemma_chat_model(tmp_path_factory, smollm_dir) -> str:
-    return with_template(Path(write_tiny_chat_model(tmp_path_factory.mktemp("gemma-chat"), smollm_dir)), GEMMA2)
+def gemma_chat_model(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return with_template(Path(write_tiny_chat_model(tmp_path_factory.mktemp("gemma-chat"), smollm_tokenizer_dir)), GEMMA2)
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +134,10 @@ def test_the_gateway_renders_what_gemma_accepts_as_transformers_does(gemma_serve
 
 
 @pytest.mark.parametrize("template", [QWEN3, PHI3], ids=["qwen3", "phi3"])
-def test_qwen3_and_phi3_templates_render_as_their_tokenizers_do(tmp_path, smollm_dir, template):
+def test_qwen3_and_phi3_templates_render_as_their_tokenizers_do(tmp_path, smollm_tokenizer_dir, template):
     folder = tmp_path / "chat"
     folder.mkdir()
-    for f in Path(smollm_dir).iterdir():
+    for f in Path(smollm_tokenizer_dir).iterdir():
         if f.name.startswith(("tokenizer", "config")):
             (folder / f.name).write_bytes(f.read_bytes())
     model_dir = with_template(folder, template)
@@ -148,10 +148,10 @@ def test_qwen3_and_phi3_templates_render_as_their_tokenizers_do(tmp_path, smollm
     assert ("<|im_start|>assistant\nFour.<|im_end|>" in text) if template is QWEN3 else ("<|assistant|>\n" in text)
 
 
-def test_a_template_exception_is_a_request_error_in_the_tokenizer(tmp_path, smollm_dir):
+def test_a_template_exception_is_a_request_error_in_the_tokenizer(tmp_path, smollm_tokenizer_dir):
     folder = tmp_path / "gemma"
     folder.mkdir()
-    for f in Path(smollm_dir).iterdir():
+    for f in Path(smollm_tokenizer_dir).iterdir():
         if f.name.startswith(("tokenizer", "config")):
             (folder / f.name).write_bytes(f.read_bytes())
     model_dir = with_template(folder, GEMMA2)

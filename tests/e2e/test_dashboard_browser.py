@@ -34,8 +34,8 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm_dir):
-    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-dash"), smollm_dir, max_position_embeddings=1024)
+def server(tmp_path_factory, smollm_tokenizer_dir):
+    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-dash"), smollm_tokenizer_dir, max_position_embeddings=1024)
     srv = start_server(model, "--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "256",
                        "--block-size", "16", "--max-num-seqs", "8", "--num-host-blocks", "16", "--api-key", KEY)
     yield srv

@@ -55,9 +55,9 @@ def peft_greedy(base: str, adapter: str | None) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def lora_server(tmp_path_factory, smollm_dir):
+def lora_server(tmp_path_factory, smollm_tokenizer_dir):
     root = tmp_path_factory.mktemp("lora-served")
-    base = write_tiny_chat_model(root / "tiny", smollm_dir)
+    base = write_tiny_chat_model(root / "tiny", smollm_tokenizer_dir)
     adapters = {name: write_adapter(base, root / name, *spec) for name, spec in ADAPTERS.items()}
     adapters["late"] = write_adapter(base, root / "late", 4, ["k_proj", "up_proj"], 3)
     adapters["wide"] = write_adapter(base, root / "wide", 32, ["q_proj"], 4)  # above --max-lora-rank 16

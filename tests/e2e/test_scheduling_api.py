@@ -59,7 +59,7 @@ def test_beam_search_over_http_equals_transformers(dense_client, smollm_dir):
 
     client = dense_client
 
-    from tests.services.test_beam_engine import hf_beam_search
+    from tests.core.scheduler.test_beam_engine import hf_beam_search
 
     prompt = "The best way to learn a language is"
     body = dict(use_beam_search=True, length_penalty=1.0, early_stopping=True)

@@ -15,19 +15,19 @@ import pytest
 
 from folio.testing.models import write_tiny_model
 from folio.testing.server import start_server, stop_server
-from tests.services.engine import LocalEngine, engine_request
+from tests.core.engine import LocalEngine, engine_request
 
 PROMPT = [504, 3458, 282, 4889, 314, 253, 1345, 30]
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny_with_tokenizer(smollm_dir, tmp_path_factory) -> str:
+def tiny_with_tokenizer(smollm_tokenizer_dir, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tp-serve")
     write_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                      tie_word_embeddings=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{smollm_dir}/{name}", path / name)
+        shutil.copy(f"{smollm_tokenizer_dir}/{name}", path / name)
     return str(path)
 
 

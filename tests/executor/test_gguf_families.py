@@ -1,20 +1,22 @@
-"""GGUF checkpoints of every architecture llama.cpp writes, against the safetensors folders they were
-converted from.
+"""GGUF checkpoints of every architecture folio reads, written by llama.cpp's own converter, against
+the safetensors folders they were converted from, and read back by transformers' GGUF loader.
 
-Each case writes a tiny random-weight model with its ``transformers`` config class, then a GGUF of
-it with the ``gguf`` package's writer, as llama.cpp's ``convert_hf_to_gguf.py`` does: its metadata
-keys, gguf-py's tensor names (``get_tensor_name_map``), llama's q/k rows permuted for its RoPE,
-experts stacked into 3-D tensors, Gemma's norms with the ``+1`` added, Phi-3's fused projections
-kept. folio loads both; the GGUF must give the same spec, the same weights and the same logits
-(F32: exact up to the fp32 metadata's rounding). One quantized file (Q4_0 attention, Q4_1 MLP, a
-permuted llama) must load its projections into the int4 path unchanged and match a folder holding
-its dequantized weights.
+Each case writes a tiny random-weight model with its ``transformers`` config class and converts it
+with ``convert_hf_to_gguf.py`` from the pinned llama-cpp-python sdist (``folio.testing.gguf_models``:
+downloaded and extracted once per machine into the folio cache). folio loads both; the GGUF must
+give the same spec, the same weights and the same logits (F32: exact up to the fp32 metadata's
+rounding). transformers reads the same file: its weights, run with the metadata it reads (the
+folder's config where it drops some), give folio's logits. One quantized file (the converter's
+output with Q4_0 attention and Q4_1 MLP blocks, quantized by gguf-py's reference quantizer; a
+permuted llama and a fused Phi-3) must load its projections into the int4 path unchanged and match a
+folder holding its dequantized weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +27,12 @@ from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.model.loader import load_model, read_checkpoint
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
+from folio.testing.gguf_models import SMOLLM_VOCAB, convert_tiny_models
+from folio.testing.llamacpp import llamacpp_source
 from folio.testing.models import write_tiny_model
 
 gguf = pytest.importorskip("gguf")
+pytest.importorskip("sentencepiece", reason="llama.cpp's converter reads the tiny models' tokenizer.model with it")
 
 MOE = dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=32)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, tie_word_embeddings=True)
@@ -41,8 +46,10 @@ CASES = {
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen2": ("qwen2", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0})),
     "qwen3": ("qwen3", dict(head_dim=24)),
-    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, norm_topk_prob=True, **MOE)),
-    "qwen2_moe": ("qwen2_moe", dict(norm_topk_prob=False, shared_expert_intermediate_size=48, **MOE)),
+    # the converter reads these only with a BPE tokenizer it knows (SmolLM2's): its vocabulary
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, norm_topk_prob=True, vocab_size=SMOLLM_VOCAB, **MOE)),
+    "qwen2_moe": ("qwen2_moe", dict(norm_topk_prob=False, shared_expert_intermediate_size=48,
+                                    vocab_size=SMOLLM_VOCAB, **MOE)),
     # llama.cpp scales Gemma's queries by head_dim ** -0.5 (hidden / heads for the 27B models) and
     # ties the head; windows shorter than the prompt and soft-caps that bite
     "gemma2": ("gemma2", dict(attn_logit_softcapping=3.0, final_logit_softcapping=5.0, **GEMMA)),
@@ -59,150 +66,80 @@ CASES = {
 }
 ARCH = {"llama": "LLAMA", "mixtral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen2_moe": "QWEN2MOE",
         "qwen3_moe": "QWEN3MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3"}
+# what transformers' GGUF loader (5.x) does not read from llama.cpp's metadata: it gets the folder's
+TRANSFORMERS_DROPS = {
+    "llama3-rope": "Llama 3's RoPE scaling (the rope_freqs divisors)",
+    "qwen2": "the linear RoPE scaling",
+    "gemma2": "the soft-caps and query_pre_attn_scalar",
+    "gemma3": "the soft-caps' absence, query_pre_attn_scalar and the global RoPE scaling",
+    "phi3-longrope": "the LongRoPE factors and the sliding window",
+}
+# and the files it cannot load at all
+TRANSFORMERS_CANNOT = {
+    "mixtral": "it reads a llama GGUF with experts as a dense LlamaForCausalLM",
+    "qwen3": "it ignores attention.key_length (head_dim 24, not hidden / heads)",
+    "qwen2_moe": "it ignores expert_feed_forward_length (its experts' shapes mismatch)",
+    "qwen3_moe": "it ignores expert_feed_forward_length (its experts' shapes mismatch)",
+}
 PROMPT = [3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33, 2, 90]
 
 
-# ---------------------------------------------------------------------------- llama.cpp's converter
-def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """``LlamaModel.permute``: each head's rotary halves interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """``converted(case)`` -> (the safetensors folder, llama.cpp's F32 GGUF of it): every case
+    converted at the first call, in one converter process."""
+    try:
+        llamacpp_source(log=subprocess.DEVNULL)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"the llama-cpp-python sdist (llama.cpp's converter) could not be downloaded: {e}")
+    made: dict[str, tuple[str, Path]] = {}
+    errors: dict[str, str] = {}
+
+    def convert(case: str) -> tuple[str, Path]:
+        if not made:
+            for name, (model_type, overrides) in CASES.items():
+                folder = write_tiny_model(tmp_path_factory.mktemp(name) / "hf", model_type, **overrides)
+                made[name] = folder, Path(folder).parent / f"{name}.gguf"
+            errors.update(convert_tiny_models(dict(made.values())))
+        folder, path = made[case]
+        if str(path) in errors:
+            pytest.fail(f"llama.cpp's converter failed on {case}:\n{errors[str(path)][-3000:]}", pytrace=False)
+        return folder, path
+
+    return convert
 
 
-def write_metadata(w, c: dict, model_type: str) -> None:
-    layers = c["num_hidden_layers"]
-    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
-    rope = c.get("rope_parameters") or {}
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(layers)
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    if model_type == "gemma2":  # Gemma2Model.set_gguf_parameters (no RoPE base: llama.cpp's default)
-        w.add_key_length(c["head_dim"])
-        w.add_value_length(c["head_dim"])
-        w.add_attn_logit_softcapping(c["attn_logit_softcapping"])
-        w.add_final_logit_softcapping(c["final_logit_softcapping"])
-        w.add_sliding_window(c["sliding_window"])
-        return
-    if model_type == "phi3":  # Phi3MiniModel.set_gguf_parameters
-        w.add_rope_scaling_orig_ctx_len(c["original_max_position_embeddings"])
-        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // heads)
-        w.add_rope_freq_base(rope["rope_theta"])
-        w.add_sliding_window(c.get("sliding_window") or 0)
-        return
-    # TextModel.set_gguf_parameters
-    full = rope.get("full_attention", rope)
-    if full.get("rope_type") == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(full["factor"])
-    w.add_rope_freq_base(full["rope_theta"])
-    if "sliding_attention" in rope:
-        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    experts = c.get("num_local_experts") or c.get("num_experts")
-    if experts:
-        w.add_expert_count(experts)
-        w.add_expert_used_count(c["num_experts_per_tok"])
-    if c.get("head_dim") is not None:
-        w.add_key_length(c["head_dim"])
-        w.add_value_length(c["head_dim"])
-    if model_type in ("llama", "mixtral"):  # LlamaModel
-        w.add_vocab_size(c["vocab_size"])
-        w.add_rope_dimension_count(c.get("head_dim") or c["hidden_size"] // heads)
-    if model_type in ("qwen2_moe", "qwen3_moe"):  # Qwen2MoeModel
-        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
-        if c.get("shared_expert_intermediate_size"):
-            w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
-    if model_type == "gemma3_text":
-        if c.get("final_logit_softcapping"):
-            w.add_final_logit_softcapping(c["final_logit_softcapping"])
-        w.add_sliding_window(c["sliding_window"])
-
-
-def converted_tensors(folder: Path, c: dict, model_type: str) -> dict[str, torch.Tensor]:
-    """HF tensors -> llama.cpp's, transformed as its converter transforms them."""
-    from safetensors.torch import load_file
-
-    state = load_file(folder / "model.safetensors")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCH[model_type]], c["num_hidden_layers"])
-    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
-    experts: dict[str, list] = {}
-    out = {}
-    for name, t in sorted(state.items()):
-        if model_type in ("llama", "mixtral") and name.endswith("q_proj.weight"):
-            t = permute(t, heads)
-        if model_type in ("llama", "mixtral") and name.endswith("k_proj.weight"):
-            t = permute(t, kv)
-        if model_type in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
-            t = t + 1
-        if model_type in ("gemma2", "gemma3_text") and name == "lm_head.weight":
-            continue  # llama.cpp's Gemma ties the head
-        if ".experts." in name:  # model.layers.{i}.<block>.experts.{e}.<w>.weight: stacked over e
-            parts = name.split(".")
-            e = parts.index("experts")
-            experts.setdefault(".".join(parts[:e + 1] + parts[e + 2:]), []).append((int(parts[e + 1]), t))
+def requantize(src: Path, dst: Path, choose) -> Path:
+    """``src`` rewritten with each 2-D tensor ``choose(name)`` names quantized by gguf-py's reference
+    quantizer (llama.cpp's block formats); the metadata and other tensors copied."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t
-    for name, ts in experts.items():
-        stacked = torch.stack([t for _, t in sorted(ts, key=lambda x: x[0])])  # [experts, out, in]
-        out[names.get_name(name, try_suffixes=(".weight",))] = stacked
-    assert None not in out, "a tensor llama.cpp has no name for"
-    return out
-
-
-def extra_tensors(c: dict, model_type: str) -> dict[str, torch.Tensor]:
-    """``generate_extra_tensors``: Llama 3's RoPE divisors (``LlamaModel``), Phi-3's LongRoPE factors."""
-    rope = c.get("rope_parameters") or {}
-    if model_type == "llama" and rope.get("rope_type") == "llama3":
-        dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        old, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
-        divisors = []
-        for wavelen in (2 * torch.pi / freqs).tolist():
-            if wavelen < old / high:
-                divisors.append(1.0)
-            elif wavelen > old / low:
-                divisors.append(rope["factor"])
-            else:
-                smooth = (old / wavelen - low) / (high - low)
-                divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
-        return {"rope_freqs.weight": torch.tensor(divisors, dtype=torch.float32)}
-    if model_type != "phi3" or rope.get("rope_type") not in ("longrope", "su"):
-        return {}
-    return {"rope_factors_long.weight": torch.tensor(rope["long_factor"]),
-            "rope_factors_short.weight": torch.tensor(rope["short_factor"])}
-
-
-def to_gguf(folder: str, path: Path, quantize=None) -> Path:
-    """``folder`` as llama.cpp would convert it; ``quantize(gguf_name)`` -> a quantization type for
-    2-D tensors (default F32)."""
-    folder = Path(folder)
-    c = json.loads((folder / "config.json").read_text())
-    model_type = c["model_type"]
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[ARCH[model_type]]])
-    write_metadata(w, c, model_type)
-    tensors = {**converted_tensors(folder, c, model_type), **extra_tensors(c, model_type)}
-    for name, t in tensors.items():
-        array = t.float().numpy()
-        qtype = quantize(name) if quantize and array.ndim == 2 else None
-        if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, array)
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        array = np.array(t.data)
+        qtype = choose(t.name) if array.ndim == 2 else None
+        if qtype is None:
+            writer.add_tensor(t.name, array)
         else:
-            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            writer.add_tensor(t.name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
 
 
 # ---------------------------------------------------------------------------- checks
-def prompt_logits(runner: ModelRunner) -> torch.Tensor:
-    n = len(PROMPT)
+def prompt_logits(runner: ModelRunner, prompt: list[int] = PROMPT) -> torch.Tensor:
+    n = len(prompt)
     meta = AttentionMetadata.build([n], [n], [[0, 1]], torch.arange(n), 8)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(PROMPT), torch.arange(n), runner.pool.kv_caches, meta, runner.backend)
+        hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.pool.kv_caches, meta, runner.backend)
         return runner.model.compute_logits(hidden)
 
 
@@ -217,10 +154,8 @@ def same_spec(a, b) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_gguf_loads_to_the_folders_weights_and_logits(case, tmp_path):
-    model_type, overrides = CASES[case]
-    folder = write_tiny_model(tmp_path / "hf", model_type, **overrides)
-    path = to_gguf(folder, tmp_path / f"{case}.gguf")
+def test_gguf_loads_to_the_folders_weights_and_logits(case, converted):
+    folder, path = converted(case)
     cpu = torch.device("cpu")
     ours, theirs = load_model(path, torch.float32, cpu), load_model(folder, torch.float32, cpu)
     same_spec(ours.spec, theirs.spec)
@@ -233,22 +168,50 @@ def test_gguf_loads_to_the_folders_weights_and_logits(case, tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["llama", "phi3"])
-def test_quantized_gguf_serves_its_blocks_through_the_int4_path(case, tmp_path):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transformers_reads_the_gguf_to_folios_logits(case, converted):
+    """transformers' own GGUF reader (its names, its un-permuting, Gemma's ``-1``) on the same file:
+    its weights are the folder's, and its model gives the logits folio gives from the GGUF. Where it
+    drops metadata, its weights run under the folder's config. LongRoPE: a prompt within the original
+    context (beyond it, transformers rotates every position with the long factors, llama.cpp and folio
+    only the positions past it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if case in TRANSFORMERS_CANNOT:
+        pytest.skip(f"transformers' GGUF loader cannot read this file: {TRANSFORMERS_CANNOT[case]}")
+    folder, path = converted(case)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    state = model.state_dict()
+    assert state.keys() == reference.keys()
+    for name, w in reference.items():  # Gemma's norms went through w + 1 - 1 in fp32
+        torch.testing.assert_close(state[name], w, rtol=0, atol=1e-6, msg=name)
+    if case in TRANSFORMERS_DROPS:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+        model.load_state_dict(state)
+    prompt = PROMPT[:CASES[case][1].get("original_max_position_embeddings", len(PROMPT))]
+    with torch.inference_mode():
+        theirs = model.eval()(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prompt_logits(runner_for(path), prompt), theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["llama-tied", "phi3-longrope"])
+def test_quantized_gguf_serves_its_blocks_through_the_int4_path(case, converted, tmp_path):
     """Q4_0 attention and Q4_1 MLP projections (F32 embeddings and norms), in a llama (q/k rows
     permuted) and a Phi-3 (q/k/v and gate/up fused): loaded dense it is the folder of its
     dequantized weights (un-permuted); ``auto`` serves it int4 with those very weights, close to
     the dense logits."""
     from safetensors.torch import load_file, save_file
 
-    model_type, overrides = {"llama": ("llama", {}), "phi3": CASES["phi3-longrope"]}[case]
-    folder = Path(write_tiny_model(tmp_path / "hf", model_type, **overrides))
+    model_type = CASES[case][0]
+    folder, converted_path = converted(case)
+    folder = Path(folder)
     q4 = {"attn": gguf.GGMLQuantizationType.Q4_0, "ffn": gguf.GGMLQuantizationType.Q4_1}
 
     def kind(name):
         return q4.get(name.split(".")[2].split("_")[0]) if name.startswith("blk.") else None
 
-    path = to_gguf(folder, tmp_path / "q4.gguf", kind)
+    path = requantize(converted_path, tmp_path / "q4.gguf", kind)
     # the reference folder: each projection dequantized as llama.cpp would, then un-permuted
     c = json.loads((folder / "config.json").read_text())
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCH[model_type]], c["num_hidden_layers"])
@@ -300,16 +263,15 @@ def test_unsupported_gguf_architecture_is_a_clear_error(tmp_path):
         load_model(path, torch.float32, torch.device("cpu"))
 
 
-def test_two_ranks_read_their_slices_of_a_mixtral_gguf(tmp_path):
+def test_two_ranks_read_their_slices_of_a_mixtral_gguf(converted):
     """Tensor parallel 2 from the GGUF (each rank its heads of the permuted q/k rows, its half of every
     expert's rows and columns, read from the stacked 3-D tensors): the tokens and logprobs of one
     rank on the folder."""
     from folio.core.executor.runtime.workers import ParallelRunner
     from tests.executor.test_model_families import PROMPTS, run
 
-    model_type, overrides = CASES["mixtral"]
-    folder = write_tiny_model(tmp_path / "hf", model_type, **overrides)
-    path = str(to_gguf(folder, tmp_path / "mixtral.gguf"))
+    folder, path = converted("mixtral")
+    path = str(path)
     failures: list[str] = []
     config = RuntimeConfig(model=path, device="cpu", dtype="float32", quantization="none", block_size=8,
                            num_kv_blocks=64, tensor_parallel_size=2)

@@ -146,7 +146,7 @@ def test_paged_decoding_over_an_fp8_pool_does_not_depend_on_batching_chunks_or_b
 def test_fp8_logits_stay_close_to_fp32_on_a_tiny_model(tiny_model_dir):
     """Teacher-forced next-token distributions over fp8 and fp32 pools. The random tiny model is
     far more sensitive than a trained one (measured: KLD 1.1e-2 against 3.3e-5 for a bf16 pool),
-    so this bounds gross errors only; scripts/eval_quant.py holds the real target on SmolLM2."""
+    so this bounds gross errors only; folio/bench/eval_quant.py holds the real target on SmolLM2."""
     fp32 = ModelRunner(RuntimeConfig(num_kv_blocks=64), tiny_model_dir)
     fp8 = ModelRunner(RuntimeConfig(num_kv_blocks=64, kv_cache_dtype="fp8"), tiny_model_dir)
     seq = PROMPTS[1] + PROMPTS[3]

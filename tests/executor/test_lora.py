@@ -3,7 +3,8 @@ tiny Llama in fp32. Reading them (scaling, rsLoRA, refusals), the batched delta 
 against a per-row reference), the device slots' LRU, then the oracle: each adapter's greedy
 tokens and top-5 logprobs from ``peft``'s merged model in transformers must be folio's, with
 three adapters and the base model in one mixed batch through the real scheduler (``EngineCore``),
-under preemption and with the prefix cache warm (shared within an adapter, never across)."""
+under preemption and with the prefix cache warm (shared within an adapter, never across), each on
+the default path and with ``batch_invariant``."""
 
 from __future__ import annotations
 
@@ -208,8 +209,9 @@ def test_adapters_change_the_output(references):
         assert any(greedy_of(references[name], p) != greedy_of(references[None], p) for p in PROMPTS[:4])
 
 
-def test_mixed_batch_of_three_adapters_and_the_base(tiny, references):
-    runner = lora_runner(tiny)
+def test_mixed_batch_of_three_adapters_and_the_base(tiny, references, batch_invariant):
+    runner = lora_runner(tiny, batch_invariant=batch_invariant)
+    assert runner.backend.name == ("cpu" if batch_invariant else "torch")
     steps = []
 
     class Core(EngineCore):
@@ -225,11 +227,12 @@ def test_mixed_batch_of_three_adapters_and_the_base(tiny, references):
     assert max(len(s) for s in steps) == 16 and any(len(set(s)) == 4 for s in steps)  # one mixed batch
 
 
-def test_preemption_and_fewer_slots_than_adapters(tiny, references):
+def test_preemption_and_fewer_slots_than_adapters(tiny, references, batch_invariant):
     """A small pool preempts; two slots for three adapters: the scheduler admits at most two
     adapters at once and the slots turn over."""
     base, adapters = tiny
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=24, block_size=4), base, enable_lora=True, max_loras=2,
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=24, block_size=4, batch_invariant=batch_invariant), base,
+                         enable_lora=True, max_loras=2,
                          max_lora_rank=64, lora_modules=[f"{n}={p}" for n, p in adapters.items()])
     seen = []
 
@@ -247,8 +250,8 @@ def test_preemption_and_fewer_slots_than_adapters(tiny, references):
         check(references[name], prompt, tokens, lps)
 
 
-def test_prefix_cache_is_per_adapter(tiny, references):
-    runner = lora_runner(tiny)
+def test_prefix_cache_is_per_adapter(tiny, references, batch_invariant):
+    runner = lora_runner(tiny, batch_invariant=batch_invariant)
     core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
     prompt = PROMPTS[10]  # 24 tokens: 5 whole blocks before its last token
     order = ["qv8", "all64", None, "qv8", "all64", None]
@@ -279,7 +282,7 @@ def prompt_logprobs(core: EngineCore, prompt, adapter, req_id):
     return torch.tensor([lp.logprob for lp in out[1:]])
 
 
-def test_int4_base_adds_the_delta_to_the_quantized_output(tiny, tmp_path):
+def test_int4_base_adds_the_delta_to_the_quantized_output(tiny, tmp_path, batch_invariant):
     """On an int4 base (``folio quantize``'s AWQ layout, the C kernels, bf16 activations) each
     adapter's prompt logprobs are those of the same weights dequantized in fp32 with the adapter,
     up to the bf16 rounding, and far from the dequantized base's without it."""
@@ -292,8 +295,8 @@ def test_int4_base_adds_the_delta_to_the_quantized_output(tiny, tmp_path):
     cores = {}
     for quantization in ("auto", "none"):
         runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=4, quantization=quantization,
-                                           dtype="float32"), str(folder), enable_lora=True, max_lora_rank=64,
-                             lora_modules=modules)
+                                           dtype="float32", batch_invariant=batch_invariant), str(folder),
+                             enable_lora=True, max_lora_rank=64, lora_modules=modules)
         cores[quantization] = EngineCore(runner, enable_prefix_caching=False)
     assert cores["auto"].runner.stats()["quantization"] == "awq"
     prompt = PROMPTS[12]
@@ -308,15 +311,15 @@ def test_int4_base_adds_the_delta_to_the_quantized_output(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_mixed_batch_against_peft(smollm_dir, tmp_path):
+def test_smollm2_mixed_batch_against_peft(smollm_dir, tmp_path, batch_invariant):
     """SmolLM2-135M-Instruct unquantized in fp32, the three adapters and the base in one batch
     of 16 streams; a token may differ from the reference's argmax only at a near-tie."""
     from transformers import AutoModelForCausalLM
 
     adapters = {name: write_adapter(smollm_dir, tmp_path / name, *spec, seed=i, std=0.05)
                 for i, (name, spec) in enumerate(ADAPTERS.items())}
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=256, block_size=16, quantization="none", dtype="float32"),
-                         smollm_dir, enable_lora=True, max_loras=4, max_lora_rank=64,
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=256, block_size=16, quantization="none", dtype="float32",
+                                       batch_invariant=batch_invariant), smollm_dir, enable_lora=True, max_loras=4, max_lora_rank=64,
                          lora_modules=[f"{n}={p}" for n, p in adapters.items()])
     prompts = [[(977 * i + 131 * j) % 40000 + 100 for j in range(6 + 3 * i)] for i in range(16)]
     choices = [CHOICES[i % 4] for i in range(16)]

@@ -9,7 +9,8 @@ Gemma 2 and Phi-3, tensor parallel 2. The attention variants bite: sliding windo
 positions (Mistral and Phi-3 on every layer, Qwen2 from ``max_window_layers``, Gemma 2 on every
 other layer, Gemma 3 on two local layers to one global, with their own RoPE base),
 soft-caps of 3 and 4, a query scale that is not head_dim's, Phi-3's LongRoPE factors.
-Greedy tokens must be the reference's argmax at every position and the top-5 logprobs its top 5.
+Greedy tokens must be the reference's argmax at every position and the top-5 logprobs its top 5,
+on the default path and with ``batch_invariant`` (the ``batch_invariant`` fixture runs both).
 Then the registry's reading of windows and its refusals."""
 
 from __future__ import annotations
@@ -92,23 +93,24 @@ def check_against_reference(hf, prompt, tokens, logprobs):
         assert lp.top_logprobs == pytest.approx(top.values[i].tolist(), abs=1e-4)
 
 
-def test_one_prompt(family):
+def test_one_prompt(family, batch_invariant):
     path, hf = family
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=8), path)
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=8, batch_invariant=batch_invariant), path)
+    assert runner.backend.name == ("cpu" if batch_invariant else "torch")
     ((tokens, lps, _),) = run(runner, [PROMPTS[5]])
     check_against_reference(hf, PROMPTS[5], tokens, lps)
 
 
-def test_eight_prompts_chunked_under_a_small_budget(family):
+def test_eight_prompts_chunked_under_a_small_budget(family, batch_invariant):
     path, hf = family
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=96, block_size=8), path)
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=96, block_size=8, batch_invariant=batch_invariant), path)
     for prompt, (tokens, lps, _) in zip(PROMPTS, run(runner, PROMPTS, budget=16)):
         check_against_reference(hf, prompt, tokens, lps)
 
 
-def test_prefix_cache_hit(family):
+def test_prefix_cache_hit(family, batch_invariant):
     path, hf = family
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=4), path)
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=4, batch_invariant=batch_invariant), path)
     core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
     shared = PROMPTS[7][:20]
     first, second = shared + [3, 4], shared + [9, 8, 7]
@@ -119,24 +121,25 @@ def test_prefix_cache_hit(family):
     check_against_reference(hf, second, tokens, lps)
 
 
-def test_preemption_on_a_small_pool(family):
+def test_preemption_on_a_small_pool(family, batch_invariant):
     from folio.core.executor.model.registry import model_spec
 
     path, hf = family
     # 8 prompts want up to 10 blocks each; a model windowed on every layer gives back the blocks
     # behind its window (about 3 held in decode), so it gets a pool of 7 and chunks of 16
     windowed = all(model_spec(hf.config).layer_windows)
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=7 if windowed else 24, block_size=4), path)
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=7 if windowed else 24, block_size=4,
+                                       batch_invariant=batch_invariant), path)
     core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=16 if windowed else 64)
     for prompt, (tokens, lps, _) in zip(PROMPTS, run(runner, PROMPTS, core=core)):
         check_against_reference(hf, prompt, tokens, lps)
     assert core.scheduler.counters["num_preemptions"] > 0
 
 
-def test_ngram_speculative_decoding(family):
+def test_ngram_speculative_decoding(family, batch_invariant):
     path, hf = family
     runner = ModelRunner(RuntimeConfig(num_kv_blocks=96, block_size=8, speculative_model="ngram",
-                                       num_speculative_tokens=3), path)
+                                       num_speculative_tokens=3, batch_invariant=batch_invariant), path)
     core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
     loops = [p + p[:6] for p in PROMPTS[2:6]]  # a repeated stretch for the proposer to match
     plain = WireSampling(temperature=0.0, max_tokens=GREEDY.max_tokens)  # (logprob requests never speculate)
@@ -146,7 +149,7 @@ def test_ngram_speculative_decoding(family):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe-norm", "gemma2", "phi3"])
-def test_the_cpu_kernel_backend(tmp_path, name):
+def test_the_cpu_kernel_backend(tmp_path, name, batch_invariant):
     """The C kernels' fused RoPE + KV write rotates the q/k-normed projections, their SiLU x gate
     runs each expert's rows, their GeGLU Gemma 2's MLP, and their decode attention the windows and
     the soft-cap (no fallback)."""
@@ -155,26 +158,27 @@ def test_the_cpu_kernel_backend(tmp_path, name):
     model_type, overrides = FAMILIES[name]
     path = write_tiny_model(tmp_path / name, model_type, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=8, attention_backend="cpu"), path)
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=64, block_size=8, attention_backend="cpu",
+                                       batch_invariant=batch_invariant), path)
     assert runner.backend.name == "cpu"
     for prompt, (tokens, lps, _) in zip(PROMPTS[:3], run(runner, PROMPTS[:3], budget=16)):
         check_against_reference(hf, prompt, tokens, lps)
     assert runner.backend.layer_ops.num_fallbacks == 0
 
 
-def test_qwen3_over_two_ranks(tmp_path):
+def test_qwen3_over_two_ranks(tmp_path, batch_invariant):
     """Tensor parallel 2 over gloo: each rank its heads, the per-head q/k norms replicated."""
-    over_two_ranks(tmp_path, "qwen3")
+    over_two_ranks(tmp_path, "qwen3", batch_invariant)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "phi3"])
-def test_over_two_ranks(tmp_path, name):
+def test_over_two_ranks(tmp_path, name, batch_invariant):
     """Gemma 2: windows, soft-caps (the final one after the logits' gather) and the sandwich norms
     on each rank's heads; Phi-3: each rank's rows of the fused qkv_proj and gate_up_proj."""
-    over_two_ranks(tmp_path, name)
+    over_two_ranks(tmp_path, name, batch_invariant)
 
 
-def over_two_ranks(tmp_path, name):
+def over_two_ranks(tmp_path, name, batch_invariant):
     from transformers import AutoModelForCausalLM
 
     from folio.core.executor.runtime.workers import ParallelRunner
@@ -184,7 +188,7 @@ def over_two_ranks(tmp_path, name):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     failures: list[str] = []
     config = RuntimeConfig(model=path, device="cpu", dtype="float32", quantization="none", block_size=8,
-                           num_kv_blocks=96, tensor_parallel_size=2)
+                           num_kv_blocks=96, tensor_parallel_size=2, batch_invariant=batch_invariant)
     runner = ParallelRunner(config, path, on_failure=failures.append)
     try:
         for prompt, (tokens, lps, _) in zip(PROMPTS[:4], run(runner, PROMPTS[:4], budget=16)):

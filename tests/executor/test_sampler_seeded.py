@@ -134,13 +134,13 @@ def test_seeded_draws_follow_the_target_distribution(monkeypatch, path, vary, pa
 # ---------------------------------------------------------------------------- through EngineCore
 @pytest.fixture(scope="module")
 def small_pool_runner(tiny_model_dir):
-    from tests.services.engine import make_runner
+    from tests.core.engine import make_runner
 
     return make_runner(tiny_model_dir, num_kv_blocks=24)  # 32 requests preempt (recompute) in it
 
 
 def crowd(n: int, vocab: int = 128) -> list:
-    from tests.services.engine import engine_request
+    from tests.core.engine import engine_request
 
     rng = random.Random(4)
     kinds = [{}, dict(temperature=1.0), dict(temperature=0.7, top_k=8, seed=5), dict(temperature=0.9, top_p=0.9),
@@ -153,7 +153,7 @@ def crowd(n: int, vocab: int = 128) -> list:
 def test_a_seeded_request_gives_the_same_output_alone_and_among_32(small_pool_runner, async_scheduling):
     """Among 31 others, in chunks of a 128-token budget, in a pool that preempts requests (they
     start over: recompute): the same tokens as alone."""
-    from tests.services.engine import LocalEngine, alone, engine_request
+    from tests.core.engine import LocalEngine, alone, engine_request
 
     target = engine_request("seeded", [7, 3, 99, 12, 40, 8], 24, ignore_eos=True, temperature=0.8, top_p=0.95,
                             presence_penalty=0.5, seed=2026)

@@ -2,7 +2,8 @@
 
 Eight varied prompts (chat-templated and raw, short and a few hundred tokens), 64 new tokens each,
 EOS not stopping either side. The same outputs must come back when the prompts run alone, all
-together in one varlen batch, fed in chunks of 7 tokens, and with block sizes 8, 16 and 32.
+together in one varlen batch, fed in chunks of 7 tokens, and with block sizes 8, 16 and 32, on
+the default path (torch/SDPA) and with ``batch_invariant`` (the per-row C kernels).
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ def test_prompts_are_varied(case):
     assert lengths[0] < 20 and lengths[-1] > 300
 
 
-def run(smollm_dir, prompts, block_size=16, chunk_size=None, alone=False):
-    runner = ModelRunner(RuntimeConfig(num_kv_blocks=600, block_size=block_size, quantization="none"), smollm_dir)
+def run(smollm_dir, prompts, block_size=16, chunk_size=None, alone=False, batch_invariant=False):
+    runner = ModelRunner(RuntimeConfig(num_kv_blocks=600, block_size=block_size, quantization="none",
+                                       batch_invariant=batch_invariant), smollm_dir)
+    assert runner.backend.name == ("cpu" if batch_invariant else "torch")
     params = WireSampling(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     if alone:
         return [generate(runner, [p], params)[0] for p in prompts]
@@ -102,7 +105,7 @@ def run(smollm_dir, prompts, block_size=16, chunk_size=None, alone=False):
     "mode",
     ["alone", "batched", "chunked-7", "block-8", "block-32"],
 )
-def test_greedy_equals_transformers(case, smollm_dir, mode):
+def test_greedy_equals_transformers(case, smollm_dir, mode, batch_invariant):
     hf, prompts, expected = case
     kwargs = {
         "alone": dict(alone=True),
@@ -111,7 +114,7 @@ def test_greedy_equals_transformers(case, smollm_dir, mode):
         "block-8": dict(block_size=8),
         "block-32": dict(block_size=32, chunk_size=7),
     }[mode]
-    outputs = run(smollm_dir, prompts, **kwargs)
+    outputs = run(smollm_dir, prompts, batch_invariant=batch_invariant, **kwargs)
     for prompt, exp, got in zip(prompts, expected, outputs):
         assert len(got) == NUM_NEW
         assert_same_or_near_tie(hf, prompt, exp, got)

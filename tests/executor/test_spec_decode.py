@@ -14,7 +14,7 @@ from folio.shared.config import RuntimeConfig
 from folio.core.kv.allocator import cdiv
 from folio.shared.messages import KVTruncate
 from folio.testing.models import write_tiny_model
-from tests.services.engine import LocalEngine, engine_request
+from tests.core.engine import LocalEngine, engine_request
 
 # --------------------------------------------------------------------------- n-gram proposer
 
@@ -253,6 +253,7 @@ def smollm_prompts(smollm_dir):
     return out, tok.eos_token_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer,quantization", [("ngram", "none"), ("draft", "none"), ("ngram", "auto")])
 def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts, tmp_path_factory, proposer,
                                                       quantization):

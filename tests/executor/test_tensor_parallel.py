@@ -19,7 +19,7 @@ from folio.core.executor.runtime.workers import ParallelRunner, resident_tensors
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import BeamSearchParams
 from folio.testing.models import write_tiny_model
-from tests.services.engine import LocalEngine, engine_request
+from tests.core.engine import LocalEngine, engine_request
 
 BLOCK = 4
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8, 61, 7, 30, 11], [1, 2, 3, 4, 1, 2, 3], [100, 7, 7, 120, 3, 9, 14, 15, 88, 2, 6, 5, 4,

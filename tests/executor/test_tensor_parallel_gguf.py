@@ -22,7 +22,9 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import ParallelRunner
 from folio.shared.config import RuntimeConfig
 from folio.core.models import packaged_gguf
-from tests.services.engine import LocalEngine, engine_request
+from tests.core.engine import LocalEngine, engine_request
+
+pytestmark = pytest.mark.slow
 
 
 def test_slices_are_transformers_dequantization_bitwise(smollm_dir):

@@ -14,7 +14,7 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import ParallelRunner, WorkerGroupError
 from folio.testing.models import write_tiny_model
 from tests.executor.test_tensor_parallel import PROMPTS, config, outputs, requests
-from tests.services.engine import LocalEngine, engine_request
+from tests.core.engine import LocalEngine, engine_request
 
 
 def test_ray_workers_match_one_rank_and_a_dead_actor_is_a_crash(tmp_path):

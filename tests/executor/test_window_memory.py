@@ -18,8 +18,8 @@ from folio.shared.config import RuntimeConfig
 from folio.shared.messages import WireSampling
 from folio.testing.backhalf import back_half
 from folio.testing.models import write_tiny_model
-from tests.services.engine import LocalEngine, engine_request
-from tests.services.kv_owner import Owner
+from tests.core.engine import LocalEngine, engine_request
+from tests.core.kv_owner import Owner
 
 WINDOW, BLOCK_SIZE = 8, 4
 PROMPT = [(5 * j + 3) % 120 + 2 for j in range(21)]

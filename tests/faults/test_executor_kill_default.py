@@ -1,5 +1,5 @@
-"""An executor SIGKILL on the default model's server (SmolLM2 int4, bf16 activations; batch-invariant,
-as the suite runs) costs its streams only
+"""An executor SIGKILL on the default model's server (SmolLM2 int4, bf16 activations, with
+``--batch-invariant``) costs its streams only
 latency: 6 greedy streams in flight each end with exactly their solo output. After the restart the
 scheduler recomputes every running request: its generated tokens go through prefill chunks instead
 of the one-token decode steps that made them, so this holds only because the logits do not depend on
@@ -16,7 +16,7 @@ import pytest
 
 from folio.testing.faults import solo, start_serve, stream
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 PROMPTS = [f"Write a short story about {t} and a bridge, in three sentences, with a twist at the end."
            for t in ("the moon", "owls", "copper", "tea", "glaciers", "maps")]
@@ -26,8 +26,9 @@ DEADLINE_S = 240.0
 
 @pytest.fixture(scope="module")
 def served(smollm_dir):
+    # batch-invariant: the recompute after the restart must give each stream its solo output bit for bit
     srv = start_serve(smollm_dir, "--block-size", "16", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64",
-                      "--max-restarts", "5")
+                      "--max-restarts", "5", "--batch-invariant")
     yield srv
     assert srv.stop() == 0, srv.stderr()[-3000:]
 

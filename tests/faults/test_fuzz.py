@@ -18,6 +18,8 @@ from schemathesis.checks import not_a_server_error
 from folio.testing.faults import start_serve
 from tests.services.openai_schema import SPEC
 
+pytestmark = pytest.mark.slow  # a few hundred requests per route against a served stack
+
 MAX_EXAMPLES = 150  # per operation
 CALL_TIMEOUT_S = 30
 
@@ -33,10 +35,10 @@ schema = schemathesis.openapi.from_dict(_operations())
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory, smollm_dir):
+def fuzz_server(tmp_path_factory, smollm_tokenizer_dir):
     from folio.testing.models import write_tiny_chat_model
 
-    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
+    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_tokenizer_dir)
     srv = start_serve(model, "--num-kv-blocks", "512", "--max-model-len", "48", "--max-num-seqs", "256")
     srv.model_name = Path(model).name
     yield srv

@@ -22,7 +22,7 @@ import pytest
 
 from folio.testing.faults import start_serve
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # a served stack under 16-64 streams, a minute or more
 
 MAX_TOKENS = 40
 MAX_REPLAYS = 3
@@ -85,14 +85,16 @@ async def read_stream(http, base: str, route: str, body: dict, started: asyncio.
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, smollm_dir):
+def served(tmp_path_factory, smollm_tokenizer_dir):
     from folio.testing.models import write_tiny_chat_model
 
-    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
+    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_tokenizer_dir)
     os.environ["FOLIO_TESTING_CRASH_ON_PROMPT"] = ",".join(map(str, POISON))
     try:
+        # batch-invariant: replayed streams, prefilled again beside others, must equal their solo outputs
         srv = start_serve(model, "--quantization", "none", "--num-kv-blocks", "512", "--max-num-seqs", "64",
-                          "--max-restarts", "20", "--max-replays", str(MAX_REPLAYS), "--request-timeout", "90")
+                          "--max-restarts", "20", "--max-replays", str(MAX_REPLAYS), "--request-timeout", "90",
+                          "--batch-invariant")
     finally:
         del os.environ["FOLIO_TESTING_CRASH_ON_PROMPT"]
     yield srv

@@ -16,10 +16,11 @@ import pytest
 
 from folio.testing.routerstack import Replica, start_router
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # a served stack under 16-64 streams, a minute or more
 
+# batch-invariant: a stream resumed on the other replica, its text prefilled there, must equal its solo output
 FLAGS = ("--served-model-name", "m", "--dtype", "float32", "--quantization", "none", "--block-size", "8",
-         "--num-kv-blocks", "256", "--max-num-seqs", "16", "--log-level", "warning")
+         "--num-kv-blocks", "256", "--max-num-seqs", "16", "--log-level", "warning", "--batch-invariant")
 MAX_TOKENS = 48
 
 
@@ -68,10 +69,10 @@ async def read(http, url: str, route: str, body: dict, started: asyncio.Event | 
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm_dir):
+def stack(tmp_path_factory, smollm_tokenizer_dir):
     from folio.testing.models import write_tiny_chat_model
 
-    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-resume"), smollm_dir)
+    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-resume"), smollm_tokenizer_dir)
     a, b = Replica(model, FLAGS).start(), Replica(model, FLAGS).start()
     router = None
     try:

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a minute of load, and the bench prepares the packaged model
 def test_a_minute_of_soak_loses_nothing_and_leaks_nothing(smollm_dir):
     run = subprocess.run([sys.executable, "-m", "folio.bench.soak", "--duration", "60",
                           "--kill-every", "15", "--rate", "20", "--check"],

@@ -27,8 +27,8 @@ SYSTEM = ("You are a careful assistant for a small bakery. You answer questions 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, smollm_dir) -> str:
-    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-offline"), smollm_dir, max_position_embeddings=512)
+def model(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-offline"), smollm_tokenizer_dir, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")

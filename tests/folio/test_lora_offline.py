@@ -16,9 +16,9 @@ import peft  # noqa: E402  (a test extra: a missing peft fails, never skips)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm_dir):
+def setup(tmp_path_factory, smollm_tokenizer_dir):
     root = tmp_path_factory.mktemp("lora-offline")
-    base = write_tiny_chat_model(root / "base", smollm_dir)
+    base = write_tiny_chat_model(root / "base", smollm_tokenizer_dir)
     adapters = {name: write_peft_adapter(base, root / name, 8, targets, alpha=16, seed=10 + i)
                 for i, (name, targets) in enumerate({"a": ["q_proj", "v_proj"], "b": ["o_proj", "down_proj"]}.items())}
     return base, adapters

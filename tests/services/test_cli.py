@@ -28,8 +28,8 @@ STARTUP_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, smollm_dir) -> str:
-    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
+def tiny_chat_model(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_tokenizer_dir)
 
 
 def free_port() -> int:
@@ -165,19 +165,19 @@ def test_each_service_accepts_the_flags_serve_forwards(tiny_chat_model, monkeypa
                               "--ngram-prompt-lookup-max", "5", "--log-level", "warning", "--enforce-eager"])
     argv = {name: service_argv(name, args, tiny_chat_model) for name in SERVICES}
     monkeypatch.setenv("FOLIO_RUN_DIR", "/tmp/folio-flags")
-    ex = executor_config(argv["executor"])[0]
+    ex = executor_config(argv["executor"])
     assert (ex.runtime.block_size, ex.runtime.num_kv_blocks, ex.runtime.max_num_seqs) == (8, 40, 3)
     assert ex.model_path == tiny_chat_model and ex.log_json
     assert (ex.runtime.speculative_model, ex.runtime.num_speculative_tokens) == ("ngram", 3)
     assert ex.runtime.ngram_prompt_lookup_max == 5
     assert ex.runtime.enforce_eager
-    assert not executor_config(["--model", tiny_chat_model])[0].runtime.enforce_eager  # graphs by default
-    sc = scheduler_config(argv["scheduler"])[0]
+    assert not executor_config(["--model", tiny_chat_model]).runtime.enforce_eager  # graphs by default
+    sc = scheduler_config(argv["scheduler"])
     assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len) == (3, 99, 200)
     assert (sc.preemption_mode, sc.enable_chunked_prefill, sc.scheduling_policy) == ("swap", False, "priority")
     assert sc.long_prefill_token_threshold == 64
     assert all("--log-level" in argv[name] for name in SERVICES)  # every service logs at the asked level
-    assert kvmanager_config(argv["kvmanager"])[0].log_json
+    assert kvmanager_config(argv["kvmanager"]).log_json
     gw = gateway_config(argv["gateway"])
     assert (gw.port, gw.model_name) == (9001, "tiny")
     assert tokenizer_config(argv["tokenizer"]).max_model_len == 200

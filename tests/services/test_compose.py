@@ -114,8 +114,8 @@ def test_entry_points_exist():
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, smollm_dir) -> str:
-    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_dir)
+def tiny_chat_model(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm_tokenizer_dir)
 
 
 def local_argv(name: str, model: str, port: int) -> list[str]:

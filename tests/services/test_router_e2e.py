@@ -23,8 +23,8 @@ SYSTEM2 = " ".join(f"Policy {i}: a tenant's second assistant speaks of subject {
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, smollm_dir) -> str:
-    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-router"), smollm_dir, max_position_embeddings=1024)
+def model(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-router"), smollm_tokenizer_dir, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")

@@ -182,14 +182,14 @@ def test_round_robin_alternates_whatever_the_cache():
     assert picks[0] != picks[1] and picks[0] == picks[2] and picks[1] == picks[3]
 
 
-def test_prompts_are_tokenized_as_the_tokenizer_service_does(smollm_dir):
+def test_prompts_are_tokenized_as_the_tokenizer_service_does(smollm_tokenizer_dir):
     """Chat (template included), text and token-id prompts give the ids the replica computes; a
     body the router cannot read gives None (routed by load) instead of an error."""
     from folio.services.router.prompt import PromptEncoder
     from folio.core.tokenizer.text import TextTokenizer
     from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
 
-    tokenizer = TextTokenizer(smollm_dir)
+    tokenizer = TextTokenizer(smollm_tokenizer_dir)
     encoder = PromptEncoder(tokenizer)
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]

@@ -199,9 +199,9 @@ def write_adapter(base: str, out_dir: Path) -> str:
     return write_peft_adapter(base, out_dir, 4, ["q_proj", "v_proj"], alpha=8, seed=None, std=None)
 
 
-def test_two_base_models_and_their_adapters_behind_one_router(tmp_path, smollm_dir):
+def test_two_base_models_and_their_adapters_behind_one_router(tmp_path, smollm_tokenizer_dir):
     """model-a with adapter ``sql`` from the start, model-b with ``notes`` loaded at run time."""
-    model_a = write_tiny_chat_model(tmp_path / "model-a", smollm_dir, max_position_embeddings=512)
+    model_a = write_tiny_chat_model(tmp_path / "model-a", smollm_tokenizer_dir, max_position_embeddings=512)
     model_b = str(tmp_path / "model-b")  # another model: one layer, other sizes, the same tokenizer files
     write_tiny_model(model_b, vocab_size=49152, max_position_embeddings=512, num_hidden_layers=1, hidden_size=32)
     for f in Path(model_a).iterdir():

@@ -11,7 +11,7 @@ import pytest
 
 from folio.shared.messages import WireSampling
 from folio.testing.backhalf import back_half
-from tests.services.engine import alone, engine_request, make_runner
+from tests.core.engine import alone, engine_request, make_runner
 
 NUM_REQUESTS = 200
 

@@ -20,10 +20,10 @@ from folio.core.kv.window import all_layers_window, hybrid_kv_bytes, layer_windo
 from folio.shared.messages import KVReset, KVStepRequest, PoolInfo, RegisterPool, StepResult
 from folio.shared.transport import make_socket
 from folio.testing.backhalf import admin_call
-from tests.services.kv_owner import Owner
+from tests.core.kv_owner import Owner
 from tests.services.test_kvmanager import ask, kvmanager  # noqa: F401 (the service fixture)
-from tests.services.test_scheduler_invariants import check_allocator, output_of, token_of
-from tests.services.test_scheduler_policy import request
+from tests.core.scheduler.test_scheduler_invariants import check_allocator, output_of, token_of
+from tests.core.scheduler.test_scheduler_policy import request
 
 
 def make(window, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_host_blocks=0,

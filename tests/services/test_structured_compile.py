@@ -23,8 +23,8 @@ from folio.core.structured.grammar import GrammarChecker, GrammarError, check_sp
 from folio.shared.messages import AbortRequest, GuidedSpec, TokenBatch, WireSampling  # noqa: E402
 from folio.shared.transport import Decoder, encode  # noqa: E402
 from folio.testing.backhalf import back_half  # noqa: E402
-from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
-from tests.services.test_structured_engine import chat_model, tok  # noqa: E402,F401  (fixtures)
+from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
+from tests.core.structured.test_structured_engine import chat_model, tok  # noqa: E402,F401  (fixtures)
 
 
 def large_schema(num_fields: int) -> dict:

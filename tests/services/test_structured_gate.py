@@ -18,9 +18,9 @@ pytest.importorskip("xgrammar")
 
 from folio.shared.messages import GuidedSpec, WireSampling  # noqa: E402
 from folio.testing.backhalf import back_half  # noqa: E402
-from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
+from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_compile import new_wide_schema  # noqa: E402
-from tests.services.test_structured_engine import chat_model, grammars, tok  # noqa: E402,F401  (fixtures)
+from tests.core.structured.test_structured_engine import chat_model, grammars, tok  # noqa: E402,F401  (fixtures)
 
 CODE = r"[0-9]{3}-[a-z]{2,5}"
 

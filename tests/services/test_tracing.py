@@ -115,9 +115,9 @@ def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes,
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm_dir):
+def stack(tmp_path_factory, smollm_tokenizer_dir):
     receiver = Receiver()
-    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-traced"), smollm_dir)
+    model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-traced"), smollm_tokenizer_dir)
     # prefills of at most 8 tokens a step: a prompt of ~30 tokens runs as several chunks
     replica = Replica(model, ("--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8",
                               "--long-prefill-token-threshold", "8", "--otlp-traces-endpoint", receiver.url))

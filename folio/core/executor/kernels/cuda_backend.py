@@ -41,7 +41,17 @@ class CupyLauncher:
 
     def launch(self, names: ck.KernelNames, kernel: str, grid, block, args, device: torch.device) -> None:
         device_id = device.index if device.index is not None else torch.cuda.current_device()
-        function = ck.compiled_kernel(getattr(names, kernel), names, device_id)
+        self._run(ck.compiled_kernel(getattr(names, kernel), names, device_id), device_id, grid, block, args)
+
+    def launch_from(self, source: str, name_expressions: tuple[str, ...], name: str, grid, block, args,
+                    device: torch.device) -> None:
+        """Kernel ``name`` of the module compiled from ``source`` with ``name_expressions`` (the
+        LoRA and MoE kernels' own modules), on torch's current stream."""
+        device_id = device.index if device.index is not None else torch.cuda.current_device()
+        self._run(ck.raw_module(source, name_expressions, device_id).get_function(name), device_id, grid, block,
+                  args)
+
+    def _run(self, function, device_id: int, grid, block, args) -> None:
         with cupy.cuda.Device(device_id), self._stream(device_id):
             function(tuple(grid), tuple(block), args)
 

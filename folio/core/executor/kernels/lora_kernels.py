@@ -242,12 +242,8 @@ class LoraCupyLauncher:
         self._streams = CupyLauncher(device)  # its view of torch's current stream
 
     def launch(self, names: LoraNames, kernel: str, grid, block, args, device: torch.device) -> None:
-        import cupy
-
-        device_id = device.index if device.index is not None else torch.cuda.current_device()
-        function = ck.raw_module(SOURCE, tuple(all_name_expressions()), device_id).get_function(getattr(names, kernel))
-        with cupy.cuda.Device(device_id), self._streams._stream(device_id):
-            function(tuple(grid), tuple(block), args)
+        self._streams.launch_from(SOURCE, tuple(all_name_expressions()), getattr(names, kernel), grid, block, args,
+                                  device)
 
 
 @functools.cache

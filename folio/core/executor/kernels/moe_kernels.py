@@ -220,12 +220,8 @@ class MoeCupyLauncher:
         self.num_sms = self._streams.num_sms
 
     def launch(self, names: MoeNames, kernel: str, grid, block, args, device: torch.device) -> None:
-        import cupy
-
-        device_id = device.index if device.index is not None else torch.cuda.current_device()
-        function = ck.raw_module(SOURCE, tuple(sorted(vars(names).values())), device_id).get_function(getattr(names, kernel))
-        with cupy.cuda.Device(device_id), self._streams._stream(device_id):
-            function(tuple(grid), tuple(block), args)
+        self._streams.launch_from(SOURCE, tuple(sorted(vars(names).values())), getattr(names, kernel), grid, block,
+                                  args, device)
 
 
 @functools.cache

@@ -25,6 +25,7 @@ import json
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -225,6 +226,30 @@ def resolve_quantization(requested: str, checkpoint: str, device: torch.device) 
     return method
 
 
+@contextmanager
+def no_random_init():
+    """Modules built while a model loads skip their random initialisation (``torch.nn.init``'s
+    in-place functions leave the tensor as it is): every weight is loaded over it. The modules are
+    built on the meta device, where an init runs through torch's Python references; the first such
+    call imports ``torch._dynamo``, which imports triton when it is installed, whose bindings then
+    print hundreds of "nanobind: leaked ..." lines when the process exits. folio never uses either."""
+    from torch.nn import init
+
+    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
+    saved = {n: getattr(init, n) for n in names}
+    for n in names:
+        setattr(init, n, _leave_as_is)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(init, n, fn)
+
+
+def _leave_as_is(tensor, *args, **kwargs):
+    return tensor
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none",
                group_size: int = 32, shard: Shard = Shard(), comm: Comm | None = None) -> CausalLM:
     """Build our model from a model folder or a .gguf file, weights in ``dtype`` on ``device``.
@@ -234,7 +259,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
     more than one rank, only this rank's slices (``sharded_load.py``). A quantized model on the CPU
     comes from the prepared-model cache when it is there, and goes into it when it is not."""
     path = Path(path)
-    with startup.phase("weights"):
+    with startup.phase("weights"), no_random_init():
         if shard.size > 1:
             from folio.core.executor.model.sharded_load import load_sharded
 

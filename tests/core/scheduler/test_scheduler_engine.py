@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from folio.core.kv.allocator import cdiv
-from tests.services.engine import LocalEngine, alone, engine_request, make_runner
+from tests.core.engine import LocalEngine, alone, engine_request, make_runner
 
 BLOCK = 16
 

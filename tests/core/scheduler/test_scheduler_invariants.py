@@ -18,9 +18,9 @@ import pytest
 
 from folio.core.kv.allocator import BlockAllocator
 from folio.shared.messages import PoolInfo, StepResult
-from tests.services.kv_owner import Owner
-from tests.services.plan_mirror import ExecutorMirror
-from tests.services.test_scheduler_policy import make, request
+from tests.core.kv_owner import Owner
+from tests.core.scheduler.plan_mirror import ExecutorMirror
+from tests.core.scheduler.test_scheduler_policy import make, request
 
 
 def check_allocator(alloc: BlockAllocator) -> None:

@@ -17,9 +17,9 @@ pytest.importorskip("xgrammar")
 
 from folio.core.structured.grammar import GrammarChecker  # noqa: E402
 from folio.shared.messages import GuidedSpec  # noqa: E402
-from tests.services.engine import LocalEngine, engine_request, make_runner  # noqa: E402
+from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.frontend import text_tokenizer  # noqa: E402
-from tests.services.structured_schemas import SCHEMAS  # noqa: E402
+from tests.core.structured.structured_schemas import SCHEMAS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

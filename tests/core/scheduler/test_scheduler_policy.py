@@ -20,7 +20,7 @@ from folio.shared.messages import (
     TokenDelta,
     WireSampling,
 )
-from tests.services.kv_owner import Owner
+from tests.core.kv_owner import Owner
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=None,

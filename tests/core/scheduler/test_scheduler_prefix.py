@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from folio.core.scheduler.policy import Scheduler
 from folio.shared.messages import EngineRequest, PoolInfo, StepResult, WireSampling
-from tests.services.kv_owner import Owner
+from tests.core.kv_owner import Owner
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64):

@@ -12,7 +12,7 @@ import torch
 
 from folio.shared.messages import BeamSearchParams
 from folio.testing.models import write_tiny_model
-from tests.services.engine import LocalEngine, engine_request, make_runner
+from tests.core.engine import LocalEngine, engine_request, make_runner
 
 VOCAB, EOS = 48, 24  # a tiny model whose beams do end on EOS now and then
 
@@ -87,6 +87,7 @@ SMOLLM_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_beams_equal_transformers_on_smollm2(smollm_dir):
     """The issue's check: width 4 on SmolLM2-135M-Instruct, five chat prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

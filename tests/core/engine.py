@@ -13,7 +13,7 @@ from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import EngineRequest, StepPlan, TokenDelta, WireSampling
-from tests.services.kv_owner import Owner
+from tests.core.kv_owner import Owner
 
 
 @dataclass

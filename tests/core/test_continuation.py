@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tests.services.engine import LocalEngine, engine_request, make_runner
+from tests.core.engine import LocalEngine, engine_request, make_runner
 
 
 @pytest.fixture(scope="module")
