@@ -44,9 +44,10 @@ def test_int4_matches_what_it_computes(n, k, group):
         y = g(x)
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert _relerr(y, cpu_gemm.reference(4, x, *_int4_stored(q4))) < 1e-5
-        # and close to the dequantized weights: int8 activations lose about 1% at most
-        dense = x @ q4.dequantize().T
-        assert _relerr(y, dense.double()) < 2e-2
+        # and close to the dequantized weights: two int8 passes keep about 15 bits of x; what is
+        # left is the fp16 rounding of the scales and minima (exact for GGUF's Q4_1, fp16 itself)
+        dense = x.double() @ q4.dequantize().double().T
+        assert _relerr(y, dense) < 5e-3
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -54,9 +55,11 @@ def test_int8_matches_what_it_computes(n, k):
     torch.manual_seed(n * k)
     q, d = cpu_gemm.int8_blocks(torch.randn(n, k) * 0.05)
     g = cpu_gemm.QGemm.int8(q, d)
+    one_pass = cpu_gemm.QGemm(8, g.packed, n, k, passes=1)  # the LM head's
     for m in (1, 6, 70):
         x = torch.randn(m, k)
         assert _relerr(g(x), cpu_gemm.reference(8, x, q, d, None)) < 1e-5
+        assert _relerr(one_pass(x), cpu_gemm.reference(8, x, q, d, None, passes=1)) < 1e-5
 
 
 def test_bf16_rows_in_and_out():
@@ -79,9 +82,9 @@ def test_every_instruction_set_gives_the_same_bits(march):
     q4 = quantize_int4(torch.randn(200, 576) * 0.05, 32)
     q8, d8 = cpu_gemm.int8_blocks(torch.randn(130, 576) * 0.05)
     x = torch.randn(9, 576)
-    for native in (cpu_gemm.QGemm.int4(q4), cpu_gemm.QGemm.int8(q8, d8)):
-        theirs = cpu_gemm.QGemm(native.kind, native.packed, native.n, native.k, lib=other)
-        assert torch.equal(native(x), theirs(x)), (march, native.kind)
+    for native in (cpu_gemm.QGemm.int4(q4), cpu_gemm.QGemm.int8(q8, d8), cpu_gemm.QGemm.int8(q8, d8, passes=1)):
+        theirs = cpu_gemm.QGemm(native.kind, native.packed, native.n, native.k, lib=other, passes=native.passes)
+        assert torch.equal(native(x), theirs(x)), (march, native.kind, native.passes)
     expected = {"x86-64-v3": "avx2", "x86-64": "c"}[march]
     assert other.folio_qgemm_path().decode() == expected
 

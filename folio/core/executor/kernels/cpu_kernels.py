@@ -68,7 +68,7 @@ FUNCTIONS = {  # every exported function's arguments
     "folio_decode_attention_threads": [_i64, _i64, _i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4
                                       + [_f32, _i64, _f32, _ptr, _ptr],
     # csrc/qgemm.c
-    "folio_qgemm": [_i64] * 4 + [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64],
+    "folio_qgemm": [_i64] * 4 + [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64],
     "folio_qgemm_set_threads": [_i64],
     "folio_qgemm_threads": [],
     "folio_qgemm_path": [],

@@ -230,7 +230,7 @@ class QuantLMHead(nn.Module):
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
         if self.qhead is not None:
             if self._qgemm is None:
-                self._qgemm = cpu_gemm.QGemm(8, self.qhead, *self.weight.shape)
+                self._qgemm = cpu_gemm.QGemm(8, self.qhead, *self.weight.shape, passes=1)  # refined below
             return self._qgemm(x, out_dtype=torch.float32)
         if self.batch_invariant:
             return self._invariant(x)

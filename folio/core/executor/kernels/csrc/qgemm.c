@@ -11,8 +11,9 @@
  *   int8: 512 bytes in 8 chunks of 64 (chunk c: byte 4 r + j holds input 4 c + j of row r), then 16
  *         fp16 scales d (w = d q, q in -127..127).
  * A 4-byte group of x broadcast over the 16 rows of a chunk gives each row's partial dot in its own
- * 32-bit lane: no horizontal sums. Per block the exact integer dot is scaled into a float
- * accumulator per row: acc += float(dot) * (d dx) + m (dx sum(xq)), the same operations in the same
+ * 32-bit lane: no horizontal sums. Per block the exact integer dots are scaled into a float
+ * accumulator per row: acc += float(dot) (d dx) [+ float(dot2) (d dx / 254), the second pass] + m s
+ * (see act_block), the same operations in the same
  * order on every path, so AVX-512, AVX2 and plain C give the same bits, and a row's result does not
  * depend on the other rows in the call (batch invariance).
  *
@@ -162,9 +163,17 @@ void folio_run_parallel(task_fn fn, void *arg, int nth) {
 
 /* ---------------------------------------------------------------------------- activations */
 
-/* one row's blocks of 32: xq = round(x / dx) (half away from zero) in -127..127 with dx = max|x| / 127, and per block
- * dx, dx * sum(xq) (the int4 minimum's factor) and sum(xq) (the int8 VNNI offset's) */
-static void quantize_row(const void *x, int bf16, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi) {
+/* What a row's block of 32 inputs becomes: x ~ d (q + q2 / 254) with q = round(x / d) and d =
+ * max|x| / 127 (q in -127..127), and q2 = round((x / d - q) 254), the rounding error itself in
+ * int8 (two passes: about 15 bits, where one pass of int8 cost 3x the KLD of bf16 activations on
+ * SmolLM2); rounding half away from zero, as llama.cpp's Q8 blocks. s = d (sum q + sum q2 / 254) is
+ * the int4 minimum's factor, i and i2 the sums the int8 weights' offset needs. */
+typedef struct {
+    float d, d2, s;
+    int32_t i, i2;
+} act_block;
+
+static void quantize_row(const void *x, int bf16, int64_t k, int passes, int8_t *xq, int8_t *xq2, act_block *blk) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         float v[QBLOCK], amax = 0.0f;
         for (int j = 0; j < QBLOCK; j++) {
@@ -174,15 +183,23 @@ static void quantize_row(const void *x, int bf16, int64_t k, int8_t *xq, float *
             amax = a > amax ? a : amax;
         }
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
+        int32_t sum = 0, sum2 = 0;
         for (int j = 0; j < QBLOCK; j++) {
-            const int32_t q = (int32_t)roundf(v[j] * inv); /* half away from zero, as llama.cpp rounds */
+            const float t = v[j] * inv;
+            const float q = roundf(t);
             xq[b * QBLOCK + j] = (int8_t)q;
-            sum += q;
+            sum += (int32_t)q;
+            if (passes > 1) {
+                const int32_t q2 = (int32_t)roundf((t - q) * 254.0f); /* t - q is exact: |t| < 128 */
+                xq2[b * QBLOCK + j] = (int8_t)q2;
+                sum2 += q2;
+            }
         }
-        xd[b] = d;
-        xs[b] = d * (float)sum;
-        xi[b] = sum;
+        blk[b].d = d;
+        blk[b].d2 = d / 254.0f;
+        blk[b].s = d * (float)sum + blk[b].d2 * (float)sum2;
+        blk[b].i = sum;
+        blk[b].i2 = sum2;
     }
 }
 
@@ -192,9 +209,9 @@ typedef struct {
     int kind; /* 4 or 8 */
     int64_t m, n, k, ldy;
     const uint8_t *w;
-    const int8_t *xq;
-    const float *xd, *xs;
-    const int32_t *xi;
+    int passes;
+    const int8_t *xq, *xq2;
+    const act_block *blk;
     void *y;
     int y_bf16;
 } gemm_args;
@@ -264,20 +281,23 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
         }
         for (int i = 0; i < mc; i++) {
             const int64_t row = r0 + i;
-            const int8_t *xb = a->xq + row * a->k + b * QBLOCK;
-            __m512i s = _mm512_setzero_si512();
-            if (a->kind == 4) { /* chunk c: inputs 8c..8c+3 (low nibbles), 8c+4..8c+7 (high) */
-                for (int c = 0; c < 4; c++) {
-                    s = _mm512_dpbusd_epi32(s, q[2 * c], bcast4(xb + 8 * c));
-                    s = _mm512_dpbusd_epi32(s, q[2 * c + 1], bcast4(xb + 8 * c + 4));
+            const act_block *ab = a->blk + row * kb + b;
+            for (int pass = 0; pass < a->passes; pass++) {
+                const int8_t *xb = (pass ? a->xq2 : a->xq) + row * a->k + b * QBLOCK;
+                __m512i s = _mm512_setzero_si512();
+                if (a->kind == 4) { /* chunk c: inputs 8c..8c+3 (low nibbles), 8c+4..8c+7 (high) */
+                    for (int c = 0; c < 4; c++) {
+                        s = _mm512_dpbusd_epi32(s, q[2 * c], bcast4(xb + 8 * c));
+                        s = _mm512_dpbusd_epi32(s, q[2 * c + 1], bcast4(xb + 8 * c + 4));
+                    }
+                } else {
+                    for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, q[c], bcast4(xb + 4 * c));
+                    s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (pass ? ab->i2 : ab->i)));
                 }
-            } else {
-                for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, q[c], bcast4(xb + 4 * c));
-                s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a->xi[row * kb + b]));
+                const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(pass ? ab->d2 : ab->d));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
             }
-            const float dx = a->xd[row * kb + b];
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
-            if (a->kind == 4) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->xs[row * kb + b]), acc[i]);
+            if (a->kind == 4) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ab->s), acc[i]);
         }
     }
     for (int i = 0; i < mc; i++) {
@@ -330,21 +350,24 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
         }
         for (int i = 0; i < mc; i++) {
             const int64_t row = r0 + i;
-            const int8_t *xb = a->xq + row * a->k + b * QBLOCK;
-            const float dx = a->xd[row * kb + b];
+            const act_block *ab = a->blk + row * kb + b;
             for (int h = 0; h < 2; h++) {
-                __m256i s = _mm256_setzero_si256();
-                if (a->kind == 4) {
-                    for (int c = 0; c < 4; c++) {
-                        s = dot8(s, q[2 * c][h], bcast4(xb + 8 * c));
-                        s = dot8(s, q[2 * c + 1][h], bcast4(xb + 8 * c + 4));
+                for (int pass = 0; pass < a->passes; pass++) {
+                    const int8_t *xb = (pass ? a->xq2 : a->xq) + row * a->k + b * QBLOCK;
+                    __m256i s = _mm256_setzero_si256();
+                    if (a->kind == 4) {
+                        for (int c = 0; c < 4; c++) {
+                            s = dot8(s, q[2 * c][h], bcast4(xb + 8 * c));
+                            s = dot8(s, q[2 * c + 1][h], bcast4(xb + 8 * c + 4));
+                        }
+                    } else { /* |q| times x with q's sign: both within 127, no saturation */
+                        for (int c = 0; c < 8; c++)
+                            s = dot8(s, _mm256_abs_epi8(q[c][h]), _mm256_sign_epi8(bcast4(xb + 4 * c), q[c][h]));
                     }
-                } else { /* |q| times x with q's sign: both within 127, no saturation */
-                    for (int c = 0; c < 8; c++)
-                        s = dot8(s, _mm256_abs_epi8(q[c][h]), _mm256_sign_epi8(bcast4(xb + 4 * c), q[c][h]));
+                    const __m256 scale = _mm256_mul_ps(d[h], _mm256_set1_ps(pass ? ab->d2 : ab->d));
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][h]);
                 }
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[h], _mm256_set1_ps(dx)), acc[i][h]);
-                if (a->kind == 4) acc[i][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(a->xs[row * kb + b]), acc[i][h]);
+                if (a->kind == 4) acc[i][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(ab->s), acc[i][h]);
             }
         }
     }
@@ -367,23 +390,25 @@ static void tile_rows(const gemm_args *a, int64_t tile, int64_t r0, int mc) {
         float acc[TILE] = {0};
         const uint8_t *w = a->w + tile * kb * block_bytes;
         for (int64_t b = 0; b < kb; b++, w += block_bytes) {
-            const int8_t *xb = a->xq + row * a->k + b * QBLOCK;
-            const float dx = a->xd[row * kb + b];
+            const act_block *ab = a->blk + row * kb + b;
             const uint16_t *dh = (const uint16_t *)(w + (a->kind == 4 ? 256 : 512));
             for (int r = 0; r < TILE; r++) {
-                int32_t s = 0;
-                for (int j = 0; j < QBLOCK; j++) {
-                    int32_t q;
-                    if (a->kind == 4) {
-                        const uint8_t byte = w[64 * (j / 8) + 4 * r + (j % 4)];
-                        q = (j % 8) < 4 ? (byte & 15) : (byte >> 4);
-                    } else {
-                        q = (int8_t)w[64 * (j / 4) + 4 * r + (j % 4)];
+                for (int pass = 0; pass < a->passes; pass++) {
+                    const int8_t *xb = (pass ? a->xq2 : a->xq) + row * a->k + b * QBLOCK;
+                    int32_t s = 0;
+                    for (int j = 0; j < QBLOCK; j++) {
+                        int32_t q;
+                        if (a->kind == 4) {
+                            const uint8_t byte = w[64 * (j / 8) + 4 * r + (j % 4)];
+                            q = (j % 8) < 4 ? (byte & 15) : (byte >> 4);
+                        } else {
+                            q = (int8_t)w[64 * (j / 4) + 4 * r + (j % 4)];
+                        }
+                        s += q * xb[j];
                     }
-                    s += q * xb[j];
+                    acc[r] = fmaf((float)s, half_to_float(dh[r]) * (pass ? ab->d2 : ab->d), acc[r]);
                 }
-                acc[r] = fmaf((float)s, half_to_float(dh[r]) * dx, acc[r]);
-                if (a->kind == 4) acc[r] = fmaf(half_to_float(dh[TILE + r]), a->xs[row * kb + b], acc[r]);
+                if (a->kind == 4) acc[r] = fmaf(half_to_float(dh[TILE + r]), ab->s, acc[r]);
             }
         }
         store_row(a, row, tile * TILE, acc);
@@ -415,11 +440,12 @@ static __thread int8_t *scratch;
 static __thread size_t scratch_size;
 
 /* y [m, n] (row stride ldy, fp32 or bf16) = x [m, k] (row stride ldx, fp32 or bf16) W^T, W packed
- * (kind 4 or 8) with n rows; k a multiple of 32. Returns 0, or -1 when out of memory. */
+ * (kind 4 or 8) with n rows; k a multiple of 32; x in one int8 pass or two (see act_block).
+ * Returns 0, or -1 when out of memory. */
 int64_t folio_qgemm(int64_t kind, int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx, int64_t x_bf16,
-                    const uint8_t *w, void *y, int64_t ldy, int64_t y_bf16, int64_t threads) {
-    const int64_t kb = k / QBLOCK;
-    const size_t need = (size_t)m * (size_t)k + (size_t)m * (size_t)kb * 12 + 64;
+                    const uint8_t *w, void *y, int64_t ldy, int64_t y_bf16, int64_t threads, int64_t passes) {
+    const int64_t kb = k / QBLOCK, rows_bytes = (m * k + 63) & ~63L;
+    const size_t need = (size_t)(2 * rows_bytes) + (size_t)m * (size_t)kb * sizeof(act_block) + 64;
     if (need > scratch_size) {
         free(scratch);
         scratch = NULL;
@@ -427,15 +453,14 @@ int64_t folio_qgemm(int64_t kind, int64_t m, int64_t n, int64_t k, const void *x
         if (posix_memalign((void **)&scratch, 64, need * 2)) return -1;
         scratch_size = need * 2;
     }
-    int8_t *xq = scratch;
-    float *xd = (float *)(scratch + ((m * k + 63) & ~63L));
-    float *xs = xd + m * kb;
-    int32_t *xi = (int32_t *)(xs + m * kb);
+    passes = passes > 1 ? 2 : 1;
+    int8_t *xq = scratch, *xq2 = scratch + rows_bytes;
+    act_block *blk = (act_block *)(scratch + 2 * rows_bytes);
     const int elem = x_bf16 ? 2 : 4;
     for (int64_t r = 0; r < m; r++)
-        quantize_row((const char *)x + r * ldx * elem, (int)x_bf16, k, xq + r * k, xd + r * kb, xs + r * kb,
-                     xi + r * kb);
-    gemm_args a = {(int)kind, m, n, k, ldy, w, xq, xd, xs, xi, y, (int)y_bf16};
+        quantize_row((const char *)x + r * ldx * elem, (int)x_bf16, k, (int)passes, xq + r * k, xq2 + r * k,
+                     blk + r * kb);
+    gemm_args a = {(int)kind, m, n, k, ldy, w, (int)passes, xq, xq2, blk, y, (int)y_bf16};
     const int64_t tiles = (n + TILE - 1) / TILE;
     int64_t nth = threads < 1 ? pool.size : threads;
     if (nth > tiles) nth = tiles;

@@ -28,7 +28,9 @@ void folio_decode_attention_heads(int64_t m, const int64_t *tok, const int64_t *
                                   int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float softcap,
                                   float *out, float *scratch, int64_t g0, int64_t g1);
 int64_t folio_qgemm(int64_t kind, int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx, int64_t x_bf16,
-                    const uint8_t *w, void *y, int64_t ldy, int64_t y_bf16, int64_t threads);
+                    const uint8_t *w, void *y, int64_t ldy, int64_t y_bf16, int64_t threads, int64_t passes);
+
+#define LAYER_PASSES 2 /* the projections' activations in two int8 passes, as QuantLinear asks (cpu_gemm.py) */
 
 /* a layer's entries in the int64 table (cpu_backend.DecodeStack writes it) */
 enum {
@@ -85,7 +87,7 @@ void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t
     for (int64_t i = 0; i < num_layers; i++) {
         const int64_t *L = layers + i * L_FIELDS;
         folio_qgemm(L[L_QKV_KIND], n, qkv_size, hidden, normed, hidden, 1, (const uint8_t *)L[L_QKV], qkv, qkv_size,
-                    1, 0);
+                    1, 0, LAYER_PASSES);
         float *k_cache = (float *)L[L_K_CACHE], *v_cache = (float *)L[L_V_CACHE];
         folio_rope_write_kv(n, qkv, qkv_size, 1, positions, cos_table, sin_table, slots, num_heads, num_kv_heads,
                             head_dim, q, k_cache, v_cache);
@@ -96,16 +98,18 @@ void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t
         for (int64_t r = 0; r < m; r++) total += lens[r];
         /* below ~a thousand keys per head a second thread costs more than the attention */
         folio_run_parallel(attention_part, &at, total * num_kv_heads >= 4096 ? (int)threads : 1);
-        folio_qgemm(L[L_O_KIND], n, hidden, q_size, attn, q_size, 0, (const uint8_t *)L[L_O], h, hidden, 0, 0);
+        folio_qgemm(L[L_O_KIND], n, hidden, q_size, attn, q_size, 0, (const uint8_t *)L[L_O], h, hidden, 0, 0,
+                    LAYER_PASSES);
         folio_add_rms_norm(n, hidden, h, hidden, 0, residual, hidden, (const float *)L[L_POST_NORM], eps, normed,
                            hidden, 1);
         folio_qgemm(L[L_GATE_UP_KIND], n, 2 * inter, hidden, normed, hidden, 1, (const uint8_t *)L[L_GATE_UP],
-                    gate_up, 2 * inter, 1, 0);
+                    gate_up, 2 * inter, 1, 0, LAYER_PASSES);
         if (L[L_GELU])
             folio_gelu_tanh_and_mul(n, inter, gate_up, 2 * inter, 1, act, inter, 1);
         else
             folio_silu_and_mul(n, inter, gate_up, 2 * inter, 1, act, inter, 1);
-        folio_qgemm(L[L_DOWN_KIND], n, hidden, inter, act, inter, 1, (const uint8_t *)L[L_DOWN], down, hidden, 1, 0);
+        folio_qgemm(L[L_DOWN_KIND], n, hidden, inter, act, inter, 1, (const uint8_t *)L[L_DOWN], down, hidden, 1, 0,
+                    LAYER_PASSES);
         const int last = i == num_layers - 1;
         folio_add_rms_norm(n, hidden, down, hidden, 1, residual, hidden, (const float *)L[L_NEXT_NORM], eps,
                            last ? (void *)out : (void *)normed, hidden, last ? 0 : 1);
