@@ -45,8 +45,9 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* qgemm.c's pool: fn(arg, i, nth) for i in 0..nth-1, the caller running i = 0; returns when all are done */
-typedef void (*task_fn)(void *arg, int ith, int nth);
-void folio_run_parallel(task_fn fn, void *arg, int nth);
+/* qgemm.c's pool: fn(arg) on the caller's thread and, with_pool, on the workers that join while it
+ * runs (fn claims its own units of work); returns when every thread is out of fn */
+typedef void (*task_fn)(void *arg);
+void folio_run_parallel(task_fn fn, void *arg, int with_pool);
 
 #endif

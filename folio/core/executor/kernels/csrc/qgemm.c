@@ -48,15 +48,16 @@
 /* ---------------------------------------------------------------------------- thread pool */
 
 
+#define OPEN 0x80000000u /* pool.state: the current task takes helpers; the low bits count them */
+
 static struct {
     _Atomic uint32_t generation; /* bumped for each task; workers wait for it to change */
-    _Atomic int pending;         /* workers still running the current task */
+    _Atomic uint32_t state;      /* OPEN | workers inside the current task */
     _Atomic int sleeping;        /* workers waiting in the futex */
     task_fn fn;
     void *arg;
-    int nth;       /* threads of the current task, the caller's included */
-    int started;   /* workers running */
-    int size;      /* threads the pool was asked for, the caller's included */
+    int started; /* workers running */
+    int size;    /* threads the pool was asked for, the caller's included */
     pthread_t workers[MAX_THREADS];
     uint32_t first_generation[MAX_THREADS]; /* the generation a worker was started in: it waits for the next */
 } pool = {.size = 1};
@@ -69,6 +70,15 @@ static long now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+/* A worker joins a task only while it is open, and the caller closes it once every unit of work is
+ * claimed (tasks hand out their units through an atomic counter): a worker the OS has not run yet
+ * never holds the caller up, whose own thread then does the work, as on a loaded machine. */
 static void *worker_main(void *p) {
     const int ith = (int)(intptr_t)p;
     /* not the generation now: the caller may have posted a task before this thread ran */
@@ -78,9 +88,7 @@ static void *worker_main(void *p) {
         long spin_start = now_ns();
         int checks = 0;
         while ((gen = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
-#if defined(__x86_64__)
-            _mm_pause();
-#endif
+            cpu_relax();
             if (++checks == 256) {
                 checks = 0;
                 if (now_ns() - spin_start > SPIN_NS) {
@@ -93,8 +101,14 @@ static void *worker_main(void *p) {
             }
         }
         seen = gen;
-        if (ith < pool.nth) pool.fn(pool.arg, ith, pool.nth);
-        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+        uint32_t state = atomic_load(&pool.state);
+        while (state & OPEN) {
+            if (atomic_compare_exchange_weak(&pool.state, &state, state + 1)) {
+                pool.fn(pool.arg); /* stable while we are inside: the caller waits for us */
+                atomic_fetch_sub(&pool.state, 1);
+                break;
+            }
+        }
     }
     return NULL;
 }
@@ -132,31 +146,30 @@ void folio_qgemm_set_threads(int64_t n) {
 
 int64_t folio_qgemm_threads(void) { return pool.size; }
 
-void folio_run_parallel(task_fn fn, void *arg, int nth) {
-    if (nth > pool.size) nth = pool.size;
-    if (nth <= 1) {
-        fn(arg, 0, 1);
+/* fn(arg) on the caller's thread and on the pool's workers that come while it runs (with_pool);
+ * fn claims its units of work itself, so any number of threads may take part */
+void folio_run_parallel(task_fn fn, void *arg, int with_pool) {
+    if (!with_pool || pool.size <= 1) {
+        fn(arg);
         return;
     }
     pthread_mutex_lock(&pool_lock);
     pool_start();
-    if (nth > pool.started + 1) nth = pool.started + 1;
-    if (nth <= 1) {
+    if (pool.started == 0) {
         pthread_mutex_unlock(&pool_lock);
-        fn(arg, 0, 1);
+        fn(arg);
         return;
     }
     pool.fn = fn;
     pool.arg = arg;
-    pool.nth = nth;
-    atomic_store(&pool.pending, pool.started); /* every worker wakes; those past nth only check in */
+    atomic_store(&pool.state, OPEN);
     atomic_fetch_add(&pool.generation, 1);
     if (atomic_load(&pool.sleeping) > 0) syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
-    fn(arg, 0, nth);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) {
-#if defined(__x86_64__)
-        _mm_pause();
-#endif
+    fn(arg);
+    atomic_fetch_and(&pool.state, ~OPEN); /* every unit is claimed: no one else may join */
+    for (int spins = 0; atomic_load(&pool.state) != 0; spins++) {
+        cpu_relax();
+        if (spins > 4096) sched_yield(); /* a worker was descheduled mid-unit: let it run */
     }
     pthread_mutex_unlock(&pool_lock);
 }
@@ -214,6 +227,8 @@ typedef struct {
     const act_block *blk;
     void *y;
     int y_bf16;
+    int64_t tiles, units, chunk; /* units: (block of MBLOCK rows, tile) pairs, claimed chunk at a time */
+    _Atomic int64_t next;
 } gemm_args;
 
 static inline void store_row(const gemm_args *a, int64_t row, int64_t n0, const float *v) {
@@ -416,13 +431,15 @@ static void tile_rows(const gemm_args *a, int64_t tile, int64_t r0, int mc) {
 }
 #endif
 
-static void gemm_task(void *p, int ith, int nth) {
-    const gemm_args *a = (const gemm_args *)p;
-    const int64_t tiles = (a->n + TILE - 1) / TILE;
-    const int64_t t0 = tiles * ith / nth, t1 = tiles * (ith + 1) / nth;
-    for (int64_t m0 = 0; m0 < a->m; m0 += MBLOCK) {
-        const int64_t m1 = a->m - m0 < MBLOCK ? a->m : m0 + MBLOCK;
-        for (int64_t t = t0; t < t1; t++) {
+static void gemm_task(void *p) {
+    gemm_args *a = (gemm_args *)p;
+    for (;;) {
+        const int64_t u0 = atomic_fetch_add(&a->next, a->chunk);
+        if (u0 >= a->units) return;
+        const int64_t u1 = u0 + a->chunk < a->units ? u0 + a->chunk : a->units;
+        for (int64_t u = u0; u < u1; u++) { /* unit: (block of MBLOCK rows, tile) */
+            const int64_t m0 = (u / a->tiles) * MBLOCK, t = u % a->tiles;
+            const int64_t m1 = a->m - m0 < MBLOCK ? a->m : m0 + MBLOCK;
             int64_t r = m0;
             for (; r + MC <= m1; r += MC) tile_rows(a, t, r, MC);
             switch (m1 - r) {
@@ -460,13 +477,13 @@ int64_t folio_qgemm(int64_t kind, int64_t m, int64_t n, int64_t k, const void *x
     for (int64_t r = 0; r < m; r++)
         quantize_row((const char *)x + r * ldx * elem, (int)x_bf16, k, (int)passes, xq + r * k, xq2 + r * k,
                      blk + r * kb);
-    gemm_args a = {(int)kind, m, n, k, ldy, w, (int)passes, xq, xq2, blk, y, (int)y_bf16};
-    const int64_t tiles = (n + TILE - 1) / TILE;
+    const int64_t tiles = (n + TILE - 1) / TILE, units = tiles * ((m + MBLOCK - 1) / MBLOCK);
     int64_t nth = threads < 1 ? pool.size : threads;
-    if (nth > tiles) nth = tiles;
     /* below ~32 KB of weights a second thread costs more than it saves */
     if (tiles * kb * (kind == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES) * (m < 4 ? 1 : 4) < (1 << 15)) nth = 1;
-    folio_run_parallel(gemm_task, &a, (int)nth);
+    const int64_t chunk = nth > 1 ? (units / (8 * nth) > 1 ? units / (8 * nth) : 1) : units;
+    gemm_args a = {(int)kind, m, n, k, ldy, w, (int)passes, xq, xq2, blk, y, (int)y_bf16, tiles, units, chunk, 0};
+    folio_run_parallel(gemm_task, &a, nth > 1);
     return 0;
 }
 

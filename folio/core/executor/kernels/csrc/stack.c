@@ -11,6 +11,8 @@
  * one thread, so the bits do not depend on the split.
  */
 
+#include <stdatomic.h>
+
 #include "common.h"
 
 void folio_add_rms_norm(int64_t n, int64_t d, const void *x, int64_t xs, int x_bf16, float *residual, int64_t rs,
@@ -48,19 +50,24 @@ typedef struct {
     const float *q, *k_cache, *v_cache;
     float scale, softcap;
     float *out, *scratch;
+    _Atomic int64_t next;
+    _Atomic int slots;
+    int max_slots;
 } attention_task;
 
-static void attention_part(void *p, int ith, int nth) {
-    const attention_task *a = (const attention_task *)p;
-    const int64_t units = a->m * a->num_kv_heads, u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
-    float *scratch = a->scratch + ith * a->scratch_stride;
-    for (int64_t u = u0; u < u1;) { /* runs of heads within one row */
-        const int64_t r = u / a->num_kv_heads, g0 = u % a->num_kv_heads;
-        const int64_t g1 = (r + 1) * a->num_kv_heads <= u1 ? a->num_kv_heads : u1 - r * a->num_kv_heads;
+static void attention_part(void *p) {
+    attention_task *a = (attention_task *)p;
+    const int64_t units = a->m * a->num_kv_heads;
+    const int slot = atomic_fetch_add(&a->slots, 1); /* this thread's scratch */
+    if (slot >= a->max_slots) return;                 /* more threads came than scratch was made for */
+    float *scratch = a->scratch + slot * a->scratch_stride;
+    for (;;) { /* unit: (row, KV head), whole on one thread */
+        const int64_t u = atomic_fetch_add(&a->next, 1);
+        if (u >= units) return;
+        const int64_t r = u / a->num_kv_heads, g = u % a->num_kv_heads;
         folio_decode_attention_heads(1, a->tok + r, a->seq + r, a->q, a->block_tables, a->bt_stride, a->lens + r,
                                      a->k_cache, a->v_cache, a->block_size, a->num_heads, a->num_kv_heads, a->head_dim,
-                                     a->scale, a->window, a->softcap, a->out, scratch, g0, g1);
-        u += g1 - g0;
+                                     a->scale, a->window, a->softcap, a->out, scratch, g, g + 1);
     }
 }
 
@@ -93,11 +100,11 @@ void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t
                             head_dim, q, k_cache, v_cache);
         attention_task at = {m, n, bt_stride, block_size, num_heads, num_kv_heads, head_dim, L[L_WINDOW],
                              scratch_stride, tok, seq, lens, block_tables, q, k_cache, v_cache, scale, softcap,
-                             attn, scratch};
+                             attn, scratch, 0, 0, (int)threads};
         int64_t total = 0;
         for (int64_t r = 0; r < m; r++) total += lens[r];
         /* below ~a thousand keys per head a second thread costs more than the attention */
-        folio_run_parallel(attention_part, &at, total * num_kv_heads >= 4096 ? (int)threads : 1);
+        folio_run_parallel(attention_part, &at, threads > 1 && total * num_kv_heads >= 4096);
         folio_qgemm(L[L_O_KIND], n, hidden, q_size, attn, q_size, 0, (const uint8_t *)L[L_O], h, hidden, 0, 0,
                     LAYER_PASSES);
         folio_add_rms_norm(n, hidden, h, hidden, 0, residual, hidden, (const float *)L[L_POST_NORM], eps, normed,
