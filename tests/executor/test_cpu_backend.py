@@ -146,8 +146,8 @@ def test_auto_picks_the_kernels_for_quantized_or_batch_invariant_models(tiny_mod
         return ModelRunner(RuntimeConfig(num_kv_blocks=16, device="cpu", **kw), tiny_model_dir).backend.name
 
     assert backend_of(quantization="int4") == "cpu"
-    assert backend_of(quantization="none") == "cpu"  # batch invariance: every token through the per-row kernels
-    assert backend_of(quantization="none", batch_invariant=False) == "torch"  # the fp32 reference
+    assert backend_of(quantization="none") == "torch"  # the fp32 default: SDPA
+    assert backend_of(quantization="none", batch_invariant=True) == "cpu"  # every token through the per-row kernels
     assert backend_of(quantization="none", attention_backend="cpu") == "cpu"
     assert backend_of(quantization="int4", attention_backend="torch") == "torch"
     assert backend_of(quantization="int4", kv_cache_dtype="fp8") == "torch"  # the kernels read fp32 pools

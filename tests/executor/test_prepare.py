@@ -12,6 +12,7 @@ from folio.core.executor.model.loader import load_model
 from folio.core import models
 
 
+@pytest.mark.slow
 def test_prepared_folder_is_complete_and_reused(smollm_dir):
     folder = Path(smollm_dir)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):

@@ -141,14 +141,15 @@ async def test_a_new_schema_with_a_short_prompt_never_stalls_the_others(chat_mod
                                                                             grammar=warm), eos)
             await _until(lambda: "warm" in finished, 300, "the warm-up request")
             assert finished["warm"][0] == "stop", finished["warm"]
+            schema = new_wide_schema(2000)
+            # (checked off the loop, which the scheduler shares: the check builds the whole grammar; before the
+            # streams start, so that they have all their tokens left to decode through the executor's compile)
+            grammar = await asyncio.to_thread(check_spec, GuidedSpec(kind="json_schema", spec=json.dumps(schema)))
             streams = [f"plain-{i}" for i in range(3)]
             for i, req_id in enumerate(streams):
                 await bh.submit(req_id, tok.hf.encode(f"Story {i}:"),
                                 WireSampling(temperature=0.0, max_tokens=480, ignore_eos=True))
             await _until(lambda: all(len(tokens[r]) >= 8 for r in streams), 300, "the streams to decode")
-            schema = new_wide_schema(2000)
-            # (checked off the loop, which the scheduler shares: the check builds the whole grammar)
-            grammar = await asyncio.to_thread(check_spec, GuidedSpec(kind="json_schema", spec=json.dumps(schema)))
             before = (await bh.admin("executor", "stats")).data
             sent = time.perf_counter()
             await bh.submit("big", tok.hf.encode("JSON:"), WireSampling(temperature=0.0, max_tokens=200,
