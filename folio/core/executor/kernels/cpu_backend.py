@@ -142,8 +142,8 @@ class DecodeStack:
     the Python between them is gone. ``__call__`` returns None when the step or the model does not
     qualify; the caller then runs the modules."""
 
-    def __init__(self, lib: ctypes.PyDLL, final_norm):
-        self.lib, self.final_norm = lib, final_norm
+    def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype):
+        self.lib, self.act = lib, act_dtype  # between the layers' operations: fp32 or bf16
         self._dims = np.zeros(12, dtype=np.int64)
         self._bufs: dict[str, torch.Tensor] = {}
         self._buf_ptrs = (ctypes.c_void_p * 9)()
@@ -152,10 +152,11 @@ class DecodeStack:
     def _workspace(self, n: int, scratch: int) -> None:
         d = self._dims
         hidden, q_size, kv_size, inter = (int(v) for v in d[:4])
-        shapes = {"normed": (hidden, _BF16), "qkv": (q_size + 2 * kv_size, _BF16), "q": (q_size, torch.float32),
-                  "attn": (q_size, torch.float32), "h": (hidden, torch.float32), "gate_up": (2 * inter, _BF16),
-                  "act": (inter, _BF16), "down": (hidden, _BF16)}
-        if not self._bufs or self._bufs["normed"].shape[0] < n:
+        act = self.act
+        shapes = {"normed": (hidden, act), "qkv": (q_size + 2 * kv_size, act), "q": (q_size, torch.float32),
+                  "attn": (q_size, torch.float32), "h": (hidden, torch.float32), "gate_up": (2 * inter, act),
+                  "act": (inter, act), "down": (hidden, act)}
+        if not self._bufs or self._bufs["normed"].shape[0] < n or self._bufs["normed"].dtype != act:
             rows = max(n, 2 * self._bufs["normed"].shape[0] if self._bufs else 8)
             for name, (width, dtype) in shapes.items():
                 self._bufs[name] = torch.empty((rows, width), dtype=dtype)
@@ -177,6 +178,7 @@ class DecodeStack:
         group = int(self._dims[4] // self._dims[5])
         stride = group * plan.max_len
         self._dims[8], self._dims[9], self._dims[10] = plan.block_tables.stride(0), threads, stride
+        self._dims[11] = int(self.act == _BF16)
         self._workspace(n, threads * stride)
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         out = torch.empty_like(residual)
@@ -201,7 +203,7 @@ class CpuKernelBackend(TorchAttentionBackend):
         self.batch_invariant = batch_invariant
         self.max_row_chunk = sys.maxsize if batch_invariant else SHORT_CHUNK_ROWS
         self.layer_ops = CpuLayerOps(lib, act_dtype, final_norm)
-        self.stack = DecodeStack(lib, final_norm) if act_dtype == _BF16 else None
+        self.stack = DecodeStack(lib, act_dtype)
         self._scratch = np.empty(0, dtype=np.float32)
         self._scratch_ptr = self._scratch.ctypes.data
 
@@ -212,7 +214,7 @@ class CpuKernelBackend(TorchAttentionBackend):
 
     def decode_stack(self, model, residual, positions, kv_caches, meta) -> torch.Tensor | None:
         """The whole layer stack in one C call (``DecodeStack``), or None: run the modules."""
-        if self.stack is None or model.rope_cos.dtype != torch.float32:
+        if self.stack is None or model.rope_cos.dtype != torch.float32 or self.stack.act != self.layer_ops.act_dtype:
             return None
         return self.stack(model, residual, positions, kv_caches, meta, self.plan(meta))
 

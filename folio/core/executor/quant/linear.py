@@ -251,6 +251,16 @@ class QuantLMHead(nn.Module):
         return logits.scatter_(1, top, exact)
 
 
+def activation_dtype(model) -> torch.dtype:
+    """The dtype between a quantized CPU model's layer operations: fp32 when every quantized linear
+    takes folio's kernels (which read fp32 rows as cheaply as bf16 ones; a bf16 rounding between
+    the operations was then the larger part of the error left), bf16 for torch's packed kernels."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if linears and all(m.qpacked is not None and m.int8_activations for m in linears):
+        return torch.float32
+    return ACT_DTYPE
+
+
 def quant_layers_available() -> bool:
     ops = torch.ops.aten
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_weight_int8pack_mm")

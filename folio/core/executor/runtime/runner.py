@@ -36,7 +36,7 @@ from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_bu
 from folio.core.executor.model.loader import load_model, resolve_dtype
 from folio.core.executor.model.layers import PackedLinear, cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
-from folio.core.executor.quant.linear import ACT_DTYPE, QuantLinear, QuantLMHead
+from folio.core.executor.quant.linear import QuantLinear, QuantLMHead, activation_dtype
 from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
@@ -102,8 +102,8 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_d
         if name == "cpu" or quantized or batch_invariant:
             from folio.core.executor.kernels.cpu_backend import make_cpu_backend
 
-            backend = make_cpu_backend(model, model_dtype, kv_dtype, ACT_DTYPE if quantized else model_dtype,
-                                       batch_invariant)
+            backend = make_cpu_backend(model, model_dtype, kv_dtype,
+                                       activation_dtype(model) if quantized else model_dtype, batch_invariant)
             if backend is not None:
                 return backend
             if name == "cpu":
@@ -149,6 +149,9 @@ class ModelRunner:
             pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        for module in self.model.modules():  # folio's kernels or torch's (the backend's dtypes follow)
+            if isinstance(module, (QuantLinear, QuantLMHead)):
+                module.set_int8_activations(config.cpu_quant_activations == "int8")
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model,
                                     batch_invariant=config.batch_invariant)
         if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
@@ -160,8 +163,6 @@ class ModelRunner:
         for module in self.model.modules():  # the layers whose kernels change order with the call's rows
             if isinstance(module, (PackedLinear, QuantLMHead)):
                 module.batch_invariant = config.batch_invariant
-            if isinstance(module, (QuantLinear, QuantLMHead)):
-                module.set_int8_activations(config.cpu_quant_activations == "int8")
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
@@ -189,10 +190,11 @@ class ModelRunner:
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
         self.lora: LoRAManager | None = None
         if lora["enable_lora"]:
-            # over a quantized base on the CPU the activations are bf16: so are the adapters (AMX GEMMs)
+            # over a quantized base on the CPU the adapters take the layers' activations' dtype (bf16 for
+            # torch's packed kernels: AMX GEMMs)
             quantized = self.device.type == "cpu" and self.model.quantization not in (None, "none")
             self.lora = LoRAManager(self.model, lora["max_loras"], lora["max_lora_rank"], lora["max_cpu_loras"],
-                                    self.device, ACT_DTYPE if quantized else self.dtype)
+                                    self.device, activation_dtype(self.model) if quantized else self.dtype)
             self.lora.attach()
             for module in lora["lora_modules"] or ():
                 name, sep, path = module.partition("=")

@@ -72,9 +72,9 @@ static void attention_part(void *p) {
 }
 
 /* dims: hidden, q_size, kv_size, intermediate, num_heads, num_kv_heads, head_dim, block_size, bt_stride,
- * threads (for the attention), scratch_stride (floats per thread), final_out_bf16;
- * bufs: normed (bf16 [n, hidden]), qkv (bf16), q (fp32 [n, q_size]), attn (fp32 [n, q_size]),
- * h (fp32 [n, hidden]), gate_up (bf16 [n, 2 inter]), act (bf16 [n, inter]), down (bf16 [n, hidden]),
+ * threads (for the attention), scratch_stride (floats per thread), activations bf16 (1) or fp32 (0);
+ * bufs: normed ([n, hidden]), qkv, q (fp32 [n, q_size]), attn (fp32 [n, q_size]), h (fp32 [n, hidden]),
+ * gate_up ([n, 2 inter]), act ([n, inter]), down ([n, hidden]), in the activations' dtype but q, attn, h;
  * scratch (fp32, threads * scratch_stride);
  * residual [n, hidden] fp32 holds the embeddings and is updated in place; the last layer's
  * normed output (the final norm, fp32) goes to out [n, hidden]. The first layer's input norm is
@@ -87,16 +87,17 @@ void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t
     const int64_t hidden = dims[0], q_size = dims[1], kv_size = dims[2], inter = dims[3];
     const int64_t num_heads = dims[4], num_kv_heads = dims[5], head_dim = dims[6], block_size = dims[7];
     const int64_t bt_stride = dims[8], threads = dims[9], scratch_stride = dims[10];
+    const int ab = (int)dims[11]; /* the activations between the operations: bf16 (1) or fp32 (0) */
     const int64_t qkv_size = q_size + 2 * kv_size;
-    uint16_t *normed = bufs[0], *qkv = bufs[1], *gate_up = bufs[5], *act = bufs[6], *down = bufs[7];
+    void *normed = bufs[0], *qkv = bufs[1], *gate_up = bufs[5], *act = bufs[6], *down = bufs[7];
     float *q = bufs[2], *attn = bufs[3], *h = bufs[4], *scratch = bufs[8];
-    folio_add_rms_norm(n, hidden, NULL, 0, 0, residual, hidden, first_norm, eps, normed, hidden, 1);
+    folio_add_rms_norm(n, hidden, NULL, 0, 0, residual, hidden, first_norm, eps, normed, hidden, ab);
     for (int64_t i = 0; i < num_layers; i++) {
         const int64_t *L = layers + i * L_FIELDS;
-        folio_qgemm(L[L_QKV_KIND], n, qkv_size, hidden, normed, hidden, 1, (const uint8_t *)L[L_QKV], qkv, qkv_size,
-                    1, 0, LAYER_PASSES);
+        folio_qgemm(L[L_QKV_KIND], n, qkv_size, hidden, normed, hidden, ab, (const uint8_t *)L[L_QKV], qkv, qkv_size,
+                    ab, 0, LAYER_PASSES);
         float *k_cache = (float *)L[L_K_CACHE], *v_cache = (float *)L[L_V_CACHE];
-        folio_rope_write_kv(n, qkv, qkv_size, 1, positions, cos_table, sin_table, slots, num_heads, num_kv_heads,
+        folio_rope_write_kv(n, qkv, qkv_size, ab, positions, cos_table, sin_table, slots, num_heads, num_kv_heads,
                             head_dim, q, k_cache, v_cache);
         attention_task at = {m, n, bt_stride, block_size, num_heads, num_kv_heads, head_dim, L[L_WINDOW],
                              scratch_stride, tok, seq, lens, block_tables, q, k_cache, v_cache, scale, softcap,
@@ -108,17 +109,17 @@ void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t
         folio_qgemm(L[L_O_KIND], n, hidden, q_size, attn, q_size, 0, (const uint8_t *)L[L_O], h, hidden, 0, 0,
                     LAYER_PASSES);
         folio_add_rms_norm(n, hidden, h, hidden, 0, residual, hidden, (const float *)L[L_POST_NORM], eps, normed,
-                           hidden, 1);
-        folio_qgemm(L[L_GATE_UP_KIND], n, 2 * inter, hidden, normed, hidden, 1, (const uint8_t *)L[L_GATE_UP],
-                    gate_up, 2 * inter, 1, 0, LAYER_PASSES);
+                           hidden, ab);
+        folio_qgemm(L[L_GATE_UP_KIND], n, 2 * inter, hidden, normed, hidden, ab, (const uint8_t *)L[L_GATE_UP],
+                    gate_up, 2 * inter, ab, 0, LAYER_PASSES);
         if (L[L_GELU])
-            folio_gelu_tanh_and_mul(n, inter, gate_up, 2 * inter, 1, act, inter, 1);
+            folio_gelu_tanh_and_mul(n, inter, gate_up, 2 * inter, ab, act, inter, ab);
         else
-            folio_silu_and_mul(n, inter, gate_up, 2 * inter, 1, act, inter, 1);
-        folio_qgemm(L[L_DOWN_KIND], n, hidden, inter, act, inter, 1, (const uint8_t *)L[L_DOWN], down, hidden, 1, 0,
+            folio_silu_and_mul(n, inter, gate_up, 2 * inter, ab, act, inter, ab);
+        folio_qgemm(L[L_DOWN_KIND], n, hidden, inter, act, inter, ab, (const uint8_t *)L[L_DOWN], down, hidden, ab, 0,
                     LAYER_PASSES);
         const int last = i == num_layers - 1;
-        folio_add_rms_norm(n, hidden, down, hidden, 1, residual, hidden, (const float *)L[L_NEXT_NORM], eps,
-                           last ? (void *)out : (void *)normed, hidden, last ? 0 : 1);
+        folio_add_rms_norm(n, hidden, down, hidden, ab, residual, hidden, (const float *)L[L_NEXT_NORM], eps,
+                           last ? (void *)out : normed, hidden, last ? 0 : ab);
     }
 }
