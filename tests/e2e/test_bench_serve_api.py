@@ -1,18 +1,13 @@
-"""``folio bench serve`` (the CLI, as a process) against a running ``folio serve`` and llama.cpp's
-server (``folio.testing.llamacpp``: skipped, saying how to build it, when it is not built) on the
-same packaged GGUF, with the same ``--seed``: every figure of vLLM's layout is printed, and the
-token counts are exactly what was asked."""
+"""``folio bench serve`` (the CLI, as a process) against a running ``folio serve``: every figure of
+vLLM's layout is printed, and the token counts are exactly what was asked. (llama.cpp's server is
+measured by ``folio bench cpu-vs-llamacpp``, which builds it: minutes, too long for the suite.)"""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
@@ -55,42 +50,3 @@ def test_bench_serve_against_folio(server, tmp_path):
     assert figure(out, "Request goodput (req/s):") == figure(out, "Request throughput (req/s):") > 0, out
     assert 0 < saved["mean_ttft_ms"] <= saved["mean_e2el_ms"] and saved["mean_tpot_ms"] > 0, out
     assert 1 <= saved["max_concurrent_requests"] <= 6  # 1-second buckets, as vLLM counts it
-
-
-# ---------------------------------------------------------------- llama.cpp's server
-
-
-def test_bench_serve_against_llama_cpp_server(tmp_path):
-    from folio.core.models import packaged_gguf
-    from folio.testing.llamacpp import build_llama_server, find_llama_server, server_command
-
-    binary = find_llama_server()
-    if binary is None and os.environ.get("FOLIO_BUILD_LLAMA_SERVER") == "1":
-        binary = build_llama_server()
-    if binary is None:
-        pytest.skip("llama.cpp's server is not built: `python -m folio.testing.llamacpp` builds llama-server from "
-                    "the llama-cpp-python source on the package index (minutes), or set FOLIO_LLAMA_SERVER, or "
-                    "put llama-server on the PATH, or run with FOLIO_BUILD_LLAMA_SERVER=1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(server_command(binary, str(packaged_gguf()), port, parallel=3),
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "llama.log", "w"))
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "llama.log").read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "llama.cpp's server did not come up in 120 s"
-                time.sleep(0.5)
-        out, saved = bench(f"http://127.0.0.1:{port}", tmp_path)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    for name in METRICS:
-        figure(out, name)
-    assert figure(out, "Successful requests:") == 6 and figure(out, "Failed requests:") == 0
-    assert figure(out, "Total generated tokens:") > 0
