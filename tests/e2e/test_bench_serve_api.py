@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # both servers run the packaged SmolLM2
+pytestmark = pytest.mark.slow  # the server runs the packaged SmolLM2
 
 METRICS = ["Successful requests:", "Failed requests:", "Maximum request concurrency:", "Benchmark duration (s):",
            "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
