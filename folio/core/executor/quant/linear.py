@@ -247,7 +247,8 @@ class QuantLMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, vocab] fp32
         logits = self.approximate(x)
         top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices  # [rows, REFINE_TOP]
-        exact = torch.einsum("rh,rkh->rk", x.to(self.weight.dtype), self.weight[top]).float()
+        rows = self.weight.index_select(0, top.reshape(-1)).view(*top.shape, -1)  # (aten::index took 0.36 ms)
+        exact = torch.einsum("rh,rkh->rk", x.to(self.weight.dtype), rows).float()
         return logits.scatter_(1, top, exact)
 
 

@@ -44,6 +44,7 @@
 #define MBLOCK 64          /* x rows whose quantized blocks stay in cache while every tile passes */
 #define MAX_THREADS 64
 #define SPIN_NS 200000L
+#define PREFETCH_BLOCKS 32 /* blocks ahead of the one being read */
 
 /* ---------------------------------------------------------------------------- thread pool */
 
@@ -273,14 +274,14 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
     const int block_bytes = a->kind == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES;
     const uint8_t *w = a->w + tile * kb * block_bytes;
     for (int64_t b = 0; b < kb; b++, w += block_bytes) {
-        _mm_prefetch((const char *)(w + 8 * block_bytes), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 8 * block_bytes + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * block_bytes), _MM_HINT_NTA);
+        _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * block_bytes + 64), _MM_HINT_NTA);
         __m512i q[8];
         __m512 d, mn = _mm512_setzero_ps();
         if (a->kind == 4) {
-            _mm_prefetch((const char *)(w + 8 * block_bytes + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + 8 * block_bytes + 192), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + 8 * block_bytes + 256), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * block_bytes + 128), _MM_HINT_NTA);
+            _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * block_bytes + 192), _MM_HINT_NTA);
+            _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * block_bytes + 256), _MM_HINT_NTA);
             for (int c = 0; c < 4; c++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * c));
                 q[2 * c] = _mm512_and_si512(raw, low);
@@ -289,7 +290,7 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 256)));
             mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 288)));
         } else {
-            for (int c = 1; c < 8; c++) _mm_prefetch((const char *)(w + 8 * block_bytes + 64 * c), _MM_HINT_T0);
+            for (int c = 1; c < 8; c++) _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * block_bytes + 64 * c), _MM_HINT_NTA);
             for (int c = 0; c < 8; c++)
                 q[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64 * c)), flip); /* q + 128 */
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 512)));
@@ -298,17 +299,14 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
             const int64_t row = r0 + i;
             const act_block *ab = a->blk + row * kb + b;
             for (int pass = 0; pass < a->passes; pass++) {
+                /* q[c] holds inputs 4c..4c+3 of each row (int4: chunk c/2's low or high nibbles);
+                 * four independent chains, then their sum: integer, so exact in any order */
                 const int8_t *xb = (pass ? a->xq2 : a->xq) + row * a->k + b * QBLOCK;
-                __m512i s = _mm512_setzero_si512();
-                if (a->kind == 4) { /* chunk c: inputs 8c..8c+3 (low nibbles), 8c+4..8c+7 (high) */
-                    for (int c = 0; c < 4; c++) {
-                        s = _mm512_dpbusd_epi32(s, q[2 * c], bcast4(xb + 8 * c));
-                        s = _mm512_dpbusd_epi32(s, q[2 * c + 1], bcast4(xb + 8 * c + 4));
-                    }
-                } else {
-                    for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, q[c], bcast4(xb + 4 * c));
-                    s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (pass ? ab->i2 : ab->i)));
-                }
+                __m512i p[4];
+                for (int c = 0; c < 4; c++) p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], bcast4(xb + 4 * c));
+                for (int c = 4; c < 8; c++) p[c - 4] = _mm512_dpbusd_epi32(p[c - 4], q[c], bcast4(xb + 4 * c));
+                __m512i s = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
+                if (a->kind == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (pass ? ab->i2 : ab->i)));
                 const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(pass ? ab->d2 : ab->d));
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
             }
@@ -345,7 +343,7 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
     const int block_bytes = a->kind == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES;
     const uint8_t *w = a->w + tile * kb * block_bytes;
     for (int64_t b = 0; b < kb; b++, w += block_bytes) {
-        for (int c = 0; c < block_bytes; c += 64) _mm_prefetch((const char *)(w + 8 * block_bytes + c), _MM_HINT_T0);
+        for (int c = 0; c < block_bytes; c += 64) _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * block_bytes + c), _MM_HINT_NTA);
         __m256i q[8][2];
         __m256 d[2], mn[2];
         const int scales_at = a->kind == 4 ? 256 : 512;
@@ -369,16 +367,14 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
             for (int h = 0; h < 2; h++) {
                 for (int pass = 0; pass < a->passes; pass++) {
                     const int8_t *xb = (pass ? a->xq2 : a->xq) + row * a->k + b * QBLOCK;
-                    __m256i s = _mm256_setzero_si256();
+                    __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains */
                     if (a->kind == 4) {
-                        for (int c = 0; c < 4; c++) {
-                            s = dot8(s, q[2 * c][h], bcast4(xb + 8 * c));
-                            s = dot8(s, q[2 * c + 1][h], bcast4(xb + 8 * c + 4));
-                        }
+                        for (int c = 0; c < 8; c++) p[c & 1] = dot8(p[c & 1], q[c][h], bcast4(xb + 4 * c));
                     } else { /* |q| times x with q's sign: both within 127, no saturation */
                         for (int c = 0; c < 8; c++)
-                            s = dot8(s, _mm256_abs_epi8(q[c][h]), _mm256_sign_epi8(bcast4(xb + 4 * c), q[c][h]));
+                            p[c & 1] = dot8(p[c & 1], _mm256_abs_epi8(q[c][h]), _mm256_sign_epi8(bcast4(xb + 4 * c), q[c][h]));
                     }
+                    const __m256i s = _mm256_add_epi32(p[0], p[1]);
                     const __m256 scale = _mm256_mul_ps(d[h], _mm256_set1_ps(pass ? ab->d2 : ab->d));
                     acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][h]);
                 }
@@ -481,7 +477,8 @@ int64_t folio_qgemm(int64_t kind, int64_t m, int64_t n, int64_t k, const void *x
     int64_t nth = threads < 1 ? pool.size : threads;
     /* below ~32 KB of weights a second thread costs more than it saves */
     if (tiles * kb * (kind == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES) * (m < 4 ? 1 : 4) < (1 << 15)) nth = 1;
-    const int64_t chunk = nth > 1 ? (units / (8 * nth) > 1 ? units / (8 * nth) : 1) : units;
+    /* a few long runs of tiles per thread: each a sequential stream the hardware prefetcher follows */
+    const int64_t chunk = nth > 1 ? (units / (2 * nth) > 1 ? units / (2 * nth) : 1) : units;
     gemm_args a = {(int)kind, m, n, k, ldy, w, (int)passes, xq, xq2, blk, y, (int)y_bf16, tiles, units, chunk, 0};
     folio_run_parallel(gemm_task, &a, nth > 1);
     return 0;
