@@ -194,9 +194,12 @@ def test_a_killed_prefill_instance_loses_no_request(stack):
     jobs = [(PROMPTS[i % 3] + f" (late {i})", SAMPLINGS[0]) for i in range(6)]
     solo = [texts_of(completion(d2.url, prompt, max_tokens=4, **s)[1]) for prompt, s in jobs]
     with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(completion, router.url, prompt, max_tokens=4, **s) for prompt, s in jobs]
+        # half in flight when the prefill instance dies (they may well be done: 4 tokens are quick), half
+        # sent after it died, which must run colocated
+        futures = [pool.submit(completion, router.url, prompt, max_tokens=4, **s) for prompt, s in jobs[:3]]
         time.sleep(0.2)
         p.kill()
+        futures += [pool.submit(completion, router.url, prompt, max_tokens=4, **s) for prompt, s in jobs[3:]]
         got = [f.result() for f in futures]
     assert all(status == 200 for status, _ in got), got
     assert [texts_of(body) for _, body in got] == solo
