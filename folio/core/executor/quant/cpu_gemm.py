@@ -97,11 +97,6 @@ def available() -> bool:
     return cpu_kernels.library() is not None
 
 
-def path() -> str:
-    """The inner loop this machine's build runs: "avx512-vnni", "avx2" or "c"."""
-    return cpu_kernels.library().folio_qgemm_path().decode()
-
-
 class QGemm:
     """A packed weight ``[n, k]`` (int4 or int8) and its product with fp32 or bf16 rows."""
 
@@ -135,13 +130,6 @@ class QGemm:
             self._call(self.kind, m, self.n, self.k, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
                        self._ptr, y.data_ptr(), self.n, int(y.dtype == torch.bfloat16), threads, self.passes)
         return y
-
-
-def set_threads(n: int) -> None:
-    """Threads the quantized GEMMs share their tiles among (the caller's included)."""
-    lib = cpu_kernels.library()
-    if lib is not None:
-        lib.folio_qgemm_set_threads(max(1, int(n)))
 
 
 def reference(kind: int, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
