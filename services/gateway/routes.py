@@ -75,7 +75,9 @@ def auth_middleware(api_key: str | None):
     async def check_key(request: web.Request, handler):
         if api_key and request.path.startswith(PROTECTED_PREFIXES):
             given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            anthropic_key = request.headers.get("x-api-key", "")  # Anthropic's clients send the key here
+            if not (hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+                    or hmac.compare_digest(anthropic_key.encode(), api_key.encode())):
                 err = ApiError("Incorrect API key provided.", 401, code="invalid_api_key")
                 return web.json_response(err.body(), status=401)
         return await handler(request)
