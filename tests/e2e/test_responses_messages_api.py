@@ -164,3 +164,56 @@ def test_bad_input_is_a_400_in_the_apis_shape_and_the_server_serves_on(server, p
     status, answer = post(base + path, {"input": "hi", "max_output_tokens": 1} if shape == "openai" else
                           {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200, answer
+
+
+def test_folio_chat_in_tmux_streams_keeps_and_clears_the_conversation(server, tmp_path):
+    """``folio chat`` driven as a person would, in a terminal (tmux): an answer streams in, the
+    conversation is kept, ``/clear`` forgets it (``/save`` shows what it holds)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed: the terminal test of folio chat needs it (apt-get install tmux)")
+    session = f"folio-chat-{os.getpid()}"
+    cmd = (f"env PYTHONPATH={os.pathsep.join(sys.path)} {sys.executable} -m folio.cli.main chat "
+           f"--url {server.base_url} --max-tokens 6 --system 'Be brief.'")
+
+    def tmux(*args: str) -> str:
+        return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+
+    def pane_until(predicate, what: str) -> str:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = tmux("capture-pane", "-p", "-t", session)
+            if predicate(text):
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"no {what} in the pane:\n{text}")
+
+    def waiting(text: str) -> bool:  # the last line is an empty prompt (tmux trims its space)
+        lines = [line for line in text.splitlines() if line.strip()]
+        return bool(lines) and lines[-1].strip() == ">"
+
+    def saved(name: str) -> list[dict]:
+        path = tmp_path / name
+        tmux("send-keys", "-t", session, f"/save {path}", "Enter")
+        pane_until(lambda t: f"to {path}" in t.replace("\n", ""), "save")
+        return json.loads(path.read_text())
+
+    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd)
+    try:
+        pane_until(lambda t: "folio chat: tiny-qwen3" in t and waiting(t), "greeting")
+        tmux("send-keys", "-t", session, "Hello there", "Enter")
+        pane_until(lambda t: waiting(t) and sum(line.startswith(">") for line in t.splitlines()) >= 2,
+                   "answer and a new prompt")
+        kept = saved("before.json")
+        assert [m["role"] for m in kept] == ["system", "user", "assistant"] and kept[1]["content"] == "Hello there"
+        assert kept[2]["content"]  # the streamed answer's text was kept
+        tmux("send-keys", "-t", session, "/clear", "Enter")
+        pane_until(lambda t: "conversation cleared" in t, "clear")
+        assert saved("after.json") == [{"role": "system", "content": "Be brief."}]
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
