@@ -6,7 +6,7 @@ and runs through chat's own path (``api_bridge.run_chat``). The output is a list
 reasoning (``--reasoning-parser``), the message, the function calls. Streamed, it is the API's
 typed events in order: ``response.created``, ``response.in_progress``, per item
 ``response.output_item.added``, its part's added, deltas and done events, ``response.output_item.done``,
-then ``response.completed`` (or ``response.incomplete`` when ``max_output_tokens`` cut it).
+then ``response.completed`` (its ``status`` ``incomplete`` when ``max_output_tokens`` cut it).
 
 Responses are kept (unless ``store`` is false) in a ``ResponseStore``: bounded
 (``--response-store-size``, oldest out first) and with a time to live (``--response-store-ttl``).
@@ -302,7 +302,9 @@ class ResponseEvents:
         status = "incomplete" if self.finish_reason == "length" else "completed"
         response = response_object(self.meta, self.req, self.output, usage, status)
         self.on_done(response)
-        return events + [self._event(f"response.{status}", response=response)]
+        # response.completed even when max_output_tokens cut it (its status says incomplete), as
+        # vLLM sends it: the openai client's stream helper waits for that event and no other
+        return events + [self._event("response.completed", response=response)]
 
 
 # --------------------------------------------------------------------------- routes

@@ -141,6 +141,39 @@ def test_chat_reasoning_and_template_kwargs(openai_client):
     assert off.usage.prompt_tokens > whole.usage.prompt_tokens
 
 
+def _literal(text: str) -> str:
+    """A regex that matches ``text`` alone (xgrammar's syntax: no escaped spaces)."""
+    return "".join("\\" + c if c in "\\^$.|?*+()[]{}" else "\\n" if c == "\n" else c for c in text)
+
+
+FAMILY_CALLS = [  # what each family writes for get_weather(city="Paris")
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',  # Hermes / Qwen
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}',  # Llama 3.1 JSON
+    '[get_weather(city="Paris")]',  # Llama 3.2 / 4 pythonic
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',  # Mistral
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",  # Qwen3-Coder
+]
+
+
+@pytest.mark.parametrize("call", FAMILY_CALLS, ids=["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder"])
+def test_each_familys_tool_call_forced_on_the_model_is_parsed_whole_and_streamed(openai_client, call):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    forced = {"guided_regex": _literal("<think>\nweather\n</think>\n\n" + call)}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=tools, max_tokens=200,
+                  extra_body=forced)
+    whole = openai_client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert whole.message.reasoning_content == "\nweather\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)  # nothing of the call leaked out as text
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert [json.loads(t.function.arguments) for t in calls] == [{"city": "Paris"}]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("path,body,shape", [
     ("/v1/responses", {"model": MODEL}, "openai"),  # no input
     ("/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}, "openai"),

@@ -99,3 +99,26 @@ def test_auto_reasoning_parser_follows_the_family(tmp_path):
     assert resolve_parser("auto", "DeepSeek-R1-Distill-Qwen-7B") == "deepseek_r1"
     assert resolve_parser("auto", "SmolLM2-135M-Instruct") is None
     assert resolve_parser("none", str(tmp_path)) is None and resolve_parser("deepseek_r1", "x") == "deepseek_r1"
+
+
+def test_structured_output_constrains_the_answer_after_the_think_block():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from folio.core.structured.grammar import build_grammar
+    from folio.services.gateway.convert import chat_generate_requests
+    from folio.services.gateway.protocol import ChatCompletionRequest, parse
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    req = parse(json.dumps(body).encode(), ChatCompletionRequest)
+    spec = chat_generate_requests(req, "r", reasoning=True)[0].guided
+    assert chat_generate_requests(req, "r")[0].guided.kind == "json_schema"  # no reasoning: as before
+    grammar = build_grammar(spec.kind, spec.spec)
+    assert accepts(grammar, '<think>\nIs a < b? </b> no.\n</think>\n\n{"a": 1}')
+    assert accepts(grammar, 'DeepSeek-R1 opens the block in the prompt</think>{"a": 1}')
+    for bad in ['{"a": 1}', '<think>x</think>\n\nnot json', '<think>x</think>{"b": 1}']:
+        assert not accepts(grammar, bad), bad
+    # guided_regex, the low-level form, still constrains the whole output
+    regex = parse(json.dumps({**body, "response_format": None, "guided_regex": "a+"}).encode(), ChatCompletionRequest)
+    assert chat_generate_requests(regex, "r", reasoning=True)[0].guided.kind == "regex"
