@@ -64,6 +64,10 @@ def test_responses_plain_streamed_and_tools_chained(openai_client):
     r = openai_client.responses.create(model=MODEL, input="Hi", instructions="Be brief.", max_output_tokens=5)
     assert r.object == "response" and r.status == "incomplete" and r.usage.output_tokens == 5
     assert r.output[0].type == "message" and r.output_text == r.output[0].content[0].text
+    with openai_client.responses.stream(model=MODEL, input="Hi", max_output_tokens=5) as stream:  # the SDK's helper
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text and final.output_text == text and final.status == "incomplete"
 
     events = list(openai_client.responses.create(model=MODEL, input="Weather?", tools=RESPONSES_TOOLS, stream=True,
                                                  max_output_tokens=200, extra_body={"guided_regex": FORCED}))
@@ -96,6 +100,10 @@ def test_messages_plain_streamed_and_tools(anthropic_client):
                                          messages=[{"role": "user", "content": "Hi"}])
     assert m.type == "message" and m.stop_reason == "max_tokens" and m.usage.output_tokens == 4
     assert m.content[0].type == "text"
+    with anthropic_client.messages.stream(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text and final.content[0].text == text and final.usage.output_tokens == 4
 
     with anthropic_client.messages.stream(model=MODEL, max_tokens=200, tools=MESSAGES_TOOLS,
                                           messages=[{"role": "user", "content": "Weather?"}],
@@ -182,7 +190,15 @@ def test_each_familys_tool_call_forced_on_the_model_is_parsed_whole_and_streamed
     ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}, "anthropic"),  # no max_tokens
     ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]}, "anthropic"),
     ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "anthropic"),
+    ("/v1/responses", {"input": [1, 2]}, "openai"),
+    ("/v1/responses", {"input": [{"role": "user", "content": None}], "stream": True}, "openai"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function"}]}, "openai"),  # no name
+    ("/v1/responses", {"input": "x", "text": {"format": "json"}}, "openai"),
     ("/v1/messages", {"max_tokens": 5, "messages": [], "stream": True}, "anthropic"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [5]}]}, "anthropic"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"name": "f", "input_schema": 5}]}, "anthropic"),
+    ("/v1/messages", {"max_tokens": 10 ** 6, "messages": [{"role": "user", "content": "x"}]}, "anthropic"),
 ])
 def test_bad_input_is_a_400_in_the_apis_shape_and_the_server_serves_on(server, path, body, shape):
     base = server.base_url.removesuffix("/v1")
