@@ -2,7 +2,8 @@
 
 A body becomes a chat request (``to_chat``: ``system``, text, ``tool_use`` and ``tool_result``
 blocks, ``tools`` with their ``input_schema``, ``tool_choice``, ``stop_sequences``, ``max_tokens``)
-and runs through chat's own path (``api_bridge.run_chat``). The answer's content is a list of
+and runs through chat's own path (``api_bridge.run_chat``); ``/v1/messages/count_tokens`` counts
+its prompt through the chat template. The answer's content is a list of
 blocks: ``thinking`` (``--reasoning-parser``), ``text``, ``tool_use``; streamed, the API's named
 events (``message_start``, per block ``content_block_start``/``_delta``/``_stop``,
 ``message_delta``, ``message_stop``). Errors come in the API's own shape
@@ -20,11 +21,13 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
+from folio.core.frontdoor import chat_message
 from folio.services.gateway.api_bridge import chat_request, error_shaped, read_delta, reader_for, run_chat, \
     stream_events
 from folio.services.gateway.protocol import ApiError, PosInt, parse
 from folio.services.gateway.responses import ResponseMeta
 from folio.services.gateway.routes import SERVICE
+from folio.shared.messages import TokenizeRequest
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
@@ -247,5 +250,28 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     return await run_chat(request, chat, meta, stream_fn, respond)
 
 
+async def count_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens through the chat template, tools included."""
+    service = request.app[SERVICE]
+    raw = await request.read()
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        body = None  # parse() says what is wrong with it
+    if isinstance(body, dict) and "max_tokens" not in body:  # counting needs none; the rest is a message's body
+        raw = msgspec.json.encode({**body, "max_tokens": 1})
+    req = parse(raw, MessagesRequest)
+    chat = chat_request(to_chat(req, body), _RENAMES)
+    await service.resolve_model(chat.model)
+    tools = [msgspec.to_builtins(t) for t in chat.tools] if chat.tools else None
+    reply = await service.tokenize(TokenizeRequest(
+        req_id=f"count-{uuid.uuid4().hex}", messages=[chat_message(m) for m in chat.messages],
+        add_generation_prompt=True, add_special_tokens=False, tools=tools))
+    if reply.error is not None:
+        raise ApiError(reply.error, reply.error_code, param=reply.error_param)
+    return web.json_response({"input_tokens": len(reply.token_ids)})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages", error_shaped(create_message, error_body))
+    app.router.add_post("/v1/messages/count_tokens", error_shaped(count_tokens, error_body))

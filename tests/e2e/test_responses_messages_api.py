@@ -104,6 +104,9 @@ def test_messages_plain_streamed_and_tools(anthropic_client):
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text and final.content[0].text == text and final.usage.output_tokens == 4
+    counted = anthropic_client.messages.count_tokens(model=MODEL, system="Be brief.",
+                                                     messages=[{"role": "user", "content": "Hi"}])
+    assert counted.input_tokens == m.usage.input_tokens
 
     with anthropic_client.messages.stream(model=MODEL, max_tokens=200, tools=MESSAGES_TOOLS,
                                           messages=[{"role": "user", "content": "Weather?"}],
