@@ -67,12 +67,18 @@ QWEN3_TEMPLATE = (
 def write_tiny_qwen3_chat_model(folder, tokenizer_dir, max_position_embeddings: int = 512) -> str:
     """A tiny random Qwen3 that speaks Qwen3's chat format: SmolLM2's tokenizer with Qwen3's
     ``<think>`` and ``<tool_call>`` tokens added and ``QWEN3_TEMPLATE``."""
+    vocab_size = write_qwen3_tokenizer(folder, tokenizer_dir)
+    write_tiny_model(folder, "qwen3", vocab_size=vocab_size + 4, head_dim=16,
+                     max_position_embeddings=max_position_embeddings)
+    return str(folder)
+
+
+def write_qwen3_tokenizer(folder, tokenizer_dir) -> int:
+    """The tokenizer of ``write_tiny_qwen3_chat_model`` alone, in ``folder``; its vocabulary size."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
     tokenizer.chat_template = QWEN3_TEMPLATE
     tokenizer.save_pretrained(folder)
-    write_tiny_model(folder, "qwen3", vocab_size=len(tokenizer) + 4, head_dim=16,
-                     max_position_embeddings=max_position_embeddings)
-    return str(folder)
+    return len(tokenizer)

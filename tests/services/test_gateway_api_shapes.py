@@ -113,3 +113,16 @@ def test_stop_reasons():
     assert messages_api.stop_of("length", None, called=False) == ("max_tokens", None)
     assert messages_api.stop_of("stop", "END", called=False) == ("stop_sequence", "END")
     assert messages_api.stop_of("stop", 2, called=False) == ("end_turn", None)  # an EOS token id
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, smollm_tokenizer_dir):
+    from folio.core.tokenizer.text import TextTokenizer
+    from folio.shared.messages import ChatMessage
+    from folio.testing.models import write_qwen3_tokenizer
+
+    write_qwen3_tokenizer(tmp_path, smollm_tokenizer_dir)
+    tok = TextTokenizer(tmp_path)
+    chat = [ChatMessage(role="user", content="hi")]
+    assert "<think>" not in tok.render_chat(chat, None, True)
+    off = tok.render_chat(chat, None, True, {"enable_thinking": False, "add_generation_prompt": False})
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # the variables set here stay
