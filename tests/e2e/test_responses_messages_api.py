@@ -228,7 +228,8 @@ def test_folio_chat_in_tmux_streams_keeps_and_clears_the_conversation(server, tm
     import time
 
     if shutil.which("tmux") is None:
-        pytest.skip("tmux is not installed: the terminal test of folio chat needs it (apt-get install tmux)")
+        pytest.fail("tmux is not installed: folio chat's terminal test needs it (scripts/setup.sh --test installs "
+                    "it; apt-get install tmux)", pytrace=False)
     session = f"folio-chat-{os.getpid()}"
     cmd = (f"env PYTHONPATH={os.pathsep.join(sys.path)} {sys.executable} -m folio.cli.main chat "
            f"--url {server.base_url} --max-tokens 6 --system 'Be brief.'")
