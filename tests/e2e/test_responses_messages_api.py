@@ -95,6 +95,20 @@ def test_responses_plain_streamed_and_tools_chained(openai_client):
     assert openai_client.responses.retrieve(follow.id).id == follow.id
 
 
+def test_responses_structured_output_through_text_format(openai_client):
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        ok: bool
+
+    # thinking off: the grammar then constrains the whole reply (with it on, the noise of a random
+    # model would have to close its think block first)
+    parsed = openai_client.responses.parse(model=MODEL, input="Is it?", text_format=Answer, max_output_tokens=20,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Answer)
+    assert parsed.output_text == json.dumps(parsed.output_parsed.model_dump())
+
+
 def test_messages_plain_streamed_and_tools(anthropic_client):
     m = anthropic_client.messages.create(model=MODEL, max_tokens=4, system="Be brief.",
                                          messages=[{"role": "user", "content": "Hi"}])
