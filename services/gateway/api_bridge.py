@@ -66,8 +66,8 @@ async def run_chat(request: web.Request, req: ChatCompletionRequest, meta: Respo
     return await _respond(request, mailbox, meta, req, stream_fn, response_fn)
 
 
-# one choice's events: start() -> events; feed(delta) -> events; finish(usage) -> events; an event
-# is (its type, its JSON body)
+# one choice's events: start(first delta or None) -> events; feed(delta) -> events; finish(usage)
+# -> events; an event is (its type, its JSON body)
 Event = tuple[str, dict]
 
 
@@ -80,7 +80,7 @@ async def stream_events(request: web.Request, mailbox, translator) -> web.Stream
                                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await response.prepare(request)
     usage = UsageCounter(1)
-    pending = _encode(translator.start())
+    pending = _encode(translator.start(next(iter(outputs.values()), None)))
     try:
         while True:
             for index, delta in outputs.items():

@@ -160,8 +160,14 @@ def message_object(meta: ResponseMeta, content: list[dict], stop: tuple[str | No
                    usage: dict) -> dict:
     return {"id": meta.id, "type": "message", "role": "assistant", "model": meta.model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1],
-            "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
-                      "cache_read_input_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}}
+            "usage": _usage(usage)}
+
+
+def _usage(usage: dict) -> dict:
+    """Anthropic counts the prompt's tokens read from the cache apart: input + cache reads = the prompt."""
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": usage.get("prompt_tokens", 0) - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": usage.get("completion_tokens", 0)}
 
 
 class MessageEvents:
@@ -175,8 +181,11 @@ class MessageEvents:
         self.called = False
         self.ended: tuple[str | None, object] = (None, None)  # (finish_reason, stop_reason)
 
-    def start(self) -> list:
-        message = message_object(self.meta, [], (None, None), {})
+    def start(self, first=None) -> list:
+        # the prompt's tokens are known from the first output on (the clients read them here)
+        usage = {} if first is None else {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": 0,
+                                          "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+        message = message_object(self.meta, [], (None, None), usage)
         return [("message_start", {"type": "message_start", "message": message})]
 
     def _block(self, kind: str, block: dict) -> list:
@@ -224,8 +233,7 @@ class MessageEvents:
         stop = stop_of(self.ended[0], self.ended[1], self.called)
         return self._stop() + [
             ("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-                               "usage": {"input_tokens": usage["prompt_tokens"],
-                                         "output_tokens": usage["completion_tokens"]}}),
+                               "usage": _usage(usage)}),
             ("message_stop", {"type": "message_stop"})]
 
 

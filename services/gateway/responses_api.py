@@ -232,7 +232,7 @@ class ResponseEvents:
     def _at(self) -> dict:
         return {"item_id": self.item["id"], "output_index": len(self.output)}
 
-    def start(self) -> list:
+    def start(self, first=None) -> list:
         shell = response_object(self.meta, self.req, [], None, "in_progress")
         return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
 

@@ -114,13 +114,17 @@ def test_messages_plain_streamed_and_tools(anthropic_client):
                                          messages=[{"role": "user", "content": "Hi"}])
     assert m.type == "message" and m.stop_reason == "max_tokens" and m.usage.output_tokens == 4
     assert m.content[0].type == "text"
-    with anthropic_client.messages.stream(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]) as s:
+    with anthropic_client.messages.stream(model=MODEL, max_tokens=4, system="Be brief.",
+                                          messages=[{"role": "user", "content": "Hi"}]) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text and final.content[0].text == text and final.usage.output_tokens == 4
+    # the prompt's tokens: input (not cached) plus cache reads, as Anthropic counts them
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        m.usage.input_tokens + m.usage.cache_read_input_tokens
     counted = anthropic_client.messages.count_tokens(model=MODEL, system="Be brief.",
                                                      messages=[{"role": "user", "content": "Hi"}])
-    assert counted.input_tokens == m.usage.input_tokens
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
 
     with anthropic_client.messages.stream(model=MODEL, max_tokens=200, tools=MESSAGES_TOOLS,
                                           messages=[{"role": "user", "content": "Weather?"}],
