@@ -44,10 +44,6 @@ def reader_for(request: web.Request, req: ChatCompletionRequest) -> OutputReader
     return reader if reader is not None else OutputReader(None, None)
 
 
-def read_whole(reader: OutputReader, delta: TextDelta) -> tuple[str | None, str | None, list[dict]]:
-    return reader.message(delta.text)
-
-
 def read_delta(reader: OutputReader, delta: TextDelta) -> list[dict]:
     """Chat-chunk deltas (reasoning_content, content, tool_calls) of one new delta."""
     if reader.reasoning is None and reader.tools is None:

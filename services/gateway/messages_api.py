@@ -98,7 +98,7 @@ def _message(m: dict, out: list[dict]) -> None:
         out.append({"role": role, "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
 
 
-def _tool_choice(choice: dict | None, tools: list[dict] | None):
+def _tool_choice(choice: dict | None):
     if choice is None:
         return None, True
     kind = choice.get("type")
@@ -124,7 +124,7 @@ def to_chat(req: MessagesRequest, extras: dict) -> dict:
             raise ApiError("each tool needs a name (server tools are not supported)", param="tools")
         tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description"),
                                                    "parameters": t.get("input_schema")}} for t in req.tools]
-    tool_choice, parallel = _tool_choice(req.tool_choice, req.tools)
+    tool_choice, parallel = _tool_choice(req.tool_choice)
     kwargs = dict(extras.get("chat_template_kwargs") or {})
     if (req.thinking or {}).get("type") == "disabled":
         kwargs["enable_thinking"] = False

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from folio.core.frontdoor import best_of_order, chat_message
 from folio.services.gateway import convert, responses
+from folio.services.gateway.chat_output import OutputReader, output_reader, request_reasoning_parser
 from folio.services.gateway.metrics import CONTENT_TYPE
 from folio.services.gateway.protocol import (
     ApiError,
@@ -42,7 +43,6 @@ from folio.services.gateway.protocol import (
 from folio.services.gateway.responses import ResponseMeta, UsageCounter
 from folio.services.gateway.service import GatewayService
 from folio.services.gateway.streaming import collect, stream
-from folio.services.gateway.chat_output import OutputReader, output_reader, request_reasoning_parser
 from folio.shared import messages
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
