@@ -22,7 +22,7 @@ HELP = "commands: /system TEXT, /clear, /save FILE, /quit"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="folio chat", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="folio chat", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--url", default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
                         help="the server's OpenAI base URL (default: $OPENAI_BASE_URL or folio's)")
     parser.add_argument("--model", default=None, help="the model to ask (default: the server's first)")
