@@ -106,12 +106,13 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Reply to a conversation (a list of ``{"role", "content"}`` messages) or to each of a
-        list of conversations, through the model's chat template, as ``/v1/chat/completions`` does."""
+        list of conversations, through the model's chat template, as ``/v1/chat/completions`` does.
+        ``chat_template_kwargs``: extra template variables (Qwen3's ``enable_thinking``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        fields = [{"messages": chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools}
-                  for c in conversations]
+        fields = [{"messages": chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools,
+                   "chat_template_kwargs": chat_template_kwargs} for c in conversations]
         for f, name in zip(fields, self._lora_names(lora_request, len(fields))):
             if name is not None:
                 f["lora_name"] = name

@@ -8,12 +8,14 @@ cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 python=${PYTHON:-python3}
-if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
-  # the live KV page's test drives Debian's headless chromium (a browser build from elsewhere
-  # cannot be fetched); the test fails, saying so, when it is missing
+# the live KV page's test drives Debian's headless chromium (a browser build from elsewhere cannot
+# be fetched), folio chat's test a terminal in tmux; each test fails, saying so, when its tool is missing
+missing=""
+for tool in chromium tmux; do command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"; done
+if [ -n "$extras" ] && [ -n "$missing" ]; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
-      -o DPkg::Lock::Timeout=300 chromium; } >/dev/null 2>&1 || echo "setup: could not install chromium" >&2
+      -o DPkg::Lock::Timeout=300 $missing; } >/dev/null 2>&1 || echo "setup: could not install$missing" >&2
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }

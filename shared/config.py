@@ -326,6 +326,18 @@ class GatewayConfig:
     # whose admin sockets /health pings; a request needs every one of them
     probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
     drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
+    reasoning_parser: str = flag("auto", "split the reasoning a model writes in <think>...</think> from its answer "
+                                 "(reasoning_content, reasoning items): qwen3, deepseek_r1, none; auto: the model "
+                                 "family's (Qwen3 checkpoints: qwen3; others: none)", ("gateway",),
+                                 choices=("auto", "none", "qwen3", "deepseek_r1"))
+    tool_call_parser: str = flag("auto", "the format tool calls are read from in free text: hermes (Qwen), "
+                                 "llama3_json, pythonic (Llama 3.2/4), mistral, qwen3_coder; auto: any of them",
+                                 ("gateway",), choices=("auto", "hermes", "llama3_json", "pythonic", "mistral",
+                                                        "qwen3_coder"))
+    response_store_size: int = flag(1024, "Responses API: responses kept for previous_response_id (oldest go "
+                                    "first; default 1024)", ("gateway",))
+    response_store_ttl_s: float = flag(3600.0, "Responses API: seconds a stored response may be continued "
+                                       "(default 3600)", ("gateway",), name="--response-store-ttl")
     enable_lora: bool = False  # the executor's flags: ``model`` may name an adapter the executor holds
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     kv_role: str = "both"  # the executor's flag: a prefill instance answers the kv_transfer extension

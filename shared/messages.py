@@ -303,6 +303,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # structured output: the tokenizer compiles it (cached by hash) into ``sampling.grammar``
     guided: GuidedSpec | None = None
     tools: list[dict] | None = None  # OpenAI tool definitions, rendered by the chat template
+    chat_template_kwargs: dict | None = None  # extra template variables (Qwen3's enable_thinking)
     lora_name: str | None = None  # the LoRA adapter (the request's ``model`` names it); None: the base model
     # tracing on (``folio.shared.tracing``): the W3C traceparent of the gateway's request span
     traceparent: str | None = None

@@ -4,6 +4,7 @@
 - ``folio run SERVICE [flags]``: one service alone (what each compose container runs), or the
   router in front of many replicas (``folio run router --replica URL ...``);
 - ``folio prepare [--force]``: convert the packaged default model once;
+- ``folio chat [--url URL]``: talk to a model in the terminal through any OpenAI-compatible server;
 - ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
 - ``folio bench serve [flags]``: vLLM's serving benchmark figures against any OpenAI-compatible
   endpoint; ``folio bench NAME``: the benchmark ``folio.bench.NAME`` with one summary format (``folio bench list``);
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one service alone", add_help=False)
     run.add_argument("service", choices=RUNNABLE)
     sub.add_parser("quantize", help="write a quantized model folder (awq, int4, int8)", add_help=False)
+    sub.add_parser("chat", help="talk to a model in the terminal (any OpenAI-compatible URL)", add_help=False)
     sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible endpoint), list, NAME", add_help=False)
     prepare = sub.add_parser("prepare", help="prepare the packaged default model")
     prepare.add_argument("--force", action="store_true")
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from folio.cli.quantize import main as quantize_main
 
         return quantize_main(argv[1:])
+    if argv and argv[0] == "chat":
+        from folio.cli.chat import main as chat_main
+
+        return chat_main(argv[1:])
     if argv and argv[0] == "bench":  # its own parsers: serve's, and each script's
         from folio.cli.bench import main as bench_main
 

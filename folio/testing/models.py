@@ -45,3 +45,40 @@ def write_tiny_chat_model(folder, tokenizer_dir, max_position_embeddings: int = 
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, Path(folder) / f.name)
     return str(folder)
+
+
+# Qwen3's chat format, cut to what the tests use: tools in the system turn, <tool_call> JSON in
+# assistant turns, tool results as <tool_response>, and enable_thinking=false closing an empty
+# think block in the prompt
+QWEN3_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}{% for c in m.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def write_tiny_qwen3_chat_model(folder, tokenizer_dir, max_position_embeddings: int = 512) -> str:
+    """A tiny random Qwen3 that speaks Qwen3's chat format: SmolLM2's tokenizer with Qwen3's
+    ``<think>`` and ``<tool_call>`` tokens added and ``QWEN3_TEMPLATE``."""
+    vocab_size = write_qwen3_tokenizer(folder, tokenizer_dir)
+    write_tiny_model(folder, "qwen3", vocab_size=vocab_size + 4, head_dim=16,
+                     max_position_embeddings=max_position_embeddings)
+    return str(folder)
+
+
+def write_qwen3_tokenizer(folder, tokenizer_dir) -> int:
+    """The tokenizer of ``write_tiny_qwen3_chat_model`` alone, in ``folder``; its vocabulary size."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return len(tokenizer)

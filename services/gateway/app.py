@@ -11,7 +11,7 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from folio.services.gateway import tracing
+from folio.services.gateway import messages_api, responses_api, tracing
 from folio.services.gateway.dashboard import add_dashboard_routes
 from folio.services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
 from folio.services.gateway.service import GatewayService
@@ -31,6 +31,8 @@ def build_app(service: GatewayService) -> web.Application:
                           client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     add_routes(app)
+    responses_api.add_routes(app)
+    messages_api.add_routes(app)
     add_dashboard_routes(app, service)
 
     async def lifetime(app: web.Application):

@@ -18,6 +18,7 @@ import time
 import msgspec
 
 from folio.core.frontdoor import ParamError, SamplingParams, chat_message
+from folio.core.structured.grammar import after_reasoning
 from folio.services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from folio.services.gateway.structured import guided_spec, tool_mode
 from folio.shared.messages import GenerateRequest
@@ -86,12 +87,18 @@ def completion_generate_requests(req: CompletionRequest, base_id: str, params: S
 
 
 def chat_generate_requests(req: ChatCompletionRequest, base_id: str, params: SamplingParams | None = None,
-                           lora_name: str | None = None) -> list[GenerateRequest]:
+                           lora_name: str | None = None, reasoning: bool = False) -> list[GenerateRequest]:
+    """``reasoning``: the model thinks first (``--reasoning-parser``): structured output and forced
+    tool calls constrain the answer after its think block; guided_regex and guided_grammar, the
+    low-level forms, still constrain the whole output."""
     params = params or chat_params(req)
+    guided = guided_spec(req)
+    if reasoning and guided is not None and guided.kind in ("json_schema", "json_object", "choice"):
+        guided = msgspec.structs.replace(guided, kind=after_reasoning(guided.kind))
     # tool_choice none still shows no tools to the model, as OpenAI does not call any
     tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req) != "none" else None
     return [params.to_generate_request(
         base_id, messages=[chat_message(m) for m in req.messages], add_generation_prompt=req.add_generation_prompt,
         fill_max_tokens=(req.max_completion_tokens or req.max_tokens) is None,  # chat's default: what the context leaves
         stream=bool(req.stream), arrival_time=time.time(), cache_salt=req.cache_salt, priority=req.priority,
-        guided=guided_spec(req), tools=tools, lora_name=lora_name)]
+        guided=guided, tools=tools, lora_name=lora_name, chat_template_kwargs=req.chat_template_kwargs)]

@@ -162,6 +162,8 @@ class ChatCompletionRequest(_Params, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: extra variables for the chat template (Qwen3's ``enable_thinking``)
+    chat_template_kwargs: dict | None = None
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

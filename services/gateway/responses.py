@@ -153,19 +153,22 @@ def completion_chunk(meta: ResponseMeta, choices: list[dict], usage: dict | None
 # --------------------------------------------------------------------------- chat
 
 
-def chat_response(meta: ResponseMeta, deltas: dict[int, TextDelta], usage: dict, tools=None) -> dict:
-    """``tools``: a factory of ``structured.ToolCallReader`` (one per choice) when tools are on."""
+def chat_response(meta: ResponseMeta, deltas: dict[int, TextDelta], usage: dict, reader=None) -> dict:
+    """``reader``: a factory of ``chat_output.OutputReader`` (one per choice) when reasoning or
+    tools are on."""
     choices = []
     for i, d in sorted(deltas.items()):
         message = {"role": "assistant", "content": d.text, "refusal": None}
         finish_reason = d.finish_reason
-        if tools is not None:
-            reader = tools()
-            content, calls = reader.message(d.text)
+        if reader is not None:
+            choice_reader = reader()
+            reasoning, content, calls = choice_reader.message(d.text)
             message["content"] = content
+            if choice_reader.reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = calls
-            finish_reason = reader.finish_reason(finish_reason, calls)
+            finish_reason = choice_reader.finish_reason(finish_reason, calls)
         choices.append({
             "index": i,
             "message": message,

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from folio.core.frontdoor import best_of_order, chat_message
 from folio.services.gateway import convert, responses
+from folio.services.gateway.chat_output import OutputReader, output_reader, request_reasoning_parser
 from folio.services.gateway.metrics import CONTENT_TYPE
 from folio.services.gateway.protocol import (
     ApiError,
@@ -42,7 +43,6 @@ from folio.services.gateway.protocol import (
 from folio.services.gateway.responses import ResponseMeta, UsageCounter
 from folio.services.gateway.service import GatewayService
 from folio.services.gateway.streaming import collect, stream
-from folio.services.gateway.structured import ToolCallReader
 from folio.shared import messages
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
@@ -75,7 +75,9 @@ def auth_middleware(api_key: str | None):
     async def check_key(request: web.Request, handler):
         if api_key and request.path.startswith(PROTECTED_PREFIXES):
             given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            anthropic_key = request.headers.get("x-api-key", "")  # Anthropic's clients send the key here
+            if not (hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+                    or hmac.compare_digest(anthropic_key.encode(), api_key.encode())):
                 err = ApiError("Incorrect API key provided.", 401, code="invalid_api_key")
                 return web.json_response(err.body(), status=401)
         return await handler(request)
@@ -243,10 +245,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse(await request.read(), ChatCompletionRequest)
     model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
-    gen = _with_kv_transfer(service, req, convert.chat_generate_requests(req, meta.id, lora_name=lora_name))
+    reasoning = request_reasoning_parser(req, service.config) is not None
+    gen = _with_kv_transfer(service, req, convert.chat_generate_requests(req, meta.id, lora_name=lora_name,
+                                                                         reasoning=reasoning))
     response_fn = responses.chat_response
-    if ToolCallReader.for_request(req) is not None:
-        response_fn = partial(responses.chat_response, tools=lambda: ToolCallReader.for_request(req))
+    if output_reader(req, service.config) is not None:
+        response_fn = partial(responses.chat_response, reader=lambda: output_reader(req, service.config))
     response_fn = await _kv_export_response(service, req, response_fn)
     mailbox = service.submit(gen, _resumed(req))
     return await _respond(request, mailbox, meta, req, _stream_chat, response_fn)
@@ -255,7 +259,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletionRequest):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     role_sent: set[int] = _continued(req)
-    readers: dict[int, ToolCallReader | None] = {i: None for i in role_sent}
+    readers: dict[int, OutputReader | None] = {i: None for i in role_sent}
     templates: dict[int, responses.TextChunkTemplate] = {}
     with_ids = req.return_token_ids
 
@@ -269,7 +273,7 @@ async def _stream_chat(request, mailbox, meta: ResponseMeta, req: ChatCompletion
         if index not in role_sent:  # OpenAI opens each choice with the role alone
             role_sent.add(index)
             choices.append(responses.chat_chunk_choice(index, None, role=True))
-            readers[index] = ToolCallReader.for_request(req)
+            readers[index] = output_reader(req, request.app[SERVICE].config)
         reader = readers[index]
         if reader is not None:
             choices.extend(_tool_chunk_choices(reader, index, delta))
@@ -291,8 +295,8 @@ def _text_only(delta: messages.TextDelta) -> bool:
     return bool(delta.text) and delta.logprobs is None and delta.finish_reason is None and delta.stop_reason is None
 
 
-def _tool_chunk_choices(reader: ToolCallReader, index: int, delta) -> list[dict]:
-    """With tools on, a choice's text streams as content or tool-call deltas (``ToolCallReader``)."""
+def _tool_chunk_choices(reader: OutputReader, index: int, delta) -> list[dict]:
+    """With reasoning or tools on, a choice's text streams as reasoning, content or tool-call deltas."""
     choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
                for d in reader.stream_delta(delta.text, delta.finish_reason is not None)]
     if delta.finish_reason is not None:

@@ -6,18 +6,17 @@ generated text -> OpenAI ``tool_calls``.
 schemas); the tokenizer compiles it and the executor enforces it. ``routes.py`` turns each
 choice's text into tool calls with ``ToolCallReader``: with ``tool_choice`` named the text *is*
 the arguments; with ``required`` it is a JSON list of ``{"name", "arguments"}``; with ``auto`` the
-calls are parsed from free text, in the form the model's template family writes them (Hermes/Qwen
-``<tool_call>{...}</tool_call>``, Llama 3 ``{"name": ..., "parameters": ...}``).
+calls are parsed from free text, in the form the model's family writes them (``tool_parsers.py``:
+Hermes/Qwen, Llama 3 JSON, Llama pythonic, Mistral, Qwen3-Coder; ``--tool-call-parser``).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass, field
 
 from folio.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from folio.services.gateway.tool_parsers import hold_from, parse_calls, tool_call
 from folio.shared.messages import GuidedSpec
 
 ANY_OBJECT = {"type": "object"}
@@ -73,50 +72,9 @@ def _tools_spec(req: ChatCompletionRequest) -> GuidedSpec | None:
 # --------------------------------------------------------------------------- parsing
 
 
-def tool_call(name: str, arguments) -> dict:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
-
-
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-
-
 def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of free text; text that holds no well-formed call is all content."""
-    if "<tool_call>" in text:  # Hermes / Qwen
-        calls = []
-        for body in _HERMES.findall(text):
-            call = _call_of(body, names)
-            if call is None:
-                return text, []
-            calls.append(call)
-        content = text[: text.index("<tool_call>")].strip()
-        return content or None, calls
-    body = text.strip().removeprefix("<|python_tag|>").strip()  # Llama 3: bare JSON, ";"-separated
-    if body.startswith("{"):
-        calls = [_call_of(part, names) for part in _split_calls(body)]
-        if calls and all(c is not None for c in calls):
-            return None, calls
-    return text, []
-
-
-def _split_calls(body: str) -> list[str]:
-    try:
-        json.loads(body)
-        return [body]
-    except ValueError:
-        return [p for p in body.split(";") if p.strip()]
-
-
-def _call_of(body: str, names: set[str]) -> dict | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return tool_call(obj["name"], args)
+    """(content, tool calls) of free text in any of the families' formats (``tool_parsers``)."""
+    return parse_calls(text, names)
 
 
 @dataclass
@@ -131,14 +89,17 @@ class ToolCallReader:
     streamed: int = 0  # characters of ``text`` already sent
     named_id: str | None = None
     calls: list[dict] = field(default_factory=list)
+    parser: str = "auto"  # --tool-call-parser: the format free text is read in (``tool_parsers``)
+    schemas: dict[str, dict] = field(default_factory=dict)  # each tool's parameter schema
 
     @classmethod
-    def for_request(cls, req: ChatCompletionRequest) -> "ToolCallReader | None":
+    def for_request(cls, req: ChatCompletionRequest, parser: str = "auto") -> "ToolCallReader | None":
         mode = tool_mode(req)
         if mode == "none":
             return None
         named = req.tool_choice.function.name if mode == "named" else None
-        return cls(mode=mode, names={t.function.name for t in req.tools}, named=named)
+        return cls(mode=mode, names={t.function.name for t in req.tools}, named=named, parser=parser,
+                   schemas={t.function.name: t.function.parameters or {} for t in req.tools})
 
     def message(self, text: str) -> tuple[str | None, list[dict]]:
         """The whole text -> (content, tool_calls)."""
@@ -146,7 +107,7 @@ class ToolCallReader:
             return None, [tool_call(self.named, text)]
         if self.mode == "required":
             return None, self._required_calls(text)
-        return parse_auto(text, self.names)
+        return parse_calls(text, self.names, self.parser, self.schemas)
 
     def _required_calls(self, text: str) -> list[dict]:
         try:
@@ -175,7 +136,7 @@ class ToolCallReader:
             return out
         out = []
         if self.mode == "auto":  # send the text that cannot be part of a call at once
-            cut = _hold_from(self.text[self.streamed:], at_start=not self.text[:self.streamed].strip())
+            cut = hold_from(self.text[self.streamed:], not self.text[:self.streamed].strip(), self.parser)
             if cut:
                 out.append({"content": self.text[self.streamed:self.streamed + cut]})
                 self.streamed += cut
@@ -187,17 +148,3 @@ class ToolCallReader:
         for i, call in enumerate(self.calls):
             out.append({"tool_calls": [{"index": i, **call}]})
         return out
-
-
-_MARKERS = ("<tool_call>", "<|python_tag|>")
-
-
-def _hold_from(text: str, at_start: bool) -> int:
-    """Where the part of ``text`` that may still become a tool call begins (``len(text)``: none
-    of it). A call begins at a marker, or, for Llama 3's bare JSON, at a ``{`` opening the reply."""
-    if at_start and (not text.strip() or text.lstrip().startswith("{")):
-        return 0
-    for i, ch in enumerate(text):
-        if ch == "<" and any(m.startswith(text[i:i + len(m)]) or text.startswith(m, i) for m in _MARKERS):
-            return i
-    return len(text)

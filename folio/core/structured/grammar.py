@@ -55,11 +55,26 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# a reasoning model's think block before the constrained answer (``after_reasoning``): any text
+# that does not close the block, the close, the newlines before the answer
+_THINK_REGEX = r"<think>([^<]|<[^/]|</[^t])*</think>\n*"
+AFTER_REASONING = "after_reasoning:"
+
+
+def after_reasoning(kind: str) -> str:
+    """The kind of a spec that constrains only the answer after the model's ``<think>`` block."""
+    return AFTER_REASONING + kind
+
+
 def build_grammar(kind: str, spec: str):
     """The xgrammar ``Grammar`` of a spec (raises on a bad one). JSON comes without free
-    whitespace: a weak model could otherwise spend its whole budget on it."""
+    whitespace: a weak model could otherwise spend its whole budget on it. A kind marked
+    ``after_reasoning`` lets the think block through first (the template may have opened it)."""
     import xgrammar as xgr
 
+    if kind.startswith(AFTER_REASONING):
+        think = xgr.Grammar.from_regex("(<think>)?" + _THINK_REGEX.removeprefix("<think>"))
+        return xgr.Grammar.concat(think, build_grammar(kind.removeprefix(AFTER_REASONING), spec))
     if kind == "json_schema":
         return xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
     if kind == "json_object":
@@ -80,14 +95,15 @@ def compile_grammar(compiler, grammar: Grammar):
 
 def check_spec(spec: GuidedSpec) -> Grammar:
     """``spec`` as the request's ``Grammar``, or ``GrammarError`` saying why it cannot be."""
-    if spec.kind == "json_schema":
+    kind = spec.kind.removeprefix(AFTER_REASONING)
+    if kind == "json_schema":
         try:
             schema = json.loads(spec.spec)
         except json.JSONDecodeError as exc:
             raise GrammarError(f"{spec.param} is not valid JSON: {exc}", spec.param) from None
         if not isinstance(schema, dict):
             raise GrammarError(f"{spec.param} must be a JSON schema object", spec.param)
-    if spec.kind == "choice":
+    if kind == "choice":
         choices = json.loads(spec.spec)
         if not choices or not all(isinstance(x, str) and x for x in choices):
             raise GrammarError(f"{spec.param} must be a non-empty list of non-empty strings", spec.param)

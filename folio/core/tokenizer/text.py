@@ -82,14 +82,18 @@ class TextTokenizer:
             self.check_token_ids(req.prompt_token_ids, "prompt")
             return list(req.prompt_token_ids), None
         if req.messages is not None:
-            text = self.render_chat(req.messages, req.tools, req.add_generation_prompt)
+            text = self.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
             # the template already holds BOS and the role markers
             return self.hf.encode(text, add_special_tokens=False), text
         return self.hf.encode(req.prompt or ""), req.prompt
 
-    def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        """The conversation as the chat template writes it, or RequestError."""
+    def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None, add_generation_prompt: bool,
+                    template_kwargs: dict | None = None) -> str:
+        """The conversation as the chat template writes it, or RequestError. ``template_kwargs``:
+        the request's extra template variables; they cannot replace the ones set here."""
         rendered, extra = render_tools(messages, tools, self.hf.chat_template or "")
+        reserved = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "chat_template"}
+        extra = {**{k: v for k, v in (template_kwargs or {}).items() if k not in reserved}, **extra}
         try:
             return self.hf.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
                                                **extra)
