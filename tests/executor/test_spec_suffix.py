@@ -162,3 +162,25 @@ def test_suffix_speculation_is_lossless_with_caching_preemption_and_choices(tiny
     stats = spec_runner.stats()
     assert stats["suffix_drafts_from_trie"] > 0 and stats["suffix_cached_requests"] > 0
     assert stats["spec_steps_speculated"] > 0  # the controller chose drafts for some steps
+
+
+class Alternating(SpecController):
+    """Drafts every other decision: both arms, and their switches, in one short run."""
+
+    def choose(self, num_rows: int) -> bool:
+        super().choose(num_rows)
+        return sum(self.num_steps) % 2 == 0
+
+
+def test_steps_without_drafts_ahead_are_planned_ahead_and_the_output_stays(tiny_pair):
+    """A decision not to draft is made a step ahead and said in the result, so the scheduler
+    plans the next step before the result (placeholders) as it does without speculation."""
+    target, _ = tiny_pair
+    reqs = [engine_request(f"r{i}", p, 20, ignore_eos=True) for i, p in enumerate(repetitive_prompts(4, seed=8))]
+    _, plain = run(make_runner(target), reqs)
+    runner = make_runner(target, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    runner.spec_control = Alternating()
+    engine, fast = run(runner, reqs, async_scheduling=True)
+    assert fast == plain
+    assert any(plan.num_placeholder_tokens for plan in engine.plans)  # planned ahead of a result
+    assert engine.sched.counters["num_spec_accepted_tokens"] > 0  # and drafts verified in between

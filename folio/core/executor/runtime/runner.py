@@ -195,6 +195,7 @@ class ModelRunner:
         self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend,
                                       self.pool.num_blocks) if shard.rank == 0 else None
         self.spec_control = SpecController() if self.proposer is not None and self.spec_settings.adaptive else None
+        self.drafts_now = True  # whether the next proposing step proposes (``StepResult.drafts_next``)
         self.appended: list[tuple[str, list[int]]] | None = [] if shard.size > 1 else None
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar
@@ -412,7 +413,7 @@ class ModelRunner:
             samplers, logprobs = [samplers[i] for i in keep], [logprobs[i] for i in keep]
             spec = [spec[i] for i in keep] if spec else spec
         return msgspec.structs.replace(sampled, req_ids=samplers, logprobs=logprobs, prompt_logprobs=result_prompt_lp,
-                                       spec_token_ids=spec)
+                                       spec_token_ids=spec, drafts_next=self.drafts_now)
 
     def _step_forward(self, plan: StepPlan):
         """The plan's diffs, copies and forward pass (and prompt logprobs): what every rank runs."""
@@ -580,9 +581,9 @@ class ModelRunner:
         """Drafts for each sampler's next step (none for beams, logprob requests, or when the
         batch is large enough that speculation stops paying)."""
         limit = self.spec_settings.disable_by_batch_size if self.spec_settings is not None else 0
-        speculate = self.proposer is not None and not (limit and len(samplers) >= limit)
-        if speculate and self.spec_control is not None:
-            speculate = self.spec_control.choose(len(samplers))
+        speculate = self.proposer is not None and self.drafts_now and not (limit and len(samplers) >= limit)
+        if self.spec_control is not None:  # decided a step ahead: the result says it, the scheduler plans ahead
+            self.drafts_now = self.spec_control.choose(len(samplers))
         if not speculate:
             for state in samplers:
                 state.proposal = None

@@ -11,6 +11,10 @@ picks the faster, trying each at first and the slower again once every ``explore
 decisions of a bucket, so a proposer that stops paying (a chat after a copy task) costs at most
 that share of steps. Steps with prefill chunks say nothing about decode speed and are not
 counted. The choice never changes what is sampled: verification is lossless either way.
+
+Each decision is made one step ahead (at the end of step N, for the proposing at the end of N+1)
+and said in step N's result (``StepResult.drafts_next``): when it is no, the scheduler plans step
+N+2 before N+1's result, as async scheduling does without speculation.
 """
 
 from __future__ import annotations
