@@ -101,6 +101,10 @@ def test_speculative_config_and_its_aliases_say_what_is_wrong():
         assert said in speculative_refusal(RuntimeConfig(speculative_config=text))
     both = RuntimeConfig(speculative_config='{"method": "ngram"}', speculative_model="ngram")
     assert "not both" in speculative_refusal(both)
+    from folio.llm import engine_configs  # LLM takes vLLM's dict
+
+    runtime, _ = engine_configs("m", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}})
+    assert speculative_settings(runtime).num_speculative_tokens == 2
 
 
 def test_adapters_with_speculation_are_refused_at_start(tiny_pair, capsys):
