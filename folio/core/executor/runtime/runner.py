@@ -43,7 +43,8 @@ from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION
 from folio.core.executor.runtime.spec_control import SpecController, make_proposer
 from folio.core.executor.runtime.spec_decode import Proposal
 from folio.shared.speculative import LORA_REFUSAL, speculative_settings
-from folio.core.structured.masks import GrammarStore, advance, apply_grammar_masks, compile_error
+from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_masks, compile_error, draft_masks,
+                                         grammar_prefix)
 from folio.shared import startup
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
@@ -558,6 +559,7 @@ class ModelRunner:
             q.append(proposal.probs[: len(d)] if proposal.probs is not None else None)
         rows = [SamplingRow(s.sampling, None, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, seed=s.seed)
                 for s in states]
+        target = self._mask_drafts(target, states, drafts)
         out = verify(target, drafts, q, rows)
         for state, new in zip(states, out):
             if state.append_sampled:
@@ -567,6 +569,19 @@ class ModelRunner:
                 if self.appended is not None:
                     self.appended.append((state.req_id, list(new)))
         return out
+
+    @staticmethod
+    def _mask_drafts(target: torch.Tensor, states: list[RequestState], drafts: list[list[int]]) -> torch.Tensor:
+        """Constrained rows: each verified position sees its grammar's mask, as plain sampling does."""
+        if all(s.matcher is None for s in states):
+            return target
+        target, start = target.clone(), 0
+        for state, d in zip(states, drafts):
+            if state.matcher is not None and not state.matcher.is_terminated():
+                allowed = draft_masks(state.matcher, d, target.shape[1]).to(target.device)
+                target[start:start + len(d) + 1] = torch.where(allowed, target[start:start + len(d) + 1], float("-inf"))
+            start += len(d) + 1
+        return target
 
     def _record(self, state: RequestState, new: list[int]) -> None:
         """Penalty counts and the last sampled token of a verified request."""
@@ -591,11 +606,14 @@ class ModelRunner:
                 self.spec_control.proposed(len(samplers), False, 0.0)
             return []
         start = time.perf_counter()
-        # constrained rows never speculate: drafts would have to be checked against the grammar
-        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None and s.matcher is None]
+        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None
+                  and (s.matcher is None or not s.matcher.is_terminated())]
         for state in samplers:
             state.proposal = None
         for state, proposal in zip(wanted, self.proposer.propose(wanted)):
+            if state.matcher is not None:  # a constrained row's drafts stop where its grammar would refuse one
+                n = grammar_prefix(state.matcher, proposal.token_ids)
+                proposal = Proposal(proposal.token_ids[:n], proposal.probs[:n] if proposal.probs is not None else None)
             state.proposal = proposal
         if self.spec_control is not None:
             self.spec_control.proposed(len(samplers), True, time.perf_counter() - start)
