@@ -45,6 +45,10 @@ def test_draft_length_follows_the_match_and_its_frequency():
     # a branch under min_token_prob of its parent's occurrences stops the draft
     assert trie.continuation([10, 11, 12], k=8, max_spec_factor=3.0, min_token_prob=0.8)[1] == []
     assert trie.continuation([99], k=8, max_spec_factor=3.0, min_token_prob=0.1) == (0, [])
+    # a match as long as the trie is deep leaves room for k tokens after it: it is shortened
+    shallow, text = SuffixTrie(max_depth=8), list(range(100, 120))
+    shallow.add(text)
+    assert shallow.continuation(text[:15], k=4, max_spec_factor=1.0, min_token_prob=0.1) == (4, text[15:19])
 
 
 def test_the_proposer_keeps_a_bounded_set_of_requests_per_adapter():

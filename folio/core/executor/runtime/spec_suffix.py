@@ -70,11 +70,13 @@ class SuffixTrie:
                 return None
         return node
 
-    def longest_match(self, context: list[int]) -> tuple[int, _Node | None]:
-        """(length, node) of the longest suffix of ``context`` that occurs, shorter than
-        ``max_depth`` so that something may follow it. Occurrence is monotone in the suffix's
-        length (a suffix of an occurring string occurs): a binary search finds it."""
-        lo, hi, best = 0, min(len(context), self.max_depth - 1), None
+    def longest_match(self, context: list[int], max_len: int | None = None) -> tuple[int, _Node | None]:
+        """(length, node) of the longest suffix of ``context`` that occurs, of at most ``max_len``
+        tokens (default: ``max_depth - 1``, so that something may follow it). Occurrence is
+        monotone in the suffix's length (a suffix of an occurring string occurs): a binary search
+        finds it."""
+        cap = self.max_depth - 1 if max_len is None else min(max_len, self.max_depth - 1)
+        lo, hi, best = 0, min(len(context), cap), None
         while lo < hi:
             mid = (lo + hi + 1) // 2
             node = self._find(context[len(context) - mid:])
@@ -86,8 +88,9 @@ class SuffixTrie:
 
     def continuation(self, context: list[int], k: int, max_spec_factor: float,
                      min_token_prob: float) -> tuple[int, list[int]]:
-        """(match length, the most frequent continuation of the longest matching suffix)."""
-        length, node = self.longest_match(context)
+        """(match length, the most frequent continuation of the longest matching suffix). The
+        match is kept ``k`` tokens shorter than the trie is deep, so that ``k`` can follow it."""
+        length, node = self.longest_match(context, max(1, self.max_depth - k))
         if node is None or length == 0:
             return 0, []
         limit = min(k, int(length * max_spec_factor), self.max_depth - length)
