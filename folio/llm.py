@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
 
 import msgspec
@@ -39,6 +40,8 @@ def engine_configs(model: str, options: dict) -> tuple[RuntimeConfig, dict]:
     if unknown:
         raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(_ENGINE_ARGS))}")
     options = {_ALIASES.get(k, k): v for k, v in options.items()}
+    if isinstance(options.get("speculative_config"), dict):  # vLLM's form; the flag's is its JSON text
+        options["speculative_config"] = json.dumps(options["speculative_config"])
     runtime = RuntimeConfig(model=model, **{k: v for k, v in options.items()
                                             if k in _RUNTIME_ARGS and k not in _LORA_ARGS})
     if getattr(runtime, "tensor_parallel_size", 1) != 1:
@@ -54,7 +57,8 @@ class LLM:
     """A model and its engine in this process. ``engine_args``: ``folio serve``'s flags with
     underscores (``num_kv_blocks``, ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``,
     ``preemption_mode``, ...); ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``,
-    ``max_cpu_loras``) serves LoRA adapters that ``generate``'s ``lora_request`` names."""
+    ``max_cpu_loras``) serves LoRA adapters that ``generate``'s ``lora_request`` names;
+    ``speculative_config={"method": "suffix"}`` (a dict or its JSON) drafts tokens to verify."""
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
         from folio.core.models import resolve_model

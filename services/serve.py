@@ -81,9 +81,14 @@ def _die_with_parent() -> None:
 def serve(args: argparse.Namespace) -> int:
     from folio.core.models import resolve_model
     from folio.services.supervise import Supervisor
+    from folio.shared.speculative import speculative_refusal
 
     if args.lora_modules and not args.enable_lora:
         print("folio: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
+    refusal = speculative_refusal(args)
+    if refusal:
+        print(f"folio: {refusal}", file=sys.stderr)
         return 2
     if args.otlp_traces_endpoint:
         from folio.shared.tracing import setup

@@ -148,8 +148,13 @@ class RuntimeConfig:
                                  "FOLIO_BATCH_INVARIANT=1)", ("executor",))
     enforce_eager: bool = flag(False, "no CUDA graphs: every step launches its kernels from Python (GPU; the CPU is "
                                "always eager)", ("executor",), action="store_true")
+    speculative_config: str | None = flag(None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"suffix\""
+                                          "|\"draft_model\", \"num_speculative_tokens\": K, \"model\": DIR, ...} "
+                                          "(keys: docs/speculative.md; default: off)", ("executor", "scheduler"),
+                                          metavar="JSON")
+    # the older spelling, kept as aliases of --speculative-config (shared/speculative.py maps them)
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
-                                         "or 'ngram' (prompt lookup); default: off", ("executor", "scheduler"))
+                                         "'ngram' (prompt lookup) or 'suffix'; default: off", ("executor", "scheduler"))
     num_speculative_tokens: int = flag(0, "draft tokens proposed per step", ("executor",))
     ngram_prompt_lookup_max: int = flag(4, "longest n-gram the ngram proposer matches", ("executor",))
     ngram_prompt_lookup_min: int = flag(1, "shortest n-gram the ngram proposer matches", ("executor",))
@@ -271,6 +276,7 @@ class SchedulerConfig:
                                   "grammars, speculative decoding and preemption wait for the step's result)",
                                   ("scheduler",))
     speculative_model: str | None = None  # the executor's flag: with drafts every step waits for the last
+    speculative_config: str | None = None  # the executor's flag, the same
     max_loras: int = 4  # the executor's flag: the most distinct adapters admitted into one step
     log_json: bool = False
     otlp_traces_endpoint: str | None = None  # LogConfig's flag: tracing on (``folio.shared.tracing``)

@@ -179,6 +179,9 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
     token_ids: list[int] = []
     num_sampled: list[int] = []
     spec_token_ids: list[list[int]] = []  # per sampled request: its proposal for the next step
+    # whether the executor may propose drafts at the end of the next step (decided now, kept then):
+    # when not, the scheduler may plan the step after it ahead of its result (async scheduling)
+    drafts_next: bool = True
     logprobs: list[list[TokenLogprobs] | None] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     # set by the executor service: the epoch of the pool that ran the step; a change tells the

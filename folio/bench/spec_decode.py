@@ -1,26 +1,32 @@
-"""Speculative decoding, measured in one run: decode tokens/s with and without speculation.
+"""Speculative decoding, measured in one run: tokens/s with and without speculation, per workload.
 
 The engine is the real scheduler policy, block allocator and model runner stepped in this process
 (``folio.core.engine.EngineCore``: the services' step without sockets), greedy, on
-SmolLM2-135M-Instruct. Decode tokens/s counts the tokens generated after every request of the
-batch has its first token (prefill excluded) over the time they took. For each proposer, at batch
-1 and at a larger batch, it prints tokens/s without speculation (the baseline, same run), with it,
-the ratio, and the mean accepted length (tokens per verification: accepted drafts + 1).
+SmolLM2-135M-Instruct as ``folio serve`` runs it (``--quantization auto``: int4). Decode tokens/s
+counts the tokens generated after every request of a wave has its first token (prefill excluded)
+over the time they took. For each workload and batch it runs plain decoding before and after the
+proposers (the baseline is their mean: the machine's load drifts), then each proposer, and prints
+tokens/s, the ratio to plain, the mean accepted length (tokens per verification: accepted drafts
++ 1), the share of steps that drafted, and whether the output equals plain decoding's.
 
-- n-gram prompt lookup on a repetitive workload: copy or extract from a long document given in
-  the prompt, where the output repeats the input;
-- a draft model: SmolLM2's own first ``--draft-layers`` layers with its embeddings and head
-  (``folio.core.models.truncate_layers``; an early-exit draft, not one trained for the job), on the same
-  workload;
-- the target as its own draft ("self"): every draft is accepted, so it shows the ceiling of the
-  accepted length and what drafting at the target's cost does to the speed.
+Workloads:
+- ``chat``: ordinary questions, nothing to copy;
+- ``edit``: the same code file edited over 5 turns, each turn's prompt holding the conversation so
+  far (the answers repeat the last answer, not this prompt alone);
+- ``copy``: copy or extract from a document given in the prompt.
 
-    python scripts/bench_spec_decode.py [--batch 8] [--max-tokens 96] [--k 4] [--draft-layers 8]
+Proposers (``--proposers``): ``ngram`` (prompt lookup, the older flags: always drafts),
+``ngram-adaptive`` and ``suffix`` (``--speculative-config``, drafting chosen per step), ``draft``
+(SmolLM2's first ``--draft-layers`` layers, an untrained early-exit draft), ``self`` (the target as
+its own draft: the ceiling of the accepted length).
+
+    python scripts/bench_spec_decode.py [--batches 1 8 32] [--workloads chat edit copy] [--max-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -37,25 +43,47 @@ DOCUMENT = (
     "lantern room. Each keeper writes the weather, the ships that pass and the state of the lamp in a log "
     "book, and the town library keeps every log book since 1830. Visitors may read them on Tuesdays."
 )
-TASKS = [
+COPY_TASKS = [
     "Copy the following text exactly, word for word:\n\n",
     "Repeat the following text, sentence by sentence, without changing anything:\n\n",
     "Extract every sentence that mentions a lighthouse from this text, unchanged:\n\n",
     "Rewrite the following text exactly as it is:\n\n",
 ]
+CHAT = [
+    "What are three good habits for staying healthy?", "Explain what a black hole is in simple words.",
+    "Give me a recipe idea for a quick vegetarian dinner.", "Why is the sky blue?",
+    "Write a haiku about autumn leaves.", "What should I pack for a weekend camping trip?",
+    "How do airplanes stay in the air?", "Suggest a name for a friendly orange cat.",
+    "What is the difference between weather and climate?", "Tell me a fun fact about octopuses.",
+    "How can I get better at remembering names?", "Describe a sunset over the ocean.",
+    "What are the main causes of earthquakes?", "Give two tips for writing a good email.",
+    "Why do we need sleep?", "What is photosynthesis?",
+]
+CODE = '''def total_price(items, tax):
+    total = 0
+    for item in items:
+        total += item["price"] * item["quantity"]
+    return total * (1 + tax)
 
 
-def workload(tokenizer, num: int) -> list[list[int]]:
-    prompts = []
-    for i in range(num):
-        messages = [{"role": "user", "content": TASKS[i % len(TASKS)] + DOCUMENT}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item["price"] < best["price"]:
+            best = item
+    return best
+'''
+EDITS = ["Add a docstring to each function.", "Rename the variable total to subtotal.",
+         "Make tax default to 0.2.", "Add type hints to both functions.", "Return None early when items is empty."]
 
 
-def decode_rate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, eos: int) -> tuple[float, float, list]:
-    """(decode tokens/s, mean accepted length, outputs)."""
+def encode(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def run_wave(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, eos: int, counters: dict) -> tuple:
+    """(decode tokens, decode seconds, outputs) of one batch run to the end."""
     engine = EngineCore(runner, max_num_batched_tokens=4096)
     outputs: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
@@ -63,49 +91,102 @@ def decode_rate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, 
                                          sampling=WireSampling(temperature=0.0, max_tokens=max_tokens)))
     t0 = tokens0 = None
     while (deltas := engine.step()) is not None:
-        for d in deltas:
+        for d in deltas.all_deltas():
             outputs[d.req_id].extend(d.token_ids)
         if t0 is None and all(outputs.values()):
             t0, tokens0 = time.perf_counter(), sum(map(len, outputs.values()))
     elapsed = time.perf_counter() - t0
-    tokens = sum(map(len, outputs.values())) - tokens0
-    c = engine.scheduler.counters
-    accepted = 1 + c["num_spec_accepted_tokens"] / c["num_spec_drafts"] if c["num_spec_drafts"] else float("nan")
-    return tokens / elapsed, accepted, [outputs[f"b{i}"] for i in range(len(prompts))]
+    for key in ("num_spec_drafts", "num_spec_accepted_tokens", "num_steps"):
+        counters[key] = counters.get(key, 0) + engine.scheduler.counters[key]
+    return sum(map(len, outputs.values())) - tokens0, elapsed, [outputs[f"b{i}"] for i in range(len(prompts))]
+
+
+def run_workload(runner, tokenizer, workload: str, batch: int, max_tokens: int) -> tuple[float, dict, list]:
+    """(decode tokens/s, counters, outputs) of ``batch`` sequences of the workload."""
+    eos, counters, tokens, seconds, outs = tokenizer.eos_token_id, {}, 0, 0.0, []
+    if workload == "edit":  # 5 turns; each conversation carries its own answers forward
+        convs = [[{"role": "user", "content": f"Here is my file (version {i}):\n\n{CODE}\nShow the whole file."}]
+                 for i in range(batch)]
+        for turn in range(len(EDITS) + 1):
+            n, s, got = run_wave(runner, [encode(tokenizer, c) for c in convs], max_tokens, eos, counters)
+            tokens, seconds, outs = tokens + n, seconds + s, outs + got
+            if turn < len(EDITS):
+                for c, answer in zip(convs, got):
+                    c += [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                          {"role": "user", "content": EDITS[turn] + " Show the whole file."}]
+        return tokens / seconds, counters, outs
+    if workload == "chat":
+        prompts = [encode(tokenizer, [{"role": "user", "content": CHAT[i % len(CHAT)]}]) for i in range(batch)]
+    else:
+        prompts = [encode(tokenizer, [{"role": "user", "content": COPY_TASKS[i % len(COPY_TASKS)] + DOCUMENT}])
+                   for i in range(batch)]
+    tokens, seconds, outs = run_wave(runner, prompts, max_tokens, eos, counters)
+    return tokens / seconds, counters, outs
+
+
+def make_runners(path: str, names: list[str], k: int, draft_layers: int, quantization: str) -> dict:
+    base = dict(num_kv_blocks=4096, max_num_batched_tokens=4096, max_num_seqs=64, device="cpu",
+                quantization=quantization)
+    configs = {"ngram": dict(speculative_model="ngram", num_speculative_tokens=k),
+               "ngram-adaptive": dict(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": k})),
+               "suffix": dict(speculative_config=json.dumps({"method": "suffix"})),
+               "self": dict(speculative_model=path, num_speculative_tokens=k)}
+    if "draft" in names:
+        draft = truncate_layers(path, cache_dir() / "models" / f"{Path(path).name}-first{draft_layers}", draft_layers)
+        configs["draft"] = dict(speculative_model=str(draft), num_speculative_tokens=k)
+    return {name: ModelRunner(RuntimeConfig(**base, **configs.get(name, {})), path) for name in ["plain", *names]}
+
+
+def fresh_speculation(runner: ModelRunner) -> None:
+    """Forget what earlier runs taught: the suffix trie (the same prompts come again at the next
+    batch size) and the measured speeds."""
+    from folio.core.executor.runtime.spec_control import SpecController
+    from folio.core.executor.runtime.spec_suffix import SuffixProposer
+
+    if isinstance(runner.proposer, SuffixProposer):
+        runner.proposer.tries.clear()
+        runner.proposer.cached.clear()
+    if runner.spec_control is not None:
+        runner.spec_control = SpecController()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
-    parser.add_argument("--batch", type=int, default=8, help="the larger batch (the other is 1)")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    parser.add_argument("--quantization", default="auto", help="the runners' --quantization (auto: as served)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--workloads", nargs="+", default=["chat", "edit", "copy"], choices=("chat", "edit", "copy"))
+    parser.add_argument("--proposers", nargs="+", default=["ngram", "ngram-adaptive", "suffix"],
+                        choices=("ngram", "ngram-adaptive", "suffix", "draft", "self"))
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (ngram, draft, self)")
     parser.add_argument("--draft-layers", type=int, default=8)
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     path = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = workload(tokenizer, args.batch)
-    draft = truncate_layers(path, cache_dir() / "models" / f"{Path(path).name}-first{args.draft_layers}", args.draft_layers)
-    base = dict(num_kv_blocks=1024, max_num_batched_tokens=4096, device="cpu", dtype="float32")
-    runners = {
-        "none": ModelRunner(RuntimeConfig(**base), path),
-        "ngram": ModelRunner(RuntimeConfig(**base, speculative_model="ngram", num_speculative_tokens=args.k), path),
-        "draft": ModelRunner(RuntimeConfig(**base, speculative_model=str(draft), num_speculative_tokens=args.k), path),
-        "self": ModelRunner(RuntimeConfig(**base, speculative_model=path, num_speculative_tokens=args.k), path),
-    }
-    decode_rate(runners["none"], prompts[:1], 4, tokenizer.eos_token_id)  # warm-up
-    print(f"model {args.model} on cpu (float32), greedy, {len(prompts[0])}-token prompts that copy a document, "
-          f"up to {args.max_tokens} new tokens, k={args.k}; draft model: the target's first {args.draft_layers} "
-          "layers + embeddings and head")
-    print(f"{'proposer':<10}{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}{'accepted len':>14}")
-    for batch in (1, args.batch):
-        plain, _, want = decode_rate(runners["none"], prompts[:batch], args.max_tokens, tokenizer.eos_token_id)
-        for name in ("ngram", "draft", "self"):
-            rate, accepted, got = decode_rate(runners[name], prompts[:batch], args.max_tokens, tokenizer.eos_token_id)
-            same = "" if got == want else "  (OUTPUT DIFFERS)"
-            print(f"{name:<10}{batch:>6}{plain:>13.1f}{rate:>12.1f}{rate / plain:>8.2f}{accepted:>14.2f}{same}")
+    runners = make_runners(path, args.proposers, args.k, args.draft_layers, args.quantization)
+    run_workload(runners["plain"], tokenizer, "chat", 1, 4)  # warm-up
+    print(f"model {args.model} on cpu (--quantization {args.quantization}), greedy, up to {args.max_tokens} new "
+          f"tokens per turn, k={args.k} (suffix: up to 8, from the match)")
+    print(f"{'workload':<9}{'proposer':<16}{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
+          f"{'accepted len':>14}{'drafted':>9}")
+    for workload in args.workloads:
+        for batch in args.batches:
+            before, _, want = run_workload(runners["plain"], tokenizer, workload, batch, args.max_tokens)
+            results = {}
+            for name in args.proposers:
+                fresh_speculation(runners[name])
+                results[name] = run_workload(runners[name], tokenizer, workload, batch, args.max_tokens)
+            after, _, _ = run_workload(runners["plain"], tokenizer, workload, batch, args.max_tokens)
+            plain = (before + after) / 2
+            for name, (rate, c, got) in results.items():
+                accepted = 1 + c["num_spec_accepted_tokens"] / c["num_spec_drafts"] if c["num_spec_drafts"] else 1.0
+                drafted = c["num_spec_drafts"] / max(1, c["num_steps"] * batch)
+                same = "" if got == want else "  (OUTPUT DIFFERS)"
+                print(f"{workload:<9}{name:<16}{batch:>6}{plain:>13.1f}{rate:>12.1f}{rate / plain:>8.2f}"
+                      f"{accepted:>14.2f}{drafted:>9.2f}{same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,15 @@ import sys
 from folio.shared.config import ExecutorServiceConfig, RuntimeConfig
 from folio.shared.flags import config_values
 from folio.shared.loops import ServiceSpec
+from folio.shared.speculative import speculative_refusal
 
 
 def check(parser, args) -> None:
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    refusal = speculative_refusal(args)
+    if refusal:
+        parser.error(refusal)
 
 
 def fields(args) -> dict:

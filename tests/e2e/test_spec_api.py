@@ -1,5 +1,7 @@
-"""Speculative decoding served: ``folio serve --speculative-model ngram`` gives the same greedy
-text as the plain server, and reports acceptance in ``folio scheduler stats`` and ``/metrics``."""
+"""Speculative decoding served: ``folio serve --speculative-config '{"method": "suffix"}'`` (suffix
+speculation, drafting chosen per step) gives the same greedy text as the plain server, drafts a
+repeated request from the earlier one's answer, and reports acceptance in ``folio scheduler
+stats`` and ``/metrics``."""
 
 from __future__ import annotations
 
@@ -17,18 +19,19 @@ PROMPTS = [
     "Repeat after me: red green blue, red green blue, red green blue.",
     "Copy this address: 221B Baker Street, London, NW1 6XE, United Kingdom.",
     "Name three colors of the rainbow.",
+    "Why do cats purr? Answer in two sentences.",
 ]
 
 
 @pytest.fixture(scope="module")
 def spec_server(smollm_dir):
-    srv = start_server(smollm_dir, "--num-kv-blocks", "512", "--speculative-model", "ngram",
-                       "--num-speculative-tokens", "4")
+    srv = start_server(smollm_dir, "--num-kv-blocks", "512", "--speculative-config",
+                       '{"method": "suffix", "num_speculative_tokens": 8}')
     yield srv
     stop_server(srv)
 
 
-def test_ngram_speculation_serves_the_same_greedy_text(client, spec_server):
+def test_suffix_speculation_serves_the_same_greedy_text(client, spec_server):
     fast = openai.OpenAI(base_url=spec_server.base_url, api_key="unused", max_retries=0, timeout=120)
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
@@ -40,6 +43,10 @@ def test_ngram_speculation_serves_the_same_greedy_text(client, spec_server):
                                                 stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
         assert text == want.choices[0].message.content
+    executor = spec_server.admin("executor", "stats")
+    # the streamed repeat of each prompt drafted from the first answer, kept in the shared trie
+    assert executor["suffix_drafts_from_trie"] > 0 and executor["suffix_cached_requests"] >= len(PROMPTS)
+    assert executor["spec_steps_speculated"] > 0
     stats = spec_server.admin("scheduler", "stats")
     assert stats["num_spec_accepted_tokens"] > 0 and stats["spec_accepted_per_pos"][0] > 0
     assert stats["spec_mean_accepted_length"] > 1.0

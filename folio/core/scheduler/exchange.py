@@ -110,9 +110,10 @@ class ExecutorExchange:
     def can_plan_ahead(self, in_flight: StepOutput) -> bool:
         """Whether the next step may be planned before ``in_flight``'s result (async scheduling):
         not when the result decides what the next step is beyond one more token per sampler:
-        drafts to verify, beams to pick, choices to fork, grammars (a row whose grammar ended
+        drafts to verify or about to be proposed (the executor says in each result whether the next
+        one may carry drafts), beams to pick, choices to fork, grammars (a row whose grammar ended
         must not sample again), or growth that needs preemption (``needs_sync``)."""
-        return not (self.speculative or self.needs_sync or self.forks.unforked or self.forks.groups
+        return not ((self.speculative and self.drafts_next) or self.needs_sync or self.forks.unforked or self.forks.groups
                     or in_flight.spec_token_ids or in_flight.grammars or in_flight.await_grammars
                     or in_flight.waits_for_result)
 
@@ -126,6 +127,7 @@ class ExecutorExchange:
         later ones carry just their tokens, unless they finish: those go into the batch's flat
         plain arrays."""
         deltas: list[TokenDelta] = self._grammar_reports(result)
+        self.drafts_next = result.drafts_next
         plain_req_ids: list[str] = []
         plain_token_ids: list[int] = []
         groups: list[BeamGroup] = []

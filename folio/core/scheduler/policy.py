@@ -119,6 +119,7 @@ class Scheduler(Admission, ExecutorExchange):
         self.next_arrival = 0
         self.draining = False
         self.speculative = False  # the executor proposes drafts: no step is planned ahead of a result
+        self.drafts_next = True  # ... unless its last result said the next step's result has none
         self.needs_sync = False  # a step planned ahead needed a preemption: the next waits for the result
         self.max_num_running = 0
         self.last_batch_size = 0

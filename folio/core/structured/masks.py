@@ -197,6 +197,37 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     return logits
 
 
+def grammar_prefix(matcher, token_ids: list[int]) -> int:
+    """How many of ``token_ids`` (drafts) the grammar accepts in a row, stopping before one that
+    would end it (the verifier needs a mask after each draft); the matcher is left as it was."""
+    accepted = keep = 0
+    for token_id in token_ids:
+        if not matcher.accept_token(token_id):
+            break
+        accepted += 1
+        if matcher.is_terminated():
+            break
+        keep += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return keep
+
+
+def draft_masks(matcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """[len(drafts) + 1, vocab] bool: what the grammar allows at each verified position (after
+    drafts[:j]); the drafts must fit the grammar (``grammar_prefix``). The matcher is left as it was."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, vocab_size)
+    for j in range(len(drafts) + 1):
+        matcher.fill_next_token_bitmask(bitmask, j)
+        if j < len(drafts):
+            matcher.accept_token(drafts[j])
+    if drafts:
+        matcher.rollback(len(drafts))
+    return unpack_bitmask(bitmask, vocab_size)
+
+
 def advance(matchers: list, token_ids: list[list[int]], req_ids: list[str]) -> None:
     """Each matcher accepts its row's new tokens. A token the grammar refuses (it cannot happen
     for a sampled token; it would take a scheduler-appended one) ends the row's constraint."""

@@ -89,7 +89,11 @@ def test_max_tokens_mid_structure_finishes_with_length(chat_model, tok, grammars
     assert '{"people":[{"name":"'.startswith(text)  # cut inside the structure the grammar forced
 
 
-def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
+WORDS = "( the| on| cat| sat)+"  # the prompt's words but " mat"
+WORDS16 = "( the| on| cat| sat){16}"
+
+
+def test_a_constrained_rows_drafts_stop_where_its_grammar_refuses_one(chat_model, tok, grammars):
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
     from folio.shared.messages import NewRequestData, StepPlan, WireSampling
@@ -97,14 +101,44 @@ def test_constrained_rows_get_no_drafts(chat_model, tok, grammars):
     config = RuntimeConfig(num_kv_blocks=16, block_size=16, device="cpu", dtype="float32",
                            speculative_model="ngram", num_speculative_tokens=3)
     runner = ModelRunner(config, chat_model)
-    grammar = grammars.check(GuidedSpec(kind="regex", spec="[a-z ]{1,40}"))
-    prompt = tok.hf.encode("the cat sat on the mat the cat sat on the mat the cat sat on the")
+    grammar = grammars.check(GuidedSpec(kind="regex", spec=WORDS))
+    prompt = tok.hf.encode("the cat sat on the mat the cat sat on the mat the cat sat")
     reqs = [NewRequestData(req_id=r, token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=[i * 4 + j for j in range(4)],
                            sampling=WireSampling(temperature=0.0, max_tokens=8, grammar=g))
             for i, (r, g) in enumerate((("plain", None), ("constrained", grammar)))]
     runner.execute(StepPlan(step_id=0, new_reqs=reqs, num_scheduled_tokens={r.req_id: len(prompt) for r in reqs}))
     states = [runner.requests["plain"], runner.requests["constrained"]]
-    for state in states:  # the random model's token replaced by one that repeats the prompt
-        runner.batch.token_ids[state.row, runner.batch.num_tokens[state.row] - 1] = prompt[-8]
+    for state in states:  # the random model's token replaced by " on", which the prompt follows with " the mat"
+        runner.batch.token_ids[state.row, runner.batch.num_tokens[state.row] - 1] = prompt[3]
+    states[1].matcher = runner.grammars.matcher(grammar, [])  # the grammar at its start
     plain, constrained = runner._propose(states)
-    assert plain and constrained == []  # n-gram lookup proposes for the plain row only
+    words = [tok.decode([t]) for t in plain]
+    keep = next(i for i, w in enumerate(words) if w not in (" the", " on", " cat", " sat"))
+    assert 0 < keep < len(plain) and words[keep] == " mat"
+    assert constrained == plain[:keep]  # cut before the draft the grammar refuses
+
+
+def test_speculation_on_constrained_rows_keeps_the_greedy_output(chat_model, tok, grammars):
+    """Constrained requests draft (cut by their grammar) and verify under their masks: the tokens
+    are plain constrained decoding's, and every output matches the grammar."""
+    import re
+
+    from folio.core.executor.runtime.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+
+    grammar = grammars.check(GuidedSpec(kind="regex", spec=WORDS16))
+    prompt = tok.hf.encode("the cat sat on the mat the cat sat on the mat the cat sat on the")
+    outputs, counters = {}, {}
+    for spec in ({}, dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')):
+        runner = ModelRunner(RuntimeConfig(num_kv_blocks=32, block_size=16, device="cpu", dtype="float32", **spec),
+                             chat_model)
+        engine = LocalEngine(runner)
+        for i in range(2):
+            engine.add(engine_request(f"r{i}", prompt + prompt[: i + 1], max_tokens=80, eos_token_id=tok.eos_token_id,
+                                      grammar=grammar))
+        outputs[bool(spec)] = {r: o.token_ids for r, o in engine.run().items()}
+        counters[bool(spec)] = engine.sched.counters
+    assert outputs[True] == outputs[False]
+    assert counters[True]["num_spec_accepted_tokens"] > 0
+    for tokens in outputs[True].values():
+        assert re.fullmatch(WORDS16, tok.decode(tokens[:-1])) and tokens[-1] == tok.eos_token_id

@@ -19,6 +19,7 @@ tokens: no loop over requests) and the projections add the batched delta.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgspec
 import numpy as np
@@ -39,8 +40,11 @@ from folio.core.executor.parallel.comm import Comm, Shard
 from folio.core.executor.quant.linear import QuantLinear, QuantLMHead, activation_dtype
 from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
-from folio.core.executor.runtime.spec_decode import Proposal, make_proposer
-from folio.core.structured.masks import GrammarStore, advance, apply_grammar_masks, compile_error
+from folio.core.executor.runtime.spec_control import SpecController, make_proposer
+from folio.core.executor.runtime.spec_decode import Proposal
+from folio.shared.speculative import LORA_REFUSAL, speculative_settings
+from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_masks, compile_error, draft_masks,
+                                         grammar_prefix)
 from folio.shared import startup
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
@@ -67,6 +71,10 @@ class RequestState:
     @property
     def num_prompt_tokens(self) -> int:
         return int(self.batch.num_prompt[self.row])
+
+    @property
+    def adapter(self) -> int:
+        return int(self.batch.lora_ids[self.row])
 
     @property
     def num_computed_tokens(self) -> int:
@@ -136,6 +144,9 @@ class ModelRunner:
             raise TypeError(f"unknown argument(s) {', '.join(sorted(lora_options))}")
         if lora["enable_lora"] and shard.size > 1:
             raise ValueError("LoRA adapters need tensor_parallel_size 1")
+        self.spec_settings = speculative_settings(config)  # before loading anything: a refusal is said at once
+        if self.spec_settings is not None and lora["enable_lora"]:
+            raise ValueError(LORA_REFUSAL)
         if lora["enable_lora"]:  # the per-step delta is not captured in decode graphs
             config = dataclasses.replace(config, enforce_eager=True)
         if shard.size > 1:  # decode graphs would have to capture the collectives: eager steps only
@@ -184,6 +195,8 @@ class ModelRunner:
         # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
         self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend,
                                       self.pool.num_blocks) if shard.rank == 0 else None
+        self.spec_control = SpecController() if self.proposer is not None and self.spec_settings.adaptive else None
+        self.drafts_now = True  # whether the next proposing step proposes (``StepResult.drafts_next``)
         self.appended: list[tuple[str, list[int]]] | None = [] if shard.size > 1 else None
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar
@@ -308,12 +321,13 @@ class ModelRunner:
             self._constrained.add(new.req_id)
 
     def _drop(self, req_id: str) -> None:
-        if self.requests.pop(req_id, None) is not None:
+        state = self.requests.pop(req_id, None)
+        if self.proposer is not None:  # the suffix proposer remembers what the request said
+            self.proposer.drop(req_id, *((state.token_ids, state.adapter) if state is not None else ()))
+        if state is not None:
             self.batch.remove(req_id)
         self._want_prompt_lp.discard(req_id)
         self._constrained.discard(req_id)
-        if self.proposer is not None:
-            self.proposer.drop(req_id)
 
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
@@ -376,6 +390,7 @@ class ModelRunner:
         return result
 
     def _execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
         forward = self._step_forward(plan)
         if forward is None:
             return StepResult(step_id=plan.step_id)
@@ -388,6 +403,9 @@ class ModelRunner:
         sampled, logprobs = self._sample(logits, step, samplers, plan, constrained)
         if constrained:
             self._advance_grammars(samplers, sampled.sampled_token_ids())
+        if self.spec_control is not None:  # this step's speed, for the arm its drafts were chosen by
+            decode_only = bool((step.counts - step.num_spec == 1).all() and step.samples.all())
+            self.spec_control.observe(time.perf_counter() - start, len(sampled.token_ids), decode_only)
         spec = self._propose([self.requests[r] for r in samplers]) if self.proposer else []
         if failed:  # their grammar did not compile: no token (the scheduler ends them with the reason)
             keep = [i for i, r in enumerate(samplers) if r not in failed]
@@ -396,7 +414,7 @@ class ModelRunner:
             samplers, logprobs = [samplers[i] for i in keep], [logprobs[i] for i in keep]
             spec = [spec[i] for i in keep] if spec else spec
         return msgspec.structs.replace(sampled, req_ids=samplers, logprobs=logprobs, prompt_logprobs=result_prompt_lp,
-                                       spec_token_ids=spec)
+                                       spec_token_ids=spec, drafts_next=self.drafts_now)
 
     def _step_forward(self, plan: StepPlan):
         """The plan's diffs, copies and forward pass (and prompt logprobs): what every rank runs."""
@@ -541,6 +559,7 @@ class ModelRunner:
             q.append(proposal.probs[: len(d)] if proposal.probs is not None else None)
         rows = [SamplingRow(s.sampling, None, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, seed=s.seed)
                 for s in states]
+        target = self._mask_drafts(target, states, drafts)
         out = verify(target, drafts, q, rows)
         for state, new in zip(states, out):
             if state.append_sampled:
@@ -550,6 +569,19 @@ class ModelRunner:
                 if self.appended is not None:
                     self.appended.append((state.req_id, list(new)))
         return out
+
+    @staticmethod
+    def _mask_drafts(target: torch.Tensor, states: list[RequestState], drafts: list[list[int]]) -> torch.Tensor:
+        """Constrained rows: each verified position sees its grammar's mask, as plain sampling does."""
+        if all(s.matcher is None for s in states):
+            return target
+        target, start = target.clone(), 0
+        for state, d in zip(states, drafts):
+            if state.matcher is not None and not state.matcher.is_terminated():
+                allowed = draft_masks(state.matcher, d, target.shape[1]).to(target.device)
+                target[start:start + len(d) + 1] = torch.where(allowed, target[start:start + len(d) + 1], float("-inf"))
+            start += len(d) + 1
+        return target
 
     def _record(self, state: RequestState, new: list[int]) -> None:
         """Penalty counts and the last sampled token of a verified request."""
@@ -563,18 +595,28 @@ class ModelRunner:
     def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
         """Drafts for each sampler's next step (none for beams, logprob requests, or when the
         batch is large enough that speculation stops paying)."""
-        cfg = self.config
-        if self.proposer is None or (cfg.speculative_disable_by_batch_size
-                                     and len(samplers) >= cfg.speculative_disable_by_batch_size):
+        limit = self.spec_settings.disable_by_batch_size if self.spec_settings is not None else 0
+        speculate = self.proposer is not None and self.drafts_now and not (limit and len(samplers) >= limit)
+        if self.spec_control is not None:  # decided a step ahead: the result says it, the scheduler plans ahead
+            self.drafts_now = self.spec_control.choose(len(samplers))
+        if not speculate:
             for state in samplers:
                 state.proposal = None
+            if self.spec_control is not None:
+                self.spec_control.proposed(len(samplers), False, 0.0)
             return []
-        # constrained rows never speculate: drafts would have to be checked against the grammar
-        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None and s.matcher is None]
+        start = time.perf_counter()
+        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None
+                  and (s.matcher is None or not s.matcher.is_terminated())]
         for state in samplers:
             state.proposal = None
         for state, proposal in zip(wanted, self.proposer.propose(wanted)):
+            if state.matcher is not None:  # a constrained row's drafts stop where its grammar would refuse one
+                n = grammar_prefix(state.matcher, proposal.token_ids)
+                proposal = Proposal(proposal.token_ids[:n], proposal.probs[:n] if proposal.probs is not None else None)
             state.proposal = proposal
+        if self.spec_control is not None:
+            self.spec_control.proposed(len(samplers), True, time.perf_counter() - start)
         return [s.proposal.token_ids if s.proposal is not None else [] for s in samplers]
 
     def _prompt_logprobs(self, hidden, step: StepInputs, req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
@@ -623,4 +665,6 @@ class ModelRunner:
             **({"kv_tiers": self.tiers.stats()} if self.tiers is not None else {}),
             **self.grammars.stats,
             **(self.lora.stats() if self.lora is not None else {}),
+            **(self.spec_control.stats() if self.spec_control is not None else {}),
+            **(self.proposer.stats() if hasattr(self.proposer, "stats") else {}),
         }

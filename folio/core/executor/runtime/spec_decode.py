@@ -15,6 +15,9 @@ one token of its own, with exactly the target's distribution.
   parameters (penalties see the drafts before them), and keeps ``q`` for the verification. Its
   cache follows the accepted tokens: after a verification only the KV of accepted tokens is
   kept (``rollback``), and the next proposal first catches up with the tokens it has not seen.
+
+``spec_control.make_proposer`` builds the one ``--speculative-config`` names (``spec_suffix``
+holds the suffix proposer) and ``spec_control.SpecController`` decides per step whether to use it.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class NgramProposer:
     def rollback(self, req_id: str, num_valid: int) -> None:
         pass
 
-    def drop(self, req_id: str) -> None:
+    def drop(self, req_id: str, token_ids: list[int] | None = None, adapter: int = 0) -> None:
         pass
 
 
@@ -99,7 +102,7 @@ class DraftModelProposer:
         self.generator = torch.Generator(device=device)
 
     # ------------------------------------------------------------------ cache bookkeeping
-    def drop(self, req_id: str) -> None:
+    def drop(self, req_id: str, token_ids: list[int] | None = None, adapter: int = 0) -> None:
         seq = self.seqs.pop(req_id, None)
         if seq is not None:
             self.free.extend(reversed(seq.block_ids))
@@ -175,23 +178,3 @@ class DraftModelProposer:
             self.generator.manual_seed(position_seed(state.sampling.seed ^ DRAFT_SEED_SALT, position))
             generator = self.generator
         return int(torch.multinomial(q, 1, generator=generator))
-
-
-def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype, backend, num_target_blocks: int):
-    """The proposer the runtime config asks for, or None (no speculative decoding)."""
-    name, k = config.speculative_model, config.num_speculative_tokens
-    if not name:
-        return None
-    if k < 1:
-        raise ValueError("--speculative-model needs --num-speculative-tokens of at least 1")
-    if name == "ngram":
-        return NgramProposer(k, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-    from folio.core.models import resolve_model
-
-    num_blocks = config.num_draft_kv_blocks or num_target_blocks
-    if backend.name == "cpu":  # its layer ops are shaped for the target's (quantized) layers
-        from folio.core.executor.kernels.attention import TorchAttentionBackend
-
-        backend = TorchAttentionBackend()
-    return DraftModelProposer(str(resolve_model(name)), k, target_spec.vocab_size, config.block_size, num_blocks,
-                              device, dtype, backend)

@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 
 from folio.core.executor.sampling.philox import uniforms
-from folio.core.executor.sampling.sampler import SamplingRow, _search, has_penalties, processed_probs
+from folio.core.executor.sampling.sampler import (SamplingBatch, SamplingRow, _argmax, _search, has_penalties,
+                                                  process_logits, processed_probs)
 
 __all__ = ["num_accepted", "processed_probs", "verify"]
 
@@ -62,18 +63,23 @@ def verify(
         needed = sum(num_drafts) + num_reqs
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows, the drafts need {needed}")
 
-    p = processed_probs(target_logits, _position_rows(rows, draft_token_ids))  # [num_rows, vocab]
-    device = p.device
+    device = target_logits.device
     draft_rows = torch.tensor(
         [row_starts[i] + j for i, k in enumerate(num_drafts) for j in range(k)], dtype=torch.long, device=device
     )
     drafts = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.long, device=device)
-    p_draft = p[draft_rows]  # [num_drafts, vocab]
-    target_top = p.argmax(dim=-1)  # [num_rows]: the greedy rows' token (their p is a one-hot)
+    greedy = [r.params.greedy for r in rows]
+    position_rows = _position_rows(rows, draft_token_ids)
+    if all(greedy):  # the argmax of the processed logits, as plain greedy sampling takes it: no distributions
+        batch = SamplingBatch.from_rows(position_rows, target_logits.shape[1], device)
+        target_top = _argmax(process_logits(target_logits, batch))
+    else:
+        p = processed_probs(target_logits, position_rows)  # [num_rows, vocab]
+        p_draft = p[draft_rows]  # [num_drafts, vocab]
+        target_top = p.argmax(dim=-1)  # [num_rows]: the greedy rows' token (their p is a one-hot)
     candidates = target_top  # the token each row outputs if the walk stops there
     accepted = drafts == target_top[draft_rows]  # [num_drafts], the greedy rule
 
-    greedy = [r.params.greedy for r in rows]
     if not all(greedy):
         token_u, uniform = _draws(p, rows, num_drafts)
         q = _draft_q(draft_probs, draft_token_ids, draft_starts, drafts, p_draft)

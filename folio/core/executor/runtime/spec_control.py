@@ -1,0 +1,106 @@
+"""Which proposer the config names (``make_proposer``), and when to use it: the runner asks
+``SpecController`` each step whether drafting pays.
+
+Speculation pays when the tokens a verification gains outweigh what it costs: at batch 1 on a
+CPU verifying five tokens costs about one plain step, at batch 32 every draft token is real GEMM
+work, and a proposer that finds nothing to copy only adds its own time. Neither side is known in
+advance, so it is measured: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) the controller
+keeps a decaying mean of the tokens per second that decode-only steps gave with drafts and
+without (the step's forward pass and sampling, plus the proposing that made its drafts). It
+picks the faster, trying each at first and the slower again once every ``explore_every``
+decisions of a bucket, so a proposer that stops paying (a chat after a copy task) costs at most
+that share of steps. Steps with prefill chunks say nothing about decode speed and are not
+counted. The choice never changes what is sampled: verification is lossless either way.
+
+Each decision is made one step ahead (at the end of step N, for the proposing at the end of N+1)
+and said in step N's result (``StepResult.drafts_next``): when it is no, the scheduler plans step
+N+2 before N+1's result, as async scheduling does without speculation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.core.executor.runtime.spec_decode import DraftModelProposer, NgramProposer
+from folio.core.executor.runtime.spec_suffix import SuffixProposer
+from folio.shared.speculative import speculative_settings
+
+PLAIN, SPEC = 0, 1
+
+
+class _Bucket:
+    __slots__ = ("rate", "num_samples", "num_decisions")
+
+    def __init__(self):
+        self.rate = [0.0, 0.0]  # tokens per second, decaying mean, per arm
+        self.num_samples = [0, 0]
+        self.num_decisions = 0
+
+
+class SpecController:
+    def __init__(self, explore_every: int = 16, min_samples: int = 3, decay: float = 0.8):
+        self.explore_every, self.min_samples, self.decay = explore_every, min_samples, decay
+        self.buckets: dict[int, _Bucket] = {}
+        self.pending: tuple[int, int, float] | None = None  # (bucket, arm, seconds spent proposing)
+        self.num_steps = [0, 0]  # decisions per arm
+
+    @staticmethod
+    def bucket_of(num_rows: int) -> int:
+        return max(1, num_rows).bit_length()
+
+    def choose(self, num_rows: int) -> bool:
+        """Whether the next step of these ``num_rows`` sampling rows should carry drafts."""
+        b = self.buckets.setdefault(self.bucket_of(num_rows), _Bucket())
+        b.num_decisions += 1
+        if b.num_samples[SPEC] < self.min_samples:
+            arm = SPEC
+        elif b.num_samples[PLAIN] < self.min_samples:
+            arm = PLAIN
+        else:
+            best = SPEC if b.rate[SPEC] >= b.rate[PLAIN] else PLAIN
+            arm = 1 - best if b.num_decisions % self.explore_every == 0 else best
+        self.num_steps[arm] += 1
+        return arm == SPEC
+
+    def proposed(self, num_rows: int, speculate: bool, seconds: float) -> None:
+        """The decision for the next step, and what its proposing cost."""
+        self.pending = (self.bucket_of(num_rows), SPEC if speculate else PLAIN, seconds)
+
+    def observe(self, seconds: float, num_tokens: int, decode_only: bool) -> None:
+        """The step that the pending decision was for ran: ``num_tokens`` sampled in ``seconds``."""
+        pending, self.pending = self.pending, None
+        if pending is None or not decode_only or num_tokens <= 0:
+            return
+        bucket, arm, propose_s = pending
+        b = self.buckets.setdefault(bucket, _Bucket())
+        rate = num_tokens / max(seconds + propose_s, 1e-9)
+        b.rate[arm] = rate if b.num_samples[arm] == 0 else self.decay * b.rate[arm] + (1 - self.decay) * rate
+        b.num_samples[arm] += 1
+
+    def stats(self) -> dict:
+        return {"spec_steps_speculated": self.num_steps[SPEC], "spec_steps_plain": self.num_steps[PLAIN],
+                "spec_rates_by_batch": {f"{1 << (k - 1)}+": [round(r, 1) for r in b.rate]
+                                        for k, b in sorted(self.buckets.items())}}
+
+
+def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype, backend, num_target_blocks: int):
+    """The proposer ``--speculative-config`` (or its older flags) asks for, or None."""
+    settings = speculative_settings(config)
+    if settings is None:
+        return None
+    k = settings.num_speculative_tokens
+    if settings.method == "ngram":
+        return NgramProposer(k, settings.prompt_lookup_min, settings.prompt_lookup_max)
+    if settings.method == "suffix":
+        return SuffixProposer(k, settings.suffix_max_depth, settings.suffix_max_cached_requests,
+                              settings.suffix_max_spec_factor, settings.suffix_min_token_prob,
+                              settings.prompt_lookup_min, settings.prompt_lookup_max)
+    from folio.core.models import resolve_model
+
+    num_blocks = config.num_draft_kv_blocks or num_target_blocks
+    if backend.name == "cpu":  # its layer ops are shaped for the target's (quantized) layers
+        from folio.core.executor.kernels.attention import TorchAttentionBackend
+
+        backend = TorchAttentionBackend()
+    return DraftModelProposer(str(resolve_model(settings.model)), k, target_spec.vocab_size, config.block_size,
+                              num_blocks, device, dtype, backend)

@@ -1,0 +1,124 @@
+"""``--speculative-config``: which proposer drafts tokens and how many, in vLLM's JSON form.
+
+    --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
+    LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+
+The executor reads it to build its proposer (``folio.core.executor.runtime.spec_decode``); the
+scheduler reads it only to know that steps carry drafts (each waits for the last one's result).
+The older flags (``--speculative-model ngram|DIR``, ``--num-speculative-tokens``,
+``--ngram-prompt-lookup-min/max``, ``--speculative-disable-by-batch-size``) stay as aliases: they
+are turned into the same settings here, so there is one place that decides what was asked for.
+Pure Python: the services import it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+BUILT = ("ngram", "suffix", "draft_model")  # eagle3 is accepted by the parser only to say why it is refused
+DEFAULT_NUM_TOKENS = {"ngram": 4, "suffix": 8, "draft_model": 3}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft's folder or name
+    prompt_lookup_min: int = 1  # ngram (and the suffix proposer's own-request lookup)
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 0  # propose nothing while this many requests sample in a step (0: never)
+    adaptive: bool = True  # choose per step between speculating and not from measured speed
+    # suffix: how deep the shared tree goes, how many requests' tokens it remembers, and how many
+    # tokens a match may propose per token matched (Arctic Inference's max_spec_factor)
+    suffix_max_depth: int = 32
+    suffix_max_cached_requests: int = 1000
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1  # stop a draft where the tree's branch share falls below this
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method not in BUILT:
+            raise ValueError(f"speculative method {self.method!r} is not available: this build has no EAGLE draft "
+                             f"heads; use one of {', '.join(BUILT)}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('the draft_model method needs "model": a draft folder or model name')
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+        if self.suffix_max_depth < 2 or self.suffix_max_cached_requests < 1 or self.suffix_max_spec_factor <= 0:
+            raise ValueError("suffix_max_depth >= 2, suffix_max_cached_requests >= 1 and suffix_max_spec_factor > 0")
+
+
+_KEYS = {f.name for f in fields(SpeculativeConfig)}
+
+
+def parse_speculative_config(text_or_dict) -> SpeculativeConfig:
+    """The settings from ``--speculative-config`` (a JSON object) or ``LLM``'s dict; ValueError
+    with the reason for anything else."""
+    if isinstance(text_or_dict, str):
+        try:
+            value = json.loads(text_or_dict)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    else:
+        value = text_or_dict
+    if not isinstance(value, dict):
+        raise ValueError('--speculative-config must be a JSON object such as {"method": "ngram", '
+                         '"num_speculative_tokens": 4}')
+    unknown = sorted(set(value) - _KEYS)
+    if unknown:
+        raise ValueError(f"unknown speculative-config key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
+    method = value.get("method")
+    if method is None:
+        raise ValueError(f'speculative-config needs "method": one of {", ".join(METHODS)}')
+    value = {"num_speculative_tokens": DEFAULT_NUM_TOKENS.get(method, 1), **value}
+    for key, kind in (("num_speculative_tokens", int), ("prompt_lookup_min", int), ("prompt_lookup_max", int),
+                      ("disable_by_batch_size", int), ("suffix_max_depth", int),
+                      ("suffix_max_cached_requests", int)):
+        if key in value and (not isinstance(value[key], kind) or isinstance(value[key], bool)):
+            raise ValueError(f"speculative-config {key} must be an integer, got {value[key]!r}")
+    return SpeculativeConfig(**value)
+
+
+def speculative_settings(config) -> SpeculativeConfig | None:
+    """What a runtime (or scheduler) config asks for: ``speculative_config``, else the older
+    flags, else None (no speculative decoding)."""
+    given = getattr(config, "speculative_config", None)
+    legacy = getattr(config, "speculative_model", None)
+    if given:
+        if legacy:
+            raise ValueError("give --speculative-config or --speculative-model, not both")
+        return parse_speculative_config(given)
+    if not legacy:
+        return None
+    k = getattr(config, "num_speculative_tokens", 0)
+    if k < 1:
+        raise ValueError("--speculative-model needs --num-speculative-tokens of at least 1")
+    method = legacy if legacy in ("ngram", "suffix") else "draft_model"
+    return SpeculativeConfig(method=method, num_speculative_tokens=k,
+                             model=legacy if method == "draft_model" else None,
+                             prompt_lookup_min=getattr(config, "ngram_prompt_lookup_min", 1),
+                             prompt_lookup_max=getattr(config, "ngram_prompt_lookup_max", 4),
+                             disable_by_batch_size=getattr(config, "speculative_disable_by_batch_size", 0),
+                             adaptive=False)  # the older flags keep their fixed behaviour
+
+
+def speculative_refusal(config) -> str | None:
+    """Why this config's speculative decoding cannot start (said once, before anything loads),
+    or None. Adapters are refused: the proposers and the verifier are not built per adapter."""
+    try:
+        settings = speculative_settings(config)
+    except ValueError as exc:
+        return str(exc)
+    if settings is not None and getattr(config, "enable_lora", False):
+        return LORA_REFUSAL
+    return None
+
+
+LORA_REFUSAL = ("speculative decoding does not run with --enable-lora: the draft model knows no adapter and "
+                "verification with adapters is untested; serve adapters without speculation")

@@ -1,0 +1,194 @@
+"""Suffix speculation (a trie over earlier requests), the per-step choice to speculate, and
+``--speculative-config``: the trie's counts and bounds, drafts whose length follows the match,
+lossless greedy output through ``LocalEngine`` with prefix caching, preemption and n > 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from folio.core.executor.runtime.spec_control import SpecController
+from folio.core.executor.runtime.spec_suffix import SuffixProposer, SuffixTrie
+from folio.shared.config import RuntimeConfig
+from folio.shared.speculative import LORA_REFUSAL, speculative_refusal, speculative_settings
+from tests.core.engine import engine_request
+from tests.executor.test_spec_decode import make_runner, repetitive_prompts, run
+
+
+# --------------------------------------------------------------------------- the trie
+
+
+def test_trie_counts_substrings_and_forgets_them_exactly():
+    trie = SuffixTrie(max_depth=4)
+    trie.add([1, 2, 3, 1, 2, 4])
+    assert trie._find([1, 2]).count == 2 and trie._find([2, 3]).count == 1
+    assert trie._find([1, 2, 3, 1, 2]) is None  # deeper than max_depth is not kept
+    assert trie.longest_match([9, 3, 1, 2]) == (3, trie._find([3, 1, 2]))
+    assert trie.longest_match([7, 8])[0] == 0
+    nodes = trie.num_nodes
+    trie.add([5, 1, 2])
+    trie.remove([5, 1, 2])
+    assert trie.num_nodes == nodes  # a removal gives back exactly what the add made
+    trie.remove([1, 2, 3, 1, 2, 4])
+    assert trie.num_nodes == 0 and not trie.root.children
+
+
+def test_draft_length_follows_the_match_and_its_frequency():
+    trie = SuffixTrie(max_depth=16)
+    for _ in range(3):
+        trie.add([10, 11, 12, 13, 14, 15, 16])
+    trie.add([10, 11, 12, 40, 41])
+    # [11, 12] seen 4 times, followed by 13 three times out of four: taken, then 14, 15, ...
+    # but a 2-token match may propose at most 2 tokens (max_spec_factor 1)
+    assert trie.continuation([0, 11, 12], k=8, max_spec_factor=1.0, min_token_prob=0.1) == (2, [13, 14])
+    assert trie.continuation([10, 11, 12], k=8, max_spec_factor=1.0, min_token_prob=0.1) == (3, [13, 14, 15])
+    assert trie.continuation([10, 11, 12], k=8, max_spec_factor=3.0, min_token_prob=0.1)[1] == [13, 14, 15, 16]
+    # a branch under min_token_prob of its parent's occurrences stops the draft
+    assert trie.continuation([10, 11, 12], k=8, max_spec_factor=3.0, min_token_prob=0.8)[1] == []
+    assert trie.continuation([99], k=8, max_spec_factor=3.0, min_token_prob=0.1) == (0, [])
+    # a match as long as the trie is deep leaves room for k tokens after it: it is shortened
+    shallow, text = SuffixTrie(max_depth=8), list(range(100, 120))
+    shallow.add(text)
+    assert shallow.continuation(text[:15], k=4, max_spec_factor=1.0, min_token_prob=0.1) == (4, text[15:19])
+
+
+def test_the_proposer_keeps_a_bounded_set_of_requests_per_adapter():
+    p = SuffixProposer(k=4, max_depth=8, max_cached_requests=2)
+    p.drop("a", [1, 2, 3, 4, 5, 6])
+    assert p.propose_one([9, 1, 2, 3]) == [4, 5, 6]  # from request a, though not in this one's tokens
+    assert p.propose_one([9, 1, 2, 3], adapter=7) == []  # another adapter's trie is empty
+    p.drop("a", [1, 2, 3, 4, 5, 6])  # seen again (preempted, then finished): replaced, not doubled
+    assert p.tries[0]._find([1, 2]).count == 1
+    p.drop("b", [20, 21, 22])
+    p.drop("c", [30, 31, 32])  # the oldest, a, leaves
+    assert list(p.cached) == ["b", "c"] and p.tries[0]._find([1]) is None
+    assert p.propose_one([5, 6, 7, 5]) == [6, 7, 5]  # its own tokens: prompt lookup
+
+
+# --------------------------------------------------------------------------- when to speculate
+
+
+def test_the_controller_picks_the_faster_arm_and_explores_rarely():
+    ctl = SpecController(explore_every=16, min_samples=2)
+    decisions = []
+    for _ in range(200):
+        speculate = ctl.choose(1)
+        decisions.append(speculate)
+        ctl.proposed(1, speculate, 0.001)
+        ctl.observe(0.010, 3 if speculate else 1, True)  # drafts give 3 tokens in the time of one
+    assert sum(decisions[10:]) / len(decisions[10:]) > 0.9
+    crowded = [ctl.choose(32) for _ in range(1)]
+    ctl.proposed(32, crowded[0], 0.0)
+    for _ in range(200):  # at batch 32 drafting is slower: plain wins, tried again 1 in 16
+        speculate = ctl.choose(32)
+        ctl.proposed(32, speculate, 0.002)
+        ctl.observe(0.030 if speculate else 0.012, 32, True)
+        crowded.append(speculate)
+    assert sum(crowded[20:]) / len(crowded[20:]) <= 1 / 16 + 0.01
+    ctl.proposed(1, True, 0.0)
+    ctl.observe(99.0, 1, decode_only=False)  # a prefill step says nothing about decode speed
+    assert ctl.buckets[1].rate[1] > 100
+
+
+# --------------------------------------------------------------------------- --speculative-config
+
+
+def test_speculative_config_and_its_aliases_say_what_is_wrong():
+    s = speculative_settings(RuntimeConfig(speculative_config='{"method": "suffix", "num_speculative_tokens": 6}'))
+    assert (s.method, s.num_speculative_tokens, s.adaptive) == ("suffix", 6, True)
+    legacy = speculative_settings(RuntimeConfig(speculative_model="ngram", num_speculative_tokens=3))
+    assert (legacy.method, legacy.num_speculative_tokens, legacy.adaptive) == ("ngram", 3, False)
+    assert speculative_settings(RuntimeConfig(speculative_model="/d", num_speculative_tokens=2)).model == "/d"
+    for text, said in [("{", "not JSON"), ('{"method": "eagle3"}', "no EAGLE draft heads"),
+                       ('{"method": "ngram", "k": 3}', "unknown speculative-config key(s) k"),
+                       ('{"method": "draft_model"}', "needs \"model\""),
+                       ('{"method": "ngram", "num_speculative_tokens": "4"}', "must be an integer")]:
+        assert said in speculative_refusal(RuntimeConfig(speculative_config=text))
+    both = RuntimeConfig(speculative_config='{"method": "ngram"}', speculative_model="ngram")
+    assert "not both" in speculative_refusal(both)
+    from folio.llm import engine_configs  # LLM takes vLLM's dict
+
+    runtime, _ = engine_configs("m", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}})
+    assert speculative_settings(runtime).num_speculative_tokens == 2
+
+
+def test_adapters_with_speculation_are_refused_at_start(tiny_pair, capsys):
+    import argparse
+
+    from folio.services.serve import add_serve_args, serve
+
+    with pytest.raises(ValueError, match="--enable-lora"):
+        make_runner(tiny_pair[0], speculative_config='{"method": "ngram"}', enable_lora=True)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    from folio.services.executor.main import parse_config as executor_config
+    from folio.services.scheduler.main import parse_config as scheduler_config
+    from folio.services.serve import service_argv
+
+    text = '{"method": "suffix", "num_speculative_tokens": 5}'
+    args = parser.parse_args(["--model", tiny_pair[0], "--speculative-config", text])
+    assert executor_config(service_argv("executor", args, tiny_pair[0])).runtime.speculative_config == text
+    assert speculative_settings(scheduler_config(service_argv("scheduler", args, tiny_pair[0]))).method == "suffix"
+    for extra, said in [(["--enable-lora"], LORA_REFUSAL), ([], "no EAGLE draft heads")]:
+        args = parser.parse_args(["--model", tiny_pair[0], "--speculative-config",
+                                  '{"method": "suffix"}' if extra else '{"method": "eagle3"}', *extra])
+        assert serve(args) == 2
+        assert said in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- lossless
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from tests.executor.test_spec_decode import write_target_and_draft
+
+    return write_target_and_draft(tmp_path_factory, "suffix", 64)
+
+
+def test_suffix_speculation_is_lossless_with_caching_preemption_and_choices(tiny_pair):
+    """Two waves of the same prompts (the second drafts from the first's answers), n = 2 choices,
+    in a pool small enough to preempt: the greedy tokens are plain decoding's."""
+    target, _ = tiny_pair
+    prompts = repetitive_prompts(6, seed=21)
+
+    def wave(tag):
+        return [engine_request(f"{tag}{i}", p, 24, ignore_eos=True, fork_req_ids=[f"{tag}{i}-1"])
+                for i, p in enumerate(prompts)]
+
+    plain_runner = make_runner(target, num_kv_blocks=40)
+    spec_runner = make_runner(target, num_kv_blocks=40, speculative_config='{"method": "suffix", '
+                              '"num_speculative_tokens": 6, "prompt_lookup_min": 2}')
+    preempted = 0
+    for tag in ("first", "second"):
+        _, plain = run(plain_runner, wave(tag))
+        engine, fast = run(spec_runner, wave(tag))
+        assert fast == plain
+        assert engine.alloc.num_used_blocks == 0
+        preempted += engine.sched.counters["num_preemptions"]
+    assert preempted > 0
+    assert engine.sched.counters["num_spec_accepted_tokens"] > 0
+    stats = spec_runner.stats()
+    assert stats["suffix_drafts_from_trie"] > 0 and stats["suffix_cached_requests"] > 0
+    assert stats["spec_steps_speculated"] > 0  # the controller chose drafts for some steps
+
+
+class Alternating(SpecController):
+    """Drafts every other decision: both arms, and their switches, in one short run."""
+
+    def choose(self, num_rows: int) -> bool:
+        super().choose(num_rows)
+        return sum(self.num_steps) % 2 == 0
+
+
+def test_steps_without_drafts_ahead_are_planned_ahead_and_the_output_stays(tiny_pair):
+    """A decision not to draft is made a step ahead and said in the result, so the scheduler
+    plans the next step before the result (placeholders) as it does without speculation."""
+    target, _ = tiny_pair
+    reqs = [engine_request(f"r{i}", p, 20, ignore_eos=True) for i, p in enumerate(repetitive_prompts(4, seed=8))]
+    _, plain = run(make_runner(target), reqs)
+    runner = make_runner(target, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    runner.spec_control = Alternating()
+    engine, fast = run(runner, reqs, async_scheduling=True)
+    assert fast == plain
+    assert any(plan.num_placeholder_tokens for plan in engine.plans)  # planned ahead of a result
+    assert engine.sched.counters["num_spec_accepted_tokens"] > 0  # and drafts verified in between
