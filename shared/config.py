@@ -65,6 +65,26 @@ def api_key_from_env() -> str | None:
     return os.environ.get("FOLIO_API_KEY") or None
 
 
+def keys_dir_from_env() -> str | None:
+    """``FOLIO_KEYS_DIR``: the stack's key folder when ``--keys-dir`` is not given."""
+    return os.environ.get("FOLIO_KEYS_DIR") or None
+
+
+def default_keys_dir() -> Path:
+    """The key folder ``folio serve`` makes for itself on one host when none is named."""
+    return cache_dir() / "keys"
+
+
+@dataclass(frozen=True)
+class PlaneConfig:
+    """The internal plane: every service takes the key folder its tcp sockets authenticate with
+    (``shared/plane.py``; read once per process, not carried in the service's config)."""
+
+    keys_dir: str | None = flag(None, "the stack's key folder (`folio keys init DIR`; or $FOLIO_KEYS_DIR): every "
+                                "tcp socket speaks CURVE with its keys; needed with tcp endpoints", ALL_SERVICES,
+                                env=keys_dir_from_env, metavar="DIR")
+
+
 @dataclass(frozen=True)
 class LogConfig:
     """How every service logs (each service's config carries these fields too)."""

@@ -3,6 +3,11 @@
 Every service builds its sockets here (``make_socket``) on a ``zmq.asyncio.Context`` and sends
 and receives messages of ``folio.shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
 by the pattern: a PULL that many push into binds; a ROUTER binds; a PUB binds; the rest connect.
+
+Every ``tcp://`` socket speaks CURVE (``shared/plane.py``): a bound one serves with the stack's
+server key and lets in only the stack's client keys, a connecting one presents the client key;
+without a key folder a tcp socket is refused here (``MissingKeys``), never opened in the clear.
+``ipc://`` sockets rely on their files' permissions (a 0700 run folder, ``folio serve``).
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import msgspec
 import zmq
 import zmq.asyncio
+
+from folio.shared.plane import MissingKeys, secure  # noqa: F401  (MissingKeys: for callers)
 
 # How many messages a socket queues per peer before PUSH blocks (back-pressure) or PUB drops.
 DEFAULT_HWM = 100_000
@@ -60,6 +67,11 @@ def make_socket(
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if bind is None:
         bind = kind in _BINDS
+    try:
+        secure(ctx, sock, address, bind)
+    except BaseException:
+        sock.close(0)
+        raise
     if bind:
         sock.bind(_bind_address(address))
     else:

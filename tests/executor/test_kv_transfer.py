@@ -10,6 +10,7 @@ from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import (
     KVLayout, KVReceiver, KVSender, LayoutMismatch, TransferError, TransferHandle)
 from folio.core.kv.allocator import BlockAllocator
+from folio.shared.plane import secure
 
 
 def _pool(dtype=torch.bfloat16, num_blocks=8, seed=0, **kw):
@@ -147,6 +148,7 @@ def test_a_malformed_request_is_answered_and_the_sender_keeps_serving(released):
     sender = _sender(src, released)
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
+        secure(zmq.Context.instance(), sock, sender.endpoint, bind=False)  # a peer with the stack's keys
         sock.connect(sender.endpoint)
         sock.send_multipart([b"PULL", b"\xc1not msgpack"])
         assert sock.poll(2000)

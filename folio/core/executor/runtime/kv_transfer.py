@@ -20,6 +20,10 @@ size, layers, FP8 scales); a sender whose layout differs refuses with a message 
 difference, and the receiver raises ``LayoutMismatch`` with it. The transfer stays owned (the
 blocks are not freed: another receiver may take them).
 
+Over tcp both sockets speak CURVE with the stack's keys (``shared/plane.py``): a peer without them
+is refused before it can name a transfer id. No peer's bytes are ever unpickled here: headers are
+msgpack, KV frames are raw bytes copied into the pool after their sizes are checked.
+
 Wire (DEALER -> ROUTER, msgpack headers): ``[b"PULL", {transfer_id, layout}]`` ->
 ``[b"OK", {num_blocks, ...}, *frames]`` or ``[b"ERR", {message, kind}]``;
 ``[b"CONFIRM"|b"FAIL", {transfer_id}]`` -> ``[b"OK", {}]``.
@@ -41,6 +45,7 @@ import zmq
 from folio.core.executor.kernels.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
 from folio.shared.messages import TransferHandle
+from folio.shared.plane import secure
 
 DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0
@@ -131,6 +136,7 @@ class KVSender:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure(self.ctx, self.sock, endpoint, bind=True)  # CURVE: only the stack's keys pull KV
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.outstanding: dict[str, tuple[list[int], float]] = {}  # transfer id -> (block ids, deadline)
@@ -243,6 +249,7 @@ class KVReceiver:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure(self.ctx, sock, endpoint, bind=False)
             sock.connect(endpoint)
         try:
             sock.send_multipart([verb, msgspec.msgpack.encode(header)])
