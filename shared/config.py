@@ -222,8 +222,9 @@ class Endpoints:
         return Endpoints(**{n: f"ipc://{d / n}.sock" for n in names})
 
     @staticmethod
-    def tcp(base_port: int = 5550) -> "Endpoints":
-        """Container names as hosts, one port each: the compose stack's layout."""
+    def tcp(base_port: int = 5550, host: str | None = None) -> "Endpoints":
+        """Container names as hosts, one port each: the compose stack's layout (``host``: every
+        service on that one host instead, e.g. 127.0.0.1)."""
         owner = {
             "tokenizer_in": "tokenizer",
             "scheduler_in": "scheduler",
@@ -239,16 +240,17 @@ class Endpoints:
             "kv_snapshot": "kvmanager",
             "admin_router": "router",
         }
-        return Endpoints(**{n: f"tcp://{host}:{base_port + i}" for i, (n, host) in enumerate(owner.items())})
+        return Endpoints(**{n: f"tcp://{host or name}:{base_port + i}" for i, (n, name) in enumerate(owner.items())})
 
     @staticmethod
     def from_env() -> "Endpoints":
-        """``FOLIO_ENDPOINTS=tcp`` (compose) or ``FOLIO_RUN_DIR`` (ipc, default: the folder of a
-        server on port 8000); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
+        """``FOLIO_ENDPOINTS=tcp`` (compose; ``FOLIO_TCP_HOST``: every service on that host) or
+        ``FOLIO_RUN_DIR`` (ipc, default: the folder of a server on port 8000); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
         KV event stream and its snapshot socket elsewhere (``folio serve --kv-events-port``: tcp for
         a router)."""
         if os.environ.get("FOLIO_ENDPOINTS", "ipc") == "tcp":
-            endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")))
+            endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")),
+                                      os.environ.get("FOLIO_TCP_HOST") or None)
         else:
             endpoints = Endpoints.ipc(default_run_dir(DEFAULT_PORT))
         moved = {name: os.environ.get(var) for name, var in (("kv_events", "FOLIO_KV_EVENTS_ENDPOINT"),

@@ -191,7 +191,7 @@ class _Gate:
                     pair.close(0)
                     continue
                 REFUSALS.refused(event["endpoint"].decode("utf8", "replace"),
-                                 "handshake failed (no key, or not CURVE)")
+                                 "handshake failed (no key, or not this stack's)")
         for pair in names:
             pair.close(0)
 

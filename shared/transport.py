@@ -22,6 +22,9 @@ from folio.shared.plane import MissingKeys, secure  # noqa: F401  (MissingKeys: 
 DEFAULT_HWM = 100_000
 # On close, give queued messages this long (ms) to leave; a dead peer must not hang shutdown.
 LINGER_MS = 500
+# A tcp peer that sends a larger message is disconnected by libzmq before it is buffered whole (a
+# step plan of 128k prompt tokens is under 1 MiB; KV blocks travel on their own sockets).
+MAX_TCP_MESSAGE_BYTES = 64 * 1024 * 1024
 
 _BINDS = {zmq.PULL, zmq.ROUTER, zmq.PUB}
 
@@ -62,6 +65,8 @@ def make_socket(
     sock.setsockopt(zmq.RCVHWM, hwm)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if address.startswith("tcp://"):
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_TCP_MESSAGE_BYTES)
     if kind == zmq.ROUTER:
         # a reply to a peer that went away raises instead of vanishing silently
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

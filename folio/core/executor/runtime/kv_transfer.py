@@ -136,6 +136,7 @@ class KVSender:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small headers; a larger one drops its peer
         secure(self.ctx, self.sock, endpoint, bind=True)  # CURVE: only the stack's keys pull KV
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
