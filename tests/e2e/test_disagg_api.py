@@ -157,7 +157,7 @@ def test_the_extension_is_validated(stack):
     signed = {**sign(stack_keys(), handle, 60), "endpoint": "tcp://evil:1"}
     status, body = completion(d1.url, "hi", max_tokens=2, kv_transfer={"handle": signed, "forced_token_ids": [1]})
     assert status == 400 and "signature does not match" in body["error"]["message"]
-    signed = sign(stack_keys(), {**handle, "transfer_id": "x"}, 60)
+    signed = sign(stack_keys(), {"transfer_id": "x"}, 60)  # signed, but no handle
     status, body = completion(d1.url, "hi", max_tokens=2, kv_transfer={"handle": signed, "forced_token_ids": [1]})
     assert status == 400 and "invalid kv transfer handle" in body["error"]["message"]
     status, body = completion(p.url, "hi", max_tokens=1, n=2, kv_transfer={"export": True})
