@@ -332,8 +332,9 @@ class GatewayConfig:
     host: str = flag("0.0.0.0", "HTTP address to listen on", ("gateway", "router"), launcher_default=True)
     port: int = flag(8000, "HTTP port (the gateway: 8000, the router: 8080)", ("gateway", "router"),
                      launcher_default=True)
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every request (or $FOLIO_API_KEY)",
-                               ("gateway",), env=api_key_from_env, forward=False)
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every request (or $FOLIO_API_KEY; the "
+                               "router passes it on to its replicas)", ("gateway", "router"), env=api_key_from_env,
+                               forward=False)
     admin_timeout_s: float = 0.25  # /metrics asks the scheduler and kvmanager; never wait long
     request_timeout_s: float = flag(600.0, "seconds a request may take in all, queue included; 0: no limit "
                                     "(default 600)", ("gateway",), name="--request-timeout")
@@ -392,6 +393,7 @@ class RouterConfig:
                        ("router",), choices=("cache_aware", "least_loaded", "round_robin"))
     block_size: int = 16  # until a replica's snapshot says otherwise
     # the cost of one request already running or waiting on a replica, in prompt tokens to compute
+    api_key: str | None = None  # the gateway's flag: the router's own /v1/ routes want it too
     load_cost_tokens: int = flag(256, "what one running or waiting request on a replica weighs, in prompt tokens "
                                  "to compute", ("router",))
     poll_interval_s: float = flag(0.5, "seconds between reads of each replica's /metrics (load and liveness)",
