@@ -342,7 +342,9 @@ class GatewayConfig:
                               ("gateway",))
     max_concurrent_requests: int = flag(4096, "open generation requests, streams included; more get 429 "
                                         "(default 4096)", ("gateway",))
-    max_body_bytes: int = flag(32 * 1024 * 1024, "larger request bodies get 413 (default 33554432)", ("gateway",))
+    max_body_bytes: int = flag(16 * 1024 * 1024, "larger request bodies get 413, unread past the limit (a declared "
+                               "Content-Length over it: unread at all; default 16777216)", ("gateway",),
+                               name="--max-request-bytes", aliases=("--max-body-bytes",))
     max_replays: int = flag(3, "times in a row (without output in between) a request in flight is replayed "
                             "after a scheduler or tokenizer restart before it ends with an error (default 3; 0: "
                             "never replayed)", ("gateway",))

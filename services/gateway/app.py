@@ -24,9 +24,26 @@ log = structlog.get_logger()  # lazy: takes the config setup_logging makes in ma
 LISTEN_BACKLOG = 2048
 
 
+def body_limit(max_bytes: int):
+    """A request that declares a body over ``max_bytes`` is a 413 before one byte of it is read
+    (aiohttp's ``client_max_size`` stops the rest, which declare nothing, at the limit)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.content_length is not None and request.content_length > max_bytes:
+            err = {"error": {"message": f"the request body is {request.content_length} bytes; the limit is "
+                             f"{max_bytes} (--max-request-bytes)", "type": "invalid_request_error", "param": None,
+                             "code": "request_too_large"}}
+            return web.json_response(err, status=413, headers={"Connection": "close"})
+        return await handler(request)
+
+    return check
+
+
 def build_app(service: GatewayService) -> web.Application:
     traced = getattr(service, "tracing", None)  # --otlp-traces-endpoint: the request spans around the rest
     app = web.Application(middlewares=[*([tracing.middleware(traced)] if traced else []), error_middleware,
+                                       body_limit(service.config.max_body_bytes),
                                        auth_middleware(service.config.api_key)],
                           client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service

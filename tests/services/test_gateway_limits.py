@@ -24,6 +24,9 @@ async def test_a_body_past_the_limit_gets_413():
         validate(await r.json(), "ErrorResponse")
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 2})
         assert r.status == 200
+        # a declared length over the limit: 413 at once, the body never sent (the client waits on no read)
+        r = await client.post("/v1/completions", data=b"{}", headers={"Content-Length": "99999999"})
+        assert r.status == 413 and "--max-request-bytes" in (await r.json())["error"]["message"]
 
 
 async def test_past_the_queue_limit_new_requests_get_429():

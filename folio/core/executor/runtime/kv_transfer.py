@@ -12,7 +12,8 @@ that transfer until the receiver confirms (``CONFIRM``: released as done) or rep
 (``FAIL``), or until ``ttl_s`` passes unconfirmed (a dead receiver): both release them as failed.
 ``on_release(transfer_id, block_ids, ok)`` is where the owner of the blocks (the kvmanager's
 allocator) frees them; ``outstanding`` is every transfer still owned. A pull of an unknown or
-released transfer is refused. The receiver confirms only after the last byte is in its pool; any
+released transfer is refused, and so is a pull from any peer but the first to pull it: a
+transfer's blocks go to one decode instance, once. The receiver confirms only after the last byte is in its pool; any
 failure on its side (timeout, refused, short answer) sends ``FAIL`` and raises ``TransferError``.
 
 The handshake: every pull carries the receiver's ``KVLayout`` (dtype, block size, KV heads, head
@@ -141,6 +142,7 @@ class KVSender:
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.outstanding: dict[str, tuple[list[int], float]] = {}  # transfer id -> (block ids, deadline)
+        self._served_to: dict[str, bytes] = {}  # transfer id -> the routing id of the peer that pulled it first
         self.counts = {"exported": 0, "confirmed": 0, "failed": 0, "expired": 0, "refused": 0, "bytes_sent": 0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -163,6 +165,7 @@ class KVSender:
         """Drop the transfer's record and hand its blocks back to their owner (False: not outstanding)."""
         with self._lock:
             entry = self.outstanding.pop(transfer_id, None)
+            self._served_to.pop(transfer_id, None)
             if entry is None:
                 return False
             self.counts["confirmed" if ok else why] += 1
@@ -206,7 +209,11 @@ class KVSender:
     def _handle(self, frames: list[bytes]) -> None:
         who, verb, header = frames[0], frames[1], msgspec.msgpack.decode(frames[2]) if len(frames) > 2 else {}
         if verb in (b"CONFIRM", b"FAIL"):
-            self.release(str(header["transfer_id"]), ok=verb == b"CONFIRM")
+            tid = str(header["transfer_id"])
+            with self._lock:
+                mine = self._served_to.get(tid) == who
+            if mine:  # only the peer it was served to ends a transfer (another's FAIL frees nothing)
+                self.release(tid, ok=verb == b"CONFIRM")
             self._send(who, b"OK", {})
             return
         if verb != b"PULL":
@@ -221,6 +228,12 @@ class KVSender:
         tid = str(header["transfer_id"])
         with self._lock:
             entry = self.outstanding.get(tid)
+            # served to one peer only: the first to pull it (a retry comes on that peer's same socket)
+            first = self._served_to.setdefault(tid, who) if entry is not None else None
+        if entry is not None and first != who:
+            self.counts["refused"] += 1
+            self._send(who, b"ERR", {"message": f"transfer {tid} is being served to another peer", "kind": "taken"})
+            return
         if entry is None:
             self._send(who, b"ERR", {"message": f"transfer {tid} is not outstanding (confirmed, failed or expired)",
                                      "kind": "unknown"})
