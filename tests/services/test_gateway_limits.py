@@ -29,6 +29,20 @@ async def test_a_body_past_the_limit_gets_413():
         assert r.status == 413 and "--max-request-bytes" in (await r.json())["error"]["message"]
 
 
+async def test_stop_strings_and_tools_have_caps_named_in_the_400():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
+        for body, field in (({"prompt": "Say:", "stop": ["x" * 1025]}, "stop"),
+                            ({"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{**tool, "function": {**tool["function"], "name": f"f{i}"}}
+                                        for i in range(129)]}, "tools")):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = await client.post(path, json={"model": MODEL, **body})
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert field in (error.get("param") or "") + error["message"], error
+
+
 async def test_past_the_queue_limit_new_requests_get_429():
     async with front_half(max_queue_len=1) as fh, TestClient(TestServer(fh.app)) as client:
         fh.scheduler.paused = True  # the first request stays queued: no output yet
