@@ -92,10 +92,16 @@ class TcpStack:
                                                 env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         pending = set(SERVICES)
-        while pending:
-            assert self.alive(), self.log_text()
-            assert time.monotonic() < deadline, f"not up: {pending}\n{self.log_text()}"
-            pending = {s for s in pending if admin_call(getattr(self.endpoints, f"admin_{s}"), "ping", {}, 0.5) is None}
+        try:
+            while pending:
+                assert self.alive(), self.log_text()
+                assert time.monotonic() < deadline, f"not up: {pending}\n{self.log_text()}"
+                pending = {s for s in pending
+                           if admin_call(getattr(self.endpoints, f"admin_{s}"), "ping", {}, 0.5) is None}
+        except BaseException:  # a stack that did not come up leaves no process behind
+            logs = self.log_text()
+            self.stop()
+            raise AssertionError(f"the stack did not start:\n{logs}") from None
         return self
 
     def alive(self) -> bool:
