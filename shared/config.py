@@ -345,6 +345,7 @@ class GatewayConfig:
     max_body_bytes: int = flag(16 * 1024 * 1024, "larger request bodies get 413, unread past the limit (a declared "
                                "Content-Length over it: unread at all; default 16777216)", ("gateway",),
                                name="--max-request-bytes", aliases=("--max-body-bytes",))
+    body_timeout_s: float = 30.0  # a request body not all read by then is a 408: a slow client holds no slot
     max_replays: int = flag(3, "times in a row (without output in between) a request in flight is replayed "
                             "after a scheduler or tokenizer restart before it ends with an error (default 3; 0: "
                             "never replayed)", ("gateway",))

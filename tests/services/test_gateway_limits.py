@@ -29,6 +29,24 @@ async def test_a_body_past_the_limit_gets_413():
         assert r.status == 413 and "--max-request-bytes" in (await r.json())["error"]["message"]
 
 
+async def test_a_client_sending_its_body_a_byte_at_a_time_gets_408():
+    async with front_half(body_timeout_s=0.5) as fh, TestClient(TestServer(fh.app)) as client:
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        await writer.drain()
+        for _ in range(3):  # a byte every 0.3 s: never all in
+            await asyncio.sleep(0.3)
+            writer.write(b" ")
+            await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 5)
+        assert status.startswith(b"HTTP/1.1 408"), status
+        writer.close()
+        assert fh.scheduler.received == []  # nothing reached the engine
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 2})
+        assert r.status == 200
+
+
 async def test_stop_strings_and_tools_have_caps_named_in_the_400():
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
