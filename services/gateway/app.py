@@ -52,8 +52,9 @@ def body_limit(max_bytes: int, timeout_s: float):
 def build_app(service: GatewayService) -> web.Application:
     traced = getattr(service, "tracing", None)  # --otlp-traces-endpoint: the request spans around the rest
     app = web.Application(middlewares=[*([tracing.middleware(traced)] if traced else []), error_middleware,
-                                       body_limit(service.config.max_body_bytes, service.config.body_timeout_s),
-                                       auth_middleware(service.config.api_key)],
+                                       # the key first: a stranger's body is never read
+                                       auth_middleware(service.config.api_key),
+                                       body_limit(service.config.max_body_bytes, service.config.body_timeout_s)],
                           client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     add_routes(app)
