@@ -70,8 +70,26 @@ def kv_events_env(args: argparse.Namespace) -> dict[str, str]:
             "FOLIO_KV_SNAPSHOT_ENDPOINT": f"tcp://{host}:{snapshot_port}"}
 
 
+def own_keys(args: argparse.Namespace) -> str | None:
+    """The stack's key folder (``--keys-dir``, ``$FOLIO_KEYS_DIR``, else one of our own in the cache),
+    its missing keys made: a server on one host needs no step of its user's for its tcp sockets
+    (``--kv-events-port``, a prefill instance's KV transfers). None, with a message, when it cannot."""
+    from folio.shared.config import default_keys_dir, keys_dir_from_env
+    from folio.shared.keys import KeysError, init_keys
+
+    folder = str(args.keys_dir or keys_dir_from_env() or default_keys_dir())
+    try:
+        init_keys(folder)
+    except (OSError, KeysError) as exc:
+        print(f"folio: cannot make the keys in {folder}: {exc}", file=sys.stderr)
+        return None
+    return folder
+
+
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when ``folio serve`` goes away, even by SIGKILL."""
+    """In the child, before exec: SIGTERM when ``folio serve`` goes away, even by SIGKILL; sockets
+    and files it makes are its user's alone (ipc sockets 0600 in the 0700 run folder)."""
+    os.umask(0o077)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -113,7 +131,11 @@ def serve(args: argparse.Namespace) -> int:
             return 1
         for stale in run_dir.glob("*.sock"):
             stale.unlink()
-        env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir), **kv_events_env(args)}
+        keys_dir = own_keys(args)
+        if keys_dir is None:
+            return 1
+        env = {**os.environ, "FOLIO_ENDPOINTS": "ipc", "FOLIO_RUN_DIR": str(run_dir), "FOLIO_KEYS_DIR": keys_dir,
+               **kv_events_env(args)}
         if args.api_key:
             env["FOLIO_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
         commands = {name: [sys.executable, "-m", "folio.cli.main", "run", name, *service_argv(name, args, model_path)]
@@ -133,6 +155,10 @@ def claim_run_dir(run_dir: Path) -> int | None:
     die); None, with a message, when another server holds it. Atomic: of two servers started at
     the same instant on one folder exactly one gets it."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # whoever can open an ipc socket can speak to the service: the folder is ours alone
+        os.chmod(run_dir, 0o700)
+    except PermissionError:
+        pass  # another user's folder: the lock below says who holds it
     fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

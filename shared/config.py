@@ -65,6 +65,26 @@ def api_key_from_env() -> str | None:
     return os.environ.get("FOLIO_API_KEY") or None
 
 
+def keys_dir_from_env() -> str | None:
+    """``FOLIO_KEYS_DIR``: the stack's key folder when ``--keys-dir`` is not given."""
+    return os.environ.get("FOLIO_KEYS_DIR") or None
+
+
+def default_keys_dir() -> Path:
+    """The key folder ``folio serve`` makes for itself on one host when none is named."""
+    return cache_dir() / "keys"
+
+
+@dataclass(frozen=True)
+class PlaneConfig:
+    """The internal plane: every service takes the key folder its tcp sockets authenticate with
+    (``shared/plane.py``; read once per process, not carried in the service's config)."""
+
+    keys_dir: str | None = flag(None, "the stack's key folder (`folio keys init DIR`; or $FOLIO_KEYS_DIR): every "
+                                "tcp socket speaks CURVE with its keys; needed with tcp endpoints", ALL_SERVICES,
+                                env=keys_dir_from_env, metavar="DIR")
+
+
 @dataclass(frozen=True)
 class LogConfig:
     """How every service logs (each service's config carries these fields too)."""
@@ -207,8 +227,9 @@ class Endpoints:
         return Endpoints(**{n: f"ipc://{d / n}.sock" for n in names})
 
     @staticmethod
-    def tcp(base_port: int = 5550) -> "Endpoints":
-        """Container names as hosts, one port each: the compose stack's layout."""
+    def tcp(base_port: int = 5550, host: str | None = None) -> "Endpoints":
+        """Container names as hosts, one port each: the compose stack's layout (``host``: every
+        service on that one host instead, e.g. 127.0.0.1)."""
         owner = {
             "tokenizer_in": "tokenizer",
             "scheduler_in": "scheduler",
@@ -224,16 +245,17 @@ class Endpoints:
             "kv_snapshot": "kvmanager",
             "admin_router": "router",
         }
-        return Endpoints(**{n: f"tcp://{host}:{base_port + i}" for i, (n, host) in enumerate(owner.items())})
+        return Endpoints(**{n: f"tcp://{host or name}:{base_port + i}" for i, (n, name) in enumerate(owner.items())})
 
     @staticmethod
     def from_env() -> "Endpoints":
-        """``FOLIO_ENDPOINTS=tcp`` (compose) or ``FOLIO_RUN_DIR`` (ipc, default: the folder of a
-        server on port 8000); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
+        """``FOLIO_ENDPOINTS=tcp`` (compose; ``FOLIO_TCP_HOST``: every service on that host) or
+        ``FOLIO_RUN_DIR`` (ipc, default: the folder of a server on port 8000); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
         KV event stream and its snapshot socket elsewhere (``folio serve --kv-events-port``: tcp for
         a router)."""
         if os.environ.get("FOLIO_ENDPOINTS", "ipc") == "tcp":
-            endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")))
+            endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")),
+                                      os.environ.get("FOLIO_TCP_HOST") or None)
         else:
             endpoints = Endpoints.ipc(default_run_dir(DEFAULT_PORT))
         moved = {name: os.environ.get(var) for name, var in (("kv_events", "FOLIO_KV_EVENTS_ENDPOINT"),
@@ -316,8 +338,9 @@ class GatewayConfig:
     host: str = flag("0.0.0.0", "HTTP address to listen on", ("gateway", "router"), launcher_default=True)
     port: int = flag(8000, "HTTP port (the gateway: 8000, the router: 8080)", ("gateway", "router"),
                      launcher_default=True)
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every request (or $FOLIO_API_KEY)",
-                               ("gateway",), env=api_key_from_env, forward=False)
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every request (or $FOLIO_API_KEY; the "
+                               "router passes it on to its replicas)", ("gateway", "router"), env=api_key_from_env,
+                               forward=False)
     admin_timeout_s: float = 0.25  # /metrics asks the scheduler and kvmanager; never wait long
     request_timeout_s: float = flag(600.0, "seconds a request may take in all, queue included; 0: no limit "
                                     "(default 600)", ("gateway",), name="--request-timeout")
@@ -325,7 +348,10 @@ class GatewayConfig:
                               ("gateway",))
     max_concurrent_requests: int = flag(4096, "open generation requests, streams included; more get 429 "
                                         "(default 4096)", ("gateway",))
-    max_body_bytes: int = flag(32 * 1024 * 1024, "larger request bodies get 413 (default 33554432)", ("gateway",))
+    max_body_bytes: int = flag(16 * 1024 * 1024, "larger request bodies get 413, unread past the limit (a declared "
+                               "Content-Length over it: unread at all; default 16777216)", ("gateway",),
+                               name="--max-request-bytes", aliases=("--max-body-bytes",))
+    body_timeout_s: float = 30.0  # a request body not all read by then is a 408: a slow client holds no slot
     max_replays: int = flag(3, "times in a row (without output in between) a request in flight is replayed "
                             "after a scheduler or tokenizer restart before it ends with an error (default 3; 0: "
                             "never replayed)", ("gateway",))
@@ -388,6 +414,7 @@ class RouterConfig:
                        ("router",), choices=("cache_aware", "least_loaded", "round_robin"))
     block_size: int = 16  # until a replica's snapshot says otherwise
     # the cost of one request already running or waiting on a replica, in prompt tokens to compute
+    api_key: str | None = None  # the gateway's flag: the router's own /v1/ routes want it too
     load_cost_tokens: int = flag(256, "what one running or waiting request on a replica weighs, in prompt tokens "
                                  "to compute", ("router",))
     poll_interval_s: float = flag(0.5, "seconds between reads of each replica's /metrics (load and liveness)",

@@ -24,6 +24,7 @@ from folio.shared.config import (
     GatewayConfig,
     KVManagerConfig,
     LogConfig,
+    PlaneConfig,
     RouterConfig,
     RuntimeConfig,
     SchedulerConfig,
@@ -33,7 +34,7 @@ from folio.shared.config import (
 # the config each service builds from its flags (the executor's: its runtime's)
 SERVICE_CONFIGS = {"kvmanager": KVManagerConfig, "executor": RuntimeConfig, "scheduler": SchedulerConfig,
                    "tokenizer": TokenizerConfig, "gateway": GatewayConfig, "router": RouterConfig}
-_DECLARING = (LogConfig, RuntimeConfig, KVManagerConfig, SchedulerConfig, TokenizerConfig, GatewayConfig, RouterConfig)
+_DECLARING = (LogConfig, PlaneConfig, RuntimeConfig, KVManagerConfig, SchedulerConfig, TokenizerConfig, GatewayConfig, RouterConfig)
 _TYPES = {"int": int, "float": float, "str": str}
 
 

@@ -36,7 +36,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from folio.shared.config import Endpoints
+from folio.shared import plane
+from folio.shared.config import Endpoints, keys_dir_from_env
+from folio.shared.keys import KeysError
 from folio.shared.flags import config_values, service_parser
 from folio.shared.logs import setup_logging
 from folio.shared.messages import AdminReply, AdminRequest
@@ -309,6 +311,11 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     (or until it ends); the process's exit status."""
     config, args = spec.parse(argv)
     log = setup_logging(spec.name, json=config.log_json, level=args.log_level)
+    try:
+        plane.use_keys(args.keys_dir or keys_dir_from_env())
+    except KeysError as exc:
+        log.error("cannot read the key folder", error=str(exc))
+        return 1
     if spec.starting is not None:
         log.info("starting", **spec.starting(config))
 
@@ -327,6 +334,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
             close = getattr(service, "close", None)
             if close is not None and not inspect.isawaitable(service):
                 close()
+            plane.release(ctx)
             if spec.drop_unsent:
                 ctx.destroy(linger=0)
             else:
@@ -336,6 +344,9 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
         return asyncio.run(serve())
     except StartError as exc:
         log.error(exc.message, **exc.fields)
+        return 1
+    except plane.MissingKeys as exc:
+        log.error("no keys for a tcp endpoint", error=str(exc))
         return 1
     except KeyboardInterrupt:  # SIGINT while starting (Ctrl-C reaches every process of the group)
         return 130

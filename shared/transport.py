@@ -3,6 +3,11 @@
 Every service builds its sockets here (``make_socket``) on a ``zmq.asyncio.Context`` and sends
 and receives messages of ``folio.shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
 by the pattern: a PULL that many push into binds; a ROUTER binds; a PUB binds; the rest connect.
+
+Every ``tcp://`` socket speaks CURVE (``shared/plane.py``): a bound one serves with the stack's
+server key and lets in only the stack's client keys, a connecting one presents the client key;
+without a key folder a tcp socket is refused here (``MissingKeys``), never opened in the clear.
+``ipc://`` sockets rely on their files' permissions (a 0700 run folder, ``folio serve``).
 """
 
 from __future__ import annotations
@@ -11,10 +16,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from folio.shared.plane import MissingKeys, secure  # noqa: F401  (MissingKeys: for callers)
+
 # How many messages a socket queues per peer before PUSH blocks (back-pressure) or PUB drops.
 DEFAULT_HWM = 100_000
 # On close, give queued messages this long (ms) to leave; a dead peer must not hang shutdown.
 LINGER_MS = 500
+# A tcp peer that sends a larger message is disconnected by libzmq before it is buffered whole (a
+# step plan of 128k prompt tokens is under 1 MiB; KV blocks travel on their own sockets).
+MAX_TCP_MESSAGE_BYTES = 64 * 1024 * 1024
 
 _BINDS = {zmq.PULL, zmq.ROUTER, zmq.PUB}
 
@@ -55,11 +65,18 @@ def make_socket(
     sock.setsockopt(zmq.RCVHWM, hwm)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if address.startswith("tcp://"):
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_TCP_MESSAGE_BYTES)
     if kind == zmq.ROUTER:
         # a reply to a peer that went away raises instead of vanishing silently
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if bind is None:
         bind = kind in _BINDS
+    try:
+        secure(ctx, sock, address, bind)
+    except BaseException:
+        sock.close(0)
+        raise
     if bind:
         sock.bind(_bind_address(address))
     else:

@@ -11,6 +11,20 @@ import torch
 from folio.testing.models import write_tiny_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def stack_keys_dir(tmp_path_factory) -> str:
+    """One key folder for the session's stacks (``FOLIO_KEYS_DIR``, inherited by every service the
+    tests start): tcp sockets speak CURVE with it, as a deployment's do."""
+    import os
+
+    from folio.shared.keys import init_keys
+
+    folder = str(tmp_path_factory.mktemp("keys") / "stack")
+    init_keys(folder)
+    os.environ["FOLIO_KEYS_DIR"] = folder
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

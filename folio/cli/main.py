@@ -13,6 +13,9 @@
   ``folio router stats|replicas`` (``--json``):
   ask a running service's admin socket, found by ``--port`` (the server's HTTP port: its run
   folder is /tmp/folio-PORT) or ``--run-dir``;
+- ``folio keys init DIR``: make the stack's key folder (CURVE key pairs, the handle-signing
+  secret); keeps the keys already there. Services and admin commands read it with ``--keys-dir``
+  or ``$FOLIO_KEYS_DIR``, and refuse a tcp endpoint without it;
 - ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks);
   ``folio health gateway --http URL`` asks the gateway's ``/health`` instead, which pings them all.
 """
@@ -24,8 +27,9 @@ import importlib
 import json
 import sys
 
-from folio.shared import loops
-from folio.shared.config import Endpoints, default_run_dir
+from folio.shared import loops, plane
+from folio.shared.config import Endpoints, default_run_dir, keys_dir_from_env
+from folio.shared.keys import KeysError, init_keys
 from folio.shared.messages import AdminReply
 
 RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
@@ -59,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         admin.add_argument("verb", choices=verbs)
         admin.add_argument("req_id", nargs="?", help=f"for {', '.join(sorted(_NEEDS_REQ_ID & set(verbs))) or '-'}")
         _add_admin_flags(admin)
+    keys = sub.add_parser("keys", help="the internal plane's keys: init DIR")
+    keys.add_argument("verb", choices=("init",))
+    keys.add_argument("folder", metavar="DIR")
     health = sub.add_parser("health", help="exit 0 when SERVICE answers on its admin socket")
     health.add_argument("service", choices=RUNNABLE)
     health.add_argument("--http", default=None, metavar="URL",
@@ -73,6 +80,8 @@ def _add_admin_flags(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--run-dir", default=None, help="the serve run folder (default: from the environment)")
     where.add_argument("--port", type=int, default=None, help="the HTTP port of the server to ask")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply")
+    parser.add_argument("--keys-dir", default=None, metavar="DIR",
+                        help="the stack's key folder, for tcp endpoints (default: $FOLIO_KEYS_DIR)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,13 +113,35 @@ def main(argv: list[str] | None = None) -> int:
         from folio.core.models import main as prepare_main
 
         return prepare_main(["--force"] if args.force else [])
+    if args.command == "keys":
+        return keys_init(args.folder)
+    if args.command != "health" or not args.http:  # a tcp endpoint is spoken to with the stack's keys only
+        try:
+            plane.use_keys(args.keys_dir or keys_dir_from_env())
+        except KeysError as exc:
+            print(f"folio: {exc}", file=sys.stderr)
+            return 1
     if args.command == "health":
         if args.http:
             return http_health(args.http, args.timeout)
-        reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
+        try:
+            reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
+        except plane.MissingKeys as exc:
+            print(f"folio: {exc}", file=sys.stderr)
+            return 1
         return 0 if reply is not None else 1
     service, _ = ADMIN_VERBS[args.command]
     return admin_command(args, service)
+
+
+def keys_init(folder: str) -> int:
+    try:
+        keys = init_keys(folder)
+    except (OSError, KeysError) as exc:
+        print(f"folio: {exc}", file=sys.stderr)
+        return 1
+    print(f"folio: keys in {folder} (server {keys.server_public.decode()}, client {keys.client_public.decode()})")
+    return 0
 
 
 def run_service(name: str, argv: list[str]) -> int:
@@ -153,7 +184,11 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
             print(f"folio: {args.verb} needs a request id", file=sys.stderr)
             return 2
         call_args["req_id"] = args.req_id
-    reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
+    try:
+        reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
+    except plane.MissingKeys as exc:
+        print(f"folio: {exc}", file=sys.stderr)
+        return 1
     if reply is None:
         print(f"folio: the {service} did not answer within {args.timeout:g}s (is it running? --port? --run-dir?)",
               file=sys.stderr)

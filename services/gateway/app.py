@@ -24,10 +24,37 @@ log = structlog.get_logger()  # lazy: takes the config setup_logging makes in ma
 LISTEN_BACKLOG = 2048
 
 
+def body_limit(max_bytes: int, timeout_s: float):
+    """A request that declares a body over ``max_bytes`` is a 413 before one byte of it is read
+    (aiohttp's ``client_max_size`` stops the rest, which declare nothing, at the limit); a body not
+    all in within ``timeout_s`` (a client sending a byte a second) is a 408 and the connection
+    closes. Nothing reaches the engine before its body is whole, so a slow client holds no slot."""
+
+    def error(status: int, message: str, code: str) -> web.Response:
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        return web.json_response(body, status=status, headers={"Connection": "close"})
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.content_length is not None and request.content_length > max_bytes:
+            return error(413, f"the request body is {request.content_length} bytes; the limit is {max_bytes} "
+                         "(--max-request-bytes)", "request_too_large")
+        if request.can_read_body:
+            try:  # aiohttp keeps what it read: the handler's own read() returns it at once
+                await asyncio.wait_for(request.read(), timeout_s)
+            except asyncio.TimeoutError:
+                return error(408, f"the request body did not arrive within {timeout_s:g} s", "request_timeout")
+        return await handler(request)
+
+    return check
+
+
 def build_app(service: GatewayService) -> web.Application:
     traced = getattr(service, "tracing", None)  # --otlp-traces-endpoint: the request spans around the rest
     app = web.Application(middlewares=[*([tracing.middleware(traced)] if traced else []), error_middleware,
-                                       auth_middleware(service.config.api_key)],
+                                       # the key first: a stranger's body is never read
+                                       auth_middleware(service.config.api_key),
+                                       body_limit(service.config.max_body_bytes, service.config.body_timeout_s)],
                           client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     add_routes(app)

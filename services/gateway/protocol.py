@@ -23,6 +23,8 @@ from folio.core.frontdoor import ChatMessageIn
 
 MAX_N = 128  # choices per prompt: each is a sequence in the batch
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_STOP_CHARS = 1024  # one stop string: the tokenizer checks every one against each delta
+MAX_TOOLS = 128  # tools in one request (OpenAI's cap): each schema is rendered into the prompt
 
 # bounded so every accepted value fits the msgpack ints of the wire; the tokenizer checks the
 # vocabulary and the context length
@@ -94,7 +96,8 @@ class _Params(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     seed: Int64 | None = None
-    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    stop: Annotated[str, Meta(max_length=MAX_STOP_CHARS)] | \
+        Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_CHARS)]], Meta(max_length=4)] | None = None
     stop_token_ids: list[TokenId] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     stream: bool | None = None
@@ -155,7 +158,7 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Params, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     max_completion_tokens: PosInt | None = None
@@ -184,7 +187,7 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template holds them already
     return_token_strs: bool = False
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -44,6 +44,8 @@ from folio.services.gateway.responses import ResponseMeta, UsageCounter
 from folio.services.gateway.service import GatewayService
 from folio.services.gateway.streaming import collect, stream
 from folio.shared import messages
+from folio.shared.keys import verify
+from folio.shared.plane import stack_keys
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 SERVICE = web.AppKey("service", GatewayService)
@@ -115,8 +117,11 @@ def _with_kv_transfer(service, req, gen: list[messages.GenerateRequest]) -> list
     if role == "prefill":
         raise ApiError("a prefill instance (--kv-role prefill) does not decode from a kv_transfer handle",
                        param="kv_transfer")
-    try:
-        handle = TransferHandle.from_wire(kt.handle).to_wire()
+    keys = stack_keys()
+    try:  # only the router, holding the stack's key, names a transfer to pull (never a plain client)
+        if keys is None:
+            raise ValueError("kv_transfer handles are taken only signed by the router (this stack has no keys)")
+        handle = TransferHandle.from_wire(verify(keys, kt.handle)).to_wire()
     except ValueError as exc:
         raise ApiError(str(exc), param="kv_transfer") from None
     return [msgspec.structs.replace(g, kv_transfer=handle, forced_token_ids=list(kt.forced_token_ids)) for g in gen]

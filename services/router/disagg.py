@@ -39,6 +39,10 @@ import structlog
 from aiohttp import web
 
 from folio.services.router.replicas import Replica, parse_replica
+from folio.shared.keys import sign
+from folio.shared.plane import stack_keys
+
+HANDLE_TTL_S = 300.0  # a signed handle's life: as long as the prefill side keeps its blocks (STAGING_TTL_S)
 
 log = structlog.get_logger()
 _RETRY_STATUSES = (502, 503, 504)
@@ -141,6 +145,9 @@ class Disaggregated:
         host = f"[{host}]" if ":" in host else host
         handle = {"transfer_id": kt["transfer_id"], "endpoint": f"tcp://{host}:{kt['port']}",
                   "num_blocks": kt["num_blocks"], "num_tokens": kt["num_prompt_tokens"]}
+        keys = stack_keys()
+        if keys is not None:  # a decode instance takes a handle only signed with the stack's key
+            handle = sign(keys, handle, HANDLE_TTL_S)
         return {**body, "kv_transfer": {"handle": handle, "forced_token_ids": kt["token_ids"]}}
 
     @staticmethod

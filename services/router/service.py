@@ -33,6 +33,7 @@ replica, why it was chosen, its cached tokens), whose context the replica gets i
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 
 import aiohttp
@@ -89,13 +90,25 @@ class RouterService:
                        "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0, "num_resumed_streams": 0}
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self.check_key])
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_route)
         return app
+
+    @web.middleware
+    async def check_key(self, request: web.Request, handler):
+        """``--api-key``: the /v1/ routes want it, as a gateway's do (401 in the OpenAI error shape)."""
+        key = self.config.api_key
+        if key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return web.json_response({"error": {"message": "Incorrect API key provided.", "type":
+                                                    "invalid_request_error", "param": None, "code": "invalid_api_key"}},
+                                         status=401)
+        return await handler(request)
 
     async def run(self) -> None:
         runner = web.AppRunner(self.app(), access_log=None)

@@ -18,7 +18,9 @@ import torch
 
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, LayoutMismatch
+from folio.shared.keys import sign
 from folio.shared.messages import TransferHandle
+from folio.shared.plane import stack_keys
 from folio.testing.routerstack import Replica, post, start_router
 
 pytestmark = pytest.mark.slow
@@ -147,6 +149,16 @@ def test_the_extension_is_validated(stack):
     assert status == 400 and "prefill" in body["error"]["message"]
     status, body = completion(d1.url, "hi", max_tokens=2, kv_transfer={"handle": {"transfer_id": "x"},
                                                                         "forced_token_ids": [1]})
+    assert status == 400 and "signed by the router" in body["error"]["message"]
+    # a plain client naming someone's transfer, well-formed but unsigned, or signed then altered
+    handle = {"transfer_id": "a" * 32, "endpoint": "tcp://127.0.0.1:1", "num_blocks": 1, "num_tokens": 3}
+    status, body = completion(d1.url, "hi", max_tokens=2, kv_transfer={"handle": handle, "forced_token_ids": [1]})
+    assert status == 400 and "signed by the router" in body["error"]["message"]
+    signed = {**sign(stack_keys(), handle, 60), "endpoint": "tcp://evil:1"}
+    status, body = completion(d1.url, "hi", max_tokens=2, kv_transfer={"handle": signed, "forced_token_ids": [1]})
+    assert status == 400 and "signature does not match" in body["error"]["message"]
+    signed = sign(stack_keys(), {"transfer_id": "x"}, 60)  # signed, but no handle
+    status, body = completion(d1.url, "hi", max_tokens=2, kv_transfer={"handle": signed, "forced_token_ids": [1]})
     assert status == 400 and "invalid kv transfer handle" in body["error"]["message"]
     status, body = completion(p.url, "hi", max_tokens=1, n=2, kv_transfer={"export": True})
     assert status == 400 and body["error"]["param"] == "kv_transfer"

@@ -2,6 +2,7 @@
 
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -10,6 +11,7 @@ from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import (
     KVLayout, KVReceiver, KVSender, LayoutMismatch, TransferError, TransferHandle)
 from folio.core.kv.allocator import BlockAllocator
+from folio.shared.plane import secure
 
 
 def _pool(dtype=torch.bfloat16, num_blocks=8, seed=0, **kw):
@@ -147,6 +149,7 @@ def test_a_malformed_request_is_answered_and_the_sender_keeps_serving(released):
     sender = _sender(src, released)
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
+        secure(zmq.Context.instance(), sock, sender.endpoint, bind=False)  # a peer with the stack's keys
         sock.connect(sender.endpoint)
         sock.send_multipart([b"PULL", b"\xc1not msgpack"])
         assert sock.poll(2000)
@@ -156,6 +159,39 @@ def test_a_malformed_request_is_answered_and_the_sender_keeps_serving(released):
         KVReceiver(dst, KVLayout.of(dst)).pull(handle, [4])
         assert torch.equal(src.kv_caches[0][0][3], dst.kv_caches[0][0][4])
     finally:
+        sender.close()
+
+
+def test_a_transfer_is_served_to_one_peer_only(released):
+    src = _pool()
+    sender = _sender(src, released)
+    ctx = zmq.Context.instance()
+    socks = []
+    try:
+        handle = sender.export([3])
+        layout = KVLayout.of(src).to_wire()
+        for _ in range(2):
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            secure(ctx, sock, sender.endpoint, bind=False)
+            sock.connect(sender.endpoint)
+            socks.append(sock)
+        first, second = socks
+        first.send_multipart([b"PULL", msgspec.msgpack.encode({"transfer_id": handle.transfer_id, "layout": layout})])
+        assert first.poll(2000) and first.recv_multipart()[0] == b"OK"
+        second.send_multipart([b"PULL", msgspec.msgpack.encode({"transfer_id": handle.transfer_id, "layout": layout})])
+        assert second.poll(2000)
+        status, reply = second.recv_multipart()[:2]
+        assert status == b"ERR" and msgspec.msgpack.decode(reply)["kind"] == "taken"
+        second.send_multipart([b"FAIL", msgspec.msgpack.encode({"transfer_id": handle.transfer_id})])
+        assert second.poll(2000) and second.recv_multipart()[0] == b"OK"
+        assert handle.transfer_id in sender.outstanding  # another peer's FAIL freed nothing
+        first.send_multipart([b"CONFIRM", msgspec.msgpack.encode({"transfer_id": handle.transfer_id})])
+        assert first.poll(2000) and first.recv_multipart()[0] == b"OK"
+        assert handle.transfer_id not in sender.outstanding and sender.counts["confirmed"] == 1
+    finally:
+        for sock in socks:
+            sock.close(0)
         sender.close()
 
 

@@ -24,6 +24,46 @@ async def test_a_body_past_the_limit_gets_413():
         validate(await r.json(), "ErrorResponse")
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 2})
         assert r.status == 200
+        # a declared length over the limit: 413 at once, the body never sent (the client waits on no read)
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 99999999\r\n\r\n")
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 5)  # answered with no body byte sent
+        writer.close()
+        assert status.startswith(b"HTTP/1.1 413"), status
+
+
+async def test_a_client_sending_its_body_a_byte_at_a_time_gets_408():
+    async with front_half(body_timeout_s=0.5) as fh, TestClient(TestServer(fh.app)) as client:
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        await writer.drain()
+        for _ in range(3):  # a byte every 0.3 s: never all in
+            await asyncio.sleep(0.3)
+            writer.write(b" ")
+            await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 5)
+        assert status.startswith(b"HTTP/1.1 408"), status
+        writer.close()
+        assert fh.scheduler.received == []  # nothing reached the engine
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 2})
+        assert r.status == 200
+
+
+async def test_stop_strings_and_tools_have_caps_named_in_the_400():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    async with front_half() as fh, TestClient(TestServer(fh.app)) as client:
+        for body, field in (({"prompt": "Say:", "stop": ["x" * 1025]}, "stop"),
+                            ({"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{**tool, "function": {**tool["function"], "name": f"f{i}"}}
+                                        for i in range(129)]}, "tools")):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = await client.post(path, json={"model": MODEL, **body})
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert field in (error.get("param") or "") + error["message"], error
 
 
 async def test_past_the_queue_limit_new_requests_get_429():

@@ -102,3 +102,64 @@ def test_service_commands_parse_with_their_own_flags():
     for deployment in (find("Deployment", "replica"), find("Deployment", "router")):
         for c in containers(deployment).values():
             importlib.import_module(f"folio.services.{c['command'][2]}.main").parse_config(c["command"][3:])
+
+
+def _pods() -> list[tuple[dict, dict]]:
+    """(workload, pod spec) of every workload in deploy/kubernetes."""
+    return [(d, d["spec"]["template"]["spec"]) for d in DOCS if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+@pytest.mark.parametrize("workload,pod", _pods(), ids=lambda x: x.get("metadata", {}).get("name", ""))
+def test_every_pod_is_restricted_and_reads_the_keys_from_the_secret(workload, pod):
+    """Pod Security "restricted": non-root, seccomp RuntimeDefault, no privilege escalation, every
+    capability dropped; a read-only root filesystem; FOLIO_KEYS_DIR from the folio-keys Secret."""
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["keys"]["secret"]["secretName"] == "folio-keys"
+    paths = {i["path"] for i in volumes["keys"]["secret"]["items"]}
+    assert {"server.key_secret", "client.key_secret", "clients/client.key", "handle.secret"} <= paths
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert {"name": "FOLIO_KEYS_DIR", "value": "/keys"} in c["env"], c["name"]
+        assert {m["name"] for m in c["volumeMounts"]} >= {"keys", "tmp"}, c["name"]
+        assert all(m["name"] in volumes for m in c["volumeMounts"]), c["name"]
+
+
+def _allowed(port: int, labels: dict) -> list[dict | None]:
+    """The ``from`` of every policy rule that opens ``port`` on a pod with ``labels`` (None: anyone)."""
+    def selects(selector: dict) -> bool:
+        ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+        return ok and all((labels.get(e["key"]) in e["values"]) == (e["operator"] == "In")
+                          for e in selector.get("matchExpressions", []))
+    out = []
+    for policy in (d for d in DOCS if d["kind"] == "NetworkPolicy"):
+        if not selects(policy["spec"]["podSelector"]):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            if any(p["port"] == port for p in rule.get("ports", [])):
+                out.append(rule.get("from"))
+    return out
+
+
+def test_network_policies_open_each_port_only_to_whom_speaks_to_it():
+    policies = [d for d in DOCS if d["kind"] == "NetworkPolicy"]
+    deny = [p for p in policies if p["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "folio"}}
+            and "ingress" not in p["spec"]]
+    assert deny, "every folio pod takes nothing unless a policy opens a port"
+    for workload, pod in _pods():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        for c in pod["containers"]:
+            for port in c.get("ports", []):
+                rules = _allowed(port["containerPort"], labels)
+                assert rules, f"{workload['metadata']['name']}: port {port['containerPort']} is closed to all"
+                if port["containerPort"] in (8000, 8080):
+                    continue  # HTTP: anyone (the API key guards it)
+                for frm in rules:  # internal ports: only named folio pods
+                    assert frm and all(f["podSelector"] for f in frm), (workload["metadata"]["name"], port)
+    # the KV transfer port of a prefill pod: decode pods only
+    assert _allowed(5570, {"app.kubernetes.io/name": "folio", "app.kubernetes.io/component": "prefill"}) == [
+        [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "folio", "app.kubernetes.io/component": "decode"}}}]]
+    assert not _allowed(5570, {"app.kubernetes.io/name": "folio", "app.kubernetes.io/component": "replica"})

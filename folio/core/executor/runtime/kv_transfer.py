@@ -12,13 +12,18 @@ that transfer until the receiver confirms (``CONFIRM``: released as done) or rep
 (``FAIL``), or until ``ttl_s`` passes unconfirmed (a dead receiver): both release them as failed.
 ``on_release(transfer_id, block_ids, ok)`` is where the owner of the blocks (the kvmanager's
 allocator) frees them; ``outstanding`` is every transfer still owned. A pull of an unknown or
-released transfer is refused. The receiver confirms only after the last byte is in its pool; any
+released transfer is refused, and so is a pull from any peer but the first to pull it: a
+transfer's blocks go to one decode instance, once. The receiver confirms only after the last byte is in its pool; any
 failure on its side (timeout, refused, short answer) sends ``FAIL`` and raises ``TransferError``.
 
 The handshake: every pull carries the receiver's ``KVLayout`` (dtype, block size, KV heads, head
 size, layers, FP8 scales); a sender whose layout differs refuses with a message naming each
 difference, and the receiver raises ``LayoutMismatch`` with it. The transfer stays owned (the
 blocks are not freed: another receiver may take them).
+
+Over tcp both sockets speak CURVE with the stack's keys (``shared/plane.py``): a peer without them
+is refused before it can name a transfer id. No peer's bytes are ever unpickled here: headers are
+msgpack, KV frames are raw bytes copied into the pool after their sizes are checked.
 
 Wire (DEALER -> ROUTER, msgpack headers): ``[b"PULL", {transfer_id, layout}]`` ->
 ``[b"OK", {num_blocks, ...}, *frames]`` or ``[b"ERR", {message, kind}]``;
@@ -41,6 +46,7 @@ import zmq
 from folio.core.executor.kernels.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
 from folio.shared.messages import TransferHandle
+from folio.shared.plane import secure
 
 DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0
@@ -131,9 +137,12 @@ class KVSender:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small headers; a larger one drops its peer
+        secure(self.ctx, self.sock, endpoint, bind=True)  # CURVE: only the stack's keys pull KV
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.outstanding: dict[str, tuple[list[int], float]] = {}  # transfer id -> (block ids, deadline)
+        self._served_to: dict[str, bytes] = {}  # transfer id -> the routing id of the peer that pulled it first
         self.counts = {"exported": 0, "confirmed": 0, "failed": 0, "expired": 0, "refused": 0, "bytes_sent": 0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -156,6 +165,7 @@ class KVSender:
         """Drop the transfer's record and hand its blocks back to their owner (False: not outstanding)."""
         with self._lock:
             entry = self.outstanding.pop(transfer_id, None)
+            self._served_to.pop(transfer_id, None)
             if entry is None:
                 return False
             self.counts["confirmed" if ok else why] += 1
@@ -199,7 +209,11 @@ class KVSender:
     def _handle(self, frames: list[bytes]) -> None:
         who, verb, header = frames[0], frames[1], msgspec.msgpack.decode(frames[2]) if len(frames) > 2 else {}
         if verb in (b"CONFIRM", b"FAIL"):
-            self.release(str(header["transfer_id"]), ok=verb == b"CONFIRM")
+            tid = str(header["transfer_id"])
+            with self._lock:
+                mine = self._served_to.get(tid) == who
+            if mine:  # only the peer it was served to ends a transfer (another's FAIL frees nothing)
+                self.release(tid, ok=verb == b"CONFIRM")
             self._send(who, b"OK", {})
             return
         if verb != b"PULL":
@@ -214,6 +228,12 @@ class KVSender:
         tid = str(header["transfer_id"])
         with self._lock:
             entry = self.outstanding.get(tid)
+            # served to one peer only: the first to pull it (a retry comes on that peer's same socket)
+            first = self._served_to.setdefault(tid, who) if entry is not None else None
+        if entry is not None and first != who:
+            self.counts["refused"] += 1
+            self._send(who, b"ERR", {"message": f"transfer {tid} is being served to another peer", "kind": "taken"})
+            return
         if entry is None:
             self._send(who, b"ERR", {"message": f"transfer {tid} is not outstanding (confirmed, failed or expired)",
                                      "kind": "unknown"})
@@ -243,6 +263,7 @@ class KVReceiver:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure(self.ctx, sock, endpoint, bind=False)
             sock.connect(endpoint)
         try:
             sock.send_multipart([verb, msgspec.msgpack.encode(header)])

@@ -1,0 +1,127 @@
+"""The five services as separate processes on tcp endpoints, the way compose and Kubernetes run
+them (``FOLIO_ENDPOINTS=tcp``, every socket CURVE with one key folder), on 127.0.0.1 and free ports.
+
+For tests that attack the internal plane (``tests/security/``): ``TcpStack.ports()`` names every
+tcp port the stack opens (the thirteen of ``Endpoints.tcp`` and the prefill executor's KV transfer
+port), ``alive()`` says whether every process still runs, ``log_text()`` is what they logged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from folio.shared.config import Endpoints
+from folio.shared.loops import admin_call
+
+SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")
+
+
+def free_port_run(count: int) -> int:
+    """A base port with ``count`` free ports from it (checked by binding each)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65000:
+            continue
+        try:
+            held = []
+            for p in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+@dataclass
+class TcpStack:
+    model: str
+    keys_dir: str
+    executor_flags: tuple[str, ...] = ()
+    base_port: int = 0
+    http_port: int = 0
+    kv_transfer_port: int = 0
+    run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="folio-tcp-"))
+    procs: dict = field(default_factory=dict)
+
+    @property
+    def endpoints(self) -> Endpoints:
+        return Endpoints.tcp(self.base_port, "127.0.0.1")
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def env(self) -> dict:
+        return {**os.environ, "FOLIO_ENDPOINTS": "tcp", "FOLIO_TCP_HOST": "127.0.0.1",
+                "FOLIO_BASE_PORT": str(self.base_port), "FOLIO_KEYS_DIR": self.keys_dir}
+
+    def ports(self) -> dict[str, int]:
+        """Every tcp port the stack opens, by the socket's name."""
+        out = {f.name: int(getattr(self.endpoints, f.name).rsplit(":", 1)[1]) for f in fields(Endpoints)}
+        out.pop("admin_router")  # the router is not part of a replica
+        out["kv_transfer"] = self.kv_transfer_port
+        return out
+
+    def start(self, timeout_s: float = 120.0) -> "TcpStack":
+        self.base_port = free_port_run(16)
+        self.http_port, self.kv_transfer_port = self.base_port + 14, self.base_port + 15
+        argv = {"kvmanager": [], "scheduler": [], "tokenizer": ["--model", self.model],
+                "executor": ["--model", self.model, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
+                             "--kv-role", "prefill", "--kv-transfer-port", str(self.kv_transfer_port),
+                             *self.executor_flags],
+                "gateway": ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.http_port)]}
+        for name in SERVICES:
+            log = open(Path(self.run_dir) / f"{name}.log", "w")
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "folio.cli.main", "run", name, *argv[name]],
+                                                env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        pending = set(SERVICES)
+        try:
+            while pending:
+                assert self.alive(), self.log_text()
+                assert time.monotonic() < deadline, f"not up: {pending}\n{self.log_text()}"
+                pending = {s for s in pending
+                           if admin_call(getattr(self.endpoints, f"admin_{s}"), "ping", {}, 0.5) is None}
+        except BaseException:  # a stack that did not come up leaves no process behind
+            logs = self.log_text()
+            self.stop()
+            raise AssertionError(f"the stack did not start:\n{logs}") from None
+        return self
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def log_text(self, name: str | None = None) -> str:
+        names = [name] if name else list(self.procs)
+        return "\n".join(f"--- {n}\n" + (Path(self.run_dir) / f"{n}.log").read_text(errors="replace")
+                         for n in names)
+
+    def stop(self) -> dict[str, int | None]:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = {}
+        for n, p in self.procs.items():
+            try:
+                codes[n] = p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[n] = None
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        return codes

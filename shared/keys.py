@@ -1,0 +1,156 @@
+"""The stack's keys: CURVE key pairs for every tcp socket, and the secret that signs KV transfer handles.
+
+One folder per stack (``folio keys init DIR``; ``--keys-dir`` or ``$FOLIO_KEYS_DIR``; in Kubernetes a
+Secret, in compose a volume filled by a one-shot ``folio keys init /keys``):
+
+- ``server.key_secret`` / ``server.key``: the key pair every bound tcp socket serves with (ZeroMQ's
+  certificate format, ``zmq.auth``);
+- ``client.key_secret`` / ``client.key``: the key pair every connecting socket presents;
+- ``clients/*.key``: the public keys a bound socket lets in (``client.key`` is copied there; a
+  deployment adds more, one file a peer);
+- ``handle.secret``: 32 random bytes (hex), the HMAC key of signed transfer handles (``sign``/``verify``).
+
+``init_keys`` keeps whatever is already there (a compose one-shot runs it on every ``up``), writes
+each missing file under a temporary name and links it into place, so two starts racing on one folder
+never leave half a key. A public key is always derived from its secret when loaded, never trusted
+from its own file. ``shared/transport.py`` reads the folder (``load_keys``); ``folio serve`` on one
+host makes one itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+_PAIRS = ("server", "client")
+HANDLE_SECRET = "handle.secret"
+
+
+class KeysError(RuntimeError):
+    """The key folder is missing, incomplete or unreadable; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StackKeys:
+    folder: str
+    server_public: bytes  # z85
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+    allowed: frozenset[bytes]  # z85 public keys a bound socket lets in
+    handle_secret: bytes
+
+
+def init_keys(folder: str | os.PathLike) -> StackKeys:
+    """Make the folder's missing keys (existing ones are kept); the folder is 0700, secrets 0600."""
+    d = Path(folder)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    (d / "clients").mkdir(exist_ok=True)
+    os.chmod(d / "clients", 0o700)
+    tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
+    try:
+        for name in _PAIRS:
+            if not (d / f"{name}.key_secret").exists():
+                zmq.auth.create_certificates(str(tmp), name)
+                # the secret first: once it is in place the pair is decided (the public is derived)
+                _link(tmp / f"{name}.key_secret", d / f"{name}.key_secret")
+                _link(tmp / f"{name}.key", d / f"{name}.key")
+        if not (d / HANDLE_SECRET).exists():
+            (tmp / HANDLE_SECRET).write_text(secrets.token_hex(32) + "\n")
+            _link(tmp / HANDLE_SECRET, d / HANDLE_SECRET)
+        keys = load_keys(d, allow_missing_clients=True)
+        allowed = d / "clients" / "client.key"
+        if not allowed.exists():
+            _public_file(tmp / "client.key", keys.client_public)
+            _link(tmp / "client.key", allowed)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for f in d.glob("*.key_secret"):
+        os.chmod(f, 0o600)
+    os.chmod(d / HANDLE_SECRET, 0o600)
+    return load_keys(d)
+
+
+def _link(src: Path, dst: Path) -> None:
+    """``src`` at ``dst`` unless something is there already (a link is atomic and never overwrites)."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        pass
+
+
+def _public_file(path: Path, public: bytes) -> None:
+    path.write_text('metadata\ncurve\n    public-key = "%s"\n' % public.decode("ascii"))
+
+
+def load_keys(folder: str | os.PathLike, allow_missing_clients: bool = False) -> StackKeys:
+    """The folder's keys; ``KeysError`` naming what is missing."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise KeysError(f"no key folder at {d}: make one with `folio keys init {d}`")
+    pairs = {}
+    for name in _PAIRS:
+        path = d / f"{name}.key_secret"
+        try:
+            _, secret = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError) as exc:
+            raise KeysError(f"{path}: {exc} (make the folder's keys with `folio keys init {d}`)") from None
+        if secret is None:
+            raise KeysError(f"{path} holds no secret key")
+        pairs[name] = (zmq.curve_public(secret), secret)
+    try:
+        handle_secret = bytes.fromhex((d / HANDLE_SECRET).read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise KeysError(f"{d / HANDLE_SECRET}: {exc} (make it with `folio keys init {d}`)") from None
+    allowed = set()
+    for path in sorted((d / "clients").glob("*.key")) if (d / "clients").is_dir() else ():
+        public, _ = zmq.auth.load_certificate(str(path))
+        if public:
+            allowed.add(public)
+    if not allowed and not allow_missing_clients:
+        raise KeysError(f"{d / 'clients'} lets no client in (make it with `folio keys init {d}`)")
+    return StackKeys(folder=str(d), server_public=pairs["server"][0], server_secret=pairs["server"][1],
+                     client_public=pairs["client"][0], client_secret=pairs["client"][1],
+                     allowed=frozenset(allowed), handle_secret=handle_secret)
+
+
+# --------------------------------------------------------------------------- signed handles
+
+
+def sign(keys: StackKeys, payload: dict, ttl_s: float, now: float | None = None) -> dict:
+    """``payload`` with an expiry and an HMAC-SHA256 over both (a transfer handle the router hands
+    a decode instance: only a holder of the stack's key can make one)."""
+    body = {**payload, "expires": round((time.time() if now is None else now) + ttl_s, 3)}
+    body.pop("signature", None)
+    return {**body, "signature": _mac(keys, body)}
+
+
+def verify(keys: StackKeys, signed: dict, now: float | None = None) -> dict:
+    """The payload of a handle ``sign`` made, or ``ValueError`` saying why it is refused."""
+    if not isinstance(signed, dict) or not isinstance(signed.get("signature"), str):
+        raise ValueError("the handle is not signed by the router")
+    body = {k: v for k, v in signed.items() if k != "signature"}
+    if not hmac.compare_digest(_mac(keys, body), signed["signature"]):
+        raise ValueError("the handle's signature does not match")
+    expires = body.get("expires")
+    if not isinstance(expires, (int, float)) or expires < (time.time() if now is None else now):
+        raise ValueError("the handle has expired")
+    body.pop("expires")
+    return body
+
+
+def _mac(keys: StackKeys, body: dict) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(keys.handle_secret, canonical, hashlib.sha256).hexdigest()
