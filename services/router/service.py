@@ -58,10 +58,17 @@ log = structlog.get_logger()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # a client's trace context goes on to the replica (with tracing on: the ``router.forward`` span's)
-_PASSED_HEADERS = ("Authorization", "Content-Type", "Accept", TRACEPARENT, "tracestate")
+_PASSED_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "Content-Type", "Accept", TRACEPARENT,
+                   "tracestate")
+# a stored response lives in the one replica that made it: a chained request, or a read of one, tries
+# the replicas in turn and takes a 404 from one as "not here" (``_Retry``)
+CHAINED_PATHS = ("/v1/responses",)
 ROOT_SPAN, FORWARD_TRACEPARENT = "folio.router_span", "folio.forward_traceparent"  # keys on the aiohttp request
 _RETRY_STATUSES = (502, 503, 504)  # the replica cannot take it now (draining, overloaded, gone)
 REPLICA_HEADER = "X-Folio-Replica"  # which replica answered: for clients' logs, and tests
+
+
+_CHAINED, _NOT_FOUND = "folio.chained", "folio.not_found"  # keys on the aiohttp request
 
 
 class _Retry(Exception):
@@ -93,6 +100,10 @@ class RouterService:
         app = web.Application(client_max_size=64 * 2**20, middlewares=[self.check_key])
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_post("/v1/responses", self.generate)  # both through chat's path on the replica
+        app.router.add_post("/v1/messages", self.generate)
+        app.router.add_post("/v1/messages/count_tokens", self.generate)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_route)
@@ -104,7 +115,9 @@ class RouterService:
         key = self.config.api_key
         if key and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            anthropic_key = request.headers.get("x-api-key", "")  # Anthropic's clients send the key here
+            if not (hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+                    or hmac.compare_digest(anthropic_key.encode(), key.encode())):
                 return web.json_response({"error": {"message": "Incorrect API key provided.", "type":
                                                     "invalid_request_error", "param": None, "code": "invalid_api_key"}},
                                          status=401)
@@ -177,7 +190,10 @@ class RouterService:
         if self.disagg is not None:  # --prefill/--decode: two legs per request (``disagg.py``)
             return await self.disagg.generate(request, body, token_ids, salt)
         tried: set[str] = set()
-        resume = ResumableStream.for_body(body)  # a stream cut mid-way goes on elsewhere (``resume.py``)
+        # a stream cut mid-way goes on elsewhere (``resume.py``): OpenAI's completion and chat chunks only
+        resume = ResumableStream.for_body(body) if request.path in ("/v1/completions", "/v1/chat/completions") else None
+        if request.path in CHAINED_PATHS and isinstance(body.get("previous_response_id"), str):
+            request[_CHAINED] = True
         if resume is not None:
             raw = resume.first_body()
 
@@ -187,7 +203,8 @@ class RouterService:
                     tried.add(decision.replica.name)
                 return decision
             resume.pick = pick
-        for _ in range(self.config.max_attempts):
+        attempts = max(self.config.max_attempts, len(candidates)) if request.get(_CHAINED) else self.config.max_attempts
+        for _ in range(attempts):
             decision = self.router.choose(candidates, token_ids, salt, tried, lora_name)
             if decision is None:
                 break
@@ -218,6 +235,8 @@ class RouterService:
                     adapters[lora_name] -= 1
                     if not adapters[lora_name]:
                         del adapters[lora_name]
+        if _NOT_FOUND in request:  # no replica holds the previous response
+            return web.Response(status=404, body=request[_NOT_FOUND], content_type="application/json")
         self.counts["num_failed"] += 1
         cause = "all_failed" if tried else "no_replica_up"
         self.metrics.failed.labels(cause).inc()
@@ -273,6 +292,9 @@ class RouterService:
         try:
             if upstream.status in _RETRY_STATUSES:
                 raise _Retry(f"http_{upstream.status}")
+            if upstream.status == 404 and request.get(_CHAINED):
+                request[_NOT_FOUND] = await upstream.read()
+                raise _Retry("previous_response_elsewhere")
             if upstream.content_type != "text/event-stream":
                 return upstream, await upstream.read()
             first = await upstream.content.readany()
@@ -304,6 +326,22 @@ class RouterService:
             self.replicas.mark_down(replica, f"stream: {type(exc).__name__}: {exc}")
         await response.write_eof()
         return response
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}``: the one replica that stored it answers; the others say 404."""
+        headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}
+        last = None
+        for replica in self.replicas.live():
+            try:
+                async with self.session.get(replica.name + request.path, headers=headers) as upstream:
+                    last = (upstream.status, upstream.headers.get("Content-Type", ""), await upstream.read())
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+            if last[0] != 404:
+                break
+        if last is None:
+            return error_response(503, "no replica is up", "service_unavailable")
+        return web.Response(status=last[0], body=last[2], headers={"Content-Type": last[1]})
 
     async def models(self, request: web.Request) -> web.Response:
         headers = {h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers}

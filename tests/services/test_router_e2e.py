@@ -208,3 +208,31 @@ def test_a_restarted_replica_has_no_affinity_until_it_caches_again(stack):
     wait_until(lambda: router.replicas()[b.url]["indexed_blocks"] >= 25, "b's new blocks in the index")
     assert chat(router.url, SYSTEM2, "One more?")[2] == b.url
     assert router.admin("stats")["num_cache_aware_hits"] == hits + 1
+
+
+def test_responses_and_messages_pass_through_and_a_chain_finds_its_replica(stack):
+    """The Responses and Messages APIs go through the router; a response stored by one replica is
+    found by a chained request and by a read, whichever replica the router tries first."""
+    *_, router = stack
+    ids, replicas = [], set()
+    for i in range(12):  # uniform traffic is balanced: both replicas come to store responses
+        status, body, replica = post(router.url + "/v1/responses", {
+            "model": "m", "input": f"Question {i}: say something.", "max_output_tokens": 3, "temperature": 0})
+        assert status == 200, body
+        ids.append(body["id"])
+        replicas.add(replica)
+        if len(replicas) == 2 and i >= 3:
+            break
+    assert len(replicas) == 2, replicas
+    for response_id in ids:
+        status, body, _ = post(router.url + "/v1/responses", {
+            "model": "m", "input": "And then?", "previous_response_id": response_id, "max_output_tokens": 2})
+        assert status == 200 and isinstance(body, dict) and body["previous_response_id"] == response_id, (status, body)
+        with urllib.request.urlopen(f"{router.url}/v1/responses/{response_id}", timeout=30) as r:
+            assert json.loads(r.read())["id"] == response_id
+    status, body, _ = post(router.url + "/v1/responses", {
+        "model": "m", "input": "x", "previous_response_id": "resp_unknown", "max_output_tokens": 2})
+    assert status == 404, body
+    status, body, _ = post(router.url + "/v1/messages", {
+        "model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and body["type"] == "message", body
