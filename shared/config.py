@@ -325,7 +325,8 @@ class GatewayConfig:
                             "never replayed)", ("gateway",))
     # whose admin sockets /health pings; a request needs every one of them
     probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
-    drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
+    drain_timeout_s: float = flag(8.0, "on SIGTERM, seconds open requests get to finish while new ones on open "
+                                  "connections get 503 (default 8)", ("gateway",), name="--drain-timeout")
     enable_lora: bool = False  # the executor's flags: ``model`` may name an adapter the executor holds
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     kv_role: str = "both"  # the executor's flag: a prefill instance answers the kv_transfer extension
