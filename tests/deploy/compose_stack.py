@@ -138,7 +138,9 @@ class Stack:
             return f"(no logs: {exc!r})"
 
     def down(self) -> None:
-        """Containers, network, volumes and the test's image; the base and dependency layers stay
-        as the build cache."""
-        self.compose("down", "-v", "--remove-orphans", "--rmi", "all", "-t", "20", timeout=300, check=False)
+        """Containers, network, the project's volumes and the test's image. The base image, the
+        dependency layers and the shared model cache (the `folio-models` volume) stay as caches."""
+        self.compose("down", "--remove-orphans", "--rmi", "all", "-t", "20", timeout=300, check=False)
+        for volume in ("kv", "keys"):
+            subprocess.run(["docker", "volume", "rm", "-f", f"{self.project}_{volume}"], capture_output=True)
         subprocess.run(["docker", "rmi", "-f", f"folio:{self.tag}"], capture_output=True)
