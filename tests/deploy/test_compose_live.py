@@ -180,7 +180,7 @@ def test_stop_drains_streams_in_flight_and_refuses_new_requests(stack):
             tasks = [asyncio.create_task(stream_once(http, stack.base, body(p), {"text": "", "ids": []}, e))
                      for p, e in zip(PROMPTS[:3], events)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 300)
-            stopper = threading.Thread(target=stack.compose, args=("stop", "-t", "20"))
+            stopper = threading.Thread(target=stack.compose, args=("stop",))  # each service's own grace
             t0 = time.monotonic()
             stopper.start()
             await asyncio.sleep(1.5)
@@ -191,4 +191,4 @@ def test_stop_drains_streams_in_flight_and_refuses_new_requests(stack):
             return refused, done, time.monotonic() - t0
     refused, done, stop_s = asyncio.run(go())
     print(f"\nstop: streams finished {sum(done)}/3, new request {refused}, stopped in {stop_s:.1f} s")
-    assert refused == 503 and all(done) and stop_s < 60
+    assert refused == 503 and all(done) and stop_s < 90
