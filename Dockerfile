@@ -62,6 +62,7 @@ RUN pip install -q --no-index --no-deps --no-build-isolation /src && rm -rf /src
 
 USER folio
 WORKDIR /app
-VOLUME /models /kv
+# no VOLUME: compose mounts its named volumes; one here would leave an anonymous volume behind
+# for every container that does not mount both paths (the keys one-shot)
 EXPOSE 8000 5550-5560
 CMD ["folio", "serve", "--host", "0.0.0.0", "--port", "8000"]
