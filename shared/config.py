@@ -357,7 +357,8 @@ class GatewayConfig:
                             "never replayed)", ("gateway",))
     # whose admin sockets /health pings; a request needs every one of them
     probed_services: tuple[str, ...] = ("tokenizer", "scheduler", "kvmanager", "executor")
-    drain_timeout_s: float = 8.0  # on SIGTERM, open streams get this long to finish
+    drain_timeout_s: float = flag(8.0, "on SIGTERM, seconds open requests get to finish while new ones on open "
+                                  "connections get 503 (default 8)", ("gateway",), name="--drain-timeout")
     reasoning_parser: str = flag("auto", "split the reasoning a model writes in <think>...</think> from its answer "
                                  "(reasoning_content, reasoning items): qwen3, deepseek_r1, none; auto: the model "
                                  "family's (Qwen3 checkpoints: qwen3; others: none)", ("gateway",),

@@ -49,13 +49,13 @@ def is_prepared(folder: Path) -> bool:
 
 def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     """Convert the packaged GGUF into a model folder, unless that was done already."""
+    target = default_model_dir()
+    if is_prepared(target) and not force:
+        return target  # before the imports below: every compose `up` runs this (seconds of torch)
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    target = default_model_dir()
-    if is_prepared(target) and not force:
-        return target
     gguf = packaged_gguf()
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
