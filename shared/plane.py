@@ -174,24 +174,31 @@ class _Gate:
                 pair.connect(inproc)
                 poller.register(pair, zmq.POLLIN)
                 names[pair] = name
+            if not poller.sockets:  # nothing to watch: zmq_poll over no sockets returns at once
+                self._stop.wait(0.2)
+                continue
             try:
                 ready = dict(poller.poll(200))
             except zmq.ContextTerminated:
                 break
+            num_read = 0
             for pair in ready:
                 try:
                     event = zmq.utils.monitor.recv_monitor_message(pair, zmq.NOBLOCK)
-                except (zmq.Again, zmq.ContextTerminated):
+                except zmq.Again:
                     continue
-                except zmq.ZMQError:
+                except zmq.ZMQError:  # the context is going, or the monitored socket is gone
                     poller.unregister(pair)
                     continue
+                num_read += 1
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                     poller.unregister(pair)
                     pair.close(0)
                     continue
                 REFUSALS.refused(event["endpoint"].decode("utf8", "replace"),
                                  "handshake failed (no key, or not this stack's)")
+            if ready and not num_read:  # readable yet nothing to read: never spin holding the GIL
+                self._stop.wait(0.05)
         for pair in names:
             pair.close(0)
 
