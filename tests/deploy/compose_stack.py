@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from folio.testing.server import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -46,14 +48,6 @@ def ensure_engine() -> str | None:
     if compose_command() is None:
         return "neither `docker compose` nor `docker-compose` is installed (bash scripts/docker_engine.sh)"
     return None
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
