@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 import tempfile
 from contextlib import asynccontextmanager
 
@@ -41,6 +42,17 @@ class BackHalf:
         self.to_scheduler = make_socket(ctx, zmq.PUSH, endpoints.scheduler_in)
         self.from_scheduler = make_socket(ctx, zmq.PULL, endpoints.tokenizer_in)
         self.batches: list[TokenBatch] = []
+
+    def pace(self, seconds: float) -> None:
+        """Make every model step take at least ``seconds`` longer: a test that must act on a request
+        while it still runs (abort, drain) then holds on a machine of any speed."""
+        execute = self.runner.execute
+
+        def paced(plan):
+            time.sleep(seconds)
+            return execute(plan)
+
+        self.runner.execute = paced
 
     async def submit(self, req_id: str, prompt: list[int], params: WireSampling, eos_token_id=None,
                      **extra) -> None:

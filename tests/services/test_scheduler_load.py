@@ -44,8 +44,10 @@ async def wait_for_kv_idle(bh, timeout_s: float = 10.0) -> dict:
         await asyncio.sleep(0.05)
 
 
-async def wait_until_running(bh) -> None:
+async def wait_until_running(bh, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
     while (await bh.admin("scheduler", "stats")).data["num_running"] == 0:
+        assert asyncio.get_running_loop().time() < deadline, "no request started running"
         await asyncio.sleep(0.01)
 
 
@@ -70,6 +72,7 @@ async def test_200_concurrent_requests_on_64_blocks_all_finish_as_if_alone(tiny_
 @pytest.mark.asyncio
 async def test_drain_finishes_accepted_work_and_refuses_new_requests(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=16) as bh:
+        bh.pace(0.05)  # "before" must still be running when the drain comes
         await bh.submit("before", [1, 2, 3], WireSampling(temperature=0.0, max_tokens=40, ignore_eos=True))
         await wait_until_running(bh)
         drained = await bh.admin("scheduler", "drain")
@@ -88,6 +91,7 @@ async def test_drain_finishes_accepted_work_and_refuses_new_requests(tiny_model_
 @pytest.mark.asyncio
 async def test_admin_abort_ends_the_stream_and_frees_blocks_unknown_ids_are_an_error(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=16) as bh:
+        bh.pace(0.02)  # "long" must still be running when it is aborted
         await bh.submit("long", [1, 2, 3], WireSampling(temperature=0.0, max_tokens=200, ignore_eos=True))
         await wait_until_running(bh)
         reply = await bh.admin("scheduler", "abort", req_id="long")

@@ -4,6 +4,7 @@ and the tokenizer's side of the protocol played by the test."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import structlog
@@ -68,6 +69,7 @@ async def test_same_greedy_tokens_as_the_in_process_driver(tiny_model_dir, refer
 @pytest.mark.asyncio
 async def test_abort_frees_blocks_and_refusals_say_why(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=12, block_size=4, max_model_len=64) as bh:
+        bh.pace(0.05)  # "long" must still be running when it is aborted
         await bh.submit("long", [1, 2, 3], greedy(40))
         await bh.submit("huge", [1] * 30, greedy(30))  # 59 tokens of KV > 12 blocks * 4
         await bh.submit("ctx", [1] * 40, greedy(30))  # 70 > max_model_len 64
@@ -76,8 +78,11 @@ async def test_abort_frees_blocks_and_refusals_say_why(tiny_model_dir):
         errors = {d.req_id: d.error for b in bh.batches for d in b.all_deltas() if d.finish_reason == "error"}
         assert "KV blocks" in errors["huge"] and "maximum context length is 64" in errors["ctx"]
 
+        deadline = time.monotonic() + 30
         while (await bh.admin("kvmanager", "stats")).data["num_blocks_used"] < 2:
+            assert time.monotonic() < deadline, "the long request never held two blocks"
             await asyncio.sleep(0.01)
+        assert "long" not in {d.req_id for b in bh.batches for d in b.all_deltas() if d.finish_reason}
         reply = await bh.admin("scheduler", "abort", req_id="long")
         assert reply.ok and reply.data["aborted"]
         assert (await bh.collect(["long"]))["long"][1] == "abort"
