@@ -10,7 +10,10 @@ No GPU is needed: only ``cupy.RawModule``'s *load* needs one, and that is not do
 from __future__ import annotations
 
 import io
+import multiprocessing
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -50,10 +53,23 @@ def ptxas_report(log: str) -> dict[str, dict[str, int]]:
     return report
 
 
-@pytest.fixture(scope="module", params=[(m, a) for m in ck.MODULE_FILES for a in ARCHS], ids=lambda p: f"{p[0]}-sm{p[1]}")
-def compiled(request):
+PAIRS = [(m, a) for m in ck.MODULE_FILES for a in ARCHS]
+
+
+@pytest.fixture(scope="module")
+def compiles():
+    """Every (module, arch) compile started at once on every core: NVRTC is single-threaded and the
+    compiles are independent, so this takes the longest few instead of their sum."""
+    workers = min(len(PAIRS), os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pair: pool.submit(compile_module, *pair) for pair in PAIRS}
+        yield futures
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: f"{p[0]}-sm{p[1]}")
+def compiled(request, compiles):
     module, arch = request.param
-    mapping, log = compile_module(module, arch)
+    mapping, log = compiles[(module, arch)].result()
     return module, arch, mapping, log
 
 
