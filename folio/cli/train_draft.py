@@ -38,16 +38,16 @@ PROMPT_TEMPLATES = [
     "Describe the history of {t} briefly.", "Give a step-by-step guide related to {t}.",
     "Compare {t} with something similar and explain the difference.", "Write a haiku about {t}.",
 ]
-TOPICS = [
-    "photosynthesis", "the water cycle", "black holes", "machine learning", "healthy sleep", "climate change",
-    "the Roman Empire", "volcanoes", "saving money", "learning a new language", "the internet", "honey bees",
-    "electric cars", "the moon", "friendship", "coffee", "recycling", "the human heart", "earthquakes",
-    "chess", "gardening", "the stock market", "rainbows", "dinosaurs", "exercise", "music theory", "bread baking",
-    "time management", "the solar system", "vaccines", "public speaking", "ocean tides", "renewable energy",
-    "cats", "mountains", "the printing press", "democracy", "programming in Python", "a job interview",
-    "traveling by train", "the immune system", "writing a resume", "the color blue", "autumn", "bicycles",
-    "deserts", "the French Revolution", "meditation", "robots", "cooking pasta", "the Great Wall of China",
-    "smartphones", "libraries", "birds migrating", "a rainy day", "teamwork", "mathematics", "city parks",
+TOPICS = [  # none of them is a topic of folio.bench.spec_decode's chat prompts, which measure the head
+    "the water cycle", "glaciers", "machine learning", "origami", "the Roman Empire", "volcanoes", "saving money",
+    "learning a new language", "the internet", "honey bees", "electric cars", "the moon", "friendship", "coffee",
+    "recycling", "the human heart", "chess", "gardening", "the stock market", "rainbows", "dinosaurs",
+    "music theory", "bread baking", "time management", "the solar system", "vaccines", "public speaking",
+    "ocean tides", "renewable energy", "mountains", "the printing press", "democracy", "programming in Python",
+    "a job interview", "traveling by train", "the immune system", "writing a resume", "the color blue",
+    "bicycles", "deserts", "the French Revolution", "meditation", "robots", "cooking pasta",
+    "the Great Wall of China", "smartphones", "libraries", "a rainy day", "teamwork", "mathematics", "city parks",
+    "the Silk Road", "bridges", "board games", "jazz", "submarines", "the Olympic Games", "maps",
 ]
 LOSS_DECAY = 0.8
 

@@ -152,3 +152,20 @@ def test_the_kernel_stack_hands_out_the_hidden_states_the_modules_do(tiny_target
     _, plain = run(make_runner(tiny_target, quantization="int4", attention_backend="cpu"), reqs)
     _, fast = run(runner, reqs)
     assert fast == plain and stack.num_calls > 10
+
+
+def test_eagle_is_lossless_with_preemption_choices_and_steps_without_drafts(tiny_target, random_head):
+    """n = 2 choices in a pool small enough to preempt, the controller drafting every other step
+    (the head then catches up on several positions at once), async scheduling between."""
+    from tests.executor.test_spec_suffix import Alternating
+
+    reqs = [engine_request(f"r{i}", p, 24, ignore_eos=True, fork_req_ids=[f"r{i}-1"])
+            for i, p in enumerate(repetitive_prompts(6, seed=21))]
+    _, plain = run(make_runner(tiny_target, num_kv_blocks=40), reqs)
+    runner = make_runner(tiny_target, num_kv_blocks=40, **eagle(random_head))
+    runner.spec_control = Alternating()
+    engine, fast = run(runner, reqs, async_scheduling=True)
+    assert fast == plain
+    c = engine.sched.counters
+    assert c["num_preemptions"] > 0 and c["num_spec_drafts"] > 0
+    assert engine.alloc.num_used_blocks == 0 and not runner.proposer.seqs
