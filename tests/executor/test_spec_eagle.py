@@ -169,3 +169,31 @@ def test_eagle_is_lossless_with_preemption_choices_and_steps_without_drafts(tiny
     c = engine.sched.counters
     assert c["num_preemptions"] > 0 and c["num_spec_drafts"] > 0
     assert engine.alloc.num_used_blocks == 0 and not runner.proposer.seqs
+
+
+def test_training_unrolls_the_chain_the_proposer_drafts(tiny_target, random_head):
+    """``EagleHead.unrolled`` (what train-draft optimises) at the chain that starts after the
+    target's last feature gives the proposer's drafts: training and serving see one computation."""
+    import numpy as np
+
+    from folio.core.executor.runtime.spec_eagle import EagleProposer
+
+    runner = make_runner(tiny_target, **eagle(random_head, k=4))
+    head = runner.proposer.head
+    tokens = repetitive_prompts(1, seed=13)[0][:20]
+    hidden = _teacher_forced(runner, tokens[:-1])
+    feats = torch.cat([*runner.model.tapped, hidden.float()], dim=-1)
+    proposer = EagleProposer(head, runner.model, 4, torch.device("cpu"))
+    proposer.observe(["x"], np.array([0]), np.array([len(tokens) - 1]), hidden)
+
+    class State:
+        req_id, token_ids = "x", tokens
+
+    drafts = proposer.propose([State()])[0].token_ids
+    last = len(tokens) - 2
+    chain = torch.tensor(tokens + drafts)
+    padded = torch.cat([feats, torch.zeros(len(drafts), feats.shape[1])])  # positions past ``last``: unread
+    with torch.no_grad():
+        logits = head.unrolled(padded[None], chain[1:][None], 4)
+    unrolled = [int(head.draft_to_target[logits[d][0, last + d].argmax()]) for d in range(4)]
+    assert unrolled == drafts
