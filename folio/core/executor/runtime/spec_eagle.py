@@ -246,7 +246,19 @@ class _HeadSeq:
     first: int = -1  # the first position in the head's cache (-1: none yet)
     end: int = 0  # positions first..end-1 are in the cache, built from the target's features
     pend_start: int = 0  # the target's features not fed to the head yet: positions pend_start..
-    pend: torch.Tensor | None = None  # [m, 3 hidden]
+    parts: list[torch.Tensor] = dataclasses.field(default_factory=list)  # their rows, per step ([m, 3 hidden])
+    num_pend: int = 0
+
+    def pending(self) -> torch.Tensor:
+        """The pending rows as one tensor (joined once, when they are read or cut)."""
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts)]
+        return self.parts[0]
+
+    def keep(self, num: int) -> None:
+        """Only the first ``num`` pending rows stay."""
+        if num < self.num_pend:
+            self.parts, self.num_pend = ([self.pending()[:num]] if num > 0 else []), max(0, num)
 
 
 class EagleProposer:
@@ -277,21 +289,21 @@ class EagleProposer:
             seq = self.seqs.get(req_id)
             if seq is None:
                 seq = self.seqs[req_id] = _HeadSeq(self._slot())
-            if seq.pend is not None and start == seq.pend_start + len(seq.pend):
-                seq.pend = torch.cat([seq.pend, part])
+            if seq.num_pend and start == seq.pend_start + seq.num_pend:
+                seq.parts.append(part)  # joined when read: a copy per step would grow with the sequence
+                seq.num_pend += count
             else:
-                seq.pend_start, seq.pend = start, part
-            if len(seq.pend) > MAX_PENDING:
-                cut = len(seq.pend) - MAX_PENDING
-                seq.pend_start, seq.pend = seq.pend_start + cut, seq.pend[cut:]
+                seq.pend_start, seq.parts, seq.num_pend = start, [part], count
+            if seq.num_pend > MAX_PENDING:
+                cut = seq.num_pend - MAX_PENDING
+                seq.pend_start, seq.parts, seq.num_pend = seq.pend_start + cut, [seq.pending()[cut:]], MAX_PENDING
 
     def rollback(self, req_id: str, num_valid: int) -> None:
         """Only tokens ``0..num_valid-1`` are the sequence's: features past them were drafts'."""
         seq = self.seqs.get(req_id)
         if seq is None:
             return
-        if seq.pend is not None:
-            seq.pend = seq.pend[:max(0, num_valid - seq.pend_start)]
+        seq.keep(num_valid - seq.pend_start)
         seq.end = min(seq.end, max(seq.first, num_valid - 1))
 
     def drop(self, req_id: str, token_ids: list[int] | None = None, adapter: int = 0) -> None:
@@ -328,11 +340,11 @@ class EagleProposer:
             last = len(tokens) - 2  # the last position whose next token is known
             if seq is None or last < 0 or last + self.k > self.max_len - 1:
                 continue
-            if seq.pend is None or not len(seq.pend):
+            if not seq.num_pend:
                 continue
             if seq.first < 0 or seq.pend_start != seq.end:  # nothing cached yet, or a gap: start over there
                 seq.first = seq.end = seq.pend_start
-            if seq.end > last or seq.pend_start + len(seq.pend) < last + 1:
+            if seq.end > last or seq.pend_start + seq.num_pend < last + 1:
                 continue  # the head has not the target's features up to here
             live.append((i, seq, tokens, last))
         if not live:
@@ -357,7 +369,7 @@ class EagleProposer:
         head, outs = self.head, []
         for _, seq, tokens, last in live:
             start = seq.end - seq.pend_start
-            feats = seq.pend[start:start + last + 1 - seq.end]
+            feats = seq.pending()[start:start + last + 1 - seq.end]
             pos = torch.arange(seq.end, last + 1, device=self.device)
             ids = torch.as_tensor(tokens[seq.end + 1:last + 2], device=self.device)
             g = head.fuse(feats)
@@ -367,7 +379,7 @@ class EagleProposer:
             # only the last position's output drafts; the others were needed for their keys and values
             outs.append(head.finish(g[-1:], self._attend(q[-1:], seq.slot, seq.first, pos[-1:]))[0])
             seq.end = last + 1
-            seq.pend_start, seq.pend = seq.end, None
+            seq.pend_start, seq.parts, seq.num_pend = seq.end, [], 0
         return torch.stack(outs)
 
     def _attend(self, q: torch.Tensor, slot: int, first: int, pos: torch.Tensor) -> torch.Tensor:
