@@ -115,6 +115,12 @@ def test_a_head_for_another_model_is_refused_at_start(tiny_target, tmp_path):
         make_runner(tiny_target, **eagle(head))
     with pytest.raises(ValueError, match="no eagle3 draft head ships for the served model"):
         make_runner(tiny_target, speculative_config='{"method": "eagle3"}')
+    from folio.core.executor.parallel.comm import Shard
+    from folio.core.executor.runtime.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        ModelRunner(RuntimeConfig(device="cpu", **eagle(head)), tiny_target, shard=Shard(0, 2))
     card = json.loads((tmp_path / "head" / CARD_FILE).read_text())
     assert card["format"] == "folio-eagle3-v1" and card["config"]["draft_vocab_size"] == 48
 

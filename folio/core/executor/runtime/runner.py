@@ -148,6 +148,9 @@ class ModelRunner:
         if self.spec_settings is not None and lora["enable_lora"]:
             raise ValueError(LORA_REFUSAL)
         if self.spec_settings is not None and self.spec_settings.method == "eagle3":
+            if shard.size > 1:
+                raise ValueError("eagle3 draft heads need tensor_parallel_size 1: the head reads the whole "
+                                 "model's hidden states and embeddings on one rank")
             # the draft head reads hidden states that captured decode graphs do not hand out
             config = dataclasses.replace(config, enforce_eager=True)
         if lora["enable_lora"]:  # the per-step delta is not captured in decode graphs
