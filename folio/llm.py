@@ -31,6 +31,7 @@ _SCHEDULER_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"endp
 _ALIASES = {f.metadata["flag"].dest: f.name for f in dataclasses.fields(RuntimeConfig)
             if "flag" in f.metadata and f.metadata["flag"].name}  # --kv-cache-memory-bytes sets kv_cache_bytes
 _LORA_ARGS = {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules"}  # the runner's
+_SPEC_ARGS = {"speculative_model", "speculative_config"}
 _ENGINE_ARGS = _RUNTIME_ARGS | _SCHEDULER_ARGS | {"enable_prefix_caching"} | set(_ALIASES) | _LORA_ARGS
 
 
@@ -47,8 +48,9 @@ def engine_configs(model: str, options: dict) -> tuple[RuntimeConfig, dict]:
     if getattr(runtime, "tensor_parallel_size", 1) != 1:
         raise ValueError("the offline API runs the model in this one process: tensor_parallel_size must be 1 "
                          "(folio serve -tp N splits it over N processes)")
+    # the scheduler learns that steps carry drafts from the runner (``EngineCore``), not from these
     core = {k: v for k, v in options.items()
-            if (k in _SCHEDULER_ARGS and k not in _LORA_ARGS) or k == "enable_prefix_caching"}
+            if (k in _SCHEDULER_ARGS and k not in _LORA_ARGS | _SPEC_ARGS) or k == "enable_prefix_caching"}
     core["max_num_seqs"], core["max_num_batched_tokens"] = runtime.max_num_seqs, runtime.max_num_batched_tokens
     return runtime, core
 

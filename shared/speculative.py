@@ -17,15 +17,14 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle3")
-BUILT = ("ngram", "suffix", "draft_model")  # eagle3 is accepted by the parser only to say why it is refused
-DEFAULT_NUM_TOKENS = {"ngram": 4, "suffix": 8, "draft_model": 3}
+DEFAULT_NUM_TOKENS = {"ngram": 4, "suffix": 8, "draft_model": 3, "eagle3": 3}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # draft_model: the draft's folder or name
+    model: str | None = None  # draft_model: the draft's folder or name; eagle3: the head's folder (None: the shipped one)
     prompt_lookup_min: int = 1  # ngram (and the suffix proposer's own-request lookup)
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 0  # propose nothing while this many requests sample in a step (0: never)
@@ -40,9 +39,6 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.method not in BUILT:
-            raise ValueError(f"speculative method {self.method!r} is not available: this build has no EAGLE draft "
-                             f"heads; use one of {', '.join(BUILT)}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if self.method == "draft_model" and not self.model:
@@ -117,6 +113,12 @@ def speculative_refusal(config) -> str | None:
         return str(exc)
     if settings is not None and getattr(config, "enable_lora", False):
         return LORA_REFUSAL
+    if settings is not None and settings.method == "eagle3" and settings.model is not None:
+        import os
+
+        if not os.path.isfile(os.path.join(settings.model, "card.json")):
+            return (f"{settings.model} is not an eagle3 draft head: no card.json there (folio train-draft writes "
+                    "one; leave \"model\" out for the head shipped for the served model)")
     return None
 
 

@@ -18,7 +18,9 @@ Workloads:
 Proposers (``--proposers``): ``ngram`` (prompt lookup, the older flags: always drafts),
 ``ngram-adaptive`` and ``suffix`` (``--speculative-config``, drafting chosen per step), ``draft``
 (SmolLM2's first ``--draft-layers`` layers, an untrained early-exit draft), ``self`` (the target as
-its own draft: the ceiling of the accepted length).
+its own draft: the ceiling of the accepted length), ``eagle3`` (the draft head shipped for the
+model, or ``--eagle-model DIR``: one ``folio train-draft`` wrote; drafting chosen per step) and
+``eagle3-always`` (the same head drafting every step).
 
     python scripts/bench_spec_decode.py [--batches 1 8 32] [--workloads chat edit copy] [--max-tokens 64]
 """
@@ -124,13 +126,17 @@ def run_workload(runner, tokenizer, workload: str, batch: int, max_tokens: int) 
     return tokens / seconds, counters, outs
 
 
-def make_runners(path: str, names: list[str], k: int, draft_layers: int, quantization: str) -> dict:
+def make_runners(path: str, names: list[str], k: int, draft_layers: int, quantization: str,
+                 eagle_model: str | None = None) -> dict:
     base = dict(num_kv_blocks=4096, max_num_batched_tokens=4096, max_num_seqs=64, device="cpu",
                 quantization=quantization)
     configs = {"ngram": dict(speculative_model="ngram", num_speculative_tokens=k),
                "ngram-adaptive": dict(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": k})),
                "suffix": dict(speculative_config=json.dumps({"method": "suffix"})),
                "self": dict(speculative_model=path, num_speculative_tokens=k)}
+    eagle = {"method": "eagle3", "num_speculative_tokens": k, **({"model": eagle_model} if eagle_model else {})}
+    configs["eagle3"] = dict(speculative_config=json.dumps(eagle))
+    configs["eagle3-always"] = dict(speculative_config=json.dumps({**eagle, "adaptive": False}))
     if "draft" in names:
         draft = truncate_layers(path, cache_dir() / "models" / f"{Path(path).name}-first{draft_layers}", draft_layers)
         configs["draft"] = dict(speculative_model=str(draft), num_speculative_tokens=k)
@@ -157,16 +163,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--workloads", nargs="+", default=["chat", "edit", "copy"], choices=("chat", "edit", "copy"))
     parser.add_argument("--proposers", nargs="+", default=["ngram", "ngram-adaptive", "suffix"],
-                        choices=("ngram", "ngram-adaptive", "suffix", "draft", "self"))
+                        choices=("ngram", "ngram-adaptive", "suffix", "draft", "self", "eagle3", "eagle3-always"))
+    parser.add_argument("--eagle-model", default=None, help="eagle3: a head folder (default: the shipped one)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (ngram, draft, self)")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (ngram, draft, self, eagle3)")
     parser.add_argument("--draft-layers", type=int, default=8)
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     path = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runners = make_runners(path, args.proposers, args.k, args.draft_layers, args.quantization)
+    runners = make_runners(path, args.proposers, args.k, args.draft_layers, args.quantization, args.eagle_model)
     run_workload(runners["plain"], tokenizer, "chat", 1, 4)  # warm-up
     print(f"model {args.model} on cpu (--quantization {args.quantization}), greedy, up to {args.max_tokens} new "
           f"tokens per turn, k={args.k} (suffix: up to 8, from the match)")

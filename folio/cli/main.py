@@ -6,6 +6,7 @@
 - ``folio prepare [--force]``: convert the packaged default model once;
 - ``folio chat [--url URL]``: talk to a model in the terminal through any OpenAI-compatible server;
 - ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
+- ``folio train-draft --out DIR [--model M]``: train an eagle3 draft head on the model's own answers;
 - ``folio bench serve [flags]``: vLLM's serving benchmark figures against any OpenAI-compatible
   endpoint; ``folio bench NAME``: the benchmark ``folio.bench.NAME`` with one summary format (``folio bench list``);
 - ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("service", choices=RUNNABLE)
     sub.add_parser("quantize", help="write a quantized model folder (awq, int4, int8)", add_help=False)
     sub.add_parser("chat", help="talk to a model in the terminal (any OpenAI-compatible URL)", add_help=False)
+    sub.add_parser("train-draft", help="train an eagle3 draft head for a model on its own answers", add_help=False)
     sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible endpoint), list, NAME", add_help=False)
     prepare = sub.add_parser("prepare", help="prepare the packaged default model")
     prepare.add_argument("--force", action="store_true")
@@ -94,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         from folio.cli.quantize import main as quantize_main
 
         return quantize_main(argv[1:])
+    if argv and argv[0] == "train-draft":
+        from folio.cli.train_draft import main as train_draft_main
+
+        return train_draft_main(argv[1:])
     if argv and argv[0] == "chat":
         from folio.cli.chat import main as chat_main
 

@@ -1,7 +1,7 @@
 """Speculative decoding served: ``folio serve --speculative-config '{"method": "suffix"}'`` (suffix
 speculation, drafting chosen per step) gives the same greedy text as the plain server, drafts a
 repeated request from the earlier one's answer, and reports acceptance in ``folio scheduler
-stats`` and ``/metrics``."""
+stats`` and ``/metrics``; the eagle3 head shipped for SmolLM2 serves the same greedy text too."""
 
 from __future__ import annotations
 
@@ -56,3 +56,23 @@ def test_suffix_speculation_serves_the_same_greedy_text(client, spec_server):
                     if line.startswith("folio:spec_decode_num_accepted_tokens_total"))
     assert accepted == stats["num_spec_accepted_tokens"]
     assert 'folio:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
+
+
+@pytest.fixture(scope="module")
+def eagle_server(smollm_dir):
+    # the head shipped for SmolLM2 ("model" left out), drafting every step
+    srv = start_server(smollm_dir, "--num-kv-blocks", "512", "--speculative-config",
+                       '{"method": "eagle3", "num_speculative_tokens": 3, "adaptive": false}')
+    yield srv
+    stop_server(srv)
+
+
+def test_the_shipped_eagle3_head_serves_the_same_greedy_text(client, eagle_server):
+    fast = openai.OpenAI(base_url=eagle_server.base_url, api_key="unused", max_retries=0, timeout=120)
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        got = fast.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+    assert eagle_server.admin("executor", "stats")["eagle_proposals"] > 0
+    assert eagle_server.admin("scheduler", "stats")["num_spec_accepted_tokens"] > 0

@@ -254,7 +254,8 @@ def smollm_prompts(smollm_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("proposer,quantization", [("ngram", "none"), ("draft", "none"), ("ngram", "auto")])
+@pytest.mark.parametrize("proposer,quantization", [("ngram", "none"), ("draft", "none"), ("ngram", "auto"),
+                                                   ("eagle3", "auto")])
 def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts, tmp_path_factory, proposer,
                                                       quantization):
     """The issue's check: SmolLM2-135M-Instruct, greedy, alone (batch 1) and all together; ``auto``
@@ -266,6 +267,8 @@ def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts
     reqs = [engine_request(f"p{i}", p, n, eos_token_id=eos) for i, (p, n) in enumerate(prompts)]
     if proposer == "ngram":
         spec = dict(speculative_model="ngram", num_speculative_tokens=4)
+    elif proposer == "eagle3":  # the head shipped for SmolLM2, drafting every step
+        spec = dict(speculative_config='{"method": "eagle3", "adaptive": false}')
     else:  # SmolLM2's first 8 of 30 layers, with its embeddings, norm and head
         draft = truncate_layers(smollm_dir, tmp_path_factory.mktemp("smollm-draft"), 8)
         spec = dict(speculative_model=str(draft), num_speculative_tokens=3)

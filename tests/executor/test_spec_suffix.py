@@ -98,7 +98,7 @@ def test_speculative_config_and_its_aliases_say_what_is_wrong():
     legacy = speculative_settings(RuntimeConfig(speculative_model="ngram", num_speculative_tokens=3))
     assert (legacy.method, legacy.num_speculative_tokens, legacy.adaptive) == ("ngram", 3, False)
     assert speculative_settings(RuntimeConfig(speculative_model="/d", num_speculative_tokens=2)).model == "/d"
-    for text, said in [("{", "not JSON"), ('{"method": "eagle3"}', "no EAGLE draft heads"),
+    for text, said in [("{", "not JSON"), ('{"method": "eagle3", "model": "/nowhere"}', "not an eagle3 draft head"),
                        ('{"method": "ngram", "k": 3}', "unknown speculative-config key(s) k"),
                        ('{"method": "draft_model"}', "needs \"model\""),
                        ('{"method": "ngram", "num_speculative_tokens": "4"}', "must be an integer")]:
@@ -128,9 +128,10 @@ def test_adapters_with_speculation_are_refused_at_start(tiny_pair, capsys):
     args = parser.parse_args(["--model", tiny_pair[0], "--speculative-config", text])
     assert executor_config(service_argv("executor", args, tiny_pair[0])).runtime.speculative_config == text
     assert speculative_settings(scheduler_config(service_argv("scheduler", args, tiny_pair[0]))).method == "suffix"
-    for extra, said in [(["--enable-lora"], LORA_REFUSAL), ([], "no EAGLE draft heads")]:
+    for extra, said in [(["--enable-lora"], LORA_REFUSAL), ([], "not an eagle3 draft head")]:
         args = parser.parse_args(["--model", tiny_pair[0], "--speculative-config",
-                                  '{"method": "suffix"}' if extra else '{"method": "eagle3"}', *extra])
+                                  '{"method": "suffix"}' if extra else '{"method": "eagle3", "model": "/nowhere"}',
+                                  *extra])
         assert serve(args) == 2
         assert said in capsys.readouterr().err
 

@@ -182,12 +182,19 @@ class DecodeStack:
         self._workspace(n, threads * stride)
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         out = torch.empty_like(residual)
+        taps = None
+        if model.taps:  # a draft head reads these layers' residuals (``CausalLM.taps``)
+            by_layer = {i: torch.empty_like(residual) for i in model.taps}
+            model.tapped = [by_layer[i] for i in model.taps]
+            taps = (ctypes.c_void_p * len(layout.table))()
+            for i, t in by_layer.items():
+                taps[i] = t.data_ptr()
         self.lib.folio_decode_stack(len(layout.table), layout.table.ctypes.data, self._dims.ctypes.data, layout.eps,
                                     layout.scale, layout.softcap, n, residual.data_ptr(), layout.first_norm.data_ptr(),
                                     positions.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
                                     slots.data_ptr(), len(plan.tok), plan.tok.ctypes.data, plan.seq.ctypes.data,
                                     plan.lens.ctypes.data, plan.block_tables.data_ptr(), self._buf_ptrs,
-                                    out.data_ptr())
+                                    out.data_ptr(), taps)
         self.num_calls += 1
         return out
 

@@ -73,7 +73,7 @@ FUNCTIONS = {  # every exported function's arguments
     "folio_qgemm_threads": [],
     "folio_qgemm_path": [],
     # csrc/stack.c
-    "folio_decode_stack": [_i64, _ptr, _ptr, _f32, _f32, _f32, _i64] + [_ptr] * 6 + [_i64] + [_ptr] * 6,
+    "folio_decode_stack": [_i64, _ptr, _ptr, _f32, _f32, _f32, _i64] + [_ptr] * 6 + [_i64] + [_ptr] * 7,
 }
 RESTYPES = {"folio_qgemm": _i64, "folio_qgemm_threads": _i64, "folio_qgemm_path": ctypes.c_char_p}  # others: void
 

@@ -409,6 +409,10 @@ class CausalLM(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.local_rope: RopeTables | None = None
+        # layers whose residual output each forward keeps in ``tapped`` (one [num_tokens, hidden]
+        # tensor per tap, in this order): what an EAGLE draft head reads besides the final output
+        self.taps: tuple[int, ...] = ()
+        self.tapped: list[torch.Tensor] = []
 
     @classmethod
     def spec_from_config(cls, config) -> ModelSpec:
@@ -467,9 +471,14 @@ class CausalLM(nn.Module):
         local = rope if self.local_rope is None else ops.rope_inputs(self.local_rope, positions)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         normed = ops.rms_norm(residual, self.layers[0].input_layernorm)
-        for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
+        tapped = {}
+        for i, (layer, (k_cache, v_cache), next_norm) in enumerate(zip(self.layers, kv_caches, norms)):
             r = local if layer.self_attn.window else rope
             residual, normed = layer(normed, residual, r, k_cache, v_cache, meta, backend, next_norm)
+            if i in self.taps:  # a copy: some kernels update the residual in place
+                tapped[i] = residual.float().clone()
+        if self.taps:
+            self.tapped = [tapped[i] for i in self.taps]
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab_size] fp32

@@ -147,6 +147,12 @@ class ModelRunner:
         self.spec_settings = speculative_settings(config)  # before loading anything: a refusal is said at once
         if self.spec_settings is not None and lora["enable_lora"]:
             raise ValueError(LORA_REFUSAL)
+        if self.spec_settings is not None and self.spec_settings.method == "eagle3":
+            if shard.size > 1:
+                raise ValueError("eagle3 draft heads need tensor_parallel_size 1: the head reads the whole "
+                                 "model's hidden states and embeddings on one rank")
+            # the draft head reads hidden states that captured decode graphs do not hand out
+            config = dataclasses.replace(config, enforce_eager=True)
         if lora["enable_lora"]:  # the per-step delta is not captured in decode graphs
             config = dataclasses.replace(config, enforce_eager=True)
         if shard.size > 1:  # decode graphs would have to capture the collectives: eager steps only
@@ -193,7 +199,7 @@ class ModelRunner:
         self.table_sampler = cpu_kernels.TableSampler(self.spec.vocab_size) \
             if self.device.type == "cpu" and cpu_kernels.library() is not None else None
         # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
-        self.proposer = make_proposer(config, self.spec, self.device, self.dtype, self.backend,
+        self.proposer = make_proposer(config, self.model, self.device, self.dtype, self.backend,
                                       self.pool.num_blocks) if shard.rank == 0 else None
         self.spec_control = SpecController() if self.proposer is not None and self.spec_settings.adaptive else None
         self.drafts_now = True  # whether the next proposing step proposes (``StepResult.drafts_next``)
@@ -425,6 +431,8 @@ class ModelRunner:
         step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids)
         hidden = self._forward(step)
         req_ids = list(plan.num_scheduled_tokens)
+        if self.proposer is not None and hasattr(self.proposer, "observe"):  # a draft head reads the hidden states
+            self.proposer.observe(req_ids, self.batch.num_computed[step.rows], step.counts, hidden)
         result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
         self.batch.num_computed[step.rows] += step.counts
         return hidden, step, req_ids, result_prompt_lp

@@ -83,8 +83,9 @@ class SpecController:
                                         for k, b in sorted(self.buckets.items())}}
 
 
-def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype, backend, num_target_blocks: int):
+def make_proposer(config, target_model, device: torch.device, dtype: torch.dtype, backend, num_target_blocks: int):
     """The proposer ``--speculative-config`` (or its older flags) asks for, or None."""
+    target_spec = target_model.spec
     settings = speculative_settings(config)
     if settings is None:
         return None
@@ -95,6 +96,8 @@ def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype,
         return SuffixProposer(k, settings.suffix_max_depth, settings.suffix_max_cached_requests,
                               settings.suffix_max_spec_factor, settings.suffix_min_token_prob,
                               settings.prompt_lookup_min, settings.prompt_lookup_max)
+    if settings.method == "eagle3":
+        return make_eagle_proposer(settings.model, target_model, k, device, dtype)
     from folio.core.models import resolve_model
 
     num_blocks = config.num_draft_kv_blocks or num_target_blocks
@@ -104,3 +107,16 @@ def make_proposer(config, target_spec, device: torch.device, dtype: torch.dtype,
         backend = TorchAttentionBackend()
     return DraftModelProposer(str(resolve_model(settings.model)), k, target_spec.vocab_size, config.block_size,
                               num_blocks, device, dtype, backend)
+
+
+def make_eagle_proposer(folder: str | None, target_model, k: int, device: torch.device, dtype: torch.dtype):
+    """The eagle3 head in ``folder`` (or the one shipped for this model), checked against the target."""
+    from pathlib import Path
+
+    from folio.core.executor.runtime.spec_eagle import EagleProposer, load_head, shipped_head
+
+    if folder is not None and not Path(folder).is_dir():
+        raise ValueError(f"eagle3 draft head folder {folder} does not exist")
+    path = Path(folder) if folder is not None else shipped_head(target_model)
+    head_dtype = torch.float32 if device.type == "cpu" else dtype
+    return EagleProposer(load_head(path, target_model, head_dtype, device), target_model, k, device)

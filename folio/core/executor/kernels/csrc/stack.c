@@ -12,6 +12,7 @@
  */
 
 #include <stdatomic.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -78,12 +79,13 @@ static void attention_part(void *p) {
  * scratch (fp32, threads * scratch_stride);
  * residual [n, hidden] fp32 holds the embeddings and is updated in place; the last layer's
  * normed output (the final norm, fp32) goes to out [n, hidden]. The first layer's input norm is
- * first_norm. */
+ * first_norm. taps (NULL, or one pointer per layer, NULL where not wanted): the residual after that
+ * layer is copied there ([n, hidden] fp32), for a draft head that reads the target's hidden states. */
 void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t *dims, float eps, float scale,
                         float softcap, int64_t n, float *residual, const float *first_norm, const int64_t *positions,
                         const float *cos_table, const float *sin_table, const int64_t *slots, int64_t m,
                         const int64_t *tok, const int64_t *seq, const int64_t *lens, const int32_t *block_tables,
-                        void *const *bufs, float *out) {
+                        void *const *bufs, float *out, float *const *taps) {
     const int64_t hidden = dims[0], q_size = dims[1], kv_size = dims[2], inter = dims[3];
     const int64_t num_heads = dims[4], num_kv_heads = dims[5], head_dim = dims[6], block_size = dims[7];
     const int64_t bt_stride = dims[8], threads = dims[9], scratch_stride = dims[10];
@@ -121,5 +123,6 @@ void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t
         const int last = i == num_layers - 1;
         folio_add_rms_norm(n, hidden, down, hidden, ab, residual, hidden, (const float *)L[L_NEXT_NORM], eps,
                            last ? (void *)out : normed, hidden, last ? 0 : ab);
+        if (taps && taps[i]) memcpy(taps[i], residual, (size_t)(n * hidden) * sizeof(float));
     }
 }
