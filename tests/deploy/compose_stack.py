@@ -218,11 +218,14 @@ def _docker(*args: str) -> list[str]:
 
 
 def remove_project(project: str) -> None:
-    """Whatever of the compose project is left: containers, networks, volumes (by compose's label)."""
+    """Whatever of the compose project is left: containers, networks, volumes (by compose's label).
+    Of the volumes, only the project's own (``<project>_NAME``): the shared model cache, `folio-models`,
+    carries the label of the project that made it first."""
     label = f"label=com.docker.compose.project={project}"
+    volumes = [v for v in _docker("volume", "ls", "-q", "--filter", label) if v.startswith(f"{project}_")]
     for ids, rm in ((_docker("ps", "-aq", "--filter", label), ("rm", "-f", "-v")),
                     (_docker("network", "ls", "-q", "--filter", label), ("network", "rm")),
-                    (_docker("volume", "ls", "-q", "--filter", label), ("volume", "rm", "-f"))):
+                    (volumes, ("volume", "rm", "-f"))):
         if ids:
             _docker(*rm, *ids)
 
