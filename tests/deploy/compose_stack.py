@@ -240,9 +240,10 @@ def sweep_stale() -> list[str]:
     def gone(pid: int) -> bool:
         return pid != os.getpid() and not Path(f"/proc/{pid}").exists()
 
-    projects = set(_docker("ps", "-a", "--format", '{{.Label "com.docker.compose.project"}}'))
-    projects |= set(_docker("volume", "ls", "--format", '{{.Label "com.docker.compose.project"}}'))
-    projects |= set(_docker("network", "ls", "--format", '{{.Label "com.docker.compose.project"}}'))
+    label = '{{.Label "com.docker.compose.project"}}'
+    projects = set(_docker("ps", "-a", "--format", label)) | set(_docker("network", "ls", "--format", label))
+    volumes = _docker("volume", "ls", "--format", f"{{{{.Name}}}}/{label}")
+    projects |= {p for v, _, p in (v.partition("/") for v in volumes) if v.startswith(f"{p}_")}  # not folio-models
     stale = sorted(p for p in projects if (m := re.fullmatch(rf"{PROJECT_PREFIX}(\d+)[a-z]*", p)) and gone(int(m[1])))
     for project in stale:
         remove_project(project)
