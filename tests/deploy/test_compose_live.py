@@ -4,8 +4,13 @@ through that port with a real client, an admin CLI through `compose exec`, each 
 containers crashed in turn under six streams (the restart policy brings it back and every stream
 ends with its solo output; a gateway crash drops its connections, and the client resumes them with
 ``continue_choices`` as the router does), a prefix computed before `down` and `up` loaded from the
-disk tier after, and `stop` draining. Under CI=true a missing engine fails the module; elsewhere it
-skips, saying why. Everything the test made is removed at the end, its image included."""
+disk tier after, and `stop` draining. The scale-out profile (the router and two replicas) and the
+disagg profile (the router, a prefill and a decode instance) come up beside the cpu one, as
+projects of their own on the same image, and answer a streamed request through their published
+port with the cpu profile's output. The cpu profile runs under Compose 1.29 and the other two under
+a v2-line compose when both are here. Under CI=true a missing engine fails the module; elsewhere it
+skips, saying why. Everything the test made is removed at the end, its image included, and what an
+earlier run killed before its teardown left is removed at the start."""
 
 from __future__ import annotations
 
@@ -13,11 +18,12 @@ import asyncio
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
 
-from tests.deploy.compose_stack import Stack, ensure_engine, in_ci
+from tests.deploy.compose_stack import Stack, compose_commands, ensure_engine, in_ci, remove_image, sweep_stale
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -30,20 +36,41 @@ LONG_PROMPT = " ".join(f"item {i}: river stone apple" for i in range(150)) + " S
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stacks():
+    """The three profiles up at once (after the model is prepared once), each its own project."""
     why = ensure_engine()
     if why is not None:
         if in_ci():
             pytest.fail(f"CI=true and no Docker engine: {why}")
         pytest.skip(why)
-    s = Stack("cpu")
+    swept = sweep_stale()
+    found = compose_commands()
+    cpu = Stack("cpu", compose_cmd=found.get("v1") or found["v2"])
+    others = [Stack(profile, project=f"{cpu.project}{suffix}", compose_cmd=found.get("v2") or found["v1"])
+              for profile, suffix in (("scale-out", "so"), ("disagg", "dg"))]
+    every = [cpu, *others]
+    t0 = time.monotonic()
     try:
-        s.build()
-        s.up()
-        yield s
+        cpu.build()
+        cpu.prepare()
+        t_up = time.monotonic()
+        with ThreadPoolExecutor(len(every)) as pool:
+            list(pool.map(lambda s: s.up(), every))
+        cpu.timings["all_up_s"] = time.monotonic() - t_up
+        yield {s.profile: s for s in every}
     finally:
-        s.down()
-    print(f"\ncompose stack timings: {json.dumps({k: round(v, 1) for k, v in s.timings.items()})}")
+        for s in every:
+            s.down()
+        remove_image(cpu.tag)
+        cpu.timings["total_s"] = time.monotonic() - t0
+    timings = {s.profile: {k: round(v, 1) for k, v in s.timings.items()} for s in every}
+    print(f"\ncompose stack timings: {json.dumps(timings)}; compose: "
+          f"{ {s.profile: s.compose_version for s in every} }; stale projects removed first: {swept}")
+
+
+@pytest.fixture(scope="module")
+def stack(stacks):
+    return stacks["cpu"]
 
 
 def body(prompt: str, **extra) -> dict:
@@ -116,6 +143,30 @@ def test_a_streamed_chat_completion_through_the_only_published_port(stack):
         assert stack.exec(service, "folio", cli, "stats").stdout.strip(), service
 
 
+def test_the_scale_out_and_disagg_profiles_answer_through_their_published_port(stacks):
+    (solo,) = asyncio.run(run_streams(stacks["cpu"].base, [PROMPTS[1]]))
+    for profile in ("scale-out", "disagg"):
+        s = stacks[profile]
+        (got,) = asyncio.run(run_streams(s.base, [PROMPTS[1]]))
+        # greedy, batch-invariant: a whole `folio serve` behind the router, and a prefill instance
+        # handing the prompt's KV to a decode instance, say what the five containers say
+        assert got["text"] == solo["text"] and got["resumes"] == 0, (profile, got, solo)
+        router = "router" if profile == "scale-out" else "disagg-router"
+        bound = {c: [p for p, b in s.inspect(c)["NetworkSettings"]["Ports"].items() if b]
+                 for c in ((router, "replica-a", "replica-b") if profile == "scale-out" else (router, "prefill", "decode"))}
+        assert bound == {c: (["8080/tcp"] if c == router else []) for c in bound}, (profile, bound)
+        stats = dict(line.split(None, 1) for line in s.exec(router, "folio", "router", "stats").stdout.splitlines()
+                     if len(line.split(None, 1)) == 2)
+        assert stats["num_replicas_up"].strip() == "2", (profile, stats)
+        if profile == "disagg":  # two legs, the KV pulled over tcp between the containers, not recomputed
+            assert stats["num_disagg_requests"].strip() == "1" and stats["num_colocated_fallbacks"].strip() == "0", stats
+            pulls = s.exec("decode", "env", "FOLIO_ENDPOINTS=ipc", "folio", "executor", "stats").stdout
+            pulled = pulls.split("kv_pulls:", 1)[1].split("pulled", 1)[1].split()[0]
+            recomputed = pulls.split("kv_recomputed", 1)[1].split()[0]
+            assert (pulled, recomputed) == ("1", "0"), pulls
+        s.down()  # the cpu profile's tests below run alone
+
+
 def test_each_container_crashed_under_six_streams_ends_every_stream_with_its_solo_output(stack):
     solo = [asyncio.run(run_streams(stack.base, [p]))[0]["ids"] for p in PROMPTS]
     report = {}
@@ -181,10 +232,12 @@ def test_stop_drains_streams_in_flight_and_refuses_new_requests(stack):
             tasks = [asyncio.create_task(stream_once(http, stack.base, body(p), {"text": "", "ids": []}, e))
                      for p, e in zip(PROMPTS[:3], events)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 300)
+            gateway = stack.container("gateway")
             stopper = threading.Thread(target=stack.compose, args=("stop",))  # each service's own grace
-            t0 = time.monotonic()
+            t0, since = time.monotonic(), time.time() - 1
             stopper.start()
-            await asyncio.sleep(1.5)
+            # the stop has reached the gateway (on a busy machine the compose client takes seconds to send it)
+            assert await asyncio.to_thread(stack.wait_log, gateway, '"event": "draining"', 60, since), stack.logs()
             try:  # on the open connection: 503; a new one finds the port closed
                 async with keepalive.post(f"{stack.base}/v1/chat/completions", json=body("Hi")) as r:
                     refused = r.status

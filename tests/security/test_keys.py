@@ -31,6 +31,30 @@ def test_init_keeps_existing_keys_and_keeps_them_private(tmp_path):
     assert again.server_public != first.server_public and again.client_secret == first.client_secret
 
 
+def test_serve_reads_a_complete_key_folder_without_writing_to_it(tmp_path, monkeypatch):
+    """The compose stack mounts its keys read-only into each `folio serve` container (scale-out
+    replicas, prefill and decode instances): a complete folder is used as it is."""
+    import argparse
+    import errno
+
+    from folio.services.serve import own_keys
+
+    folder = tmp_path / "keys"
+    init_keys(folder)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(folder))
+
+    for name in ("chmod", "mkdir", "link"):
+        monkeypatch.setattr(os, name, read_only)
+    monkeypatch.setattr("tempfile.mkdtemp", read_only)
+    assert own_keys(argparse.Namespace(keys_dir=str(folder))) == str(folder)
+    monkeypatch.undo()
+    (folder / "handle.secret").unlink()  # an incomplete folder still gets its missing keys
+    assert own_keys(argparse.Namespace(keys_dir=str(folder))) == str(folder)
+    assert load_keys(folder).handle_secret
+
+
 def test_a_tcp_socket_without_keys_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("FOLIO_KEYS_DIR")
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))  # no folder of `folio serve`'s either
