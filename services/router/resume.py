@@ -32,6 +32,20 @@ log = structlog.get_logger()
 BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
+class ClientGone(Exception):
+    """The client closed its connection mid-stream: nothing is wrong with the replica."""
+
+
+async def to_client(response, data: bytes) -> None:
+    """``response.write``, with the client's own disconnect told apart from a broken upstream (a
+    write to a closed client raises aiohttp's ClientConnectionResetError, which is also one of
+    ``BROKEN``'s ClientConnectionErrors)."""
+    try:
+        await response.write(data)
+    except ConnectionError as exc:
+        raise ClientGone(str(exc) or type(exc).__name__) from exc
+
+
 class ResumableStream:
     """One streamed request's state in the router: what its client has."""
 
@@ -106,9 +120,9 @@ class ResumableStream:
         gives the next, or None), until ``[DONE]`` or no replica takes it."""
         while True:
             try:
-                await response.write(self.feed(first))
+                await to_client(response, self.feed(first))
                 async for data in upstream.content.iter_any():
-                    await response.write(self.feed(data))
+                    await to_client(response, self.feed(data))
                 if self.done:
                     return
                 raise aiohttp.ServerDisconnectedError("the stream ended before [DONE]")

@@ -47,7 +47,7 @@ from folio.services.router.index import KVIndex
 from folio.services.router.metrics import RouterMetrics
 from folio.services.router.prompt import PromptEncoder, PromptEncoders
 from folio.services.router.replicas import Replica, ReplicaSet, read_models
-from folio.services.router.resume import ResumableStream
+from folio.services.router.resume import ClientGone, ResumableStream, to_client
 from folio.services.router.routing import Decision, Router
 from folio.shared.config import RouterConfig
 from folio.shared.loops import close_sockets, serve_admin
@@ -94,7 +94,8 @@ class RouterService:
         self.tracing = tracing_setup(config.otlp_traces_endpoint, "router")  # None: off
         self.disagg = Disaggregated(self) if config.prefill else None
         self.counts = {"num_requests": 0, "num_routed": 0, "num_cache_aware_hits": 0, "num_retries": 0,
-                       "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0, "num_resumed_streams": 0}
+                       "num_failed": 0, "num_broken_streams": 0, "num_unknown_model": 0, "num_resumed_streams": 0,
+                       "num_client_disconnects": 0}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20, middlewares=[self.check_key])
@@ -310,21 +311,27 @@ class RouterService:
         response = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
             REPLICA_HEADER: replica.name})
-        await response.prepare(request)
-        if resume is not None:
-            await resume.relay(self, request, response, replica, upstream, first, resume.pick)
-            await response.write_eof()
-            return response
-        await response.write(first)
         try:
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
-            # too late to retry: the client has part of the answer. Its stream just ends.
-            self.counts["num_broken_streams"] += 1
-            self.metrics.broken_streams.labels(replica.name).inc()
-            self.replicas.mark_down(replica, f"stream: {type(exc).__name__}: {exc}")
-        await response.write_eof()
+            await response.prepare(request)
+            if resume is not None:
+                await resume.relay(self, request, response, replica, upstream, first, resume.pick)
+                await response.write_eof()
+                return response
+            await to_client(response, first)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await to_client(response, chunk)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                # too late to retry: the client has part of the answer. Its stream just ends.
+                self.counts["num_broken_streams"] += 1
+                self.metrics.broken_streams.labels(replica.name).inc()
+                self.replicas.mark_down(replica, f"stream: {type(exc).__name__}: {exc}")
+            await response.write_eof()
+        except (ClientGone, ConnectionError) as exc:
+            # the client left: the replica is fine; closing its connection makes it abort the request
+            upstream.close()
+            self.counts["num_client_disconnects"] += 1
+            log.info("client closed its stream", replica=replica.name, cause=str(exc))
         return response
 
     async def stored_response(self, request: web.Request) -> web.Response:

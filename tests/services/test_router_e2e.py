@@ -5,10 +5,13 @@ replica's lost affinity. The stacks start once for the module; the tests run in 
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -157,6 +160,31 @@ def test_a_prefix_cached_on_a_replica_draws_its_requests(stack):
     assert chat(b.url, SYSTEM2, "Bonjour?")[0] == 200
     wait_until(lambda: router.replicas()[b.url]["indexed_blocks"] >= 25, "b's blocks in the index")
     assert [chat(router.url, SYSTEM2, f"Question {i}?")[2] for i in range(2)] == [b.url, b.url]
+
+
+def test_a_client_that_leaves_mid_stream_takes_no_replica_down(stack):
+    a, b, router = stack
+    before = router.admin("stats")
+    body = {"model": "m", "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Count slowly."}]}
+    host, port = urllib.parse.urlsplit(router.url).netloc.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    served_by = {r.url: r for r in (a, b)}[resp.headers["X-Folio-Replica"]]
+    aborted = served_by.admin("scheduler", "stats")["num_requests_aborted"]
+    assert resp.readline().startswith(b"data: ")  # the stream is under way
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away
+    conn.close()
+    wait_until(lambda: router.admin("stats")["num_client_disconnects"] > before["num_client_disconnects"],
+               "the router to see the client go")
+    # the replica aborts the request: its engine slot is not held for a client that left
+    wait_until(lambda: served_by.admin("scheduler", "stats")["num_requests_aborted"] > aborted, "the abort")
+    after = router.admin("stats")
+    assert after["num_broken_streams"] == before["num_broken_streams"]
+    assert after["num_resumed_streams"] == before["num_resumed_streams"]
+    assert all(r["up"] for r in router.replicas().values())
 
 
 def test_a_replica_killed_under_load_fails_over_without_a_hang(stack):
