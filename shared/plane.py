@@ -92,13 +92,14 @@ def warn_if_unsafe(log=None) -> bool:
     return True
 
 
-def secure(ctx: zmq.Context, sock: zmq.Socket, address: str, bind: bool) -> None:
-    """CURVE on ``sock`` when ``address`` is tcp (before it binds or connects)."""
+def secure(ctx: zmq.Context, sock: zmq.Socket, address: str, bind: bool, keys: StackKeys | None = None) -> None:
+    """CURVE on ``sock`` when ``address`` is tcp (before it binds or connects); ``keys``: other than
+    the process's (``stack_keys``), e.g. a peer key pair of the same folder."""
     if not address.startswith("tcp://"):
         return
     if warn_if_unsafe():
         return
-    keys = stack_keys()
+    keys = keys or stack_keys()
     if keys is None:
         raise MissingKeys(f"{address} is a tcp endpoint and no key folder is given: make one with "
                           "`folio keys init DIR` and pass --keys-dir DIR (or set FOLIO_KEYS_DIR)")
