@@ -352,6 +352,9 @@ class GatewayConfig:
                                "Content-Length over it: unread at all; default 16777216)", ("gateway",),
                                name="--max-request-bytes", aliases=("--max-body-bytes",))
     body_timeout_s: float = 30.0  # a request body not all read by then is a 408: a slow client holds no slot
+    # a connection that has not sent a whole request line and headers this long after it opened
+    # (or after its last response: an idle keep-alive connection too) is closed; no handler ran
+    header_timeout_s: float = 15.0
     max_replays: int = flag(3, "times in a row (without output in between) a request in flight is replayed "
                             "after a scheduler or tokenizer restart before it ends with an error (default 3; 0: "
                             "never replayed)", ("gateway",))
