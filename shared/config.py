@@ -70,6 +70,16 @@ def keys_dir_from_env() -> str | None:
     return os.environ.get("FOLIO_KEYS_DIR") or None
 
 
+def peer_key_from_env() -> str | None:
+    """``FOLIO_PEER_KEY=NAME``: present the key folder's ``peers/NAME`` pair as the client key."""
+    return os.environ.get("FOLIO_PEER_KEY") or None
+
+
+def curve_disabled_from_env() -> bool:
+    """``FOLIO_UNSAFE_NO_CURVE=1``: tcp sockets in the clear (``folio bench plane`` only)."""
+    return os.environ.get("FOLIO_UNSAFE_NO_CURVE", "0") in ("1", "true", "yes")
+
+
 def default_keys_dir() -> Path:
     """The key folder ``folio serve`` makes for itself on one host when none is named."""
     return cache_dir() / "keys"

@@ -38,6 +38,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from folio.shared.config import peer_key_from_env
+
 _PAIRS = ("server", "client")
 HANDLE_SECRET = "handle.secret"
 PEER_ENV = "FOLIO_PEER_KEY"
@@ -147,7 +149,7 @@ def load_keys(folder: str | os.PathLike, allow_missing_clients: bool = False, pe
     d = Path(folder)
     if not d.is_dir():
         raise KeysError(f"no key folder at {d}: make one with `folio keys init {d}`")
-    peer = peer if peer is not None else (os.environ.get(PEER_ENV) or None)
+    peer = peer if peer is not None else peer_key_from_env()
     pairs = {}
     for name in _PAIRS:
         path = d / f"{name}.key_secret"

@@ -23,7 +23,6 @@ process that has it (``warn_if_unsafe``, at start, and on the first tcp socket).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -32,7 +31,7 @@ import zmq
 import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
-from folio.shared.config import default_keys_dir, keys_dir_from_env
+from folio.shared.config import curve_disabled_from_env, default_keys_dir, keys_dir_from_env
 from folio.shared.keys import StackKeys, load_keys
 
 ZAP_DOMAIN = "folio"
@@ -74,7 +73,7 @@ def stack_keys() -> StackKeys | None:
 
 def curve_disabled() -> bool:
     """``FOLIO_UNSAFE_NO_CURVE=1``: tcp in the clear, to measure CURVE's cost only."""
-    return os.environ.get(UNSAFE_ENV, "0") in ("1", "true", "yes")
+    return curve_disabled_from_env()
 
 
 _warned = threading.Event()
