@@ -10,13 +10,24 @@ turns for ``--rounds`` rounds, the side that goes first alternating. Prints
 each run's output tokens/s, and CURVE / clear: of the best run of each side, and the median of the
 rounds' ratios. Also how much of the CPUs other processes took meanwhile.
 
-    python scripts/bench_plane.py [--num-requests 32] [--rounds 3]      # or: folio bench plane
+Then (``--roundtrips``, 0: skipped) the cost of CURVE on one message: a DEALER and a ROUTER over
+tcp loopback in this process, a message of ``--message-bytes`` (a step plan's size) there and
+back, with CURVE and in the clear, taking turns for ``--rounds`` rounds; prints microseconds per
+round trip of each (the median round) and the difference: what CURVE adds each time a message
+crosses a socket, with far less noise than a served run on a busy machine. With the served runs,
+it also prints what that adds to a served run: the steps the CURVE stack's scheduler counted per
+run, times ``CROSSINGS_PER_STEP`` round trips (a step's messages: the plan and its result, the
+kvmanager's operations and digest, the token batch and the text deltas: five one-way messages,
+counted as three round trips), over the run's time: an estimate from measured figures, printed as one.
+
+    python scripts/bench_plane.py [--num-requests 32] [--rounds 4]      # or: folio bench plane
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import tempfile
@@ -32,6 +43,7 @@ from folio.testing.tcpstack import TcpStack
 
 SERVED_NAME = "bench"
 SIDES = ("curve", "clear")
+CROSSINGS_PER_STEP = 3  # round trips' worth of messages per served step
 
 
 def parse_args(argv: list[str] | None):
@@ -43,6 +55,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--warmup-rounds", type=int, default=1, help="uncounted runs per side first")
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--roundtrips", type=int, default=5000, help="round trips per side per round (0: skip)")
+    p.add_argument("--message-bytes", type=int, default=4096)
+    p.add_argument("--skip-served", action="store_true", help="only the round trips")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.num_requests < 1:
         p.error("--rounds and --num-requests must be at least 1")
@@ -76,22 +91,76 @@ def start(side: str, args, keys_dir: str) -> TcpStack:
     return stack
 
 
+def roundtrip_us(curve: bool, n: int, size: int) -> float:
+    """Microseconds per round trip of a ``size``-byte message, DEALER -> ROUTER -> DEALER over tcp
+    loopback, with the stack's CURVE (``secure``) or in the clear."""
+    import zmq
+
+    from folio.shared.plane import release, secure
+
+    ctx = zmq.Context()
+    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for sock in (server, client):
+        sock.linger = 0
+    if curve:
+        secure(ctx, server, "tcp://127.0.0.1:0", bind=True)
+        secure(ctx, client, "tcp://127.0.0.1:0", bind=False)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client.connect(f"tcp://127.0.0.1:{port}")
+    payload = os.urandom(size)
+    try:
+        for i in range(n // 10 + 1 + n):  # the first tenth warms up (the handshake, buffers)
+            if i == n // 10 + 1:
+                t0 = time.perf_counter()
+            client.send(payload)
+            who, got = server.recv_multipart()
+            server.send_multipart([who, got])
+            client.recv()
+        return (time.perf_counter() - t0) / n * 1e6
+    finally:
+        server.close(0)
+        client.close(0)
+        release(ctx)
+        ctx.term()
+
+
+def section_roundtrips(args, keys_dir: str) -> float:
+    from folio.shared import plane
+
+    plane.use_keys(keys_dir)
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    for r in range(args.rounds):
+        for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+            times[side].append(roundtrip_us(side == "curve", args.roundtrips, args.message_bytes))
+    med = {side: statistics.median(v) for side, v in times.items()}
+    for side in SIDES:
+        print(f"{side} round trip, {args.message_bytes} bytes (us): {med[side]:.1f} "
+              f"(rounds: {', '.join(f'{v:.1f}' for v in times[side])})")
+    print(f"CURVE adds per round trip (us): {med['curve'] - med['clear']:.1f}")
+    print(f"curve / clear round trip time: {med['curve'] / med['clear']:.3f} x")
+    return med["curve"] - med["clear"]
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     args = parse_args(argv)
+    keys_dir = tempfile.mkdtemp(prefix="folio-bench-keys-")
+    init_keys(keys_dir)
+    if args.skip_served:
+        section_roundtrips(args, keys_dir)
+        return 0
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     jobs = workload(tokenizer, args.num_requests, args.seed)
     warmup = random_prompt(tokenizer, random.Random(args.seed + 2), 24)
     num_out = sum(n for _, n in jobs)
     print(f"workload (mixed, all at once): {describe(jobs)}")
-    keys_dir = tempfile.mkdtemp(prefix="folio-bench-keys-")
-    init_keys(keys_dir)
     meter = CpuMeter()
     stacks: dict[str, TcpStack] = {}
     runs: dict[str, list[float]] = {side: [] for side in SIDES}
+    steps: dict[str, list[tuple[int, float]]] = {side: [] for side in SIDES}  # (steps, seconds) per run
     try:
         for side in SIDES:
             stacks[side] = start(side, args, keys_dir)
@@ -104,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"warm-up {r + 1} {side}: {num_out / elapsed:.1f} tok/s (not counted)", flush=True)
         for r in range(args.rounds):
             for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                steps0 = stacks[side].admin("scheduler", "stats", timeout_s=5.0).data["num_steps"]
                 elapsed, _ = asyncio.run(run_served(stacks[side].http + "/v1", jobs, warmup, pick))
+                steps[side].append((stacks[side].admin("scheduler", "stats", timeout_s=5.0).data["num_steps"] - steps0,
+                                    elapsed))
                 runs[side].append(num_out / elapsed)
                 print(f"round {r + 1} {side}: {num_out / elapsed:.1f} tok/s ({elapsed:.1f} s)", flush=True)
             assert all(s.alive() for s in stacks.values()), "a service died"
@@ -121,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| CURVE cost, mixed workload ({len(jobs)} requests, {num_out} output tokens), tcp endpoints | "
           f"{', '.join(f'{v:.1f}' for v in runs['curve'])} | {', '.join(f'{v:.1f}' for v in runs['clear'])} | "
           f"{best['curve'] / best['clear']:.3f}x (median of rounds {statistics.median(pairs):.3f}x) |")
+    if args.roundtrips:
+        added_us = section_roundtrips(args, keys_dir)
+        print(f"(round trips: {meter.lap()})")
+        num_steps = statistics.median(n for n, _ in steps["curve"])
+        seconds = statistics.median(t for _, t in steps["curve"])
+        share = max(0.0, added_us) * 1e-6 * CROSSINGS_PER_STEP * num_steps / seconds
+        print(f"served steps per run (curve, median): {num_steps:.0f} in {seconds:.1f} s")
+        print(f"estimated curve / clear from the round trips: {1 - share:.4f} x "
+              f"({CROSSINGS_PER_STEP} round trips a step, {added_us:.1f} us each)")
     return 0
 
 
