@@ -70,6 +70,16 @@ def keys_dir_from_env() -> str | None:
     return os.environ.get("FOLIO_KEYS_DIR") or None
 
 
+def peer_key_from_env() -> str | None:
+    """``FOLIO_PEER_KEY=NAME``: present the key folder's ``peers/NAME`` pair as the client key."""
+    return os.environ.get("FOLIO_PEER_KEY") or None
+
+
+def curve_disabled_from_env() -> bool:
+    """``FOLIO_UNSAFE_NO_CURVE=1``: tcp sockets in the clear (``folio bench plane`` only)."""
+    return os.environ.get("FOLIO_UNSAFE_NO_CURVE", "0") in ("1", "true", "yes")
+
+
 def default_keys_dir() -> Path:
     """The key folder ``folio serve`` makes for itself on one host when none is named."""
     return cache_dir() / "keys"
@@ -352,6 +362,9 @@ class GatewayConfig:
                                "Content-Length over it: unread at all; default 16777216)", ("gateway",),
                                name="--max-request-bytes", aliases=("--max-body-bytes",))
     body_timeout_s: float = 30.0  # a request body not all read by then is a 408: a slow client holds no slot
+    # a connection that has not sent a whole request line and headers this long after it opened
+    # (or after its last response: an idle keep-alive connection too) is closed; no handler ran
+    header_timeout_s: float = 15.0
     max_replays: int = flag(3, "times in a row (without output in between) a request in flight is replayed "
                             "after a scheduler or tokenizer restart before it ends with an error (default 3; 0: "
                             "never replayed)", ("gateway",))

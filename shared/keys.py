@@ -8,7 +8,11 @@ Secret, in compose a volume filled by a one-shot ``folio keys init /keys``):
 - ``client.key_secret`` / ``client.key``: the key pair every connecting socket presents;
 - ``clients/*.key``: the public keys a bound socket lets in (``client.key`` is copied there; a
   deployment adds more, one file a peer);
-- ``handle.secret``: 32 random bytes (hex), the HMAC key of signed transfer handles (``sign``/``verify``).
+- ``handle.secret``: 32 random bytes (hex), the HMAC key of signed transfer handles (``sign``/``verify``);
+- ``peers/NAME.key_secret`` / ``peers/NAME.key`` (``folio keys init DIR --peer NAME``): a client key
+  pair of its own for one instance (a decode instance: a KV transfer is served only to the key its
+  handle names), its public key also in ``clients/NAME.key``. A process presents it instead of
+  ``client.key`` with ``FOLIO_PEER_KEY=NAME``.
 
 ``init_keys`` keeps whatever is already there (a compose one-shot runs it on every ``up``), writes
 each missing file under a temporary name and links it into place, so two starts racing on one folder
@@ -23,6 +27,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -33,8 +38,12 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from folio.shared.config import peer_key_from_env
+
 _PAIRS = ("server", "client")
 HANDLE_SECRET = "handle.secret"
+PEER_ENV = "FOLIO_PEER_KEY"
+_PEER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class KeysError(RuntimeError):
@@ -50,6 +59,45 @@ class StackKeys:
     client_secret: bytes
     allowed: frozenset[bytes]  # z85 public keys a bound socket lets in
     handle_secret: bytes
+    peer: str | None = None  # the peers/ pair presented as the client key, when one is
+
+    def public_of(self, name: str) -> bytes:
+        """The z85 public key ``clients/NAME.key`` lets in (``KeysError`` when there is none)."""
+        path = Path(self.folder) / "clients" / f"{_check_peer(name)}.key"
+        try:
+            public, _ = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError) as exc:
+            raise KeysError(f"{path}: {exc} (make it with `folio keys init {self.folder} --peer {name}`)") from None
+        return public
+
+
+def _check_peer(name: str) -> str:
+    if not _PEER_NAME.match(name or "") or name == "client":
+        raise KeysError(f"{name!r} is not a peer key's name (letters, digits, '_', '.', '-'; not 'client')")
+    return name
+
+
+def init_peer(folder: str | os.PathLike, name: str) -> bytes:
+    """A key pair of its own for one instance (kept when it exists), let in by the stack; its public key."""
+    d = Path(folder)
+    _check_peer(name)
+    (d / "peers").mkdir(exist_ok=True)
+    os.chmod(d / "peers", 0o700)
+    tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
+    try:
+        if not (d / "peers" / f"{name}.key_secret").exists():
+            zmq.auth.create_certificates(str(tmp), name)
+            _link(tmp / f"{name}.key_secret", d / "peers" / f"{name}.key_secret")
+            _link(tmp / f"{name}.key", d / "peers" / f"{name}.key")
+        os.chmod(d / "peers" / f"{name}.key_secret", 0o600)
+        _, secret = zmq.auth.load_certificate(str(d / "peers" / f"{name}.key_secret"))
+        public = zmq.curve_public(secret)
+        if not (d / "clients" / f"{name}.key").exists():
+            _public_file(tmp / "allowed.key", public)
+            _link(tmp / "allowed.key", d / "clients" / f"{name}.key")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return public
 
 
 def init_keys(folder: str | os.PathLike) -> StackKeys:
@@ -70,7 +118,7 @@ def init_keys(folder: str | os.PathLike) -> StackKeys:
         if not (d / HANDLE_SECRET).exists():
             (tmp / HANDLE_SECRET).write_text(secrets.token_hex(32) + "\n")
             _link(tmp / HANDLE_SECRET, d / HANDLE_SECRET)
-        keys = load_keys(d, allow_missing_clients=True)
+        keys = load_keys(d, allow_missing_clients=True, peer="")
         allowed = d / "clients" / "client.key"
         if not allowed.exists():
             _public_file(tmp / "client.key", keys.client_public)
@@ -80,7 +128,7 @@ def init_keys(folder: str | os.PathLike) -> StackKeys:
     for f in d.glob("*.key_secret"):
         os.chmod(f, 0o600)
     os.chmod(d / HANDLE_SECRET, 0o600)
-    return load_keys(d)
+    return load_keys(d, peer="")
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -95,18 +143,23 @@ def _public_file(path: Path, public: bytes) -> None:
     path.write_text('metadata\ncurve\n    public-key = "%s"\n' % public.decode("ascii"))
 
 
-def load_keys(folder: str | os.PathLike, allow_missing_clients: bool = False) -> StackKeys:
-    """The folder's keys; ``KeysError`` naming what is missing."""
+def load_keys(folder: str | os.PathLike, allow_missing_clients: bool = False, peer: str | None = None) -> StackKeys:
+    """The folder's keys; ``KeysError`` naming what is missing. ``peer`` (default ``$FOLIO_PEER_KEY``):
+    present ``peers/PEER``'s pair as the client key."""
     d = Path(folder)
     if not d.is_dir():
         raise KeysError(f"no key folder at {d}: make one with `folio keys init {d}`")
+    peer = peer if peer is not None else peer_key_from_env()
     pairs = {}
     for name in _PAIRS:
         path = d / f"{name}.key_secret"
+        if name == "client" and peer:
+            path = d / "peers" / f"{_check_peer(peer)}.key_secret"
         try:
             _, secret = zmq.auth.load_certificate(str(path))
         except (OSError, ValueError) as exc:
-            raise KeysError(f"{path}: {exc} (make the folder's keys with `folio keys init {d}`)") from None
+            hint = f" --peer {peer}" if name == "client" and peer else ""
+            raise KeysError(f"{path}: {exc} (make the folder's keys with `folio keys init {d}{hint}`)") from None
         if secret is None:
             raise KeysError(f"{path} holds no secret key")
         pairs[name] = (zmq.curve_public(secret), secret)
@@ -123,7 +176,7 @@ def load_keys(folder: str | os.PathLike, allow_missing_clients: bool = False) ->
         raise KeysError(f"{d / 'clients'} lets no client in (make it with `folio keys init {d}`)")
     return StackKeys(folder=str(d), server_public=pairs["server"][0], server_secret=pairs["server"][1],
                      client_public=pairs["client"][0], client_secret=pairs["client"][1],
-                     allowed=frozenset(allowed), handle_secret=handle_secret)
+                     allowed=frozenset(allowed), handle_secret=handle_secret, peer=peer or None)
 
 
 # --------------------------------------------------------------------------- signed handles

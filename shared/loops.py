@@ -316,6 +316,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     except KeysError as exc:
         log.error("cannot read the key folder", error=str(exc))
         return 1
+    plane.warn_if_unsafe(log)
     if spec.starting is not None:
         log.info("starting", **spec.starting(config))
 

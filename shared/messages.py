@@ -102,6 +102,9 @@ class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     # False for beams: the scheduler picks each beam's next token and sends it (``new_token_ids``)
     append_sampled: bool = True
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # a prefill instance's request (``--kv-role prefill``): the z85 CURVE key of the one decode
+    # instance its prompt's KV transfer is served to (None: the first peer of the stack that pulls it)
+    kv_export_peer: str | None = None
 
 
 class RunningRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
@@ -315,7 +318,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # max_tokens, the grammar) and their text and logprobs are not sent again
     forced_token_ids: list[int] = []
     # disaggregated prefill: where the prompt's KV is to be pulled from (a ``TransferHandle``
-    # as a dict); with ``forced_token_ids`` = the first token the prefill instance sampled
+    # as a dict); with ``forced_token_ids`` = the first token the prefill instance sampled. On a
+    # prefill instance ``{"export_to": z85 key}``: the decode instance its transfer is served to
     kv_transfer: dict | None = None
 
 

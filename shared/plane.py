@@ -14,6 +14,11 @@ Each refusal is logged (``peer refused``) once per address and reason per minute
 of those it did not log. The key folder comes from ``use_keys(folder)`` (each service's
 ``--keys-dir``), else ``$FOLIO_KEYS_DIR``, else the one ``folio serve`` made on this host (in the
 cache folder); without one a tcp socket raises ``MissingKeys``.
+
+``FOLIO_UNSAFE_NO_CURVE=1`` turns CURVE off: tcp sockets open in the clear, with or without a key
+folder, and whoever reaches a port speaks the protocol. It exists to measure what CURVE costs
+(``folio bench plane``) and for nothing else: never the default, warned about loudly by every
+process that has it (``warn_if_unsafe``, at start, and on the first tcp socket).
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import zmq
 import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
-from folio.shared.config import default_keys_dir, keys_dir_from_env
+from folio.shared.config import curve_disabled_from_env, default_keys_dir, keys_dir_from_env
 from folio.shared.keys import StackKeys, load_keys
 
 ZAP_DOMAIN = "folio"
+UNSAFE_ENV = "FOLIO_UNSAFE_NO_CURVE"
 LOG_EVERY_S = 60.0  # one line per (address, reason) per this long
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
@@ -65,11 +71,34 @@ def stack_keys() -> StackKeys | None:
         return _state["keys"]
 
 
-def secure(ctx: zmq.Context, sock: zmq.Socket, address: str, bind: bool) -> None:
-    """CURVE on ``sock`` when ``address`` is tcp (before it binds or connects)."""
+def curve_disabled() -> bool:
+    """``FOLIO_UNSAFE_NO_CURVE=1``: tcp in the clear, to measure CURVE's cost only."""
+    return curve_disabled_from_env()
+
+
+_warned = threading.Event()
+
+
+def warn_if_unsafe(log=None) -> bool:
+    """Log the loud warning (once per process) when CURVE is off; whether it is."""
+    if not curve_disabled():
+        return False
+    if not _warned.is_set():
+        _warned.set()
+        (log or structlog.get_logger()).warning(
+            f"!!! {UNSAFE_ENV} is set: tcp sockets speak NO CURVE - anyone who reaches a port is served, "
+            "unauthenticated and unencrypted; for measuring CURVE's cost only, never a deployment !!!")
+    return True
+
+
+def secure(ctx: zmq.Context, sock: zmq.Socket, address: str, bind: bool, keys: StackKeys | None = None) -> None:
+    """CURVE on ``sock`` when ``address`` is tcp (before it binds or connects); ``keys``: other than
+    the process's (``stack_keys``), e.g. a peer key pair of the same folder."""
     if not address.startswith("tcp://"):
         return
-    keys = stack_keys()
+    if warn_if_unsafe():
+        return
+    keys = keys or stack_keys()
     if keys is None:
         raise MissingKeys(f"{address} is a tcp endpoint and no key folder is given: make one with "
                           "`folio keys init DIR` and pass --keys-dir DIR (or set FOLIO_KEYS_DIR)")

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="the internal plane's keys: init DIR")
     keys.add_argument("verb", choices=("init",))
     keys.add_argument("folder", metavar="DIR")
+    keys.add_argument("--peer", action="append", default=[], metavar="NAME",
+                      help="also a key pair of its own for instance NAME (repeatable; it presents it with "
+                           "FOLIO_PEER_KEY=NAME; a KV transfer is served only to the key its handle names)")
     health = sub.add_parser("health", help="exit 0 when SERVICE answers on its admin socket")
     health.add_argument("service", choices=RUNNABLE)
     health.add_argument("--http", default=None, metavar="URL",
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare_main(["--force"] if args.force else [])
     if args.command == "keys":
-        return keys_init(args.folder)
+        return keys_init(args.folder, args.peer)
     if args.command != "health" or not args.http:  # a tcp endpoint is spoken to with the stack's keys only
         try:
             plane.use_keys(args.keys_dir or keys_dir_from_env())
@@ -140,13 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     return admin_command(args, service)
 
 
-def keys_init(folder: str) -> int:
+def keys_init(folder: str, peers: list[str] = ()) -> int:
+    from folio.shared.keys import init_peer
+
     try:
         keys = init_keys(folder)
+        made = {name: init_peer(folder, name) for name in peers}
     except (OSError, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
     print(f"folio: keys in {folder} (server {keys.server_public.decode()}, client {keys.client_public.decode()})")
+    for name, public in made.items():
+        print(f"folio: peer {name} {public.decode()} (FOLIO_PEER_KEY={name})")
     return 0
 
 

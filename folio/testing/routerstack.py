@@ -30,6 +30,7 @@ class Replica:
     kv_snapshot_port: int = field(default_factory=free_port)
     run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="folio-r-", dir="/tmp"))
     proc: subprocess.Popen | None = None
+    peer_key: str | None = None  # a key pair of its own (``folio keys init --peer``), named in its spec
 
     @property
     def url(self) -> str:
@@ -38,14 +39,20 @@ class Replica:
     @property
     def spec(self) -> str:
         """How the router is told about it."""
-        return f"{self.url},kv_events_port={self.kv_events_port},kv_snapshot_port={self.kv_snapshot_port}"
+        key = f",key={self.peer_key}" if self.peer_key else ""
+        return f"{self.url},kv_events_port={self.kv_events_port},kv_snapshot_port={self.kv_snapshot_port}{key}"
 
     def start(self) -> "Replica":
         cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", self.model, "--host", "127.0.0.1",
                "--port", str(self.port), "--run-dir", self.run_dir, "--log-level", "warning",
                "--kv-events-port", str(self.kv_events_port), "--kv-snapshot-port", str(self.kv_snapshot_port),
                *self.flags]
-        self.proc = subprocess.Popen(cmd)
+        env = None
+        if self.peer_key:
+            from folio.shared.keys import PEER_ENV
+
+            env = {**os.environ, PEER_ENV: self.peer_key}
+        self.proc = subprocess.Popen(cmd, env=env)
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> "Replica":

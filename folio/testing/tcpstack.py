@@ -3,7 +3,9 @@ them (``FOLIO_ENDPOINTS=tcp``, every socket CURVE with one key folder), on 127.0
 
 For tests that attack the internal plane (``tests/security/``): ``TcpStack.ports()`` names every
 tcp port the stack opens (the thirteen of ``Endpoints.tcp`` and the prefill executor's KV transfer
-port), ``alive()`` says whether every process still runs, ``log_text()`` is what they logged.
+port), ``alive()`` says whether every process still runs, ``log_text()`` is what they logged. For
+``folio bench plane``: ``kv_role=False`` (a plain executor, no KV transfer port), ``flags`` per
+service, ``env`` added to every service's (``FOLIO_UNSAFE_NO_CURVE``: the stack without CURVE).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class TcpStack:
     model: str
     keys_dir: str
     executor_flags: tuple[str, ...] = ()
+    kv_role: bool = True  # the executor a prefill instance with a KV transfer port
+    dtype: str | None = "float32"
+    flags: dict = field(default_factory=dict)  # service -> more of its flags
+    extra_env: dict = field(default_factory=dict)
     base_port: int = 0
     http_port: int = 0
     kv_transfer_port: int = 0
@@ -69,40 +75,58 @@ class TcpStack:
 
     def env(self) -> dict:
         return {**os.environ, "FOLIO_ENDPOINTS": "tcp", "FOLIO_TCP_HOST": "127.0.0.1",
-                "FOLIO_BASE_PORT": str(self.base_port), "FOLIO_KEYS_DIR": self.keys_dir}
+                "FOLIO_BASE_PORT": str(self.base_port), "FOLIO_KEYS_DIR": self.keys_dir, **self.extra_env}
 
     def ports(self) -> dict[str, int]:
         """Every tcp port the stack opens, by the socket's name."""
         out = {f.name: int(getattr(self.endpoints, f.name).rsplit(":", 1)[1]) for f in fields(Endpoints)}
         out.pop("admin_router")  # the router is not part of a replica
-        out["kv_transfer"] = self.kv_transfer_port
+        if self.kv_role:
+            out["kv_transfer"] = self.kv_transfer_port
         return out
 
     def start(self, timeout_s: float = 120.0) -> "TcpStack":
         self.base_port = free_port_run(16)
         self.http_port, self.kv_transfer_port = self.base_port + 14, self.base_port + 15
+        kv_role = ["--kv-role", "prefill", "--kv-transfer-port", str(self.kv_transfer_port)] if self.kv_role else []
+        dtype = ["--dtype", self.dtype] if self.dtype else []
         argv = {"kvmanager": [], "scheduler": [], "tokenizer": ["--model", self.model],
-                "executor": ["--model", self.model, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
-                             "--kv-role", "prefill", "--kv-transfer-port", str(self.kv_transfer_port),
-                             *self.executor_flags],
+                "executor": ["--model", self.model, "--device", "cpu", *dtype, "--num-kv-blocks", "256",
+                             *kv_role, *self.executor_flags],
                 "gateway": ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.http_port)]}
         for name in SERVICES:
             log = open(Path(self.run_dir) / f"{name}.log", "w")
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "folio.cli.main", "run", name, *argv[name]],
-                                                env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+            cmd = [sys.executable, "-m", "folio.cli.main", "run", name, *argv[name], *self.flags.get(name, ())]
+            self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         pending = set(SERVICES)
         try:
             while pending:
                 assert self.alive(), self.log_text()
                 assert time.monotonic() < deadline, f"not up: {pending}\n{self.log_text()}"
-                pending = {s for s in pending
-                           if admin_call(getattr(self.endpoints, f"admin_{s}"), "ping", {}, 0.5) is None}
-        except BaseException:  # a stack that did not come up leaves no process behind
+                pending = {s for s in pending if self.admin(s, "ping", timeout_s=0.5) is None}
+        except BaseException as exc:  # a stack that did not come up leaves no process behind
             logs = self.log_text()
             self.stop()
-            raise AssertionError(f"the stack did not start:\n{logs}") from None
+            raise AssertionError(f"the stack did not start ({exc!r}):\n{logs}") from None
         return self
+
+    def admin(self, service: str, command: str, args: dict | None = None, timeout_s: float = 1.0):
+        """``admin_call`` to ``service`` with this stack's keys (and, for a stack started with
+        ``FOLIO_UNSAFE_NO_CURVE``, in the clear as it is): the reply, None without one."""
+        from folio.shared import plane
+
+        saved = os.environ.get(plane.UNSAFE_ENV)
+        os.environ[plane.UNSAFE_ENV] = self.extra_env.get(plane.UNSAFE_ENV, "0")
+        try:
+            if plane.stack_keys() is None or plane.stack_keys().folder != self.keys_dir:
+                plane.use_keys(self.keys_dir)
+            return admin_call(getattr(self.endpoints, f"admin_{service}"), command, args or {}, timeout_s)
+        finally:
+            if saved is None:
+                os.environ.pop(plane.UNSAFE_ENV)
+            else:
+                os.environ[plane.UNSAFE_ENV] = saved
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())

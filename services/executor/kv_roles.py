@@ -7,7 +7,8 @@
   back to the allocator as the one-token request finishes, the staged copy belongs to the
   transfer) and exported under the request's id. The staged blocks are the transfer's until the
   decode side confirms, reports a failure, or ``STAGING_TTL_S`` passes: then they go back to the staging
-  pool's free list (``staging_free``; ``stats()`` counts both).
+  pool's free list (``staging_free``; ``stats()`` counts both). A request that names the decode
+  instance's key (``kv_export_peer``, from the router) is exported for that key only.
 - ``decode``: before a step, each ``plan.kv_loads`` entry is pulled into the request's new blocks
   (``KVReceiver``; the layout handshake runs with each pull). A pull that fails (the prefill
   instance gone, the transfer expired, a layout mismatch) is computed here instead, in the same
@@ -56,6 +57,7 @@ class PrefillRole:
                                on_release=self._released, ttl_s=STAGING_TTL_S)
         self.port = int(self.sender.endpoint.rsplit(":", 1)[1])
         self.tables: dict[str, tuple[list[int], int]] = {}  # req id -> (device block ids, prompt tokens)
+        self.peers: dict[str, str] = {}  # req id -> the decode key its transfer is for (``kv_export_peer``)
         self.exported: set[str] = set()
         self.num_not_staged = 0
         log.info("kv role prefill: serving KV transfers", port=self.port)
@@ -68,6 +70,8 @@ class PrefillRole:
     def execute(self, plan: StepPlan) -> StepResult:
         for r in plan.new_reqs:
             self.tables[r.req_id] = (list(r.block_ids), r.num_prompt_tokens)
+            if r.kv_export_peer:
+                self.peers[r.req_id] = r.kv_export_peer
         for r in plan.running_reqs:
             if r.req_id in self.tables:
                 ids, n = self.tables[r.req_id]
@@ -78,6 +82,7 @@ class PrefillRole:
                 self._export(req_id)
         for req_id in plan.finished_req_ids:
             self.tables.pop(req_id, None)
+            self.peers.pop(req_id, None)
             self.exported.discard(req_id)
         return result
 
@@ -93,7 +98,7 @@ class PrefillRole:
         for src, dst in zip(ids[:n], staged):
             for s, d in zip(self.runner.pool.block_views(src), self.staging.block_views(dst)):
                 d.copy_(s, non_blocking=False)
-        self.sender.export(staged, num_tokens=num_prompt, transfer_id=req_id)
+        self.sender.export(staged, num_tokens=num_prompt, transfer_id=req_id, peer=self.peers.get(req_id))
 
     def stats(self) -> dict:
         return {"kv_role": "prefill", "kv_transfer_port": self.port, "kv_block_size": self.staging.block_size,

@@ -71,15 +71,24 @@ def build_app(service: GatewayService) -> web.Application:
     return app
 
 
+def runner_options(config: GatewayConfig) -> dict:
+    """The HTTP server's options. Handler cancellation: a client that hangs up mid-request cancels
+    its handler, whose ``finally`` aborts the request (and so frees its KV blocks) without waiting
+    for a write to fail. ``keepalive_timeout``: aiohttp closes a connection that is waiting for a
+    request (none begun, or headers not yet whole) that long after it opened or after its last
+    response: a client sending its headers a byte a second is dropped there, before any handler,
+    holding no engine slot (the body has ``body_timeout_s``, a 408)."""
+    return {"handler_cancellation": True, "access_log": None, "shutdown_timeout": 1.0,
+            "keepalive_timeout": config.header_timeout_s}
+
+
 async def serve(config: GatewayConfig) -> None:
     """Serve HTTP until cancelled (``run_until_signal`` cancels it on SIGTERM/SIGINT). Then stop
     listening, give open requests ``drain_timeout_s`` to finish (new ones on open connections get
     503), cancel what is left (their handlers abort them) and close the sockets."""
     service = GatewayService(config)
     app = build_app(service)
-    # handler cancellation: a client that hangs up mid-request cancels its handler, whose
-    # ``finally`` aborts the request (and so frees its KV blocks) without waiting for a write to fail
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, **runner_options(config))
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
     await site.start()

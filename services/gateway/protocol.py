@@ -67,9 +67,12 @@ class KVTransferParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     ``export``: a prefill instance (``--kv-role prefill``) computes the prompt and the first token
     and answers with the transfer's handle and the token's id (``responses``' ``kv_transfer``).
     ``handle`` with ``forced_token_ids``: a decode instance pulls the prompt's KV from the handle
-    and goes on after those tokens (the prefill side's first token: output position 0)."""
+    and goes on after those tokens (the prefill side's first token: output position 0).
+    ``export_to`` (with ``export``): the z85 CURVE public key of the decode instance the transfer is
+    served to, and to no other peer."""
 
     export: bool = False
+    export_to: Annotated[str, Meta(pattern=r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")] | None = None
     handle: dict | None = None
     forced_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = []
 
@@ -209,6 +212,8 @@ def _kv_transfer_bad(r) -> str | None:
         return "prompts"
     if kt.export == (kt.handle is not None):
         return "export xor handle"
+    if kt.export_to is not None and not kt.export:
+        return "export_to without export"
     if kt.export and (r.stream or kt.forced_token_ids):
         return "export streamed"
     if kt.handle is not None and not kt.forced_token_ids:

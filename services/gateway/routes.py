@@ -113,6 +113,8 @@ def _with_kv_transfer(service, req, gen: list[messages.GenerateRequest]) -> list
         raise ApiError(f"kv_transfer export needs a prefill instance (--kv-role prefill); this one is {role}",
                        param="kv_transfer")
     if kt.handle is None:
+        if kt.export_to:  # the executor serves the transfer to this key only
+            return [msgspec.structs.replace(g, kv_transfer={"export_to": kt.export_to}) for g in gen]
         return gen
     if role == "prefill":
         raise ApiError("a prefill instance (--kv-role prefill) does not decode from a kv_transfer handle",

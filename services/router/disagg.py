@@ -4,7 +4,11 @@
 A generation request (``/v1/completions``, ``/v1/chat/completions``) goes in two legs:
 
 1. Prefill: to a ``--kv-role prefill`` instance picked by prefix hits, as ``--replica`` requests
-   are, with ``max_tokens`` 1, not streamed, and the ``kv_transfer`` extension ``{"export": true}``.
+   are, with ``max_tokens`` 1, not streamed, and the ``kv_transfer`` extension ``{"export": true,
+   "export_to": KEY}``: the CURVE public key of the decode instance picked for the decode leg (the
+   least loaded), picked first: its ``,key=NAME`` (``folio keys init DIR --peer NAME``, that instance
+   started with ``FOLIO_PEER_KEY=NAME``), else the stack's client key. The prefill executor serves
+   the transfer to that key only.
    Its answer carries the first token (text and id) and ``kv_transfer``: the transfer id, the port
    of its executor's KV sender and the blocks' count. A first token that ends the request (a stop,
    or ``max_tokens`` 1) is the whole answer.
@@ -20,8 +24,8 @@ leg answers, then the decode leg's stream follows. ``n`` > 1 runs one pair of le
 
 Failures (no request is lost): a prefill instance that fails is left for another; with none left
 the request goes whole to a decode instance (colocated: it computes the prompt itself). A decode
-instance that fails before its answer began is left for another, with the same handle (its pull
-either lands or is computed there). One that dies mid-stream: the request is sent again to
+instance that fails before its answer began is left for another, with the same handle (with a key
+of its own, its pull is refused, and it computes the prompt itself). One that dies mid-stream: the request is sent again to
 another decode instance, without the handle (recomputed there); the text the client already has
 is skipped from the new stream, so a greedy or seeded stream finishes with its solo output. A
 transfer that no decode instance pulls expires on the prefill side (its blocks are freed).
@@ -39,7 +43,8 @@ import structlog
 from aiohttp import web
 
 from folio.services.router.replicas import Replica, parse_replica
-from folio.shared.keys import sign
+from folio.shared.keys import KeysError, sign
+from folio.shared.loops import StartError
 from folio.shared.plane import stack_keys
 
 HANDLE_TTL_S = 300.0  # a signed handle's life: as long as the prefill side keeps its blocks (STAGING_TTL_S)
@@ -65,8 +70,31 @@ class Disaggregated:
     def __init__(self, service):
         self.service = service
         self.prefill_names, self.decode_names = role_names(service.config)
+        self.peer_keys = self._peer_keys(service.config)  # decode instance -> the z85 key its transfers are for
         self.counts = {"num_disagg_requests": 0, "num_prefill_retries": 0, "num_decode_retries": 0,
                        "num_colocated_fallbacks": 0, "num_decode_resumes": 0, "num_first_token_only": 0}
+
+    @staticmethod
+    def _peer_keys(config) -> dict[str, str]:
+        keys = stack_keys()
+        if keys is None:
+            return {}
+        out = {}
+        for spec in config.decode:
+            replica = parse_replica(spec, config.kv_events_port, config.kv_snapshot_port)
+            try:
+                public = keys.public_of(replica.peer_key) if replica.peer_key else keys.client_public
+            except KeysError as exc:
+                raise StartError("a --decode instance's key is not in the key folder", replica=replica.name,
+                                 error=str(exc)) from None
+            out[replica.name] = public.decode("ascii")
+        return out
+
+    def _pick_decode(self) -> Replica | None:
+        """The decode instance the decode leg goes to first (picked before the prefill leg: its key is
+        the one the transfer is staged for)."""
+        decision = self.service.router.choose(self._of(self.decode_names), None, None, set())
+        return decision.replica if decision is not None else None
 
     def _of(self, names: set[str]) -> list[Replica]:
         return [r for r in self.service.replicas.replicas.values() if r.name in names]
@@ -97,10 +125,15 @@ class Disaggregated:
         return b
 
     # ------------------------------------------------------------------ the prefill leg
-    async def _prefill(self, request, body: dict, token_ids, salt) -> tuple[Replica, dict] | None:
-        """(the prefill instance, its answer) or None when none could take it."""
+    async def _prefill(self, request, body: dict, token_ids, salt,
+                       decode: Replica | None = None) -> tuple[Replica, dict] | None:
+        """(the prefill instance, its answer) or None when none could take it; the transfer is
+        staged for ``decode``'s key."""
         leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
-        leg.update(max_tokens=1, kv_transfer={"export": True})
+        export = {"export": True}
+        if decode is not None and decode.name in self.peer_keys:
+            export["export_to"] = self.peer_keys[decode.name]
+        leg.update(max_tokens=1, kv_transfer=export)
         raw = json.dumps(leg).encode()
         tried: set[str] = set()
         for _ in range(max(1, len(self.prefill_names))):
@@ -164,7 +197,8 @@ class Disaggregated:
 
     # ------------------------------------------------------------------ one choice, not streamed
     async def _one(self, request, body: dict, token_ids, salt) -> tuple[int, dict]:
-        got = await self._prefill(request, body, token_ids, salt)
+        decode = self._pick_decode()
+        got = await self._prefill(request, body, token_ids, salt, decode)
         if got is None:
             self.counts["num_colocated_fallbacks"] += 1
             return await self._decode_json(request, body)
@@ -175,7 +209,7 @@ class Disaggregated:
             self.counts["num_first_token_only"] += 1
             answer.pop("kv_transfer", None)
             return 200, answer
-        status, decoded = await self._decode_json(request, self._decode_body(body, prefill, answer))
+        status, decoded = await self._decode_json(request, self._decode_body(body, prefill, answer), decode)
         if status != 200:
             return status, decoded
         text, _ = self._first(answer)
@@ -186,30 +220,38 @@ class Disaggregated:
             choice["message"]["content"] = text + choice["message"]["content"]
         return 200, decoded
 
-    async def _decode_json(self, request, body: dict) -> tuple[int, dict]:
+    async def _decode_json(self, request, body: dict, first: Replica | None = None) -> tuple[int, dict]:
         raw = json.dumps(body).encode()
 
         def failed(replica, exc) -> None:
             self.counts["num_decode_retries"] += 1
             log.info("decode leg failed: another decode instance", replica=replica.name, cause=str(exc))
 
-        answer = await self._on_a_decode_instance(lambda replica: self._post(request, replica, raw), _LegFailed, failed)
+        answer = await self._on_a_decode_instance(lambda replica: self._post(request, replica, raw), _LegFailed, failed,
+                                                  first)
         return answer if answer is not None else (503, copy.deepcopy(_NO_DECODE))
 
-    async def _on_a_decode_instance(self, attempt, errors, failed):
-        """``attempt(replica)`` on the decode instances the router picks, one after another while it
-        raises one of ``errors`` (``failed(replica, exc)`` is told); None when none answered."""
+    async def _on_a_decode_instance(self, attempt, errors, failed, first: Replica | None = None):
+        """``attempt(replica)`` on the decode instances the router picks (``first`` first, while it is
+        up), one after another while it raises one of ``errors`` (``failed(replica, exc)`` is told);
+        None when none answered."""
         tried: set[str] = set()
         for _ in range(max(1, len(self.decode_names))):
-            decision = self.service.router.choose(self._of(self.decode_names), None, None, tried)
-            if decision is None:
+            replica = self._next_decode(first, tried)
+            if replica is None:
                 break
-            tried.add(decision.replica.name)
+            tried.add(replica.name)
             try:
-                return await attempt(decision.replica)
+                return await attempt(replica)
             except errors as exc:
-                failed(decision.replica, exc)
+                failed(replica, exc)
         return None
+
+    def _next_decode(self, first: Replica | None, tried: set[str]) -> Replica | None:
+        if first is not None and not tried and first.up:
+            return first
+        decision = self.service.router.choose(self._of(self.decode_names), None, None, tried)
+        return decision.replica if decision is not None else None
 
     @staticmethod
     def _merge(answers: list[tuple[int, dict]]) -> dict:
@@ -265,7 +307,8 @@ class Disaggregated:
 
     async def _stream_one(self, request, body: dict, index: int, token_ids, salt, write):
         """One choice's stream, events re-indexed ``index``; (status, error) when it could not start."""
-        got = await self._prefill(request, body, token_ids, salt)
+        decode = self._pick_decode()
+        got = await self._prefill(request, body, token_ids, salt, decode)
         if got is None:
             self.counts["num_colocated_fallbacks"] += 1
             return await self._decode_stream(request, body, index, write, skip="")
@@ -280,7 +323,7 @@ class Disaggregated:
             self.counts["num_first_token_only"] += 1
             return None
         return await self._decode_stream(request, self._decode_body(body, prefill, answer), index, write, skip="",
-                                         delivered=text, original=body)
+                                         delivered=text, original=body, first=decode)
 
     @staticmethod
     def _first_chunk(answer: dict, index: int, text: str, chat: bool, finish: str | None) -> dict:
@@ -293,17 +336,16 @@ class Disaggregated:
             {"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
     async def _decode_stream(self, request, body: dict, index: int, write, skip: str, delivered: str = "",
-                             original: dict | None = None):
+                             original: dict | None = None, first: Replica | None = None):
         """Pipe a decode leg's stream to the client; on a break, again elsewhere without the handle,
         skipping the text delivered already."""
         tried: set[str] = set()
         first_prefix = delivered  # the prefill leg's text: not in a decode leg's stream
         for attempt in range(max(1, len(self.decode_names)) + 1):
-            decision = self.service.router.choose(self._of(self.decode_names), None, None, tried)
-            if decision is None:
+            replica = self._next_decode(first, tried)
+            if replica is None:
                 break
-            tried.add(decision.replica.name)
-            replica = decision.replica
+            tried.add(replica.name)
             leg = {**body, "stream": True}
             replica.num_inflight += 1
             try:

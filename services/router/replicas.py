@@ -61,6 +61,7 @@ class Replica:
     kv_events: str  # tcp://host:port of its kvmanager's PUB
     kv_snapshot: str  # tcp://host:port of its kvmanager's snapshot ROUTER
     from_dns: bool = False
+    peer_key: str | None = None  # ``,key=NAME``: a decode instance's own key (``folio keys init --peer NAME``)
     up: bool = False  # until its first poll answers
     num_inflight: int = 0  # requests this router has sent it that are not done
     num_running: int = 0  # as its /metrics said last
@@ -96,21 +97,26 @@ class Replica:
 
 
 def parse_replica(spec: str, kv_events_port: int, kv_snapshot_port: int, from_dns: bool = False) -> Replica:
-    """``URL[,kv_events_port=P][,kv_snapshot_port=Q]`` -> a Replica; ValueError when malformed."""
+    """``URL[,kv_events_port=P][,kv_snapshot_port=Q][,key=NAME]`` -> a Replica; ValueError when
+    malformed (``key``: a decode instance's own CURVE key, ``folio keys init DIR --peer NAME``)."""
     url, *options = spec.split(",")
     parts = urlsplit(url.rstrip("/"))
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"a replica is an http(s) URL, optionally ',kv_events_port=P,kv_snapshot_port=Q': {spec!r}")
     ports = {"kv_events_port": kv_events_port, "kv_snapshot_port": kv_snapshot_port}
+    peer_key = None
     for option in options:
         key, _, value = option.partition("=")
+        if key.strip() == "key" and value.strip():
+            peer_key = value.strip()
+            continue
         if key.strip() not in ports or not value.strip().isdigit():
             raise ValueError(f"unknown replica option {option!r} in {spec!r}")
         ports[key.strip()] = int(value)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return Replica(name=f"{parts.scheme}://{host}:{parts.port or 80}{parts.path}",
                    kv_events=f"tcp://{host}:{ports['kv_events_port']}",
-                   kv_snapshot=f"tcp://{host}:{ports['kv_snapshot_port']}", from_dns=from_dns)
+                   kv_snapshot=f"tcp://{host}:{ports['kv_snapshot_port']}", from_dns=from_dns, peer_key=peer_key)
 
 
 def read_load(metrics_text: str) -> tuple[int, int]:

@@ -2,8 +2,11 @@
 instances (SmolLM2-135M int4, CPU, tcp between them) behind ``folio run router --prefill --decode``.
 Every answer through prefill -> decode equals a single instance's (the decode instance asked
 directly, without a handle): greedy and seeded, streamed and not, n > 1, 32 at once; a layout
-mismatch is refused; a decode instance killed mid-stream and then the prefill instance killed
-lose no request. The stack starts once; the tests run in order (the kills come last)."""
+mismatch is refused; a transfer staged for one decode instance's key is refused to another key; a
+decode instance killed mid-stream and then the prefill instance killed lose no request. The first
+decode instance has a key of its own (``folio keys init --peer``, ``,key=`` in the router's
+``--decode``), the second the stack's client key. The stack starts once; the tests run in order
+(the kills come last)."""
 
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import pytest
 import torch
 
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, LayoutMismatch
-from folio.shared.keys import sign
+from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, LayoutMismatch, TransferError
+from folio.shared.keys import init_peer, load_keys, sign
 from folio.shared.messages import TransferHandle
 from folio.shared.plane import stack_keys
 from folio.testing.routerstack import Replica, post, start_router
@@ -64,8 +67,9 @@ def texts_of(body: dict) -> dict[int, str]:
 
 def stack_of(kv_flags: tuple[str, ...], num_decode: int):
     p = Replica("SmolLM2-135M-Instruct", FLAGS + ("--kv-role", "prefill") + kv_flags).start()
-    ds = [Replica("SmolLM2-135M-Instruct", FLAGS + ("--kv-role", "decode") + kv_flags).start()
-          for _ in range(num_decode)]
+    init_peer(stack_keys().folder, "decode-1")
+    ds = [Replica("SmolLM2-135M-Instruct", FLAGS + ("--kv-role", "decode") + kv_flags,
+                  peer_key="decode-1" if i == 0 else None).start() for i in range(num_decode)]
     router = None
     try:
         for r in (p, *ds):
@@ -162,6 +166,30 @@ def test_the_extension_is_validated(stack):
     assert status == 400 and "invalid kv transfer handle" in body["error"]["message"]
     status, body = completion(p.url, "hi", max_tokens=1, n=2, kv_transfer={"export": True})
     assert status == 400 and body["error"]["param"] == "kv_transfer"
+
+
+def test_a_transfer_staged_for_one_key_is_refused_to_another(stack):
+    p, (d1, _), _ = stack
+    folder = stack_keys().folder
+    named = load_keys(folder, peer="decode-1")
+    status, body = completion(p.url, PROMPTS[2], max_tokens=1, temperature=0,
+                              kv_transfer={"export": True, "export_to": named.client_public.decode()})
+    assert status == 200, body
+    kt = body["kv_transfer"]
+    handle = TransferHandle(transfer_id=kt["transfer_id"], endpoint=f"tcp://127.0.0.1:{kt['port']}",
+                            num_blocks=kt["num_blocks"], num_tokens=kt["num_prompt_tokens"])
+    dtype = getattr(torch, p.admin("executor", "stats")["kv_cache_dtype"])
+    pool = KVPool(PoolShape(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype),
+                  kt["num_blocks"], torch.device("cpu"))
+    refused = p.admin("executor", "stats")["kv_transfers"]["refused"]
+    with pytest.raises(TransferError, match="not outstanding"):  # the stack's client key: a valid key, not the named one
+        KVReceiver(pool, KVLayout.of(pool), keys=load_keys(folder, peer="")).pull(handle, list(range(kt["num_blocks"])))
+    assert p.admin("executor", "stats")["kv_transfers"]["refused"] == refused + 1
+    assert pool.kv_caches[0][0].abs().sum() == 0
+    assert KVReceiver(pool, KVLayout.of(pool), keys=named).pull(handle, list(range(kt["num_blocks"]))) > 0
+    assert pool.kv_caches[0][0].abs().sum() > 0
+    # through the router, the first decode instance pulls with its own key, nothing is recomputed
+    assert d1.admin("executor", "stats")["kv_pulls"]["pulled"] > 0 and d1.admin("executor", "stats")["kv_recomputed"] == 0
 
 
 def test_a_layout_mismatch_is_refused(stack):

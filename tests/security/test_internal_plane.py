@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import threading
 import time
 import urllib.request
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [f"Tell me about {w}." for w in ("rivers", "stars", "bread", "cats", "rain", "glass", "maps", "bells")]
 MAX_TOKENS = 128
-NUM_CONNECTIONS = 1000  # opened and dropped across the ports (the 10,000, scaled to this test's budget)
+NUM_CONNECTIONS = 10_000  # opened and dropped across the ports (0.6 s for 10,000 against 14 CURVE sockets)
 BIG_FRAME = 100 * 1024 * 1024
 
 
@@ -118,9 +119,11 @@ def attack(stack: TcpStack, server_key: bytes) -> dict:
         insiders.append(sock)
     # connections opened and dropped
     ports = list(stack.ports().values())
+    reset = struct.pack("ii", 1, 0)  # closed with a reset: no TIME_WAIT left holding 10,000 local ports
     for i in range(NUM_CONNECTIONS):  # plain tcp: half a ZMTP greeting, then gone
         with socket.create_connection(("127.0.0.1", ports[i % len(ports)]), timeout=5) as s:
             s.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, reset)
     time.sleep(1.0)
     for name, sock in strangers:
         n = 0

@@ -94,6 +94,69 @@ def test_a_wrong_key_gets_nothing_and_is_logged(stack_keys_dir):
     ctx.term()
 
 
+def _plain_dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A peer with no CURVE at all."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    return sock
+
+
+def test_a_keyless_peer_is_refused_unless_curve_is_turned_off(stack_keys_dir, monkeypatch):
+    monkeypatch.delenv(plane.UNSAFE_ENV, raising=False)
+    ctx = zmq.Context()
+    server = make_socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*")
+    address = server.getsockopt(zmq.LAST_ENDPOINT).decode()
+    _plain_dealer(ctx, address).send(b"let me in")
+    assert not server.poll(700)  # CURVE: a keyless peer's handshake fails, nothing is read
+    monkeypatch.setenv(plane.UNSAFE_ENV, "1")  # the opt-out that measures CURVE's cost
+    clear = make_socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*")
+    peer = _plain_dealer(ctx, clear.getsockopt(zmq.LAST_ENDPOINT).decode())
+    peer.send(b"hello")
+    assert clear.poll(5000) and clear.recv_multipart()[1] == b"hello"
+    assert clear.curve_server == 0 and server.curve_server == 1
+    for s in (peer, clear, server):
+        s.close(0)
+    plane.release(ctx)
+    ctx.term()
+
+
+def test_a_service_without_curve_serves_tcp_in_the_clear_and_says_so(tmp_path):
+    """``FOLIO_UNSAFE_NO_CURVE=1``: a service starts on tcp without a key folder, warns loudly,
+    and answers a peer with no key at all."""
+    import time
+
+    from folio.testing.tcpstack import free_port_run
+
+    base = free_port_run(16)
+    env = {**os.environ, "FOLIO_ENDPOINTS": "tcp", "FOLIO_TCP_HOST": "127.0.0.1", "FOLIO_BASE_PORT": str(base),
+           "FOLIO_CACHE_DIR": str(tmp_path), plane.UNSAFE_ENV: "1"}
+    env.pop("FOLIO_KEYS_DIR", None)
+    log = tmp_path / "kvmanager.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "folio.cli.main", "run", "kvmanager"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    from folio.shared.config import Endpoints
+    from folio.shared.messages import AdminReply, AdminRequest
+    from folio.shared.transport import Decoder, encode
+
+    ctx = zmq.Context()
+    try:
+        peer = _plain_dealer(ctx, Endpoints.tcp(base, "127.0.0.1").admin_kvmanager)
+        deadline, reply = time.monotonic() + 60, None
+        while reply is None and time.monotonic() < deadline and proc.poll() is None:
+            peer.send(encode(AdminRequest(command="ping")))
+            if peer.poll(500):
+                reply = Decoder(AdminReply).decode(peer.recv_multipart()[-1])
+        peer.close(0)
+        assert reply is not None and reply.ok and reply.data["pong"], log.read_text()
+        assert "FOLIO_UNSAFE_NO_CURVE is set" in log.read_text() and "NO CURVE" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        ctx.term()
+
+
 def test_signed_handles(stack_keys_dir, tmp_path):
     keys = load_keys(stack_keys_dir)
     handle = {"transfer_id": "t1", "endpoint": "tcp://p:1", "num_blocks": 2, "num_tokens": 20}

@@ -52,6 +52,67 @@ async def test_a_client_sending_its_body_a_byte_at_a_time_gets_408():
         assert r.status == 200
 
 
+async def test_a_client_sending_its_headers_a_byte_at_a_time_is_dropped():
+    """Past the header timeout a connection whose headers are not whole is closed, no handler
+    having run; a request that takes longer than that once begun is not cut."""
+    from folio.services.gateway.app import runner_options
+
+    async with front_half(header_timeout_s=0.6, step_s=0.05) as fh:
+        server = TestServer(fh.app)
+        options = {k: v for k, v in runner_options(fh.gateway.config).items() if k != "handler_cancellation"}
+        await server.start_server(**options)  # (the test server sets handler_cancellation itself)
+        async with TestClient(server) as client:
+            reader, writer = await asyncio.open_connection(client.host, client.port)
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sent, t0 = 0, asyncio.get_running_loop().time()
+            with pytest.raises((ConnectionError, AssertionError)):
+                for byte in head:  # a byte every 0.1 s: 6.7 s for the whole head, were it let
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    sent += 1
+                    assert not reader.at_eof()
+                    await asyncio.sleep(0.1)
+            try:
+                answer = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionError:  # reset rather than closed: as good
+                answer = b""
+            assert answer == b""  # closed, not answered
+            elapsed = asyncio.get_running_loop().time() - t0
+            assert 0.5 < elapsed < 3.0 and sent < len(head), (elapsed, sent)
+            writer.close()
+            assert fh.scheduler.received == []  # nothing reached the engine
+            # a stream that runs past the header timeout (30 steps of 0.05 s) is served whole
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 30,
+                                                           "stream": True})
+            assert r.status == 200
+            body = await r.text()
+            assert body.rstrip().endswith("data: [DONE]")
+
+
+async def test_a_prompt_longer_than_any_context_is_a_400_before_it_is_tokenized():
+    async with front_half(max_model_len=64) as fh, TestClient(TestServer(fh.app)) as client:
+        tokenizer = fh.tokenizer.tokenizer
+        encoded = []
+        real_encode = tokenizer.hf.encode
+        tokenizer.hf = type("Counted", (), {"__getattr__": lambda self, name: getattr(real_encode.__self__, name),
+                                            "encode": lambda self, text, **kw: encoded.append(len(text))
+                                            or real_encode(text, **kw)})()
+        bound = tokenizer.max_token_chars * 64
+        for body, param in (({"prompt": "x" * (bound + 1)}, "prompt"),
+                            ({"messages": [{"role": "user", "content": "y" * (bound + 1)}]}, "messages")):
+            r = await client.post("/v1/completions" if "prompt" in body else "/v1/chat/completions",
+                                  json={"model": MODEL, "max_tokens": 2, **body})
+            assert r.status == 400, await r.text()
+            err = (await r.json())["error"]
+            assert err["param"] == param and "maximum context length is 64" in err["message"], err
+        assert not any(n > bound for n in encoded), encoded  # never tokenized
+        # under the bound, over the context: tokenized, and refused by its count as before
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hello " * 100, "max_tokens": 2})
+        assert r.status == 400 and "(101 in the prompt" in (await r.json())["error"]["message"]
+        assert encoded and max(encoded) == 600
+        assert fh.scheduler.received == []
+
+
 async def test_stop_strings_and_tools_have_caps_named_in_the_400():
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     async with front_half() as fh, TestClient(TestServer(fh.app)) as client:

@@ -61,6 +61,7 @@ class Request:
     # disaggregated prefill: its prompt's KV comes from this handle (``KVLoad``), once: cleared when
     # the plan takes it, so that a readmission recomputes
     kv_transfer: dict | None = None
+    kv_export_peer: str | None = None  # a prefill instance's: the decode key its transfer is served to
     unsent_token_ids: list[int] = field(default_factory=list)  # tokens appended here, for the executor
     group: object = None  # the BeamGroup of a beam
     first_scheduled_time: float | None = None
@@ -90,7 +91,8 @@ class Request:
             # as a request preempted by recompute would (positions, penalties, grammar, max_tokens)
             output_token_ids=list(msg.forced_token_ids),
             prompt_logprobs_sent=bool(msg.forced_token_ids),
-            kv_transfer=msg.kv_transfer,
+            kv_transfer=None if _export_to(msg.kv_transfer) else msg.kv_transfer,
+            kv_export_peer=_export_to(msg.kv_transfer),
         )
 
     @property
@@ -151,3 +153,9 @@ class Request:
         self.unsent_token_ids = []
         self.spec_token_ids = []
         self.num_pending = 0
+
+
+def _export_to(kv_transfer: dict | None) -> str | None:
+    """A prefill instance's ``{"export_to": key}``: the key (None for a handle to pull, or none)."""
+    peer = kv_transfer.get("export_to") if isinstance(kv_transfer, dict) else None
+    return peer if isinstance(peer, str) and peer else None

@@ -59,6 +59,7 @@ class TextTokenizer:
         self.vocab_size = max(len(self.hf), int(model_config.get("vocab_size", 0)))
         eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else model_config.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.max_token_chars = _max_token_chars(self.hf)
 
     def raw_bytes(self, token_id: int) -> bytes | None:
         """The bytes a token stands for, where the vocabulary says so (byte-level BPE tokens,
@@ -83,9 +84,23 @@ class TextTokenizer:
             return list(req.prompt_token_ids), None
         if req.messages is not None:
             text = self.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+            self.check_text_length(text, "messages")
             # the template already holds BOS and the role markers
             return self.hf.encode(text, add_special_tokens=False), text
+        self.check_text_length(req.prompt or "", "prompt")
         return self.hf.encode(req.prompt or ""), req.prompt
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """RequestError, before any tokenizing, for a text that cannot fit the context: no token
+        stands for more than ``max_token_chars`` characters, so a text longer than that times the
+        context length is more tokens than the context holds, whatever it says. (A text under that
+        bound costs at most that many characters of tokenizing, however large the body.)"""
+        if self.max_token_chars and len(text) > self.max_token_chars * self.max_model_len:
+            at_least = -(-len(text) // self.max_token_chars)
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the {param} is "
+                f"{len(text)} characters, at least {at_least} tokens. Please reduce the length of the {param}.",
+                param)
 
     def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None, add_generation_prompt: bool,
                     template_kwargs: dict | None = None) -> str:
@@ -149,6 +164,23 @@ class TextTokenizer:
                 prompt_param if num_prompt_tokens >= self.max_model_len else "max_tokens",
             )
         return max_tokens
+
+
+def _max_token_chars(hf) -> int:
+    """The most characters any token of the vocabulary stands for (added and special tokens
+    included); 0 when the vocabulary cannot be read (then no bound is applied). A byte-level
+    token's string has a character per byte, and a byte is at most one character of text."""
+    try:
+        tokens = list(hf.get_vocab())
+    except Exception:  # a tokenizer without a readable vocabulary
+        return 0
+    longest = max((len(t) for t in tokens), default=0)
+    # a normalizer may shorten the text before it is split (NFC composes up to 3 characters into
+    # one): the bound is widened unless it only prepends or replaces (SentencePiece's)
+    normalizer = getattr(getattr(hf, "backend_tokenizer", None), "normalizer", None)
+    kinds = {part.split("(")[0].strip() for part in re.findall(r"\b(\w+)\(", repr(normalizer))} - {"Sequence", "String", "Regex"} \
+        if normalizer is not None else set()
+    return longest * (4 if kinds - {"Prepend", "Replace"} else 1)
 
 
 def render_tools(messages: list[ChatMessage], tools: list[dict] | None, template: str) -> tuple[list[dict], dict]:

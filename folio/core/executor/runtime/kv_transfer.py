@@ -12,8 +12,12 @@ that transfer until the receiver confirms (``CONFIRM``: released as done) or rep
 (``FAIL``), or until ``ttl_s`` passes unconfirmed (a dead receiver): both release them as failed.
 ``on_release(transfer_id, block_ids, ok)`` is where the owner of the blocks (the kvmanager's
 allocator) frees them; ``outstanding`` is every transfer still owned. A pull of an unknown or
-released transfer is refused, and so is a pull from any peer but the first to pull it: a
-transfer's blocks go to one decode instance, once. The receiver confirms only after the last byte is in its pool; any
+released transfer is refused; a transfer exported for a peer (``export(..., peer=z85 key)``, the
+decode instance's CURVE key the router named) is served to that key only: the ZAP handler's
+User-Id of the pulling connection must be it, so another key of the stack (another decode
+instance, a prefill instance, a router) gets nothing. One exported for no peer (or over ipc, or
+with ``FOLIO_UNSAFE_NO_CURVE``, where no key is known) goes to the first peer that pulls it. Either
+way a transfer's blocks go to one decode instance, once, before its TTL. The receiver confirms only after the last byte is in its pool; any
 failure on its side (timeout, refused, short answer) sends ``FAIL`` and raises ``TransferError``.
 
 The handshake: every pull carries the receiver's ``KVLayout`` (dtype, block size, KV heads, head
@@ -46,7 +50,7 @@ import zmq
 from folio.core.executor.kernels.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
 from folio.shared.messages import TransferHandle
-from folio.shared.plane import secure
+from folio.shared.plane import REFUSALS, secure
 
 DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0
@@ -120,6 +124,15 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _user_id(parts: list[zmq.Frame]) -> str | None:
+    """The ZAP handler's User-Id of a received message (the peer's z85 CURVE key); None without CURVE."""
+    try:
+        user = parts[-1].get("User-Id")
+    except (zmq.ZMQError, IndexError):
+        return None
+    return user or None
+
+
 def _frame_of(view: torch.Tensor) -> memoryview:
     """A pool view's bytes as a memoryview of the pool's memory (staged to host from a GPU)."""
     t = view if view.device.type == "cpu" else view.cpu()
@@ -142,6 +155,7 @@ class KVSender:
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.outstanding: dict[str, tuple[list[int], float]] = {}  # transfer id -> (block ids, deadline)
+        self._for_peer: dict[str, str] = {}  # transfer id -> the z85 key it is served to (``export``'s peer)
         self._served_to: dict[str, bytes] = {}  # transfer id -> the routing id of the peer that pulled it first
         self.counts = {"exported": 0, "confirmed": 0, "failed": 0, "expired": 0, "refused": 0, "bytes_sent": 0}
         self._lock = threading.Lock()
@@ -150,7 +164,9 @@ class KVSender:
         self._thread.start()
 
     # ------------------------------------------------------------------ records
-    def export(self, block_ids: list[int], num_tokens: int = 0, transfer_id: str | None = None) -> TransferHandle:
+    def export(self, block_ids: list[int], num_tokens: int = 0, transfer_id: str | None = None,
+               peer: str | bytes | None = None) -> TransferHandle:
+        """Hold ``block_ids`` under a transfer id; ``peer``: the z85 CURVE key of the only peer served it."""
         for b in block_ids:
             self.pool._check_block(b)
         tid = transfer_id or uuid.uuid4().hex
@@ -158,6 +174,8 @@ class KVSender:
             if tid in self.outstanding:
                 raise ValueError(f"transfer {tid} is already outstanding")
             self.outstanding[tid] = (list(block_ids), time.monotonic() + self.ttl_s)
+            if peer:
+                self._for_peer[tid] = peer.decode("ascii") if isinstance(peer, bytes) else peer
             self.counts["exported"] += 1
         return TransferHandle(transfer_id=tid, endpoint=self.endpoint, num_blocks=len(block_ids), num_tokens=num_tokens)
 
@@ -166,6 +184,7 @@ class KVSender:
         with self._lock:
             entry = self.outstanding.pop(transfer_id, None)
             self._served_to.pop(transfer_id, None)
+            self._for_peer.pop(transfer_id, None)
             if entry is None:
                 return False
             self.counts["confirmed" if ok else why] += 1
@@ -193,11 +212,12 @@ class KVSender:
         while not self._stop.is_set():
             if poller.poll(_POLL_MS):
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue
+                frames = [p.bytes for p in parts]
                 try:
-                    self._handle(frames)
+                    self._handle(frames, _user_id(parts))
                 except Exception as exc:  # a malformed message: answered, logged by the peer, dropped
                     if len(frames) >= 2:
                         self._send(frames[0], b"ERR", {"message": f"bad request: {exc}", "kind": "bad_request"})
@@ -206,7 +226,8 @@ class KVSender:
     def _send(self, who: bytes, status: bytes, header: dict, frames: list | None = None) -> None:
         self.sock.send_multipart([who, status, msgspec.msgpack.encode(header), *(frames or [])], copy=False)
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], user: str | None = None) -> None:
+        """One request; ``user``: the z85 CURVE key the peer authenticated with (None without CURVE)."""
         who, verb, header = frames[0], frames[1], msgspec.msgpack.decode(frames[2]) if len(frames) > 2 else {}
         if verb in (b"CONFIRM", b"FAIL"):
             tid = str(header["transfer_id"])
@@ -228,8 +249,17 @@ class KVSender:
         tid = str(header["transfer_id"])
         with self._lock:
             entry = self.outstanding.get(tid)
+            named = self._for_peer.get(tid)
+            not_yours = entry is not None and named is not None and user != named  # staged for another key
             # served to one peer only: the first to pull it (a retry comes on that peer's same socket)
-            first = self._served_to.setdefault(tid, who) if entry is not None else None
+            first = self._served_to.setdefault(tid, who) if entry is not None and not not_yours else None
+        if not_yours:
+            self.counts["refused"] += 1
+            REFUSALS.refused(f"kv transfer {tid[:48]}", "pulled by a key it was not staged for")
+            # the same answer as for an unknown transfer: a stranger learns nothing of what is staged
+            self._send(who, b"ERR", {"message": f"transfer {tid} is not outstanding (confirmed, failed or expired)",
+                                     "kind": "unknown"})
+            return
         if entry is not None and first != who:
             self.counts["refused"] += 1
             self._send(who, b"ERR", {"message": f"transfer {tid} is being served to another peer", "kind": "taken"})
@@ -250,8 +280,9 @@ class KVReceiver:
     """The decode side: pulls a handle's blocks into its pool's blocks, then confirms."""
 
     def __init__(self, pool: KVPool, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, keys=None):
         self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
+        self.keys = keys  # the key pair it pulls with (None: the process's, ``FOLIO_PEER_KEY``'s when set)
         self.ctx = ctx or zmq.Context.instance()
         self.counts = {"pulled": 0, "failed": 0, "bytes_received": 0}
         self._sockets: dict[str, zmq.Socket] = {}  # a DEALER per sender, reused
@@ -263,7 +294,7 @@ class KVReceiver:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            secure(self.ctx, sock, endpoint, bind=False)
+            secure(self.ctx, sock, endpoint, bind=False, keys=self.keys)
             sock.connect(endpoint)
         try:
             sock.send_multipart([verb, msgspec.msgpack.encode(header)])
