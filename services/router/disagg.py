@@ -43,6 +43,7 @@ import structlog
 from aiohttp import web
 
 from folio.services.router.replicas import Replica, parse_replica
+from folio.services.router.resume import ClientGone, to_client
 from folio.shared.keys import KeysError, sign
 from folio.shared.loops import StartError
 from folio.shared.plane import stack_keys
@@ -72,7 +73,8 @@ class Disaggregated:
         self.prefill_names, self.decode_names = role_names(service.config)
         self.peer_keys = self._peer_keys(service.config)  # decode instance -> the z85 key its transfers are for
         self.counts = {"num_disagg_requests": 0, "num_prefill_retries": 0, "num_decode_retries": 0,
-                       "num_colocated_fallbacks": 0, "num_decode_resumes": 0, "num_first_token_only": 0}
+                       "num_colocated_fallbacks": 0, "num_decode_resumes": 0, "num_first_token_only": 0,
+                       "num_client_disconnects": 0}
 
     @staticmethod
     def _peer_keys(config) -> dict[str, str]:
@@ -291,18 +293,28 @@ class Disaggregated:
                 if not prepared:
                     await response.prepare(request)
                     prepared = True
-                await response.write(data)
+                await to_client(response, data)
 
         results = await asyncio.gather(*(self._stream_one(request, b, i, token_ids, salt, write)
                                          for i, b in enumerate(bodies)), return_exceptions=True)
+        if gone := [r for r in results if isinstance(r, ClientGone)]:
+            # the client left: the legs' connections closed with their streams, so the decode
+            # instances abort; nothing is wrong with them
+            self.counts["num_client_disconnects"] += 1
+            log.info("client closed its stream", cause=str(gone[0]))
+            return response
         errors = [r for r in results if isinstance(r, tuple)]
         if not prepared and errors:
             status, payload = errors[0]
             return web.json_response(payload, status=status)
-        if not prepared:
-            await response.prepare(request)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            if not prepared:
+                await response.prepare(request)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionError as exc:
+            self.counts["num_client_disconnects"] += 1
+            log.info("client closed its stream", cause=str(exc))
         return response
 
     async def _stream_one(self, request, body: dict, index: int, token_ids, salt, write):

@@ -10,9 +10,12 @@ decode instance has a key of its own (``folio keys init --peer``, ``,key=`` in t
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -209,6 +212,32 @@ def test_a_layout_mismatch_is_refused(stack):
                    kt["num_blocks"], torch.device("cpu"))
     assert KVReceiver(right, KVLayout.of(right)).pull(handle, list(range(kt["num_blocks"]))) > 0
     assert right.kv_caches[0][0][0].abs().sum() > 0  # the prompt's KV landed
+
+
+def test_a_client_that_leaves_mid_stream_takes_no_decode_instance_down(stack):
+    p, ds, router = stack
+    before = router.admin("stats")
+    aborted = sum(d.admin("scheduler", "stats")["num_requests_aborted"] for d in ds)
+    host, port = urllib.parse.urlsplit(router.url).netloc.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "stream": True,
+                                                        "ignore_eos": True, "temperature": 0}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 60
+    while router.admin("stats")["num_client_disconnects"] == before["num_client_disconnects"]:
+        assert time.monotonic() < deadline, "the router never saw the client go"
+        time.sleep(0.1)
+    while sum(d.admin("scheduler", "stats")["num_requests_aborted"] for d in ds) == aborted:
+        assert time.monotonic() < deadline, "the decode instance did not abort the request"
+        time.sleep(0.1)
+    after = router.admin("stats")
+    assert (after["num_decode_resumes"], after["num_decode_retries"]) == \
+        (before["num_decode_resumes"], before["num_decode_retries"])
+    assert all(r["up"] for r in router.replicas().values())
 
 
 def test_a_decode_instance_killed_mid_stream_loses_no_stream(stack):
