@@ -171,7 +171,7 @@ def train(args, command: str) -> dict:
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "epoch": 0, "cursor": 0}
     ckpt_file = out / "checkpoint.pt"
     if ckpt_file.exists():
-        ckpt = torch.load(ckpt_file, weights_only=False)
+        ckpt = torch.load(ckpt_file, weights_only=True)
         if ckpt["settings"] == settings:
             head.load_state_dict(ckpt["head"])
             optim.load_state_dict(ckpt["optim"])
