@@ -7,9 +7,11 @@ work, and a proposer that finds nothing to copy only adds its own time. Neither 
 advance, so it is measured: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) the controller
 keeps a decaying mean of the tokens per second that decode-only steps gave with drafts and
 without (the step's forward pass and sampling, plus the proposing that made its drafts). It
-picks the faster, trying each at first and the slower again once every ``explore_every``
-decisions of a bucket, so a proposer that stops paying (a chat after a copy task) costs at most
-that share of steps. Steps with prefill chunks say nothing about decode speed and are not
+picks the faster, trying each at first and the slower again after ``explore_every`` decisions
+of a bucket times the square of how much faster the faster arm is (at most ``max_explore_every``):
+a proposer that stops paying (a chat after a copy task) is tried again soon when it was close, and
+rarely when a drafting step costs several plain ones (batch 32, where every draft token is real
+GEMM work and a probe every 16 steps cost a third of the speed). Steps with prefill chunks say nothing about decode speed and are not
 counted. The choice never changes what is sampled: verification is lossless either way.
 
 Each decision is made one step ahead (at the end of step N, for the proposing at the end of N+1)
@@ -29,17 +31,20 @@ PLAIN, SPEC = 0, 1
 
 
 class _Bucket:
-    __slots__ = ("rate", "num_samples", "num_decisions")
+    __slots__ = ("rate", "num_samples", "num_decisions", "since_explore")
 
     def __init__(self):
         self.rate = [0.0, 0.0]  # tokens per second, decaying mean, per arm
         self.num_samples = [0, 0]
         self.num_decisions = 0
+        self.since_explore = 0  # decisions since the slower arm was last tried
 
 
 class SpecController:
-    def __init__(self, explore_every: int = 16, min_samples: int = 3, decay: float = 0.8):
+    def __init__(self, explore_every: int = 16, min_samples: int = 3, decay: float = 0.8,
+                 max_explore_every: int = 256):
         self.explore_every, self.min_samples, self.decay = explore_every, min_samples, decay
+        self.max_explore_every = max_explore_every
         self.buckets: dict[int, _Bucket] = {}
         self.pending: tuple[int, int, float] | None = None  # (bucket, arm, seconds spent proposing)
         self.num_steps = [0, 0]  # decisions per arm
@@ -58,9 +63,17 @@ class SpecController:
             arm = PLAIN
         else:
             best = SPEC if b.rate[SPEC] >= b.rate[PLAIN] else PLAIN
-            arm = 1 - best if b.num_decisions % self.explore_every == 0 else best
+            b.since_explore += 1
+            arm = best
+            if b.since_explore >= self.explore_interval(b.rate[best], b.rate[1 - best]):
+                arm, b.since_explore = 1 - best, 0
         self.num_steps[arm] += 1
         return arm == SPEC
+
+    def explore_interval(self, best_rate: float, other_rate: float) -> int:
+        """Decisions between two tries of the slower arm: longer the more it loses."""
+        ratio = best_rate / max(other_rate, 1e-9)
+        return int(min(self.max_explore_every, self.explore_every * ratio * ratio))
 
     def proposed(self, num_rows: int, speculate: bool, seconds: float) -> None:
         """The decision for the next step, and what its proposing cost."""
