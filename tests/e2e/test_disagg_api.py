@@ -64,6 +64,17 @@ def completion(url: str, prompt: str, **kw) -> tuple[int, dict]:
     return status, body
 
 
+def exported(prefill, kv_transfer: dict):
+    """A prompt's KV staged for export on the prefill instance: (its kv_transfer reply, the handle
+    a receiver pulls with, the pool's dtype)."""
+    status, body = completion(prefill.url, PROMPTS[2], max_tokens=1, temperature=0, kv_transfer=kv_transfer)
+    assert status == 200, body
+    kt = body["kv_transfer"]
+    handle = TransferHandle(transfer_id=kt["transfer_id"], endpoint=f"tcp://127.0.0.1:{kt['port']}",
+                            num_blocks=kt["num_blocks"], num_tokens=kt["num_prompt_tokens"])
+    return kt, handle, getattr(torch, prefill.admin("executor", "stats")["kv_cache_dtype"])
+
+
 def texts_of(body: dict) -> dict[int, str]:
     return {c["index"]: c["text"] for c in body["choices"]}
 
@@ -175,13 +186,7 @@ def test_a_transfer_staged_for_one_key_is_refused_to_another(stack):
     p, (d1, _), _ = stack
     folder = stack_keys().folder
     named = load_keys(folder, peer="decode-1")
-    status, body = completion(p.url, PROMPTS[2], max_tokens=1, temperature=0,
-                              kv_transfer={"export": True, "export_to": named.client_public.decode()})
-    assert status == 200, body
-    kt = body["kv_transfer"]
-    handle = TransferHandle(transfer_id=kt["transfer_id"], endpoint=f"tcp://127.0.0.1:{kt['port']}",
-                            num_blocks=kt["num_blocks"], num_tokens=kt["num_prompt_tokens"])
-    dtype = getattr(torch, p.admin("executor", "stats")["kv_cache_dtype"])
+    kt, handle, dtype = exported(p, {"export": True, "export_to": named.client_public.decode()})
     pool = KVPool(PoolShape(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype),
                   kt["num_blocks"], torch.device("cpu"))
     refused = p.admin("executor", "stats")["kv_transfers"]["refused"]
@@ -197,13 +202,8 @@ def test_a_transfer_staged_for_one_key_is_refused_to_another(stack):
 
 def test_a_layout_mismatch_is_refused(stack):
     p, _, _ = stack
-    status, body = completion(p.url, PROMPTS[2], max_tokens=1, temperature=0, kv_transfer={"export": True})
-    assert status == 200
-    kt = body["kv_transfer"]
-    handle = TransferHandle(transfer_id=kt["transfer_id"], endpoint=f"tcp://127.0.0.1:{kt['port']}",
-                            num_blocks=kt["num_blocks"], num_tokens=kt["num_prompt_tokens"])
+    kt, handle, dtype = exported(p, {"export": True})
     # SmolLM2: 30 layers, 3 KV heads of 64, in the executor's pool dtype; this pool has 2 heads
-    dtype = getattr(torch, p.admin("executor", "stats")["kv_cache_dtype"])
     wrong = KVPool(PoolShape(num_layers=30, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype),
                    kt["num_blocks"], torch.device("cpu"))
     with pytest.raises(LayoutMismatch, match="num_kv_heads: 3 vs 2"):
