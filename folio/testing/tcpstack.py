@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -105,11 +107,24 @@ class TcpStack:
                 assert self.alive(), self.log_text()
                 assert time.monotonic() < deadline, f"not up: {pending}\n{self.log_text()}"
                 pending = {s for s in pending if self.admin(s, "ping", timeout_s=0.5) is None}
+            # every service answers its own ping; the gateway serves once its own probes say so too
+            while not self.healthy():
+                assert self.alive(), self.log_text()
+                assert time.monotonic() < deadline, f"/health not 200\n{self.log_text()}"
+                time.sleep(0.2)
         except BaseException as exc:  # a stack that did not come up leaves no process behind
             logs = self.log_text()
             self.stop()
             raise AssertionError(f"the stack did not start ({exc!r}):\n{logs}") from None
         return self
+
+    def healthy(self) -> bool:
+        """The gateway's ``/health`` is 200 (every service answered its probes)."""
+        try:
+            with urllib.request.urlopen(self.http + "/health", timeout=2) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
 
     def admin(self, service: str, command: str, args: dict | None = None, timeout_s: float = 1.0):
         """``admin_call`` to ``service`` with this stack's keys (and, for a stack started with
