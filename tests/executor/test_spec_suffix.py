@@ -97,6 +97,22 @@ def test_the_controller_picks_the_faster_arm_and_explores_rarely():
     assert ctl.buckets[1].rate[1] > 100
 
 
+def test_a_cold_bucket_tries_a_clear_loser_once_and_a_close_call_min_samples_times():
+    def first_steps(spec_s: float, num: int = 30) -> list[bool]:
+        ctl, out = SpecController(min_samples=3, clear_ratio=1.5), []
+        for _ in range(num):
+            speculate = ctl.choose(32)
+            ctl.proposed(32, speculate, 0.0)
+            ctl.observe(spec_s if speculate else 0.010, 32, True)
+            out.append(speculate)
+        return out
+
+    clear = first_steps(0.027)  # a drafting step costs 2.7 plain ones and gains nothing
+    assert clear[:2] == [True, False] and sum(clear) == 1
+    close = first_steps(0.012)  # 1.2x: worth a few more tries before settling
+    assert close[:6] == [True, False] * 3 and sum(close[:20]) == 3
+
+
 # --------------------------------------------------------------------------- --speculative-config
 
 

@@ -7,7 +7,9 @@ work, and a proposer that finds nothing to copy only adds its own time. Neither 
 advance, so it is measured: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) the controller
 keeps a decaying mean of the tokens per second that decode-only steps gave with drafts and
 without (the step's forward pass and sampling, plus the proposing that made its drafts). It
-picks the faster, trying each at first and the slower again after ``explore_every`` decisions
+picks the faster, trying each at first (alternately, up to ``min_samples`` each, but once each
+when one arm is ``clear_ratio`` times faster: a drafting step at batch 32 costs about three plain
+ones, and every bucket the shrinking batch passes through starts cold) and the slower again after ``explore_every`` decisions
 of a bucket times the square of how much faster the faster arm is (at most ``max_explore_every``):
 a proposer that stops paying (a chat after a copy task) is tried again soon when it was close, and
 rarely when a drafting step costs several plain ones (batch 32, where every draft token is real
@@ -42,8 +44,9 @@ class _Bucket:
 
 class SpecController:
     def __init__(self, explore_every: int = 16, min_samples: int = 3, decay: float = 0.8,
-                 max_explore_every: int = 256):
+                 max_explore_every: int = 256, clear_ratio: float = 1.5):
         self.explore_every, self.min_samples, self.decay = explore_every, min_samples, decay
+        self.clear_ratio = clear_ratio  # one arm this much faster after one try each: no more tries yet
         self.max_explore_every = max_explore_every
         self.buckets: dict[int, _Bucket] = {}
         self.pending: tuple[int, int, float] | None = None  # (bucket, arm, seconds spent proposing)
@@ -57,10 +60,11 @@ class SpecController:
         """Whether the next step of these ``num_rows`` sampling rows should carry drafts."""
         b = self.buckets.setdefault(self.bucket_of(num_rows), _Bucket())
         b.num_decisions += 1
-        if b.num_samples[SPEC] < self.min_samples:
-            arm = SPEC
-        elif b.num_samples[PLAIN] < self.min_samples:
-            arm = PLAIN
+        num_plain, num_spec = b.num_samples
+        settled = min(num_spec, num_plain) >= self.min_samples or (
+            min(num_spec, num_plain) >= 1 and max(b.rate) >= self.clear_ratio * min(b.rate))
+        if not settled:  # one try each, then more only while they are close
+            arm = SPEC if num_spec <= num_plain else PLAIN
         else:
             best = SPEC if b.rate[SPEC] >= b.rate[PLAIN] else PLAIN
             b.since_explore += 1
