@@ -3,12 +3,20 @@ default model, which only tests marked ``slow`` may load (``docs/testing.md``; c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings as hypothesis_settings
 
 from folio.testing.models import write_tiny_model
+
+# CI (CI=true) runs each property test on the same examples every time, so a run is repeatable and
+# the suite's verdict is the code's, not the draw's; elsewhere the examples are new on every run.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    hypothesis_settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -229,8 +229,9 @@ def test_the_step_log_gives_the_owner_the_replicas_blocks_and_digest():
 
 
 def check_invariants(alloc: BlockAllocator) -> None:
+    # a host hit is pinned (held) until the step that copies it takes its copies
     for pool, tables in ((alloc.device, [s.block_ids for s in alloc.seqs.values()]),
-                         (alloc.host, [s.host_block_ids or [] for s in alloc.seqs.values()])):
+                         (alloc.host, [s.host_block_ids or [] for s in alloc.seqs.values()] + [alloc._pinned_host])):
         held = [b for table in tables for b in table]
         free, cached = set(pool.free_queue), set(pool.cached_queue)
         used = {b for b in range(pool.num_blocks) if pool.ref_counts[b] > 0}
@@ -286,7 +287,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert (seq.block_ids, seq.num_tokens) == before
 
     @rule()
-    def step_ran(self):
+    def step_ran(self):  # as the kvmanager's step: the copies are taken, what was computed is kept
+        self.alloc.take_copies()
         self.alloc.confirm_computed()
 
     @precondition(lambda self: self.live(False))
@@ -330,6 +332,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def teardown(self):
         for req_id in self.live():
             self.alloc.free(req_id)
+        self.alloc.take_copies()  # a host hit's pending copy holds its block until then
         check_invariants(self.alloc)
         assert self.alloc.device.num_used_blocks == 0 and self.alloc.host.num_used_blocks == 0, "leak"
 
