@@ -19,6 +19,8 @@ import pytest
 
 from folio.core.executor.kernels import cuda_kernels as ck
 
+pytestmark = pytest.mark.slow  # 22 NVRTC compiles: about a minute on two cores
+
 compiler = pytest.importorskip("cupy.cuda.compiler", reason="CuPy (with its NVRTC bindings) is not installed")
 
 ARCHS = ("80", "90")

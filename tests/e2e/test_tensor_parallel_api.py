@@ -17,6 +17,8 @@ from folio.testing.models import write_tiny_model
 from folio.testing.server import start_server, stop_server
 from tests.core.engine import LocalEngine, engine_request
 
+pytestmark = pytest.mark.slow  # a served stack of ranks, restarted: 15 s
+
 PROMPT = [504, 3458, 282, 4889, 314, 253, 1345, 30]
 MAX_TOKENS = 8
 

@@ -16,6 +16,8 @@ from folio.testing.models import write_tiny_model
 from tests.executor.test_tensor_parallel import PROMPTS, config, outputs, requests
 from tests.core.engine import LocalEngine, engine_request
 
+pytestmark = pytest.mark.slow  # Ray's start alone takes seconds
+
 
 def test_ray_workers_match_one_rank_and_a_dead_actor_is_a_crash(tmp_path):
     model = write_tiny_model(tmp_path / "m", model_type="qwen2", num_key_value_heads=1, vocab_size=129)

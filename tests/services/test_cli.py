@@ -212,6 +212,7 @@ def wait_healthy(port: int, timeout_s: float = STARTUP_TIMEOUT_S) -> dict:
     raise AssertionError("/health never said 200")
 
 
+@pytest.mark.slow  # over 8 s: the full suite only
 def test_serve_restarts_a_dead_service_and_health_tells_the_truth(tiny_chat_model):
     serve = Serve(tiny_chat_model, "--max-restarts", "1")
     try:
@@ -245,6 +246,7 @@ def test_serve_restarts_a_dead_service_and_health_tells_the_truth(tiny_chat_mode
     assert "its 2th death within 60s (--max-restarts 1); stopping everything" in err
 
 
+@pytest.mark.slow  # over 8 s: the full suite only
 def test_two_servers_on_two_ports_run_side_by_side_and_a_folder_is_claimed_once(tiny_chat_model, capsys):
     first, second = Serve(tiny_chat_model, run_dir="default"), Serve(tiny_chat_model, run_dir="default")
     try:

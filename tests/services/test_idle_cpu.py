@@ -14,9 +14,12 @@ import time
 import urllib.request
 
 import psutil
+import pytest
 
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.server import start_server, stop_server
+
+pytestmark = pytest.mark.slow  # it watches an idle server for 10 s
 
 IDLE_S = 5.0
 

@@ -20,6 +20,8 @@ import pytest
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.routerstack import Replica, http_json, post, start_router
 
+pytestmark = pytest.mark.slow  # two replicas and a router per test: 23 s in all
+
 FLAGS = ("--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "128", "--max-num-batched-tokens", "1024", "--max-num-seqs", "4")
 SYSTEM = " ".join(f"Rule {i}: answer briefly, politely and only about topic number {i}." for i in range(30))
 SYSTEM2 = " ".join(f"Policy {i}: a tenant's second assistant speaks of subject {i} in French." for i in range(30))

@@ -199,6 +199,7 @@ def write_adapter(base: str, out_dir: Path) -> str:
     return write_peft_adapter(base, out_dir, 4, ["q_proj", "v_proj"], alpha=8, seed=None, std=None)
 
 
+@pytest.mark.slow  # over 8 s: the full suite only
 def test_two_base_models_and_their_adapters_behind_one_router(tmp_path, smollm_tokenizer_dir):
     """model-a with adapter ``sql`` from the start, model-b with ``notes`` loaded at run time."""
     model_a = write_tiny_chat_model(tmp_path / "model-a", smollm_tokenizer_dir, max_position_embeddings=512)

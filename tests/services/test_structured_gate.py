@@ -109,6 +109,7 @@ def test_a_grammar_the_executor_cannot_compile_ends_its_requests_with_the_reason
     assert engine.sched.counters["num_grammar_errors"] == 2 and not engine.has_work()
 
 
+@pytest.mark.slow  # over 8 s: the full suite only
 @pytest.mark.asyncio
 async def test_an_executor_restart_while_a_grammar_compiles(chat_model, tok):  # noqa: F811
     """The new executor has compiled nothing: the scheduler asks it again (a scheduler that kept

@@ -114,6 +114,7 @@ def test_installed_package_compiles_its_kernels(installed, tmp_path):
     assert Path(out["cpu_library"]).parent == cache / "cpu-kernels", out
 
 
+@pytest.mark.slow  # over 8 s: the full suite only
 def test_installed_folio_bench_runs_outside_the_checkout(installed, tmp_path):
     _, site = installed
     env = {**os.environ, "PYTHONPATH": str(site), "FOLIO_CACHE_DIR": str(tmp_path / "cache")}
