@@ -217,3 +217,23 @@ def test_steps_without_drafts_ahead_are_planned_ahead_and_the_output_stays(tiny_
     assert fast == plain
     assert any(plan.num_placeholder_tokens for plan in engine.plans)  # planned ahead of a result
     assert engine.sched.counters["num_spec_accepted_tokens"] > 0  # and drafts verified in between
+
+
+def test_a_shrinking_batch_carries_a_clear_loss_down_and_still_tries_again_later():
+    def run(ctl: SpecController, rows: int, spec_s: float, plain_s: float, num: int) -> list[bool]:
+        out = []
+        for _ in range(num):
+            speculate = ctl.choose(rows)
+            ctl.proposed(rows, speculate, 0.0)
+            ctl.observe(spec_s if speculate else plain_s, rows, True)
+            out.append(speculate)
+        return out
+
+    ctl = SpecController(clear_ratio=1.5)
+    assert sum(run(ctl, 32, 0.027, 0.010, 10)) == 1  # batch 32: one try, a 2.7x loss
+    smaller = run(ctl, 20, 0.016, 0.008, 130)  # 16-31 rows: no try until the interval of a 2.7x loss (116)
+    assert sum(smaller[:100]) == 0 and sum(smaller) == 1
+    assert ctl.buckets[5].rate[0] == pytest.approx(20 / 0.008)  # its own plain rate, not batch 32's
+    close = SpecController(clear_ratio=1.5)
+    run(close, 32, 0.012, 0.010, 10)  # a close call at batch 32 says nothing about 16-31 rows
+    assert run(close, 20, 0.006, 0.008, 1) == [True]

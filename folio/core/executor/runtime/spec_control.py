@@ -6,15 +6,22 @@ CPU verifying five tokens costs about one plain step, at batch 32 every draft to
 work, and a proposer that finds nothing to copy only adds its own time. Neither side is known in
 advance, so it is measured: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) the controller
 keeps a decaying mean of the tokens per second that decode-only steps gave with drafts and
-without (the step's forward pass and sampling, plus the proposing that made its drafts). It
-picks the faster, trying each at first (alternately, up to ``min_samples`` each, but once each
-when one arm is ``clear_ratio`` times faster: a drafting step at batch 32 costs about three plain
-ones, and every bucket the shrinking batch passes through starts cold) and the slower again after ``explore_every`` decisions
-of a bucket times the square of how much faster the faster arm is (at most ``max_explore_every``):
-a proposer that stops paying (a chat after a copy task) is tried again soon when it was close, and
-rarely when a drafting step costs several plain ones (batch 32, where every draft token is real
-GEMM work and a probe every 16 steps cost a third of the speed). Steps with prefill chunks say nothing about decode speed and are not
-counted. The choice never changes what is sampled: verification is lossless either way.
+without (the step's forward pass and sampling, plus the proposing that made its drafts), and
+picks the faster.
+
+- A cold bucket tries each arm, alternately: once each when one is ``clear_ratio`` times faster,
+  up to ``min_samples`` each while they are close. A drafting step at batch 32 costs about three
+  plain ones, and a batch shrinks through the buckets as its requests finish.
+- A cold bucket below one where drafting clearly lost starts from that verdict (as a ratio to
+  its own first plain step) instead of trying drafts at once; its own samples replace it.
+- The slower arm is tried again after ``explore_every`` decisions of its bucket times the square
+  of how much faster the faster arm is (at most ``max_explore_every``): a proposer that stops
+  paying (a chat after a copy task) is tried again soon when it was close, and rarely when a
+  drafting step costs several plain ones (at batch 32 a probe every 16 steps cost a third of the
+  speed).
+
+Steps with prefill chunks say nothing about decode speed and are not counted. The choice never
+changes what is sampled: verification is lossless either way.
 
 Each decision is made one step ahead (at the end of step N, for the proposing at the end of N+1)
 and said in step N's result (``StepResult.drafts_next``): when it is no, the scheduler plans step
@@ -33,11 +40,14 @@ PLAIN, SPEC = 0, 1
 
 
 class _Bucket:
-    __slots__ = ("rate", "num_samples", "num_decisions", "since_explore")
+    __slots__ = ("rate", "num_samples", "num_decisions", "since_explore", "inherited")
 
-    def __init__(self):
+    def __init__(self, prior: "_Bucket | None" = None):
         self.rate = [0.0, 0.0]  # tokens per second, decaying mean, per arm
         self.num_samples = [0, 0]
+        self.inherited = [False, False]
+        if prior is not None:  # a larger batch's clear verdict, replaced by this bucket's first samples
+            self.rate, self.num_samples, self.inherited = list(prior.rate), [1, 1], [True, True]
         self.num_decisions = 0
         self.since_explore = 0  # decisions since the slower arm was last tried
 
@@ -58,7 +68,10 @@ class SpecController:
 
     def choose(self, num_rows: int) -> bool:
         """Whether the next step of these ``num_rows`` sampling rows should carry drafts."""
-        b = self.buckets.setdefault(self.bucket_of(num_rows), _Bucket())
+        key = self.bucket_of(num_rows)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = _Bucket(self._prior(key))
         b.num_decisions += 1
         num_plain, num_spec = b.num_samples
         settled = min(num_spec, num_plain) >= self.min_samples or (
@@ -73,6 +86,16 @@ class SpecController:
                 arm, b.since_explore = 1 - best, 0
         self.num_steps[arm] += 1
         return arm == SPEC
+
+    def _prior(self, key: int) -> _Bucket | None:
+        """The nearest larger bucket measured on both arms, when drafting clearly lost there: a batch
+        shrinks through the buckets as its requests finish, and drafting costs more the larger
+        the batch, so its first steps here need not pay for a try that a larger batch already made."""
+        larger = [k for k, b in self.buckets.items() if k > key and min(b.num_samples) >= 1]
+        if not larger:
+            return None
+        near = self.buckets[min(larger)]
+        return near if near.rate[PLAIN] >= self.clear_ratio * near.rate[SPEC] else None
 
     def explore_interval(self, best_rate: float, other_rate: float) -> int:
         """Decisions between two tries of the slower arm: longer the more it loses."""
@@ -91,7 +114,12 @@ class SpecController:
         bucket, arm, propose_s = pending
         b = self.buckets.setdefault(bucket, _Bucket())
         rate = num_tokens / max(seconds + propose_s, 1e-9)
-        b.rate[arm] = rate if b.num_samples[arm] == 0 else self.decay * b.rate[arm] + (1 - self.decay) * rate
+        if b.inherited[arm]:  # the first sample here: the other arm's inherited rate keeps its ratio to it
+            if b.inherited[1 - arm]:
+                b.rate[1 - arm] *= rate / max(b.rate[arm], 1e-9)
+            b.rate[arm], b.inherited[arm] = rate, False
+        else:
+            b.rate[arm] = rate if b.num_samples[arm] == 0 else self.decay * b.rate[arm] + (1 - self.decay) * rate
         b.num_samples[arm] += 1
 
     def stats(self) -> dict:
