@@ -21,7 +21,7 @@ Secret per service, in compose a volume per service, each filled with ``folio ke
 made before the per-service pairs gets them on its next init, and its old ``server.key_secret`` is
 no longer read), writes each missing file under a temporary name and links it into place, so two
 starts racing on one folder never leave half a key. ``split_keys`` writes the reduced folder one
-service's process needs: its own secret, every service's public key, the client pair, ``clients/``,
+service's process needs: its own secret, every service's public key, the client secret, ``clients/``,
 ``handle.secret`` for the gateway and the router only. A public key is derived from its secret
 whenever the secret is there; another service's public key is read from ``services/NAME.key``.
 ``shared/transport.py`` reads the folder (``load_keys``); ``folio serve`` on one host makes one itself.
@@ -179,6 +179,8 @@ def split_keys(folder: str | os.PathLike, out: str | os.PathLike, services: list
         raise KeysError("split needs at least one --service NAME")
     for name in services:
         _check_service(name)
+    if d.resolve() == src.resolve():
+        raise KeysError(f"split writes a folder of its own, not {src} itself")
     full = load_keys(src, peer="")
     missing = [name for name in SERVICES if name not in full.secrets]
     if missing:
@@ -261,7 +263,8 @@ def load_keys(folder: str | os.PathLike, peer: str | None = None, service: str |
                 publics[name], _ = zmq.auth.load_certificate(str(d / "services" / f"{name}.key"))
             except (OSError, ValueError) as exc:
                 raise KeysError(f"{d / 'services' / (name + '.key')}: {exc} (the {name}'s public key: make it "
-                                f"with `folio keys init DIR`, then split DIR again)") from None
+                                f"with `folio keys init DIR` on the stack's folder, and split a folder of "
+                                f"`folio keys split` again)") from None
     handle_secret = None
     if (d / HANDLE_SECRET).exists() or service in HANDLE_USERS:
         try:

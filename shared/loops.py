@@ -347,7 +347,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     except StartError as exc:
         log.error(exc.message, **exc.fields)
         return 1
-    except plane.MissingKeys as exc:
+    except (plane.MissingKeys, KeysError) as exc:
         log.error("no keys for a tcp endpoint", error=str(exc))
         return 1
     except KeyboardInterrupt:  # SIGINT while starting (Ctrl-C reaches every process of the group)

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return http_health(args.http, args.timeout)
         try:
             reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
-        except plane.MissingKeys as exc:
+        except (plane.MissingKeys, KeysError) as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
         return 0 if reply is not None else 1
@@ -225,7 +225,7 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
         call_args["req_id"] = args.req_id
     try:
         reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
-    except plane.MissingKeys as exc:
+    except (plane.MissingKeys, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
     if reply is None:

@@ -95,6 +95,9 @@ def test_a_split_folder_holds_its_own_service_secret_and_no_other(tmp_path):
     r = subprocess.run([sys.executable, "-m", "folio.cli.main", "keys", "split", str(out), str(tmp_path / "x"),
                         "--service", "gateway"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "not a stack's whole folder" in r.stderr  # a split folder splits no further
+    with pytest.raises(KeysError, match="a folder of its own"):
+        split_keys(folder, folder, ["gateway"])  # which would drop the other services' secrets
+    assert sorted(load_keys(folder).secrets) == sorted(SERVICES)
 
 
 def test_serve_reads_a_complete_key_folder_without_writing_to_it(tmp_path, monkeypatch):
