@@ -90,6 +90,10 @@ def test_the_keys_one_shot_gives_each_container_its_own_service_secret(tmp_path)
         r = subprocess.run(["sh", "-ec", f'folio() {{ "{sys.executable}" -m folio.cli.main "$@"; }}\n{script}'],
                            env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for path in oneshot.values():  # each volume's mount point is the image user's, or the split cannot write it
+        assert re.search(rf"mkdir -p [^\n]*{path}\b", dockerfile.replace("\\\n", "")), path
+    assert "chown -R folio:folio /split" in dockerfile
     checked = set()
     for name, svc in services.items():
         if name == "keys":
