@@ -220,6 +220,23 @@ def test_a_service_secret_cannot_serve_as_another_service(stack_keys_dir, tmp_pa
         ctx.destroy(linger=0)
 
 
+def test_every_endpoint_has_an_owner_with_a_key():
+    """Each endpoint's binder is a service of the key folder (the key its dialers check), and the
+    tcp layout's hosts are those owners."""
+    from dataclasses import fields
+
+    from folio.shared.config import ENDPOINT_OWNERS, Endpoints
+
+    assert list(ENDPOINT_OWNERS) == [f.name for f in fields(Endpoints)]
+    assert set(ENDPOINT_OWNERS.values()) <= set(SERVICES)
+    tcp = Endpoints.tcp(5550)
+    for name, owner in ENDPOINT_OWNERS.items():
+        address = getattr(tcp, name)
+        assert address.startswith(f"tcp://{owner}:") and tcp.owner(address) == owner
+    with pytest.raises(KeyError):
+        tcp.owner("tcp://elsewhere:1")
+
+
 def test_an_unnamed_service_is_an_error_never_a_shared_key(stack_keys_dir):
     ctx = zmq.Context()
     try:
