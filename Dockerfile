@@ -59,6 +59,10 @@ COPY shared /src/shared
 COPY services /src/services
 COPY cuda /src/cuda
 RUN pip install -q --no-index --no-deps --no-build-isolation /src && rm -rf /src /tmp/*
+# where compose's `keys` one-shot writes each service's share of the keys (a volume each, which
+# takes this owner when it is first mounted)
+RUN mkdir -p /split/gateway /split/tokenizer /split/scheduler /split/kvmanager /split/executor /split/router \
+      /split/serve && chown -R folio:folio /split
 
 USER folio
 WORKDIR /app

@@ -73,14 +73,16 @@ def kv_events_env(args: argparse.Namespace) -> dict[str, str]:
 def own_keys(args: argparse.Namespace) -> str | None:
     """The stack's key folder (``--keys-dir``, ``$FOLIO_KEYS_DIR``, else one of our own in the cache),
     its missing keys made: a server on one host needs no step of its user's for its tcp sockets
-    (``--kv-events-port``, a prefill instance's KV transfers); a complete folder is only read. None,
-    with a message, when it cannot."""
+    (``--kv-events-port``, a prefill instance's KV transfers); a folder with what its services need
+    (each one's server secret: a whole folder, or one ``folio keys split`` made for them) is only
+    read. None, with a message, when it cannot."""
     from folio.shared.config import default_keys_dir, keys_dir_from_env
     from folio.shared.keys import KeysError, init_keys, load_keys
 
     folder = str(args.keys_dir or keys_dir_from_env() or default_keys_dir())
     try:  # complete already (the compose stack's keys, mounted read-only): nothing to write
-        load_keys(folder)
+        for name in SERVICES:
+            load_keys(folder, service=name)
         return folder
     except KeysError:
         pass

@@ -210,6 +210,25 @@ class RuntimeConfig:
                                     "key)", ("executor", "gateway"), action="store_true")
 
 
+# The service that binds each endpoint (its host in the tcp layout, and the key its sockets serve
+# with: a connecting socket checks that service's public key). In the order of the tcp ports.
+ENDPOINT_OWNERS = {
+    "tokenizer_in": "tokenizer",
+    "scheduler_in": "scheduler",
+    "gateway_in": "gateway",
+    "kvmanager": "kvmanager",
+    "executor": "executor",
+    "kv_events": "kvmanager",
+    "admin_gateway": "gateway",
+    "admin_tokenizer": "tokenizer",
+    "admin_scheduler": "scheduler",
+    "admin_kvmanager": "kvmanager",
+    "admin_executor": "executor",
+    "kv_snapshot": "kvmanager",
+    "admin_router": "router",
+}
+
+
 @dataclass(frozen=True)
 class Endpoints:
     """Where each socket lives. ``ipc://`` under one run folder for ``folio serve``; ``tcp://``
@@ -240,22 +259,15 @@ class Endpoints:
     def tcp(base_port: int = 5550, host: str | None = None) -> "Endpoints":
         """Container names as hosts, one port each: the compose stack's layout (``host``: every
         service on that one host instead, e.g. 127.0.0.1)."""
-        owner = {
-            "tokenizer_in": "tokenizer",
-            "scheduler_in": "scheduler",
-            "gateway_in": "gateway",
-            "kvmanager": "kvmanager",
-            "executor": "executor",
-            "kv_events": "kvmanager",
-            "admin_gateway": "gateway",
-            "admin_tokenizer": "tokenizer",
-            "admin_scheduler": "scheduler",
-            "admin_kvmanager": "kvmanager",
-            "admin_executor": "executor",
-            "kv_snapshot": "kvmanager",
-            "admin_router": "router",
-        }
-        return Endpoints(**{n: f"tcp://{host or name}:{base_port + i}" for i, (n, name) in enumerate(owner.items())})
+        return Endpoints(**{n: f"tcp://{host or name}:{base_port + i}"
+                            for i, (n, name) in enumerate(ENDPOINT_OWNERS.items())})
+
+    def owner(self, address: str) -> str:
+        """The service that binds ``address``, one of these endpoints (``KeyError`` for another)."""
+        for name, value in vars(self).items():
+            if value == address:
+                return ENDPOINT_OWNERS[name]
+        raise KeyError(f"{address} is none of this stack's endpoints")
 
     @staticmethod
     def from_env() -> "Endpoints":

@@ -1,24 +1,30 @@
 """The stack's keys: CURVE key pairs for every tcp socket, and the secret that signs KV transfer handles.
 
 One folder per stack (``folio keys init DIR``; ``--keys-dir`` or ``$FOLIO_KEYS_DIR``; in Kubernetes a
-Secret, in compose a volume filled by a one-shot ``folio keys init /keys``):
+Secret per service, in compose a volume per service, each filled with ``folio keys split``):
 
-- ``server.key_secret`` / ``server.key``: the key pair every bound tcp socket serves with (ZeroMQ's
-  certificate format, ``zmq.auth``);
+- ``services/NAME.key_secret`` / ``services/NAME.key``: one server key pair per service (gateway,
+  tokenizer, scheduler, kvmanager, executor, router; ZeroMQ's certificate format, ``zmq.auth``). A
+  bound tcp socket serves with its own service's secret; a connecting socket checks the public key
+  of the service that binds the address, so one service's secret opens only that service's sockets;
 - ``client.key_secret`` / ``client.key``: the key pair every connecting socket presents;
 - ``clients/*.key``: the public keys a bound socket lets in (``client.key`` is copied there; a
   deployment adds more, one file a peer);
-- ``handle.secret``: 32 random bytes (hex), the HMAC key of signed transfer handles (``sign``/``verify``);
+- ``handle.secret``: 32 random bytes (hex), the HMAC key of signed transfer handles (``sign``/``verify``:
+  the router signs, the gateway verifies);
 - ``peers/NAME.key_secret`` / ``peers/NAME.key`` (``folio keys init DIR --peer NAME``): a client key
   pair of its own for one instance (a decode instance: a KV transfer is served only to the key its
   handle names), its public key also in ``clients/NAME.key``. A process presents it instead of
   ``client.key`` with ``FOLIO_PEER_KEY=NAME``.
 
-``init_keys`` keeps whatever is already there (a compose one-shot runs it on every ``up``), writes
-each missing file under a temporary name and links it into place, so two starts racing on one folder
-never leave half a key. A public key is always derived from its secret when loaded, never trusted
-from its own file. ``shared/transport.py`` reads the folder (``load_keys``); ``folio serve`` on one
-host makes one itself.
+``init_keys`` keeps whatever is already there (a compose one-shot runs it on every ``up``; a folder
+made before the per-service pairs gets them on its next init, and its old ``server.key_secret`` is
+no longer read), writes each missing file under a temporary name and links it into place, so two
+starts racing on one folder never leave half a key. ``split_keys`` writes the reduced folder one
+service's process needs: its own secret, every service's public key, the client secret, ``clients/``,
+``handle.secret`` for the gateway and the router only. A public key is derived from its secret
+whenever the secret is there; another service's public key is read from ``services/NAME.key``.
+``shared/transport.py`` reads the folder (``load_keys``); ``folio serve`` on one host makes one itself.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -40,7 +46,8 @@ import zmq.auth
 
 from folio.shared.config import peer_key_from_env
 
-_PAIRS = ("server", "client")
+SERVICES = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
+HANDLE_USERS = ("gateway", "router")  # the services that verify or sign transfer handles
 HANDLE_SECRET = "handle.secret"
 PEER_ENV = "FOLIO_PEER_KEY"
 _PEER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -53,12 +60,13 @@ class KeysError(RuntimeError):
 @dataclass(frozen=True)
 class StackKeys:
     folder: str
-    server_public: bytes  # z85
-    server_secret: bytes
-    client_public: bytes
+    client_public: bytes  # z85
     client_secret: bytes
     allowed: frozenset[bytes]  # z85 public keys a bound socket lets in
-    handle_secret: bytes
+    handle_secret: bytes | None  # None in a folder split for a service that never signs nor verifies
+    services: dict[str, bytes]  # service -> the z85 public key its bound sockets serve with
+    secrets: dict[str, bytes] = field(default_factory=dict)  # service -> its server secret, those the folder holds
+    service: str | None = None  # the service this process is (its secret is in ``secrets``)
     peer: str | None = None  # the peers/ pair presented as the client key, when one is
 
     def public_of(self, name: str) -> bytes:
@@ -69,6 +77,29 @@ class StackKeys:
         except (OSError, ValueError) as exc:
             raise KeysError(f"{path}: {exc} (make it with `folio keys init {self.folder} --peer {name}`)") from None
         return public
+
+    def server_public(self, service: str) -> bytes:
+        """The public key ``service``'s bound sockets show (what a connecting socket checks)."""
+        _check_service(service)
+        return self.services[service]
+
+    def server_secret(self, service: str) -> bytes:
+        """``service``'s server secret; ``KeysError`` naming the file when this folder lacks it."""
+        _check_service(service)
+        if service not in self.secrets:
+            raise KeysError(_missing_secret(Path(self.folder), service))
+        return self.secrets[service]
+
+
+def _check_service(name: str) -> str:
+    if name not in SERVICES:
+        raise KeysError(f"{name!r} is not a service of the stack ({', '.join(SERVICES)})")
+    return name
+
+
+def _missing_secret(d: Path, service: str) -> str:
+    return (f"{d / 'services' / (service + '.key_secret')} is missing: the {service}'s server key (make it with "
+            f"`folio keys init DIR` on the stack's folder, then `folio keys split DIR {d} --service {service}`)")
 
 
 def _check_peer(name: str) -> str:
@@ -85,13 +116,7 @@ def init_peer(folder: str | os.PathLike, name: str) -> bytes:
     os.chmod(d / "peers", 0o700)
     tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
     try:
-        if not (d / "peers" / f"{name}.key_secret").exists():
-            zmq.auth.create_certificates(str(tmp), name)
-            _link(tmp / f"{name}.key_secret", d / "peers" / f"{name}.key_secret")
-            _link(tmp / f"{name}.key", d / "peers" / f"{name}.key")
-        os.chmod(d / "peers" / f"{name}.key_secret", 0o600)
-        _, secret = zmq.auth.load_certificate(str(d / "peers" / f"{name}.key_secret"))
-        public = zmq.curve_public(secret)
+        public = _init_pair(d / "peers", name, tmp)
         if not (d / "clients" / f"{name}.key").exists():
             _public_file(tmp / "allowed.key", public)
             _link(tmp / "allowed.key", d / "clients" / f"{name}.key")
@@ -100,35 +125,91 @@ def init_peer(folder: str | os.PathLike, name: str) -> bytes:
     return public
 
 
+def _init_pair(d: Path, name: str, tmp: Path) -> bytes:
+    """``d/NAME.key_secret`` (kept when it exists) and ``d/NAME.key`` derived from it; the public key.
+    The secret goes in first: once it is in place the pair is decided, and whichever racer links the
+    public file links the one derived from that secret."""
+    if not (d / f"{name}.key_secret").exists():
+        zmq.auth.create_certificates(str(tmp), name)
+        _link(tmp / f"{name}.key_secret", d / f"{name}.key_secret")
+    os.chmod(d / f"{name}.key_secret", 0o600)
+    _, secret = zmq.auth.load_certificate(str(d / f"{name}.key_secret"))
+    public = zmq.curve_public(secret)
+    if not (d / f"{name}.key").exists():
+        _public_file(tmp / f"{name}.public", public)
+        _link(tmp / f"{name}.public", d / f"{name}.key")
+    return public
+
+
 def init_keys(folder: str | os.PathLike) -> StackKeys:
-    """Make the folder's missing keys (existing ones are kept); the folder is 0700, secrets 0600."""
+    """Make the folder's missing keys (existing ones are kept); the folders are 0700, secrets 0600."""
     d = Path(folder)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
-    (d / "clients").mkdir(exist_ok=True)
-    os.chmod(d / "clients", 0o700)
+    for sub in ("clients", "services"):
+        (d / sub).mkdir(exist_ok=True)
+        os.chmod(d / sub, 0o700)
     tmp = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
     try:
-        for name in _PAIRS:
-            if not (d / f"{name}.key_secret").exists():
-                zmq.auth.create_certificates(str(tmp), name)
-                # the secret first: once it is in place the pair is decided (the public is derived)
-                _link(tmp / f"{name}.key_secret", d / f"{name}.key_secret")
-                _link(tmp / f"{name}.key", d / f"{name}.key")
+        client_public = _init_pair(d, "client", tmp)
+        for name in SERVICES:
+            _init_pair(d / "services", name, tmp)
         if not (d / HANDLE_SECRET).exists():
             (tmp / HANDLE_SECRET).write_text(secrets.token_hex(32) + "\n")
             _link(tmp / HANDLE_SECRET, d / HANDLE_SECRET)
-        keys = load_keys(d, allow_missing_clients=True, peer="")
         allowed = d / "clients" / "client.key"
         if not allowed.exists():
-            _public_file(tmp / "client.key", keys.client_public)
+            _public_file(tmp / "client.key", client_public)
             _link(tmp / "client.key", allowed)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for f in d.glob("*.key_secret"):
-        os.chmod(f, 0o600)
     os.chmod(d / HANDLE_SECRET, 0o600)
     return load_keys(d, peer="")
+
+
+def split_keys(folder: str | os.PathLike, out: str | os.PathLike, services: list[str] | tuple[str, ...],
+               peers: list[str] | tuple[str, ...] = ()) -> StackKeys:
+    """Write into ``out`` what a process running ``services`` needs of the stack's ``folder``: those
+    services' secrets, every service's public key, the client secret (and ``peers``' pairs),
+    ``clients/``, and ``handle.secret`` when one of them signs or verifies handles. Files already
+    in ``out`` are replaced; another service's secret found there is removed. Returns ``out``'s keys
+    as the first of ``services`` reads them."""
+    src, d = Path(folder), Path(out)
+    if not services:
+        raise KeysError("split needs at least one --service NAME")
+    for name in services:
+        _check_service(name)
+    if d.resolve() == src.resolve():
+        raise KeysError(f"split writes a folder of its own, not {src} itself")
+    full = load_keys(src, peer="")
+    missing = [name for name in SERVICES if name not in full.secrets]
+    if missing:
+        raise KeysError(f"{src} is not a stack's whole folder (no secret of {', '.join(missing)}): split the "
+                        f"folder `folio keys init` made")
+    files = ["client.key_secret"] + [f"services/{name}.key" for name in SERVICES]
+    files += [f"services/{name}.key_secret" for name in services]
+    files += [f"clients/{p.name}" for p in sorted((src / "clients").glob("*.key"))]
+    for peer in peers:
+        files += [f"peers/{_check_peer(peer)}.key_secret", f"peers/{peer}.key"]
+    if set(services) & set(HANDLE_USERS):
+        files.append(HANDLE_SECRET)
+    for sub in ("", "clients", "services") + (("peers",) if peers else ()):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(d / sub, 0o700)
+    for name in SERVICES:  # a folder split before for other services keeps none of their secrets
+        if name not in services:
+            (d / "services" / f"{name}.key_secret").unlink(missing_ok=True)
+    if not set(services) & set(HANDLE_USERS):
+        (d / HANDLE_SECRET).unlink(missing_ok=True)
+    for rel in files:
+        if not (src / rel).exists():
+            raise KeysError(f"{src / rel} is missing (make it with `folio keys init {src}`)")
+        fd, tmp = tempfile.mkstemp(prefix=".new-", dir=d / Path(rel).parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write((src / rel).read_bytes())
+        os.chmod(tmp, 0o600 if rel.endswith(("_secret", ".secret")) else 0o644)
+        os.replace(tmp, d / rel)
+    return load_keys(d, service=services[0], peer="")
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -143,40 +224,63 @@ def _public_file(path: Path, public: bytes) -> None:
     path.write_text('metadata\ncurve\n    public-key = "%s"\n' % public.decode("ascii"))
 
 
-def load_keys(folder: str | os.PathLike, allow_missing_clients: bool = False, peer: str | None = None) -> StackKeys:
-    """The folder's keys; ``KeysError`` naming what is missing. ``peer`` (default ``$FOLIO_PEER_KEY``):
-    present ``peers/PEER``'s pair as the client key."""
+def _secret_of(path: Path, hint: str) -> bytes:
+    try:
+        _, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise KeysError(f"{path}: {exc} ({hint})") from None
+    if secret is None:
+        raise KeysError(f"{path} holds no secret key")
+    return secret
+
+
+def load_keys(folder: str | os.PathLike, peer: str | None = None, service: str | None = None) -> StackKeys:
+    """The folder's keys; ``KeysError`` naming what is missing. ``service``: the service this process
+    is, whose secret must be there (``handle.secret`` too for the gateway and the router); other
+    services' secrets are read when present. ``peer`` (default ``$FOLIO_PEER_KEY``): present
+    ``peers/PEER``'s pair as the client key."""
     d = Path(folder)
     if not d.is_dir():
         raise KeysError(f"no key folder at {d}: make one with `folio keys init {d}`")
+    if service is not None:
+        _check_service(service)
     peer = peer if peer is not None else peer_key_from_env()
-    pairs = {}
-    for name in _PAIRS:
-        path = d / f"{name}.key_secret"
-        if name == "client" and peer:
-            path = d / "peers" / f"{_check_peer(peer)}.key_secret"
+    if peer:
+        client = _secret_of(d / "peers" / f"{_check_peer(peer)}.key_secret",
+                            f"make it with `folio keys init {d} --peer {peer}`")
+    else:
+        client = _secret_of(d / "client.key_secret", f"make the folder's keys with `folio keys init {d}`")
+    publics, server_secrets = {}, {}
+    for name in SERVICES:
+        path = d / "services" / f"{name}.key_secret"
+        if path.exists():
+            server_secrets[name] = _secret_of(path, f"make it with `folio keys init {d}`")
+            publics[name] = zmq.curve_public(server_secrets[name])
+        elif name == service:
+            raise KeysError(_missing_secret(d, name))
+        else:
+            try:
+                publics[name], _ = zmq.auth.load_certificate(str(d / "services" / f"{name}.key"))
+            except (OSError, ValueError) as exc:
+                raise KeysError(f"{d / 'services' / (name + '.key')}: {exc} (the {name}'s public key: make it "
+                                f"with `folio keys init DIR` on the stack's folder, and split a folder of "
+                                f"`folio keys split` again)") from None
+    handle_secret = None
+    if (d / HANDLE_SECRET).exists() or service in HANDLE_USERS:
         try:
-            _, secret = zmq.auth.load_certificate(str(path))
+            handle_secret = bytes.fromhex((d / HANDLE_SECRET).read_text().strip())
         except (OSError, ValueError) as exc:
-            hint = f" --peer {peer}" if name == "client" and peer else ""
-            raise KeysError(f"{path}: {exc} (make the folder's keys with `folio keys init {d}{hint}`)") from None
-        if secret is None:
-            raise KeysError(f"{path} holds no secret key")
-        pairs[name] = (zmq.curve_public(secret), secret)
-    try:
-        handle_secret = bytes.fromhex((d / HANDLE_SECRET).read_text().strip())
-    except (OSError, ValueError) as exc:
-        raise KeysError(f"{d / HANDLE_SECRET}: {exc} (make it with `folio keys init {d}`)") from None
+            raise KeysError(f"{d / HANDLE_SECRET}: {exc} (make it with `folio keys init {d}`)") from None
     allowed = set()
     for path in sorted((d / "clients").glob("*.key")) if (d / "clients").is_dir() else ():
         public, _ = zmq.auth.load_certificate(str(path))
         if public:
             allowed.add(public)
-    if not allowed and not allow_missing_clients:
+    if not allowed:
         raise KeysError(f"{d / 'clients'} lets no client in (make it with `folio keys init {d}`)")
-    return StackKeys(folder=str(d), server_public=pairs["server"][0], server_secret=pairs["server"][1],
-                     client_public=pairs["client"][0], client_secret=pairs["client"][1],
-                     allowed=frozenset(allowed), handle_secret=handle_secret, peer=peer or None)
+    return StackKeys(folder=str(d), client_public=zmq.curve_public(client), client_secret=client,
+                     allowed=frozenset(allowed), handle_secret=handle_secret, services=publics,
+                     secrets=server_secrets, service=service, peer=peer or None)
 
 
 # --------------------------------------------------------------------------- signed handles
@@ -205,5 +309,8 @@ def verify(keys: StackKeys, signed: dict, now: float | None = None) -> dict:
 
 
 def _mac(keys: StackKeys, body: dict) -> str:
+    if keys.handle_secret is None:
+        raise KeysError(f"{Path(keys.folder) / HANDLE_SECRET} is missing: only the gateway's and the router's "
+                        "folders hold it (`folio keys split DIR OUT --service gateway`)")
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hmac.new(keys.handle_secret, canonical, hashlib.sha256).hexdigest()

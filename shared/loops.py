@@ -195,10 +195,10 @@ async def request(sock: zmq.asyncio.Socket, message, decoder: Decoder, log, time
 
 
 async def ask_admin(ctx: zmq.asyncio.Context, address: str, command: str, args: dict | None, timeout_s: float,
-                    log) -> AdminReply | None:
-    """One ``AdminRequest`` to the admin socket at ``address`` on a socket of its own; None when
-    nobody answers in time."""
-    sock = make_socket(ctx, zmq.DEALER, address)
+                    log, service: str | None = None) -> AdminReply | None:
+    """One ``AdminRequest`` to the admin socket at ``address`` (``service``'s: needed over tcp) on a
+    socket of its own; None when nobody answers in time."""
+    sock = make_socket(ctx, zmq.DEALER, address, service=service)
     try:
         return await request(sock, AdminRequest(command=command, args=args or {}), _admin_reply_decoder, log,
                              timeout_s, socket_name="admin")
@@ -209,13 +209,14 @@ async def ask_admin(ctx: zmq.asyncio.Context, address: str, command: str, args: 
         sock.close(linger=0)
 
 
-def admin_call(address: str, command: str, args: dict | None, timeout_s: float, log=QUIET) -> AdminReply | None:
+def admin_call(address: str, command: str, args: dict | None, timeout_s: float, log=QUIET,
+               service: str | None = None) -> AdminReply | None:
     """``ask_admin`` for code without an event loop (the CLI, the launcher's side thread)."""
 
     async def ask() -> AdminReply | None:
         ctx = zmq.asyncio.Context()
         try:
-            return await ask_admin(ctx, address, command, args, timeout_s, log)
+            return await ask_admin(ctx, address, command, args, timeout_s, log, service)
         finally:
             ctx.term()
 
@@ -312,7 +313,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     config, args = spec.parse(argv)
     log = setup_logging(spec.name, json=config.log_json, level=args.log_level)
     try:
-        plane.use_keys(args.keys_dir or keys_dir_from_env())
+        plane.use_keys(args.keys_dir or keys_dir_from_env(), spec.name)
     except KeysError as exc:
         log.error("cannot read the key folder", error=str(exc))
         return 1
@@ -346,7 +347,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     except StartError as exc:
         log.error(exc.message, **exc.fields)
         return 1
-    except plane.MissingKeys as exc:
+    except (plane.MissingKeys, KeysError) as exc:
         log.error("no keys for a tcp endpoint", error=str(exc))
         return 1
     except KeyboardInterrupt:  # SIGINT while starting (Ctrl-C reaches every process of the group)

@@ -1,17 +1,25 @@
 """The internal plane's gate: CURVE on every tcp socket, and the log of who was refused.
 
-``shared/transport.py`` calls ``secure(ctx, sock, address, bind)`` on each socket it makes (and the
-KV transfer sockets of ``folio/core/executor/runtime/kv_transfer.py`` call it on theirs). On an
-``ipc://`` address it does nothing. On ``tcp://``:
+``shared/transport.py`` calls ``secure(ctx, sock, address, bind, service=...)`` on each socket it
+makes (and the KV transfer sockets of ``folio/core/executor/runtime/kv_transfer.py`` call it on
+theirs). ``service`` is the service that binds ``address``. On an ``ipc://`` address it does nothing.
+On ``tcp://``:
 
-- a bound socket becomes a CURVE server with the stack's server key; its context gets one ZAP
-  handler (pyzmq's ``ThreadAuthenticator``), which lets in only the key folder's client keys, so a
-  peer with a wrong key is refused before one of its messages is read. A peer with no key at all
-  fails the handshake itself (libzmq never asks ZAP): a socket monitor reports that;
-- a connecting socket presents the stack's client key and checks the server's key.
+- a bound socket becomes a CURVE server with its service's key pair (``services/NAME.key_secret``;
+  ``service`` defaults to the process's own, the one ``use_keys`` was given: ``folio run NAME`` and
+  each service's entry point name themselves); its context gets one ZAP handler (pyzmq's
+  ``ThreadAuthenticator``), which lets in only the key folder's client keys, so a peer with a wrong
+  key is refused before one of its messages is read. A peer with no key at all fails the handshake
+  itself (libzmq never asks ZAP): a socket monitor reports that. A process that is no service (the
+  admin CLI) binds no tcp socket: it raises ``KeysError``;
+- a connecting socket presents the stack's client key and checks the public key of the service
+  that binds the address, which its caller names (the owner of the ``Endpoints`` field it dials,
+  ``config.ENDPOINT_OWNERS``; a replica's KV events and snapshots are the kvmanager's; a KV transfer
+  port is the executor's). A tcp connection without one raises ``ValueError``: there is no
+  shared key to fall back on. A client that checks another service's key gets no handshake.
 
 Each refusal is logged (``peer refused``) once per address and reason per minute, with the count
-of those it did not log. The key folder comes from ``use_keys(folder)`` (each service's
+of those it did not log. The key folder comes from ``use_keys(folder, service)`` (each service's
 ``--keys-dir``), else ``$FOLIO_KEYS_DIR``, else the one ``folio serve`` made on this host (in the
 cache folder); without one a tcp socket raises ``MissingKeys``.
 
@@ -32,7 +40,7 @@ import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
 from folio.shared.config import curve_disabled_from_env, default_keys_dir, keys_dir_from_env
-from folio.shared.keys import StackKeys, load_keys
+from folio.shared.keys import KeysError, StackKeys, load_keys
 
 ZAP_DOMAIN = "folio"
 UNSAFE_ENV = "FOLIO_UNSAFE_NO_CURVE"
@@ -45,16 +53,17 @@ class MissingKeys(RuntimeError):
     """A tcp socket without a key folder: the message says how to make one."""
 
 
-_state: dict = {"keys": None, "set": False}
+_state: dict = {"keys": None, "set": False, "service": None}
 _lock = threading.Lock()
 _gates: dict[int, "_Gate"] = {}  # per underlying context
 
 
-def use_keys(folder: str | None) -> StackKeys | None:
-    """This process's key folder (None: found when first needed, as ``stack_keys`` says)."""
-    keys = load_keys(folder) if folder else None
+def use_keys(folder: str | None, service: str | None = None) -> StackKeys | None:
+    """This process's key folder (None: found when first needed, as ``stack_keys`` says), and the
+    service it is (its bound tcp sockets serve with that service's key; None: it binds none)."""
+    keys = load_keys(folder, service=service) if folder else None
     with _lock:
-        _state["keys"], _state["set"] = keys, keys is not None
+        _state["keys"], _state["set"], _state["service"] = keys, keys is not None, service
     return keys
 
 
@@ -64,9 +73,9 @@ def stack_keys() -> StackKeys | None:
     with _lock:
         if not _state["set"]:
             folder = keys_dir_from_env()
-            if folder is None and (default_keys_dir() / "server.key_secret").exists():
+            if folder is None and (default_keys_dir() / "client.key_secret").exists():
                 folder = str(default_keys_dir())
-            _state["keys"] = load_keys(folder) if folder else None
+            _state["keys"] = load_keys(folder, service=_state["service"]) if folder else None
             _state["set"] = True
         return _state["keys"]
 
@@ -91,9 +100,11 @@ def warn_if_unsafe(log=None) -> bool:
     return True
 
 
-def secure(ctx: zmq.Context, sock: zmq.Socket, address: str, bind: bool, keys: StackKeys | None = None) -> None:
-    """CURVE on ``sock`` when ``address`` is tcp (before it binds or connects); ``keys``: other than
-    the process's (``stack_keys``), e.g. a peer key pair of the same folder."""
+def secure(ctx: zmq.Context, sock: zmq.Socket, address: str, bind: bool, keys: StackKeys | None = None,
+           service: str | None = None) -> None:
+    """CURVE on ``sock`` when ``address`` is tcp (before it binds or connects). ``service``: the one
+    that binds ``address`` (bound: default this process's; connecting: required, its public key is
+    checked). ``keys``: other than the process's (``stack_keys``), e.g. a peer key pair of the same folder."""
     if not address.startswith("tcp://"):
         return
     if warn_if_unsafe():
@@ -103,16 +114,24 @@ def secure(ctx: zmq.Context, sock: zmq.Socket, address: str, bind: bool, keys: S
         raise MissingKeys(f"{address} is a tcp endpoint and no key folder is given: make one with "
                           "`folio keys init DIR` and pass --keys-dir DIR (or set FOLIO_KEYS_DIR)")
     if bind:
+        service = service or keys.service or _state["service"]
+        if service is None:
+            raise KeysError(f"binding {address}: this process is no service of the stack, so it has no server key "
+                            "(a service names itself with use_keys(folder, service))")
+        secret = keys.server_secret(service)
         gate = _gate(ctx, keys)
-        sock.curve_secretkey = keys.server_secret
-        sock.curve_publickey = keys.server_public
+        sock.curve_secretkey = secret
+        sock.curve_publickey = keys.server_public(service)
         sock.curve_server = True
         sock.zap_domain = ZAP_DOMAIN.encode()
         gate.watch(sock)
     else:
+        if service is None:
+            raise ValueError(f"connecting to {address} over tcp needs the service that binds it (its public key is "
+                             "checked); the caller names it")
         sock.curve_secretkey = keys.client_secret
         sock.curve_publickey = keys.client_public
-        sock.curve_serverkey = keys.server_public
+        sock.curve_serverkey = keys.server_public(service)
 
 
 class _RefusalLog:

@@ -4,9 +4,10 @@ Every service builds its sockets here (``make_socket``) on a ``zmq.asyncio.Conte
 and receives messages of ``folio.shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
 by the pattern: a PULL that many push into binds; a ROUTER binds; a PUB binds; the rest connect.
 
-Every ``tcp://`` socket speaks CURVE (``shared/plane.py``): a bound one serves with the stack's
-server key and lets in only the stack's client keys, a connecting one presents the client key;
-without a key folder a tcp socket is refused here (``MissingKeys``), never opened in the clear.
+Every ``tcp://`` socket speaks CURVE (``shared/plane.py``): a bound one serves with its service's
+server key and lets in only the stack's client keys, a connecting one presents the client key and
+checks the key of the service it names (``service=``, the owner of the endpoint it dials); without
+a key folder a tcp socket is refused here (``MissingKeys``), never opened in the clear.
 ``ipc://`` sockets rely on their files' permissions (a 0700 run folder, ``folio serve``).
 """
 
@@ -57,8 +58,11 @@ def make_socket(
     bind: bool | None = None,
     hwm: int = DEFAULT_HWM,
     identity: bytes | None = None,
+    service: str | None = None,
 ) -> zmq.Socket:
-    """A socket of ``kind`` bound or connected to ``address`` (``ipc://...`` or ``tcp://...``)."""
+    """A socket of ``kind`` bound or connected to ``address`` (``ipc://...`` or ``tcp://...``).
+    ``service``: the one that binds ``address`` (``config.ENDPOINT_OWNERS``): needed to connect over
+    tcp; a bound socket defaults to this process's own."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -73,7 +77,7 @@ def make_socket(
     if bind is None:
         bind = kind in _BINDS
     try:
-        secure(ctx, sock, address, bind)
+        secure(ctx, sock, address, bind, service=service)
     except BaseException:
         sock.close(0)
         raise

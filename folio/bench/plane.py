@@ -103,8 +103,8 @@ def roundtrip_us(curve: bool, n: int, size: int) -> float:
     for sock in (server, client):
         sock.linger = 0
     if curve:
-        secure(ctx, server, "tcp://127.0.0.1:0", bind=True)
-        secure(ctx, client, "tcp://127.0.0.1:0", bind=False)
+        secure(ctx, server, "tcp://127.0.0.1:0", bind=True, service="executor")
+        secure(ctx, client, "tcp://127.0.0.1:0", bind=False, service="executor")
     port = server.bind_to_random_port("tcp://127.0.0.1")
     client.connect(f"tcp://127.0.0.1:{port}")
     payload = os.urandom(size)

@@ -14,9 +14,11 @@
   ``folio router stats|replicas`` (``--json``):
   ask a running service's admin socket, found by ``--port`` (the server's HTTP port: its run
   folder is /tmp/folio-PORT) or ``--run-dir``;
-- ``folio keys init DIR``: make the stack's key folder (CURVE key pairs, the handle-signing
-  secret); keeps the keys already there. Services and admin commands read it with ``--keys-dir``
-  or ``$FOLIO_KEYS_DIR``, and refuse a tcp endpoint without it;
+- ``folio keys init DIR``: make the stack's key folder (CURVE key pairs, a server pair per service,
+  the handle-signing secret); keeps the keys already there. ``folio keys split DIR OUT --service
+  NAME``: the reduced folder one service's container needs (its own secret only). Services and
+  admin commands read it with ``--keys-dir`` or ``$FOLIO_KEYS_DIR``, and refuse a tcp endpoint
+  without it;
 - ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks);
   ``folio health gateway --http URL`` asks the gateway's ``/health`` instead, which pings them all.
 """
@@ -65,12 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
         admin.add_argument("verb", choices=verbs)
         admin.add_argument("req_id", nargs="?", help=f"for {', '.join(sorted(_NEEDS_REQ_ID & set(verbs))) or '-'}")
         _add_admin_flags(admin)
-    keys = sub.add_parser("keys", help="the internal plane's keys: init DIR")
-    keys.add_argument("verb", choices=("init",))
+    keys = sub.add_parser("keys", help="the internal plane's keys: init DIR, split DIR OUT --service NAME")
+    keys.add_argument("verb", choices=("init", "split"))
     keys.add_argument("folder", metavar="DIR")
+    keys.add_argument("out", nargs="?", metavar="OUT", help="split: the reduced folder to write")
     keys.add_argument("--peer", action="append", default=[], metavar="NAME",
-                      help="also a key pair of its own for instance NAME (repeatable; it presents it with "
-                           "FOLIO_PEER_KEY=NAME; a KV transfer is served only to the key its handle names)")
+                      help="init: also a key pair of its own for instance NAME (repeatable; it presents it with "
+                           "FOLIO_PEER_KEY=NAME; a KV transfer is served only to the key its handle names); "
+                           "split: also copy that pair")
+    keys.add_argument("--service", action="append", default=[], choices=RUNNABLE, metavar="NAME",
+                      help="split: the service whose secret OUT gets (repeatable: a `folio serve` container "
+                           "runs five)")
     health = sub.add_parser("health", help="exit 0 when SERVICE answers on its admin socket")
     health.add_argument("service", choices=RUNNABLE)
     health.add_argument("--http", default=None, metavar="URL",
@@ -122,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         from folio.core.models import main as prepare_main
 
         return prepare_main(["--force"] if args.force else [])
+    if args.command == "keys" and args.verb == "split":
+        return keys_split(args.folder, args.out, args.service, args.peer)
     if args.command == "keys":
         return keys_init(args.folder, args.peer)
     if args.command != "health" or not args.http:  # a tcp endpoint is spoken to with the stack's keys only
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return http_health(args.http, args.timeout)
         try:
             reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
-        except plane.MissingKeys as exc:
+        except (plane.MissingKeys, KeysError) as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
         return 0 if reply is not None else 1
@@ -152,9 +161,25 @@ def keys_init(folder: str, peers: list[str] = ()) -> int:
     except (OSError, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
-    print(f"folio: keys in {folder} (server {keys.server_public.decode()}, client {keys.client_public.decode()})")
+    print(f"folio: keys in {folder} (client {keys.client_public.decode()}; a server key for each of "
+          f"{', '.join(keys.services)})")
     for name, public in made.items():
         print(f"folio: peer {name} {public.decode()} (FOLIO_PEER_KEY={name})")
+    return 0
+
+
+def keys_split(folder: str, out: str | None, services: list[str], peers: list[str] = ()) -> int:
+    from folio.shared.keys import split_keys
+
+    if not out or not services:
+        print("folio: keys split needs DIR OUT and at least one --service NAME", file=sys.stderr)
+        return 2
+    try:
+        split_keys(folder, out, services, peers)
+    except (OSError, KeysError) as exc:
+        print(f"folio: {exc}", file=sys.stderr)
+        return 1
+    print(f"folio: keys for {', '.join(services)} in {out}")
     return 0
 
 
@@ -188,7 +213,7 @@ def http_health(url: str, timeout_s: float) -> int:
 
 def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
     """One AdminRequest to ``service``'s admin socket; None when it does not answer in time."""
-    return loops.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s)
+    return loops.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s, service=service)
 
 
 def admin_command(args: argparse.Namespace, service: str) -> int:
@@ -200,7 +225,7 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
         call_args["req_id"] = args.req_id
     try:
         reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
-    except plane.MissingKeys as exc:
+    except (plane.MissingKeys, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
     if reply is None:

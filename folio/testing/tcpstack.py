@@ -1,5 +1,6 @@
 """The five services as separate processes on tcp endpoints, the way compose and Kubernetes run
-them (``FOLIO_ENDPOINTS=tcp``, every socket CURVE with one key folder), on 127.0.0.1 and free ports.
+them (``FOLIO_ENDPOINTS=tcp``, every socket CURVE; each process reads its own share of the stack's
+key folder, ``folio keys split``, holding its own server secret alone), on 127.0.0.1 and free ports.
 
 For tests that attack the internal plane (``tests/security/``): ``TcpStack.ports()`` names every
 tcp port the stack opens (the thirteen of ``Endpoints.tcp`` and the prefill executor's KV transfer
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from folio.shared.config import Endpoints
+from folio.shared.keys import split_keys
 from folio.shared.loops import admin_call
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")
@@ -79,6 +81,10 @@ class TcpStack:
         return {**os.environ, "FOLIO_ENDPOINTS": "tcp", "FOLIO_TCP_HOST": "127.0.0.1",
                 "FOLIO_BASE_PORT": str(self.base_port), "FOLIO_KEYS_DIR": self.keys_dir, **self.extra_env}
 
+    def service_env(self, name: str) -> dict:
+        """``env()`` with ``name``'s own reduced key folder (``split_keys``), as its container gets."""
+        return {**self.env(), "FOLIO_KEYS_DIR": str(Path(self.run_dir) / "keys" / name)}
+
     def ports(self) -> dict[str, int]:
         """Every tcp port the stack opens, by the socket's name."""
         out = {f.name: int(getattr(self.endpoints, f.name).rsplit(":", 1)[1]) for f in fields(Endpoints)}
@@ -97,9 +103,10 @@ class TcpStack:
                              *kv_role, *self.executor_flags],
                 "gateway": ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.http_port)]}
         for name in SERVICES:
+            split_keys(self.keys_dir, Path(self.run_dir) / "keys" / name, [name])
             log = open(Path(self.run_dir) / f"{name}.log", "w")
             cmd = [sys.executable, "-m", "folio.cli.main", "run", name, *argv[name], *self.flags.get(name, ())]
-            self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(cmd, env=self.service_env(name), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         pending = set(SERVICES)
         try:
@@ -136,7 +143,8 @@ class TcpStack:
         try:
             if plane.stack_keys() is None or plane.stack_keys().folder != self.keys_dir:
                 plane.use_keys(self.keys_dir)
-            return admin_call(getattr(self.endpoints, f"admin_{service}"), command, args or {}, timeout_s)
+            return admin_call(getattr(self.endpoints, f"admin_{service}"), command, args or {}, timeout_s,
+                              service=service)
         finally:
             if saved is None:
                 os.environ.pop(plane.UNSAFE_ENV)

@@ -74,7 +74,7 @@ class ExecutorService:
         self.epoch = uuid.uuid4().hex
         ep = config.endpoints
         self.recv_from_scheduler = make_socket(ctx, zmq.ROUTER, ep.executor)
-        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager)
+        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager, service="kvmanager")
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_executor)
         self.decoder = Decoder(StepPlan)
         self.handlers = {StepPlan: self.handle_step_plan}

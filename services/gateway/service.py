@@ -118,7 +118,7 @@ class GatewayService:
 
     async def start(self) -> None:
         ep = self.config.endpoints
-        self.send_to_tokenizer = make_socket(self.ctx, zmq.PUSH, ep.tokenizer_in)
+        self.send_to_tokenizer = make_socket(self.ctx, zmq.PUSH, ep.tokenizer_in, service="tokenizer")
         self.recv_from_tokenizer = make_socket(self.ctx, zmq.PULL, ep.gateway_in)
         self.recv_from_admin = make_socket(self.ctx, zmq.ROUTER, ep.admin_gateway)
         await self.health.probe_all()
@@ -537,5 +537,5 @@ class GatewayService:
 
     async def ask_admin(self, address: str, command: str, timeout: float, args: dict | None = None) -> dict | None:
         """``AdminReply.data`` of a service, or None when it is absent, slow or says no."""
-        reply = await ask_admin(self.ctx, address, command, args, timeout, log)
+        reply = await ask_admin(self.ctx, address, command, args, timeout, log, self.config.endpoints.owner(address))
         return reply.data if reply is not None and reply.ok else None

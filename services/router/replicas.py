@@ -339,7 +339,7 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ KV events
     async def _follow_events(self, replica: Replica) -> None:
-        sub = make_socket(self.ctx, zmq.SUB, replica.kv_events)
+        sub = make_socket(self.ctx, zmq.SUB, replica.kv_events, service="kvmanager")
         sub.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC)
         try:
             while True:
@@ -375,7 +375,7 @@ class ReplicaSet:
         task.add_done_callback(lambda t: replica.tasks.remove(t) if t in replica.tasks else None)
 
     async def _resync(self, replica: Replica) -> None:
-        dealer = make_socket(self.ctx, zmq.DEALER, replica.kv_snapshot)
+        dealer = make_socket(self.ctx, zmq.DEALER, replica.kv_snapshot, service="kvmanager")
         try:
             snapshot = await request(dealer, KVSnapshotRequest(), self._snapshot_decoder, log, SNAPSHOT_TIMEOUT_S,
                                      socket_name="kv_snapshot")

@@ -71,9 +71,9 @@ class SchedulerService:
         ep = config.endpoints
         self.config = config
         self.recv_from_tokenizer = make_socket(ctx, zmq.PULL, ep.scheduler_in)
-        self.send_to_tokenizer = make_socket(ctx, zmq.PUSH, ep.tokenizer_in)
-        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager)
-        self.send_to_executor = make_socket(ctx, zmq.DEALER, ep.executor)
+        self.send_to_tokenizer = make_socket(ctx, zmq.PUSH, ep.tokenizer_in, service="tokenizer")
+        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager, service="kvmanager")
+        self.send_to_executor = make_socket(ctx, zmq.DEALER, ep.executor, service="executor")
         self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_scheduler)
         self.tokenizer_decoder = Decoder(EngineRequest, AbortRequest)
         self.kvmanager_decoder = Decoder(PoolInfo, KVStepReply, KVClearCache)

@@ -72,8 +72,8 @@ class TokenizerService:
         self.ctx = ctx or zmq.asyncio.Context.instance()
         ep = config.endpoints
         self.recv_from_pipeline = make_socket(self.ctx, zmq.PULL, ep.tokenizer_in)
-        self.send_to_scheduler = make_socket(self.ctx, zmq.PUSH, ep.scheduler_in)
-        self.send_to_gateway = make_socket(self.ctx, zmq.PUSH, ep.gateway_in)
+        self.send_to_scheduler = make_socket(self.ctx, zmq.PUSH, ep.scheduler_in, service="scheduler")
+        self.send_to_gateway = make_socket(self.ctx, zmq.PUSH, ep.gateway_in, service="gateway")
         self.recv_from_admin = make_socket(self.ctx, zmq.ROUTER, ep.admin_tokenizer)
         self.decoder = Decoder(GenerateRequest, AbortRequest, TokenBatch, TokenizeRequest, DetokenizeRequest)
         self.handlers = {

@@ -149,7 +149,7 @@ def test_a_malformed_request_is_answered_and_the_sender_keeps_serving(released):
     sender = _sender(src, released)
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
-        secure(zmq.Context.instance(), sock, sender.endpoint, bind=False)  # a peer with the stack's keys
+        secure(zmq.Context.instance(), sock, sender.endpoint, bind=False, service="executor")  # a peer with the stack's keys
         sock.connect(sender.endpoint)
         sock.send_multipart([b"PULL", b"\xc1not msgpack"])
         assert sock.poll(2000)
@@ -173,7 +173,7 @@ def test_a_transfer_is_served_to_one_peer_only(released):
         for _ in range(2):
             sock = ctx.socket(zmq.DEALER)
             sock.linger = 0
-            secure(ctx, sock, sender.endpoint, bind=False)
+            secure(ctx, sock, sender.endpoint, bind=False, service="executor")
             sock.connect(sender.endpoint)
             socks.append(sock)
         first, second = socks

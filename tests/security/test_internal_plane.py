@@ -1,7 +1,7 @@
 """Hostile bytes on every tcp port of a running stack, while eight streams run.
 
-The five services run as compose runs them (``FOLIO_ENDPOINTS=tcp``, one CURVE key folder), on
-127.0.0.1 (``folio.testing.tcpstack``). For every tcp port (each service's sockets and the prefill
+The five services run as compose runs them (``FOLIO_ENDPOINTS=tcp``, each with its own share of
+the stack's key folder: its own server secret alone), on 127.0.0.1 (``folio.testing.tcpstack``). For every tcp port (each service's sockets and the prefill
 executor's KV transfer port): a peer without a key and a peer with a wrong key send admin verbs and
 a KV pull; a peer with the right key sends garbage (random bytes, truncated msgpack, a valid
 message of the wrong type, a 100 MB frame); many connections are opened and dropped. Then: the
@@ -22,8 +22,8 @@ import urllib.request
 import pytest
 import zmq
 
-from folio.shared.config import Endpoints
-from folio.shared.keys import init_keys
+from folio.shared.config import ENDPOINT_OWNERS, Endpoints
+from folio.shared.keys import StackKeys, init_keys
 from folio.shared.messages import AbortRequest, AdminRequest
 from folio.shared.plane import secure
 from folio.shared.transport import encode
@@ -84,7 +84,12 @@ def _kind_for(name: str) -> int:
 attacker_started: list[float] = []
 
 
-def attack(stack: TcpStack, server_key: bytes) -> dict:
+def owner(name: str) -> str:
+    """The service that binds the port ``name`` of ``TcpStack.ports()`` (whose key it serves with)."""
+    return "executor" if name == "kv_transfer" else ENDPOINT_OWNERS[name]
+
+
+def attack(stack: TcpStack, keys: StackKeys) -> dict:
     """Every port, every intruder; what the strangers received, by port."""
     attacker_started.append(time.monotonic())
     ctx = zmq.Context()
@@ -94,7 +99,7 @@ def attack(stack: TcpStack, server_key: bytes) -> dict:
     for name, port in stack.ports().items():
         kind = _kind_for(name)
         for key in (False, True):
-            sock = _stranger(ctx, port, server_key, kind, key=key)
+            sock = _stranger(ctx, port, keys.server_public(owner(name)), kind, key=key)
             if kind == zmq.SUB:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             elif name == "kv_transfer":
@@ -110,7 +115,7 @@ def attack(stack: TcpStack, server_key: bytes) -> dict:
             continue
         sock = ctx.socket(kind)
         sock.linger = 0
-        secure(ctx, sock, f"tcp://127.0.0.1:{port}", bind=False)
+        secure(ctx, sock, f"tcp://127.0.0.1:{port}", bind=False, service=owner(name))
         sock.connect(f"tcp://127.0.0.1:{port}")
         wrong_type = encode(AbortRequest(req_id="nobody")) if name.startswith("admin") else \
             encode(AdminRequest(command="stats"))
@@ -148,7 +153,7 @@ def test_strangers_get_nothing_and_every_stream_equals_its_solo_output(stack):
         outputs[i] = chat(stack, PROMPTS[i])
 
     got: dict = {}
-    attacker = threading.Thread(target=lambda: got.update(attack(stack, keys.server_public)))
+    attacker = threading.Thread(target=lambda: got.update(attack(stack, keys)))
     attacker.start()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:

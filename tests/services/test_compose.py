@@ -59,8 +59,8 @@ def test_one_container_per_service_over_tcp_with_health_checks():
     runs = {}
     for name, svc in services.items():
         cmd = command_of(name)
-        if name == "keys":  # the one-shot that makes the stack's keys
-            assert cmd == ["folio", "keys", "init", "/keys"] and svc["restart"] == "no"
+        if name == "keys":  # the one-shot that makes the stack's keys (test_the_keys_one_shot_...)
+            assert cmd[:2] == ["sh", "-ec"] and svc["restart"] == "no"
             continue
         assert cmd[0] == "folio", name
         assert svc["environment"]["FOLIO_ENDPOINTS"] == "tcp"
@@ -71,6 +71,49 @@ def test_one_container_per_service_over_tcp_with_health_checks():
     assert runs["executor"] == ["executor", "executor-cpu"]
     for name in ("kvmanager", "scheduler", "tokenizer", "executor", "executor-cpu"):
         assert services[name]["healthcheck"]["test"][1:3] == ["folio", "health"], name
+
+
+def test_the_keys_one_shot_gives_each_container_its_own_service_secret(tmp_path):
+    """The `keys` one-shot's script, run here with its volumes as folders: the stack's folder is
+    mounted by it alone, and each container's /keys volume holds the server secrets of the services
+    it runs (its own; the five of a `folio serve` container) and no other."""
+    from folio.services.serve import SERVICES as SERVED
+    from folio.shared.keys import SERVICES, load_keys
+
+    services = COMPOSE["services"]
+    oneshot = {v.split(":")[0]: v.split(":")[1] for v in services["keys"]["volumes"]}
+    assert oneshot.pop("keys") == "/keys"
+    script = services["keys"]["command"][2].replace("$$", "$").replace("/split/", f"{tmp_path}/split/")
+    script = script.replace(" /keys", f" {tmp_path}/keys")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(2):  # idempotent: it runs on every `up`
+        r = subprocess.run(["sh", "-ec", f'folio() {{ "{sys.executable}" -m folio.cli.main "$@"; }}\n{script}'],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for path in oneshot.values():  # each volume's mount point is the image user's, or the split cannot write it
+        assert re.search(rf"mkdir -p [^\n]*{path}\b", dockerfile.replace("\\\n", "")), path
+    assert "chown -R folio:folio /split" in dockerfile
+    checked = set()
+    for name, svc in services.items():
+        if name == "keys":
+            continue
+        if name == "prepare":  # needs no keys
+            assert all(v.split(":")[1] != "/keys" for v in svc["volumes"])
+            continue
+        cmd = command_of(name)
+        runs = [cmd[2]] if cmd[1] == "run" else list(SERVED)
+        (volume,) = [v.split(":")[0] for v in svc["volumes"] if v.split(":")[1] == "/keys"]
+        assert f"{volume}:/keys:ro" in svc["volumes"] and volume != "keys", name
+        folder = tmp_path / oneshot[volume].removeprefix("/")
+        for service in runs:
+            load_keys(folder, service=service)  # its secret is there
+        held = {p.name.removesuffix(".key_secret") for p in (folder / "services").glob("*.key_secret")}
+        assert held == set(runs), name
+        assert (folder / "handle.secret").exists() == bool({"gateway", "router"} & set(runs)), name
+        checked.update(runs)
+    assert checked == set(SERVICES)
+    assert set(COMPOSE["volumes"]) >= set(oneshot)
 
 
 def test_executor_reserves_a_gpu_and_the_cpu_variant_is_a_profile():

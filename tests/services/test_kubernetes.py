@@ -109,23 +109,50 @@ def _pods() -> list[tuple[dict, dict]]:
     return [(d, d["spec"]["template"]["spec"]) for d in DOCS if d["kind"] in ("Deployment", "StatefulSet")]
 
 
+@pytest.fixture(scope="module")
+def split_files(tmp_path_factory) -> dict[str, set[str]]:
+    """service -> the files ``folio keys split --service`` writes for it (relative paths)."""
+    from folio.shared.keys import SERVICES, init_keys, split_keys
+
+    root = tmp_path_factory.mktemp("keys")
+    init_keys(root / "stack")
+    out = {}
+    for name in SERVICES:
+        split_keys(root / "stack", root / name, [name])
+        out[name] = {str(p.relative_to(root / name)) for p in (root / name).rglob("*") if p.is_file()}
+    return out
+
+
 @pytest.mark.parametrize("workload,pod", _pods(), ids=lambda x: x.get("metadata", {}).get("name", ""))
-def test_every_pod_is_restricted_and_reads_the_keys_from_the_secret(workload, pod):
+def test_every_pod_is_restricted_and_each_container_reads_only_its_own_service_keys(workload, pod, split_files):
     """Pod Security "restricted": non-root, seccomp RuntimeDefault, no privilege escalation, every
-    capability dropped; a read-only root filesystem; FOLIO_KEYS_DIR from the folio-keys Secret."""
+    capability dropped; a read-only root filesystem. Each service's container mounts at /keys
+    (FOLIO_KEYS_DIR) the folio-keys-NAME Secret of its own service: the files ``folio keys split
+    --service NAME`` writes (its own server secret, no other service's), each Secret key the file's
+    name (``kubectl create secret generic --from-file``); the init container mounts no keys."""
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["keys"]["secret"]["secretName"] == "folio-keys"
-    paths = {i["path"] for i in volumes["keys"]["secret"]["items"]}
-    assert {"server.key_secret", "client.key_secret", "clients/client.key", "handle.secret"} <= paths
     for c in pod.get("initContainers", []) + pod["containers"]:
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, c["name"]
         assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
         assert {"name": "FOLIO_KEYS_DIR", "value": "/keys"} in c["env"], c["name"]
-        assert {m["name"] for m in c["volumeMounts"]} >= {"keys", "tmp"}, c["name"]
+        assert "tmp" in {m["name"] for m in c["volumeMounts"]}, c["name"]
         assert all(m["name"] in volumes for m in c["volumeMounts"]), c["name"]
+    for c in pod.get("initContainers", []):
+        assert not any(m["mountPath"] == "/keys" for m in c["volumeMounts"]), c["name"]
+    for c in pod["containers"]:
+        service = c["command"][2]
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/keys"]
+        assert mount["readOnly"] is True
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == f"folio-keys-{service}", c["name"]
+        paths = {i["path"] for i in secret["items"]}
+        assert paths == split_files[service], (c["name"], paths ^ split_files[service])
+        assert {p for p in paths if p.startswith("services/") and p.endswith("_secret")} == \
+            {f"services/{service}.key_secret"}
+        assert all(i["key"] == i["path"].rpartition("/")[2] for i in secret["items"]), c["name"]
 
 
 def _allowed(port: int, labels: dict) -> list[dict | None]:

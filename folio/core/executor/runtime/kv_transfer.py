@@ -151,7 +151,8 @@ class KVSender:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small headers; a larger one drops its peer
-        secure(self.ctx, self.sock, endpoint, bind=True)  # CURVE: only the stack's keys pull KV
+        # CURVE with the executor's server key: only the stack's client keys pull KV
+        secure(self.ctx, self.sock, endpoint, bind=True, service="executor")
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.outstanding: dict[str, tuple[list[int], float]] = {}  # transfer id -> (block ids, deadline)
@@ -294,7 +295,7 @@ class KVReceiver:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            secure(self.ctx, sock, endpoint, bind=False, keys=self.keys)
+            secure(self.ctx, sock, endpoint, bind=False, keys=self.keys, service="executor")
             sock.connect(endpoint)
         try:
             sock.send_multipart([verb, msgspec.msgpack.encode(header)])
