@@ -237,3 +237,17 @@ def test_a_shrinking_batch_carries_a_clear_loss_down_and_still_tries_again_later
     close = SpecController(clear_ratio=1.5)
     run(close, 32, 0.012, 0.010, 10)  # a close call at batch 32 says nothing about 16-31 rows
     assert run(close, 20, 0.006, 0.008, 1) == [True]
+
+
+def test_a_decision_measured_a_step_late_is_not_tried_twice():
+    """As the runner asks: at step N it measures step N (drafted as decided at N - 2), decides for
+    N + 2, and proposes for N + 1 as decided at N - 1; a decision is made before the one before it
+    is measured."""
+    ctl, out, drafts_now = SpecController(min_samples=3, clear_ratio=1.5), [], True
+    for step in range(20):
+        if ctl.pending is not None:  # the first step is a prefill: not counted
+            ctl.observe(0.027 if ctl.pending[1] else 0.010, 32, decode_only=step > 1)
+        speculate, drafts_now = drafts_now, ctl.choose(32)
+        ctl.proposed(32, speculate, 0.0)
+        out.append(drafts_now)
+    assert out[0] is True and sum(out) == 1

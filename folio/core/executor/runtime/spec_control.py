@@ -61,6 +61,7 @@ class SpecController:
         self.buckets: dict[int, _Bucket] = {}
         self.pending: tuple[int, int, float] | None = None  # (bucket, arm, seconds spent proposing)
         self.num_steps = [0, 0]  # decisions per arm
+        self.last: tuple[int, int] | None = None  # (bucket, arm) of the latest decision
 
     @staticmethod
     def bucket_of(num_rows: int) -> int:
@@ -77,7 +78,13 @@ class SpecController:
         settled = min(num_spec, num_plain) >= self.min_samples or (
             min(num_spec, num_plain) >= 1 and max(b.rate) >= self.clear_ratio * min(b.rate))
         if not settled:  # one try each, then more only while they are close
-            arm = SPEC if num_spec <= num_plain else PLAIN
+            # the decision before this one is measured only after this one is made: count it as made
+            tries = [num_plain, num_spec]
+            if self.last is not None and self.last[0] == key:
+                tries[self.last[1]] += 1
+            arm = SPEC if tries[SPEC] <= tries[PLAIN] else PLAIN
+            if arm == SPEC and num_plain == 0 and tries[PLAIN]:  # a first comparison is on its way
+                arm = PLAIN
         else:
             best = SPEC if b.rate[SPEC] >= b.rate[PLAIN] else PLAIN
             b.since_explore += 1
@@ -85,6 +92,7 @@ class SpecController:
             if b.since_explore >= self.explore_interval(b.rate[best], b.rate[1 - best]):
                 arm, b.since_explore = 1 - best, 0
         self.num_steps[arm] += 1
+        self.last = (key, arm)
         return arm == SPEC
 
     def _prior(self, key: int) -> _Bucket | None:
