@@ -154,6 +154,7 @@ def fresh_speculation(runner: ModelRunner) -> None:
         runner.proposer.cached.clear()
     if runner.spec_control is not None:
         runner.spec_control = SpecController()
+        runner.spec_control.first_decision(runner.drafts_now)
 
 
 def main(argv: list[str] | None = None) -> None:

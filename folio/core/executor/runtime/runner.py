@@ -203,6 +203,8 @@ class ModelRunner:
                                       self.pool.num_blocks) if shard.rank == 0 else None
         self.spec_control = SpecController() if self.proposer is not None and self.spec_settings.adaptive else None
         self.drafts_now = True  # whether the next proposing step proposes (``StepResult.drafts_next``)
+        if self.spec_control is not None:
+            self.spec_control.first_decision(self.drafts_now)
         self.appended: list[tuple[str, list[int]]] | None = [] if shard.size > 1 else None
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar

@@ -61,7 +61,7 @@ class SpecController:
         self.buckets: dict[int, _Bucket] = {}
         self.pending: tuple[int, int, float] | None = None  # (bucket, arm, seconds spent proposing)
         self.num_steps = [0, 0]  # decisions per arm
-        self.last: tuple[int, int] | None = None  # (bucket, arm) of the latest decision
+        self.last: tuple[int | None, int] | None = None  # (bucket, arm) of the latest decision
 
     @staticmethod
     def bucket_of(num_rows: int) -> int:
@@ -80,7 +80,7 @@ class SpecController:
         if not settled:  # one try each, then more only while they are close
             # the decision before this one is measured only after this one is made: count it as made
             tries = [num_plain, num_spec]
-            if self.last is not None and self.last[0] == key:
+            if self.last is not None and self.last[0] in (key, None):
                 tries[self.last[1]] += 1
             arm = SPEC if tries[SPEC] <= tries[PLAIN] else PLAIN
             if arm == SPEC and num_plain == 0 and tries[PLAIN]:  # a first comparison is on its way
@@ -94,6 +94,10 @@ class SpecController:
         self.num_steps[arm] += 1
         self.last = (key, arm)
         return arm == SPEC
+
+    def first_decision(self, speculate: bool) -> None:
+        """The decision the runner starts with, before any ``choose`` (its bucket is not known yet)."""
+        self.last = (None, SPEC if speculate else PLAIN)
 
     def _prior(self, key: int) -> _Bucket | None:
         """The nearest larger bucket measured on both arms, when drafting clearly lost there: a batch
