@@ -29,6 +29,7 @@ import zmq
 
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSender
+from folio.shared.plane import release
 
 SHAPE = PoolShape(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 
@@ -41,8 +42,9 @@ def tcp_throughput(num_blocks: int, reps: int, one_context: bool = False) -> dic
     # a ZeroMQ context (its I/O thread) each, as two processes have; ``one_context``: one I/O
     # thread carries both ends of the loopback
     ctx = zmq.Context()
+    receiver_ctx = ctx if one_context else zmq.Context()
     sender = KVSender(src, KVLayout.of(src), ctx=ctx)
-    receiver = KVReceiver(dst, KVLayout.of(dst), timeout_s=60, ctx=ctx if one_context else zmq.Context())
+    receiver = KVReceiver(dst, KVLayout.of(dst), timeout_s=60, ctx=receiver_ctx)
     ids = list(range(num_blocks))
     try:
         receiver.pull(sender.export(ids), ids)  # warm: connections, first-touch pages
@@ -53,8 +55,12 @@ def tcp_throughput(num_blocks: int, reps: int, one_context: bool = False) -> dic
             moved = receiver.pull(handle, ids)
             times.append(time.perf_counter() - t0)
         assert torch.equal(src.kv_caches[7][1].view(torch.uint8), dst.kv_caches[7][1].view(torch.uint8))
-    finally:
+    finally:  # every socket closed and each context's key handler stopped, or terminating it waits forever
         sender.close()
+        receiver.close()
+        for c in {ctx, receiver_ctx}:
+            release(c)
+            c.term()
     best, median = min(times), statistics.median(times)
     return {"bytes": moved, "median_s": round(median, 4), "gb_per_s_median": round(moved / median / 1e9, 2),
             "gb_per_s_best": round(moved / best / 1e9, 2)}

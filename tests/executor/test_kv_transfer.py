@@ -247,3 +247,18 @@ def test_a_transfer_staged_for_one_key_is_served_to_that_key_only(stack_keys_dir
         sender.close()
         plane.release(ctx)
         ctx.term()
+
+
+def test_the_transfer_benchmark_ends_with_its_own_contexts_under_curve(stack_keys_dir):
+    """``folio bench disagg --skip-serving`` makes a context per end, as two processes have: it
+    must close its sockets and stop each context's key handler, or the context's end waits forever."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "folio.bench.disagg", "--skip-serving", "--blocks", "8", "--reps", "1"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "FOLIO_KEYS_DIR": stack_keys_dir})
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout.splitlines()[0])  # its first line: the figures as one JSON object
+    assert figures["tcp_loopback"]["bytes"] > 0

@@ -288,6 +288,12 @@ class KVReceiver:
         self.counts = {"pulled": 0, "failed": 0, "bytes_received": 0}
         self._sockets: dict[str, zmq.Socket] = {}  # a DEALER per sender, reused
 
+    def close(self) -> None:
+        """Close its sockets (before its context is terminated, which waits for them)."""
+        for sock in self._sockets.values():
+            sock.close(0)
+        self._sockets.clear()
+
     def _request(self, endpoint: str, verb: bytes, header: dict) -> tuple[dict, list]:
         """One request and its answer on this endpoint's socket (kept for the next; dropped after
         a timeout, so that a late answer is never taken for the next request's)."""
