@@ -75,8 +75,7 @@ class SpecController:
             b = self.buckets[key] = _Bucket(self._prior(key))
         b.num_decisions += 1
         num_plain, num_spec = b.num_samples
-        settled = min(num_spec, num_plain) >= self.min_samples or (
-            min(num_spec, num_plain) >= 1 and max(b.rate) >= self.clear_ratio * min(b.rate))
+        settled = min(num_spec, num_plain) >= self.min_samples or (min(num_spec, num_plain) >= 1 and self._clear(b))
         if not settled:  # one try each, then more only while they are close
             # the decision before this one is measured only after this one is made: count it as made
             tries = [num_plain, num_spec]
@@ -107,7 +106,11 @@ class SpecController:
         if not larger:
             return None
         near = self.buckets[min(larger)]
-        return near if near.rate[PLAIN] >= self.clear_ratio * near.rate[SPEC] else None
+        return near if self._clear(near) and near.rate[PLAIN] > near.rate[SPEC] else None
+
+    def _clear(self, b: _Bucket) -> bool:
+        """One arm is at least ``clear_ratio`` times faster than the other."""
+        return max(b.rate) >= self.clear_ratio * min(b.rate)
 
     def explore_interval(self, best_rate: float, other_rate: float) -> int:
         """Decisions between two tries of the slower arm: longer the more it loses."""
