@@ -1,23 +1,12 @@
 """The CPU's C kernels (``csrc/``): compiled once per machine, loaded with ctypes.
 
-On the CPU, torch's fixed cost per operation (a few microseconds each, on one thread) is most of
-what sampling a batch costs: the torch path in ``sampler.py`` runs some twenty operations for a
-batch with temperature, top-p and penalties. The kernel does a row's penalties, temperature,
-min-p, top-p and draw in a few passes over the row, for the whole batch in one call, and records
-the sampled tokens into the penalty state. On the CPU ``sampler.py`` and the runner call it for
-every row (greedy or drawn, seeded or not, top-k included; grammar masks are applied to the logits
-first), with each row's uniforms from its own (seed, position) key (``sampling/philox.py``), and
-keep the torch path, the reference, for GPUs and for when no compiler is at hand.
-
-``csrc/layers.c`` holds a decoder layer's small operations for ``cpu_backend.py``; ``csrc/qgemm.c``
-the quantized GEMMs (``quant/cpu_gemm.py``).
-
-The sources are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio
-cache, under a name that hashes the sources, the compiler, the flags and the CPU's features, the
-first time a process needs it; other processes reuse the file (``num_compiles`` counts the compiler
-runs of this process). Without a compiler, or when the compile fails, ``library()`` is None
-(logged once) and the torch path samples every row. ``library_for(march)`` builds them for another
-target (the tests check an AVX2-only build on CPUs with AVX-512).
+``csrc/folio.h`` is the library's one interface; this module declares its structs and entry points
+once (``STRUCTS``, ``FUNCTIONS``, checked against the header by the tests), raises for their error
+codes (``check``), and wraps the sampler (``sample``, ``TableSampler``). The sources are compiled
+with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio cache under a name that
+hashes the sources, the compiler, the flags and the CPU's features; without a compiler
+``library()`` is None and the torch ops run. ``library_for(march)`` builds them for another target
+(the tests check an AVX2-only build on CPUs with AVX-512). docs/executor.md has the design.
 """
 
 from __future__ import annotations
@@ -42,8 +31,8 @@ from folio.shared.config import c_compiler, cache_dir
 log = structlog.get_logger()
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "sampler.c", CSRC / "layers.c", CSRC / "qgemm.c", CSRC / "stack.c")
-HEADERS = (CSRC / "common.h",)
+SOURCES = tuple(CSRC / f for f in ("pool.c", "quant.c", "layers.c", "stack.c", "sampler.c"))
+HEADERS = (CSRC / "folio.h", CSRC / "common.h")
 # 512-bit vectors where the CPU has them (gcc's -march=native picks 256-bit ones on some that do)
 # -fno-trapping-math: no value changes, but without it gcc leaves the selects in the exp and
 # penalty loops scalar on AVX2-only CPUs (a 2x slower sampler on one)
@@ -51,31 +40,111 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "
          "-fno-math-errno", "-fno-trapping-math", "-std=c11", "-pthread", "-shared", "-fPIC")
 BLOCK = 64  # csrc/sampler.c's BLOCK
 
-_i64, _int, _f32, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p
-FUNCTIONS = {  # every exported function's arguments
-    # csrc/sampler.c
-    "folio_sample": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
-                     _ptr, _ptr],
-    "folio_record_penalties": [_i64, _i64] + [_ptr] * 8,
-    "folio_philox_uniforms": [_i64, _ptr, _ptr, _i64, _i64, _ptr],
-    "folio_exp_nonpositive": [_i64, _ptr, _ptr],
-    # csrc/layers.c
-    "folio_add_rms_norm": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _ptr, _f32, _ptr, _i64, _int],
-    "folio_rope_write_kv": [_i64, _ptr, _i64, _int] + [_ptr] * 4 + [_i64] * 3 + [_ptr] * 3,
-    "folio_silu_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
-    "folio_gelu_tanh_and_mul": [_i64, _i64, _ptr, _i64, _int, _ptr, _i64, _int],
-    "folio_decode_attention": [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4 + [_f32, _i64, _f32, _ptr, _ptr],
-    "folio_decode_attention_threads": [_i64, _i64, _i64] + [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 4
-                                      + [_f32, _i64, _f32, _ptr, _ptr],
-    # csrc/qgemm.c
-    "folio_qgemm": [_i64] * 4 + [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64],
-    "folio_qgemm_set_threads": [_i64],
-    "folio_qgemm_threads": [],
-    "folio_qgemm_path": [],
-    # csrc/stack.c
-    "folio_decode_stack": [_i64, _ptr, _ptr, _f32, _f32, _f32, _i64] + [_ptr] * 6 + [_i64] + [_ptr] * 7,
+# ---------------------------------------------------------------------------- the interface (csrc/folio.h)
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+OK, EINVAL, ENOMEM, ERANGE = 0, -1, -2, -3
+MAX_PARTS = 4
+
+
+class Part(ctypes.Structure):
+    _fields_ = [("type", _i64), ("n", _i64), ("nbytes", _i64), ("data", _ptr)]
+
+
+class Weight(ctypes.Structure):
+    _fields_ = [("n", _i64), ("k", _i64), ("num_parts", _i64), ("parts", Part * MAX_PARTS)]
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("data", _ptr), ("rows", _i64), ("cols", _i64), ("stride", _i64), ("dtype", _i64)]
+
+
+class KV(ctypes.Structure):
+    _fields_ = [("k", _ptr), ("v", _ptr), ("num_blocks", _i64), ("block_size", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64)]
+
+
+class Rows(ctypes.Structure):
+    _fields_ = [("m", _i64), ("tok", _ptr), ("seq", _ptr), ("lens", _ptr), ("block_tables", _ptr),
+                ("num_seqs", _i64), ("max_blocks", _i64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Weight), ("o", Weight), ("gate_up", Weight), ("down", Weight), ("post_norm", _ptr),
+                ("next_norm", _ptr), ("kv", KV), ("window", _i64), ("gelu", _i64)]
+
+
+class Stack(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("layers", _ptr), ("hidden", _i64), ("num_heads", _i64), ("head_dim", _i64),
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("first_norm", _ptr),
+                ("cos_table", _ptr), ("sin_table", _ptr), ("rope_len", _i64), ("act_bf16", _i64), ("passes", _i64),
+                ("threads", _i64)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("n", _i64), ("residual", _ptr), ("positions", _ptr), ("slots", _ptr), ("rows", Rows),
+                ("out", _ptr), ("work", _ptr), ("work_bytes", _i64), ("taps", _ptr)]
+
+
+STRUCTS = {"folio_part": Part, "folio_weight": Weight, "folio_matrix": Matrix, "folio_kv": KV, "folio_rows": Rows,
+           "folio_layer": Layer, "folio_stack": Stack, "folio_step": Step}
+_W, _M, _KV, _R, _S, _T = (ctypes.POINTER(c) for c in (Weight, Matrix, KV, Rows, Stack, Step))
+# every exported function: (return type, argument types), in folio.h's order; a test reads the header
+# and checks each against its prototype
+FUNCTIONS = {
+    "folio_error_message": (ctypes.c_char_p, [_i64]),
+    "folio_last_error": (ctypes.c_char_p, []),
+    "folio_unit": (_i64, [_i64]),
+    "folio_unit_bytes": (_i64, [_i64]),
+    "folio_raw_unit_bytes": (_i64, [_i64]),
+    "folio_tiles_bytes": (_i64, [_i64, _i64, _i64]),
+    "folio_check_weight": (_i64, [_W]),
+    "folio_repack": (_i64, [_i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]),
+    "folio_dequant_rows": (_i64, [_i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr]),
+    "folio_gemm": (_i64, [_W, _M, _M, _i64, _i64]),
+    "folio_set_threads": (None, [_i64]),
+    "folio_threads": (_i64, []),
+    "folio_gemm_path": (ctypes.c_char_p, []),
+    "folio_add_rms_norm": (_i64, [_i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i64]),
+    "folio_rope_write_kv": (_i64, [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _KV, _ptr]),
+    "folio_silu_and_mul": (_i64, [_i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]),
+    "folio_gelu_tanh_and_mul": (_i64, [_i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]),
+    "folio_decode_attention": (_i64, [_R, _ptr, _i64, _i64, _KV, _f32, _i64, _f32, _ptr, _ptr, _i64, _i64]),
+    "folio_check_kv": (_i64, [_KV]),
+    "folio_check_tokens": (_i64, [_i64, _ptr, _i64, _ptr, _KV]),
+    "folio_check_rows": (_i64, [_R, _i64, _KV, _i64, _ptr]),
+    "folio_attend": (None, [_R, _ptr, _i64, _KV, _f32, _i64, _f32, _ptr, _ptr, _i64, _i64]),
+    "folio_stack_work_bytes": (_i64, [_S, _i64, _i64]),
+    "folio_decode_stack": (_i64, [_S, _T]),
+    "folio_sample": (None, [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
+                            _ptr, _ptr, _ptr]),
+    "folio_record_penalties": (None, [_i64, _i64] + [_ptr] * 8),
+    "folio_philox_uniforms": (None, [_i64, _ptr, _ptr, _i64, _i64, _ptr]),
+    "folio_exp_nonpositive": (None, [_i64, _ptr, _ptr]),
 }
-RESTYPES = {"folio_qgemm": _i64, "folio_qgemm_threads": _i64, "folio_qgemm_path": ctypes.c_char_p}  # others: void
+# internal to the library, not called from Python
+INTERNAL = ("folio_run_parallel", "folio_fail")
+
+
+class KernelError(RuntimeError):
+    """A kernel refused its arguments (``code``: folio.h's error code); nothing was written."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def check(lib, code: int) -> None:
+    """Raise for a kernel's error code: IndexError for an index out of its table, MemoryError for a
+    failed allocation, ValueError for the rest (each with the kernel's own message)."""
+    if code == OK:
+        return
+    what = lib.folio_last_error().decode(errors="replace")
+    if code == ERANGE:
+        raise IndexError(what)
+    if code == ENOMEM:
+        raise MemoryError(what)
+    raise ValueError(what or lib.folio_error_message(code).decode())
+
 
 _lock = threading.Lock()
 _library: ctypes.PyDLL | None = None
@@ -137,9 +206,9 @@ def library() -> ctypes.PyDLL | None:
 
 def _load(path: Path) -> ctypes.PyDLL:
     lib = ctypes.PyDLL(str(path))
-    for name, argtypes in FUNCTIONS.items():
+    for name, (restype, argtypes) in FUNCTIONS.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = RESTYPES.get(name)
+        getattr(lib, name).restype = restype
     return lib
 
 

@@ -181,6 +181,25 @@ class GGUFSlices:
         """Every tensor whole, HF-named (the unsharded loader's state dict)."""
         return {name: self.read(name, None, 0, 0) for name in self.tensors}
 
+    def native_type(self, name: str, k_unit: dict[str, int]) -> str | None:
+        """The GGML type of ``name`` when it is a 2-D tensor (not an expert's slab) stored in a type
+        of ``k_unit`` (type -> inputs per unit) whose rows are whole units; else None."""
+        if name not in self.tensors:
+            return None
+        t, expert = self.tensors[name]
+        kind = t.tensor_type.name
+        if expert is not None or len(t.shape) != 2 or kind not in k_unit or int(t.shape[0]) % k_unit[kind]:
+            return None
+        return kind
+
+    def raw_rows(self, name: str, start: int, end: int | None) -> tuple[np.ndarray, np.ndarray | None, int]:
+        """Rows ``start:end`` (end None: all) of a quantized 2-D tensor as the file's blocks
+        ([rows, bytes a row], memory-mapped), the order that un-permutes them (llama q/k) or None,
+        and the number of inputs a row holds."""
+        t, _ = self.tensors[name]
+        data = t.data if end is None else t.data[start:end]
+        return data, self.row_order(name, data.shape[0]), int(t.shape[0])
+
     def linear_types(self) -> set[str]:
         """The GGML types of the decoder's projections (attention, MLP, experts)."""
         return {t.tensor_type.name for name, (t, _) in self.tensors.items()

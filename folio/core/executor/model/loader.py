@@ -35,6 +35,7 @@ import torch
 
 from folio.core.executor.model import configs
 from folio.core.executor.model.gguf_slices import read_gguf, read_gguf_config
+from folio.core.executor.model.gguf_weights import load_gguf_native
 from folio.core.executor.model.layers import PACKED_PROJECTIONS, CausalLM, ModelSpec, Part
 from folio.core.executor.model.registry import build_model, check_runtime, family_for, model_spec
 from folio.core.executor.parallel.comm import Comm, Shard
@@ -269,7 +270,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
         if model is None:
             t0 = time.perf_counter()
             model = _load_model(path, dtype, device, quantization, group_size)
-            if (entry is not None and model.quantization in ("int4", "int8")
+            if (entry is not None and model.quantization in ("int4", "int8", "gguf")
                     and time.perf_counter() - t0 >= PREPARED_MIN_BUILD_S):
                 save_prepared(model, entry)
         return model
@@ -279,6 +280,11 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizati
                 group_size: int) -> CausalLM:
     if path.is_dir():
         model_spec(load_hf_config(path))  # an unsupported model fails before its weights are read
+    source = path if path.suffix == ".gguf" else prepared_source(path) if path.is_dir() else None
+    if source is not None and device.type == "cpu" and dtype == torch.float32:
+        model = load_gguf_native(source, load_hf_config(path) if path.is_dir() else None, quantization)
+        if model is not None:
+            return model
     config, state, checkpoint_method, quant = read_checkpoint(path)
     method = resolve_quantization(quantization, checkpoint_method, device)
     spec = model_spec(config)  # raises for a model no family runs
@@ -312,8 +318,8 @@ def _code_digest() -> str:
     """The loading code's source (model families, quantization and packing): a new folio makes new entries."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(torch.__version__.encode())
-    for sub in ("model", "quant"):
-        for f in sorted((root / sub).glob("*.py")):
+    for pattern in ("model/*.py", "quant/*.py", "kernels/csrc/*.[ch]"):  # the tiles' layout is quant.c's
+        for f in sorted(root.glob(pattern)):
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
 

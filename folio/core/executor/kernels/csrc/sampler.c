@@ -32,6 +32,7 @@
  */
 
 #include "common.h"
+#include "folio.h"
 
 #define BLOCK 64 /* tokens per block: the inverse-CDF walk sums whole blocks, then searches one;
                   * greedy rows find their maximum by its block */
