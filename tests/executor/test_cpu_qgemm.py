@@ -19,24 +19,9 @@ from folio.core.executor.quant import cpu_gemm
 from folio.core.executor.quant.cpu_gemm import PackedWeight, QGemm
 from folio.core.executor.quant.formats import quantize_int4, quantize_int8
 from folio.core.executor.quant.linear import QuantLinear, QuantLMHead, unpack_int4
+from folio.testing.gguf_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler for the CPU kernels")
-
-# where each GGUF block keeps its fp16 scales (random bytes there could be inf or NaN)
-FP16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-           "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
-
-
-def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, bytes a row] of random GGUF blocks of type ``name``: every quant bit and sub-scale drawn,
-    the fp16 scales small normals."""
-    unit, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
-    raw = rng.integers(0, 256, size=(n, k // unit, size), dtype=np.uint8)
-    for off in FP16_AT[name]:
-        d = (rng.standard_normal((n, k // unit)) * 0.01).astype(np.float16)
-        raw[..., off:off + 2] = d.view(np.uint8).reshape(n, k // unit, 2)
-    return raw.reshape(n, -1)
-
 
 def gguf_values(name: str, raw: np.ndarray, k: int) -> np.ndarray:
     return gguf.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(raw.shape[0], k)

@@ -25,6 +25,7 @@ from folio.core.executor.quant.linear import QuantEmbedding, quant_layers_availa
 
 log = structlog.get_logger()
 INT4_TYPES = {"Q4_0", "Q4_1"}
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def _takes(requested: str, kinds: set[str]) -> bool:
@@ -57,8 +58,15 @@ class _Packer:
     def native(self, name: str) -> bool:
         return self.reader.native_type(name, self.units) is not None
 
+    def quantized(self, name: str) -> bool:
+        return name in self.reader.tensors and self.reader.tensors[name][0].tensor_type.name not in FLOAT_TYPES
+
     def part(self, name: str, dim: int | None, start: int, end: int) -> cpu_gemm.PackedWeight:
+        """One part of a projection: its blocks repacked, or, in a type no kernel reads, its values
+        rounded to Q8_0 blocks."""
         kind = self.reader.native_type(name, self.units)
+        if kind is None:
+            return self.rounded(name, self.reader.read(name, dim, start, end))
         raw, order, k = self.reader.raw_rows(name, start, end if dim == 0 else None)
         if dim == 1 and (start, end) != (0, k):
             raise ValueError(f"{name}: columns {start}:{end} of a quantized tensor (whole rows only)")
@@ -69,7 +77,7 @@ class _Packer:
         kind = self.reader.tensors[name][0].tensor_type.name if name in self.reader.tensors else "?"
         log.warning("no kernel reads this GGUF type: rounded to Q8_0 blocks", tensor=name, type=kind)
         self.types["Q8_0"] += 1
-        return cpu_gemm.PackedWeight.from_int8(*cpu_gemm.int8_blocks(dense))
+        return cpu_gemm.PackedWeight.from_int8(*cpu_gemm.int8_blocks(dense.float()))
 
 
 def load_gguf_native(path: Path, config=None, requested: str = "auto") -> CausalLM | None:
@@ -97,13 +105,12 @@ def load_gguf_native(path: Path, config=None, requested: str = "auto") -> Causal
             module, _, leaf = name.rpartition(".")
             quantized = leaf == "weight" and (module.rpartition(".")[2] in PACKED_PROJECTIONS
                                               or module in ("embed_tokens", "lm_head"))
-            if quantized and all(packer.native(p[0]) for p in parts):
+            if quantized and any(packer.native(p[0]) for p in parts):
                 packed[module] = cpu_gemm.PackedWeight.cat([packer.part(*p) for p in parts])
             else:
                 tensors = [reader.read(*p) for p in parts]
                 value = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).reshape(shapes[name])
-                if quantized and module not in ("embed_tokens", "lm_head") and any(
-                        reader.tensors[p[0]][0].tensor_type.name not in ("F32", "F16", "BF16") for p in parts):
+                if quantized and module not in ("embed_tokens", "lm_head") and any(packer.quantized(p[0]) for p in parts):
                     packed[module] = packer.rounded(parts[0][0], value)
                 else:
                     dense[name] = value

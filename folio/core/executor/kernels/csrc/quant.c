@@ -47,7 +47,7 @@
 
 #define SB 32          /* inputs per sub-block (and per activation block) */
 #define MBLOCK 64      /* x rows whose quantized blocks stay in cache while every tile passes */
-#define PREFETCH 1536  /* bytes ahead of the one being read */
+#define PREFETCH 10240 /* bytes ahead of the one being read */
 
 static const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
