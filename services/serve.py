@@ -31,7 +31,7 @@ from pathlib import Path
 
 from folio.shared.config import LAUNCHED, Endpoints, default_run_dir
 from folio.shared.flags import add_launcher_flags, forwarded_argv
-from folio.shared.loops import admin_call
+from folio.shared.transport import admin_call
 
 SERVICES = LAUNCHED  # start order
 EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.shared.startup``'s

@@ -38,7 +38,8 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints
-from folio.shared.loops import QUIET, freeze_heap, serve_admin
+from folio.services.shell import freeze_heap, serve_admin
+from folio.shared.transport import QUIET
 from folio.shared.messages import AbortRequest, EngineRequest, TokenBatch, TokenDelta
 from folio.shared.transport import Decoder, encode, make_socket
 

@@ -30,7 +30,7 @@ import importlib
 import json
 import sys
 
-from folio.shared import loops, plane
+from folio.shared import plane, transport
 from folio.shared.config import Endpoints, default_run_dir, keys_dir_from_env
 from folio.shared.keys import KeysError, init_keys
 from folio.shared.messages import AdminReply
@@ -213,7 +213,7 @@ def http_health(url: str, timeout_s: float) -> int:
 
 def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
     """One AdminRequest to ``service``'s admin socket; None when it does not answer in time."""
-    return loops.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s, service=service)
+    return transport.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s, service=service)
 
 
 def admin_command(args: argparse.Namespace, service: str) -> int:

@@ -18,7 +18,7 @@ from folio.services.executor.service import ExecutorService
 from folio.services.kvmanager.service import KVManagerService
 from folio.services.scheduler.service import SchedulerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
-from folio.shared.loops import QUIET, ask_admin
+from folio.shared.transport import QUIET, ask_admin
 from folio.shared.messages import AdminReply, EngineRequest, TokenBatch, WireSampling
 from folio.shared.transport import Decoder, encode, make_socket
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from folio.shared.config import Endpoints
 from folio.shared.keys import split_keys
-from folio.shared.loops import admin_call
+from folio.shared.transport import admin_call
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")
 

@@ -6,7 +6,7 @@ import sys
 
 from folio.shared.config import ExecutorServiceConfig, RuntimeConfig
 from folio.shared.flags import config_values
-from folio.shared.loops import ServiceSpec
+from folio.services.shell import ServiceSpec
 from folio.shared.speculative import speculative_refusal
 
 

@@ -50,7 +50,8 @@ from folio.core.kv.window import all_layers_window
 from folio.services.executor.kv_roles import make_kv_role
 from folio.shared import startup
 from folio.shared.config import ExecutorServiceConfig
-from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_router
+from folio.services.shell import serve_admin, serve_router
+from folio.shared.transport import close_sockets, receive_reply
 from folio.shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
 from folio.shared.transport import Decoder, encode, make_socket
 

@@ -4,7 +4,7 @@ One task per service (``GatewayService.start`` runs them) pings its admin socket
 ``PROBE_INTERVAL_S`` with a ``PING_TIMEOUT_S`` deadline and keeps the answer; readers never wait on
 a probe, so probing never slows serving, and what ``/health`` reports is never older than about a
 second (an interval plus a deadline). A ping's reply names the process instance
-(``folio.shared.loops.INSTANCE``), which tells a restart from a pause.
+(``folio.services.shell.INSTANCE``), which tells a restart from a pause.
 
 Who reads it:
 - ``/health`` and ``/ready``: 200 only while every service answered within ``DOWN_AFTER_S``,

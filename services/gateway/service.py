@@ -60,7 +60,8 @@ from folio.services.gateway.metrics import GatewayMetrics
 from folio.services.gateway.protocol import ApiError
 from folio.services.gateway.tracing import current as request_trace
 from folio.shared.config import GatewayConfig
-from folio.shared.loops import ask_admin, close_sockets, serve_admin, serve_pull
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import ask_admin, close_sockets
 from folio.shared.messages import (
     AbortRequest,
     DetokenizeRequest,

@@ -41,7 +41,8 @@ from folio.core.kv.steplog import StepLog
 from folio.core.kv.tiers import scan_folder
 from folio.services.kvmanager.blockmap import DEFAULT_MAX_CELLS, block_map
 from folio.shared.config import KVManagerConfig
-from folio.shared.loops import close_sockets, reply, serve_admin, serve_router
+from folio.services.shell import reply, serve_admin, serve_router
+from folio.shared.transport import close_sockets
 from folio.shared.messages import (
     KV_EVENTS_TOPIC,
     AllBlocksCleared,

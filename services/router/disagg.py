@@ -45,7 +45,7 @@ from aiohttp import web
 from folio.services.router.replicas import Replica, parse_replica
 from folio.services.router.resume import ClientGone, to_client
 from folio.shared.keys import KeysError, sign
-from folio.shared.loops import StartError
+from folio.services.shell import StartError
 from folio.shared.plane import stack_keys
 
 HANDLE_TTL_S = 300.0  # a signed handle's life: as long as the prefill side keeps its blocks (STAGING_TTL_S)

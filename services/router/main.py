@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from folio.shared.config import RouterConfig
-from folio.shared.loops import ServiceSpec, StartError
+from folio.services.shell import ServiceSpec, StartError
 
 
 def check(parser, args) -> None:

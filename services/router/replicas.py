@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from folio.services.router.index import KVIndex
 from folio.shared.config import RouterConfig, api_key_from_env
-from folio.shared.loops import request
+from folio.shared.transport import request
 from folio.shared.messages import KV_EVENTS_TOPIC, KVEventBatch, KVSnapshot, KVSnapshotRequest
 from folio.shared.transport import Decoder, MalformedMessage, make_socket
 

@@ -50,7 +50,8 @@ from folio.services.router.replicas import Replica, ReplicaSet, read_models
 from folio.services.router.resume import ClientGone, ResumableStream, to_client
 from folio.services.router.routing import Decision, Router
 from folio.shared.config import RouterConfig
-from folio.shared.loops import close_sockets, serve_admin
+from folio.services.shell import serve_admin
+from folio.shared.transport import close_sockets
 from folio.shared.tracing import TRACEPARENT, setup as tracing_setup, traceparent_of
 from folio.shared.transport import make_socket
 

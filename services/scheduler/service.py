@@ -36,7 +36,8 @@ from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import describe_requests, scheduler_stats
 from folio.shared.config import SchedulerConfig
 from folio.shared.speculative import speculative_settings
-from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import close_sockets, receive_reply
 from folio.shared.messages import (
     AbortRequest,
     EngineRequest,

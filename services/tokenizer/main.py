@@ -9,7 +9,7 @@ import gc
 import sys
 
 from folio.shared.config import TokenizerConfig
-from folio.shared.loops import ServiceSpec, StartError
+from folio.services.shell import ServiceSpec, StartError
 
 
 def open_service(config: TokenizerConfig, ctx, log):

@@ -38,7 +38,8 @@ from folio.core.structured.grammar import GrammarChecker, GrammarError
 from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.shared.config import TokenizerConfig
-from folio.shared.loops import close_sockets, serve_admin, serve_pull
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import close_sockets
 from folio.shared.messages import (
     AbortRequest,
     DetokenizeRequest,

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, TokenizerConfig
-from folio.shared.loops import QUIET, ask_admin
+from folio.shared.transport import QUIET, ask_admin
 from folio.shared.messages import (
     AbortRequest,
     AdminReply,
