@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from folio.shared import plane
+from folio.shared import curve
 from folio.shared.config import Endpoints, keys_dir_from_env
 from folio.shared.keys import KeysError
 from folio.shared.flags import config_values, service_parser
@@ -229,11 +229,11 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     config, args = spec.parse(argv)
     log = setup_logging(spec.name, json=config.log_json, level=args.log_level)
     try:
-        plane.use_keys(args.keys_dir or keys_dir_from_env(), spec.name)
+        curve.use_keys(args.keys_dir or keys_dir_from_env(), spec.name)
     except KeysError as exc:
         log.error("cannot read the key folder", error=str(exc))
         return 1
-    plane.warn_if_unsafe(log)
+    curve.warn_if_unsafe(log)
     if spec.starting is not None:
         log.info("starting", **spec.starting(config))
 
@@ -252,7 +252,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
             close = getattr(service, "close", None)
             if close is not None and not inspect.isawaitable(service):
                 close()
-            plane.release(ctx)
+            curve.release(ctx)
             if spec.drop_unsent:
                 ctx.destroy(linger=0)
             else:
@@ -263,7 +263,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     except StartError as exc:
         log.error(exc.message, **exc.fields)
         return 1
-    except (plane.MissingKeys, KeysError) as exc:
+    except (curve.MissingKeys, KeysError) as exc:
         log.error("no keys for a tcp endpoint", error=str(exc))
         return 1
     except KeyboardInterrupt:  # SIGINT while starting (Ctrl-C reaches every process of the group)

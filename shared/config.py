@@ -88,7 +88,7 @@ def default_keys_dir() -> Path:
 @dataclass(frozen=True)
 class PlaneConfig:
     """The internal plane: every service takes the key folder its tcp sockets authenticate with
-    (``shared/plane.py``; read once per process, not carried in the service's config)."""
+    (``shared/curve.py``; read once per process, not carried in the service's config)."""
 
     keys_dir: str | None = flag(None, "the stack's key folder (`folio keys init DIR`; or $FOLIO_KEYS_DIR): every "
                                 "tcp socket speaks CURVE with its keys; needed with tcp endpoints", ALL_SERVICES,

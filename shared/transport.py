@@ -4,7 +4,7 @@ Every service builds its sockets here (``make_socket``) on a ``zmq.asyncio.Conte
 and receives messages of ``folio.shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
 by the pattern: a PULL that many push into binds; a ROUTER binds; a PUB binds; the rest connect.
 
-Every ``tcp://`` socket speaks CURVE (``shared/plane.py``): a bound one serves with its service's
+Every ``tcp://`` socket speaks CURVE (``shared/curve.py``): a bound one serves with its service's
 server key and lets in only the stack's client keys, a connecting one presents the client key and
 checks the key of the service it names (``service=``, the owner of the endpoint it dials); without
 a key folder a tcp socket is refused here (``MissingKeys``), never opened in the clear.
@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.messages import AdminReply, AdminRequest
-from folio.shared.plane import MissingKeys, secure  # noqa: F401  (MissingKeys: for callers)
+from folio.shared.curve import MissingKeys, secure  # noqa: F401  (MissingKeys: for callers)
 
 # How many messages a socket queues per peer before PUSH blocks (back-pressure) or PUB drops.
 DEFAULT_HWM = 100_000

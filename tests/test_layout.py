@@ -107,7 +107,7 @@ def closure(name: str) -> set[str]:
 SHARED_MODULES = {"folio.shared", "folio.shared.messages", "folio.shared.transport", "folio.shared.loops",
                   "folio.shared.config", "folio.shared.flags", "folio.shared.logs", "folio.shared.tracing",
                   "folio.shared.startup", "folio.shared.speculative",
-                  "folio.shared.keys", "folio.shared.plane"}  # keys, plane: the transport's CURVE
+                  "folio.shared.keys", "folio.shared.curve"}  # keys, plane: the transport's CURVE
 
 # The core's folders (and top-level modules), lowest first. A unit imports only units of lower
 # layers, never one of its own layer or above; a new folder must be placed here.

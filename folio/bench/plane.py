@@ -38,7 +38,7 @@ from folio.bench.serving import describe, random_prompt, run_served, workload
 from folio.core.models import resolve_model
 from folio.shared.config import DEFAULT_MODEL_NAME
 from folio.shared.keys import init_keys
-from folio.shared.plane import UNSAFE_ENV
+from folio.shared.curve import UNSAFE_ENV
 from folio.testing.tcpstack import TcpStack
 
 SERVED_NAME = "bench"
@@ -96,7 +96,7 @@ def roundtrip_us(curve: bool, n: int, size: int) -> float:
     loopback, with the stack's CURVE (``secure``) or in the clear."""
     import zmq
 
-    from folio.shared.plane import release, secure
+    from folio.shared.curve import release, secure
 
     ctx = zmq.Context()
     server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
@@ -125,9 +125,9 @@ def roundtrip_us(curve: bool, n: int, size: int) -> float:
 
 
 def section_roundtrips(args, keys_dir: str) -> float:
-    from folio.shared import plane
+    from folio.shared import curve
 
-    plane.use_keys(keys_dir)
+    curve.use_keys(keys_dir)
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     for r in range(args.rounds):
         for side in (SIDES if r % 2 == 0 else SIDES[::-1]):

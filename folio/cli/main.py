@@ -30,7 +30,7 @@ import importlib
 import json
 import sys
 
-from folio.shared import plane, transport
+from folio.shared import curve, transport
 from folio.shared.config import Endpoints, default_run_dir, keys_dir_from_env
 from folio.shared.keys import KeysError, init_keys
 from folio.shared.messages import AdminReply
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return keys_init(args.folder, args.peer)
     if args.command != "health" or not args.http:  # a tcp endpoint is spoken to with the stack's keys only
         try:
-            plane.use_keys(args.keys_dir or keys_dir_from_env())
+            curve.use_keys(args.keys_dir or keys_dir_from_env())
         except KeysError as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return http_health(args.http, args.timeout)
         try:
             reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
-        except (plane.MissingKeys, KeysError) as exc:
+        except (curve.MissingKeys, KeysError) as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
         return 0 if reply is not None else 1
@@ -225,7 +225,7 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
         call_args["req_id"] = args.req_id
     try:
         reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
-    except (plane.MissingKeys, KeysError) as exc:
+    except (curve.MissingKeys, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
     if reply is None:

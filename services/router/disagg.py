@@ -46,7 +46,7 @@ from folio.services.router.replicas import Replica, parse_replica
 from folio.services.router.resume import ClientGone, to_client
 from folio.shared.keys import KeysError, sign
 from folio.services.shell import StartError
-from folio.shared.plane import stack_keys
+from folio.shared.curve import stack_keys
 
 HANDLE_TTL_S = 300.0  # a signed handle's life: as long as the prefill side keeps its blocks (STAGING_TTL_S)
 

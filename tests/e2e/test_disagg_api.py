@@ -26,7 +26,7 @@ from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, LayoutMismatch, TransferError
 from folio.shared.keys import init_peer, load_keys, sign
 from folio.shared.messages import TransferHandle
-from folio.shared.plane import stack_keys
+from folio.shared.curve import stack_keys
 from folio.testing.routerstack import Replica, post, start_router
 
 pytestmark = pytest.mark.slow

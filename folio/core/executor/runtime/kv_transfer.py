@@ -25,7 +25,7 @@ size, layers, FP8 scales); a sender whose layout differs refuses with a message 
 difference, and the receiver raises ``LayoutMismatch`` with it. The transfer stays owned (the
 blocks are not freed: another receiver may take them).
 
-Over tcp both sockets speak CURVE with the stack's keys (``shared/plane.py``): a peer without them
+Over tcp both sockets speak CURVE with the stack's keys (``shared/curve.py``): a peer without them
 is refused before it can name a transfer id. No peer's bytes are ever unpickled here: headers are
 msgpack, KV frames are raw bytes copied into the pool after their sizes are checked.
 
@@ -50,7 +50,7 @@ import zmq
 from folio.core.executor.kernels.kv_quant import scales_fingerprint
 from folio.core.executor.runtime.kv_pool import KVPool
 from folio.shared.messages import TransferHandle
-from folio.shared.plane import REFUSALS, secure
+from folio.shared.curve import REFUSALS, secure
 
 DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0

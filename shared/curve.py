@@ -1,4 +1,4 @@
-"""The internal plane's gate: CURVE on every tcp socket, and the log of who was refused.
+"""The internal plane's CURVE: every tcp socket authenticated, and the log of who was refused.
 
 ``shared/transport.py`` calls ``secure(ctx, sock, address, bind, service=...)`` on each socket it
 makes (and the KV transfer sockets of ``folio/core/executor/runtime/kv_transfer.py`` call it on
