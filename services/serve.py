@@ -12,7 +12,7 @@ streams, then the rest. Children are in their own process group (a Ctrl-C reache
 SIGTERM if we vanish.
 
 Once ``/health`` answers 200 it logs the start-up time, each service's time to answer and the
-executor's phases (imports, weights, pool, kernels, graphs; ``folio.shared.startup``) in one line.
+executor's phases (imports, weights, pool, kernels, graphs; ``folio.core.executor.startup``) in one line.
 The services start together: none waits for another to start (the scheduler waits for the pool
 inside its own process).
 """
@@ -34,7 +34,7 @@ from folio.shared.flags import add_launcher_flags, forwarded_argv
 from folio.shared.transport import admin_call
 
 SERVICES = LAUNCHED  # start order
-EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.shared.startup``'s
+EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.core.executor.startup``'s
 LOCK_NAME = "serve.lock"
 _PR_SET_PDEATHSIG = 1
 

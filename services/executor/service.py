@@ -48,7 +48,7 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import WorkerGroupError
 from folio.core.kv.window import all_layers_window
 from folio.services.executor.kv_roles import make_kv_role
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import ExecutorServiceConfig
 from folio.services.shell import serve_admin, serve_router
 from folio.shared.transport import close_sockets, receive_reply

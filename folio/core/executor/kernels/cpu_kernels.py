@@ -36,7 +36,7 @@ import structlog
 import torch
 
 from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import c_compiler, cache_dir
 
 log = structlog.get_logger()

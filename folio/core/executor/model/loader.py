@@ -44,7 +44,7 @@ from folio.core.executor.quant.formats import (
 )
 from folio.core.executor.quant.gpu import quantize_model_gpu, require_fp8
 from folio.core.executor.quant.linear import quantize_model
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import cache_dir
 
 log = structlog.get_logger()

@@ -27,7 +27,7 @@ from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.kernels.cuda_kernels import DECODE_MAX_GROUP
 from folio.core.executor.runtime.input_batch import StepInputs
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
-from folio.shared import startup
+from folio.core.executor import startup
 
 MAX_GRAPH_BATCH = 256
 

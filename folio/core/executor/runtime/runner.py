@@ -45,7 +45,7 @@ from folio.core.executor.runtime.spec_decode import Proposal
 from folio.shared.speculative import LORA_REFUSAL, speculative_settings
 from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_masks, compile_error, draft_masks,
                                          grammar_prefix)
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
 
