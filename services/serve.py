@@ -107,7 +107,7 @@ def _die_with_parent() -> None:
 def serve(args: argparse.Namespace) -> int:
     from folio.core.models import resolve_model
     from folio.services.supervise import Supervisor
-    from folio.shared.speculative import speculative_refusal
+    from folio.core.executor.runtime.spec_config import speculative_refusal
 
     if args.lora_modules and not args.enable_lora:
         print("folio: --lora-modules needs --enable-lora", file=sys.stderr)

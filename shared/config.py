@@ -182,7 +182,7 @@ class RuntimeConfig:
                                           "|\"draft_model\", \"num_speculative_tokens\": K, \"model\": DIR, ...} "
                                           "(keys: docs/speculative.md; default: off)", ("executor", "scheduler"),
                                           metavar="JSON")
-    # the older spelling, kept as aliases of --speculative-config (shared/speculative.py maps them)
+    # the older spelling, kept as aliases of --speculative-config (runtime/spec_config.py maps them)
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
                                          "'ngram' (prompt lookup) or 'suffix'; default: off", ("executor", "scheduler"))
     num_speculative_tokens: int = flag(0, "draft tokens proposed per step", ("executor",))

@@ -106,7 +106,7 @@ def closure(name: str) -> set[str]:
 # --speculative-config parser), logs, tracing and start-up timing; engine logic belongs in the core
 SHARED_MODULES = {"folio.shared", "folio.shared.messages", "folio.shared.transport", "folio.shared.loops",
                   "folio.shared.config", "folio.shared.flags", "folio.shared.logs", "folio.shared.tracing",
-                  "folio.core.executor.startup", "folio.shared.speculative",
+                  "folio.core.executor.startup", "folio.core.executor.runtime.spec_config",
                   "folio.shared.keys", "folio.shared.curve"}  # keys, plane: the transport's CURVE
 
 # The core's folders (and top-level modules), lowest first. A unit imports only units of lower

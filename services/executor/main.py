@@ -7,7 +7,7 @@ import sys
 from folio.shared.config import ExecutorServiceConfig, RuntimeConfig
 from folio.shared.flags import config_values
 from folio.services.shell import ServiceSpec
-from folio.shared.speculative import speculative_refusal
+from folio.core.executor.runtime.spec_config import speculative_refusal
 
 
 def check(parser, args) -> None:

@@ -35,7 +35,7 @@ from folio.core.scheduler.exchange import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import describe_requests, scheduler_stats
 from folio.shared.config import SchedulerConfig
-from folio.shared.speculative import speculative_settings
+from folio.core.executor.runtime.spec_config import speculative_settings
 from folio.services.shell import serve_admin, serve_pull
 from folio.shared.transport import close_sockets, receive_reply
 from folio.shared.messages import (

@@ -42,7 +42,7 @@ from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_control import SpecController, make_proposer
 from folio.core.executor.runtime.spec_decode import Proposal
-from folio.shared.speculative import LORA_REFUSAL, speculative_settings
+from folio.core.executor.runtime.spec_config import LORA_REFUSAL, speculative_settings
 from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_masks, compile_error, draft_masks,
                                          grammar_prefix)
 from folio.core.executor import startup

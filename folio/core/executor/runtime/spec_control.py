@@ -34,7 +34,7 @@ import torch
 
 from folio.core.executor.runtime.spec_decode import DraftModelProposer, NgramProposer
 from folio.core.executor.runtime.spec_suffix import SuffixProposer
-from folio.shared.speculative import speculative_settings
+from folio.core.executor.runtime.spec_config import speculative_settings
 
 PLAIN, SPEC = 0, 1
 
