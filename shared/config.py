@@ -117,16 +117,6 @@ def cache_dir() -> Path:
     return Path(base) / "folio"
 
 
-def c_compiler() -> str | None:
-    """The C compiler for the executor's CPU kernels: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
-    import shutil
-
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What the executor's model runtime needs to start. ``max_num_seqs`` and

@@ -14,7 +14,7 @@ from folio.core.executor.model import loader
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
 from folio.services.serve import startup_breakdown
 from folio.core.executor import startup
-from folio.shared.config import c_compiler
+from folio.core.executor.kernels.toolchain import c_compiler
 from folio.testing.models import write_tiny_model
 
 
