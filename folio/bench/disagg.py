@@ -28,7 +28,8 @@ import torch
 import zmq
 
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSender
+from folio.core.executor.runtime.kv_transfer import KVLayout
+from folio.services.executor.kv_sockets import KVReceiver, KVSender
 from folio.shared.curve import release
 
 SHAPE = PoolShape(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)

@@ -24,7 +24,8 @@ import structlog
 import torch
 
 from folio.core.executor.runtime.kv_pool import KVPool
-from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSender, TransferError
+from folio.core.executor.runtime.kv_transfer import KVLayout, TransferError
+from folio.services.executor.kv_sockets import KVReceiver, KVSender
 from folio.core.kv.allocator import cdiv
 from folio.shared.messages import TransferHandle
 from folio.shared.messages import StepPlan, StepResult

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, LayoutMismatch, TransferError
+from folio.core.executor.runtime.kv_transfer import KVLayout, LayoutMismatch, TransferError
+from folio.services.executor.kv_sockets import KVReceiver
 from folio.shared.keys import init_peer, load_keys, sign
 from folio.shared.messages import TransferHandle
 from folio.shared.curve import stack_keys
