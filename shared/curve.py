@@ -1,7 +1,7 @@
 """The internal plane's CURVE: every tcp socket authenticated, and the log of who was refused.
 
 ``shared/transport.py`` calls ``secure(ctx, sock, address, bind, service=...)`` on each socket it
-makes (and the KV transfer sockets of ``folio/core/executor/runtime/kv_transfer.py`` call it on
+makes (and the KV transfer sockets of ``services/executor/kv_sockets.py`` call it on
 theirs). ``service`` is the service that binds ``address``. On an ``ipc://`` address it does nothing.
 On ``tcp://``:
 

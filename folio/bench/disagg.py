@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import zmq
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.transfer import KVLayout
 from folio.services.executor.kv_sockets import KVReceiver, KVSender
 from folio.shared.curve import release
 

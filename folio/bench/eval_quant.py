@@ -29,7 +29,7 @@ import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE
-from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
+from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.model.loader import load_model
 from folio.core.executor.runtime.runner import make_backend
 from folio.shared.config import DEFAULT_MODEL_NAME, batch_invariant_from_env, cache_dir

@@ -110,7 +110,7 @@ def collect(llm, args) -> list[dict]:
 def features(runner, token_ids: list[int]) -> torch.Tensor:
     """The target's tapped residuals and final output over ``token_ids`` ``[n, 3 hidden]``."""
     from folio.core.executor.kernels.attention import AttentionMetadata
-    from folio.core.executor.runtime.kv_pool import KVPool
+    from folio.core.kv.tensors.pool import KVPool
 
     bs, n = runner.pool.block_size, len(token_ids)
     pool = KVPool(runner.pool_shape, -(-n // bs), runner.device)

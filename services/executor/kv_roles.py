@@ -23,8 +23,8 @@ import msgspec
 import structlog
 import torch
 
-from folio.core.executor.runtime.kv_pool import KVPool
-from folio.core.executor.runtime.kv_transfer import KVLayout, TransferError
+from folio.core.kv.tensors.pool import KVPool
+from folio.core.kv.tensors.transfer import KVLayout, TransferError
 from folio.services.executor.kv_sockets import KVReceiver, KVSender
 from folio.core.kv.allocator import cdiv
 from folio.shared.messages import TransferHandle

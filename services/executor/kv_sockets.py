@@ -1,6 +1,6 @@
 """The KV transfer's sockets: a ROUTER the prefill side answers pulls on, and the DEALERs the
 decode side pulls with, both CURVE over tcp (``folio.shared.curve``). The protocol and the
-records are the core's (``folio/core/executor/runtime/kv_transfer.py``); this module only moves
+records are the core's (``folio/core/kv/tensors/transfer.py``); this module only moves
 its messages: msgpack headers and raw KV frames, never a pickle."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Callable
 import msgspec
 import zmq
 
-from folio.core.executor.runtime.kv_pool import KVPool
-from folio.core.executor.runtime.kv_transfer import (DEFAULT_TIMEOUT_S, DEFAULT_TTL_S, KVExporter, KVImporter,
-                                                     KVLayout, TransferError)
+from folio.core.kv.tensors.pool import KVPool
+from folio.core.kv.tensors.transfer import (DEFAULT_TIMEOUT_S, DEFAULT_TTL_S, KVExporter, KVImporter, KVLayout,
+                                            TransferError)
 from folio.shared.curve import REFUSALS, secure
 
 _POLL_MS = 50

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout, LayoutMismatch, TransferError
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.transfer import KVLayout, LayoutMismatch, TransferError
 from folio.services.executor.kv_sockets import KVReceiver
 from folio.shared.keys import init_peer, load_keys, sign
 from folio.shared.messages import TransferHandle

@@ -7,8 +7,8 @@ import pytest
 import torch
 import zmq
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout, LayoutMismatch, TransferError, TransferHandle
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.transfer import KVLayout, LayoutMismatch, TransferError, TransferHandle
 from folio.services.executor.kv_sockets import KVReceiver, KVSender
 from folio.core.kv.allocator import BlockAllocator
 from folio.shared.curve import secure

@@ -11,8 +11,8 @@ import zlib
 import pytest
 import torch
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_tiers import pool_layout_id
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.disk import pool_layout_id
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.kv.allocator import BlockAllocator
 from folio.core.kv.block_hash import chain_block_hashes

@@ -32,8 +32,8 @@ from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
-from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
+from folio.core.kv.tensors.pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
 from folio.core.executor.model.layers import PackedLinear, cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
@@ -348,7 +348,7 @@ class ModelRunner:
         disk_dir = getattr(self.config, "kv_disk_dir", None)
         if not disk_dir:
             return None
-        from folio.core.executor.runtime.kv_tiers import KVTierStore, pool_layout_id
+        from folio.core.kv.tensors.disk import KVTierStore, pool_layout_id
         from folio.core.kv.tiers import DiskTier
 
         ident = pool_layout_id(self.pool, model_path, self.config.quantization, str(self.dtype), self.kv_scales,

@@ -29,7 +29,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from folio.core.executor.kernels.attention import AttentionMetadata
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.core.executor.model.loader import load_model
 from folio.core.executor.model.layers import cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.sampling.rejection import processed_probs

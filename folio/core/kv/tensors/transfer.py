@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from folio.core.executor.kernels.kv_quant import scales_fingerprint
-from folio.core.executor.runtime.kv_pool import KVPool
+from folio.core.kv.tensors.pool import KVPool
 from folio.shared.messages import TransferHandle
 
 DEFAULT_TTL_S = 60.0
