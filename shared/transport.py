@@ -208,3 +208,8 @@ def admin_call(address: str, command: str, args: dict | None, timeout_s: float, 
 def close_sockets(*socks: zmq.Socket) -> None:
     for sock in socks:
         sock.close()
+
+
+def ask_service(endpoints, service: str, command: str, args: dict | None, timeout_s: float) -> AdminReply | None:
+    """``admin_call`` to ``service``'s admin socket in ``endpoints`` (a ``config.Endpoints``)."""
+    return admin_call(getattr(endpoints, f"admin_{service}"), command, args, timeout_s, service=service)

@@ -31,7 +31,7 @@ from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
 from folio.shared.messages import TokenBatch, WireSampling
 from folio.core.models import resolve_model
 from folio.shared.transport import Decoder
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 
 # the back half's limits (its pool is the runner's, made in main)
 LIMITS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)

@@ -30,10 +30,10 @@ import importlib
 import json
 import sys
 
-from folio.shared import curve, transport
+from folio.shared import curve
+from folio.shared.transport import ask_service
 from folio.shared.config import Endpoints, default_run_dir, keys_dir_from_env
 from folio.shared.keys import KeysError, init_keys
-from folio.shared.messages import AdminReply
 
 RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
 # admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.http:
             return http_health(args.http, args.timeout)
         try:
-            reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
+            reply = ask_service(_endpoints(args), args.service, "ping", {}, args.timeout)
         except (curve.MissingKeys, KeysError) as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
@@ -211,11 +211,6 @@ def http_health(url: str, timeout_s: float) -> int:
     return 1
 
 
-def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
-    """One AdminRequest to ``service``'s admin socket; None when it does not answer in time."""
-    return transport.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s, service=service)
-
-
 def admin_command(args: argparse.Namespace, service: str) -> int:
     call_args = {}
     if args.verb in _NEEDS_REQ_ID:
@@ -224,7 +219,7 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
             return 2
         call_args["req_id"] = args.req_id
     try:
-        reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
+        reply = ask_service(_endpoints(args), service, args.verb, call_args, args.timeout)
     except (curve.MissingKeys, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1

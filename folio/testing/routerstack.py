@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from folio.cli.main import admin_call
+from folio.shared.transport import ask_service
 from folio.shared.config import Endpoints
 from folio.testing.server import free_port
 
@@ -66,7 +66,7 @@ class Replica:
         raise RuntimeError("folio serve did not become ready")
 
     def admin(self, service: str, command: str, must: bool = True, **args) -> dict:
-        reply = admin_call(Endpoints.ipc(self.run_dir), service, command, args, 5.0)
+        reply = ask_service(Endpoints.ipc(self.run_dir), service, command, args, 5.0)
         if reply is None or not reply.ok:
             assert not must, f"{service} {command}: {reply}"
             return {}
@@ -106,7 +106,7 @@ class RouterProc:
         return f"http://127.0.0.1:{self.port}"
 
     def admin(self, command: str) -> dict:
-        reply = admin_call(Endpoints.ipc(self.run_dir), "router", command, {}, 5.0)
+        reply = ask_service(Endpoints.ipc(self.run_dir), "router", command, {}, 5.0)
         assert reply is not None and reply.ok, f"router {command}: {reply}"
         return reply.data
 

@@ -20,7 +20,7 @@ from folio.core.kv.steplog import StepLog
 from folio.core.kv.tiers import HEADER_BYTES, DiskTier, TierCostModel
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import KVAllocate, KVConfirm, KVFree, WireSampling
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 
 LAYOUT = "ab" * 16
 H = [bytes([i]) * 16 for i in range(8)]

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from folio.shared.messages import GuidedSpec, WireSampling  # noqa: E402
-from folio.testing.backhalf import back_half  # noqa: E402
+from folio.services.in_process import back_half  # noqa: E402
 from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_compile import new_wide_schema  # noqa: E402
 from tests.core.structured.test_structured_engine import chat_model, grammars, tok  # noqa: E402,F401  (fixtures)
