@@ -1,5 +1,5 @@
-"""``folio bench serve``: load any OpenAI-compatible endpoint (folio, vLLM, llama.cpp's server, a
-router) and print vLLM's ``bench serve`` figures in vLLM's layout, so results compare line by line.
+"""Any OpenAI-compatible endpoint under load (folio, vLLM, llama.cpp's server, a router): vLLM's
+``bench serve`` figures in vLLM's layout, so results compare line by line (``folio bench serve``).
 
     folio bench serve --base-url http://127.0.0.1:8000 [--model NAME] [--endpoint completions|chat]
         [--dataset random|prefix-repetition|sharegpt [--dataset-path FILE]] [--num-prompts 1000]
@@ -52,7 +52,7 @@ from datetime import datetime
 
 import numpy as np
 
-from folio.cli.bench_report import print_block, write_json
+from folio.bench.report import print_block, write_json
 
 # the serving scripts' workloads, as `folio bench serve` flags (explicit flags override them)
 PRESETS: dict[str, dict] = {
