@@ -105,7 +105,7 @@ def _die_with_parent() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.services.supervise import Supervisor
     from folio.core.executor.runtime.spec_config import speculative_refusal
 

@@ -82,7 +82,7 @@ def weight_bytes_per_token(gguf_path: str) -> int:
 def shape_model(shape: str) -> tuple[str, str]:
     """(what folio serves, the GGUF llama.cpp serves) for a shape."""
     if shape == "smollm2":
-        from folio.core.models import packaged_gguf
+        from folio.core.model_files import packaged_gguf
 
         return "SmolLM2-135M-Instruct", str(packaged_gguf())
     if shape == "1b":

@@ -33,7 +33,7 @@ from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_i
 from folio.core.executor.model.loader import load_model
 from folio.core.executor.runtime.runner import make_backend
 from folio.shared.config import DEFAULT_MODEL_NAME, batch_invariant_from_env, cache_dir
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration: the figures of the issue
 # that set the gate (issue 14's table: int4 1e-3 and 99%, int8 and the FP8 KV cache 5e-3 and 98%,

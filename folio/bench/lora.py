@@ -21,7 +21,7 @@ import torch
 
 from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.core.models import prepare_default_model
+from folio.core.model_files import prepare_default_model
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import EngineRequest, WireSampling
 from folio.testing.lora import write_peft_adapter

@@ -35,7 +35,7 @@ import time
 
 from folio.bench.cpu_meter import CpuMeter
 from folio.bench.serving import describe, random_prompt, run_served, workload
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 from folio.shared.config import DEFAULT_MODEL_NAME
 from folio.shared.keys import init_keys
 from folio.shared.curve import UNSAFE_ENV

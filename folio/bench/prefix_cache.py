@@ -29,7 +29,7 @@ import time
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
 from folio.shared.messages import TokenBatch, WireSampling
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 from folio.shared.transport import Decoder
 from folio.services.in_process import back_half
 

@@ -32,7 +32,7 @@ import aiohttp
 
 from folio.bench.cpu_meter import CpuMeter
 from folio.shared.config import DEFAULT_MODEL_NAME
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 from folio.testing.routerstack import Replica, start_router
 
 TOPICS = ["harbour", "orchard", "observatory", "bakery", "railway", "museum", "vineyard", "glacier",

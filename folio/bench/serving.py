@@ -56,7 +56,7 @@ from pathlib import Path
 
 from folio import LLM, SamplingParams
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 from folio.testing.server import Server, start_server, stop_server
 from folio.bench.cpu_meter import CpuMeter
 

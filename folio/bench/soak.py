@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_model() -> str:
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
     from folio.testing.models import write_tiny_chat_model
 
     return write_tiny_chat_model(tempfile.mkdtemp(prefix="folio-soak-"), str(prepare_default_model()))

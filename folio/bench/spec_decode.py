@@ -36,7 +36,7 @@ from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir
 from folio.shared.messages import EngineRequest, WireSampling
-from folio.core.models import resolve_model, truncate_layers
+from folio.core.model_files import resolve_model, truncate_layers
 
 DOCUMENT = (
     "The harbor town of Westmere keeps three lighthouses. The north light was built in 1821 from grey "

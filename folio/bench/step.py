@@ -126,7 +126,7 @@ def run_null(args) -> float:
 
 def run_smollm(args) -> None:
     """SmolLM2-135M-Instruct on the CPU at batch 64: decode steps greedy and sampled."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     config = RuntimeConfig(device="cpu", num_kv_blocks=64 * 8, max_num_seqs=64, block_size=BLOCK_SIZE,
                            quantization=args.smollm_quantization)
@@ -161,7 +161,7 @@ def prefill_step(runner: ModelRunner, length: int) -> float:
 def run_invariance_cost(args) -> None:
     """SmolLM2 with ``--batch-invariant`` and without, in turns: decode steps at batch 1 and 64
     (greedy and sampled) and the prefill of a 512- and a 2048-token prompt; ms of each and on/off."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     path = str(prepare_default_model(quiet=True))
     runners = {}

@@ -324,7 +324,7 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
     ``freeze``: once the tokenizer is loaded, freeze this process's heap, so that no full collection
     walking transformers' objects holds the backend's steps back (the script does; a test leaves
     its own process alone)."""
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.core.tokenizer.text import TextTokenizer
 
     tokenizer = TextTokenizer(resolve_model(model))

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         parser.error(f"run needs a service: {', '.join(RUNNABLE)}")
     if args.command == "prepare":
-        from folio.core.models import main as prepare_main
+        from folio.core.model_files import main as prepare_main
 
         return prepare_main(["--force"] if args.force else [])
     if args.command == "keys" and args.verb == "split":

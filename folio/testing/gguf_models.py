@@ -55,7 +55,7 @@ def write_tiny_tokenizer(folder, max_pieces: int = 100) -> Path:
 def smollm_tokenizer_files(folder) -> Path:
     """SmolLM2's tokenizer files copied into ``folder``: from the prepared default model when there
     is one, else read from the packaged GGUF."""
-    from folio.core.models import default_model_dir, is_prepared, packaged_gguf
+    from folio.core.model_files import default_model_dir, is_prepared, packaged_gguf
 
     folder = Path(folder)
     source = default_model_dir()

@@ -19,7 +19,7 @@ def check(parser, args) -> None:
 
 
 def fields(args) -> dict:
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     return {"runtime": RuntimeConfig(**config_values(RuntimeConfig, args, "executor")),
             "model_path": str(resolve_model(args.model))}

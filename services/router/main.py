@@ -37,7 +37,7 @@ def open_service(config: RouterConfig, ctx, log):
 
     encoder = None
     if config.policy == "cache_aware":
-        from folio.core.models import resolve_model
+        from folio.core.model_files import resolve_model
         from folio.core.tokenizer.text import TextTokenizer
 
         try:

@@ -13,7 +13,7 @@ from folio.services.shell import ServiceSpec, StartError
 
 
 def open_service(config: TokenizerConfig, ctx, log):
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.core.tokenizer.text import TextTokenizer
     from folio.services.tokenizer.service import TokenizerService
 

@@ -261,7 +261,7 @@ def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts
     """The issue's check: SmolLM2-135M-Instruct, greedy, alone (batch 1) and all together; ``auto``
     serves the packaged Q4_1 weights int4 with bf16 activations, where one flipped last bit of
     attention changed a near-tie until verified tokens attended as decodes do."""
-    from folio.core.models import truncate_layers
+    from folio.core.model_files import truncate_layers
 
     prompts, eos = smollm_prompts
     reqs = [engine_request(f"p{i}", p, n, eos_token_id=eos) for i, (p, n) in enumerate(prompts)]

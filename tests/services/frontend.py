@@ -34,7 +34,7 @@ SCRIPT_TEXT = " The answer is 42. END of the story, told twice over and over aga
 @lru_cache(maxsize=1)
 def text_tokenizer():
     """The real SmolLM2 tokenizer (loaded once per test process: ~1 s)."""
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.core.tokenizer.text import TextTokenizer
 
     return TextTokenizer(resolve_model(DEFAULT_MODEL_NAME))

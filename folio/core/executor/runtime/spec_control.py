@@ -158,7 +158,7 @@ def make_proposer(config, target_model, device: torch.device, dtype: torch.dtype
                               settings.prompt_lookup_min, settings.prompt_lookup_max)
     if settings.method == "eagle3":
         return make_eagle_proposer(settings.model, target_model, k, device, dtype)
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     num_blocks = config.num_draft_kv_blocks or num_target_blocks
     if backend.name == "cpu":  # its layer ops are shaped for the target's (quantized) layers
