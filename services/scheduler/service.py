@@ -31,7 +31,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from folio.core.scheduler.exchange import StepOutput
+from folio.core.scheduler.executor_step import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import describe_requests, scheduler_stats
 from folio.shared.config import SchedulerConfig

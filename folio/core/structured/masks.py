@@ -6,7 +6,7 @@ The tokenizer service checks each request's spec (``grammar.py``) and sends it i
 (an LRU), with xgrammar's dynamic compilation, in a worker thread beside the steps. The scheduler
 names each grammar it has not seen compiled in a step plan (``StepPlan.grammars``: ``watch``) and
 holds back the token its request samples first until a step result names the key ready
-(``take_reports``; ``gate.py``), so that a compile never stalls a step. A request
+(``take_reports``; ``scheduling.py``), so that a compile never stalls a step. A request
 that samples while its compile has not ended (its key dropped from the LRU since the scheduler
 learnt it was ready) waits for it in ``matcher``: ``grammar_wait_seconds_total``.
 

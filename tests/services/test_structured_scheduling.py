@@ -1,4 +1,4 @@
-"""A request samples only once its grammar is compiled (``folio/core/structured/gate.py``): the scheduler
+"""A request samples only once its grammar is compiled (``folio/core/structured/scheduling.py``): the scheduler
 holds back the token it samples from until a step result names its grammar ready, asks for each
 new grammar once, holds nothing back for a grammar the executor reported compiled, ends the
 requests of a grammar that failed to compile with the reason, and forgets what it knew when the
