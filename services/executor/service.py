@@ -25,7 +25,7 @@ pulls (its admin ``stats`` name the ``kv_transfer_port``); with ``--kv-role deco
 KV a plan's ``kv_loads`` name before the step (``kv_roles.py``).
 
 With ``--otlp-traces-endpoint`` each ``StepResult`` carries the step's wall-clock start and end
-(``exec_ns``): the scheduler records the executor's spans with them (``services/scheduler/tracing.py``).
+(``exec_ns``): the scheduler records the executor's spans with them (``services/scheduler/step_spans.py``).
 
 With ``--tensor-parallel-size N`` > 1 the runner is ``workers.ParallelRunner``: this process is
 rank 0 of N; a dead rank ends this process (exit code 1), so that its supervisor starts a new

@@ -17,7 +17,7 @@ request names a model it does not know) to map a request's ``model`` to its adap
 is not unloaded (409): a request that names an adapter never finds it gone.
 
 The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
-With ``--otlp-traces-endpoint`` (``tracing.py``), ``submit`` puts the request span's context into
+With ``--otlp-traces-endpoint`` (``request_spans.py``), ``submit`` puts the request span's context into
 the ``GenerateRequest``s.
 ``submit`` refuses work up front: 503 while a service is down, 429 past ``--max-queue-len`` queued
 or ``--max-concurrent-requests`` open requests. ``fail`` ends a request's unfinished choices with
@@ -58,7 +58,7 @@ from folio.services.gateway.health import HealthMonitor
 from folio.services.gateway.mailbox import OutputMailbox
 from folio.services.gateway.metrics import GatewayMetrics
 from folio.services.gateway.protocol import ApiError
-from folio.services.gateway.tracing import current as request_trace
+from folio.services.gateway.request_spans import current as request_trace
 from folio.shared.config import GatewayConfig
 from folio.services.shell import serve_admin, serve_pull
 from folio.shared.transport import ask_admin, close_sockets
