@@ -11,8 +11,7 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from folio.services.gateway import messages_api, responses_api
-from folio.services.gateway import request_spans
+from folio.services.gateway import messages_api, request_spans, responses_api
 from folio.services.gateway.dashboard import add_dashboard_routes
 from folio.services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
 from folio.services.gateway.service import GatewayService
