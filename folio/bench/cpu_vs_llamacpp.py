@@ -93,7 +93,7 @@ def shape_model(shape: str) -> tuple[str, str]:
     raise SystemExit(f"unknown shape {shape!r}: smollm2 or 1b")
 
 
-class Server:
+class ComparedServer:
     def __init__(self, name: str, command: list[str], port: int, env: dict, log: Path):
         self.name, self.port, self.log = name, port, log
         self.proc = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
@@ -189,9 +189,9 @@ def bench_shape(shape: str, args, binary: str, bandwidth: float, meter: CpuMeter
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     fport, lport = free_port(), free_port()
     servers = {
-        "folio": Server("folio serve", [sys.executable, "-m", "folio.cli.main", "serve", "--model", folio_model,
+        "folio": ComparedServer("folio serve", [sys.executable, "-m", "folio.cli.main", "serve", "--model", folio_model,
                                         "--port", str(fport)], fport, env, tmp / "folio.log"),
-        "llama.cpp": Server("llama-server", server_command(binary, gguf_path, lport, args.concurrency)
+        "llama.cpp": ComparedServer("llama-server", server_command(binary, gguf_path, lport, args.concurrency)
                             + ["-t", str(args.threads), "-tb", str(args.threads)], lport, env, tmp / "llama.log"),
     }
     ports = {"folio": fport, "llama.cpp": lport}

@@ -118,18 +118,18 @@ def itl_under_prefills(url: str, streams: int, max_tokens: int, prompt_tokens: i
 
 
 def serving(args) -> dict:
-    from folio.testing.routerstack import Replica, start_router
+    from folio.testing.routerstack import ReplicaProcess, start_router
     flags = ("--max-num-seqs", "16", "--num-kv-blocks", "1024", "--max-num-batched-tokens", "2048")
     out = {}
-    solo = Replica("SmolLM2-135M-Instruct", flags).start()
+    solo = ReplicaProcess("SmolLM2-135M-Instruct", flags).start()
     try:
         solo.wait_ready(600)
         out["colocated"] = itl_under_prefills(solo.url, args.streams, args.max_tokens, args.prompt_tokens,
                                               args.interval)
     finally:
         solo.cleanup()
-    p = Replica("SmolLM2-135M-Instruct", flags + ("--kv-role", "prefill")).start()
-    d = Replica("SmolLM2-135M-Instruct", flags + ("--kv-role", "decode")).start()
+    p = ReplicaProcess("SmolLM2-135M-Instruct", flags + ("--kv-role", "prefill")).start()
+    d = ReplicaProcess("SmolLM2-135M-Instruct", flags + ("--kv-role", "decode")).start()
     router = None
     try:
         p.wait_ready(600), d.wait_ready(600)

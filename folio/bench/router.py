@@ -33,7 +33,7 @@ import aiohttp
 from folio.bench.cpu_meter import CpuMeter
 from folio.shared.config import DEFAULT_MODEL_NAME
 from folio.core.model_files import resolve_model
-from folio.testing.routerstack import Replica, start_router
+from folio.testing.routerstack import ReplicaProcess, start_router
 
 TOPICS = ["harbour", "orchard", "observatory", "bakery", "railway", "museum", "vineyard", "glacier",
           "lighthouse", "monastery", "brewery", "aquarium"]
@@ -97,7 +97,7 @@ async def warm_up(url: str) -> None:
         await asyncio.gather(*(one_request(session, url, f"Warm-up {i}. " * 60, "Hello?", 2) for i in range(2)))
 
 
-def cache_counters(replicas: list[Replica]) -> list[tuple[int, int]]:
+def cache_counters(replicas: list[ReplicaProcess]) -> list[tuple[int, int]]:
     return [(s["num_prefix_cache_hits"], s["num_prefix_cache_queries"])
             for s in (r.admin("kvmanager", "stats") for r in replicas)]
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = ("--served-model-name", "m", "--num-kv-blocks", str(num_blocks), "--max-num-seqs", "8",
              "--log-level", "error")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still stops the replicas
-    replicas = [Replica(model, flags).start() for _ in range(2)]
+    replicas = [ReplicaProcess(model, flags).start() for _ in range(2)]
     results = {}
     try:
         for r in replicas:

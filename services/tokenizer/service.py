@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from folio.core.structured.grammar import GrammarChecker, GrammarError
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.shared.config import TokenizerConfig
 from folio.services.shell import serve_admin, serve_pull

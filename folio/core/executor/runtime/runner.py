@@ -53,7 +53,7 @@ from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLog
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
 
 
-class RequestState:
+class RunnerRequest:
     """What the runner keeps of a request besides its row of the persistent batch."""
 
     def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: WireSampling, append_sampled: bool):
@@ -193,7 +193,7 @@ class ModelRunner:
         with startup.phase("pool"):
             self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.tiers = self._make_tiers(model_path)  # the disk tier, with --kv-disk-dir
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RunnerRequest] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
         self.table_sampler = cpu_kernels.TableSampler(self.spec.vocab_size) \
@@ -321,7 +321,7 @@ class ModelRunner:
             lora_id = self.lora.id_of(new.lora_name)
         row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                              new.block_ids, new.sampling, new.append_sampled, lora_id)
-        self.requests[new.req_id] = RequestState(new.req_id, row, self.batch, new.sampling, new.append_sampled)
+        self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled)
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
         if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
@@ -558,7 +558,7 @@ class ModelRunner:
             if append and state.proposal is not None:
                 self.proposer.rollback(req_id, int(self.batch.num_tokens[state.row]))
 
-    def _verify(self, logits: torch.Tensor, states: list[RequestState], offsets: list[int], plan: StepPlan):
+    def _verify(self, logits: torch.Tensor, states: list[RunnerRequest], offsets: list[int], plan: StepPlan):
         drafts = [plan.spec_token_ids[s.req_id] for s in states]
         target = torch.cat([logits[o : o + len(d) + 1] for o, d in zip(offsets, drafts)])
         q = []
@@ -581,7 +581,7 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _mask_drafts(target: torch.Tensor, states: list[RequestState], drafts: list[list[int]]) -> torch.Tensor:
+    def _mask_drafts(target: torch.Tensor, states: list[RunnerRequest], drafts: list[list[int]]) -> torch.Tensor:
         """Constrained rows: each verified position sees its grammar's mask, as plain sampling does."""
         if all(s.matcher is None for s in states):
             return target
@@ -593,7 +593,7 @@ class ModelRunner:
             start += len(d) + 1
         return target
 
-    def _record(self, state: RequestState, new: list[int]) -> None:
+    def _record(self, state: RunnerRequest, new: list[int]) -> None:
         """Penalty counts and the last sampled token of a verified request."""
         device = self.batch.last_sampled.device
         rows = torch.full((len(new),), state.row, dtype=torch.long, device=device)
@@ -602,7 +602,7 @@ class ModelRunner:
         self.batch.penalties.record(rows, tokens, *(params[col].expand(len(new)) for col in (FREQUENCY, PRESENCE, REPETITION)))
         self.batch.last_sampled[state.row] = new[-1]
 
-    def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
+    def _propose(self, samplers: list[RunnerRequest]) -> list[list[int]]:
         """Drafts for each sampler's next step (none for beams, logprob requests, or when the
         batch is large enough that speculation stops paying)."""
         limit = self.spec_settings.disable_by_batch_size if self.spec_settings is not None else 0
