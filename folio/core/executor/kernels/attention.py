@@ -25,8 +25,10 @@ Two per-layer attention variants are parameters of ``attend``, not copies of it:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -196,6 +198,15 @@ def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_C
     return rows, chunks
 
 
+def attention_options(window, softcap) -> tuple[int, float]:
+    """``attend``'s window and soft-cap, checked once for every backend: a window >= 0, a soft-cap 0
+    or a positive fp32 (the kernels compute in fp32)."""
+    window, softcap = int(window), float(softcap)
+    if window < 0 or not (softcap == 0.0 or 0.0 < np.float32(softcap) < math.inf):
+        raise ValueError(f"window must be >= 0 and softcap 0 or a positive fp32, got {window} and {softcap}")
+    return window, softcap
+
+
 class TorchAttentionBackend:
     """Reference paged attention in plain torch ops.
 
@@ -266,9 +277,7 @@ class TorchAttentionBackend:
         window: int = 0,  # > 0: position p attends keys p - window < k <= p (a sliding-window layer)
         softcap: float = 0.0,  # > 0: score = softcap * tanh(score / softcap), after the scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        window, softcap = int(window), float(softcap)
-        if window < 0 or softcap < 0:
-            raise ValueError(f"window {window} and softcap {softcap} must be >= 0")
+        window, softcap = attention_options(window, softcap)
         plan = self.plan(meta)
         out = torch.empty_like(query)
         self._attend_decode(out, query, k_cache, v_cache, plan, scale, kv_scales, window, softcap)
