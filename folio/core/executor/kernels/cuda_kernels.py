@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import folio.cuda
@@ -108,6 +109,13 @@ def write_kv_name(dtype: str, fp8: bool = False) -> str:
     return f"folio::write_kv<{DTYPES[dtype]}{_cache_arg(fp8)}>"
 
 
+def built_type(dtype: str, built, what: str) -> str:
+    """The C type of ``dtype`` for kernels built for the dtypes ``built``, or the error naming them."""
+    if dtype not in built:
+        raise UnsupportedKernelError(f"no {what} for dtype {dtype} (built: {', '.join(built)})")
+    return DTYPES[dtype]
+
+
 COPY_BLOCKS_NAME = "folio::copy_blocks"
 FUSED_KERNELS = ("add_rms_norm", "silu_and_mul", "rope_write_kv", "gelu_tanh_and_mul")  # cuda/fused_ops.cu, templated on T
 
@@ -123,9 +131,8 @@ class FusedNames:
 
 
 def fused_names(dtype: str) -> FusedNames:
-    if dtype not in DTYPES:
-        raise UnsupportedKernelError(f"no fused kernels for dtype {dtype} (built: {', '.join(DTYPES)})")
-    return FusedNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in FUSED_KERNELS))
+    t = built_type(dtype, DTYPES, "fused kernels")
+    return FusedNames(*(f"folio::{kernel}<{t}>" for kernel in FUSED_KERNELS))
 
 
 def rope_write_kv_fp8_name(dtype: str) -> str:
@@ -145,10 +152,8 @@ class QuantNames:
 
 
 def quant_names(dtype: str) -> QuantNames:
-    if dtype not in QUANT_DTYPES:
-        raise UnsupportedKernelError(f"no W4A16 kernels for activations of dtype {dtype} "
-                                     f"(built: {', '.join(QUANT_DTYPES)})")
-    return QuantNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in QUANT_KERNELS))
+    t = built_type(dtype, QUANT_DTYPES, "W4A16 kernels for activations")
+    return QuantNames(*(f"folio::{kernel}<{t}>" for kernel in QUANT_KERNELS))
 
 
 @dataclass(frozen=True)
@@ -159,9 +164,7 @@ class GemmNames:
 
 
 def gemm_names(dtype: str) -> GemmNames:
-    if dtype not in DGEMM_DTYPES:
-        raise UnsupportedKernelError(f"no batch-invariant GEMM for dtype {dtype} (built: {', '.join(DGEMM_DTYPES)})")
-    return GemmNames(f"folio::dense_gemm<{DTYPES[dtype]}>")
+    return GemmNames(f"folio::dense_gemm<{built_type(dtype, DGEMM_DTYPES, 'batch-invariant GEMM')}>")
 
 
 @functools.cache  # asked once per layer and step
@@ -286,6 +289,63 @@ def raw_module(filename: str, names: tuple[str, ...], device_id: int):
         mod = cupy.RawModule(code=source_of(filename), options=NVRTC_OPTIONS, name_expressions=list(names))
         mod.compile()
     return mod
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """Kernels compiled as a module of their own (MoE, LoRA), set up once here: the instances one
+    dtype asks for (``names``), every instance (what the compile test and the emulation build), the
+    module's source, and a launcher per device on torch's current stream."""
+
+    what: str  # "MoE kernels": the errors name it
+    source: str  # the file of cuda/
+    dtypes: tuple[str, ...]  # the dtypes built
+    names_of: Callable[[str], object]  # a built dtype -> its names (a dataclass of name expressions or None)
+    needs_cupy: str  # what the error says runs on these kernels when CuPy is missing
+    module_per_dtype: bool = False  # compile one dtype's instances at a time, else every instance at once
+    _launchers: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def names(self, dtype: str):
+        built_type(dtype, self.dtypes, self.what)
+        return self.names_of(dtype)
+
+    def all_name_expressions(self) -> list[str]:
+        return sorted({n for dtype in self.dtypes for n in vars(self.names(dtype)).values() if n})
+
+    def module_source(self) -> str:
+        """The family's file with our headers inlined (``source_of``)."""
+        return source_of(self.source)
+
+    def launcher(self, device) -> "FamilyLauncher":
+        """The launcher of ``device`` (a CUDA ``torch.device``), made once per process."""
+        if device.type != "cuda":
+            raise ValueError(f"the {self.what} run on a CUDA device (tensors on {device}); pass launcher= to emulate")
+        try:
+            import cupy  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"{self.needs_cupy}, which need CuPy (pip install 'folio[cuda12]' or 'folio[cuda13]')") from e
+        import torch
+
+        device_id = device.index if device.index is not None else torch.cuda.current_device()
+        if device_id not in self._launchers:
+            self._launchers[device_id] = FamilyLauncher(self, torch.device("cuda", device_id))
+        return self._launchers[device_id]
+
+
+class FamilyLauncher:
+    """Launches a ``KernelFamily``'s kernels (its module compiled once per process) on torch's current stream."""
+
+    def __init__(self, family: KernelFamily, device):
+        from folio.core.executor.kernels.cuda_backend import CupyLauncher
+
+        self.family = family
+        self._streams = CupyLauncher(device)  # its view of torch's current stream
+        self.num_sms = self._streams.num_sms
+
+    def launch(self, names, kernel: str, grid, block, args, device) -> None:
+        module = (tuple(sorted(n for n in vars(names).values() if n)) if self.family.module_per_dtype
+                  else tuple(self.family.all_name_expressions()))
+        self._streams.launch_from(self.family.source, module, getattr(names, kernel), grid, block, args, device)
 
 
 def compiled_kernel(name: str, names: KernelNames | FusedNames | QuantNames | GemmNames, device_id: int):

@@ -35,7 +35,6 @@ launch the same instances in the CPU emulation (``tests/cuda/test_lora_kernels.p
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,20 +71,20 @@ class LoraNames:
     sgmv_expand_mma: str | None
 
 
-def lora_names(dtype: str) -> LoraNames:
-    if dtype not in LORA_DTYPES:
-        raise ck.UnsupportedKernelError(f"no LoRA kernels for dtype {dtype} (built: {', '.join(LORA_DTYPES)})")
-    t = ck.DTYPES[dtype]
-    mma = dtype in MMA_DTYPES
+def _lora_names(dtype: str) -> LoraNames:
+    t, mma = ck.DTYPES[dtype], dtype in MMA_DTYPES
     return LoraNames(bgmv_shrink=f"folio::bgmv_shrink<{t}>", sgmv_shrink=f"folio::sgmv_shrink<{t}>",
                      bgmv_expand=f"folio::lora_expand<{t}, false>", sgmv_expand=f"folio::lora_expand<{t}, true>",
                      sgmv_shrink_mma=f"folio::sgmv_shrink_mma<{t}>" if mma else None,
                      sgmv_expand_mma=f"folio::sgmv_expand_mma<{t}>" if mma else None)
 
 
-def all_name_expressions() -> list[str]:
-    """Every instance ``lora_names`` can ask for (what the compile test and the emulation build)."""
-    return sorted({name for dtype in LORA_DTYPES for name in vars(lora_names(dtype)).values() if name})
+FAMILY = ck.KernelFamily("LoRA kernels", SOURCE, LORA_DTYPES, _lora_names,
+                         needs_cupy="LoRA on a GPU runs folio's LoRA kernels")
+lora_names = FAMILY.names  # the instances one dtype asks for
+all_name_expressions = FAMILY.all_name_expressions
+module_source = FAMILY.module_source
+cupy_launcher = FAMILY.launcher
 
 
 def shape_problems(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> list[str]:
@@ -224,39 +223,3 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
                      np.int32(num_segs), np.int32(n), np.int32(out), np.int32(r_max), np.int32(splits),
                      np.int64(y.stride(0))], x.device)
     return y
-
-
-# ---------------------------------------------------------------------------- compiling on a GPU
-def module_source() -> str:
-    """``cuda/lora.cu`` with our headers inlined (``cuda_kernels.source_of``)."""
-    return ck.source_of(SOURCE)
-
-
-class LoraCupyLauncher:
-    """Launches the LoRA kernels (one module, every instance, compiled once per process) on torch's
-    current stream."""
-
-    def __init__(self, device: torch.device):
-        from folio.core.executor.kernels.cuda_backend import CupyLauncher
-
-        self._streams = CupyLauncher(device)  # its view of torch's current stream
-
-    def launch(self, names: LoraNames, kernel: str, grid, block, args, device: torch.device) -> None:
-        self._streams.launch_from(SOURCE, tuple(all_name_expressions()), getattr(names, kernel), grid, block, args,
-                                  device)
-
-
-@functools.cache
-def _launcher_for(device_id: int) -> LoraCupyLauncher:
-    return LoraCupyLauncher(torch.device("cuda", device_id))
-
-
-def cupy_launcher(device: torch.device) -> LoraCupyLauncher:
-    if device.type != "cuda":
-        raise ValueError(f"the LoRA kernels run on a CUDA device (tensors on {device}); pass launcher= to emulate")
-    try:
-        import cupy  # noqa: F401
-    except ImportError as e:
-        raise ValueError("LoRA on a GPU runs folio's LoRA kernels, which need CuPy "
-                         "(pip install 'folio[cuda12]' or 'folio[cuda13]')") from e
-    return _launcher_for(device.index if device.index is not None else torch.cuda.current_device())

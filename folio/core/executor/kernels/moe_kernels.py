@@ -30,7 +30,6 @@ the CPU emulation (``tests/cuda/test_moe_kernels.py``).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,19 +63,19 @@ class MoeNames:
     combine: str
 
 
-def moe_names(dtype: str) -> MoeNames:
-    if dtype not in MOE_DTYPES:
-        raise ck.UnsupportedKernelError(f"no MoE kernels for activations of dtype {dtype} "
-                                        f"(built: {', '.join(MOE_DTYPES)})")
+def _moe_names(dtype: str) -> MoeNames:
     t = ck.DTYPES[dtype]
     return MoeNames(route=f"folio::moe_route<{t}>", group="folio::moe_group", plan="folio::moe_plan",
                     gate_up=f"folio::moe_gemm<{t}, true>", down=f"folio::moe_gemm<{t}, false>",
                     combine=f"folio::moe_combine<{t}>")
 
 
-def all_name_expressions() -> list[str]:
-    """Every instance ``moe_names`` can ask for (what the compile test and the emulation build)."""
-    return sorted({name for dtype in MOE_DTYPES for name in vars(moe_names(dtype)).values()})
+FAMILY = ck.KernelFamily("MoE kernels", SOURCE, MOE_DTYPES, _moe_names,
+                         needs_cupy="mixture-of-experts models on a GPU run folio's MoE kernels", module_per_dtype=True)
+moe_names = FAMILY.names  # the instances one activation dtype asks for
+all_name_expressions = FAMILY.all_name_expressions
+module_source = FAMILY.module_source
+cupy_launcher = FAMILY.launcher
 
 
 def shape_problems(hidden: int, intermediate: int, num_experts: int, top_k: int) -> list[str]:
@@ -202,37 +201,3 @@ def routed_experts(moe, x: torch.Tensor) -> torch.Tensor | None:
     launcher = getattr(moe, "kernel_launcher", None) or cupy_launcher(x.device)
     logits = torch.nn.functional.linear(x, moe.gate.weight)  # [n, E], the model's dtype (as MoE.route)
     return fused_moe(launcher, x, logits, w_gate_up, w_down, moe.top_k, moe.norm_topk_prob)
-
-
-# ---------------------------------------------------------------------------- compiling on a GPU
-def module_source() -> str:
-    """``cuda/moe.cu`` with our headers inlined (``cuda_kernels.source_of``)."""
-    return ck.source_of(SOURCE)
-
-
-class MoeCupyLauncher:
-    """Launches the MoE kernels (compiled per dtype, once per process) on torch's current stream."""
-
-    def __init__(self, device: torch.device):
-        from folio.core.executor.kernels.cuda_backend import CupyLauncher
-
-        self._streams = CupyLauncher(device)  # its view of torch's current stream
-        self.num_sms = self._streams.num_sms
-
-    def launch(self, names: MoeNames, kernel: str, grid, block, args, device: torch.device) -> None:
-        self._streams.launch_from(SOURCE, tuple(sorted(vars(names).values())), getattr(names, kernel), grid, block,
-                                  args, device)
-
-
-@functools.cache
-def _launcher_for(device_id: int) -> MoeCupyLauncher:
-    return MoeCupyLauncher(torch.device("cuda", device_id))
-
-
-def cupy_launcher(device: torch.device) -> MoeCupyLauncher:
-    try:
-        import cupy  # noqa: F401
-    except ImportError as e:
-        raise ValueError("mixture-of-experts models on a GPU run folio's MoE kernels, which need CuPy "
-                         "(pip install 'folio[cuda12]' or 'folio[cuda13]')") from e
-    return _launcher_for(device.index if device.index is not None else torch.cuda.current_device())
