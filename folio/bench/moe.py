@@ -77,11 +77,10 @@ def step_ms(steps: int, *runs) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size I")
-    ap.add_argument("--layers", type=int, default=4)
+    sizes = {"--steps": (30, "timed steps of each model, after 3 warm-up steps"), "--batch": (64, "decode rows a step"), "--hidden": (512, "hidden size"),
+             "--expert-size": (512, "each expert's intermediate size I"), "--layers": (4, "decoder layers")}
+    for flag, (default, what) in sizes.items():
+        ap.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     ap.add_argument("--profile", action="store_true", help="print the MoE step's operations (torch profiler)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the comparison is of work, not of thread scaling on a shared machine
