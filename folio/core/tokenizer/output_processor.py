@@ -183,12 +183,11 @@ class OutputProcessor:
             else:
                 self._fold(state, TokenDelta(req_id=req_id, token_ids=[token_id]), outputs, aborts)
         for delta in batch.deltas:
-            req_id = delta.req_id
-            state = requests.get(req_id)
+            state = requests.get(delta.req_id)
             if state is None:
-                unknown.append(req_id)
+                unknown.append(delta.req_id)
                 continue
-            token_ids = delta.token_ids
+            req_id, token_ids = delta.req_id, delta.token_ids
             if (state.plain and req_id not in outputs and len(token_ids) == 1 and delta.finish_reason is None
                     and delta.logprobs is None and delta.prompt_logprobs is None and delta.queue_time_s is None
                     and not delta.num_prompt_tokens):

@@ -53,8 +53,26 @@ from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLog
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
 
 
+class _RowColumn:
+    """A read-only attribute: the request's entry in one column of the persistent batch."""
+
+    def __init__(self, column: str):
+        self.column = column
+
+    def __get__(self, state, owner=None):
+        return self if state is None else int(getattr(state.batch, self.column)[state.row])
+
+    def __set__(self, state, value):
+        raise AttributeError(f"{self.column} is the batch's: change it there")
+
+
 class RunnerRequest:
     """What the runner keeps of a request besides its row of the persistent batch."""
+
+    seed = _RowColumn("seeds")  # the key of its draws: its own seed, or the random one drawn when it joined
+    num_prompt_tokens = _RowColumn("num_prompt")
+    adapter = _RowColumn("lora_ids")
+    num_computed_tokens = _RowColumn("num_computed")
 
     def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: WireSampling, append_sampled: bool):
         self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
@@ -62,23 +80,6 @@ class RunnerRequest:
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
         self.matcher: object | None = None  # structured output: its grammar's state after its tokens
-
-    @property
-    def seed(self) -> int:
-        """The key of its draws: its own seed, or the random one drawn when it joined."""
-        return int(self.batch.seeds[self.row])
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return int(self.batch.num_prompt[self.row])
-
-    @property
-    def adapter(self) -> int:
-        return int(self.batch.lora_ids[self.row])
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return int(self.batch.num_computed[self.row])
 
     @property
     def token_ids(self) -> list[int]:
