@@ -202,6 +202,21 @@ class MoECausalLM(CausalLM):
 
     ckpt_block = "mlp"
     ckpt_expert_names = ("gate_proj", "up_proj", "down_proj")
+    qk_norm = ""  # the family's q/k norm (``ModelSpec.qk_norm``)
+
+    @classmethod
+    def spec_from_config(cls, config) -> ModelSpec:
+        """The spec from Qwen-MoE's config fields (``num_experts``, ``norm_topk_prob``,
+        ``moe_intermediate_size``), as OLMoE and both Qwen MoE families name them, with the family's
+        ``moe_options``."""
+        options = {"num_experts": config.num_experts, "norm_topk_prob": bool(config.norm_topk_prob),
+                   "moe_intermediate_size": getattr(config, "moe_intermediate_size", None), "qk_norm": cls.qk_norm}
+        return moe_spec(config, **{**options, **cls.moe_options(config)})
+
+    @classmethod
+    def moe_options(cls, config) -> dict:
+        """What the family reads from its config beyond the shared fields (overrides them)."""
+        return {}
 
     def make_layer(self, index: int) -> DecoderLayer:
         spec = self.spec
