@@ -120,14 +120,9 @@ class BlockAllocator:
         self._filled: set[int] = set()  # device blocks whose bytes land by this step's copies
 
     # ------------------------------------------------------------------ views
-    @property
-    def num_free_blocks(self) -> int:
-        """Device blocks an allocation may still take (free plus evictable cached)."""
-        return self.device.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.device.num_used_blocks
+    # device blocks an allocation may still take (free plus evictable cached), and those held
+    num_free_blocks = property(lambda self: self.device.num_free_blocks)
+    num_used_blocks = property(lambda self: self.device.num_used_blocks)
 
     @property
     def free_block_ids(self) -> list[int]:
