@@ -81,15 +81,10 @@ class KernelAttentionBackend:
         return plans[key]
 
     # ------------------------------------------------------------------ per layer
-    def write_kv(
-        self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], any token/head strides
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_scales=(1.0, 1.0),  # an fp8 pool's (k_scale, v_scale) or KVScales: stored = (value - shift) / scale
-    ) -> None:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, kv_scales=(1.0, 1.0)) -> None:
+        """``TorchAttentionBackend.write_kv`` on the CUDA kernels (``key`` and ``value`` of any token
+        and head strides)."""
         num_tokens, num_kv_heads, head_dim = key.shape
         if num_tokens == 0:
             return
