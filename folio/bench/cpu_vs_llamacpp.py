@@ -2,22 +2,7 @@
 
     folio bench cpu-vs-llamacpp [--shapes smollm2 1b] [--threads 2] [--runs 3]
 
-For each shape (``smollm2``: the packaged SmolLM2-135M-Instruct Q4_1, which folio serves int4 from
-that file; ``1b``: Llama-3.2-1B's dimensions with random weights, written by llama.cpp's converter and
-quantizer, ``folio.testing.gguf_models``) it starts ``folio serve`` and ``llama-server`` (found, or
-built from the llama-cpp-python sdist's sources: ``folio.testing.llamacpp``) with the same thread
-count and 32 slots, and measures in alternating runs:
-
-- single stream: 128 tokens of one completion (``ignore_eos``), the best of ``--runs``;
-- mixed: 48 requests, 32 at once, prompts of 16-160 words and 8-80 output tokens (seeded), the
-  first run after start and the warm runs after it;
-- in process (``folio.LLM``, after the servers stop): single-stream tokens a second, and the share
-  of the roofline that is: the weight bytes a token reads (every tensor of the GGUF but an
-  embedding table the LM head does not read) over the bandwidth measured here (a 256 MB copy and a
-  sum with torch, all threads).
-
-Each figure prints as ``label: value`` (``folio bench`` collects them), then the table with the
-ratios, then the share of the CPU that other processes took meanwhile: nothing else should run.
+More in docs/modules.md (folio/bench/cpu_vs_llamacpp.py).
 """
 
 from __future__ import annotations

@@ -8,12 +8,7 @@ of perplexities (quantized / reference) on the text.
 
 Exits 1 when a configuration misses its target (see TARGETS), so CI can run it as a gate.
 
-    python scripts/eval_quant.py [--model M] [--configs int4 int8] [--num-tokens 10240]
-    python scripts/eval_quant.py --configs awq=/path/to/awq-folder int4-g64 ...
-
-A config is ``NAME`` (a --quantization value on ``--model``; ``int4-gN`` picks the group size),
-``NAME=FOLDER`` (a quantized folder served with its own quantization), or ``kv-fp8``: the fp32
-weights over an FP8 (e4m3) KV pool whose per-layer scales are calibrated as the executor does.
+More in docs/modules.md (folio/bench/eval_quant.py).
 """
 
 from __future__ import annotations

@@ -8,14 +8,7 @@
    filled last block) against 4 independent requests sent together, with and without prefix
    caching.
 
-3. With ``--kv-disk-dir DIR``, instead: the disk tier across a restart. A fresh server (a new
-   runner: a new, empty pool) with its disk tier on DIR serves a ~2,000-token prompt cold and
-   stops; a second fresh server on the same folder serves the same prompt. Prints both times to
-   first token, their ratio, the second server's disk hits (its kvmanager's ``tiers``) and
-   whether the outputs are equal.
-
-    python scripts/bench_prefix_cache.py [--model PATH] [--num-requests 8] [--system-tokens 800]
-    python scripts/bench_prefix_cache.py --kv-disk-dir /tmp/kv [--system-tokens 2000]
+More in docs/modules.md (folio/bench/prefix_cache.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """The KV-cache-aware router against round-robin routing, measured in one run.
 
-Two real ``folio serve`` replicas (CPU, small KV pools) behind ``folio run router``: first with
-``--policy round_robin``, then with the default cache-aware policy, on the same workload and the
-same replicas (their caches cleared in between). The workload: ``--groups`` conversations, each
-with its own long system prompt (about ``--system-tokens`` tokens), asking ``--rounds`` questions
-one round at a time (every group's question of a round sent at once, in a shuffled order, as
-traffic comes: a fixed order would let round-robin keep each group on one replica by chance;
-streamed). The pools are
-sized so that one replica holds about half of the groups' prefixes: round-robin sends every
-prefix to both replicas and they evict each other's; cache-aware keeps each group on one.
-
-Prints, per policy: TTFT of the later requests (rounds after the first, whose prefix was computed
-before) and of all, requests/s and output tokens/s, and each replica's prefix-cache counters
-(tokens found cached / tokens asked), plus the CPU share other processes took meanwhile.
-
-    flock /tmp/folio-bench.lock python scripts/bench_router.py [--model PATH] [--groups 4] [--rounds 3]
+More in docs/modules.md (folio/bench/router.py).
 """
 
 from __future__ import annotations

@@ -8,12 +8,7 @@ that has to go with it. It runs a vocabulary of 512 so that the sampler's arithm
 hide its overhead. Decode steps at batch 1, 64 and 256, greedy and with temperature 0.8, top-p
 0.95 and presence/frequency/repetition penalties; ms per step for each.
 
-    python scripts/bench_step.py [--steps 40] [--profile] [--device cuda] [--smollm] [--batch-invariance]
-
-With ``--device cuda`` it also runs the random-weight Llama-3.2-1B shape (hidden 2048, 16 layers,
-32 heads, 8 KV heads, vocabulary 49,152, bf16) in process, eager (``enforce_eager``) and with CUDA
-graphs of the decode step, and prints tokens/s and ms per step of each (``--modes`` picks them).
-The last line is always ``host ms/step at B=256: X`` (greedy).
+More in docs/modules.md (folio/bench/step.py).
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """``folio``: one command for people and containers.
 
-- ``folio serve [flags]``: the five services as processes on ipc:// sockets, HTTP on --port;
-- ``folio run SERVICE [flags]``: one service alone (what each compose container runs), or the
-  router in front of many replicas (``folio run router --replica URL ...``);
-- ``folio prepare [--force]``: convert the packaged default model once;
-- ``folio chat [--url URL]``: talk to a model in the terminal through any OpenAI-compatible server;
-- ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
-- ``folio train-draft --out DIR [--model M]``: train an eagle3 draft head on the model's own answers;
-- ``folio bench serve [flags]``: vLLM's serving benchmark figures against any OpenAI-compatible
-  endpoint; ``folio bench NAME``: the benchmark ``folio.bench.NAME`` with one summary format (``folio bench list``);
-- ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
-  ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
-  ``folio router stats|replicas`` (``--json``):
-  ask a running service's admin socket, found by ``--port`` (the server's HTTP port: its run
-  folder is /tmp/folio-PORT) or ``--run-dir``;
-- ``folio keys init DIR``: make the stack's key folder (CURVE key pairs, a server pair per service,
-  the handle-signing secret); keeps the keys already there. ``folio keys split DIR OUT --service
-  NAME``: the reduced folder one service's container needs (its own secret only). Services and
-  admin commands read it with ``--keys-dir`` or ``$FOLIO_KEYS_DIR``, and refuse a tcp endpoint
-  without it;
-- ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks);
-  ``folio health gateway --http URL`` asks the gateway's ``/health`` instead, which pings them all.
+More in docs/modules.md (folio/cli/main.py).
 """
 
 from __future__ import annotations

@@ -9,18 +9,7 @@ Pool layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads,
 fp8 pool (``kv_quant``) stores e4m3 values with the layer's scales, the gather dequantizes.
 Slot of the token at position p: ``block_table[p // block_size] * block_size + p % block_size``.
 
-Two per-layer attention variants are parameters of ``attend``, not copies of it:
-
-- a sliding window W > 0: the token at position p attends keys at positions p - W < k <= p
-  (transformers' ``sliding_window``), in decode, chunked prefill, prefix-cached continuation and
-  verification alike. The step's plan is built once; each window's masks (and the blocks they
-  cover) are derived from it the first time a layer asks for that window, and kept in the plan.
-  Blocks wholly before a token's window are never gathered: a scheduler may free them and point
-  their table entries anywhere, since nothing there enters the arithmetic (not even as a masked
-  term: a masked key still goes through q.k and p.v, where NaN or inf garbage would surface).
-- a logit soft-cap c > 0: s = c * tanh(s / c) after the scale, before the mask. SDPA cannot cap,
-  so a capped layer computes its scores explicitly (fp32 matmuls, the cap, the mask as a select,
-  softmax, @ v). Without a cap (windowed or not) attention stays SDPA's.
+More in docs/modules.md (folio/core/executor/kernels/attention.py).
 """
 
 from __future__ import annotations

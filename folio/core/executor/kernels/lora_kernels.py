@@ -10,27 +10,7 @@ no adapter (the row is left alone). x, y, lora_a and lora_b share one dtype (flo
 float32); accumulation and the ``[rows, r_max]`` intermediate are fp32, and each output is rounded
 once (``y + scale * delta`` in fp32).
 
-- ``bgmv(y, x, lora_a, lora_b, indices, scales)``: decode rows; ``indices [n]`` the slot of each row.
-  Launches ``bgmv_shrink`` (one warp per (row, rank row)) and ``lora_expand<T, false>`` (one thread
-  per output column of a row).
-- ``sgmv(y, x, lora_a, lora_b, seg_starts, seg_slots, scales)``: contiguous row segments (prefill
-  chunks), ``seg_starts`` either ``[num_segs + 1]`` (Punica's offsets, the last = the end of the last
-  segment) or ``[num_segs]`` (the last segment then ends at row n), ``seg_slots [num_segs]``.
-  Launches ``sgmv_shrink`` (per work item of up to ``LORA_BM`` rows of one segment and per k split:
-  the segment's A tile is loaded once for its rows) and ``lora_expand<T, true>`` (B read once per
-  item).
-
-Nothing loops over rows on the host and nothing reads back from the device: the grids are sized
-from shapes (``n // LORA_BM + num_segs`` SGMV work items at most) and each CTA finds its rows on the
-device, so the launches can be captured in a CUDA graph. The work grows with the rows and the
-distinct segments, not with a host loop. Sizes the kernels take (``shape_problems`` names the
-others; the caller keeps its torch path then): ``in`` and ``r_max`` multiples of 8, ``r_max <=
-MAX_RANK``, x, y, lora_a, lora_b with unit column stride.
-
-Kernels are compiled by CuPy's ``RawModule`` (NVRTC) from ``cuda/lora.cu`` with our headers inlined
-and the loader's options, once per process, and launched on torch's current stream. The tests
-launch the same instances in the CPU emulation (``tests/cuda/test_lora_kernels.py``) by passing
-``launcher=``.
+More in docs/modules.md (folio/core/executor/kernels/lora_kernels.py).
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """Mixture-of-experts on CUDA: the launch wrapper of ``cuda/moe.cu`` (routing + grouped GEMM).
 
-``fused_moe(launcher, x, router_logits, w_gate_up, w_down, top_k, renormalize)`` runs a block's
-routed experts in six launches, with no host synchronisation (the work list is built on the
-device and the GEMM grids are sized for the worst case, so a step can be captured in a CUDA graph):
-
-1. ``moe_route``: per token, softmax of the router's logits in fp32, the top-k experts (largest
-   first) and their weights, renormalised to sum to 1 when ``renormalize`` (``norm_topk_prob``);
-2. ``moe_group``: per expert, its offset and its rows of the permutation of (token, slot) pairs
-   sorted by expert, tokens ascending (``torch.argsort(ids.flatten(), stable=True)``);
-3. ``moe_plan``: the work items (expert, 64 sorted rows);
-4. ``moe_gemm<T, true>``: per item and 64 columns, ``silu(x W_gate^T) * (x W_up^T)`` with the rows
-   gathered from x through the permutation (mma.sync m16n8k16, fp32 accumulation);
-5. ``moe_gemm<T, false>``: the down projection, each row written to its (token, slot) place;
-6. ``moe_combine``: each token's k slots times their weights, summed in slot order in fp32
-   (deterministic: no atomics).
-
-Activations and expert weights are float16 or bfloat16 (the model's dtype). Sizes the kernels
-take (``check_moe_shapes`` says which one is off): hidden and intermediate sizes multiples of 16,
-at most ``MAX_EXPERTS`` experts, ``1 <= top_k <= min(32, num_experts)``. ``MoE.forward``
-(``model/moe.py``) calls ``routed_experts`` for activations on a GPU (or with a launcher set on
-the block, as the emulated tests do) and keeps the torch path where these do not hold (fp32 or
-quantized experts, other sizes).
-
-Kernels are compiled by CuPy's ``RawModule`` (NVRTC) from ``cuda/moe.cu`` with our headers
-inlined and the loader's options (``cuda_kernels.NVRTC_OPTIONS``), once per dtype and process, and
-launched on torch's current stream (``MoeCupyLauncher``). The tests launch the same instances in
-the CPU emulation (``tests/cuda/test_moe_kernels.py``).
+More in docs/modules.md (folio/core/executor/kernels/moe_kernels.py).
 """
 
 from __future__ import annotations

@@ -5,15 +5,7 @@ The executor service wraps this behind its socket. The scheduler sends per-step 
 what it needs of each request between steps (its tokens, block table, sampling params and the
 seed of its draws), flattens the step into one varlen batch, runs the model and samples.
 
-With tensor parallelism every rank has a runner over its shard (``workers.py`` drives them):
-rank 0 samples in ``execute`` and notes the tokens it appended; the other ranks ``follow`` the
-same plan, run the same forward pass and logits (the collectives), and append rank 0's tokens
-when the next plan brings them.
-
-With ``enable_lora`` the runner holds a ``lora.LoRAManager`` (adapters registered from
-``lora_modules`` at start, or by ``add_lora``) and wraps the model's projections; each step gives
-every token its adapter's slot (a request's adapter id per row of the batch, repeated over its
-tokens: no loop over requests) and the projections add the batched delta.
+More in docs/modules.md (folio/core/executor/runtime/runner.py).
 """
 
 from __future__ import annotations
