@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.kernel_family import KernelFamily
 
 SOURCE = "lora.cu"
 # Mirrors constants of cuda/lora.cu (the tests check they agree).
@@ -59,7 +60,7 @@ def _lora_names(dtype: str) -> LoraNames:
                      sgmv_expand_mma=f"folio::sgmv_expand_mma<{t}>" if mma else None)
 
 
-FAMILY = ck.KernelFamily("LoRA kernels", SOURCE, LORA_DTYPES, _lora_names,
+FAMILY = KernelFamily("LoRA kernels", SOURCE, LORA_DTYPES, _lora_names,
                          needs_cupy="LoRA on a GPU runs folio's LoRA kernels")
 lora_names = FAMILY.names  # the instances one dtype asks for
 all_name_expressions = FAMILY.all_name_expressions

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.kernel_family import KernelFamily
 
 SOURCE = "moe.cu"
 # Mirrors constants of cuda/moe.cu (the tests check they agree).
@@ -45,7 +46,7 @@ def _moe_names(dtype: str) -> MoeNames:
                     combine=f"folio::moe_combine<{t}>")
 
 
-FAMILY = ck.KernelFamily("MoE kernels", SOURCE, MOE_DTYPES, _moe_names,
+FAMILY = KernelFamily("MoE kernels", SOURCE, MOE_DTYPES, _moe_names,
                          needs_cupy="mixture-of-experts models on a GPU run folio's MoE kernels", module_per_dtype=True)
 moe_names = FAMILY.names  # the instances one activation dtype asks for
 all_name_expressions = FAMILY.all_name_expressions
