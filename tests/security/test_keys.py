@@ -127,7 +127,7 @@ def test_serve_reads_a_complete_key_folder_without_writing_to_it(tmp_path, monke
 def test_a_tcp_socket_without_keys_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("FOLIO_KEYS_DIR")
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))  # no folder of `folio serve`'s either
-    monkeypatch.setattr(plane, "_state", {"keys": None, "set": False, "service": None})
+    monkeypatch.setattr(curve, "_state", {"keys": None, "set": False, "service": None})
     ctx = zmq.Context()
     with pytest.raises(curve.MissingKeys, match="folio keys init"):
         make_socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", service="kvmanager")
