@@ -63,7 +63,7 @@ class LLM:
     ``speculative_config={"method": "suffix"}`` (a dict or its JSON) drafts tokens to verify."""
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
-        from folio.core.models import resolve_model
+        from folio.core.model_files import resolve_model
         from folio.core.executor.runtime.runner import ModelRunner
         from folio.core.tokenizer.text import TextTokenizer
 

@@ -5,16 +5,7 @@ child runs ``folio run NAME`` with the flags that concern it; the sockets live i
 (``--run-dir``; default ``$FOLIO_RUN_DIR``, else one folder per port, /tmp/folio-PORT), claimed
 with a lock held for the server's life, so two servers can never share sockets.
 
-``supervise.Supervisor`` restarts a child that dies (with backoff, at most ``--max-restarts`` a
-minute per service; past that everything stops with a message); ``--no-restart`` stops everything
-at the first death instead. Ctrl-C or SIGTERM stops them all: the gateway first, which drains its
-streams, then the rest. Children are in their own process group (a Ctrl-C reaches only us) and get
-SIGTERM if we vanish.
-
-Once ``/health`` answers 200 it logs the start-up time, each service's time to answer and the
-executor's phases (imports, weights, pool, kernels, graphs; ``folio.shared.startup``) in one line.
-The services start together: none waits for another to start (the scheduler waits for the pool
-inside its own process).
+More in docs/modules.md (services/serve.py).
 """
 
 from __future__ import annotations
@@ -31,10 +22,10 @@ from pathlib import Path
 
 from folio.shared.config import LAUNCHED, Endpoints, default_run_dir
 from folio.shared.flags import add_launcher_flags, forwarded_argv
-from folio.shared.loops import admin_call
+from folio.shared.transport import admin_call
 
 SERVICES = LAUNCHED  # start order
-EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.shared.startup``'s
+EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.core.executor.startup``'s
 LOCK_NAME = "serve.lock"
 _PR_SET_PDEATHSIG = 1
 
@@ -105,9 +96,9 @@ def _die_with_parent() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.services.supervise import Supervisor
-    from folio.shared.speculative import speculative_refusal
+    from folio.core.executor.runtime.spec_config import speculative_refusal
 
     if args.lora_modules and not args.enable_lora:
         print("folio: --lora-modules needs --enable-lora", file=sys.stderr)

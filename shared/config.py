@@ -88,7 +88,7 @@ def default_keys_dir() -> Path:
 @dataclass(frozen=True)
 class PlaneConfig:
     """The internal plane: every service takes the key folder its tcp sockets authenticate with
-    (``shared/plane.py``; read once per process, not carried in the service's config)."""
+    (``shared/curve.py``; read once per process, not carried in the service's config)."""
 
     keys_dir: str | None = flag(None, "the stack's key folder (`folio keys init DIR`; or $FOLIO_KEYS_DIR): every "
                                 "tcp socket speaks CURVE with its keys; needed with tcp endpoints", ALL_SERVICES,
@@ -115,16 +115,6 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "folio"
-
-
-def c_compiler() -> str | None:
-    """The C compiler for the executor's CPU kernels: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
-    import shutil
-
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
 
 
 @dataclass(frozen=True)
@@ -182,7 +172,7 @@ class RuntimeConfig:
                                           "|\"draft_model\", \"num_speculative_tokens\": K, \"model\": DIR, ...} "
                                           "(keys: docs/speculative.md; default: off)", ("executor", "scheduler"),
                                           metavar="JSON")
-    # the older spelling, kept as aliases of --speculative-config (shared/speculative.py maps them)
+    # the older spelling, kept as aliases of --speculative-config (runtime/spec_config.py maps them)
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
                                          "'ngram' (prompt lookup) or 'suffix'; default: off", ("executor", "scheduler"))
     num_speculative_tokens: int = flag(0, "draft tokens proposed per step", ("executor",))

@@ -2,22 +2,7 @@
 
     folio bench cpu-vs-llamacpp [--shapes smollm2 1b] [--threads 2] [--runs 3]
 
-For each shape (``smollm2``: the packaged SmolLM2-135M-Instruct Q4_1, which folio serves int4 from
-that file; ``1b``: Llama-3.2-1B's dimensions with random weights, written by llama.cpp's converter and
-quantizer, ``folio.testing.gguf_models``) it starts ``folio serve`` and ``llama-server`` (found, or
-built from the llama-cpp-python sdist's sources: ``folio.testing.llamacpp``) with the same thread
-count and 32 slots, and measures in alternating runs:
-
-- single stream: 128 tokens of one completion (``ignore_eos``), the best of ``--runs``;
-- mixed: 48 requests, 32 at once, prompts of 16-160 words and 8-80 output tokens (seeded), the
-  first run after start and the warm runs after it;
-- in process (``folio.LLM``, after the servers stop): single-stream tokens a second, and the share
-  of the roofline that is: the weight bytes a token reads (every tensor of the GGUF but an
-  embedding table the LM head does not read) over the bandwidth measured here (a 256 MB copy and a
-  sum with torch, all threads).
-
-Each figure prints as ``label: value`` (``folio bench`` collects them), then the table with the
-ratios, then the share of the CPU that other processes took meanwhile: nothing else should run.
+More in docs/modules.md (folio/bench/cpu_vs_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -82,7 +67,7 @@ def weight_bytes_per_token(gguf_path: str) -> int:
 def shape_model(shape: str) -> tuple[str, str]:
     """(what folio serves, the GGUF llama.cpp serves) for a shape."""
     if shape == "smollm2":
-        from folio.core.models import packaged_gguf
+        from folio.core.model_files import packaged_gguf
 
         return "SmolLM2-135M-Instruct", str(packaged_gguf())
     if shape == "1b":
@@ -93,7 +78,7 @@ def shape_model(shape: str) -> tuple[str, str]:
     raise SystemExit(f"unknown shape {shape!r}: smollm2 or 1b")
 
 
-class Server:
+class ComparedServer:
     def __init__(self, name: str, command: list[str], port: int, env: dict, log: Path):
         self.name, self.port, self.log = name, port, log
         self.proc = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
@@ -189,9 +174,9 @@ def bench_shape(shape: str, args, binary: str, bandwidth: float, meter: CpuMeter
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     fport, lport = free_port(), free_port()
     servers = {
-        "folio": Server("folio serve", [sys.executable, "-m", "folio.cli.main", "serve", "--model", folio_model,
+        "folio": ComparedServer("folio serve", [sys.executable, "-m", "folio.cli.main", "serve", "--model", folio_model,
                                         "--port", str(fport)], fport, env, tmp / "folio.log"),
-        "llama.cpp": Server("llama-server", server_command(binary, gguf_path, lport, args.concurrency)
+        "llama.cpp": ComparedServer("llama-server", server_command(binary, gguf_path, lport, args.concurrency)
                             + ["-t", str(args.threads), "-tb", str(args.threads)], lport, env, tmp / "llama.log"),
     }
     ports = {"folio": fport, "llama.cpp": lport}

@@ -1,21 +1,6 @@
 """Kernel figures of the cuda backend on a GPU (run by scripts/gpu_check.sh).
 
-1. Device copy bandwidth (a large device-to-device copy: bytes read + written per second), the
-   ceiling a memory-bound kernel can approach.
-2. Decode (one new token per sequence): head 64 and 128, GQA groups 1, 4 and 8 (8 KV heads),
-   contexts 128 to 32k, batches 1 to 256, bf16, block 16, blocks scattered over the pool. Each row:
-   the paged kernel's time, its bandwidth (the K/V bytes it must read / time), that bandwidth as a
-   fraction of (1), and its time over contiguous torch SDPA's on equal shapes. Paged times are
-   CUDA-graph replays (device time; the eager time, Python launches included, is in the JSON).
-   Shapes whose K/V exceed --max-kv-gib are skipped. Plus the issue's target row: B=256, L=136,
-   head 64, GQA 4.
-3. Prefill chunks of 512 and 2,048 tokens against 0 and 4k tokens of cached context (32 heads,
-   8 KV heads, head 128): TFLOP/s (causal: only visible pairs count) and the ratio to SDPA.
-4. Optionally (--e2e) greedy tokens/s of the in-process driver, cuda backend against torch.
-
-Speed figures come from here, never from the tests. Prints the CPU share other processes took while
-it ran. Usage:
-    python scripts/bench_kernels.py [--quick] [--json out.json] [--e2e] [--max-kv-gib 16]
+More in docs/modules.md (folio/bench/kernels.py).
 """
 
 from __future__ import annotations

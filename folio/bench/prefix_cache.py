@@ -8,14 +8,7 @@
    filled last block) against 4 independent requests sent together, with and without prefix
    caching.
 
-3. With ``--kv-disk-dir DIR``, instead: the disk tier across a restart. A fresh server (a new
-   runner: a new, empty pool) with its disk tier on DIR serves a ~2,000-token prompt cold and
-   stops; a second fresh server on the same folder serves the same prompt. Prints both times to
-   first token, their ratio, the second server's disk hits (its kvmanager's ``tiers``) and
-   whether the outputs are equal.
-
-    python scripts/bench_prefix_cache.py [--model PATH] [--num-requests 8] [--system-tokens 800]
-    python scripts/bench_prefix_cache.py --kv-disk-dir /tmp/kv [--system-tokens 2000]
+More in docs/modules.md (folio/bench/prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -29,9 +22,9 @@ import time
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
 from folio.shared.messages import TokenBatch, WireSampling
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 from folio.shared.transport import Decoder
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 
 # the back half's limits (its pool is the runner's, made in main)
 LIMITS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)

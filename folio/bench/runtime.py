@@ -21,7 +21,7 @@ from folio.core.engine import generate
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
 from folio.shared.messages import WireSampling
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 
 WORDS = "the a river mountain city code model light quiet storm paper engine story garden".split()
 

@@ -8,14 +8,7 @@ step N's result to receiving step N+1's plan is what the services cost on the cr
 every step: the scheduler reading the result, updating its requests, pushing the tokens, planning
 with its allocator replica, sending the step log and encoding the plan.
 
-    flock /tmp/folio-bench.lock .venv/bin/python scripts/bench_scheduler.py [--num-requests 256]
-
-Prints that gap (median, p90, mean) over the steps that ran exactly ``--num-requests`` decodes,
-the scheduler's own planning and update time per step (its stats), the plan's size on the wire,
-and the CPU share other processes took meanwhile. Then the same decode steps in one process,
-without sockets (plan, encode the plan and the log, decode it as the executor does, a result,
-update, encode the tokens), as CPU time per step: a figure that other work on the machine disturbs
-much less than wall time; then each part's wall time and each message's bytes per step.
+More in docs/modules.md (folio/bench/scheduler.py).
 """
 
 from __future__ import annotations

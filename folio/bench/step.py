@@ -8,12 +8,7 @@ that has to go with it. It runs a vocabulary of 512 so that the sampler's arithm
 hide its overhead. Decode steps at batch 1, 64 and 256, greedy and with temperature 0.8, top-p
 0.95 and presence/frequency/repetition penalties; ms per step for each.
 
-    python scripts/bench_step.py [--steps 40] [--profile] [--device cuda] [--smollm] [--batch-invariance]
-
-With ``--device cuda`` it also runs the random-weight Llama-3.2-1B shape (hidden 2048, 16 layers,
-32 heads, 8 KV heads, vocabulary 49,152, bf16) in process, eager (``enforce_eager``) and with CUDA
-graphs of the decode step, and prints tokens/s and ms per step of each (``--modes`` picks them).
-The last line is always ``host ms/step at B=256: X`` (greedy).
+More in docs/modules.md (folio/bench/step.py).
 """
 
 from __future__ import annotations
@@ -126,7 +121,7 @@ def run_null(args) -> float:
 
 def run_smollm(args) -> None:
     """SmolLM2-135M-Instruct on the CPU at batch 64: decode steps greedy and sampled."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     config = RuntimeConfig(device="cpu", num_kv_blocks=64 * 8, max_num_seqs=64, block_size=BLOCK_SIZE,
                            quantization=args.smollm_quantization)
@@ -161,7 +156,7 @@ def prefill_step(runner: ModelRunner, length: int) -> float:
 def run_invariance_cost(args) -> None:
     """SmolLM2 with ``--batch-invariant`` and without, in turns: decode steps at batch 1 and 64
     (greedy and sampled) and the prefill of a 512- and a 2048-token prompt; ms of each and on/off."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     path = str(prepare_default_model(quiet=True))
     runners = {}

@@ -26,7 +26,7 @@ from folio.core.structured.masks import apply_grammar_masks
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
 from folio.core.structured.grammar import check_spec
 from folio.shared.messages import GuidedSpec, WireSampling
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 
 # long enough that no row completes its structure within the measured tokens
 SCHEMA = {"type": "object", "properties": {

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="the default model's name or a model folder")
     parser.add_argument("out", help="the folder to write")
     args = parser.parse_args(argv)
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     try:
         path = quantize(resolve_model(args.model), Path(args.out), args.method, args.group_size,

@@ -21,10 +21,10 @@ from collections import deque
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.kv.window import all_layers_window
-from folio.core.scheduler.exchange import StepOutput
+from folio.core.scheduler.executor_step import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import scheduler_stats
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import TextTokenizer
 from folio.shared.messages import (
     EngineRequest,

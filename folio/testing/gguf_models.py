@@ -7,13 +7,7 @@ process: the GGUFs the readers are checked against. Most families take a Sentenc
 families only as a byte-level BPE whose pre-tokenizer it recognises, so those get SmolLM2's
 tokenizer and need a vocabulary of at least ``SMOLLM_VOCAB`` tokens.
 
-``write_llama_gguf(path, shape, qtype)`` writes a random-weight Llama of any ``shape`` one layer at a
-time (sharded safetensors, so memory stays at one layer's size), converts it with llama.cpp's
-converter to BF16 and quantizes it with its ``llama-quantize``. ``llama_1b_gguf(qtype)`` is that
-at Llama-3.2-1B's dimensions (``LLAMA_1B``), made once into ``<folio cache>/gguf/`` and keyed by
-the shape, the qtype and the llama.cpp pin: a second, larger shape for CPU benchmarks (speed does
-not depend on weight values). Its tokenizer is SmolLM2's, the vocabulary padded by the converter to
-the shape's 128,256 tokens. ``python -m folio.testing.gguf_models 1b [QTYPE]`` makes it.
+More in docs/modules.md (folio/testing/gguf_models.py).
 """
 
 from __future__ import annotations
@@ -55,7 +49,7 @@ def write_tiny_tokenizer(folder, max_pieces: int = 100) -> Path:
 def smollm_tokenizer_files(folder) -> Path:
     """SmolLM2's tokenizer files copied into ``folder``: from the prepared default model when there
     is one, else read from the packaged GGUF."""
-    from folio.core.models import default_model_dir, is_prepared, packaged_gguf
+    from folio.core.model_files import default_model_dir, is_prepared, packaged_gguf
 
     folder = Path(folder)
     source = default_model_dir()

@@ -1,19 +1,6 @@
 """llama.cpp's own tools for comparisons and test oracles: its sources, its converter, its binaries.
 
-Everything comes from one pinned llama-cpp-python source distribution (the llama.cpp it vendors),
-downloaded from the package index with pip and extracted once per machine under
-``<folio cache>/llama.cpp/`` (``llamacpp_source()``):
-
-- ``convert_hf_to_gguf(model_dir, out)`` runs llama.cpp's ``convert_hf_to_gguf.py`` with the
-  ``gguf-py`` beside it (not whichever ``gguf`` is installed), the writer the GGUF readers are
-  checked against; ``convert_many`` runs many conversions in one process;
-- ``build_llama_cpp()`` compiles ``llama-server`` and ``llama-quantize`` with CMake for this CPU
-  (no CURL, no OpenSSL, no GPU back-end) in one build folder kept in the cache, and copies the
-  binaries beside it: minutes on a small machine, once. ``python -m folio.testing.llamacpp
-  [JOBS]`` runs it;
-- ``find_llama_server()`` / ``find_llama_quantize()`` look at ``$FOLIO_LLAMA_SERVER`` /
-  ``$FOLIO_LLAMA_QUANTIZE``, then the PATH, then the ones built here. The tests only use binaries
-  that exist (or build them when ``FOLIO_BUILD_LLAMA_SERVER=1``).
+More in docs/modules.md (folio/testing/llamacpp.py).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import sys
 
 from folio.shared.config import ExecutorServiceConfig, RuntimeConfig
 from folio.shared.flags import config_values
-from folio.shared.loops import ServiceSpec
-from folio.shared.speculative import speculative_refusal
+from folio.services.shell import ServiceSpec
+from folio.core.executor.runtime.spec_config import speculative_refusal
 
 
 def check(parser, args) -> None:
@@ -19,7 +19,7 @@ def check(parser, args) -> None:
 
 
 def fields(args) -> dict:
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     return {"runtime": RuntimeConfig(**config_values(RuntimeConfig, args, "executor")),
             "model_path": str(resolve_model(args.model))}

@@ -45,7 +45,7 @@ from folio.services.gateway.service import GatewayService
 from folio.services.gateway.streaming import collect, stream
 from folio.shared import messages
 from folio.shared.keys import verify
-from folio.shared.plane import stack_keys
+from folio.shared.curve import stack_keys
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 SERVICE = web.AppKey("service", GatewayService)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from folio.shared.config import RouterConfig
-from folio.shared.loops import ServiceSpec, StartError
+from folio.services.shell import ServiceSpec, StartError
 
 
 def check(parser, args) -> None:
@@ -37,7 +37,7 @@ def open_service(config: RouterConfig, ctx, log):
 
     encoder = None
     if config.policy == "cache_aware":
-        from folio.core.models import resolve_model
+        from folio.core.model_files import resolve_model
         from folio.core.tokenizer.text import TextTokenizer
 
         try:

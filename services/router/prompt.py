@@ -70,7 +70,7 @@ class PromptEncoders:
 
 
 def _load(model_id: str, root: str) -> PromptEncoder | None:
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     try:
         encoder = PromptEncoder(TextTokenizer(resolve_model(root)))

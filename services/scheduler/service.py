@@ -16,7 +16,7 @@ Who talks to it:
   adapter; at most ``--max-loras`` distinct adapters run at once), ``requests``, ``abort``,
   ``drain`` (finish what was accepted, refuse new requests with 503) and ``resume``.
 With ``--otlp-traces-endpoint`` it records a traced request's queue span and, with the executor's
-step times, its prefill chunks and a summary of its decodes (``tracing.py``).
+step times, its prefill chunks and a summary of its decodes (``step_spans.py``).
 The loop sleeps on an event when there is no work (never polls) and wakes on the next message.
 """
 
@@ -31,12 +31,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from folio.core.scheduler.exchange import StepOutput
+from folio.core.scheduler.executor_step import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import describe_requests, scheduler_stats
 from folio.shared.config import SchedulerConfig
-from folio.shared.speculative import speculative_settings
-from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
+from folio.core.executor.runtime.spec_config import speculative_settings
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import close_sockets, receive_reply
 from folio.shared.messages import (
     AbortRequest,
     EngineRequest,
@@ -49,7 +50,7 @@ from folio.shared.messages import (
     TokenBatch,
     TokenDelta,
 )
-from folio.services.scheduler.tracing import SchedulerTracer
+from folio.services.scheduler.step_spans import SchedulerTracer
 from folio.shared.tracing import setup as tracing_setup
 from folio.shared.transport import Decoder, encode, make_socket
 

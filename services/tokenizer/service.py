@@ -1,26 +1,6 @@
 """The tokenizer service: text in, token ids to the scheduler; token ids back, text to the gateway.
 
-Peers (``folio.shared.config.Endpoints``):
-- ``recv_from_pipeline`` (PULL, bound at ``tokenizer_in``): ``GenerateRequest``/``AbortRequest``
-  from the gateway and ``TokenBatch`` from the scheduler share one inbox, so a client abort and
-  the tokens of the same request are seen in the order they arrived;
-- ``send_to_scheduler`` (PUSH to ``scheduler_in``): ``EngineRequest``, ``AbortRequest``;
-- ``send_to_gateway`` (PUSH to ``gateway_in``): ``TextBatch`` (one per ``TokenBatch``) and error
-  deltas for requests that cannot run (prompt + max_tokens beyond the context, bad token ids),
-  and the ``TokenizeReply`` to each ``TokenizeRequest``/``DetokenizeRequest`` of the gateway;
-- ``recv_from_admin`` (ROUTER at ``admin_tokenizer``): ``stats``.
-
-A continuation (``GenerateRequest.forced_token_ids``: a request replayed by the gateway after a
-restart, or resumed from another replica) goes on where its stream stopped: its text state is
-rebuilt over the forced tokens (``OutputProcessor.add_request``) without sending their text again.
-
-With ``--otlp-traces-endpoint`` (``folio.shared.tracing``) a request that carries a traceparent
-gets a ``tokenizer.encode`` span and, per choice, a ``tokenizer.detokenize`` span (first tokens to
-the last), and its ``EngineRequest`` carries the traceparent on.
-
-All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
-The exception is structured output: a request whose spec was not seen before waits while a
-worker thread checks it (``folio/core/structured/grammar.py``), and the loop goes on serving everybody else.
+More in docs/modules.md (services/tokenizer/service.py).
 """
 
 from __future__ import annotations
@@ -35,10 +15,11 @@ import zmq
 import zmq.asyncio
 
 from folio.core.structured.grammar import GrammarChecker, GrammarError
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.shared.config import TokenizerConfig
-from folio.shared.loops import close_sockets, serve_admin, serve_pull
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import close_sockets
 from folio.shared.messages import (
     AbortRequest,
     DetokenizeRequest,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.core.executor.kernels.kv_quant import (
     CALIBRATION_MARGIN,
     FP8_DTYPE,

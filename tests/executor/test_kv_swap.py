@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from folio.core.executor.kernels.attention import TorchAttentionBackend
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.messages import StepPlan
 

@@ -19,7 +19,7 @@ from folio.core.executor.lora.adapters import projection_layout
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import EngineRequest, WireSampling
-from folio.testing.lora import write_peft_adapter
+from folio.testing.peft_adapters import write_peft_adapter
 from folio.testing.models import write_tiny_model
 
 import peft  # noqa: E402  (a test extra: a missing peft fails, never skips)

@@ -114,7 +114,7 @@ def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
     from pathlib import Path
 
     from folio.core.executor.model.loader import load_hf_config, read_safetensors
-    from folio.core.models import packaged_gguf
+    from folio.core.model_files import packaged_gguf
 
     dense = read_safetensors(Path(smollm_dir))  # transformers' own dequantization of the GGUF
     method, quant = read_gguf_quant(packaged_gguf(), load_hf_config(Path(smollm_dir)))

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from folio.core.executor.runtime.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.core.kv.tensors.pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, StepPlan, WireSampling

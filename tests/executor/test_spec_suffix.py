@@ -9,7 +9,7 @@ import pytest
 from folio.core.executor.runtime.spec_control import SpecController
 from folio.core.executor.runtime.spec_suffix import SuffixProposer, SuffixTrie
 from folio.shared.config import RuntimeConfig
-from folio.shared.speculative import LORA_REFUSAL, speculative_refusal, speculative_settings
+from folio.core.executor.runtime.spec_config import LORA_REFUSAL, speculative_refusal, speculative_settings
 from tests.core.engine import engine_request
 from tests.executor.test_spec_decode import make_runner, repetitive_prompts, run
 

@@ -12,10 +12,10 @@ import torch
 from folio.core.executor.kernels import cpu_kernels
 from folio.core.executor.quant.cpu_gemm import PackedWeight
 from folio.core.executor.model import loader
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.services.serve import startup_breakdown
-from folio.shared import startup
-from folio.shared.config import c_compiler
+from folio.core.executor import startup
+from folio.core.executor.kernels.toolchain import c_compiler
 from folio.testing.models import write_tiny_model
 
 

@@ -16,7 +16,7 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.kv.allocator import cdiv
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import WireSampling
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 from folio.testing.models import write_tiny_model
 from tests.core.engine import LocalEngine, engine_request
 from tests.core.kv_owner import Owner

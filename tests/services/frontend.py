@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, TokenizerConfig
-from folio.shared.loops import QUIET, ask_admin
+from folio.shared.transport import QUIET, ask_admin
 from folio.shared.messages import (
     AbortRequest,
     AdminReply,
@@ -34,7 +34,7 @@ SCRIPT_TEXT = " The answer is 42. END of the story, told twice over and over aga
 @lru_cache(maxsize=1)
 def text_tokenizer():
     """The real SmolLM2 tokenizer (loaded once per test process: ~1 s)."""
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.core.tokenizer.text import TextTokenizer
 
     return TextTokenizer(resolve_model(DEFAULT_MODEL_NAME))

@@ -17,7 +17,7 @@ from folio.services.kvmanager.service import KVManagerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig
 from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, StepResult, WireSampling
 from folio.shared.transport import Decoder, encode, make_socket
-from folio.testing.backhalf import admin_call, short_run_dir
+from folio.services.in_process import admin_call, short_run_dir
 
 GREEDY = WireSampling(temperature=0.0, max_tokens=4)
 

@@ -9,7 +9,7 @@ import pytest
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import WireSampling
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 

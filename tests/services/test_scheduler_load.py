@@ -10,7 +10,7 @@ import random
 import pytest
 
 from folio.shared.messages import WireSampling
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 from tests.core.engine import alone, engine_request, make_runner
 
 NUM_REQUESTS = 200

@@ -14,7 +14,7 @@ from folio.shared.config import RuntimeConfig
 from folio.shared.messages import TokenBatch, WireSampling
 from folio.shared.transport import Decoder, encode
 from tests.executor.toy_driver import generate
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 5, [10, 11], list(range(20, 50)), [3] * 9, [60, 61, 62, 63]]
 MAX_TOKENS = [8, 20, 5, 12, 9, 16]

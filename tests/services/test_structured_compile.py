@@ -22,7 +22,7 @@ pytest.importorskip("xgrammar")
 from folio.core.structured.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
 from folio.shared.messages import AbortRequest, GuidedSpec, TokenBatch, WireSampling  # noqa: E402
 from folio.shared.transport import Decoder, encode  # noqa: E402
-from folio.testing.backhalf import back_half  # noqa: E402
+from folio.services.in_process import back_half  # noqa: E402
 from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.core.structured.test_structured_engine import chat_model, tok  # noqa: E402,F401  (fixtures)
 

@@ -45,7 +45,7 @@ at or after it, preemption frees the whole table). A request is refused only whe
 chunk and the window before it cannot fit in the whole pool.
 
 Beside this module: ``admission.py`` (requests in and out, the queues), ``forks.py`` (the choices
-of ``n`` > 1 and beam groups, which share blocks through forks), ``exchange.py`` (the executor's
+of ``n`` > 1 and beam groups, which share blocks through forks), ``executor_step.py`` (the executor's
 plan and result), ``request.py`` (a request and its ``Status``), ``stats.py`` (what the counters
 and queues say, for the admin socket).
 """
@@ -55,9 +55,9 @@ from __future__ import annotations
 import time
 
 from folio.core.scheduler.admission import Admission
-from folio.core.scheduler.exchange import ExecutorExchange, StepOutput
+from folio.core.scheduler.executor_step import ExecutorExchange, StepOutput
 from folio.core.scheduler.forks import Forks
-from folio.core.structured.gate import GrammarGate
+from folio.core.structured.scheduling import GrammarGate
 from folio.core.scheduler.request import Request, Status
 from folio.core.kv.allocator import BlockAllocator, cdiv
 from folio.core.kv.steplog import StepLog
@@ -106,7 +106,7 @@ class Scheduler(Admission, ExecutorExchange):
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request by req_id (choices and beams by their own ids)
         self.forks = Forks(self)  # the choices of n > 1 still to fork, beam groups
-        self.grammar_gate = GrammarGate()  # structured output: who may sample (``structured/gate.py``)
+        self.grammar_gate = GrammarGate()  # structured output: who may sample (``structured/scheduling.py``)
         # applied at the start of the next step (``_settle``)
         self.pending_free_req_ids: list[str] = []
         self.pending_discard_req_ids: list[str] = []  # the same, for tables whose last growth never ran

@@ -70,7 +70,7 @@ class Request:
     # change when a readmission finds a different prefix in the cache)
     counts_sent: bool = False
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
-    grammar_ready: bool = False  # the executor reported its grammar compiled (``structured/gate.py``)
+    grammar_ready: bool = False  # the executor reported its grammar compiled (``structured/scheduling.py``)
     # tokens it samples in steps sent but not answered yet (async scheduling): the next step may
     # decode them as placeholders, which the executor fills in with what it sampled
     num_pending: int = 0

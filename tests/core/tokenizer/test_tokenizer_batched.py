@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.shared.messages import GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs, WireSampling
 from tests.services.frontend import text_tokenizer
 

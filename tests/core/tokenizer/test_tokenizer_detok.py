@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from folio.core.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import RequestError
 from folio.shared.messages import ChatMessage, GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs, WireSampling
 from tests.services.frontend import text_tokenizer

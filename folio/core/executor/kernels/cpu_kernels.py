@@ -25,8 +25,9 @@ import structlog
 import torch
 
 from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
-from folio.shared import startup
-from folio.shared.config import c_compiler, cache_dir
+from folio.core.executor import startup
+from folio.core.executor.kernels.toolchain import c_compiler
+from folio.shared.config import cache_dir
 
 log = structlog.get_logger()
 

@@ -1,6 +1,6 @@
 """Weight loading: a Hugging Face folder (config.json + safetensors) or a GGUF file.
 
-The executor's runtime calls ``load_model``; ``folio/core/models.py`` uses ``load_gguf_state`` to turn the
+The executor's runtime calls ``load_model``; ``folio/core/model_files.py`` uses ``load_gguf_state`` to turn the
 packaged GGUF into a model folder once. A GGUF file is read by ``gguf_slices.py`` (every architecture
 llama.cpp writes that a family here runs: its config rebuilt from the metadata, its tensors under
 their HF names). A checkpoint's own quantization (GGUF Q4_0/Q4_1/Q8_0, an AWQ folder, folio's int8
@@ -45,7 +45,7 @@ from folio.core.executor.quant.formats import (
 )
 from folio.core.executor.quant.gpu import quantize_model_gpu, require_fp8
 from folio.core.executor.quant.linear import quantize_model
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import cache_dir
 
 log = structlog.get_logger()
@@ -138,7 +138,7 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
 
 def prepared_source(folder: Path) -> Path | None:
     """The GGUF a prepared folder was dequantized from, when it is still there."""
-    from folio.core.models import MARKER, default_model_dir, packaged_gguf
+    from folio.core.model_files import MARKER, default_model_dir, packaged_gguf
 
     marker = folder / MARKER
     if not marker.exists():

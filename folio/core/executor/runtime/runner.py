@@ -5,15 +5,7 @@ The executor service wraps this behind its socket. The scheduler sends per-step 
 what it needs of each request between steps (its tokens, block table, sampling params and the
 seed of its draws), flattens the step into one varlen batch, runs the model and samples.
 
-With tensor parallelism every rank has a runner over its shard (``workers.py`` drives them):
-rank 0 samples in ``execute`` and notes the tokens it appended; the other ranks ``follow`` the
-same plan, run the same forward pass and logits (the collectives), and append rank 0's tokens
-when the next plan brings them.
-
-With ``enable_lora`` the runner holds a ``lora.LoRAManager`` (adapters registered from
-``lora_modules`` at start, or by ``add_lora``) and wraps the model's projections; each step gives
-every token its adapter's slot (a request's adapter id per row of the batch, repeated over its
-tokens: no loop over requests) and the projections add the batched delta.
+More in docs/modules.md (folio/core/executor/runtime/runner.py).
 """
 
 from __future__ import annotations
@@ -32,8 +24,8 @@ from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
-from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
+from folio.core.kv.tensors.pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
 from folio.core.executor.model.layers import PackedLinear, cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
@@ -42,10 +34,10 @@ from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_control import SpecController, make_proposer
 from folio.core.executor.runtime.spec_decode import Proposal
-from folio.shared.speculative import LORA_REFUSAL, speculative_settings
+from folio.core.executor.runtime.spec_config import LORA_REFUSAL, speculative_settings
 from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_masks, compile_error, draft_masks,
                                          grammar_prefix)
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
 
@@ -53,8 +45,26 @@ from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLog
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
 
 
-class RequestState:
+class _RowColumn:
+    """A read-only attribute: the request's entry in one column of the persistent batch."""
+
+    def __init__(self, column: str):
+        self.column = column
+
+    def __get__(self, state, owner=None):
+        return self if state is None else int(getattr(state.batch, self.column)[state.row])
+
+    def __set__(self, state, value):
+        raise AttributeError(f"{self.column} is the batch's: change it there")
+
+
+class RunnerRequest:
     """What the runner keeps of a request besides its row of the persistent batch."""
+
+    seed = _RowColumn("seeds")  # the key of its draws: its own seed, or the random one drawn when it joined
+    num_prompt_tokens = _RowColumn("num_prompt")
+    adapter = _RowColumn("lora_ids")
+    num_computed_tokens = _RowColumn("num_computed")
 
     def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: WireSampling, append_sampled: bool):
         self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
@@ -62,23 +72,6 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
         self.matcher: object | None = None  # structured output: its grammar's state after its tokens
-
-    @property
-    def seed(self) -> int:
-        """The key of its draws: its own seed, or the random one drawn when it joined."""
-        return int(self.batch.seeds[self.row])
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return int(self.batch.num_prompt[self.row])
-
-    @property
-    def adapter(self) -> int:
-        return int(self.batch.lora_ids[self.row])
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return int(self.batch.num_computed[self.row])
 
     @property
     def token_ids(self) -> list[int]:
@@ -193,7 +186,7 @@ class ModelRunner:
         with startup.phase("pool"):
             self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.tiers = self._make_tiers(model_path)  # the disk tier, with --kv-disk-dir
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RunnerRequest] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
         self.table_sampler = cpu_kernels.TableSampler(self.spec.vocab_size) \
@@ -321,7 +314,7 @@ class ModelRunner:
             lora_id = self.lora.id_of(new.lora_name)
         row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                              new.block_ids, new.sampling, new.append_sampled, lora_id)
-        self.requests[new.req_id] = RequestState(new.req_id, row, self.batch, new.sampling, new.append_sampled)
+        self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled)
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
         if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
@@ -348,7 +341,7 @@ class ModelRunner:
         disk_dir = getattr(self.config, "kv_disk_dir", None)
         if not disk_dir:
             return None
-        from folio.core.executor.runtime.kv_tiers import KVTierStore, pool_layout_id
+        from folio.core.kv.tensors.disk import KVTierStore, pool_layout_id
         from folio.core.kv.tiers import DiskTier
 
         ident = pool_layout_id(self.pool, model_path, self.config.quantization, str(self.dtype), self.kv_scales,
@@ -558,7 +551,7 @@ class ModelRunner:
             if append and state.proposal is not None:
                 self.proposer.rollback(req_id, int(self.batch.num_tokens[state.row]))
 
-    def _verify(self, logits: torch.Tensor, states: list[RequestState], offsets: list[int], plan: StepPlan):
+    def _verify(self, logits: torch.Tensor, states: list[RunnerRequest], offsets: list[int], plan: StepPlan):
         drafts = [plan.spec_token_ids[s.req_id] for s in states]
         target = torch.cat([logits[o : o + len(d) + 1] for o, d in zip(offsets, drafts)])
         q = []
@@ -581,7 +574,7 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _mask_drafts(target: torch.Tensor, states: list[RequestState], drafts: list[list[int]]) -> torch.Tensor:
+    def _mask_drafts(target: torch.Tensor, states: list[RunnerRequest], drafts: list[list[int]]) -> torch.Tensor:
         """Constrained rows: each verified position sees its grammar's mask, as plain sampling does."""
         if all(s.matcher is None for s in states):
             return target
@@ -593,7 +586,7 @@ class ModelRunner:
             start += len(d) + 1
         return target
 
-    def _record(self, state: RequestState, new: list[int]) -> None:
+    def _record(self, state: RunnerRequest, new: list[int]) -> None:
         """Penalty counts and the last sampled token of a verified request."""
         device = self.batch.last_sampled.device
         rows = torch.full((len(new),), state.row, dtype=torch.long, device=device)
@@ -602,7 +595,7 @@ class ModelRunner:
         self.batch.penalties.record(rows, tokens, *(params[col].expand(len(new)) for col in (FREQUENCY, PRESENCE, REPETITION)))
         self.batch.last_sampled[state.row] = new[-1]
 
-    def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
+    def _propose(self, samplers: list[RunnerRequest]) -> list[list[int]]:
         """Drafts for each sampler's next step (none for beams, logprob requests, or when the
         batch is large enough that speculation stops paying)."""
         limit = self.spec_settings.disable_by_batch_size if self.spec_settings is not None else 0

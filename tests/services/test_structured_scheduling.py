@@ -1,4 +1,4 @@
-"""A request samples only once its grammar is compiled (``folio/core/structured/gate.py``): the scheduler
+"""A request samples only once its grammar is compiled (``folio/core/structured/scheduling.py``): the scheduler
 holds back the token it samples from until a step result names its grammar ready, asks for each
 new grammar once, holds nothing back for a grammar the executor reported compiled, ends the
 requests of a grammar that failed to compile with the reason, and forgets what it knew when the
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from folio.shared.messages import GuidedSpec, WireSampling  # noqa: E402
-from folio.testing.backhalf import back_half  # noqa: E402
+from folio.services.in_process import back_half  # noqa: E402
 from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_compile import new_wide_schema  # noqa: E402
 from tests.core.structured.test_structured_engine import chat_model, grammars, tok  # noqa: E402,F401  (fixtures)

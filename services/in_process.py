@@ -1,6 +1,6 @@
-"""The back half (kvmanager, executor, scheduler): real services on real ``ipc://`` sockets, run as
-asyncio tasks in the caller's loop, and a stand-in for the tokenizer that speaks the real protocol
-(PUSH ``EngineRequest``s, PULL ``TokenBatch``es)."""
+"""The back half of the services (kvmanager, executor, scheduler) run in the caller's process: real
+services on real ``ipc://`` sockets as asyncio tasks in its loop, and the tokenizer's two sockets
+(PUSH ``EngineRequest``s, PULL ``TokenBatch``es) in its hands. For tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from folio.services.executor.service import ExecutorService
 from folio.services.kvmanager.service import KVManagerService
 from folio.services.scheduler.service import SchedulerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
-from folio.shared.loops import QUIET, ask_admin
+from folio.shared.transport import QUIET, ask_admin
 from folio.shared.messages import AdminReply, EngineRequest, TokenBatch, WireSampling
 from folio.shared.transport import Decoder, encode, make_socket
 

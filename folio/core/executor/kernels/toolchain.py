@@ -1,0 +1,14 @@
+"""The C toolchain the CPU kernels are built with (``cpu_kernels`` compiles them on first use)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+
+def c_compiler() -> str | None:
+    """The C compiler for the executor's CPU kernels: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
