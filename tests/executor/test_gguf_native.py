@@ -90,7 +90,7 @@ def test_an_untied_head_and_a_type_without_a_kernel(tmp_path):
 
 def test_the_prepared_form_is_cached_and_mapped(tmp_path, monkeypatch):
     from folio.core.executor.model import loader
-    from folio.shared import startup
+    from folio.core.executor import startup
 
     monkeypatch.setenv("FOLIO_MODEL_CACHE", "1")
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
