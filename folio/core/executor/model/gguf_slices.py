@@ -35,7 +35,7 @@ layers and 10k local RoPE base, Qwen3-MoE's renormalised top-k, Phi-3's LongRoPE
 its ``rope_freqs`` tensor exactly; other divisors are refused).
 
 ``GGUFSlices.read`` takes a slice of whole rows or of whole quantized blocks from the
-memory-mapped file and dequantizes only that (``gguf.GGUFReader`` maps the file; a quantized
+memory-mapped file and dequantizes only that (``gguf_file.GGUFFile`` maps the file; a quantized
 tensor is a ``[rows, row bytes]`` array of blocks along the input dimension, 32 values per block
 for Q4_0/Q4_1/Q8_0, 256 for the K-quants), so a tensor-parallel rank (``sharded_load.py``) never
 holds the whole dense model; the unsharded loader (``loader.read_checkpoint``) reads every tensor
@@ -45,12 +45,12 @@ whole through the same code. Q4_0 (``d (q - 8)``) and Q4_1 (``d q + m``) linears
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from folio.core.executor.model.gguf_file import GGUFFile
 from folio.core.executor.quant.formats import Int4Weight
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3")
@@ -79,12 +79,12 @@ _INT4_TYPES = ("Q4_0", "Q4_1")
 def _meta(reader) -> dict:
     """The metadata key -> value, without the tokenizer's vocabulary arrays (only its ids)."""
     out = {}
-    for key, field in reader.fields.items():
+    for key, value in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and not key.endswith("_token_id"):
             continue
         if key.startswith("GGUF."):
             continue
-        out[key] = field.contents()
+        out[key] = value
     return out
 
 
@@ -94,9 +94,7 @@ class GGUFSlices:
     ``config``: the checkpoint's config, rebuilt from the metadata when not given."""
 
     def __init__(self, path: Path, config=None):
-        import gguf
-
-        self.reader = gguf.GGUFReader(str(path))
+        self.reader = GGUFFile(path)
         meta = _meta(self.reader)
         self.arch = meta.get("general.architecture", "")
         if self.arch not in ARCHITECTURES:
@@ -118,10 +116,6 @@ class GGUFSlices:
                 elif ".self_attn.k_proj." in name:
                     self.permuted_heads[name] = kv_heads
         self.norm_offset = 1.0 if self.arch in ("gemma2", "gemma3") else 0.0  # stored as 1 + w
-        # the metadata (the tokenizer's ~100k strings as small arrays) is ~150 MB of Python objects
-        # for SmolLM2; the config was read already, so let it go before the weights arrive
-        self.reader.fields.clear()
-        gc.collect()
 
     def _hf_names(self, t) -> list[tuple[str, int | None]]:
         """llama.cpp's tensor name -> the HF names it holds (an expert stack holds one per expert);
@@ -253,9 +247,7 @@ def read_gguf(path: Path) -> tuple[object, dict[str, torch.Tensor], str, dict[st
 
 def read_gguf_config(path: Path):
     """The checkpoint's ``transformers`` config, rebuilt from a GGUF file's metadata."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path)
     meta = _meta(reader)
     arch = meta.get("general.architecture", "")
     if arch not in ARCHITECTURES:
