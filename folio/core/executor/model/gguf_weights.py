@@ -115,6 +115,7 @@ def load_gguf_native(path: Path, config=None, requested: str = "auto") -> Causal
                 else:
                     dense[name] = value
             for t in {reader.tensors[p[0]][0].name: reader.tensors[p[0]][0] for p in parts}.values():
+                reader.reader.release(t)  # read once: its mapped pages need not stay resident
                 if t.name not in seen:
                     seen.add(t.name)
                     bar.update(int(t.n_bytes))
