@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STAGES = ["prepare", "served", "gpu_tests", "gpu_models", "kernels", "step", "quant"]  # in order of value
+STAGES = ["prepare", "compile", "served", "gpu_tests", "gpu_models", "kernels", "step", "quant"]  # set-up, then by value
 
 
 def run(*args: str, out: Path | None = None, env: dict | None = None,
@@ -68,7 +68,7 @@ def test_bad_arguments_are_refused(tmp_path, args, message):
 def test_only_and_limit_select_and_resize_stages():
     result = run("--only", "quant,served", "--limit", "quant=20", "--budget")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n") == ["served 65", "quant 20", "total 85", ""]
+    assert result.stdout.split("\n") == ["served 55", "quant 20", "total 75", ""]
 
 
 def probe_wheel(folder: Path) -> Path:
@@ -106,6 +106,7 @@ def test_dry_run_writes_every_stage_and_the_summary(tmp_path):
     assert all(line.split()[1] == "pass" for line in (out / "summary.txt").read_text().splitlines()[1:])
 
     assert read(out, "prepare.json")["missing"] == []
+    assert read(out, "compile.json")["compiled"] == 2
     assert (out / "site" / "gpu_check_probe.py").exists()  # the carried wheel, installed for a cp312 image
     served = read(out, "served.json")
     assert (served["passed"], served["failed"], served["skipped"]) == (2, 0, 0)
