@@ -84,7 +84,8 @@ if [ "$SHOW_BUDGET" = 1 ]; then
   for stage in "${SELECTED[@]}"; do echo "$stage ${LIMIT[$stage]}"; done
   echo "total $TOTAL_S"
 fi
-[ "$TOTAL_S" -lt "$BUDGET_S" ] || die "the selected stages' limits add up to $TOTAL_S s; they must stay under $BUDGET_S s"
+[ "$TOTAL_S" -lt "$BUDGET_S" ] ||
+  die "the selected stages' limits add up to $TOTAL_S s; they must stay under $BUDGET_S s"
 [ "$SHOW_BUDGET" = 1 ] && exit 0
 if [ "$DRY_RUN" = 1 ]; then
   for stage in "${STAGES[@]}"; do LIMIT[$stage]=$((LIMIT[$stage] * DRY_RUN_SCALE)); done
@@ -132,7 +133,8 @@ stage_prepare() {
     [ "$DRY_RUN" = 1 ] && target=("${WHEEL_TARGET[@]}")
     echo "installing the carried wheels into $SITE: $(cd "$WHEEL_DIR" && ls -- *.whl | tr '\n' ' ')"
     within "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-      --upgrade --target "$SITE" "${target[@]}" "$WHEEL_DIR"/*.whl || { echo "FAIL: the carried wheels do not install"; rc=1; }
+      --upgrade --target "$SITE" "${target[@]}" "$WHEEL_DIR"/*.whl ||
+      { echo "FAIL: the carried wheels do not install"; rc=1; }
   else
     echo "no carried wheels in $WHEEL_DIR (bash scripts/gpu_check.sh --fetch-wheels makes them)"
   fi
@@ -163,7 +165,8 @@ ensure_cupy() {
   major=$(within nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
   extra=$([ "${major:-12}" -ge 13 ] && echo cuda13 || echo cuda12)
   echo "installing the project's [$extra] extra (CuPy + NVRTC; needs a package index)"
-  pkgs=$(within "$PY" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$extra']))")
+  pkgs=$(within "$PY" -c "import tomllib
+print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$extra']))")
   within "$PY" -m pip install -q --retries 0 --timeout 5 $pkgs 2>&1 | tail -2
   within "$PY" -c "$probe" || { echo "FAIL: CuPy cannot reach the GPU; the cuda backend cannot run"; return 1; }
 }
@@ -229,8 +232,9 @@ write_summary() {
   done
   local joined
   joined=$(IFS=,; echo "${entries[*]}")
-  printf '{"mode": "%s", "commit": "%s", "started": "%s", "python": "%s", "budget_s": %d, "status": "%s",\n "stages": [%s]}\n' \
-    "$MODE" "$COMMIT" "$STARTED" "$PY" "$TOTAL_S" "$1" "$joined" > "$OUT_DIR/summary.json.tmp"
+  printf '{"mode": "%s", "commit": "%s", "started": "%s", "python": "%s", "budget_s": %d, "status": "%s",\n' \
+    "$MODE" "$COMMIT" "$STARTED" "$PY" "$TOTAL_S" "$1" > "$OUT_DIR/summary.json.tmp"
+  printf ' "stages": [%s]}\n' "$joined" >> "$OUT_DIR/summary.json.tmp"
   mv "$OUT_DIR/summary.json.tmp" "$OUT_DIR/summary.json"
   {
     echo "gpu_check ($MODE) at $COMMIT, started $STARTED: $1"
@@ -255,7 +259,8 @@ for stage in "${SELECTED[@]}"; do
   rc=${PIPESTATUS[0]}
   case $rc in
     0) status=pass ;;
-    124|137) status=timeout; echo "== $stage: stopped at its limit of ${LIMIT[$stage]} s" | tee -a "$OUT_DIR/$stage.log" ;;
+    124|137) status=timeout
+             echo "== $stage: stopped at its limit of ${LIMIT[$stage]} s" | tee -a "$OUT_DIR/$stage.log" ;;
     *) status=fail ;;
   esac
   [ "$status" = pass ] || overall=fail

@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STAGES = ["prepare", "compile", "served", "gpu_tests", "gpu_models", "kernels", "step", "quant"]  # set-up, then by value
+# set-up, then in order of value
+STAGES = ["prepare", "compile", "served", "gpu_tests", "gpu_models", "kernels", "step", "quant"]
 
 
 def run(*args: str, out: Path | None = None, env: dict | None = None,
