@@ -111,12 +111,13 @@ within() {
   timeout -k 2 "$left" "$@"
 }
 
-# pytest_stage NAME FILE...: the gpu-marked tests of FILEs (--dry-run: the others), outcomes in NAME.json
+# pytest_stage NAME FILE...: the gpu-marked tests of FILEs (--dry-run: the others), outcomes in NAME.json;
+# no plugin but ours: whatever else the image installed neither slows nor breaks the run
 pytest_stage() {
   local name=$1 marker="gpu and not slow"
   shift
   [ "$DRY_RUN" = 1 ] && marker="not gpu"
-  within "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -p tests.cuda.check_report \
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 within "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -p tests.cuda.check_report \
     --check-json "$OUT_DIR/$name.json" -m "$marker" "$@"
 }
 

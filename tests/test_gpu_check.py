@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh without a GPU: its time limits add up to under 5 minutes and every command it
-runs is held to them; bad arguments are refused; ``--dry-run`` runs every stage's CPU stand-in and
-writes each stage's log, figures and result and the summary; a stage cut short by its limit keeps
-its log and result, and the stages after it still run."""
+runs is held to them; bad arguments are refused; its test stages' report (tests/cuda/check_report.py)
+holds each test's outcome and fails a session in which nothing passed; ``--dry-run`` runs every
+stage's CPU stand-in and writes each stage's log, figures and result and the summary; a stage cut
+short by its limit keeps its log and result, and the stages after it still run."""
 
 from __future__ import annotations
 
@@ -70,6 +71,56 @@ def test_only_and_limit_select_and_resize_stages():
     result = run("--only", "quant,served", "--limit", "quant=20", "--budget")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n") == ["served 55", "quant 20", "total 75", ""]
+
+
+CASES = """
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("no device")
+
+def test_passes(record_property):
+    record_property("tok_s", 12.5)
+
+def test_fails():
+    assert 1 == 2, "tokens differ"
+
+def test_skips():
+    pytest.skip("needs a GPU")
+
+def test_errors(broken):
+    pass
+"""
+
+
+def run_with_report(folder: Path, source: str, *args: str) -> tuple[int, dict]:
+    (folder / "test_cases.py").write_text(source)
+    report = folder / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                             "tests.cuda.check_report", "--check-json", str(report), "--rootdir", str(folder),
+                             *args, str(folder / "test_cases.py")], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    return result.returncode, json.loads(report.read_text())
+
+
+def test_the_report_holds_each_tests_outcome(tmp_path):
+    rc, report = run_with_report(tmp_path, CASES)
+    assert rc == 1
+    assert {k: report[k] for k in ("passed", "failed", "error", "skipped", "running")} == \
+        {"passed": 1, "failed": 1, "error": 1, "skipped": 1, "running": 0}
+    tests = {name.split("::")[1]: t for name, t in report["tests"].items()}
+    assert tests["test_passes"]["properties"] == {"tok_s": 12.5}
+    assert "tokens differ" in tests["test_fails"]["message"]
+    assert tests["test_skips"]["message"] == "Skipped: needs a GPU"
+    assert "no device" in tests["test_errors"]["message"]
+
+
+def test_a_session_in_which_no_test_passed_fails(tmp_path):
+    rc, report = run_with_report(tmp_path, CASES, "-k", "skips")
+    assert rc == 1 and report["skipped"] == 1 and report["passed"] == 0
+    rc, report = run_with_report(tmp_path, CASES, "-k", "passes")
+    assert rc == 0 and report["passed"] == 1
 
 
 def probe_wheel(folder: Path) -> Path:

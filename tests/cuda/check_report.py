@@ -1,6 +1,6 @@
 """A pytest plugin for scripts/gpu_check.sh's test stages: ``-p tests.cuda.check_report --check-json FILE``
 rewrites FILE as each test's setup, call and teardown end (its outcome, seconds, the figures it
-recorded with ``record_property``, the last line of a failure or the skip's reason), so a stage cut
+recorded with ``record_property``, a failure's exception or the skip's reason), so a stage cut
 short by its time limit keeps what finished ("running": the test it was in).
 A session in which no test passed (none selected, or all skipped) exits 1: a check that ran
 nothing has not passed."""
@@ -42,7 +42,8 @@ class CheckReport:
             entry["message"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else "skipped"
         elif report.failed:
             entry["outcome"] = "failed" if report.when == "call" else "error"
-            entry["message"] = (report.longreprtext.strip().splitlines() or [""])[-1][:500]
+            crash = getattr(report.longrepr, "reprcrash", None)  # the exception's own line(s)
+            entry["message"] = (crash.message if crash is not None else report.longreprtext)[:500]
         self.write()
 
     def counts(self) -> dict[str, int]:

@@ -26,7 +26,7 @@ VOCAB = 256
 # lengths 3 to 58: prefills of one to four 16-token blocks, decode batches shrinking as requests end
 PROMPTS = [[(7 * i + 3 * j + 5) % VOCAB for j in range(3 + 11 * i)] for i in range(6)]
 MAX_TOKENS = [12, 20, 6, 16, 9, 14]
-EMULATED = 3  # prompts the emulated kernels run (the emulation is slow)
+EMULATED_TOKENS = [8, 4]  # the emulated kernels run the first prompts, shorter (the emulation is slow)
 SERVE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "16", "--max-num-seqs", "8",
                "--served-model-name", "tiny")
 
@@ -52,19 +52,20 @@ def sampling(n: int):
     return WireSampling(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def in_process_tokens(model: str, device: str, count: int = len(PROMPTS), enforce_eager: bool = False,
-                      make_backend=None) -> tuple[list[list[int]], object]:
-    """The in-process engine (the real scheduler) over ``count`` prompts; the runner, to look at."""
+def in_process_tokens(model: str, device: str, max_tokens: list[int] = MAX_TOKENS, enforce_eager: bool = False,
+                      prepare_runner=None) -> tuple[list[list[int]], object]:
+    """The in-process engine (the real scheduler) over the first prompts, one per ``max_tokens``; the
+    runner, to look at."""
     from folio.core.engine import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
 
     config = RuntimeConfig(device=device, dtype="float32", num_kv_blocks=128, block_size=16, max_num_seqs=8,
-                           attention_backend="torch" if device == "cpu" else "auto", enforce_eager=enforce_eager)
+                           attention_backend="torch" if device == "cpu" else "cuda", enforce_eager=enforce_eager)
     runner = ModelRunner(config, model)
-    if make_backend is not None:
-        make_backend(runner)
-    return generate(runner, PROMPTS[:count], [sampling(n) for n in MAX_TOKENS[:count]]), runner
+    if prepare_runner is not None:
+        prepare_runner(runner)
+    return generate(runner, PROMPTS[:len(max_tokens)], [sampling(n) for n in max_tokens]), runner
 
 
 def completion_tokens(base_url: str, prompt: list[int], max_tokens: int) -> list[int]:
@@ -126,6 +127,7 @@ def test_served_on_the_gpu_gives_the_cpu_tokens(model, cpu_tokens, record_proper
 def test_graphs_on_and_off_give_the_cpu_tokens(model, cpu_tokens, record_property):
     pytest.importorskip("cupy")
     graphed, runner = in_process_tokens(model, "cuda")
+    assert runner.backend.name == "cuda"
     assert runner.graphs is not None and runner.graphs.num_replays > 0
     record_property("graph_replays", runner.graphs.num_replays)
     eager, eager_runner = in_process_tokens(model, "cuda", enforce_eager=True)
@@ -147,17 +149,18 @@ def test_emulated_kernels_with_graphs_and_without_give_the_cpu_tokens(model, cpu
     from folio.core.executor.runtime.cuda_graphs import DecodeGraphs, graph_buckets
 
     def emulated(graphs: bool):
-        def make_backend(runner):
+        def prepare_runner(runner):
             runner.backend = KernelAttentionBackend(emu_launcher, runner.dtype)
             if graphs:  # the graph path's static, padded buffers (a CPU captures nothing)
                 runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.pool.kv_caches, 16, 4,
                                              graph_buckets(8), runner.device, capture=False)
-        return make_backend
+        return prepare_runner
 
-    eager, _ = in_process_tokens(model, "cpu", EMULATED, make_backend=emulated(False))
-    graphed, runner = in_process_tokens(model, "cpu", EMULATED, make_backend=emulated(True))
+    eager, _ = in_process_tokens(model, "cpu", EMULATED_TOKENS, prepare_runner=emulated(False))
+    graphed, runner = in_process_tokens(model, "cpu", EMULATED_TOKENS, prepare_runner=emulated(True))
     assert runner.graphs.num_replays > 0
     assert {name.split("<")[0] for name, _, _ in emu_launcher.launches} >= {"folio::paged_decode",
                                                                              "folio::paged_attention"}
-    assert eager == cpu_tokens[:EMULATED]
-    assert graphed == cpu_tokens[:EMULATED]
+    expected = [tokens[:n] for tokens, n in zip(cpu_tokens, EMULATED_TOKENS)]  # ignore_eos: a greedy prefix
+    assert eager == expected
+    assert graphed == expected
