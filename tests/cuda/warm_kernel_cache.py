@@ -7,7 +7,7 @@ the source, the options and that set; ``compile_units`` forms the sets as the lo
 (``cuda_kernels.compiled_kernel`` per configuration, the MoE, LoRA and sampler launchers). A unit
 that fails to compile is a finding; one this list misses only costs its compile later.
 
-    python -m tests.cuda.warm_kernel_cache [--json FILE]                  # on the GPU
+    python -m tests.cuda.warm_kernel_cache [--seconds S] [--json FILE]      # on the GPU
     python -m tests.cuda.warm_kernel_cache --arch 90 --files sampler.cu [--json FILE]  # no device: NVRTC only
 """
 
@@ -19,11 +19,9 @@ import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from types import SimpleNamespace
 
-from folio.core.executor.kernels import cuda_kernels as ck
-from folio.core.executor.kernels import lora_kernels, moe_kernels
+from folio.core.executor.kernels import cuda_kernels as ck  # light: the workers import no torch
 
 
 def _module_sets(names) -> set[tuple[str, tuple[str, ...]]]:
@@ -34,6 +32,8 @@ def _module_sets(names) -> set[tuple[str, tuple[str, ...]]]:
 
 
 def compile_units() -> list[tuple[str, tuple[str, ...]]]:
+    from folio.core.executor.kernels import lora_kernels, moe_kernels
+
     units: set[tuple[str, tuple[str, ...]]] = set()
     for dtype in ck.DTYPES:
         for head in ck.HEAD_SIZES:
@@ -55,18 +55,22 @@ def compile_units() -> list[tuple[str, tuple[str, ...]]]:
     return sorted(units, key=lambda u: (any("fp8" in n for n in u[1]), u[0] != ck.MODULE_FILES["prefill"], u))
 
 
-def _compile(unit: tuple[str, tuple[str, ...]], arch: str | None) -> float:
-    start = time.perf_counter()
+def _compile(job: tuple[tuple[str, tuple[str, ...]], str | None]) -> tuple[tuple[str, tuple[str, ...]], str | None]:
+    """(the unit, None or its compile error), in a worker process."""
+    unit, arch = job
     filename, names = unit
-    if arch is None:  # on the device: CuPy compiles for it and writes its disk cache
-        ck.raw_module(filename, names, 0)
-    else:  # no device: NVRTC alone, for sm_<arch>, with the options CuPy would pass
-        from cupy.cuda import compiler
+    try:
+        if arch is None:  # on the device: CuPy compiles for it and writes its disk cache
+            ck.raw_module(filename, names, 0)
+        else:  # no device: NVRTC alone, for sm_<arch>, with the options CuPy would pass
+            from cupy.cuda import compiler
 
-        program = compiler._NVRTCProgram(ck.source_of(filename), filename, name_expressions=list(names),
-                                         method="cubin")
-        program.compile(ck.cupy_nvrtc_options(arch))
-    return time.perf_counter() - start
+            program = compiler._NVRTCProgram(ck.source_of(filename), filename, name_expressions=list(names),
+                                             method="cubin")
+            program.compile(ck.cupy_nvrtc_options(arch))
+    except Exception as exc:  # noqa: BLE001  (a compile error is what this reports)
+        return unit, str(exc)[-2000:]
+    return unit, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", nargs="+", default=None, help="only the units of these kernel files")
     parser.add_argument("--units", type=int, default=None, help="only the first N units")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="stop after this long: the units not compiled yet compile when first used")
     args = parser.parse_args(argv)
     units = [u for u in compile_units() if args.files is None or u[0] in args.files][: args.units]
-    figures = {"units": len(units), "compiled": 0, "failed": [], "seconds": 0.0, "arch": args.arch or "device"}
+    figures = {"units": len(units), "compiled": 0, "failed": [], "left": len(units), "seconds": 0.0,
+               "arch": args.arch or "device"}
 
     def save() -> None:  # after every unit: a stage cut short keeps the count
         if args.json:
@@ -87,19 +94,27 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"compiling {len(units)} kernel modules on {args.workers} processes", flush=True)
     start = time.perf_counter()
-    spawn = multiprocessing.get_context("spawn")  # no CUDA state shared with a forked child
-    with ProcessPoolExecutor(args.workers, mp_context=spawn) as pool:
-        futures = {pool.submit(_compile, unit, args.arch): unit for unit in units}
-        for future in as_completed(futures):
-            filename, names = futures[future]
+    deadline = start + args.seconds if args.seconds else float("inf")
+    # spawn: no CUDA state shared with a forked child; leaving the block terminates what still runs
+    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+        results = pool.imap_unordered(_compile, [(unit, args.arch) for unit in units])
+        while figures["left"]:
             try:
-                future.result()
+                (filename, names), error = results.next(timeout=max(0.1, deadline - time.perf_counter()))
+            except multiprocessing.TimeoutError:
+                print(f"stopped after {args.seconds:g} s; the {figures['left']} modules left compile when first used",
+                      flush=True)
+                break
+            figures["left"] -= 1
+            if error is None:
                 figures["compiled"] += 1
-            except Exception as exc:  # noqa: BLE001  (a compile error is what this reports)
-                figures["failed"].append({"file": filename, "names": names, "error": str(exc)[-2000:]})
-                print(f"FAIL: {filename} {names}: {str(exc)[-2000:]}", flush=True)
+            else:
+                figures["failed"].append({"file": filename, "names": names, "error": error})
+                print(f"FAIL: {filename} {names}: {error}", flush=True)
             figures["seconds"] = round(time.perf_counter() - start, 1)
             save()
+    figures["seconds"] = round(time.perf_counter() - start, 1)
+    save()
     print(f"{figures['compiled']} of {len(units)} compiled in {figures['seconds']} s", flush=True)
     return 1 if figures["failed"] else 0
 
