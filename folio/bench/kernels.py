@@ -242,7 +242,8 @@ def others_cpu_share(start_cpu: dict, seconds: float) -> float:
 
 def main(argv: list[str] | None = None, backend=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="GQA 4, contexts 512/4k/32k, batches 1 and 64, and the target row (scripts/gpu_check.sh)")
     parser.add_argument("--e2e", action="store_true", help="also greedy tokens/s of the in-process driver")
     parser.add_argument("--max-kv-gib", type=float, default=16.0)
     parser.add_argument("--json", type=Path)
