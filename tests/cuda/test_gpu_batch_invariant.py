@@ -21,13 +21,13 @@ VOCAB = 49152
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     pytest.importorskip("cupy")
+    from folio.bench.step import MODEL_SHAPES, write_random_checkpoint
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.testing.models import write_tiny_model
 
-    path = write_tiny_model(tmp_path_factory.mktemp("m1b"), vocab_size=VOCAB, hidden_size=2048,
-                            intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                            num_key_value_heads=8, max_position_embeddings=4096)
+    assert MODEL_SHAPES["1b"]["vocab_size"] == VOCAB
+    # drawn on the GPU in bf16 (2.5 GB), where write_tiny_model would init and save 5 GB in fp32 on the CPU
+    path = write_random_checkpoint(tmp_path_factory.mktemp("m1b"), "cuda", torch.bfloat16, **MODEL_SHAPES["1b"])
     config = RuntimeConfig(device="cuda", dtype="bfloat16", max_num_seqs=16, batch_invariant=True)
     r = ModelRunner(config, path)
     assert r.backend.name == "cuda" and r.backend.batch_invariant
