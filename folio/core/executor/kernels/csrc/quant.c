@@ -407,6 +407,82 @@ static inline void store_row(const gemm_args *a, int64_t row, int64_t col, int64
 /* the offset o of s = dot - o isum for the unsigned forms (Q6_K's is per half, in the epilogue) */
 #define OFFSET(T) ((T) == FOLIO_Q4_0 ? 8 : (T) == FOLIO_Q5_0 ? 16 : 0)
 
+/* The vector helpers both SIMD paths share: a vector is a chunk of 16 rows (AVX-512) or of 8
+ * (AVX2, half h of the tile: bytes 32 h .. 32 h + 31 of each 64-byte chunk). */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef __m512i vec;
+#define VLOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VAND _mm512_and_si512
+#define VOR _mm512_or_si512
+#define VXOR _mm512_xor_si512
+#define VSLL16 _mm512_slli_epi16
+#define VSRL16 _mm512_srli_epi16
+#define VSET8 _mm512_set1_epi8
+#define VSHUF _mm512_shuffle_epi8
+#define VLUT(t) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t)))
+#define SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+typedef __m256i vec;
+#define VLOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VAND _mm256_and_si256
+#define VOR _mm256_or_si256
+#define VXOR _mm256_xor_si256
+#define VSLL16 _mm256_slli_epi16
+#define VSRL16 _mm256_srli_epi16
+#define VSET8 _mm256_set1_epi8
+#define VSHUF _mm256_shuffle_epi8
+#define VLUT(t) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t)))
+#define SIMD 1
+#endif
+
+#ifdef SIMD
+/* llama.cpp's 16 IQ4 values + 128: vpdpbusd's unsigned operand (AVX2 reads them signed) */
+static const uint8_t KV_IQ4_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+/* sub-block s of unit u as eight chunks of its stored values: unsigned bytes, the signed types
+ * (Q8_0, IQ4) as q + 128 for vpdpbusd (AVX-512) or as they are (AVX2, which moves signs over) */
+static inline __attribute__((always_inline)) void decode(const type_info *t, const int T, const uint8_t *u, int s,
+                                                         int h, vec q[8]) {
+    const int at = (int)sizeof(vec) == 32 ? 32 * h : 0;
+    if (T == FOLIO_Q8_0) {
+        for (int c = 0; c < 8; c++) q[c] = VLOAD(u + 64 * c + at);
+        if (sizeof(vec) == 64)
+            for (int c = 0; c < 8; c++) q[c] = VXOR(q[c], VSET8((char)0x80));
+        return;
+    }
+    const vec low = VSET8(0x0f);
+    const uint8_t *np = u + t->np + 256 * s + at;
+    for (int g = 0; g < 4; g++) {
+        const vec raw = VLOAD(np + 64 * g);
+        q[2 * g] = VAND(raw, low);
+        q[2 * g + 1] = VAND(VSRL16(raw, 4), low);
+    }
+    if (HAS_HP1(T)) { /* bit c of each byte is bit 4 of chunk c */
+        const vec v = VLOAD(u + t->hp + 64 * s + at), bit = VSET8(0x10);
+        q[0] = VOR(q[0], VAND(VSLL16(v, 4), bit));
+        q[1] = VOR(q[1], VAND(VSLL16(v, 3), bit));
+        q[2] = VOR(q[2], VAND(VSLL16(v, 2), bit));
+        q[3] = VOR(q[3], VAND(VSLL16(v, 1), bit));
+        q[4] = VOR(q[4], VAND(v, bit));
+        q[5] = VOR(q[5], VAND(VSRL16(v, 1), bit));
+        q[6] = VOR(q[6], VAND(VSRL16(v, 2), bit));
+        q[7] = VOR(q[7], VAND(VSRL16(v, 3), bit));
+    } else if (T == FOLIO_Q6_K) { /* bits 2 i, 2 i + 1 of each byte of half hh are chunk 4 hh + i's bits 4-5 */
+        const vec bits = VSET8(0x30);
+        for (int hh = 0; hh < 2; hh++) {
+            const vec v = VLOAD(u + t->hp + 128 * s + 64 * hh + at);
+            q[4 * hh] = VOR(q[4 * hh], VAND(VSLL16(v, 4), bits));
+            q[4 * hh + 1] = VOR(q[4 * hh + 1], VAND(VSLL16(v, 2), bits));
+            q[4 * hh + 2] = VOR(q[4 * hh + 2], VAND(v, bits));
+            q[4 * hh + 3] = VOR(q[4 * hh + 3], VAND(VSRL16(v, 2), bits));
+        }
+    } else if (IS_IQ4(T)) {
+        const vec lut = sizeof(vec) == 64 ? VLUT(KV_IQ4_U8) : VLUT(KV_IQ4);
+        for (int c = 0; c < 8; c++) q[c] = VSHUF(lut, q[c]);
+    }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GEMM_PATH "avx512-vnni"
 #define MC 8
@@ -420,48 +496,6 @@ static inline __m512i bcast4(const int8_t *p) {
 static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline __m512i i8x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-
-/* sub-block s of unit u as eight chunks of unsigned bytes (signed types as q + 128) */
-static inline __attribute__((always_inline)) void decode(const type_info *t, const int T, const uint8_t *u, int s,
-                                                         __m512i q[8]) {
-    if (T == FOLIO_Q8_0) {
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
-        for (int c = 0; c < 8; c++) q[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(u + 64 * c)), flip);
-        return;
-    }
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const uint8_t *np = u + t->np + 256 * s;
-    for (int g = 0; g < 4; g++) {
-        const __m512i raw = _mm512_loadu_si512((const void *)(np + 64 * g));
-        q[2 * g] = _mm512_and_si512(raw, low);
-        q[2 * g + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-    }
-    if (HAS_HP1(T)) {
-        const __m512i h = _mm512_loadu_si512((const void *)(u + t->hp + 64 * s)), bit = _mm512_set1_epi8(0x10);
-        q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit));
-        q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit));
-        q[2] = _mm512_or_si512(q[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit));
-        q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit));
-        q[4] = _mm512_or_si512(q[4], _mm512_and_si512(h, bit));
-        q[5] = _mm512_or_si512(q[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit));
-        q[6] = _mm512_or_si512(q[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit));
-        q[7] = _mm512_or_si512(q[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit));
-    } else if (T == FOLIO_Q6_K) {
-        const __m512i bits = _mm512_set1_epi8(0x30);
-        for (int h = 0; h < 2; h++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(u + t->hp + 128 * s + 64 * h));
-            q[4 * h] = _mm512_or_si512(q[4 * h], _mm512_and_si512(_mm512_slli_epi16(v, 4), bits));
-            q[4 * h + 1] = _mm512_or_si512(q[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), bits));
-            q[4 * h + 2] = _mm512_or_si512(q[4 * h + 2], _mm512_and_si512(v, bits));
-            q[4 * h + 3] = _mm512_or_si512(q[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), bits));
-        }
-    } else if (IS_IQ4(T)) {
-        const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
-                                                                 (char)153, (char)166, (char)181, (char)197,
-                                                                 (char)217, (char)241)); /* kv + 128 */
-        for (int c = 0; c < 8; c++) q[c] = _mm512_shuffle_epi8(lut, q[c]);
-    }
-}
 
 /* rows r0 .. r0 + mc of x against one tile: every unit of it */
 static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const type_info *t, const int T,
@@ -478,7 +512,7 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
         const __m512 dm = IS_K(T) || HAS_MIN(T) ? half16(w + t->m) : _mm512_setzero_ps();
         for (int s = 0; s < subs; s++) {
             __m512i q[8];
-            decode(t, T, w, s, q);
+            decode(t, T, w, s, 0, q);
             __m512 scale = d, bmin = dm; /* per row: the sub-block's scale and minimum */
             __m512i scA = _mm512_setzero_si512(), scB = scA;
             if (IS_K(T)) {
@@ -544,45 +578,6 @@ static inline __m256i bcast4(const int8_t *p) {
 static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256 u8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline __m256i i8x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-
-/* rows 8 h .. 8 h + 7 of sub-block s: eight chunks (unsigned, or signed for Q8_0 and IQ4) */
-static inline __attribute__((always_inline)) void decode(const type_info *t, const int T, const uint8_t *u, int s,
-                                                         int h, __m256i q[8]) {
-    if (T == FOLIO_Q8_0) {
-        for (int c = 0; c < 8; c++) q[c] = _mm256_loadu_si256((const __m256i *)(u + 64 * c + 32 * h));
-        return;
-    }
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    const uint8_t *np = u + t->np + 256 * s + 32 * h;
-    for (int g = 0; g < 4; g++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(np + 64 * g));
-        q[2 * g] = _mm256_and_si256(raw, low);
-        q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    }
-    if (HAS_HP1(T)) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(u + t->hp + 64 * s + 32 * h)), bit = _mm256_set1_epi8(0x10);
-        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(v, 4), bit));
-        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(v, 3), bit));
-        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_slli_epi16(v, 2), bit));
-        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_slli_epi16(v, 1), bit));
-        q[4] = _mm256_or_si256(q[4], _mm256_and_si256(v, bit));
-        q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_srli_epi16(v, 1), bit));
-        q[6] = _mm256_or_si256(q[6], _mm256_and_si256(_mm256_srli_epi16(v, 2), bit));
-        q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(v, 3), bit));
-    } else if (T == FOLIO_Q6_K) {
-        const __m256i bits = _mm256_set1_epi8(0x30);
-        for (int hh = 0; hh < 2; hh++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(u + t->hp + 128 * s + 64 * hh + 32 * h));
-            q[4 * hh] = _mm256_or_si256(q[4 * hh], _mm256_and_si256(_mm256_slli_epi16(v, 4), bits));
-            q[4 * hh + 1] = _mm256_or_si256(q[4 * hh + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), bits));
-            q[4 * hh + 2] = _mm256_or_si256(q[4 * hh + 2], _mm256_and_si256(v, bits));
-            q[4 * hh + 3] = _mm256_or_si256(q[4 * hh + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), bits));
-        }
-    } else if (IS_IQ4(T)) {
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KV_IQ4));
-        for (int c = 0; c < 8; c++) q[c] = _mm256_shuffle_epi8(lut, q[c]);
-    }
-}
 
 /* 8 lanes of int32: s + the dots of w's 4-byte groups with x's (w unsigned, x signed) */
 static inline __m256i dot8(__m256i s, __m256i w, __m256i x) {
