@@ -92,16 +92,22 @@ def speculative_settings(config) -> SpeculativeConfig | None:
         return parse_speculative_config(given)
     if not legacy:
         return None
-    k = getattr(config, "num_speculative_tokens", 0)
-    if k < 1:
+    k = getattr(config, "num_speculative_tokens", None)
+    if k is None or k < 1:
         raise ValueError("--speculative-model needs --num-speculative-tokens of at least 1")
     method = legacy if legacy in ("ngram", "suffix") else "draft_model"
+    # a flag not given is missing (a runtime config) or None (``folio serve``'s flags, which
+    # forward only what was given): either way SpeculativeConfig's own default holds
+    given = {field: getattr(config, flag, None) for field, flag in LEGACY_FLAGS.items()}
     return SpeculativeConfig(method=method, num_speculative_tokens=k,
                              model=legacy if method == "draft_model" else None,
-                             prompt_lookup_min=getattr(config, "ngram_prompt_lookup_min", 1),
-                             prompt_lookup_max=getattr(config, "ngram_prompt_lookup_max", 4),
-                             disable_by_batch_size=getattr(config, "speculative_disable_by_batch_size", 0),
+                             **{field: value for field, value in given.items() if value is not None},
                              adaptive=False)  # the older flags keep their fixed behaviour
+
+
+# SpeculativeConfig's fields that an older flag sets (the flag's config field: its default is the same)
+LEGACY_FLAGS = {"prompt_lookup_min": "ngram_prompt_lookup_min", "prompt_lookup_max": "ngram_prompt_lookup_max",
+                "disable_by_batch_size": "speculative_disable_by_batch_size"}
 
 
 def speculative_refusal(config) -> str | None:
