@@ -155,6 +155,14 @@ def test_the_older_flags_given_to_folio_serve_take_the_proposers_defaults():
     assert (given.method, given.prompt_lookup_min, given.prompt_lookup_max, given.disable_by_batch_size) == \
         ("suffix", 2, 4, 8)
     assert "needs --num-speculative-tokens" in speculative_refusal(parser.parse_args(["--speculative-model", "ngram"]))
+    # the scheduler gets --speculative-model alone (the other older flags are the executor's): it
+    # only asks whether steps carry drafts (it raised there, and the service hung at start)
+    from folio.services.scheduler.main import parse_config as scheduler_config
+    from folio.core.executor.runtime.spec_config import speculation_on
+    from folio.services.serve import service_argv
+
+    assert speculation_on(scheduler_config(service_argv("scheduler", args, "/m")))
+    assert not speculation_on(scheduler_config(service_argv("scheduler", parser.parse_args([]), "/m")))
     bad = parser.parse_args(["--speculative-model", "ngram", "--num-speculative-tokens", "3",
                              "--ngram-prompt-lookup-min", "5"])
     assert "prompt_lookup_min <= prompt_lookup_max" in speculative_refusal(bad)

@@ -4,7 +4,7 @@
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
 
 The executor reads it to build its proposer (``folio.core.executor.runtime.spec_decode``); the
-scheduler reads it only to know that steps carry drafts (each waits for the last one's result).
+scheduler asks only whether steps carry drafts (``speculation_on``: each waits for the last one's result).
 The older flags (``--speculative-model ngram|DIR``, ``--num-speculative-tokens``,
 ``--ngram-prompt-lookup-min/max``, ``--speculative-disable-by-batch-size``) stay as aliases: they
 are turned into the same settings here, so there is one place that decides what was asked for.
@@ -108,6 +108,14 @@ def speculative_settings(config) -> SpeculativeConfig | None:
 # SpeculativeConfig's fields that an older flag sets (the flag's config field: its default is the same)
 LEGACY_FLAGS = {"prompt_lookup_min": "ngram_prompt_lookup_min", "prompt_lookup_max": "ngram_prompt_lookup_max",
                 "disable_by_batch_size": "speculative_disable_by_batch_size"}
+
+
+def speculation_on(config) -> bool:
+    """Whether a config asks for speculative decoding: all the scheduler needs to know (its steps
+    then wait for the last one's result). It takes ``--speculative-model`` but not the executor's
+    other older flags; what is asked for is the executor's to read, and ``folio serve`` refuses a
+    bad request before any service starts."""
+    return bool(getattr(config, "speculative_config", None) or getattr(config, "speculative_model", None))
 
 
 def speculative_refusal(config) -> str | None:
