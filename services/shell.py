@@ -1,8 +1,9 @@
 """What every service shell runs, written once: ``run_service`` (flags into the config, logging,
 keys, its run folder made if missing, the service run until SIGTERM/SIGINT), the ``ServiceSpec``
 each ``main.py`` declares, and the receive loops (``serve_router``, ``serve_pull``, ``serve_admin``)
-that decode, dispatch by type and log and drop a malformed message. Client calls (``request``, ``admin_call``) are in
-``folio.shared.transport``; docs/architecture.md (Service shells) says how a service is put together.
+that decode, dispatch by type and log and drop a malformed message. Client calls (``request``,
+``admin_call``) are in ``folio.shared.transport``; docs/architecture.md (Service shells) says how a
+service is put together.
 """
 
 from __future__ import annotations

@@ -40,11 +40,12 @@ class DocLine:
 
     @property
     def runnable(self) -> tuple[str, ...] | None:
-        """What runs: the line itself, or a synopsis whose optional parts have no alternatives
-        (``[--max-loras 4]``) with all of them given; None for one of alternatives (``[a|b]``)."""
+        """What runs: the line itself, or a synopsis whose optional parts are flags without
+        alternatives (``[--max-loras 4]``) with all of them given; None for one of alternatives
+        (``[a|b]``) or of words standing for flags (``[flags]``)."""
         if not self.synopsis:
             return self.argv
-        if any("|" in t for t in self.argv):
+        if any("|" in t or (t.startswith("[") and not t.startswith("[-")) for t in self.argv):
             return None
         return tuple(t.strip("[]") for t in self.argv)
 

@@ -41,15 +41,16 @@ def serve_lines():
 
 def test_the_reader_finds_lines_as_a_reader_copies_them(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("Run `folio serve --port 1`, not `folio chat`.\n\n- a list:\n\n  ```\n"
+    page.write_text("Run `folio serve --port 1`, not `folio chat` or `folio serve [flags]`.\n\n- a list:\n\n  ```\n"
                     "  X=1 folio serve --a \\\n      --b 2 &   # note\n  folio keys init /keys\n  ```\n\n"
                     "```\nfolio serve [--c N] [--d x|y]\n  [-e|--eee]\n```\n")
     found = doc_lines("serve", files=[page])
     assert [(d.where, d.env, d.argv, d.synopsis) for d in found] == [
         ("page.md:6", (("X", "1"),), ("serve", "--a", "--b", "2"), False),
         ("page.md:12", (), ("serve", "[--c", "N]", "[--d", "x|y]", "[-e|--eee]"), True),
-        ("page.md:1", (), ("serve", "--port", "1"), False)]
+        ("page.md:1", (), ("serve", "--port", "1"), False), ("page.md:1", (), ("serve", "[flags]"), True)]
     assert found[1].runnable is None and synopsis_flags(found[1]) == ["--c", "--d", "-e", "--eee"]
+    assert found[3].runnable is None and found[0].runnable == found[0].argv
     sub = Substitution(tmp_path, model="/m", keys_dir="/k")
     argv = sub.argv(found[2])
     assert argv[:2] == ["serve", "--port"] and int(argv[2]) == 1 + sub.offset and argv[argv.index("--model") + 1] == "/m"
