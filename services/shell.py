@@ -1,8 +1,9 @@
 """What every service shell runs, written once: ``run_service`` (flags into the config, logging,
-keys, the service run until SIGTERM/SIGINT), the ``ServiceSpec`` each ``main.py`` declares, and
-the receive loops (``serve_router``, ``serve_pull``, ``serve_admin``) that decode, dispatch by type
-and log and drop a malformed message. Client calls (``request``, ``admin_call``) are in
-``folio.shared.transport``; docs/architecture.md (Service shells) says how a service is put together.
+keys, its run folder made if missing, the service run until SIGTERM/SIGINT), the ``ServiceSpec``
+each ``main.py`` declares, and the receive loops (``serve_router``, ``serve_pull``, ``serve_admin``)
+that decode, dispatch by type and log and drop a malformed message. Client calls (``request``,
+``admin_call``) are in ``folio.shared.transport``; docs/architecture.md (Service shells) says how a
+service is put together.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from folio.shared import curve
-from folio.shared.config import Endpoints, keys_dir_from_env
+from folio.shared.config import DEFAULT_PORT, Endpoints, ipc_folders, keys_dir_from_env, make_run_dir
 from folio.shared.keys import KeysError
 from folio.shared.flags import config_values, service_parser
 from folio.shared.logs import setup_logging
@@ -211,7 +212,9 @@ class ServiceSpec:
         if self.check is not None:
             self.check(parser, args)
         more = self.fields(args) if self.fields is not None else {}
-        config = self.config_type(endpoints=Endpoints.from_env(), **more,
+        # a gateway or router alone on --port P: the run folder of P, where `folio ... --port P` looks
+        endpoints = Endpoints.from_env(getattr(args, "port", DEFAULT_PORT))
+        config = self.config_type(endpoints=endpoints, **more,
                                   **config_values(self.config_type, args, self.name))
         return config, args
 
@@ -234,6 +237,12 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
         log.error("cannot read the key folder", error=str(exc))
         return 1
     curve.warn_if_unsafe(log)
+    try:  # a service started alone makes its own run folder, as `folio serve` does
+        for folder in ipc_folders(config.endpoints):
+            make_run_dir(folder)
+    except OSError as exc:
+        log.error("cannot make the run folder for the ipc sockets (set FOLIO_RUN_DIR)", error=str(exc))
+        return 1
     if spec.starting is not None:
         log.info("starting", **spec.starting(config))
 
@@ -253,7 +262,7 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
             if close is not None and not inspect.isawaitable(service):
                 close()
             curve.release(ctx)
-            if spec.drop_unsent:
+            if spec.drop_unsent or service is None:  # (a failed start: its sockets were never closed)
                 ctx.destroy(linger=0)
             else:
                 ctx.term()

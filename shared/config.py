@@ -11,6 +11,7 @@ filled by name in the other.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -260,16 +261,16 @@ class Endpoints:
         raise KeyError(f"{address} is none of this stack's endpoints")
 
     @staticmethod
-    def from_env() -> "Endpoints":
+    def from_env(port: int = DEFAULT_PORT) -> "Endpoints":
         """``FOLIO_ENDPOINTS=tcp`` (compose; ``FOLIO_TCP_HOST``: every service on that host) or
-        ``FOLIO_RUN_DIR`` (ipc, default: the folder of a server on port 8000); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
+        ``FOLIO_RUN_DIR`` (ipc, default: the run folder of a server on HTTP ``port``); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
         KV event stream and its snapshot socket elsewhere (``folio serve --kv-events-port``: tcp for
         a router)."""
         if os.environ.get("FOLIO_ENDPOINTS", "ipc") == "tcp":
             endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")),
                                       os.environ.get("FOLIO_TCP_HOST") or None)
         else:
-            endpoints = Endpoints.ipc(default_run_dir(DEFAULT_PORT))
+            endpoints = Endpoints.ipc(default_run_dir(port))
         moved = {name: os.environ.get(var) for name, var in (("kv_events", "FOLIO_KV_EVENTS_ENDPOINT"),
                                                              ("kv_snapshot", "FOLIO_KV_SNAPSHOT_ENDPOINT"))}
         return replace(endpoints, **{name: value for name, value in moved.items() if value})
@@ -448,6 +449,25 @@ class RouterConfig:
 
 def default_run_dir(port: int) -> Path:
     """Where ``folio serve --port PORT`` puts its ``ipc://`` sockets unless told: ``$FOLIO_RUN_DIR``,
-    else a folder of its own per port, so that servers on two ports run side by side."""
+    else a folder of its own per port under ``$TMPDIR`` (default /tmp), so that servers on two ports
+    run side by side."""
     explicit = os.environ.get("FOLIO_RUN_DIR")
-    return Path(explicit) if explicit else Path(f"/tmp/folio-{port}")
+    return Path(explicit) if explicit else Path(tempfile.gettempdir()) / f"folio-{port}"
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """Make ``run_dir`` if it is missing, 0700 either way: whoever can open an ipc socket can speak
+    to its service, so the folder is its user's alone (another user's folder is left as it is)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.chmod(run_dir, 0o700)
+    except PermissionError:
+        pass
+    return run_dir
+
+
+def ipc_folders(endpoints: Endpoints) -> set[Path]:
+    """The folders that ``endpoints``' ``ipc://`` sockets live in (none for a tcp layout)."""
+    return {Path(address.removeprefix("ipc://")).parent for address in vars(endpoints).values()
+            if address.startswith("ipc://")}

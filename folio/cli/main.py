@@ -12,7 +12,7 @@ import sys
 
 from folio.shared import curve
 from folio.shared.transport import ask_service
-from folio.shared.config import Endpoints, default_run_dir, keys_dir_from_env
+from folio.shared.config import DEFAULT_PORT, Endpoints, RouterConfig, default_run_dir, keys_dir_from_env
 from folio.shared.keys import KeysError, init_keys
 
 RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.http:
             return http_health(args.http, args.timeout)
         try:
-            reply = ask_service(_endpoints(args), args.service, "ping", {}, args.timeout)
+            reply = ask_service(_endpoints(args, args.service), args.service, "ping", {}, args.timeout)
         except (curve.MissingKeys, KeysError) as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
@@ -168,12 +168,13 @@ def run_service(name: str, argv: list[str]) -> int:
     return module.main(argv) or 0
 
 
-def _endpoints(args: argparse.Namespace) -> Endpoints:
+def _endpoints(args: argparse.Namespace, service: str) -> Endpoints:
     if args.run_dir:
         return Endpoints.ipc(args.run_dir)
     if args.port is not None:
         return Endpoints.ipc(default_run_dir(args.port))
-    return Endpoints.from_env()
+    # the service's own default port: a router alone listens on 8080, and its folder is that port's
+    return Endpoints.from_env(RouterConfig.port if service == "router" else DEFAULT_PORT)
 
 
 def http_health(url: str, timeout_s: float) -> int:
@@ -199,7 +200,7 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
             return 2
         call_args["req_id"] = args.req_id
     try:
-        reply = ask_service(_endpoints(args), service, args.verb, call_args, args.timeout)
+        reply = ask_service(_endpoints(args, service), service, args.verb, call_args, args.timeout)
     except (curve.MissingKeys, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1

@@ -11,18 +11,22 @@ from folio.core.executor.runtime.spec_config import speculative_refusal
 
 
 def check(parser, args) -> None:
+    from folio.core.model_files import resolve_model
+
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
     refusal = speculative_refusal(args)
     if refusal:
         parser.error(refusal)
+    try:  # resolved here, where a missing model is a message and not a traceback
+        args.model_path = str(resolve_model(args.model))
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
 
 
 def fields(args) -> dict:
-    from folio.core.model_files import resolve_model
-
     return {"runtime": RuntimeConfig(**config_values(RuntimeConfig, args, "executor")),
-            "model_path": str(resolve_model(args.model))}
+            "model_path": args.model_path}
 
 
 def open_service(config: ExecutorServiceConfig, ctx, log):

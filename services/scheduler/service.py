@@ -35,7 +35,7 @@ from folio.core.scheduler.executor_step import StepOutput
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.stats import describe_requests, scheduler_stats
 from folio.shared.config import SchedulerConfig
-from folio.core.executor.runtime.spec_config import speculative_settings
+from folio.core.executor.runtime.spec_config import speculation_on
 from folio.services.shell import serve_admin, serve_pull
 from folio.shared.transport import close_sockets, receive_reply
 from folio.shared.messages import (
@@ -94,7 +94,7 @@ class SchedulerService:
         self.pending_digests: dict[int, bytes] = {}  # step_id -> the replica's digest, until the reply
         self.resync_reason: str | None = None  # set when the kvmanager's state is not the replica's
         self.kv_reply: asyncio.Future | None = None  # a GetPool / KVReset waiting for its PoolInfo
-        self.scheduler.speculative = speculative_settings(config) is not None
+        self.scheduler.speculative = speculation_on(config)
         tracing = tracing_setup(config.otlp_traces_endpoint, "scheduler")
         self.tracer = SchedulerTracer(tracing) if tracing is not None else None  # None: tracing off
         self.in_flight: deque[StepOutput] = deque()  # steps sent to the executor, oldest first (at most 2)

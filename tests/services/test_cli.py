@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -47,7 +48,7 @@ class Serve:
         self.run_dir = run_dir or short_run_dir()
         where = ["--run-dir", self.run_dir] if run_dir != "default" else []
         if run_dir == "default":
-            self.run_dir = f"/tmp/folio-{self.port}"
+            self.run_dir = str(Path(tempfile.gettempdir(), f"folio-{self.port}"))  # default_run_dir, unset
         cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", model, *where,
                "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "64", "--dtype", "float32",
                "--block-size", "8", "--max-num-seqs", "8", *flags]
