@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Coroutine, TypeVar
+from collections.abc import Coroutine
+from typing import TypeVar
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.kv.window import all_layers_window

@@ -10,7 +10,8 @@ below, and opens no socket itself.
 from __future__ import annotations
 
 import time
-from typing import Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from folio.core.scheduler.policy import Scheduler
 from folio.core.scheduler.state import StepOutput
