@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from folio.core.scheduler.executor_step import StepOutput
+from folio.core.scheduler.state import StepOutput
 from folio.core.scheduler.request import Request, Status
 from folio.shared.messages import EngineRequest, StepResult
 from folio.shared.tracing import Tracing, now_ns
@@ -29,7 +29,7 @@ MAX_OPEN_STEPS = 64  # steps sent and not answered kept (an executor restart los
 
 
 @dataclass
-class TracedRequest:
+class RequestTrace:
     traceparent: str
     arrival_ns: int
     lora_name: str | None
@@ -44,13 +44,13 @@ class TracedRequest:
 class SchedulerTracer:
     def __init__(self, tracing: Tracing):
         self.tracing = tracing
-        self.requests: dict[str, TracedRequest] = {}
+        self.requests: dict[str, RequestTrace] = {}
         # step id -> (request, its trace, first token computed, tokens, a prefill chunk?) per traced request
-        self.steps: dict[int, list[tuple[Request, TracedRequest, int, int, bool]]] = {}
+        self.steps: dict[int, list[tuple[Request, RequestTrace, int, int, bool]]] = {}
 
     def add(self, msg: EngineRequest) -> None:
         if msg.traceparent:
-            self.requests[msg.req_id] = TracedRequest(msg.traceparent, now_ns(), msg.lora_name)
+            self.requests[msg.req_id] = RequestTrace(msg.traceparent, now_ns(), msg.lora_name)
 
     def drop(self, req_id: str, req: Request | None = None) -> None:
         """Refused (no ``req``) or aborted (a stop string, a client gone): no more spans, but the
@@ -106,7 +106,7 @@ class SchedulerTracer:
             if req.status is Status.FINISHED and self.requests.pop(req.req_id, None) is not None:
                 self._finish(req, trace)
 
-    def _finish(self, req: Request, trace: TracedRequest) -> None:
+    def _finish(self, req: Request, trace: RequestTrace) -> None:
         if not trace.num_decode_steps:
             return  # finished at its prefill's token
         self.tracing.record("executor.decode", trace.traceparent, trace.decode_start_ns, trace.decode_end_ns,

@@ -127,7 +127,7 @@ async def test_a_restarted_executor_makes_running_requests_start_over(tiny_model
                                        num_kv_blocks=64), tiny_model_dir)
     long_reference = generate(runner, [LONG_PROMPT], greedy(LONG_MAX_TOKENS))[0]
     async with back_half(tiny_model_dir, num_kv_blocks=128, block_size=4) as bh:
-        bh.services[2].executor_check_s = 0.3  # a lost step is noticed quickly
+        bh.services[2].executor.check_s = 0.3  # a lost step is noticed quickly
         req_ids = [f"req-{i}" for i in range(len(PROMPTS))] + ["req-long"]
         for req_id, prompt, m in zip(req_ids, PROMPTS + [LONG_PROMPT], MAX_TOKENS + [LONG_MAX_TOKENS]):
             await bh.submit(req_id, prompt, greedy(m))

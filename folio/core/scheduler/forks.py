@@ -12,7 +12,7 @@ Several requests of one client request share blocks through forks (``KVFork``):
   beam with several children is forked in the next step, one without any is freed, and when the
   search is over the group's choices get their results.
 
-``Forks`` belongs to one ``policy.Scheduler`` and moves requests through its queues.
+``Forks`` is part of the scheduler's state (``state.py``) and moves requests through its queues.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class BeamGroup:
 
 class Forks:
     def __init__(self, sched):
-        self.sched = sched  # the policy.Scheduler whose queues and allocator replica these use
+        self.sched = sched  # the scheduler's state (``state.SchedulerState``): its queues and allocator replica
         self.unforked: list[Request] = []  # new beams, forked from their parent in the next step
         self.groups: dict[str, BeamGroup] = {}  # beam searches by each of their choice ids
 
@@ -150,7 +150,7 @@ class Forks:
         group.candidates = {}
         sched.counters["num_generation_tokens_total"] += len(group.live)
         if group.queue_time is None:
-            group.queue_time = sched.queue_time(next(iter(group.live.values()))) or 0.0
+            group.queue_time = next(iter(group.live.values())).take_queue_time() or 0.0
         if group.search.done:
             self.end_group(group)
             sched.counters["num_requests_finished"] += len(group.choice_ids)

@@ -141,6 +141,13 @@ class Request:
             return "length"
         return None
 
+    def take_queue_time(self) -> float | None:
+        """Its time in the queue before its first step, once (None after, or when unknown)."""
+        if self.queue_time_sent or self.first_scheduled_time is None or not self.arrival_time:
+            return None
+        self.queue_time_sent = True
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
+
     def reset_for_recompute(self) -> None:
         """Preempted by recompute: drop every block and the executor's state, keep the tokens."""
         self.num_computed_tokens = 0
