@@ -127,6 +127,13 @@ def c_compiler() -> str | None:
     return None
 
 
+def c_sanitizers() -> str | None:
+    """``$FOLIO_SANITIZE`` (``address,undefined``, as ``-fsanitize=`` takes it): build the CPU
+    kernels with these sanitizers, for the sanitizer job (the process must load their runtime
+    first: ``LD_PRELOAD``); None: the plain build."""
+    return os.environ.get("FOLIO_SANITIZE") or None
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What the executor's model runtime needs to start. ``max_num_seqs`` and

@@ -2,7 +2,10 @@
 
 Who talks to it:
 - the scheduler sends a ``StepPlan`` to its ROUTER (``recv_from_scheduler``) and gets the
-  ``StepResult``; steps are executed one at a time, in arrival order. With async scheduling the
+  ``StepResult``; steps are executed one at a time, in arrival order. A plan that does not fit
+  the pool, the model or the requests held (``plan_check.py``) is refused before anything runs,
+  logged once, and answered with an empty result that says why (``error``), as a failed step is;
+  the scheduler ends that step's requests, and the next plans are served. With async scheduling the
   next plan arrives while a step runs and waits in the socket; its decodes that follow a token
   sampled in the step before (placeholders) read that token from the runner's batch, where the
   step before appended it;
@@ -44,6 +47,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import WorkerGroupError
 from folio.core.kv.window import all_layers_window
@@ -142,11 +146,13 @@ class ExecutorService:
             return msgspec.structs.replace(result, epoch=self.epoch)
         except WorkerGroupError:
             raise  # on_failure ends the process: an answer would only say the step went wrong
-        except Exception:
-            # a plan that does not fit our state: answer anyway (the scheduler fails the requests
-            # that got no token) rather than leave it waiting forever
+        except InvalidPlan as exc:  # refused before anything ran: the executor is as it was
+            log.warning("step plan refused", step_id=plan.step_id, error=str(exc))
+            return StepResult(step_id=plan.step_id, epoch=self.epoch, error=f"the step plan was refused: {exc}")
+        except Exception as exc:
+            # answer anyway (the scheduler ends the step's requests) rather than leave it waiting forever
             log.exception("step failed", step_id=plan.step_id, req_ids=list(plan.num_scheduled_tokens))
-            return StepResult(step_id=plan.step_id, epoch=self.epoch)
+            return StepResult(step_id=plan.step_id, epoch=self.epoch, error=f"the step failed: {type(exc).__name__}")
         finally:
             self.execute_seconds_total += time.perf_counter() - t0
             if self.recv_from_scheduler.get(zmq.EVENTS) & zmq.POLLIN:  # the next plan is here already

@@ -177,7 +177,7 @@ class ExecutorExchange:
         for group in groups:
             deltas.extend(self.forks.advance_beams(group))
             released = True
-        if result.req_ids != [req.req_id for req in samplers]:
+        if result.error or result.req_ids != [req.req_id for req in samplers]:
             released |= self._fail_unreported(out, result, deltas)
         if released:
             self.running = [r for r in self.running if r.status is not finished_status]
@@ -224,12 +224,14 @@ class ExecutorExchange:
     def _fail_unreported(self, out: StepOutput, result: StepResult, deltas: list[TokenDelta]) -> bool:
         """Samplers that got nothing: the executor failed the step for them; never leave them
         stuck. The step's other requests may not have advanced there either: the next plan tells
-        the executor their counts again."""
+        the executor their counts again. A step the executor refused or failed (``error``) ends
+        every request it scheduled: their KV for it was never written."""
         reported = set(result.req_ids)
+        failing = [req for req, _ in out.scheduled] if result.error else out.samplers
         failed = False
-        for req in out.samplers:
+        for req in failing:
             if not req.finished and req.req_id not in reported:
-                deltas.extend(self._fail(req))
+                deltas.extend(self._fail(req, result.error))
                 failed = True
         if failed:
             for req, _ in out.scheduled:
@@ -262,8 +264,9 @@ class ExecutorExchange:
                 return token_ids[:n], reason
         return token_ids, None
 
-    def _fail(self, req: Request) -> list[TokenDelta]:
-        error = "the executor did not return a token for this request"
+    def _fail(self, req: Request, why: str = "") -> list[TokenDelta]:
+        error = f"the executor did not run this request's step: {why}" if why \
+            else "the executor did not return a token for this request"
         if req.group is not None:
             group = req.group
             self.forks.end_group(group)
