@@ -73,8 +73,9 @@ async def test_a_refused_step_ends_its_requests_and_the_rest_is_served(tiny_mode
             await no_block_held(bh)
 
             assert await bh.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS]) == reference
-            executor = (await bh.admin("executor", "stats")).data
-            assert executor["num_requests"] == 0  # the refused steps' requests were dropped too
+            # the executor holds none of the refused steps' requests (the last requests' end
+            # reaches it with the next plan)
+            assert set(bh.runner.requests) <= {f"req-{i}" for i in range(len(PROMPTS))}
             scheduler = (await bh.admin("scheduler", "stats")).data
             assert scheduler["num_running"] == scheduler["num_waiting"] == 0
     refusals = [e for e in logs if e["event"] == "step plan refused"]
