@@ -24,10 +24,11 @@ REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer", 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sanitized_env() -> dict[str, str]:
+def sanitized_env(reports: Path) -> dict[str, str]:
     """The environment of a process whose C kernels run under the sanitizers: their runtime
     preloaded (Python itself is not built with it), leaks not reported (the interpreter keeps
-    memory to the end by design), the first report fatal."""
+    memory to the end by design), the first report fatal and written to a file under ``reports``
+    (pytest's capture of the child would lose it when the child aborts)."""
     compiler = c_compiler()
     if compiler is None:
         pytest.fail("the sanitizer job needs a C compiler (gcc with libasan and libubsan)")
@@ -35,26 +36,29 @@ def sanitized_env() -> dict[str, str]:
     if not os.path.isabs(runtime) or not os.path.exists(runtime):
         pytest.fail(f"{compiler} has no AddressSanitizer runtime (libasan.so): install libasan for it")
     return {**os.environ, "FOLIO_SANITIZE": "address,undefined", "LD_PRELOAD": runtime,
-            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
-            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1", "CI": "true"}
+            "ASAN_OPTIONS": f"detect_leaks=0:abort_on_error=1:halt_on_error=1:log_path={reports / 'asan'}",
+            "UBSAN_OPTIONS": f"halt_on_error=1:print_stacktrace=1:log_path={reports / 'ubsan'}", "CI": "true"}
 
 
-def run_sanitized(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=sanitized_env(), capture_output=True, text=True,
-                          timeout=timeout_s)
+def run_sanitized(args: list[str], reports: Path, timeout_s: float) -> str:
+    """The child's output; fails with the sanitizers' reports, if any, or its own failure."""
+    run = subprocess.run([sys.executable, *args], cwd=ROOT, env=sanitized_env(reports), capture_output=True,
+                         text=True, timeout=timeout_s)
+    output = run.stdout + run.stderr
+    written = "\n".join(f.read_text(errors="replace") for f in sorted(reports.iterdir()))
+    found = [line for line in (written + output).splitlines() if any(r in line for r in REPORTS)]
+    assert not found, "\n".join(found[:10]) + "\n\n" + written[:8000] + "\n" + output[-3000:]
+    assert run.returncode == 0, output[-6000:]
+    return run.stdout
 
 
 @pytest.mark.slow
-def test_the_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers():
+def test_the_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path):
     probe = run_sanitized(["-c", "from folio.core.executor.kernels import cpu_kernels; print(cpu_kernels.library()._name)"],
-                          timeout_s=600)
-    assert probe.returncode == 0, probe.stderr[-4000:]
-    library = Path(probe.stdout.strip().splitlines()[-1])
+                          tmp_path, timeout_s=600)
+    library = Path(probe.strip().splitlines()[-1])
     assert b"__asan_init" in library.read_bytes() and b"__ubsan_handle" in library.read_bytes(), \
         f"{library} was not built with the sanitizers"
-    run = run_sanitized(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-                         *KERNEL_TESTS], timeout_s=1500)
-    output = run.stdout + run.stderr
-    reports = [line for line in output.splitlines() if line.startswith(REPORTS) or "runtime error:" in line]
-    assert not reports, "\n".join(reports[:20]) + "\n" + output[-6000:]
-    assert run.returncode == 0, output[-6000:]
+    out = run_sanitized(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
+                         *KERNEL_TESTS], tmp_path, timeout_s=1500)
+    assert " passed" in out and " failed" not in out, out[-3000:]

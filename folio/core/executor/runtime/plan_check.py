@@ -64,7 +64,7 @@ def check_plan(plan: StepPlan, limits: PlanLimits, batch, adapters: Mapping[str,
         if plan.spec_token_ids:
             raise InvalidPlan(f"step {plan.step_id}: drafts for {next(iter(plan.spec_token_ids))!r}, which is not scheduled")
         return
-    step = _scheduled(plan, batch, new, running, limits)
+    step = _scheduled(plan, batch, new, running)
     num_spec = _check_drafts(plan, step, limits)
     _check_chunks(step, num_spec, limits)
     if adapters is not None:
@@ -179,8 +179,8 @@ def _check_running(running_reqs: list[RunningRequestData], limits: PlanLimits, b
 
 
 # ---------------------------------------------------------------------- the step
-def _scheduled(plan: StepPlan, batch, new: dict[str, NewRequestData], running: dict[str, RunningRequestData],
-               limits: PlanLimits) -> _Scheduled:
+def _scheduled(plan: StepPlan, batch, new: dict[str, NewRequestData],
+               running: dict[str, RunningRequestData]) -> _Scheduled:
     """The scheduled requests' counts and state after the diffs, vectorised over the held ones;
     the requests with a diff are patched one by one (a decode that opened a block, a new one)."""
     num_scheduled = plan.num_scheduled_tokens
