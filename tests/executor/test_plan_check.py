@@ -99,12 +99,11 @@ def _replace_one(draw, ids: list, value) -> list:
 
 
 @st.composite
-def breaches(draw) -> tuple[str, dict]:
-    """A well-formed scenario and its step broken in one drawn way: (what, scenario, broken step)."""
+def breaches(draw, kind: str) -> tuple[dict, dict]:
+    """A well-formed scenario and its step broken in the way ``kind`` names: (scenario, broken step)."""
     sc = draw(steps())
     step, (la, lb, lc) = copy.deepcopy(sc["step"]), sc["lens"]
     c = step["new_reqs"][0]
-    kind = draw(st.sampled_from(BREACHES))
     if kind == "block of a new request":
         c["block_ids"] = _replace_one(draw, c["block_ids"], draw(OUT_OF_POOL))
     elif kind == "block a running request gains":
@@ -163,7 +162,9 @@ def breaches(draw) -> tuple[str, dict]:
         c["lora_name"] = "sql"
     elif kind == "request named twice":
         step["running_reqs"] += [dict(req_id="b", new_block_ids=[], num_computed_tokens=lb)] * 2
-    return kind, sc, step
+    else:
+        raise AssertionError(f"no breach {kind!r}")
+    return sc, step
 
 
 BREACHES = ["block of a new request", "block a running request gains", "block of a copied-on-write table",
@@ -228,10 +229,11 @@ def run_refused(runner: ModelRunner, sc: dict, bad: StepPlan) -> str:
     return str(refused.value)
 
 
-@given(breaches())
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-def test_a_broken_plan_is_refused_on_both_paths_before_any_kernel_runs(runners, case):
-    kind, sc, broken = case
+@pytest.mark.parametrize("kind", BREACHES)
+@given(data=st.data())
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_a_broken_plan_is_refused_on_both_paths_before_any_kernel_runs(runners, kind, data):
+    sc, broken = data.draw(breaches(kind))
     note(f"{kind}: {broken}")
     refusals, bad = {}, plan(broken)
     for name, runner in runners.items():
