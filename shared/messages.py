@@ -197,6 +197,9 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
     # tracing on: the executor's wall-clock start and end of the step (ns), for the scheduler's spans
     # of its prefill chunks and decodes; empty when tracing is off
     exec_ns: list[int] = []
+    # the executor refused the plan (``InvalidPlan``) or the step failed: why. The step produced
+    # nothing, and the scheduler ends every request it scheduled with this reason
+    error: str = ""
 
     @staticmethod
     def flat(sampled: list[list[int]]) -> dict:

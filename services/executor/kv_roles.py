@@ -104,8 +104,8 @@ class DecodeRole:
         self.num_recomputed = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if plan.kv_loads:
-            plan = self._load(plan)
+        if plan.kv_loads:  # checked first: a pull writes into the blocks the plan names
+            plan = self._load(self.runner.accept(plan))
         return self.runner.execute(plan)
 
     def _load(self, plan: StepPlan) -> StepPlan:

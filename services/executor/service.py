@@ -15,6 +15,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import WorkerGroupError
 from folio.core.kv.window import all_layers_window
@@ -114,11 +115,13 @@ class ExecutorService:
             return msgspec.structs.replace(result, epoch=self.epoch)
         except WorkerGroupError:
             raise  # on_failure ends the process: an answer would only say the step went wrong
-        except Exception:
-            # a plan that does not fit our state: answer anyway (the scheduler fails the requests
-            # that got no token) rather than leave it waiting forever
+        except InvalidPlan as exc:  # refused before anything ran: the executor is as it was
+            log.warning("step plan refused", step_id=plan.step_id, error=str(exc))
+            return StepResult(step_id=plan.step_id, epoch=self.epoch, error=f"the step plan was refused: {exc}")
+        except Exception as exc:
+            # answer anyway (the scheduler ends the step's requests) rather than leave it waiting forever
             log.exception("step failed", step_id=plan.step_id, req_ids=list(plan.num_scheduled_tokens))
-            return StepResult(step_id=plan.step_id, epoch=self.epoch)
+            return StepResult(step_id=plan.step_id, epoch=self.epoch, error=f"the step failed: {type(exc).__name__}")
         finally:
             self.execute_seconds_total += time.perf_counter() - t0
             if self.recv_from_scheduler.get(zmq.EVENTS) & zmq.POLLIN:  # the next plan is here already

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.runtime.input_batch import InputBatch
+from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
 from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
-from folio.shared.messages import NewRequestData, RunningRequestData, WireSampling
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
 
 VOCAB, BS = 97, 4
 
@@ -129,10 +130,14 @@ def test_the_persistent_batch_equals_a_rebuild_every_step(seed):
     rng = random.Random(seed)
     world = World(rng)
     batch = InputBatch(max_num_reqs=2, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))  # rows grow
+    limits = PlanLimits(num_blocks=1 << 20, num_host_blocks=0, block_size=BS, max_positions=1 << 10, vocab_size=VOCAB)
     for _ in range(25):
         finished, new, running, scheduled, spec = world.step()
         for req_id in finished:
             batch.remove(req_id)
+        # every plan the scheduler's world sends passes the executor's check, on the batch it finds
+        check_plan(StepPlan(step_id=0, new_reqs=new, running_reqs=running, num_scheduled_tokens=scheduled,
+                            spec_token_ids=spec), limits, batch)
         for n in new:
             batch.add(n.req_id, n.token_ids, n.num_prompt_tokens, n.num_computed_tokens, n.block_ids, n.sampling)
         batch.apply_running(running, 0)
@@ -170,14 +175,20 @@ def test_the_persistent_batch_equals_a_rebuild_every_step(seed):
 
 def test_a_plan_the_rows_cannot_run_is_a_clear_error():
     batch = InputBatch(max_num_reqs=4, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))
+    limits = PlanLimits(num_blocks=8, num_host_blocks=0, block_size=BS, max_positions=64, vocab_size=VOCAB)
+
+    def check(num_scheduled, **plan):
+        check_plan(StepPlan(step_id=0, num_scheduled_tokens=num_scheduled, **plan), limits, batch)
+
     batch.add("a", [1, 2, 3], 3, 0, [0], WireSampling())
-    with pytest.raises(ValueError, match="a: 4 tokens scheduled but only 3"):
-        batch.prepare({"a": 4}, {})
+    with pytest.raises(InvalidPlan, match="a: 4 tokens scheduled but only 3"):
+        check({"a": 4})
     batch.add("b", list(range(9)), 9, 0, [1], WireSampling())
-    with pytest.raises(ValueError, match="b: 9 tokens need more than its 1 blocks"):
-        batch.prepare({"a": 3, "b": 9}, {})
-    with pytest.raises(KeyError, match="unknown request 'c'"):
-        batch.prepare({"c": 1}, {})
+    with pytest.raises(InvalidPlan, match="b: 9 tokens need more than its 1 blocks"):
+        check({"a": 3, "b": 9})
+    with pytest.raises(InvalidPlan, match="unknown request 'c'"):
+        check({"c": 1})
+    check({"a": 3, "b": 9}, running_reqs=[RunningRequestData(req_id="b", new_block_ids=[2, 3], num_computed_tokens=0)])
 
 
 def test_a_request_takes_the_lowest_free_row():

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.kv.tensors.pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
@@ -81,15 +82,16 @@ def test_prompt_logprobs_match_a_full_forward_across_chunks(tiny_model_dir):
 def test_bad_plans_are_clear_errors(tiny_model_dir):
     runner = runner_for(tiny_model_dir, block_size=8)
     new = NewRequestData(req_id="a", token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=GREEDY, block_ids=[0])
-    with pytest.raises(ValueError, match="only 3 to compute"):
+    with pytest.raises(InvalidPlan, match="only 3 to compute"):
         runner.execute(StepPlan(step_id=0, new_reqs=[new], num_scheduled_tokens={"a": 4}))
     long = NewRequestData(req_id="b", token_ids=list(range(20)), num_prompt_tokens=20, sampling=GREEDY, block_ids=[1])
-    with pytest.raises(ValueError, match="need more than its 1 blocks"):
+    with pytest.raises(InvalidPlan, match="need more than its 1 blocks"):
         runner.execute(StepPlan(step_id=1, new_reqs=[long], num_scheduled_tokens={"b": 20}))
     from folio.shared.messages import RunningRequestData
 
-    with pytest.raises(KeyError, match="unknown request 'zzz'"):
+    with pytest.raises(InvalidPlan, match="unknown request 'zzz'"):
         runner.execute(StepPlan(step_id=2, running_reqs=[RunningRequestData(req_id="zzz", new_block_ids=[], num_computed_tokens=0)]))
+    assert runner.requests == {} and runner.batch.row_of == {}  # nothing of the refused plans was applied
 
 
 def test_pool_is_allocated_once_in_the_vllm_layout(tiny_model_dir):

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from folio.core.executor.parallel.comm import Shard
+from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import ParallelRunner, resident_tensors
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import BeamSearchParams
+from folio.shared.messages import BeamSearchParams, NewRequestData, StepPlan, WireSampling
 from folio.testing.models import write_tiny_model
 from tests.core.engine import LocalEngine, engine_request
 
@@ -156,6 +157,19 @@ def test_swapping_acts_on_every_ranks_pool(mqa_model, mqa_group):
     ours, num_swap_outs = run(mqa_group.runner)
     assert num_swap_outs > 0
     assert ours == run(ModelRunner(config(mqa_model, num_host_blocks=64), mqa_model))[0]
+
+
+def test_a_refused_plan_reaches_no_rank_and_the_group_serves_on(mqa_model, mqa_group):
+    """A plan that does not fit is refused on rank 0 before the broadcast: no rank exits, and the
+    group then samples what one rank samples."""
+    bad = StepPlan(step_id=10**6, new_reqs=[NewRequestData(req_id="x", token_ids=[1, 2], num_prompt_tokens=2,
+                                                            sampling=WireSampling(temperature=0.0), block_ids=[96])],
+                   num_scheduled_tokens={"x": 2}, finished_req_ids=["gone"])
+    with pytest.raises(InvalidPlan, match="x: block id 96 is outside the pool"):
+        mqa_group.runner.execute(bad)
+    assert not mqa_group.failures
+    reqs = requests()[:3]
+    assert outputs(mqa_group.runner, reqs) == outputs(ModelRunner(config(mqa_model), mqa_model), reqs)
 
 
 def _weight_bytes(tensors) -> int:

@@ -155,7 +155,7 @@ def _end_step(sched: SchedulerState, out: StepOutput, result: StepResult, deltas
     for group in groups:
         deltas.extend(sched.forks.advance_beams(group))
         released = True
-    if result.req_ids != [req.req_id for req in out.samplers]:
+    if result.error or result.req_ids != [req.req_id for req in out.samplers]:
         released |= _fail_unreported(sched, out, result, deltas)
     if released:
         sched.running = [r for r in sched.running if r.status is not Status.FINISHED]
@@ -202,12 +202,14 @@ def _update_one(sched: SchedulerState, req: Request, idx: int, sampled: list[int
 def _fail_unreported(sched: SchedulerState, out: StepOutput, result: StepResult, deltas: list[TokenDelta]) -> bool:
     """Samplers that got nothing: the executor failed the step for them; never leave them
     stuck. The step's other requests may not have advanced there either: the next plan tells
-    the executor their counts again."""
+    the executor their counts again. A step the executor refused or failed (``error``) ends
+    every request it scheduled: their KV for it was never written."""
     reported = set(result.req_ids)
+    failing = [req for req, _ in out.scheduled] if result.error else out.samplers
     failed = False
-    for req in out.samplers:
+    for req in failing:
         if not req.finished and req.req_id not in reported:
-            deltas.extend(_fail(sched, req))
+            deltas.extend(_fail(sched, req, result.error))
             failed = True
     if failed:
         for req, _ in out.scheduled:
@@ -243,8 +245,9 @@ def _append(req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
     return token_ids, None
 
 
-def _fail(sched: SchedulerState, req: Request) -> list[TokenDelta]:
-    error = "the executor did not return a token for this request"
+def _fail(sched: SchedulerState, req: Request, why: str = "") -> list[TokenDelta]:
+    error = f"the executor did not run this request's step: {why}" if why \
+        else "the executor did not return a token for this request"
     if req.group is not None:
         group = req.group
         sched.forks.end_group(group)

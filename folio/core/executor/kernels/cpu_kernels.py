@@ -6,7 +6,8 @@ codes (``check``), and wraps the sampler (``sample``, ``TableSampler``). The sou
 with the machine's C compiler (``$CC``, else ``cc``/``gcc``) into the folio cache under a name that
 hashes the sources, the compiler, the flags and the CPU's features; without a compiler
 ``library()`` is None and the torch ops run. ``library_for(march)`` builds them for another target
-(the tests check an AVX2-only build on CPUs with AVX-512). docs/executor.md has the design.
+(the tests check an AVX2-only build on CPUs with AVX-512); ``FOLIO_SANITIZE=address,undefined``
+builds them with those sanitizers (``tests/executor/test_sanitizers.py``). docs/executor.md has the design.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
 from folio.core.executor import startup
-from folio.core.executor.kernels.toolchain import c_compiler
+from folio.core.executor.kernels.toolchain import c_compiler, c_sanitizers
 from folio.shared.config import cache_dir
 
 log = structlog.get_logger()
@@ -40,6 +41,8 @@ HEADERS = (CSRC / "folio.h", CSRC / "common.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=off",
          "-fno-math-errno", "-fno-trapping-math", "-std=c11", "-pthread", "-shared", "-fPIC")
 BLOCK = 64  # csrc/sampler.c's BLOCK
+# FOLIO_SANITIZE: the same build with the sanitizers' checks and stack traces (another cache key)
+SANITIZER_FLAGS = ("-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
 
 # ---------------------------------------------------------------------------- the interface (csrc/folio.h)
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -161,7 +164,13 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _compile(flags: tuple[str, ...] = FLAGS) -> Path:
+def build_flags() -> tuple[str, ...]:
+    """``FLAGS``, with the sanitizers ``$FOLIO_SANITIZE`` asks for."""
+    sanitizers = c_sanitizers()
+    return FLAGS + (f"-fsanitize={sanitizers}", *SANITIZER_FLAGS) if sanitizers else FLAGS
+
+
+def _compile(flags: tuple[str, ...]) -> Path:
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
@@ -198,7 +207,7 @@ def library() -> ctypes.PyDLL | None:
                 # PyDLL: the calls keep the GIL. They are short, and a released GIL must be won back
                 # from whatever other thread took it meanwhile (the executor service's event loop)
                 with startup.phase("kernels"):
-                    _library = _load(_compile())
+                    _library = _load(_compile(build_flags()))
             except (OSError, RuntimeError) as exc:
                 log.warning("the CPU kernels are unavailable; the torch ops run instead", error=str(exc))
             _tried = True
@@ -217,7 +226,7 @@ def library_for(march: str) -> ctypes.PyDLL:
     """The kernels compiled for another ``-march`` than this machine's (``x86-64-v3``: AVX2 and
     FMA, no AVX-512), for the tests: every kernel must stay correct where ``native`` means less
     than it does here. Raises RuntimeError when it cannot be built."""
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in build_flags())
     return _load(_compile(flags))
 
 
@@ -267,6 +276,39 @@ def _keys(seeds: np.ndarray, positions: np.ndarray, m: int) -> tuple[np.ndarray,
     return seeds, positions
 
 
+def _check_logits(logits: torch.Tensor, m: int, vocab: int) -> None:
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"the sampler reads fp32 CPU logits contiguous within each row, not {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device} with strides {logits.stride()}")
+    if logits.shape[0] != m or logits.shape[1] != vocab:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} for {m} rows of vocabulary {vocab}")
+
+
+def _check_params(params: np.ndarray, rows: int) -> None:
+    """``params``: C-contiguous fp32 with the columns the kernel reads, ``rows`` rows at least."""
+    if params.dtype != np.float32 or params.ndim != 2 or not params.flags.c_contiguous \
+            or params.shape[1] <= int(_COLUMNS.max()) or params.shape[0] < rows:
+        raise ValueError(f"sampling parameters of {params.dtype} {params.shape} for {rows} rows")
+
+
+def _check_rows(index: np.ndarray, size: int, what: str = "row") -> None:
+    """Every value of ``index`` in ``[0, size)`` (vectorised): the tables' rows, or the vocabulary."""
+    if len(index) and (int(index.min()) < 0 or int(index.max()) >= size):
+        bad = index[(index < 0) | (index >= size)]
+        raise ValueError(f"{what} {int(bad[0])} is outside 0..{size - 1}")
+
+
+def _penalty_ld(bias: torch.Tensor | None, rep: torch.Tensor | None, like: torch.Tensor) -> int:
+    """The penalty tables' row stride: both [m, vocab] fp32 CPU, laid out alike, rows contiguous."""
+    ld = bias.stride(0) if bias is not None else rep.stride(0) if rep is not None else like.shape[1]
+    for t in (bias, rep):
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or t.shape != like.shape
+                              or t.stride() != (ld, 1)):
+            raise ValueError(f"a penalty table of {t.dtype} {tuple(t.shape)} with strides {t.stride()} for logits "
+                             f"{tuple(like.shape)}")
+    return ld
+
+
 def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bias: torch.Tensor | None,
            rep: torch.Tensor | None, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
     """[m] int64 tokens for the m logits rows: greedy rows their penalised argmax, the others
@@ -276,11 +318,13 @@ def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bi
     penalty applies where its entry has a bit set, as the runner's tables are read)."""
     lib = library()
     m, vocab = len(greedy), logits.shape[1]
+    _check_logits(logits, m, vocab)
     flags = np.ascontiguousarray(greedy, dtype=np.bool_)
     params = np.ascontiguousarray(host_params, dtype=np.float32)
+    _check_params(params, m)
     seeds, positions = _keys(seeds, positions, m)
     out = torch.empty(m, dtype=torch.int64)
-    pen_ld = bias.stride(0) if bias is not None else rep.stride(0) if rep is not None else vocab
+    pen_ld = _penalty_ld(bias, rep, logits)
     from_bias = int(bias is not None)
     lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, flags.ctypes.data, params.ctypes.data,
                      params.shape[1], _COLUMNS.ctypes.data, _addr(bias), _addr(rep), from_bias, None, pen_ld,
@@ -321,10 +365,21 @@ class TableSampler:
         ``positions`` [m] int64: each logits row's key for its uniforms."""
         if logits.shape[1] != self.vocab or penalties.vocab_size != self.vocab:
             raise ValueError(f"logits of width {logits.shape[1]} for a sampler of vocabulary {self.vocab}")
+        m = len(rows)
+        _check_logits(logits, m, self.vocab)
         if not self._tables or self._tables[0] is not greedy or self._tables[1] is not params:
+            if greedy.dtype != np.bool_ or greedy.ndim != 1 or not greedy.flags.c_contiguous:
+                raise ValueError(f"greedy flags of {greedy.dtype} {greedy.shape}: a contiguous bool vector")
+            _check_params(params, 0)
             self._tables = (greedy, params)
             self._pointers = (greedy.ctypes.data, params.ctypes.data)
-        m = len(rows)
+        if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or rows.device.type != "cpu":
+            raise ValueError(f"rows of {rows.dtype} {tuple(rows.shape)} on {rows.device}: a contiguous int64 CPU vector")
+        num_rows = min(len(greedy), params.shape[0])
+        if penalties.allocated:
+            num_rows = min(num_rows, *(_table_rows(t, self.vocab) for t in (penalties.bias, penalties.rep,
+                                                                            penalties.counts)))
+        _check_rows(rows.numpy(), num_rows)
         seeds, positions = _keys(seeds, positions, m)
         out = torch.empty(m, dtype=torch.int64)
         # the rep table is only written: a seen token's bias entry has a bit set (penalties.py)
@@ -334,6 +389,14 @@ class TableSampler:
                                self._pointers[1], params.shape[1], self._columns_ptr, *tables, self.vocab,
                                seeds.ctypes.data, positions.ctypes.data, out.data_ptr(), self._scratch_ptr)
         return out
+
+
+def _table_rows(table: torch.Tensor, vocab: int) -> int:
+    """The rows of a penalty table the kernel may index ([rows, vocab], contiguous, on the CPU)."""
+    if table.device.type != "cpu" or table.dim() != 2 or table.shape[1] != vocab or not table.is_contiguous() \
+            or table.dtype not in (torch.float32, torch.int32):
+        raise ValueError(f"a penalty table of {table.dtype} {tuple(table.shape)} for vocabulary {vocab}")
+    return table.shape[0]
 
 
 def exp_nonpositive(x: np.ndarray) -> np.ndarray:
@@ -346,8 +409,21 @@ def exp_nonpositive(x: np.ndarray) -> np.ndarray:
 
 def record_penalties(rows: torch.Tensor, token_ids: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
                      repetition: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, rep: torch.Tensor) -> None:
-    """``PenaltyState.record`` for CPU tables, in one call."""
+    """``PenaltyState.record`` for CPU tables, in one call: ``rows``, ``token_ids`` and the three
+    parameters [n] each; the tables [rows, vocab] (counts int32, bias and rep fp32)."""
     lib = library()
-    args = [t.contiguous() for t in (rows.to(torch.int64), token_ids.to(torch.int64), frequency, presence, repetition)]
+    args = [t.to(dtype).contiguous().reshape(-1) for t, dtype in
+            zip((rows, token_ids, frequency, presence, repetition), (torch.int64,) * 2 + (torch.float32,) * 3)]
+    if any(t.device.type != "cpu" or len(t) != len(args[0]) for t in args):
+        raise ValueError(f"record_penalties: {[tuple(t.shape) for t in args]} (n each, on the CPU)")
+    vocab = counts.shape[1] if counts.dim() == 2 else 0
+    if counts.dtype != torch.int32 or bias.dtype != torch.float32 or rep.dtype != torch.float32 \
+            or not (counts.shape == bias.shape == rep.shape):
+        raise ValueError(f"penalty tables {counts.dtype} {tuple(counts.shape)}, {bias.dtype} {tuple(bias.shape)}, "
+                         f"{rep.dtype} {tuple(rep.shape)}")
+    _check_rows(args[0].numpy(), _table_rows(counts, vocab))
+    _check_rows(args[1].numpy(), vocab, "token id")
+    for t in (bias, rep):
+        _table_rows(t, vocab)
     lib.folio_record_penalties(len(args[0]), counts.shape[1], *(_addr(t) for t in args), _addr(counts), _addr(bias),
                                _addr(rep))

@@ -12,3 +12,10 @@ def c_compiler() -> str | None:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def c_sanitizers() -> str | None:
+    """``$FOLIO_SANITIZE`` (``address,undefined``, as ``-fsanitize=`` takes it): build the CPU
+    kernels with these sanitizers, for the sanitizer job (the process must load their runtime
+    first: ``LD_PRELOAD``); None: the plain build."""
+    return os.environ.get("FOLIO_SANITIZE") or None

@@ -4,6 +4,8 @@ The executor service wraps this behind its socket. The scheduler sends per-step 
 ``StepPlan``: new requests in full, running ones as new block ids and counts); the runner keeps
 what it needs of each request between steps (its tokens, block table, sampling params and the
 seed of its draws), flattens the step into one varlen batch, runs the model and samples.
+Each plan is checked first (``accept``, ``plan_check.py``): one that does not fit raises
+``InvalidPlan`` before any of it is applied.
 
 More in docs/modules.md (folio/core/executor/runtime/runner.py).
 """
@@ -11,6 +13,7 @@ More in docs/modules.md (folio/core/executor/runtime/runner.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import msgspec
@@ -23,6 +26,7 @@ from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
 from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
 from folio.core.kv.tensors.pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
@@ -80,6 +84,26 @@ class RunnerRequest:
     @property
     def output_token_ids(self) -> list[int]:
         return self.batch.tokens(self.row)[self.num_prompt_tokens :].tolist()
+
+
+def rope_rows(model) -> int:
+    """The positions the model's RoPE tables hold (every table: Gemma 3 has a second one)."""
+    local = getattr(model, "local_rope", None)
+    tables = [t for t in (getattr(model, "rope_cos", None), getattr(local, "rope_cos", None)) if t is not None]
+    return min((t.shape[0] for t in tables), default=model.spec.max_position_embeddings)
+
+
+def _without(plan: StepPlan, req_ids: set[str]) -> StepPlan:
+    """``plan`` less the requests ``req_ids`` (scheduled, new, running, drafts, KV pulls)."""
+    named = set(plan.num_scheduled_tokens) | {r.req_id for r in plan.new_reqs} | {r.req_id for r in plan.running_reqs}
+    if named.isdisjoint(req_ids):
+        return plan
+    return msgspec.structs.replace(
+        plan, num_scheduled_tokens={r: n for r, n in plan.num_scheduled_tokens.items() if r not in req_ids},
+        new_reqs=[r for r in plan.new_reqs if r.req_id not in req_ids],
+        running_reqs=[r for r in plan.running_reqs if r.req_id not in req_ids],
+        spec_token_ids={r: d for r, d in plan.spec_token_ids.items() if r not in req_ids},
+        kv_loads=[load for load in plan.kv_loads if load.req_id not in req_ids])
 
 
 def resolve_device(name: str) -> torch.device:
@@ -189,6 +213,13 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
+        self.limits = PlanLimits(num_blocks=self.pool.num_blocks, num_host_blocks=self.pool.num_host_blocks,
+                                 block_size=config.block_size, max_positions=rope_rows(self.model),
+                                 vocab_size=self.spec.vocab_size, disk_tier=self.tiers is not None,
+                                 max_loras=lora["max_loras"] if lora["enable_lora"] else 0)
+        # requests of refused plans: the scheduler ends them, but a plan it made ahead may name them
+        # still; they are left out of every plan until it reports them finished
+        self._refused: set[str] = set()
         self.table_sampler = cpu_kernels.TableSampler(self.spec.vocab_size) \
             if self.device.type == "cpu" and cpu_kernels.library() is not None else None
         # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
@@ -307,11 +338,7 @@ class ModelRunner:
     def _add_request(self, new: NewRequestData) -> None:
         if new.req_id in self.requests:
             self._drop(new.req_id)
-        lora_id = 0
-        if new.lora_name is not None:
-            if self.lora is None:
-                raise LoRAError(f"{new.req_id}: LoRA adapter {new.lora_name!r} asked but LoRA is not enabled")
-            lora_id = self.lora.id_of(new.lora_name)
+        lora_id = self.lora.id_of(new.lora_name) if new.lora_name is not None else 0  # (checked: check_plan)
         row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                              new.block_ids, new.sampling, new.append_sampled, lora_id)
         self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled)
@@ -331,7 +358,7 @@ class ModelRunner:
         self._constrained.discard(req_id)
 
     def _update_states(self, plan: StepPlan) -> None:
-        for req_id in plan.finished_req_ids:
+        for req_id in plan.finished_req_ids:  # (rank 0 dropped them already in ``accept``)
             self._drop(req_id)
         for new in plan.new_reqs:
             self._add_request(new)
@@ -352,11 +379,8 @@ class ModelRunner:
     def _copy_blocks(self, plan: StepPlan) -> None:
         """The kvmanager's copies, before the step reads the pool: disk-tier saves first (they
         read blocks that this step may write again), then swap-outs (the blocks they vacate may be
-        written by swap-ins, copies or this step), then swap-ins, disk-tier loads, copy-on-write."""
-        if (plan.swap_out or plan.swap_in) and not self.pool.host_caches:
-            raise ValueError(f"step {plan.step_id} swaps blocks but this executor has no host tier")
-        if (plan.tier_saves or plan.tier_loads) and self.tiers is None:
-            raise ValueError(f"step {plan.step_id} moves blocks to or from disk but this executor has no disk tier")
+        written by swap-ins, copies or this step), then swap-ins, disk-tier loads, copy-on-write.
+        ``check_plan`` saw that each block lies in its pool and that the tiers exist."""
         if plan.tier_saves:
             self.tiers.save(plan.tier_saves, protect=[h for _, h in plan.tier_loads])
         swap_in, host_in = plan.swap_in, self.pool.host_caches
@@ -376,13 +400,34 @@ class ModelRunner:
             self.backend.copy_blocks(self.pool.kv_caches, plan.block_copies)
 
     # ------------------------------------------------------------------ one step
+    def accept(self, plan: StepPlan) -> StepPlan:
+        """The plan this executor runs: its grammars watched and its finished requests dropped
+        (both stand whatever the rest says), the requests of plans refused before left out, the
+        rest checked against the pool, the RoPE tables, the vocabulary and the held requests
+        before anything of it is applied. Raises ``InvalidPlan`` (the step's requests are then
+        refused until reported finished)."""
+        for grammar in plan.grammars:
+            self.grammars.watch(grammar)
+        for req_id in plan.finished_req_ids:
+            self._drop(req_id)
+            self._refused.discard(req_id)
+        if self._refused:
+            plan = _without(plan, self._refused)
+        try:
+            check_plan(plan, self.limits, self.batch, self.lora.ids if self.lora is not None else None)
+        except InvalidPlan:  # (an id neither held nor new here is refused again each time)
+            new = {r.req_id for r in plan.new_reqs}
+            self._refused.update(r for r in itertools.chain(plan.num_scheduled_tokens, new, (
+                r.req_id for r in plan.running_reqs)) if r in new or r in self.batch.row_of)
+            raise
+        return plan
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """One step; the result also names the grammars the scheduler waits for whose compile
-        ended (with nothing to compute it first waits a little for one, ``await_grammars``)."""
-        for grammar in plan.grammars:
-            self.grammars.watch(grammar)
-        result = self._execute(plan)
+        ended (with nothing to compute it first waits a little for one, ``await_grammars``).
+        A plan that does not fit raises ``InvalidPlan`` (``accept``)."""
+        result = self._execute(self.accept(plan))
         if plan.await_grammars and not plan.num_scheduled_tokens:
             self.grammars.wait_watched()
         ready, errors = self.grammars.take_reports()
