@@ -15,7 +15,7 @@ import structlog
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
 from folio.shared.messages import WireSampling
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 from tests.executor.toy_driver import generate
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 5, [10, 11], list(range(20, 50))]
