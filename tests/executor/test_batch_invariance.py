@@ -97,7 +97,7 @@ def test_attention_rows_shared_among_threads_are_bitwise_the_same(num_threads):
     seq = np.array([0] * 200 + [1] * 3, dtype=np.int64)
     tok = np.arange(len(lens), dtype=np.int64)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
-    need = (num_heads // num_kv_heads) * int(lens.max())
+    need = lib.folio_attention_scratch(num_heads // num_kv_heads, int(lens.max()))
     rows = cpu_kernels.Rows(m=len(lens), tok=tok.ctypes.data, seq=seq.ctypes.data, lens=lens.ctypes.data,
                             block_tables=tables.data_ptr(), num_seqs=tables.shape[0], max_blocks=tables.shape[1])
     kv = cpu_kernels.KV(k=k_cache.data_ptr(), v=v_cache.data_ptr(), num_blocks=num_blocks, block_size=block_size,

@@ -161,6 +161,7 @@ class DecodeStack:
         self.lib, self.act = lib, act_dtype  # between the layers' operations: fp32 or bf16
         self._work = torch.empty(0, dtype=torch.uint8)
         self.num_calls = 0  # steps it ran (tests check it does)
+        self.profile: np.ndarray | None = None  # int64 [len(STACK_PARTS)]: each part's ns are added (a benchmark's)
 
     def __call__(self, model, residual: torch.Tensor, positions: torch.Tensor, kv_caches, meta, plan):
         if plan.chunks or plan.tok is None or len(plan.tok) != residual.shape[0]:
@@ -171,6 +172,7 @@ class DecodeStack:
             return None
         stack = layout.stack
         stack.act_bf16, stack.threads = int(self.act == _BF16), torch.get_num_threads()
+        stack.profile_ns = None if self.profile is None else self.profile.ctypes.data
         if self.lib.folio_threads() != stack.threads:  # the GEMMs' pool: the torch threads, as QGemm sets it
             self.lib.folio_set_threads(stack.threads)
         n = residual.shape[0]
@@ -227,7 +229,7 @@ class CpuKernelBackend(TorchAttentionBackend):
         # make_cpu_backend took an fp32 model and pool (contiguous, as KVPool allocates it); either
         # RoPE path gives a contiguous fp32 query
         num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
-        need = (num_heads // num_kv_heads) * plan.max_len
+        need = self.lib.folio_attention_scratch(num_heads // num_kv_heads, plan.max_len)
         # a step that reads many keys (a prefill attended row by row, long contexts) shares its rows
         # among the threads, idle meanwhile; each (row, head) pair stays whole on one thread
         threads = torch.get_num_threads() if plan.num_keys >= THREADED_KEYS else 1

@@ -81,7 +81,8 @@ class Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("layers", _ptr), ("hidden", _i64), ("num_heads", _i64), ("head_dim", _i64),
                 ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("first_norm", _ptr),
                 ("cos_table", _ptr), ("sin_table", _ptr), ("rope_len", _i64), ("act_bf16", _i64), ("passes", _i64),
-                ("threads", _i64)]
+                ("threads", _i64), ("profile_ns", _ptr)]
+STACK_PARTS = ("norms", "qkv", "rope", "attention", "o", "gate_up", "act", "down")  # folio.h's FOLIO_P_*
 
 
 class Step(ctypes.Structure):
@@ -112,6 +113,7 @@ FUNCTIONS = {
     "folio_rope_write_kv": (_i64, [_i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _KV, _ptr]),
     "folio_silu_and_mul": (_i64, [_i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]),
     "folio_gelu_tanh_and_mul": (_i64, [_i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]),
+    "folio_attention_scratch": (_i64, [_i64, _i64]),
     "folio_decode_attention": (_i64, [_R, _ptr, _i64, _i64, _KV, _f32, _i64, _f32, _ptr, _ptr, _i64, _i64]),
     "folio_check_kv": (_i64, [_KV]),
     "folio_check_tokens": (_i64, [_i64, _ptr, _i64, _ptr, _KV]),

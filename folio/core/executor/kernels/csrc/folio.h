@@ -96,6 +96,8 @@ int64_t folio_silu_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs
                            int64_t os, int64_t out_bf16);
 int64_t folio_gelu_tanh_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs, int64_t in_bf16, void *out,
                                 int64_t os, int64_t out_bf16);
+/* floats of scratch one thread's attention needs: group query heads a KV head, max_len keys */
+int64_t folio_attention_scratch(int64_t group, int64_t max_len);
 /* out[tok[r]] = attention of q[tok[r]] (fp32 [*, num_heads, head_dim]) over its keys; num_tokens:
  * q's and out's rows; scratch: threads areas of scratch_stride floats */
 int64_t folio_decode_attention(const folio_rows *rows, const float *q, int64_t num_tokens, int64_t num_heads,
@@ -131,7 +133,12 @@ typedef struct {
     int64_t rope_len;
     int64_t act_bf16;                 /* the activations between the operations: bf16 (1) or fp32 (0) */
     int64_t passes, threads;
+    int64_t *profile_ns;              /* NULL, or FOLIO_STACK_PARTS counters: each part's nanoseconds are added */
 } folio_stack;
+
+/* the parts of a layer, as profile_ns counts them */
+enum { FOLIO_P_NORMS, FOLIO_P_QKV, FOLIO_P_ROPE, FOLIO_P_ATTENTION, FOLIO_P_O, FOLIO_P_GATE_UP, FOLIO_P_ACT,
+       FOLIO_P_DOWN, FOLIO_STACK_PARTS };
 
 /* one step: n tokens (positions, slots into the pool: -1 is padding), its decode rows; residual
  * [n, hidden] fp32 holds the embeddings and is updated in place; out [n, hidden] fp32 gets the

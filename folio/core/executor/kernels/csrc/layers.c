@@ -197,31 +197,106 @@ int64_t folio_gelu_tanh_and_mul(int64_t n, int64_t d, const void *gate_up, int64
     return rc;
 }
 
+/* float vectors for the attention, where the CPU has them */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vf;
+#define VF_N 16
+#define VF_LOAD _mm512_loadu_ps
+#define VF_STORE _mm512_storeu_ps
+#define VF_FMA _mm512_fmadd_ps
+#define VF_MUL _mm512_mul_ps
+#define VF_SET1 _mm512_set1_ps
+#define VF_ZERO _mm512_setzero_ps
+#define VF_SUM _mm512_reduce_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vf;
+#define VF_N 8
+#define VF_LOAD _mm256_loadu_ps
+#define VF_STORE _mm256_storeu_ps
+#define VF_FMA _mm256_fmadd_ps
+#define VF_MUL _mm256_mul_ps
+#define VF_SET1 _mm256_set1_ps
+#define VF_ZERO _mm256_setzero_ps
+static inline float VF_SUM(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+#endif
+
+/* q . k of one head over head_dim floats */
+static inline __attribute__((always_inline)) float dot_head(const float *restrict q, const float *restrict k,
+                                                            const int64_t head_dim) {
+#ifdef VF_N
+    if (head_dim % VF_N == 0) {
+        vf acc = VF_MUL(VF_LOAD(q), VF_LOAD(k));
+        for (int64_t j = VF_N; j < head_dim; j += VF_N) acc = VF_FMA(VF_LOAD(q + j), VF_LOAD(k + j), acc);
+        return VF_SUM(acc);
+    }
+#endif
+    float dot = 0.0f;
+    for (int64_t j = 0; j < head_dim; j++) dot = fmaf(q[j], k[j], dot);
+    return dot;
+}
+
+/* out[h] = sum_i p[h n + i] v_i for each of the group's heads, over the rows at cache + offsets[i]:
+ * one pass over the rows, the sums in registers until the end where they fit */
+static inline __attribute__((always_inline)) void weighted_rows(const float *restrict p, const int64_t *offsets,
+                                                                int64_t n, const float *cache, int64_t group,
+                                                                const int64_t head_dim, float *restrict out) {
+#ifdef VF_N
+    enum { MAXACC = 16 };
+    const int nv = (int)(head_dim / VF_N);
+    if (head_dim % VF_N == 0 && group * nv <= MAXACC) {
+        vf acc[MAXACC];
+        for (int a = 0; a < group * nv; a++) acc[a] = VF_ZERO();
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = cache + offsets[i];
+            for (int j = 0; j < nv; j++) {
+                const vf row = VF_LOAD(v + j * VF_N);
+                for (int64_t h = 0; h < group; h++) acc[h * nv + j] = VF_FMA(VF_SET1(p[h * n + i]), row, acc[h * nv + j]);
+            }
+        }
+        for (int64_t h = 0; h < group; h++)
+            for (int j = 0; j < nv; j++) VF_STORE(out + h * head_dim + j * VF_N, acc[h * nv + j]);
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < group; h++)
+        for (int64_t j = 0; j < head_dim; j++) out[h * head_dim + j] = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < group; h++)
+            for (int64_t j = 0; j < head_dim; j++)
+                out[h * head_dim + j] = fmaf(p[h * n + i], cache[offsets[i] + j], out[h * head_dim + j]);
+}
+
 /* attention of one KV head's query heads (group of them, at qg) over keys first..len-1 through a
  * block table (blocks wholly before first are not read), into orow; each score scaled, then
- * capped to softcap * tanh(score / softcap) when softcap > 0; head_dim is a constant where the
- * caller can make it one */
+ * capped to softcap * tanh(score / softcap) when softcap > 0. scratch: group * n scores, then n
+ * offsets (int64) of the keys' rows in the pool (the same for K and V); head_dim is a constant
+ * where the caller can make it one. One fixed order per row: a row's result does not depend on
+ * the rows beside it. */
 static inline __attribute__((always_inline)) void attend_group(
     const float *restrict qg, const int32_t *table, int64_t first, int64_t len, const float *k_cache,
     const float *v_cache, int64_t block_size, int64_t kv_size, int64_t head_offset, int64_t group,
     const int64_t head_dim, float scale, float softcap, float *restrict orow, float *restrict scratch) {
     const int64_t n = len - first;
-    /* scores: scratch[h * n + position - first] */
-    for (int64_t b = first / block_size, start = b * block_size; start < len; start += block_size, b++) {
-        const int64_t lo = start < first ? first - start : 0;
-        const int64_t count = len - start < block_size ? len - start : block_size;
-        const float *keys = k_cache + (int64_t)table[b] * block_size * kv_size + head_offset;
-        for (int64_t o = lo; o < count; o++) {
-            const float *key = keys + o * kv_size;
-            for (int64_t h = 0; h < group; h++) {
-                const float *qh = qg + h * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t j = 0; j < head_dim; j++) dot += qh[j] * key[j];
-                float s = dot * scale;
-                if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
-                scratch[h * n + start + o - first] = s;
-            }
+    int64_t *offsets = (int64_t *)(scratch + group * n);
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
+    if ((block_size & (block_size - 1)) == 0) /* a power of two, as block sizes are: no division */
+        for (int64_t pos = first, i = 0; pos < len; pos++, i++)
+            offsets[i] = ((int64_t)table[pos >> shift] * block_size + (pos & (block_size - 1))) * kv_size + head_offset;
+    else
+        for (int64_t pos = first, i = 0; pos < len; pos++, i++)
+            offsets[i] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * kv_size + head_offset;
+    for (int64_t i = 0; i < n; i++) {
+        const float *key = k_cache + offsets[i];
+        for (int64_t h = 0; h < group; h++) {
+            float s = dot_head(qg + h * head_dim, key, head_dim) * scale;
+            if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+            scratch[h * n + i] = s;
         }
     }
     for (int64_t h = 0; h < group; h++) {
@@ -237,23 +312,8 @@ static inline __attribute__((always_inline)) void attend_group(
         const float inv = 1.0f / total;
 #pragma omp simd
         for (int64_t k = 0; k < n; k++) sc[k] *= inv;
-        float *oh = orow + h * head_dim;
-        for (int64_t j = 0; j < head_dim; j++) oh[j] = 0.0f;
     }
-    for (int64_t b = first / block_size, start = b * block_size; start < len; start += block_size, b++) {
-        const int64_t lo = start < first ? first - start : 0;
-        const int64_t count = len - start < block_size ? len - start : block_size;
-        const float *vals = v_cache + (int64_t)table[b] * block_size * kv_size + head_offset;
-        for (int64_t o = lo; o < count; o++) {
-            const float *val = vals + o * kv_size;
-            for (int64_t h = 0; h < group; h++) {
-                const float p = scratch[h * n + start + o - first];
-                float *oh = orow + h * head_dim;
-#pragma omp simd
-                for (int64_t j = 0; j < head_dim; j++) oh[j] += p * val[j];
-            }
-        }
-    }
+    weighted_rows(scratch, offsets, n, v_cache, group, head_dim, orow);
 }
 
 /* One query row per entry: row r is token tok[r] of q [*, num_heads, head_dim] and sees keys
@@ -261,7 +321,7 @@ static inline __attribute__((always_inline)) void attend_group(
  * table's entries for blocks wholly before are not read). out [*, num_heads, head_dim] gets
  * softmax(cap(q . k * scale)) . v for each head (GQA: num_heads / num_kv_heads query heads read
  * each KV head; cap(s) = softcap * tanh(s / softcap) when softcap > 0, else s). scratch:
- * (num_heads / num_kv_heads) * max(lens) floats. KV heads g0 .. g1 of row r. */
+ * folio_attention_scratch(num_heads / num_kv_heads, max(lens)) floats. KV heads g0 .. g1 of row r. */
 static void attend_row(const folio_rows *rows, int64_t r, const float *q, int64_t num_heads, const folio_kv *kv,
                        float scale, int64_t window, float softcap, float *out, float *scratch, int64_t g0, int64_t g1) {
     const int64_t head_dim = kv->head_dim, group = num_heads / kv->num_kv_heads, kv_size = kv->num_kv_heads * head_dim;
@@ -352,6 +412,8 @@ void folio_attend(const folio_rows *rows, const float *q, int64_t num_heads, con
     folio_run_parallel(attention_part, &a, threads > 1 && total * kv->num_kv_heads >= 4096);
 }
 
+int64_t folio_attention_scratch(int64_t group, int64_t max_len) { return (group + 2) * max_len; }
+
 int64_t folio_decode_attention(const folio_rows *rows, const float *q, int64_t num_tokens, int64_t num_heads,
                                const folio_kv *kv, float scale, int64_t window, float softcap, float *out,
                                float *scratch, int64_t scratch_stride, int64_t threads) {
@@ -361,9 +423,9 @@ int64_t folio_decode_attention(const folio_rows *rows, const float *q, int64_t n
         return folio_fail(FOLIO_EINVAL, "attention: %lld heads over %lld KV heads", (long long)num_heads,
                           (long long)kv->num_kv_heads);
     if ((rc = folio_check_rows(rows, num_tokens, kv, window, &max_len))) return rc;
-    if (scratch_stride < num_heads / kv->num_kv_heads * max_len)
+    if (scratch_stride < folio_attention_scratch(num_heads / kv->num_kv_heads, max_len))
         return folio_fail(FOLIO_EINVAL, "attention: scratch of %lld floats a thread, need %lld", (long long)scratch_stride,
-                          (long long)(num_heads / kv->num_kv_heads * max_len));
+                          (long long)folio_attention_scratch(num_heads / kv->num_kv_heads, max_len));
     folio_attend(rows, q, num_heads, kv, scale, window, softcap, out, scratch, scratch_stride, threads);
     return FOLIO_OK;
 }

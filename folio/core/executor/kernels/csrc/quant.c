@@ -78,6 +78,22 @@ static const type_info *info(int64_t type) {
     return NULL;
 }
 
+/* the layout of type T, folded to constants where T is one (the kernels' instances) */
+static inline __attribute__((always_inline)) type_info layout(const int T) {
+    switch (T) {
+        case FOLIO_Q4_0: return TYPES[0];
+        case FOLIO_Q4_1: return TYPES[1];
+        case FOLIO_Q5_0: return TYPES[2];
+        case FOLIO_Q5_1: return TYPES[3];
+        case FOLIO_Q8_0: return TYPES[4];
+        case FOLIO_IQ4_NL: return TYPES[5];
+        case FOLIO_Q4_K: return TYPES[6];
+        case FOLIO_Q5_K: return TYPES[7];
+        case FOLIO_Q6_K: return TYPES[8];
+        default: return TYPES[9];
+    }
+}
+
 int64_t folio_unit(int64_t type) { return info(type) ? info(type)->unit : 0; }
 int64_t folio_unit_bytes(int64_t type) { return info(type) ? info(type)->unit_bytes : 0; }
 int64_t folio_raw_unit_bytes(int64_t type) { return info(type) ? info(type)->raw_bytes : 0; }
@@ -376,6 +392,7 @@ static void quantize_row(const void *x, int bf16, int64_t k, int passes, int8_t 
 typedef struct {
     const folio_weight *w;
     int64_t tile0[FOLIO_MAX_PARTS + 1]; /* the first tile of each part, in the call's numbering */
+    int64_t row0[FOLIO_MAX_PARTS], tile_bytes[FOLIO_MAX_PARTS]; /* each part's first row of y; a tile's bytes */
     int64_t m, k, kb, passes;
     const int8_t *xq, *xq2;
     const act_block *blk;
@@ -441,8 +458,8 @@ static const uint8_t KV_IQ4_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141,
 
 /* sub-block s of unit u as eight chunks of its stored values: unsigned bytes, the signed types
  * (Q8_0, IQ4) as q + 128 for vpdpbusd (AVX-512) or as they are (AVX2, which moves signs over) */
-static inline __attribute__((always_inline)) void decode(const type_info *t, const int T, const uint8_t *u, int s,
-                                                         int h, vec q[8]) {
+static inline __attribute__((always_inline)) void decode(const int T, const uint8_t *u, int s, int h, vec q[8]) {
+    const type_info L = layout(T), *t = &L;
     const int at = (int)sizeof(vec) == 32 ? 32 * h : 0;
     if (T == FOLIO_Q8_0) {
         for (int c = 0; c < 8; c++) q[c] = VLOAD(u + 64 * c + at);
@@ -498,9 +515,9 @@ static inline __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_
 static inline __m512i i8x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
 /* rows r0 .. r0 + mc of x against one tile: every unit of it */
-static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const type_info *t, const int T,
-                                                            const uint8_t *w, int64_t col, int64_t count, int64_t r0,
-                                                            const int mc) {
+static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
+                                                            int64_t col, int64_t count, int64_t r0, const int mc) {
+    const type_info L = layout(T), *t = &L;
     const int subs = T == FOLIO_Q4_K || T == FOLIO_Q5_K || T == FOLIO_Q6_K || T == FOLIO_IQ4_XS ? 8 : 1;
     const int64_t units = a->kb / subs;
     const int ub = t->unit_bytes;
@@ -512,7 +529,7 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
         const __m512 dm = IS_K(T) || HAS_MIN(T) ? half16(w + t->m) : _mm512_setzero_ps();
         for (int s = 0; s < subs; s++) {
             __m512i q[8];
-            decode(t, T, w, s, 0, q);
+            decode(T, w, s, 0, q);
             __m512 scale = d, bmin = dm; /* per row: the sub-block's scale and minimum */
             __m512i scA = _mm512_setzero_si512(), scB = scA;
             if (IS_K(T)) {
@@ -589,9 +606,9 @@ static inline __m256i dot8s(__m256i s, __m256i w, __m256i x) {
     return dot8(s, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
 
-static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const type_info *t, const int T,
-                                                            const uint8_t *w, int64_t col, int64_t count, int64_t r0,
-                                                            const int mc) {
+static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
+                                                            int64_t col, int64_t count, int64_t r0, const int mc) {
+    const type_info L = layout(T), *t = &L;
     const int subs = T == FOLIO_Q4_K || T == FOLIO_Q5_K || T == FOLIO_Q6_K || T == FOLIO_IQ4_XS ? 8 : 1;
     const int64_t units = a->kb / subs;
     const int ub = t->unit_bytes;
@@ -603,7 +620,7 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
             const int64_t b = un * subs + s;
             for (int h = 0; h < 2; h++) {
                 __m256i q[8];
-                decode(t, T, w, s, h, q);
+                decode(T, w, s, h, q);
                 const __m256 d = half8(w + t->d + 16 * h);
                 const __m256 dm = IS_K(T) || HAS_MIN(T) ? half8(w + t->m + 16 * h) : _mm256_setzero_ps();
                 __m256 scale = d, bmin = dm;
@@ -671,8 +688,9 @@ static inline int32_t value_of(const type_info *t, int T, const uint8_t *u, int 
     return q - OFFSET(T);
 }
 
-static inline void tile_rows(const gemm_args *a, const type_info *t, const int T, const uint8_t *w0, int64_t col,
-                             int64_t count, int64_t r0, const int mc) {
+static inline void tile_rows(const gemm_args *a, const int T, const uint8_t *w0, int64_t col, int64_t count,
+                             int64_t r0, const int mc) {
+    const type_info L = layout(T), *t = &L;
     const int subs = t->unit / SB;
     const int64_t units = a->kb / subs;
     for (int i = 0; i < mc; i++) {
@@ -714,35 +732,34 @@ static inline void tile_rows(const gemm_args *a, const type_info *t, const int T
 #endif
 
 /* rows r0 .. r1 of x against one tile of type T, in passes of MC rows and then fewer */
-static inline __attribute__((always_inline)) void rows_of(const gemm_args *a, const type_info *t, const int T,
-                                                          const uint8_t *w, int64_t col, int64_t count, int64_t r0,
-                                                          int64_t r1) {
+static inline __attribute__((always_inline)) void rows_of(const gemm_args *a, const int T, const uint8_t *w,
+                                                          int64_t col, int64_t count, int64_t r0, int64_t r1) {
     int64_t r = r0;
-    for (; r + MC <= r1; r += MC) tile_rows(a, t, T, w, col, count, r, MC);
+    for (; r + MC <= r1; r += MC) tile_rows(a, T, w, col, count, r, MC);
 #if MC >= 8
-    if (r + 4 <= r1) tile_rows(a, t, T, w, col, count, r, 4), r += 4;
+    if (r + 4 <= r1) tile_rows(a, T, w, col, count, r, 4), r += 4;
 #endif
 #if MC >= 4
-    if (r + 2 <= r1) tile_rows(a, t, T, w, col, count, r, 2), r += 2;
+    if (r + 2 <= r1) tile_rows(a, T, w, col, count, r, 2), r += 2;
 #endif
 #if MC >= 2
-    if (r + 1 <= r1) tile_rows(a, t, T, w, col, count, r, 1), r += 1;
+    if (r + 1 <= r1) tile_rows(a, T, w, col, count, r, 1), r += 1;
 #endif
 }
 
-static void rows_of_type(const gemm_args *a, const type_info *t, const uint8_t *w, int64_t col, int64_t count,
-                         int64_t r0, int64_t r1) {
-    switch (t->type) {
-        case FOLIO_Q4_0: rows_of(a, t, FOLIO_Q4_0, w, col, count, r0, r1); break;
-        case FOLIO_Q4_1: rows_of(a, t, FOLIO_Q4_1, w, col, count, r0, r1); break;
-        case FOLIO_Q5_0: rows_of(a, t, FOLIO_Q5_0, w, col, count, r0, r1); break;
-        case FOLIO_Q5_1: rows_of(a, t, FOLIO_Q5_1, w, col, count, r0, r1); break;
-        case FOLIO_Q8_0: rows_of(a, t, FOLIO_Q8_0, w, col, count, r0, r1); break;
-        case FOLIO_IQ4_NL: rows_of(a, t, FOLIO_IQ4_NL, w, col, count, r0, r1); break;
-        case FOLIO_Q4_K: rows_of(a, t, FOLIO_Q4_K, w, col, count, r0, r1); break;
-        case FOLIO_Q5_K: rows_of(a, t, FOLIO_Q5_K, w, col, count, r0, r1); break;
-        case FOLIO_Q6_K: rows_of(a, t, FOLIO_Q6_K, w, col, count, r0, r1); break;
-        case FOLIO_IQ4_XS: rows_of(a, t, FOLIO_IQ4_XS, w, col, count, r0, r1); break;
+static void rows_of_type(const gemm_args *a, int type, const uint8_t *w, int64_t col, int64_t count, int64_t r0,
+                         int64_t r1) {
+    switch (type) {
+        case FOLIO_Q4_0: rows_of(a, FOLIO_Q4_0, w, col, count, r0, r1); break;
+        case FOLIO_Q4_1: rows_of(a, FOLIO_Q4_1, w, col, count, r0, r1); break;
+        case FOLIO_Q5_0: rows_of(a, FOLIO_Q5_0, w, col, count, r0, r1); break;
+        case FOLIO_Q5_1: rows_of(a, FOLIO_Q5_1, w, col, count, r0, r1); break;
+        case FOLIO_Q8_0: rows_of(a, FOLIO_Q8_0, w, col, count, r0, r1); break;
+        case FOLIO_IQ4_NL: rows_of(a, FOLIO_IQ4_NL, w, col, count, r0, r1); break;
+        case FOLIO_Q4_K: rows_of(a, FOLIO_Q4_K, w, col, count, r0, r1); break;
+        case FOLIO_Q5_K: rows_of(a, FOLIO_Q5_K, w, col, count, r0, r1); break;
+        case FOLIO_Q6_K: rows_of(a, FOLIO_Q6_K, w, col, count, r0, r1); break;
+        case FOLIO_IQ4_XS: rows_of(a, FOLIO_IQ4_XS, w, col, count, r0, r1); break;
         default: break;
     }
 }
@@ -771,12 +788,10 @@ static void gemm_task(void *p) {
             int part = 0;
             while (tile >= a->tile0[part + 1]) part++;
             const folio_part *pt = &a->w->parts[part];
-            const type_info *t = info(pt->type);
-            const int64_t local = tile - a->tile0[part], kunits = a->k / t->unit;
-            int64_t row0 = 0;
-            for (int j = 0; j < part; j++) row0 += a->w->parts[j].n;
+            const int64_t local = tile - a->tile0[part];
             const int64_t count = pt->n - local * FOLIO_TILE < FOLIO_TILE ? pt->n - local * FOLIO_TILE : FOLIO_TILE;
-            rows_of_type(a, t, pt->data + local * kunits * t->unit_bytes, row0 + local * FOLIO_TILE, count, m0, m1);
+            rows_of_type(a, (int)pt->type, pt->data + local * a->tile_bytes[part], a->row0[part] + local * FOLIO_TILE,
+                         count, m0, m1);
         }
     }
 }
@@ -839,6 +854,8 @@ int64_t folio_gemm(const folio_weight *w, const folio_matrix *x, folio_matrix *y
     int64_t bytes = 0;
     for (int64_t i = 0; i < w->num_parts; i++) {
         a.tile0[i + 1] = a.tile0[i] + (w->parts[i].n + FOLIO_TILE - 1) / FOLIO_TILE;
+        a.row0[i] = i ? a.row0[i - 1] + w->parts[i - 1].n : 0;
+        a.tile_bytes[i] = k / info(w->parts[i].type)->unit * info(w->parts[i].type)->unit_bytes;
         bytes += w->parts[i].nbytes;
     }
     for (int64_t i = w->num_parts + 1; i <= FOLIO_MAX_PARTS; i++) a.tile0[i] = a.tile0[w->num_parts] + 1;

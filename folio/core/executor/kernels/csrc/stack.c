@@ -5,7 +5,9 @@
  * checked whole before the first kernel runs (every weight's parts, every pool, every position,
  * slot, row and block id); a bad one writes nothing. */
 
+#define _GNU_SOURCE
 #include <string.h>
+#include <time.h>
 
 #include "common.h"
 #include "folio.h"
@@ -16,6 +18,15 @@ typedef struct {
 } work_layout;
 
 static int64_t align64(int64_t v) { return (v + 63) & ~(int64_t)63; }
+
+/* the part just run, when a profile is asked for: its time since *t0 */
+static inline void lap(const folio_stack *s, int part, struct timespec *t0) {
+    if (s->profile_ns == NULL) return;
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    s->profile_ns[part] += (t1.tv_sec - t0->tv_sec) * 1000000000L + (t1.tv_nsec - t0->tv_nsec);
+    *t0 = t1;
+}
 
 static work_layout layout_of(const folio_stack *s, int64_t n, int64_t max_len) {
     const folio_layer *l0 = &s->layers[0];
@@ -31,7 +42,7 @@ static work_layout layout_of(const folio_stack *s, int64_t n, int64_t max_len) {
     w.gate_up = at, at += align64(n * 2 * s->intermediate * act);
     w.act = at, at += align64(n * s->intermediate * act);
     w.down = at, at += align64(n * s->hidden * act);
-    w.scratch = at, at += align64(s->threads * group * max_len * 4);
+    w.scratch = at, at += align64(s->threads * folio_attention_scratch(group, max_len) * 4);
     w.total = at + 64; /* the caller's area need not be aligned */
     return w;
 }
@@ -95,7 +106,8 @@ int64_t folio_decode_stack(const folio_stack *s, const folio_step *step) {
     if (step->work_bytes < w.total)
         return folio_fail(FOLIO_EINVAL, "step: %lld bytes of work area, need %lld", (long long)step->work_bytes, (long long)w.total);
     const int64_t n = step->n, hidden = s->hidden, inter = s->intermediate;
-    const int64_t ab = s->act_bf16 ? FOLIO_BF16 : FOLIO_F32, stride = s->num_heads / kv0->num_kv_heads * max_len;
+    const int64_t ab = s->act_bf16 ? FOLIO_BF16 : FOLIO_F32;
+    const int64_t stride = folio_attention_scratch(s->num_heads / kv0->num_kv_heads, max_len);
     char *base = (char *)(((uintptr_t)step->work + 63) & ~(uintptr_t)63);
     void *normed = base + w.normed, *qkv = base + w.qkv, *gate_up = base + w.gate_up, *act = base + w.act,
          *down = base + w.down;
@@ -103,26 +115,38 @@ int64_t folio_decode_stack(const folio_stack *s, const folio_step *step) {
           *scratch = (float *)(base + w.scratch);
     float *residual = step->residual;
     /* every size was checked above: the calls below cannot fail but for memory */
+    struct timespec t0;
+    if (s->profile_ns) clock_gettime(CLOCK_MONOTONIC, &t0);
     folio_add_rms_norm(n, hidden, NULL, 0, 0, residual, hidden, s->first_norm, s->eps, normed, hidden, ab);
+    lap(s, FOLIO_P_NORMS, &t0);
     for (int64_t i = 0; i < s->num_layers; i++) {
         const folio_layer *l = &s->layers[i];
         if ((rc = gemm(&l->qkv, n, normed, ab, qkv, ab, s))) return rc;
+        lap(s, FOLIO_P_QKV, &t0);
         folio_rope_write_kv(n, qkv, l->qkv.n, ab, step->positions, s->cos_table, s->sin_table, s->rope_len,
                             step->slots, s->num_heads, &l->kv, q);
+        lap(s, FOLIO_P_ROPE, &t0);
         folio_attend(&step->rows, q, s->num_heads, &l->kv, s->scale, l->window, s->softcap, attn, scratch, stride,
                      s->threads);
+        lap(s, FOLIO_P_ATTENTION, &t0);
         if ((rc = gemm(&l->o, n, attn, FOLIO_F32, h, FOLIO_F32, s))) return rc;
+        lap(s, FOLIO_P_O, &t0);
         folio_add_rms_norm(n, hidden, h, hidden, FOLIO_F32, residual, hidden, l->post_norm, s->eps, normed, hidden, ab);
+        lap(s, FOLIO_P_NORMS, &t0);
         if ((rc = gemm(&l->gate_up, n, normed, ab, gate_up, ab, s))) return rc;
+        lap(s, FOLIO_P_GATE_UP, &t0);
         if (l->gelu)
             folio_gelu_tanh_and_mul(n, inter, gate_up, 2 * inter, ab, act, inter, ab);
         else
             folio_silu_and_mul(n, inter, gate_up, 2 * inter, ab, act, inter, ab);
+        lap(s, FOLIO_P_ACT, &t0);
         if ((rc = gemm(&l->down, n, act, ab, down, ab, s))) return rc;
+        lap(s, FOLIO_P_DOWN, &t0);
         const int last = i == s->num_layers - 1;
         folio_add_rms_norm(n, hidden, down, hidden, ab, residual, hidden, l->next_norm, s->eps,
                            last ? (void *)step->out : normed, hidden, last ? FOLIO_F32 : ab);
         if (step->taps && step->taps[i]) memcpy(step->taps[i], residual, (size_t)(n * hidden) * sizeof(float));
+        lap(s, FOLIO_P_NORMS, &t0);
     }
     return FOLIO_OK;
 }
