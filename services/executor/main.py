@@ -30,6 +30,10 @@ def fields(args) -> dict:
 
 
 def open_service(config: ExecutorServiceConfig, ctx, log):
+    from folio.core.executor.threads import choose_spin_count
+
+    runtime = config.runtime
+    choose_spin_count(config.model_path, runtime.quantization, runtime.device)  # before torch loads
     from folio.services.executor.service import ExecutorService
 
     service = ExecutorService(config, ctx)
