@@ -81,7 +81,7 @@ def test_a_fused_weight_of_mixed_types_is_its_parts_side_by_side():
     q, k, v = (PackedWeight.from_gguf(t, random_blocks(t, n, 256, rng), 256)
                for t, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40)))
     fused = PackedWeight.cat([q, k, v])
-    assert fused.types == ["Q4_K", "Q6_K"] and fused.n == 136  # q and k merged: whole tiles of one type
+    assert fused.types == ["Q4_K", "Q6_K"] and fused.n == 136 and len(fused.parts) == 3
     x = torch.randn(6, 256)
     assert torch.equal(QGemm(fused)(x), torch.cat([QGemm(p)(x) for p in (q, k, v)], dim=1))
 

@@ -155,21 +155,16 @@ class PackedWeight:
 
     @staticmethod
     def cat(weights: list[PackedWeight]) -> PackedWeight:
-        """Stacked along the rows (fused q/k/v, gate/up): parts of one type whose first holds whole
-        tiles become one part."""
+        """Stacked along the rows (fused q/k/v, gate/up): the parts side by side, nothing copied
+        (the kernels share one call's work over every part's tiles)."""
         if len({w.k for w in weights}) != 1:
             raise ValueError("fused projections with different inputs")
-        parts: list[WeightPart] = []
-        for p in (p for w in weights for p in w.parts):
-            if parts and parts[-1].type == p.type and parts[-1].n % TILE == 0:
-                last = parts.pop()
-                p = WeightPart(p.type, last.n + p.n, _aligned_bytes(torch.cat([last.tiles, p.tiles])))
-            parts.append(p)
-        return PackedWeight(parts, weights[0].k)
+        return PackedWeight([p for w in weights for p in w.parts], weights[0].k)
 
     @property
     def types(self) -> list[str]:
-        return [TYPE_NAMES[p.type] for p in self.parts]
+        """The parts' types, each once, in order."""
+        return list(dict.fromkeys(TYPE_NAMES[p.type] for p in self.parts))
 
     @property
     def nbytes(self) -> int:
