@@ -249,18 +249,21 @@ def quantized_activations(x: torch.Tensor, passes: int = 2) -> torch.Tensor:
     rows, k = x.shape
     xb = x.float().view(rows, k // BLOCK, BLOCK)
     amax = xb.abs().amax(-1)
-    dx = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # divisions as the kernel rounds them (torch's float32 scalar / tensor is not correctly rounded;
+    # float64's, rounded to float32, is)
+    dx = (amax.double() / 127.0).float()
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
     t = xb * inv[..., None]
 
-    def rnd(v):  # half away from zero, as the kernel's roundf
-        return torch.sign(v) * torch.floor(v.abs() + 0.5)
+    def rnd(v):  # half away from zero, as the kernel's roundf (in float64: |v| + 0.5 is exact there)
+        v = v.double()
+        return (torch.sign(v) * torch.floor(v.abs() + 0.5)).float()
 
     xq = rnd(t)
     value = dx.double()[..., None] * xq.double()
     if passes > 1:
         xq2 = rnd((t - xq) * 254.0)
-        value = value + (dx / 254.0).double()[..., None] * xq2.double()
+        value = value + (dx.double() / 254.0).float().double()[..., None] * xq2.double()
     return value.view(rows, k)
 
 
