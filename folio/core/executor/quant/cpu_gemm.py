@@ -184,12 +184,18 @@ class PackedWeight:
         return {**self.__dict__, "_struct": None}  # addresses of this process
 
     def rows(self, ids: torch.Tensor, lib=None) -> torch.Tensor:
-        """Rows ``ids`` of the weight, fp32 [len(ids), k]: the values GGUF's own dequantization gives."""
+        """Rows ``ids`` of the weight, fp32 [len(ids), k]: the values GGUF's own dequantization gives
+        (an embedding lookup). The kernel refuses an id outside the weight (IndexError)."""
         lib = _lib(lib)
-        ids = ids.reshape(-1).to(torch.int64)
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((ids.numel(), self.k), dtype=torch.float32)
+        if len(self.parts) == 1:  # an embedding table: one call
+            p = self.parts[0]
+            cpu_kernels.check(lib, lib.folio_dequant_rows(p.type, p.n, self.k, p.tiles.data_ptr(), p.tiles.numel(),
+                                                          ids.data_ptr(), ids.numel(), out.data_ptr()))
+            return out
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise IndexError(f"rows outside the weight's {self.n}")
-        out = torch.empty((ids.numel(), self.k), dtype=torch.float32)
         start = 0
         for p in self.parts:
             mine = (ids >= start) & (ids < start + p.n)

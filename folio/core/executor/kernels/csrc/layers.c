@@ -159,12 +159,17 @@ static inline __attribute__((always_inline)) void gated_and_mul(int64_t n, int64
                                                                 int in_bf16, void *out, int64_t os, int out_bf16,
                                                                 const int gelu) {
     for (int64_t t = 0; t < n; t++) {
-        if (in_bf16 && out_bf16) { /* the quantized layers' case, in a loop of its own that vectorises */
+        if (in_bf16 && out_bf16) { /* bf16 activations (torch's packed kernels), a loop that vectorises */
             const uint16_t *g = (const uint16_t *)gate_up + t * gs, *u = g + d;
             uint16_t *o = (uint16_t *)out + t * os;
 #pragma omp simd
             for (int64_t j = 0; j < d; j++)
                 o[j] = float_to_bf16(gated(bf16_to_float(g[j]), bf16_to_float(u[j]), gelu));
+        } else if (!in_bf16 && !out_bf16) { /* fp32 (folio's quantized kernels), the same */
+            const float *g = (const float *)gate_up + t * gs, *u = g + d;
+            float *o = (float *)out + t * os;
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) o[j] = gated(g[j], u[j], gelu);
         } else {
             for (int64_t j = 0; j < d; j++) {
                 const float g = load(gate_up, t * gs + j, in_bf16), u = load(gate_up, t * gs + d + j, in_bf16);

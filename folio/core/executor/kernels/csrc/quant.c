@@ -28,9 +28,9 @@
  *                                                acc += dot ((d sc) dx) ... - (dmin mn) sx
  *   Q5_K   unit 256: 8 NP, 8 HP1, d, dmin, sc, mn
  *   Q6_K   unit 256: 8 NP, 8 HP2, d[16], sc[16][16] (int8, per 16 inputs)  w = d sc (q - 32)
- *                                                s = scA (dotA - 32 isumA) + scB (dotB - 32 isumB)
+ *                                                acc += (dotA - 32 isumA) ((d scA) dx) + (dotB - ...) ((d scB) dx)
  *   IQ4_XS unit 256: 8 NP (indices), d[16], ls[8][16] (int8, the 6-bit scale - 32)  w = d ls kv[q]
- *                                                s = ls dot(kv)
+ *                                                acc += dot(kv) ((d ls) dx)
  * Per block the integer sums are exact; the float steps are acc = fma(float(s), scale dx, acc),
  * once per pass, then the minimum's term. Signed values (Q8_0, IQ4) enter vpdpbusd as q + 128
  * (its unsigned operand), AVX2 as |q| with x's sign moved over (vpmaddubsw saturates otherwise);
@@ -512,7 +512,7 @@ static inline __m512i bcast4(const int8_t *p) {
 
 static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-static inline __m512i i8x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512 i8x16f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
 /* rows r0 .. r0 + mc of x against one tile: every unit of it */
 static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
@@ -530,16 +530,15 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
         for (int s = 0; s < subs; s++) {
             __m512i q[8];
             decode(T, w, s, 0, q);
-            __m512 scale = d, bmin = dm; /* per row: the sub-block's scale and minimum */
-            __m512i scA = _mm512_setzero_si512(), scB = scA;
+            __m512 scale = d, bmin = dm, scaleB = d; /* per row: the sub-block's scales and minimum */
             if (IS_K(T)) {
                 scale = _mm512_mul_ps(d, u8x16(w + t->sc + 16 * s));
                 bmin = _mm512_mul_ps(dm, u8x16(w + t->mn + 16 * s));
-            } else if (T == FOLIO_Q6_K) {
-                scA = i8x16(w + t->sc + 16 * (2 * s));
-                scB = i8x16(w + t->sc + 16 * (2 * s + 1));
+            } else if (T == FOLIO_Q6_K) { /* per 16 inputs */
+                scale = _mm512_mul_ps(d, i8x16f(w + t->sc + 16 * (2 * s)));
+                scaleB = _mm512_mul_ps(d, i8x16f(w + t->sc + 16 * (2 * s + 1)));
             } else if (T == FOLIO_IQ4_XS) {
-                scA = i8x16(w + t->sc + 16 * s);
+                scale = _mm512_mul_ps(d, i8x16f(w + t->sc + 16 * s));
             }
             const int64_t b = un * subs + s;
             for (int i = 0; i < mc; i++) {
@@ -556,19 +555,18 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
                     f1 = _mm512_dpbusd_epi32(f1, q[7], bcast4(xb + 28));
                     const __m512i dotA = _mm512_add_epi32(e0, e1), dotB = _mm512_add_epi32(f0, f1);
                     const int32_t isum = p ? ab->isum2 : ab->isum, isumA = p ? ab->isumA2 : ab->isumA;
-                    __m512i sum;
-                    if (T == FOLIO_Q6_K) {
+                    const __m512 dx = _mm512_set1_ps(p ? ab->dx2 : ab->dx);
+                    if (T == FOLIO_Q6_K) { /* two halves of 16, each with its own scale */
                         const __m512i a32 = _mm512_sub_epi32(dotA, _mm512_set1_epi32(32 * isumA));
                         const __m512i b32 = _mm512_sub_epi32(dotB, _mm512_set1_epi32(32 * (isum - isumA)));
-                        sum = _mm512_add_epi32(_mm512_mullo_epi32(scA, a32), _mm512_mullo_epi32(scB, b32));
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a32), _mm512_mul_ps(scale, dx), acc[i]);
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b32), _mm512_mul_ps(scaleB, dx), acc[i]);
                     } else {
-                        sum = _mm512_add_epi32(dotA, dotB);
+                        __m512i sum = _mm512_add_epi32(dotA, dotB);
                         if (SIGNED(T)) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * isum));
                         if (OFFSET(T)) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET(T) * isum));
-                        if (T == FOLIO_IQ4_XS) sum = _mm512_mullo_epi32(scA, sum);
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, dx), acc[i]);
                     }
-                    const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(p ? ab->dx2 : ab->dx));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sd, acc[i]);
                 }
                 if (HAS_MIN(T)) acc[i] = _mm512_fmadd_ps(bmin, _mm512_set1_ps(ab->sx), acc[i]);
                 if (IS_K(T)) acc[i] = _mm512_fnmadd_ps(bmin, _mm512_set1_ps(ab->sx), acc[i]);
@@ -594,7 +592,7 @@ static inline __m256i bcast4(const int8_t *p) {
 
 static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256 u8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-static inline __m256i i8x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline __m256 i8x8f(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 
 /* 8 lanes of int32: s + the dots of w's 4-byte groups with x's (w unsigned, x signed) */
 static inline __m256i dot8(__m256i s, __m256i w, __m256i x) {
@@ -623,16 +621,15 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
                 decode(T, w, s, h, q);
                 const __m256 d = half8(w + t->d + 16 * h);
                 const __m256 dm = IS_K(T) || HAS_MIN(T) ? half8(w + t->m + 16 * h) : _mm256_setzero_ps();
-                __m256 scale = d, bmin = dm;
-                __m256i scA = _mm256_setzero_si256(), scB = scA;
+                __m256 scale = d, bmin = dm, scaleB = d;
                 if (IS_K(T)) {
                     scale = _mm256_mul_ps(d, u8x8(w + t->sc + 16 * s + 8 * h));
                     bmin = _mm256_mul_ps(dm, u8x8(w + t->mn + 16 * s + 8 * h));
                 } else if (T == FOLIO_Q6_K) {
-                    scA = i8x8(w + t->sc + 16 * (2 * s) + 8 * h);
-                    scB = i8x8(w + t->sc + 16 * (2 * s + 1) + 8 * h);
+                    scale = _mm256_mul_ps(d, i8x8f(w + t->sc + 16 * (2 * s) + 8 * h));
+                    scaleB = _mm256_mul_ps(d, i8x8f(w + t->sc + 16 * (2 * s + 1) + 8 * h));
                 } else if (T == FOLIO_IQ4_XS) {
-                    scA = i8x8(w + t->sc + 16 * s + 8 * h);
+                    scale = _mm256_mul_ps(d, i8x8f(w + t->sc + 16 * s + 8 * h));
                 }
                 for (int i = 0; i < mc; i++) {
                     const act_block *ab = a->blk + (r0 + i) * a->kb + b;
@@ -649,18 +646,17 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
                             }
                         }
                         const int32_t isum = p ? ab->isum2 : ab->isum, isumA = p ? ab->isumA2 : ab->isumA;
-                        __m256i sum;
+                        const __m256 dx = _mm256_set1_ps(p ? ab->dx2 : ab->dx);
                         if (T == FOLIO_Q6_K) {
                             const __m256i a32 = _mm256_sub_epi32(dotA, _mm256_set1_epi32(32 * isumA));
                             const __m256i b32 = _mm256_sub_epi32(dotB, _mm256_set1_epi32(32 * (isum - isumA)));
-                            sum = _mm256_add_epi32(_mm256_mullo_epi32(scA, a32), _mm256_mullo_epi32(scB, b32));
+                            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a32), _mm256_mul_ps(scale, dx), acc[i][h]);
+                            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b32), _mm256_mul_ps(scaleB, dx), acc[i][h]);
                         } else {
-                            sum = _mm256_add_epi32(dotA, dotB);
+                            __m256i sum = _mm256_add_epi32(dotA, dotB);
                             if (OFFSET(T)) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(OFFSET(T) * isum));
-                            if (T == FOLIO_IQ4_XS) sum = _mm256_mullo_epi32(scA, sum);
+                            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, dx), acc[i][h]);
                         }
-                        const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(p ? ab->dx2 : ab->dx));
-                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sd, acc[i][h]);
                     }
                     if (HAS_MIN(T)) acc[i][h] = _mm256_fmadd_ps(bmin, _mm256_set1_ps(ab->sx), acc[i][h]);
                     if (IS_K(T)) acc[i][h] = _mm256_fnmadd_ps(bmin, _mm256_set1_ps(ab->sx), acc[i][h]);
@@ -702,24 +698,28 @@ static inline void tile_rows(const gemm_args *a, const int T, const uint8_t *w0,
                 const act_block *ab = a->blk + (r0 + i) * a->kb + b;
                 for (int r = 0; r < FOLIO_TILE; r++) {
                     const float d = fp16_at(w + t->d + 2 * r), dm = t->m >= 0 ? fp16_at(w + t->m + 2 * r) : 0.0f;
-                    float scale = d, bmin = dm;
+                    float scale = d, bmin = dm, scaleB = d;
                     if (IS_K(T)) {
                         scale = d * (float)w[t->sc + 16 * s + r];
                         bmin = dm * (float)w[t->mn + 16 * s + r];
+                    } else if (T == FOLIO_Q6_K) {
+                        scale = d * (float)(int8_t)w[t->sc + 16 * (2 * s) + r];
+                        scaleB = d * (float)(int8_t)w[t->sc + 16 * (2 * s + 1) + r];
+                    } else if (T == FOLIO_IQ4_XS) {
+                        scale = d * (float)(int8_t)w[t->sc + 16 * s + r];
                     }
                     for (int p = 0; p < a->passes; p++) {
                         const int8_t *xb = (p ? a->xq2 : a->xq) + (r0 + i) * a->k + b * SB;
+                        const float dx = p ? ab->dx2 : ab->dx;
                         int32_t dotA = 0, dotB = 0;
                         for (int e = 0; e < 16; e++) dotA += value_of(t, T, w, r, s, e) * xb[e];
                         for (int e = 16; e < SB; e++) dotB += value_of(t, T, w, r, s, e) * xb[e];
-                        int32_t sum;
-                        if (T == FOLIO_Q6_K)
-                            sum = (int8_t)w[t->sc + 16 * (2 * s) + r] * dotA + (int8_t)w[t->sc + 16 * (2 * s + 1) + r] * dotB;
-                        else if (T == FOLIO_IQ4_XS)
-                            sum = (int8_t)w[t->sc + 16 * s + r] * (dotA + dotB);
-                        else
-                            sum = dotA + dotB;
-                        acc[r] = fmaf((float)sum, scale * (p ? ab->dx2 : ab->dx), acc[r]);
+                        if (T == FOLIO_Q6_K) {
+                            acc[r] = fmaf((float)dotA, scale * dx, acc[r]);
+                            acc[r] = fmaf((float)dotB, scaleB * dx, acc[r]);
+                        } else {
+                            acc[r] = fmaf((float)(dotA + dotB), scale * dx, acc[r]);
+                        }
                     }
                     if (HAS_MIN(T)) acc[r] = fmaf(bmin, ab->sx, acc[r]);
                     if (IS_K(T)) acc[r] = fmaf(-bmin, ab->sx, acc[r]);
