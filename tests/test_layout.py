@@ -42,8 +42,9 @@ SOCKET_LIBRARIES = {"zmq"}
 # the executor's folders; a dotted unit such as ``kv.tensors`` is a subfolder of its own). A unit
 # imports only units of lower layers, never one of its own layer or above; a new one must be placed.
 CORE_LAYERS = [
+    ["gguf_file"],  # a GGUF's metadata and tensors, read (numpy, no torch)
     ["kv", "structured", "tokenizer", "frontdoor", "model_files", "executor.startup"],  # over folio.shared only
-    ["executor.parallel", "executor.kernels"],  # process groups; kernels and the layouts they share
+    ["executor.parallel", "executor.kernels", "executor.threads"],  # process groups; kernels; torch's threads
     ["executor.quant", "executor.sampling", "executor.lora", "kv.tensors"],  # over the kernels; the KV memory
     ["executor.model"],  # model families and loading
     ["executor.runtime", "scheduler"],  # the model runner and its workers; the scheduler's policy
@@ -51,7 +52,7 @@ CORE_LAYERS = [
 ]
 CORE_PACKAGES = {"folio.core", "folio.core.executor"}  # their __init__ only, importing no unit
 # Units that never reach torch: the scheduler's policy, the allocator, output processing, the front door.
-TORCH_FREE_UNITS = {"scheduler", "kv", "tokenizer", "frontdoor"}
+TORCH_FREE_UNITS = {"scheduler", "kv", "tokenizer", "frontdoor", "gguf_file"}
 # Module names that every service repeats by convention, and the benchmarks, named for their commands.
 REPEATED_MODULE_NAMES = {"__init__", "main", "service", "metrics"}
 COMMAND_NAMED_PACKAGES = ("folio.bench.",)

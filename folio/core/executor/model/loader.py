@@ -34,7 +34,8 @@ import structlog
 import torch
 
 from folio.core.executor.model import configs
-from folio.core.executor.model.gguf_slices import read_gguf, read_gguf_config
+from folio.core.executor.model.gguf_slices import read_gguf
+from folio.core.gguf_file import read_gguf_config
 from folio.core.executor.model.gguf_weights import load_gguf_native
 from folio.core.executor.model.layers import PACKED_PROJECTIONS, CausalLM, ModelSpec, Part
 from folio.core.executor.model.registry import build_model, check_runtime, family_for, model_spec
@@ -63,7 +64,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_hf_config(path: Path):
     """A checkpoint's ``transformers`` config: a folder's config.json, or a GGUF's rebuilt from its
-    metadata (``gguf_slices.gguf_config``)."""
+    metadata (``folio.core.gguf_file.gguf_config``)."""
     path = Path(path)
     return read_gguf_config(path) if path.suffix == ".gguf" else configs.load_hf_config(path)
 
