@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             time_layer(gemms, inputs, 2)
             s = time_layer(gemms, inputs, args.repeats if m <= 32 else max(3, args.repeats // 5))
             gbs = nbytes / s / 1e9
-            print(f"{name} rows {m} ms: {s * 1e3:.3f}")
-            print(f"{name} rows {m} GB/s: {gbs:.1f} ({gbs / bandwidth:.0%} of read)")
-            print(f"{name} rows {m} GMAC/s: {m * macs / s / 1e9:.1f}")
+            print("\n".join(f"{name} rows {m} {label}: {value}" for label, value in (
+                ("ms", f"{s * 1e3:.3f}"), ("GB/s", f"{gbs:.1f} ({gbs / bandwidth:.0%} of read)"),
+                ("GMAC/s", f"{m * macs / s / 1e9:.1f}"))))
     return 0
 
 

@@ -437,6 +437,12 @@ typedef __m512i vec;
 #define VSET8 _mm512_set1_epi8
 #define VSHUF _mm512_shuffle_epi8
 #define VLUT(t) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t)))
+#define VSET32 _mm512_set1_epi32
+typedef __m512 vfl; /* 16 rows' floats */
+#define VF_MUL _mm512_mul_ps
+#define VF_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VF_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VF_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define SIMD 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 typedef __m256i vec;
@@ -449,10 +455,43 @@ typedef __m256i vec;
 #define VSET8 _mm256_set1_epi8
 #define VSHUF _mm256_shuffle_epi8
 #define VLUT(t) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t)))
+#define VSET32 _mm256_set1_epi32
+typedef __m256 vfl; /* 8 rows' floats */
+#define VF_MUL _mm256_mul_ps
+#define VF_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VF_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VF_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define SIMD 1
 #endif
 
 #ifdef SIMD
+#define LANES ((int)(sizeof(vfl) / 4))
+
+/* a 4-byte group of x over every lane */
+static inline vec bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return VSET32(v);
+}
+
+/* the sub-block's per-row scales (half h of the tile on AVX2): K-quants d sc and dmin mn,
+ * Q6_K's two halves' d sc, IQ4_XS's d ls; the others keep the unit's d (and m) */
+static inline __attribute__((always_inline)) void sub_scales(const int T, const type_info *t, const uint8_t *w, int s,
+                                                             int h, vfl d, vfl dm, vfl *scale, vfl *bmin,
+                                                             vfl *scale_b) {
+    const int at = LANES * h;
+    *scale = d, *bmin = dm, *scale_b = d;
+    if (IS_K(T)) {
+        *scale = VF_MUL(d, VF_U8(w + t->sc + 16 * s + at));
+        *bmin = VF_MUL(dm, VF_U8(w + t->mn + 16 * s + at));
+    } else if (T == FOLIO_Q6_K) { /* per 16 inputs */
+        *scale = VF_MUL(d, VF_I8(w + t->sc + 16 * (2 * s) + at));
+        *scale_b = VF_MUL(d, VF_I8(w + t->sc + 16 * (2 * s + 1) + at));
+    } else if (T == FOLIO_IQ4_XS) {
+        *scale = VF_MUL(d, VF_I8(w + t->sc + 16 * s + at));
+    }
+}
+
 /* llama.cpp's 16 IQ4 values + 128: vpdpbusd's unsigned operand (AVX2 reads them signed) */
 static const uint8_t KV_IQ4_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
@@ -504,16 +543,6 @@ static inline __attribute__((always_inline)) void decode(const int T, const uint
 #define GEMM_PATH "avx512-vnni"
 #define MC 8
 
-static inline __m512i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-static inline __m512 i8x16f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-
 /* rows r0 .. r0 + mc of x against one tile: every unit of it */
 static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
                                                             int64_t col, int64_t count, int64_t r0, const int mc) {
@@ -525,21 +554,13 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t un = 0; un < units; un++, w += ub) {
         for (int off = 0; off < ub; off += 64) _mm_prefetch((const char *)(w + PREFETCH + off), _MM_HINT_NTA);
-        const __m512 d = half16(w + t->d);
-        const __m512 dm = IS_K(T) || HAS_MIN(T) ? half16(w + t->m) : _mm512_setzero_ps();
+        const __m512 d = VF_HALVES(w + t->d);
+        const __m512 dm = IS_K(T) || HAS_MIN(T) ? VF_HALVES(w + t->m) : _mm512_setzero_ps();
         for (int s = 0; s < subs; s++) {
             __m512i q[8];
             decode(T, w, s, 0, q);
-            __m512 scale = d, bmin = dm, scaleB = d; /* per row: the sub-block's scales and minimum */
-            if (IS_K(T)) {
-                scale = _mm512_mul_ps(d, u8x16(w + t->sc + 16 * s));
-                bmin = _mm512_mul_ps(dm, u8x16(w + t->mn + 16 * s));
-            } else if (T == FOLIO_Q6_K) { /* per 16 inputs */
-                scale = _mm512_mul_ps(d, i8x16f(w + t->sc + 16 * (2 * s)));
-                scaleB = _mm512_mul_ps(d, i8x16f(w + t->sc + 16 * (2 * s + 1)));
-            } else if (T == FOLIO_IQ4_XS) {
-                scale = _mm512_mul_ps(d, i8x16f(w + t->sc + 16 * s));
-            }
+            __m512 scale, bmin, scaleB; /* per row: the sub-block's scales and minimum */
+            sub_scales(T, t, w, s, 0, d, dm, &scale, &bmin, &scaleB);
             const int64_t b = un * subs + s;
             for (int i = 0; i < mc; i++) {
                 const act_block *ab = a->blk + (r0 + i) * a->kb + b;
@@ -584,16 +605,6 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
 #define GEMM_PATH "avx2"
 #define MC 4
 
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline __m256 u8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-static inline __m256 i8x8f(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-
 /* 8 lanes of int32: s + the dots of w's 4-byte groups with x's (w unsigned, x signed) */
 static inline __m256i dot8(__m256i s, __m256i w, __m256i x) {
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
@@ -619,18 +630,10 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
             for (int h = 0; h < 2; h++) {
                 __m256i q[8];
                 decode(T, w, s, h, q);
-                const __m256 d = half8(w + t->d + 16 * h);
-                const __m256 dm = IS_K(T) || HAS_MIN(T) ? half8(w + t->m + 16 * h) : _mm256_setzero_ps();
-                __m256 scale = d, bmin = dm, scaleB = d;
-                if (IS_K(T)) {
-                    scale = _mm256_mul_ps(d, u8x8(w + t->sc + 16 * s + 8 * h));
-                    bmin = _mm256_mul_ps(dm, u8x8(w + t->mn + 16 * s + 8 * h));
-                } else if (T == FOLIO_Q6_K) {
-                    scale = _mm256_mul_ps(d, i8x8f(w + t->sc + 16 * (2 * s) + 8 * h));
-                    scaleB = _mm256_mul_ps(d, i8x8f(w + t->sc + 16 * (2 * s + 1) + 8 * h));
-                } else if (T == FOLIO_IQ4_XS) {
-                    scale = _mm256_mul_ps(d, i8x8f(w + t->sc + 16 * s + 8 * h));
-                }
+                const __m256 d = VF_HALVES(w + t->d + 16 * h);
+                const __m256 dm = IS_K(T) || HAS_MIN(T) ? VF_HALVES(w + t->m + 16 * h) : _mm256_setzero_ps();
+                __m256 scale, bmin, scaleB;
+                sub_scales(T, t, w, s, h, d, dm, &scale, &bmin, &scaleB);
                 for (int i = 0; i < mc; i++) {
                     const act_block *ab = a->blk + (r0 + i) * a->kb + b;
                     for (int p = 0; p < a->passes; p++) {
