@@ -467,6 +467,11 @@ typedef __m256 vfl; /* 8 rows' floats */
 #ifdef SIMD
 #define LANES ((int)(sizeof(vfl) / 4))
 
+/* the unit PREFETCH bytes ahead, a line at a time: the tiles stream through once (non-temporal) */
+static inline __attribute__((always_inline)) void prefetch_unit(const uint8_t *w, const int bytes) {
+    for (int off = 0; off < bytes; off += 64) _mm_prefetch((const char *)(w + PREFETCH + off), _MM_HINT_NTA);
+}
+
 /* a 4-byte group of x over every lane */
 static inline vec bcast4(const int8_t *p) {
     int32_t v;
@@ -547,13 +552,11 @@ static inline __attribute__((always_inline)) void decode(const int T, const uint
 static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
                                                             int64_t col, int64_t count, int64_t r0, const int mc) {
     const type_info L = layout(T), *t = &L;
-    const int subs = T == FOLIO_Q4_K || T == FOLIO_Q5_K || T == FOLIO_Q6_K || T == FOLIO_IQ4_XS ? 8 : 1;
-    const int64_t units = a->kb / subs;
-    const int ub = t->unit_bytes;
+    const int subs = L.unit / SB;
     __m512 acc[MC];
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t un = 0; un < units; un++, w += ub) {
-        for (int off = 0; off < ub; off += 64) _mm_prefetch((const char *)(w + PREFETCH + off), _MM_HINT_NTA);
+    for (int64_t un = 0; un < a->kb / subs; un++, w += L.unit_bytes) {
+        prefetch_unit(w, L.unit_bytes);
         const __m512 d = VF_HALVES(w + t->d);
         const __m512 dm = IS_K(T) || HAS_MIN(T) ? VF_HALVES(w + t->m) : _mm512_setzero_ps();
         for (int s = 0; s < subs; s++) {
@@ -618,13 +621,10 @@ static inline __m256i dot8s(__m256i s, __m256i w, __m256i x) {
 static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
                                                             int64_t col, int64_t count, int64_t r0, const int mc) {
     const type_info L = layout(T), *t = &L;
-    const int subs = T == FOLIO_Q4_K || T == FOLIO_Q5_K || T == FOLIO_Q6_K || T == FOLIO_IQ4_XS ? 8 : 1;
-    const int64_t units = a->kb / subs;
-    const int ub = t->unit_bytes;
-    __m256 acc[MC][2];
+    __m256 acc[MC][2]; /* rows 0..7, 8..15 of the tile */
     for (int i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t un = 0; un < units; un++, w += ub) {
-        for (int off = 0; off < ub; off += 64) _mm_prefetch((const char *)(w + PREFETCH + off), _MM_HINT_NTA);
+    for (int64_t un = 0, subs = L.unit / SB; un < a->kb / subs; un++, w += L.unit_bytes) {
+        prefetch_unit(w, L.unit_bytes);
         for (int s = 0; s < subs; s++) {
             const int64_t b = un * subs + s;
             for (int h = 0; h < 2; h++) {
