@@ -134,6 +134,9 @@ class RuntimeConfig:
     cpu_quant_activations: str = flag("int8", "CPU int4/int8 weights: int8 quantizes each row's activations per "
                                       "block of 32 for folio's integer kernels (llama.cpp's way, the fast one); "
                                       "bf16 feeds torch's packed kernels", ("executor",), choices=("int8", "bf16"))
+    cpu_activation_passes: int = flag(2, "int8 activations: passes per block of 32: 2 (the value, then its rounding "
+                                      "error: about 15 bits) or 1 (llama.cpp's precision: half the integer work, "
+                                      "which steps of many rows are bound by)", ("executor",), choices=(1, 2))
     kv_cache_dtype: str = flag("auto", "KV pool elements: auto = --dtype; fp8 = e4m3 with per-layer K/V scales "
                                "calibrated at start (twice the blocks of bf16 for the same bytes)", ("executor",),
                                choices=("auto", "fp8"))

@@ -111,3 +111,19 @@ def test_explicit_methods_keep_their_meaning(tmp_path):
     k = write_llama_gguf(tmp_path / "k.gguf", Q4_K_M)
     assert runner_for(k, "int4").model.layers[0].mlp.down_proj.weight_packed.types == ["Q4_1"]
     assert not any(isinstance(m, QuantLinear) for m in runner_for(k, "none").model.modules())
+
+
+def test_one_activation_pass_is_asked_for_by_flag(tmp_path):
+    """``--cpu-activation-passes 1``: the layers, the head and the stack take one int8 pass (close to two,
+    not the same bits); two is the default."""
+    path = write_llama_gguf(tmp_path / "m.gguf", Q4_K_M)
+    two = runner_for(path)
+    assert QuantLinear.passes == 2
+    want = prompt_logits(two)
+    one = ModelRunner(RuntimeConfig(num_kv_blocks=16, block_size=8, cpu_activation_passes=1), str(path))
+    assert QuantLinear.passes == 1
+    assert one.model.stack_layout(one.pool.kv_caches).stack.passes == 1
+    got = prompt_logits(one)
+    assert not torch.equal(got, want)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.1  # 8 bits of x, on random-block weights
+    QuantLinear.passes = 2  # the class's default, for the tests after this one

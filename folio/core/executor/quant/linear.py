@@ -275,9 +275,9 @@ class QuantLMHead(nn.Module):
         return torch.cat(parts).float()
 
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
-        if self.tiles is not None:
-            if self._qgemm is None:
-                self._qgemm = cpu_gemm.QGemm(self.tiles, passes=2)
+        if self.tiles is not None:  # the layers' passes (a GGUF head's weights are exact: nothing to refine)
+            if self._qgemm is None or self._qgemm.passes != QuantLinear.passes:
+                self._qgemm = cpu_gemm.QGemm(self.tiles, passes=QuantLinear.passes)
             return self._qgemm(x, out_dtype=torch.float32)
         if self.qhead is not None:
             if self._qgemm is None:

@@ -186,6 +186,7 @@ class ModelRunner:
         for module in self.model.modules():  # folio's kernels or torch's (the backend's dtypes follow)
             if isinstance(module, (QuantLinear, QuantLMHead)):
                 module.set_int8_activations(config.cpu_quant_activations == "int8")
+        QuantLinear.passes = config.cpu_activation_passes  # one model a process: the layers' and the stack's
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model,
                                     batch_invariant=config.batch_invariant)
         if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
