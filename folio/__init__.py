@@ -18,7 +18,7 @@ _EXPORTS = {
     "CompletionOutput": "folio.outputs",
     "Logprob": "folio.outputs",
     "RequestOutput": "folio.outputs",
-    "SamplingParams": "folio.core.frontdoor",
+    "SamplingParams": "folio.shared.sampling",
     "LoRARequest": "folio.lora",
 }
 

@@ -23,9 +23,10 @@ BLOCK = 16
 def run_batch(runner, batch: int, context: int, steps: int) -> dict[str, float]:
     """Mean ms per decode step of each part, over ``steps`` steps after a prefill."""
     from folio.core.executor.kernels import cpu_kernels
-    from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
+    from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan
+    from folio.shared.sampling import SamplingParams
 
-    params = WireSampling(temperature=0, max_tokens=context + steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=context + steps + 4, ignore_eos=True)
     per_row = (context + steps + BLOCK) // BLOCK + 1
     ids = [f"b{batch}-{i}" for i in range(batch)]
     tokens = torch.randint(0, runner.spec.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))

@@ -93,7 +93,7 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
     from folio.core.engine import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     num_seqs = len(PROMPTS)
     new = math.ceil(num_tokens / num_seqs)
@@ -101,7 +101,7 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
                                        num_kv_blocks=num_seqs * ((new + 64) // 16 + 2),
                                        batch_invariant=batch_invariant), str(path))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    params = [WireSampling(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=new, ignore_eos=True, seed=seed + i)
+    params = [SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=new, ignore_eos=True, seed=seed + i)
               for i in range(num_seqs)]
     outs = generate(runner, prompts, params)
     seqs = [p + o for p, o in zip(prompts, outs)]

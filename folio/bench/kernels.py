@@ -184,7 +184,7 @@ def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
     from folio.core.engine import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
     from folio.testing.models import write_tiny_model
 
     folder = tempfile.mkdtemp(prefix="folio-bench-model-")
@@ -192,14 +192,14 @@ def bench_e2e(num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 32000, (prompt_len,), generator=gen).tolist() for _ in range(num_prompts)]
-    params = WireSampling(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result = {}
     for name in ("torch", "cuda"):
         blocks = num_prompts * math.ceil((prompt_len + max_tokens) / 16) + 8
         config = RuntimeConfig(device="cuda", dtype="bfloat16", num_kv_blocks=blocks, block_size=16,
                                attention_backend=name)
         runner = ModelRunner(config, folder)
-        generate(runner, prompts[:2], WireSampling(temperature=0.0, max_tokens=4))  # warm up, compile
+        generate(runner, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm up, compile
         torch.cuda.synchronize()
         start = time.perf_counter()
         outputs = generate(runner, prompts, params, max_num_batched_tokens=512)

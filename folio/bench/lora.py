@@ -23,7 +23,8 @@ from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.model_files import prepare_default_model
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import EngineRequest, WireSampling
+from folio.shared.messages import EngineRequest
+from folio.shared.sampling import SamplingParams
 from folio.testing.peft_adapters import write_peft_adapter
 from folio.bench.cpu_meter import CpuMeter
 
@@ -34,7 +35,7 @@ def throughput(runner: ModelRunner, names: list[str | None], streams: int, promp
                tag: str) -> float:
     """Tokens/s of ``streams`` requests (request i on adapter ``names[i % len(names)]``)."""
     core = EngineCore(runner, max_num_seqs=streams, max_num_batched_tokens=2048, enable_prefix_caching=False)
-    params = WireSampling(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(streams):
         prompt = [(31 * i + 7 * j) % 40000 + 100 for j in range(prompt_len)]
         assert not core.add_request(EngineRequest(req_id=f"{tag}{i}", prompt_token_ids=prompt, sampling=params,

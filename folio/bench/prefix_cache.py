@@ -21,7 +21,8 @@ import time
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
-from folio.shared.messages import TokenBatch, WireSampling
+from folio.shared.messages import TokenBatch
+from folio.shared.sampling import SamplingParams
 from folio.core.model_files import resolve_model
 from folio.shared.transport import Decoder
 from folio.services.in_process import back_half
@@ -39,7 +40,7 @@ QUESTIONS = ["When does the library open?", "Where are the maps?", "How many boo
 
 async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[int]], caching: bool) -> list[float]:
     """Serve ``prompts`` one after the other; seconds from submit to the first token of each."""
-    params = WireSampling(temperature=0.0, max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
     decoder, ttfts = Decoder(TokenBatch), []
     async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
         for i, prompt in enumerate(prompts):
@@ -56,7 +57,7 @@ async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[
 async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: list[int], num_samples: int,
                                   num_new: int, forked: bool, caching: bool) -> int:
     """Most device blocks in use while ``num_samples`` samples of ``prompt`` run to ``num_new`` tokens."""
-    params = WireSampling(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
+    params = SamplingParams(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
     ids = [f"s{i}" for i in range(num_samples)]
     decoder = Decoder(TokenBatch)
     async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
@@ -77,7 +78,7 @@ async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: 
 
 async def serve_once(model_path: str, runner: ModelRunner, prompt: list[int]) -> tuple[float, list[int], dict]:
     """One request on a fresh back half: seconds to its first token, its output, the kvmanager's stats."""
-    params = WireSampling(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     decoder, out = Decoder(TokenBatch), []
     async with back_half(model_path, runner=runner, **LIMITS) as bh:
         t0 = time.perf_counter()

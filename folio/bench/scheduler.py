@@ -38,8 +38,8 @@ from folio.shared.messages import (
     StepPlan,
     StepResult,
     TokenBatch,
-    WireSampling,
 )
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode, make_socket, recv_multipart
 
 EPOCH = "bench"
@@ -123,7 +123,7 @@ async def run(args, ep: Endpoints) -> None:
         prompt = [rng.randrange(1, 30000) for _ in range(args.prompt_len)]
         await to_scheduler.send(encode(EngineRequest(
             req_id=f"r{i}", prompt_token_ids=prompt, eos_token_id=0,
-            sampling=WireSampling(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))))
+            sampling=SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))))
     finished, num_tokens, decoder = 0, 0, Decoder(TokenBatch)
     t0 = time.perf_counter()
     while finished < args.num_requests:
@@ -160,7 +160,7 @@ def in_process(args) -> None:
     for i in range(args.num_requests):
         sched.add_request(EngineRequest(
             req_id=f"r{i}", prompt_token_ids=[rng.randrange(1, 30000) for _ in range(args.prompt_len)], eos_token_id=0,
-            sampling=WireSampling(temperature=0.0, max_tokens=4000, ignore_eos=True)))
+            sampling=SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)))
     decoder, plan_decoder = Decoder(StepResult), Decoder(StepPlan)
     parts = dict.fromkeys(("schedule", "build plan", "encode plan", "decode plan (executor)", "result", "update",
                            "encode tokens"), 0.0)

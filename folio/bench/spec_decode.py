@@ -13,7 +13,8 @@ from pathlib import Path
 from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir
-from folio.shared.messages import EngineRequest, WireSampling
+from folio.shared.messages import EngineRequest
+from folio.shared.sampling import SamplingParams
 from folio.core.model_files import resolve_model, truncate_layers
 
 DOCUMENT = (
@@ -68,7 +69,7 @@ def run_wave(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, eos
     outputs: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(req_id=f"b{i}", prompt_token_ids=p, eos_token_id=eos,
-                                         sampling=WireSampling(temperature=0.0, max_tokens=max_tokens)))
+                                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
     t0 = tokens0 = None
     while (deltas := engine.step()) is not None:
         for d in deltas.all_deltas():

@@ -30,14 +30,15 @@ from folio.core.tokenizer.text import TextTokenizer
 from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
+    Grammar,
     PoolInfo,
     StepPlan,
     StepResult,
     TextDelta,
     TokenBatch,
     TokenDelta,
-    WireSampling,
 )
+from folio.shared.sampling import SamplingParams
 
 T = TypeVar("T")
 
@@ -171,12 +172,12 @@ class LLMEngine:
         "error" deltas of a request the scheduler refused, such as one beyond the whole KV pool).
         Raises ``RequestError`` when it cannot run (empty, beyond the context, token ids outside
         the vocabulary)."""
-        prompt_token_ids, prompt_text, sampling = self.tokenizer.prepare(req)
+        prompt_token_ids, prompt_text = self.tokenizer.prepare(req)
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
         refusals = self.core.add_request(EngineRequest(
-            req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=req.sampling,
             eos_token_id=self.tokenizer.eos_token_id, priority=req.priority, arrival_time=req.arrival_time,
-            cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids, beam_search=req.beam_search,
+            cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids,
             lora_name=req.lora_name))
         return prompt_token_ids, prompt_text, self._texts(TokenBatch(step_id=self.next_step_id, deltas=refusals))
 
@@ -201,12 +202,13 @@ class LLMEngine:
         return texts
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], params: WireSampling | list[WireSampling],
-             eos_token_id: int | None = None, **engine_options) -> list[list[int]]:
+def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             eos_token_id: int | None = None, grammar: Grammar | None = None, **engine_options) -> list[list[int]]:
     """Token ids in, each request's generated token ids out, through the real scheduler (token
     budget, preemption, prefix caching): the in-process path of the benchmarks and of
-    calibration. ``engine_options``: ``EngineCore``'s keyword arguments."""
-    if isinstance(params, WireSampling):
+    calibration. ``grammar``: every request's structured output (checked already).
+    ``engine_options``: ``EngineCore``'s keyword arguments."""
+    if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     core = EngineCore(runner, **engine_options)
     outputs: dict[str, list[int]] = {}
@@ -214,7 +216,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], params: WireSampling
         req_id = f"req-{i}"
         outputs[req_id] = []
         refusals = core.add_request(EngineRequest(req_id=req_id, prompt_token_ids=list(prompt), sampling=sp,
-                                                  eos_token_id=eos_token_id))
+                                                  eos_token_id=eos_token_id, grammar=grammar))
         if refusals:
             raise ValueError(f"prompt {i}: {refusals[0].error}")
     while core.has_work():

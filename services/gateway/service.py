@@ -336,7 +336,7 @@ class GatewayService:
                 new_ids = [new_id(c) for c in choices]
                 sends.append(msgspec.structs.replace(req, req_id=new_ids[0], fork_req_ids=new_ids[1:]))
                 continue
-            if req.beam_search is not None:  # its beams come out together: some did, some not
+            if req.sampling.use_beam_search:  # its beams come out together: some did, some not
                 for c in choices:
                     if c in todo:
                         self.abort(c)

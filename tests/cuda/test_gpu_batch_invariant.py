@@ -44,10 +44,10 @@ def _prompts():
 
 
 def test_concurrent_greedy_streams_equal_their_solo_outputs(runner):
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
     from tests.executor.toy_driver import generate
 
-    params = WireSampling(temperature=0.0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     together = generate(runner, _prompts(), params, chunk_size=24)
     solo = [generate(runner, [p], params)[0] for p in _prompts()]
     assert together == solo

@@ -47,9 +47,9 @@ def write_served_model(folder) -> str:
 
 
 def sampling(n: int):
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
-    return WireSampling(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def in_process_tokens(model: str, device: str, max_tokens: list[int] = MAX_TOKENS, enforce_eager: bool = False,

@@ -207,7 +207,7 @@ def test_the_layer_stack_in_one_call_gives_the_modules_bits(tmp_path, invariant)
     invariance every prefill token takes the stack too)."""
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
     from folio.testing.models import write_tiny_model
     from tests.executor.toy_driver import generate
 
@@ -221,7 +221,7 @@ def test_the_layer_stack_in_one_call_gives_the_modules_bits(tmp_path, invariant)
     logits_of = runner.model.compute_logits
     runner.model.compute_logits = lambda h: (hidden.append(h.clone()), logits_of(h))[1]
     prompts = [list(range(3, 40)), list(range(50, 61)), [7, 8, 9]]
-    params = WireSampling(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     fused = generate(runner, prompts, params, chunk_size=5)
     fused_hidden, hidden[:] = list(hidden), []
     assert stack.num_calls >= (18 if invariant else 8)  # decodes; with invariance the chunks too

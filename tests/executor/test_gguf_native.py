@@ -61,13 +61,13 @@ def test_a_gguf_is_served_in_its_own_types(name, tmp_path):
 def test_a_mixed_file_runs_its_decodes_in_the_one_call_stack(tmp_path):
     """Q4_K_M fuses q/k (Q4_K) with v (Q6_K): one weight of two parts, through the stack's one call;
     greedy tokens equal the dense model's."""
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
     from tests.executor.toy_driver import generate
 
     path = write_llama_gguf(tmp_path / "m.gguf", Q4_K_M, seed=3)
     native, dense = runner_for(path), runner_for(path, "none")
     assert native.model.layers[0].self_attn.qkv_proj.weight_packed.types == ["Q4_K", "Q6_K"]
-    params = WireSampling(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = [list(range(3, 20)), [7, 8, 9]]
     assert generate(native, prompts, params) == generate(dense, prompts, params)
     assert native.backend.stack.num_calls >= 9

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.runtime.input_batch import InputBatch
 from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
-from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
-from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
+from folio.core.executor.kernels.sampler_columns import NUM_PARAMS, column_values
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 
 VOCAB, BS = 97, 4
 
@@ -28,7 +29,7 @@ class Req:
     tokens: list[int]
     num_prompt: int
     blocks: list[int]
-    params: WireSampling
+    params: SamplingParams
     num_computed: int = 0
     drafts: list[int] = field(default_factory=list)
 
@@ -45,7 +46,7 @@ class World:
 
     def params(self):
         r = self.rng
-        return WireSampling(temperature=r.choice([0.0, 0.7]), top_p=r.choice([1.0, 0.9]), seed=r.choice([None, 5]),
+        return SamplingParams(temperature=r.choice([0.0, 0.7]), top_p=r.choice([1.0, 0.9]), seed=r.choice([None, 5]),
                               presence_penalty=r.choice([0.0, 0.5]))
 
     def join(self, new_reqs, req_id=None, tokens=None, num_prompt=None, params=None, computed=0, blocks=None):
@@ -119,7 +120,7 @@ def rebuild(world: World, scheduled, spec):
         if end == len(req.tokens):
             logit_rows += range(len(input_ids) - len(drafts) - 1, len(input_ids))
             if not drafts:
-                sample_params.append(param_row(req.params, VOCAB))
+                sample_params.append(column_values(req.params, VOCAB))
     meta = AttentionMetadata.build(list(scheduled.values()), seq_lens, tables, None, BS)
     return input_ids, meta, logit_rows, sample_params
 
@@ -180,10 +181,10 @@ def test_a_plan_the_rows_cannot_run_is_a_clear_error():
     def check(num_scheduled, **plan):
         check_plan(StepPlan(step_id=0, num_scheduled_tokens=num_scheduled, **plan), limits, batch)
 
-    batch.add("a", [1, 2, 3], 3, 0, [0], WireSampling())
+    batch.add("a", [1, 2, 3], 3, 0, [0], SamplingParams())
     with pytest.raises(InvalidPlan, match="a: 4 tokens scheduled but only 3"):
         check({"a": 4})
-    batch.add("b", list(range(9)), 9, 0, [1], WireSampling())
+    batch.add("b", list(range(9)), 9, 0, [1], SamplingParams())
     with pytest.raises(InvalidPlan, match="b: 9 tokens need more than its 1 blocks"):
         check({"a": 3, "b": 9})
     with pytest.raises(InvalidPlan, match="unknown request 'c'"):
@@ -195,7 +196,7 @@ def test_a_request_takes_the_lowest_free_row():
     """Rows stay a run from 0 while requests come and go together (the sampler reads the penalty
     state of consecutive rows in place)."""
     batch = InputBatch(max_num_reqs=2, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))
-    params = WireSampling(temperature=0.0)
+    params = SamplingParams(temperature=0.0)
     rows = [batch.add(f"r{i}", [1, 2], 2, 0, [i], params) for i in range(5)]  # the rows grow past 2
     assert rows == [0, 1, 2, 3, 4]
     for req_id in ("r3", "r0", "r1"):

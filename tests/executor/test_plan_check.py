@@ -21,11 +21,12 @@ from hypothesis import strategies as st
 from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import KVLoad, NewRequestData, RunningRequestData, StepPlan, WireSampling
+from folio.shared.messages import KVLoad, NewRequestData, RunningRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 
 NUM_BLOCKS, NUM_HOST_BLOCKS, BS, VOCAB, MAX_POSITIONS = 48, 4, 16, 128, 512  # the tiny model's sizes
-GREEDY = WireSampling(temperature=0.0, max_tokens=64, ignore_eos=True)
-DRAWN = WireSampling(temperature=0.8, top_p=0.9, presence_penalty=0.3, seed=11, max_tokens=64, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+DRAWN = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.3, seed=11, max_tokens=64, ignore_eos=True)
 REQ_IDS = ["a", "b", "c"]
 _step_ids = itertools.count()
 

@@ -125,7 +125,7 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
     from folio.core.executor.runtime.input_batch import InputBatch
     from folio.core.executor.runtime.runner import RunnerRequest
     from folio.core.executor.runtime.spec_decode import DraftModelProposer
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     target, draft = tiny_pair
 
@@ -134,8 +134,8 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
 
     prompt = repetitive_prompts(1, seed=11)[0]
     batch = InputBatch(1, 64, 4, torch.device("cpu"))
-    row = batch.add("a", list(prompt), len(prompt), 0, [], WireSampling(temperature=0.0))
-    state = RunnerRequest("a", row, batch, WireSampling(temperature=0.0), True)
+    row = batch.add("a", list(prompt), len(prompt), 0, [], SamplingParams(temperature=0.0))
+    state = RunnerRequest("a", row, batch, SamplingParams(temperature=0.0), True)
     used = proposer()
     first = used.propose([state])[0].token_ids
     other = (first[1] + 1) % 64  # the target accepted the first draft, then chose something else

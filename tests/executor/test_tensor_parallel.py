@@ -18,7 +18,8 @@ from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import ParallelRunner, resident_tensors
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import BeamSearchParams, NewRequestData, StepPlan, WireSampling
+from folio.shared.messages import NewRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 from folio.testing.models import write_tiny_model
 from tests.core.engine import LocalEngine, engine_request
 
@@ -118,10 +119,10 @@ def test_prompt_logprobs_agree(mqa_group, mqa_model):
 
 
 def test_beams_are_unchanged(mqa_model, mqa_group):
-    beam = BeamSearchParams(width=3, length_penalty=1.0, early_stopping=True)
+    beam = {"use_beam_search": True, "n": 3, "best_of": 3, "early_stopping": True}
 
     def run(runner):
-        reqs = [engine_request("b0", PROMPTS[0], 8, eos_token_id=3, beam_search=beam, fork_req_ids=["b1", "b2"])]
+        reqs = [engine_request("b0", PROMPTS[0], 8, eos_token_id=3, fork_req_ids=["b1", "b2"], **beam)]
         return outputs(runner, reqs)
     assert run(mqa_group.runner) == run(ModelRunner(config(mqa_model), mqa_model))
 
@@ -163,7 +164,7 @@ def test_a_refused_plan_reaches_no_rank_and_the_group_serves_on(mqa_model, mqa_g
     """A plan that does not fit is refused on rank 0 before the broadcast: no rank exits, and the
     group then samples what one rank samples."""
     bad = StepPlan(step_id=10**6, new_reqs=[NewRequestData(req_id="x", token_ids=[1, 2], num_prompt_tokens=2,
-                                                            sampling=WireSampling(temperature=0.0), block_ids=[96])],
+                                                            sampling=SamplingParams(temperature=0.0), block_ids=[96])],
                    num_scheduled_tokens={"x": 2}, finished_req_ids=["gone"])
     with pytest.raises(InvalidPlan, match="x: block id 96 is outside the pool"):
         mqa_group.runner.execute(bad)

@@ -11,7 +11,7 @@ from folio.bench.step import MODEL_SHAPES, write_random_checkpoint
 from folio.core.engine import generate
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 
 
 def test_a_random_checkpoint_loads_as_written(tmp_path):
@@ -29,5 +29,5 @@ def test_a_random_checkpoint_loads_as_written(tmp_path):
     runner = ModelRunner(RuntimeConfig(device="cpu", dtype="bfloat16", num_kv_blocks=16, block_size=16,
                                        attention_backend="torch"), path)
     assert torch.equal(runner.model.embed_tokens.weight, state["model.embed_tokens.weight"])
-    tokens = generate(runner, [[5, 6, 7, 8]], WireSampling(temperature=0.0, max_tokens=4, ignore_eos=True))
+    tokens = generate(runner, [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(tokens[0]) == 4 and all(0 <= t < sizes["vocab_size"] for t in tokens[0])

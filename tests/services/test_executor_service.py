@@ -15,11 +15,12 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.services.executor.service import ExecutorService
 from folio.services.kvmanager.service import KVManagerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig
-from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, StepResult, WireSampling
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, StepResult
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode, make_socket
 from folio.services.in_process import admin_call, short_run_dir
 
-GREEDY = WireSampling(temperature=0.0, max_tokens=4)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 def plans() -> list[StepPlan]:

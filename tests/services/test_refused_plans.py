@@ -14,7 +14,7 @@ import structlog
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from folio.services.in_process import back_half
 from tests.executor.toy_driver import generate
 
@@ -24,8 +24,8 @@ POISON = [1, 2, 500, 3]  # the tiny model's vocabulary is 0..127
 REFUSAL = "token id 500 is outside the vocabulary (0..127)"
 
 
-def greedy(max_tokens: int) -> WireSampling:
-    return WireSampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

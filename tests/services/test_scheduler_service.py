@@ -11,7 +11,8 @@ import structlog
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import TokenBatch, WireSampling
+from folio.shared.messages import TokenBatch
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode
 from tests.executor.toy_driver import generate
 from folio.services.in_process import back_half
@@ -20,8 +21,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 5, [10, 11], list(range(20, 50)), [3] * 
 MAX_TOKENS = [8, 20, 5, 12, 9, 16]
 
 
-def greedy(max_tokens: int) -> WireSampling:
-    return WireSampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from folio.shared.messages import GuidedSpec, WireSampling  # noqa: E402
+from folio.shared.messages import GuidedSpec  # noqa: E402
+from folio.shared.sampling import SamplingParams  # noqa: E402
 from folio.services.in_process import back_half  # noqa: E402
 from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_compile import new_wide_schema  # noqa: E402
@@ -120,8 +121,8 @@ async def test_an_executor_restart_while_a_grammar_compiles(chat_model, tok):  #
                          max_num_batched_tokens=64) as bh:
         schema = new_wide_schema(1500)
         grammar = await asyncio.to_thread(check_spec, GuidedSpec(kind="json_schema", spec=json.dumps(schema)))
-        await bh.submit("r", tok.hf.encode("JSON:"), WireSampling(temperature=0.0, max_tokens=100, grammar=grammar),
-                        tok.eos_token_id)
+        await bh.submit("r", tok.hf.encode("JSON:"), SamplingParams(temperature=0.0, max_tokens=100),
+                        tok.eos_token_id, grammar=grammar)
         collected = asyncio.ensure_future(bh.collect(["r"], timeout_s=120))
         for _ in range(2000):  # until the scheduler asked for the grammar
             if (await bh.admin("scheduler", "stats")).data["num_grammar_held_steps"]:

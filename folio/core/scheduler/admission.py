@@ -19,12 +19,13 @@ def add_request(sched: SchedulerState, msg: EngineRequest) -> list[TokenDelta]:
                 for req_id in (msg.req_id, *msg.fork_req_ids)]
     priority = msg.priority if sched.scheduling_policy == "priority" else 0
     arrival, sched.next_arrival = sched.next_arrival, sched.next_arrival + 1
-    if msg.beam_search is not None:
-        sched.forks.add_beam_search(msg, priority, arrival)
+    max_tokens = max_tokens_of(sched, msg)
+    if msg.sampling.use_beam_search:
+        sched.forks.add_beam_search(msg, max_tokens, priority, arrival)
         return []
-    first = Request.from_message(msg)
+    first = Request.from_message(msg, max_tokens)
     first.key = (priority, arrival, 0)
-    others = [Request.from_message(msg, req_id, msg.sampling.with_seed_offset(i))
+    others = [Request.from_message(msg, max_tokens, req_id, msg.sampling.with_seed_offset(i))
               for i, req_id in enumerate(msg.fork_req_ids, start=1)]
     for i, req in enumerate(others, start=1):
         req.key = (priority, arrival, i)
@@ -39,8 +40,16 @@ def add_request(sched: SchedulerState, msg: EngineRequest) -> list[TokenDelta]:
     return []
 
 
+def max_tokens_of(sched: SchedulerState, msg: EngineRequest) -> int:
+    """The output tokens a request may have: its ``max_tokens``, or, when that is None, what the
+    context leaves after its prompt (0: the context length is unknown)."""
+    if msg.sampling.max_tokens is not None:
+        return msg.sampling.max_tokens
+    return max(sched.max_model_len - len(msg.prompt_token_ids), 0) if sched.max_model_len else 0
+
+
 def _refusal(sched: SchedulerState, msg: EngineRequest) -> tuple[str | None, int]:
-    num_prompt, max_tokens = len(msg.prompt_token_ids), msg.sampling.max_tokens
+    num_prompt, max_tokens = len(msg.prompt_token_ids), max_tokens_of(sched, msg)
     if sched.draining:
         return "the server is draining: it admits no new requests", 503
     ids = [msg.req_id, *msg.fork_req_ids]
@@ -48,18 +57,21 @@ def _refusal(sched: SchedulerState, msg: EngineRequest) -> tuple[str | None, int
         return f"request id {msg.req_id!r} (or one of its choices) is already in use", 400
     if num_prompt == 0:
         return "the prompt is empty", 400
+    if msg.sampling.max_tokens is None and not sched.max_model_len:
+        return "max_tokens is needed: the model's context length is unknown", 400
     if max_tokens < 1:
         return f"max_tokens must be at least 1, got {max_tokens}", 400
-    if msg.forced_token_ids and (msg.beam_search is not None or msg.fork_req_ids):
+    beam_width = msg.sampling.num_sequences if msg.sampling.use_beam_search else 0
+    if msg.forced_token_ids and (beam_width or msg.fork_req_ids):
         return "a continuation (forced output tokens) is one choice, without beam search", 400
     if len(msg.forced_token_ids) >= max_tokens:
         return (f"the continuation has {len(msg.forced_token_ids)} output tokens already, max_tokens is "
                 f"{max_tokens}: nothing is left to generate"), 400
-    if msg.beam_search is not None and msg.lora_name:
+    if beam_width and msg.lora_name:
         return "beam search with a LoRA adapter is not supported", 400
-    if msg.beam_search is not None and not 1 <= len(ids) <= msg.beam_search.width:
-        return f"beam search returns at most its width ({msg.beam_search.width}) choices, {len(ids)} asked", 400
-    num_seqs = msg.beam_search.width if msg.beam_search is not None else len(ids)
+    if beam_width and not 1 <= len(ids) <= beam_width:
+        return f"beam search returns at most its width ({beam_width}) choices, {len(ids)} asked", 400
+    num_seqs = beam_width or len(ids)
     if num_seqs > sched.max_num_seqs:
         return (f"the request runs {num_seqs} sequences at once (its choices or beams) but the server runs at "
                 f"most {sched.max_num_seqs} (--max-num-seqs)"), 400

@@ -40,7 +40,7 @@ def plan_request(sched: SchedulerState, out: StepOutput, req: Request, num_new: 
     if not req.on_executor:
         out.new_reqs.append(NewRequestData(
             req_id=req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
-            sampling=req.sampling, block_ids=list(table), num_computed_tokens=start,
+            sampling=req.sampling, grammar=req.grammar, block_ids=list(table), num_computed_tokens=start,
             append_sampled=req.append_sampled, lora_name=req.lora_name, kv_export_peer=req.kv_export_peer))
         req.on_executor = True
         req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
@@ -120,9 +120,8 @@ def update_from_result(sched: SchedulerState, out: StepOutput, result: StepResul
             output = req.output_token_ids
             output.append(token_id)
             num_generated += 1
-            sp = req.sampling
-            if not (token_id in req.stop_token_ids or (token_id == req.eos_token_id and not sp.ignore_eos)
-                    or len(output) >= sp.max_tokens):
+            if not (token_id in req.stop_token_ids or (token_id == req.eos_token_id and not req.sampling.ignore_eos)
+                    or len(output) >= req.max_tokens):
                 plain_req_ids.append(req_id)
                 plain_token_ids.append(token_id)
                 continue
@@ -224,13 +223,13 @@ def _grammar_reports(sched: SchedulerState, result: StepResult) -> list[TokenDel
         return []
     errors = result.grammar_errors
     sched.grammar_gate.report(result.grammars_ready, errors)
-    failed = [r for r in sched.requests.values() if r.sampling.grammar is not None and r.sampling.grammar.key in errors]
+    failed = [r for r in sched.requests.values() if r.grammar is not None and r.grammar.key in errors]
     deltas = []
     for req in failed:
         if req.req_id in sched.requests and remove(sched, req.req_id):
             sched.counters["num_grammar_errors"] += 1
             deltas.append(TokenDelta(req_id=req.req_id, token_ids=[], finish_reason="error", error_code=500,
-                                     error=errors[req.sampling.grammar.key],
+                                     error=errors[req.grammar.key],
                                      num_prompt_tokens=req.num_prompt_tokens))
     return deltas
 

@@ -349,12 +349,12 @@ def _plain_decodes(sched: SchedulerState, out: StepOutput, i: int, budget: int) 
     num_placeholders = 0
     while i < end and budget > 0:
         req = running[i]
-        if req.pending_forks or req.spec_token_ids or req.sampling.grammar is not None:
+        if req.pending_forks or req.spec_token_ids or req.grammar is not None:
             break
         start, pending, num_output = req.num_computed_tokens, req.num_pending, len(req.output_token_ids)
         if len(req.prompt_token_ids) + num_output + pending - start != 1:
             break
-        if pending and num_output + pending >= req.sampling.max_tokens:
+        if pending and num_output + pending >= req.max_tokens:
             break  # the tokens in flight are its last
         seq = seqs.get(req.req_id)
         if seq is None or seq.host_block_ids is not None:
@@ -485,12 +485,12 @@ def _num_new_tokens(sched: SchedulerState, req: Request, budget: int, whole_pref
         sched.grammar_gate.holds(req)  # (their grammar compiles meanwhile)
     elif sched.grammar_gate.holds(req):
         end -= 1  # the token it samples from waits for its grammar
-    elif req.num_pending and len(req.output_token_ids) + req.num_pending >= req.sampling.max_tokens:
+    elif req.num_pending and len(req.output_token_ids) + req.num_pending >= req.max_tokens:
         return 0  # the tokens in flight are its last
     remaining = end - req.num_computed_tokens
     if remaining == 1 and req.spec_token_ids and req.on_executor and not req.num_pending:  # a decode that verifies its drafts
         # (the executor holds the proposal: a request it dropped, swapped or new, has none)
-        left = req.sampling.max_tokens - len(req.output_token_ids)  # it gains at most drafts + 1
+        left = req.max_tokens - len(req.output_token_ids)  # it gains at most drafts + 1
         room = (sched.max_model_len or 1 << 30) - req.num_tokens
         return 1 + max(0, min(len(req.spec_token_ids), left - 1, room, budget - 1))
     if remaining <= 1:
@@ -524,7 +524,7 @@ def _take(sched: SchedulerState, out: StepOutput, req: Request, num_new: int) ->
     """Schedule ``num_new`` tokens of ``req`` and record its part of the plan (``_plain_decodes``
     does it inline for decodes)."""
     out.scheduled.append((req, num_new))
-    if req.pending_forks or req.sampling.grammar is not None:
+    if req.pending_forks or req.grammar is not None:
         out.waits_for_result = True
     if num_new > 1 and req.num_tokens - req.num_computed_tokens == 1:
         out.spec_token_ids[req.req_id] = req.spec_token_ids[:num_new - 1]

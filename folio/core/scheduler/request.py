@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from folio.core.kv.block_hash import kv_salt
-from folio.shared.messages import EngineRequest, WireSampling
+from folio.shared.messages import EngineRequest, Grammar
+from folio.shared.sampling import SamplingParams
 
 
 class Status(str, Enum):
@@ -33,7 +34,10 @@ class Status(str, Enum):
 class Request:
     req_id: str
     prompt_token_ids: list[int]
-    sampling: WireSampling
+    sampling: SamplingParams  # as the client's request built it (a choice's: with its seed offset)
+    # the most output tokens: ``sampling.max_tokens``, or what the context leaves when that is None
+    max_tokens: int
+    grammar: Grammar | None = None  # structured output
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
@@ -76,12 +80,16 @@ class Request:
     num_pending: int = 0
 
     @staticmethod
-    def from_message(msg: EngineRequest, req_id: str | None = None, sampling: WireSampling | None = None) -> "Request":
+    def from_message(msg: EngineRequest, max_tokens: int, req_id: str | None = None,
+                     sampling: SamplingParams | None = None) -> "Request":
+        """``max_tokens``: the output tokens it may have (admission resolved a None)."""
         sampling = sampling or msg.sampling
         return Request(
             req_id=req_id or msg.req_id,
             prompt_token_ids=list(msg.prompt_token_ids),
             sampling=sampling,
+            max_tokens=max_tokens,
+            grammar=msg.grammar,
             eos_token_id=msg.eos_token_id,
             arrival_time=msg.arrival_time,
             stop_token_ids=frozenset(sampling.stop_token_ids),
@@ -137,7 +145,7 @@ class Request:
             return "stop"
         if token_id == self.eos_token_id and not self.sampling.ignore_eos:
             return "stop"
-        if len(self.output_token_ids) >= self.sampling.max_tokens:
+        if len(self.output_token_ids) >= self.max_tokens:
             return "length"
         return None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from folio.shared.messages import Grammar, WireSampling
+from folio.shared.messages import Grammar
 
 MAX_READY_KEYS = 256  # the executor's LRU (``masks.MAX_CACHED_GRAMMARS``)
 
@@ -24,7 +24,7 @@ class Constrained(Protocol):
     """What the gate reads and sets on a request (the scheduler's ``Request``)."""
 
     req_id: str
-    sampling: WireSampling
+    grammar: Grammar | None  # its structured-output grammar (None: unconstrained)
     grammar_ready: bool  # set here once its grammar is known compiled
 
 
@@ -37,7 +37,7 @@ class GrammarGate:
 
     def holds(self, req: Constrained) -> bool:
         """Whether ``req`` must not sample yet, its grammar not known compiled (asking for it)."""
-        grammar = req.sampling.grammar
+        grammar = req.grammar
         if grammar is None or req.grammar_ready:
             return False
         if grammar.key in self.ready:

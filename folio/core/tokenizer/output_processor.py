@@ -122,7 +122,7 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             prompt_text=echo_text,
             detokenizer=IncrementalDetokenizer(self._decode, prompt_token_ids),
-            stop=StopChecker(req.stop),
+            stop=StopChecker(req.sampling.stop),
             eos_token_id=eos_token_id,
             text_offset=len(echo_text) if echo_text else 0,
             num_prompt_tokens=len(prompt_token_ids),
@@ -135,7 +135,7 @@ class OutputProcessor:
         echo, and logprobs) the client has already. The detokenizer and the stop checker take the
         tokens as they did then (their held-back tails come out with the tokens that follow);
         nothing is emitted."""
-        wants_offsets = state.req.sampling.logprobs is not None
+        wants_offsets = state.req.sampling.engine_logprobs is not None  # as the engine reports them
         for token_id in forced:
             state.stop.feed(state.detokenizer.add(token_id))
             if wants_offsets:

@@ -13,15 +13,12 @@ import json
 import re
 from pathlib import Path
 
-import msgspec
-
 from folio.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     GenerateRequest,
     TokenizeReply,
     TokenizeRequest,
-    WireSampling,
 )
 
 
@@ -137,23 +134,21 @@ class TextTokenizer:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
-    def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None, WireSampling]:
-        """(prompt token ids, prompt text when there is one, the sampling params with the
-        max_tokens the context allows), or RequestError."""
+    def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None]:
+        """(prompt token ids, prompt text when there is one) of a request that fits the context,
+        or RequestError."""
         prompt_token_ids, prompt_text = self.encode_request(req)
-        max_tokens = self.fit_max_tokens(req, len(prompt_token_ids))
-        sampling = req.sampling
-        if max_tokens != sampling.max_tokens:
-            sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
-        return prompt_token_ids, prompt_text, sampling
+        self.fit_max_tokens(req, len(prompt_token_ids))
+        return prompt_token_ids, prompt_text
 
     def fit_max_tokens(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
-        """max_tokens the request may have, or RequestError when it does not fit the context."""
+        """The output tokens the request may have (its max_tokens; None: what the context leaves,
+        which the scheduler works out again), or RequestError when it does not fit the context."""
         prompt_param = "messages" if req.messages is not None else "prompt"
         if num_prompt_tokens == 0:
             raise RequestError("the prompt is empty", prompt_param)
         max_tokens = req.sampling.max_tokens
-        if req.fill_max_tokens:
+        if max_tokens is None:
             max_tokens = self.max_model_len - num_prompt_tokens
         if max_tokens < 1 or num_prompt_tokens + max_tokens > self.max_model_len:
             wanted = max(max_tokens, 1)  # a prompt that fills the context still asks for one token

@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 import torch
 
-from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
+from folio.core.executor.kernels.sampler_columns import COLUMNS, NUM_PARAMS
 from folio.core.executor import startup
 from folio.core.executor.kernels.toolchain import c_compiler, c_sanitizers
 from folio.shared.config import cache_dir
@@ -121,8 +121,9 @@ FUNCTIONS = {
     "folio_attend": (None, [_R, _ptr, _i64, _KV, _f32, _i64, _f32, _ptr, _ptr, _i64, _i64]),
     "folio_stack_work_bytes": (_i64, [_S, _i64, _i64]),
     "folio_decode_stack": (_i64, [_S, _T]),
-    "folio_sample": (None, [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
-                            _ptr, _ptr, _ptr]),
+    "folio_sampler_columns": (ctypes.c_char_p, []),
+    "folio_sample": (None, [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
+                            _ptr, _ptr]),
     "folio_record_penalties": (None, [_i64, _i64] + [_ptr] * 8),
     "folio_philox_uniforms": (None, [_i64, _ptr, _ptr, _i64, _i64, _ptr]),
     "folio_exp_nonpositive": (None, [_i64, _ptr, _ptr]),
@@ -221,6 +222,7 @@ def _load(path: Path) -> ctypes.PyDLL:
     for name, (restype, argtypes) in FUNCTIONS.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = restype
+    check_sampler_columns(lib)  # a mismatch: library() is None, the torch ops run, the warning says why
     return lib
 
 
@@ -266,8 +268,16 @@ def _scratch_size(vocab: int) -> int:
     return 2 * vocab + vocab // BLOCK + 1  # the working row, its block maxima, top-k's copy
 
 
-# the params columns ``folio_sample`` reads: temperature, top-p, min-p, presence, frequency, repetition, top-k
-_COLUMNS = np.array([TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION, TOP_K], dtype=np.int64)
+def sampler_columns(lib: ctypes.PyDLL) -> tuple[str, ...]:
+    """The parameter columns the library's ``folio_sample`` reads, in index order."""
+    return tuple(name for name in lib.folio_sampler_columns().decode().split(",") if name)
+
+
+def check_sampler_columns(lib: ctypes.PyDLL) -> None:
+    """Raise unless ``csrc/sampler.c`` reads the columns of ``sampler_columns.COLUMNS``, in order."""
+    if sampler_columns(lib) != COLUMNS:
+        raise RuntimeError(f"csrc/sampler.c reads the columns {sampler_columns(lib)}, but sampler_columns.COLUMNS "
+                           f"is {COLUMNS}: the two lists must be the same")
 
 
 def _keys(seeds: np.ndarray, positions: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -287,9 +297,10 @@ def _check_logits(logits: torch.Tensor, m: int, vocab: int) -> None:
 
 
 def _check_params(params: np.ndarray, rows: int) -> None:
-    """``params``: C-contiguous fp32 with the columns the kernel reads, ``rows`` rows at least."""
+    """``params``: C-contiguous fp32 with the columns the kernel reads (``sampler_columns.COLUMNS``),
+    ``rows`` rows at least."""
     if params.dtype != np.float32 or params.ndim != 2 or not params.flags.c_contiguous \
-            or params.shape[1] <= int(_COLUMNS.max()) or params.shape[0] < rows:
+            or params.shape[1] < NUM_PARAMS or params.shape[0] < rows:
         raise ValueError(f"sampling parameters of {params.dtype} {params.shape} for {rows} rows")
 
 
@@ -329,7 +340,7 @@ def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bi
     pen_ld = _penalty_ld(bias, rep, logits)
     from_bias = int(bias is not None)
     lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, flags.ctypes.data, params.ctypes.data,
-                     params.shape[1], _COLUMNS.ctypes.data, _addr(bias), _addr(rep), from_bias, None, pen_ld,
+                     params.shape[1], _addr(bias), _addr(rep), from_bias, None, pen_ld,
                      seeds.ctypes.data, positions.ctypes.data, out.data_ptr(), _scratch_for(vocab).ctypes.data)
     return out
 
@@ -357,7 +368,7 @@ class TableSampler:
         self._tables: tuple = ()
         self._pointers: tuple[int, int] = (0, 0)
         self._scratch = np.empty(_scratch_size(vocab), dtype=np.float32)
-        self._scratch_ptr, self._columns_ptr = self._scratch.ctypes.data, _COLUMNS.ctypes.data
+        self._scratch_ptr = self._scratch.ctypes.data
 
     def sample(self, logits: torch.Tensor, rows: torch.Tensor, greedy: np.ndarray, params: np.ndarray,
                penalties, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
@@ -388,7 +399,7 @@ class TableSampler:
         tables = (penalties.bias.data_ptr(), penalties.rep.data_ptr(), 1, penalties.counts.data_ptr()) \
             if penalties.allocated else (None, None, 0, None)
         self._lib.folio_sample(m, self.vocab, logits.data_ptr(), logits.stride(0), rows.data_ptr(), self._pointers[0],
-                               self._pointers[1], params.shape[1], self._columns_ptr, *tables, self.vocab,
+                               self._pointers[1], params.shape[1], *tables, self.vocab,
                                seeds.ctypes.data, positions.ctypes.data, out.data_ptr(), self._scratch_ptr)
         return out
 

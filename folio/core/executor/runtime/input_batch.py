@@ -25,7 +25,7 @@ import torch
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.sampling.penalties import PenaltyState, has_penalties
 from folio.core.executor.sampling.philox import draw_seed, seed_words
-from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
+from folio.core.executor.kernels.sampler_columns import NUM_PARAMS, column_values
 
 NO_LOGPROBS = -1
 
@@ -125,11 +125,11 @@ class InputBatch:
         self.num_tokens[row], self.num_prompt[row], self.num_computed[row] = len(token_ids), num_prompt, num_computed
         self.block_table[row, : len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
-        self.params[row] = param_row(sampling, self.vocab_size)
+        self.params[row] = column_values(sampling, self.vocab_size)
         self.greedy[row] = sampling.greedy
         self.penalised[row] = has_penalties(sampling)
         self.repetition[row] = sampling.repetition_penalty != 1.0
-        self.num_logprobs[row] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
+        self.num_logprobs[row] = NO_LOGPROBS if sampling.engine_logprobs is None else sampling.engine_logprobs
         self.seeds[row] = seed_words(sampling.seed) if sampling.seed is not None else draw_seed()
         self.appends[row] = append_sampled
         self.lora_ids[row] = lora_id

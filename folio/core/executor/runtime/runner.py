@@ -43,7 +43,8 @@ from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_ma
                                          grammar_prefix)
 from folio.core.executor import startup
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
+from folio.shared.messages import Grammar, NewRequestData, StepPlan, StepResult, TokenLogprobs
+from folio.shared.sampling import SamplingParams
 
 
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
@@ -70,8 +71,10 @@ class RunnerRequest:
     adapter = _RowColumn("lora_ids")
     num_computed_tokens = _RowColumn("num_computed")
 
-    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: WireSampling, append_sampled: bool):
+    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: SamplingParams, append_sampled: bool,
+                 grammar: Grammar | None = None):
         self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
+        self.grammar = grammar  # structured output: every token it samples keeps inside it
         self.append_sampled = append_sampled  # False for beams: the scheduler sends their tokens
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
@@ -342,11 +345,12 @@ class ModelRunner:
         lora_id = self.lora.id_of(new.lora_name) if new.lora_name is not None else 0  # (checked: check_plan)
         row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                              new.block_ids, new.sampling, new.append_sampled, lora_id)
-        self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled)
+        self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled,
+                                                  new.grammar)
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
-        if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
-            self.grammars.prepare(new.sampling.grammar)  # (the scheduler's ask started it already)
+        if new.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
+            self.grammars.prepare(new.grammar)  # (the scheduler's ask started it already)
             self._constrained.add(new.req_id)
 
     def _drop(self, req_id: str) -> None:
@@ -506,9 +510,9 @@ class ModelRunner:
             state = self.requests[req_id]
             if state.matcher is None:
                 try:
-                    state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
+                    state.matcher = self.grammars.matcher(state.grammar, state.output_token_ids)
                 except Exception as exc:  # a compile that failed: this request alone fails
-                    self.grammars.failed[state.sampling.grammar.key] = compile_error(exc)
+                    self.grammars.failed[state.grammar.key] = compile_error(exc)
                     failed.add(req_id)
                     continue
             found = True
@@ -655,7 +659,7 @@ class ModelRunner:
                 self.spec_control.proposed(len(samplers), False, 0.0)
             return []
         start = time.perf_counter()
-        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None
+        wanted = [s for s in samplers if s.append_sampled and s.sampling.engine_logprobs is None
                   and (s.matcher is None or not s.matcher.is_terminated())]
         for state in samplers:
             state.proposal = None

@@ -159,8 +159,29 @@ int64_t folio_stack_work_bytes(const folio_stack *s, int64_t n, int64_t max_len)
 int64_t folio_decode_stack(const folio_stack *s, const folio_step *step);
 
 /* ------------------------------------------------------------------------------ sampling (sampler.c) */
+/* The columns of a row of sampling parameters, in order: sampler_columns.COLUMNS on the Python side,
+ * which builds the rows (column_values) and refuses a library whose folio_sampler_columns() differs.
+ * A sampling parameter the kernel reads is one more entry here. */
+#define FOLIO_SAMPLER_COLUMNS(X) \
+    X(temperature)               \
+    X(top_p)                     \
+    X(min_p)                     \
+    X(presence_penalty)          \
+    X(frequency_penalty)         \
+    X(repetition_penalty)        \
+    X(top_k)
+
+enum { /* COL_temperature, COL_top_p, ...: a column's index in a row */
+#define FOLIO_COLUMN_INDEX(name) COL_##name,
+    FOLIO_SAMPLER_COLUMNS(FOLIO_COLUMN_INDEX)
+#undef FOLIO_COLUMN_INDEX
+    FOLIO_NUM_COLUMNS
+};
+
+/* the column names, comma-separated, in index order */
+const char *folio_sampler_columns(void);
 void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
-                  const uint8_t *greedy, const float *params, int64_t params_ld, const int64_t *cols, float *bias,
+                  const uint8_t *greedy, const float *params, int64_t params_ld, float *bias,
                   float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, const uint64_t *seeds,
                   const int64_t *positions, int64_t *out, float *scratch);
 void folio_record_penalties(int64_t n, int64_t vocab, const int64_t *rows, const int64_t *tokens,
