@@ -22,7 +22,7 @@ import msgspec
 
 from folio.core.engine import EngineCore, LLMEngine
 from folio.outputs import RequestBuilder, RequestOutput
-from folio.core.frontdoor import chat_messages, generate_request
+from folio.core.input_processor import chat_messages, generate_request
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
 from folio.shared.sampling import SamplingParams
 

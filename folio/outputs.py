@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.core.frontdoor import best_of_order
+from folio.core.input_processor import best_of_order
 from folio.shared.messages import TextDelta, TextLogprob
 
 

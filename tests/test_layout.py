@@ -43,7 +43,7 @@ SOCKET_LIBRARIES = {"zmq"}
 # imports only units of lower layers, never one of its own layer or above; a new one must be placed.
 CORE_LAYERS = [
     ["gguf_file"],  # a GGUF's metadata and tensors, read (numpy, no torch)
-    ["kv", "structured", "tokenizer", "frontdoor", "model_files", "executor.startup"],  # over folio.shared only
+    ["kv", "structured", "tokenizer", "input_processor", "model_files", "executor.startup"],  # over folio.shared only
     ["executor.parallel", "executor.kernels", "executor.threads"],  # process groups; kernels; torch's threads
     ["executor.quant", "executor.sampling", "executor.lora", "kv.tensors"],  # over the kernels; the KV memory
     ["executor.model"],  # model families and loading
@@ -51,13 +51,11 @@ CORE_LAYERS = [
     ["engine"],  # both in one process
 ]
 CORE_PACKAGES = {"folio.core", "folio.core.executor"}  # their __init__ only, importing no unit
-# Units that never reach torch: the scheduler's policy, the allocator, output processing, the front door.
-TORCH_FREE_UNITS = {"scheduler", "kv", "tokenizer", "frontdoor", "gguf_file"}
+# Units that never reach torch: the scheduler's policy, the allocator, output processing, the input processor.
+TORCH_FREE_UNITS = {"scheduler", "kv", "tokenizer", "input_processor", "gguf_file"}
 # Module names that every service repeats by convention, and the benchmarks, named for their commands.
 REPEATED_MODULE_NAMES = {"__init__", "main", "service", "metrics"}
 COMMAND_NAMED_PACKAGES = ("folio.bench.",)
-# A class still defined twice, to be renamed once the sampling refactor lands (its two files are in flux).
-PENDING_CLASS_RENAMES = {"DetokenizeRequest"}
 
 
 # ------------------------------------------------------------------ the scan
@@ -282,7 +280,7 @@ def name_breaches(tree: Tree) -> list[str]:
     """Each class defined twice in the package, and each module name used twice (but the names every
     service repeats by convention and the benchmarks, named for their commands)."""
     bad = [f"class {c} in {sorted(ms)}" for c, ms in sorted(tree.classes.items())
-           if len(ms) > 1 and c not in PENDING_CLASS_RENAMES]
+           if len(ms) > 1]
     by_name: dict[str, list[str]] = {}
     for m, path in tree.files.items():
         if path.stem not in REPEATED_MODULE_NAMES and not m.startswith(COMMAND_NAMED_PACKAGES):

@@ -2,7 +2,7 @@
 
 Called by ``routes.py`` and ``api_bridge.py``. The body's ``SamplingParams`` comes from its request
 model (``protocol.py``'s ``sampling_params()``) and travels in each request unchanged; the forks of
-``n``/``best_of`` choices and beam search are the front door's (``folio/core/frontdoor.py``), the same
+``n``/``best_of`` choices and beam search are the input processor's (``folio/core/input_processor.py``), the same
 that ``folio.LLM`` uses. Each prompt becomes one ``GenerateRequest``; its sequences are
 ``<id>-<index>``, ``index = prompt_index * n + i``. When seeded, choice ``i`` gets ``seed + i``
 (``SamplingParams.with_seed_offset``): the choices differ, the whole response is reproducible. With
@@ -16,7 +16,7 @@ import time
 
 import msgspec
 
-from folio.core.frontdoor import chat_message, generate_request
+from folio.core.input_processor import chat_message, generate_request
 from folio.core.structured.grammar import after_reasoning
 from folio.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from folio.services.gateway.structured import guided_spec, tool_mode

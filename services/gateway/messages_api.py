@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from folio.core.frontdoor import chat_message
+from folio.core.input_processor import chat_message
 from folio.services.gateway.api_bridge import chat_request, error_shaped, read_delta, reader_for, run_chat, \
     stream_events
 from folio.services.gateway.protocol import ApiError, PosInt, parse

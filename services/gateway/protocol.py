@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from folio.core.frontdoor import ChatMessageIn
+from folio.core.input_processor import ChatMessageIn
 from folio.shared.sampling import ParamError, SamplingParams
 
 MAX_N = 128  # choices per prompt: each is a sequence in the batch
@@ -219,7 +219,7 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True):
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeBody(msgspec.Struct, kw_only=True):
     """``/detokenize`` (vLLM's body)."""
 
     model: str | None = None
@@ -315,7 +315,7 @@ _TOKENIZE_CHAT_RULES: list[Rule] = [
     _TEXT_PARTS_ONLY,
 ]
 _RULES = {CompletionRequest: _COMMON_RULES + _COMPLETION_RULES, ChatCompletionRequest: _COMMON_RULES + _CHAT_RULES,
-          TokenizeCompletionRequest: [], TokenizeChatRequest: _TOKENIZE_CHAT_RULES, DetokenizeRequest: []}
+          TokenizeCompletionRequest: [], TokenizeChatRequest: _TOKENIZE_CHAT_RULES, DetokenizeBody: []}
 
 _PATH = re.compile(r"at `\$\.([^`]+)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")

@@ -25,7 +25,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from folio.core.frontdoor import best_of_order, chat_message
+from folio.core.input_processor import best_of_order, chat_message
 from folio.services.gateway import convert, responses
 from folio.services.gateway.chat_output import OutputReader, output_reader, request_reasoning_parser
 from folio.services.gateway.metrics import CONTENT_TYPE
@@ -33,7 +33,7 @@ from folio.services.gateway.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
+    DetokenizeBody,
     LoadLoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -204,7 +204,7 @@ async def _respond(request, mailbox, meta: ResponseMeta, req, stream_fn, respons
 
 
 def _best_of(deltas: dict, best_of: int, n: int, keep_logprobs: bool) -> dict:
-    """Of each prompt's ``best_of`` sequences, the ``n`` the front door's ``best_of_order`` keeps,
+    """Of each prompt's ``best_of`` sequences, the ``n`` the input processor's ``best_of_order`` keeps,
     re-indexed ``prompt_index * n + rank``."""
     chosen = {}
     for p_index in range(len(deltas) // best_of):
@@ -335,7 +335,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's ``/detokenize``: the text of token ids, special tokens included."""
     service = request.app[SERVICE]
-    req = parse(await request.read(), DetokenizeRequest)
+    req = parse(await request.read(), DetokenizeBody)
     await service.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     reply = _tokenizer_answer(await service.tokenize(messages.DetokenizeRequest(
         req_id=f"detok-{uuid.uuid4().hex}", token_ids=req.tokens)))

@@ -145,3 +145,29 @@ def test_checked_entry_points_raise_and_write_nothing():
         cpu_kernels.check(lib, lib.folio_decode_attention(ctypes.byref(rows), q.data_ptr(), 2, 4, ctypes.byref(kv),
                                                           0.25, 0, 0.0, out.data_ptr(), scratch.ctypes.data, 32, 1))
     assert not out.any()
+
+
+def test_the_sampler_refuses_rows_and_tokens_outside_its_tables():
+    lib = cpu_kernels.library()
+    if lib is None:
+        pytest.skip("no C compiler for the CPU kernels")
+    vocab, m = 64, 2
+    logits = torch.randn(m, vocab)
+    greedy = np.ones(3, dtype=np.bool_)
+    params = np.zeros((3, len(cpu_kernels.sampler_columns(lib))), dtype=np.float32)
+    seeds, positions = np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
+    out, scratch = torch.full((m,), -7, dtype=torch.int64), np.zeros(3 * vocab, dtype=np.float32)
+    rows = torch.tensor([0, 3])  # the tables hold 3 rows
+    with pytest.raises(IndexError, match="row 3"):
+        cpu_kernels.check(lib, lib.folio_sample(m, vocab, logits.data_ptr(), vocab, rows.data_ptr(), 3,
+                                                greedy.ctypes.data, params.ctypes.data, params.shape[1], None, None, 0,
+                                                None, vocab, seeds.ctypes.data, positions.ctypes.data, out.data_ptr(),
+                                                scratch.ctypes.data))
+    assert (out == -7).all()
+    counts, bias, rep = torch.zeros(3, vocab, dtype=torch.int32), torch.zeros(3, vocab), torch.ones(3, vocab)
+    ids, tokens, f = torch.tensor([1, 2]), torch.tensor([5, vocab]), torch.zeros(2)
+    with pytest.raises(IndexError, match="token 64"):
+        cpu_kernels.check(lib, lib.folio_record_penalties(2, vocab, 3, ids.data_ptr(), tokens.data_ptr(), f.data_ptr(),
+                                                          f.data_ptr(), f.data_ptr(), counts.data_ptr(), bias.data_ptr(),
+                                                          rep.data_ptr()))
+    assert not counts.any()

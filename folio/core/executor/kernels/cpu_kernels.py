@@ -122,11 +122,11 @@ FUNCTIONS = {
     "folio_stack_work_bytes": (_i64, [_S, _i64, _i64]),
     "folio_decode_stack": (_i64, [_S, _T]),
     "folio_sampler_columns": (ctypes.c_char_p, []),
-    "folio_sample": (None, [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr,
-                            _ptr, _ptr]),
-    "folio_record_penalties": (None, [_i64, _i64] + [_ptr] * 8),
-    "folio_philox_uniforms": (None, [_i64, _ptr, _ptr, _i64, _i64, _ptr]),
-    "folio_exp_nonpositive": (None, [_i64, _ptr, _ptr]),
+    "folio_sample": (_i64, [_i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
+                            _ptr, _ptr, _ptr]),
+    "folio_record_penalties": (_i64, [_i64, _i64, _i64] + [_ptr] * 8),
+    "folio_philox_uniforms": (_i64, [_i64, _ptr, _ptr, _i64, _i64, _ptr]),
+    "folio_exp_nonpositive": (_i64, [_i64, _ptr, _ptr]),
 }
 # internal to the library, not called from Python
 INTERNAL = ("folio_run_parallel", "folio_fail")
@@ -339,9 +339,10 @@ def sample(logits: torch.Tensor, greedy: np.ndarray, host_params: np.ndarray, bi
     out = torch.empty(m, dtype=torch.int64)
     pen_ld = _penalty_ld(bias, rep, logits)
     from_bias = int(bias is not None)
-    lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, flags.ctypes.data, params.ctypes.data,
-                     params.shape[1], _addr(bias), _addr(rep), from_bias, None, pen_ld,
-                     seeds.ctypes.data, positions.ctypes.data, out.data_ptr(), _scratch_for(vocab).ctypes.data)
+    check(lib, lib.folio_sample(m, vocab, logits.data_ptr(), logits.stride(0), None, m, flags.ctypes.data,
+                                params.ctypes.data, params.shape[1], _addr(bias), _addr(rep), from_bias, None, pen_ld,
+                                seeds.ctypes.data, positions.ctypes.data, out.data_ptr(),
+                                _scratch_for(vocab).ctypes.data))
     return out
 
 
@@ -349,8 +350,9 @@ def philox_uniforms(seeds: np.ndarray, positions: np.ndarray, first: int, count:
     """[n, count] float64: the kernel's draws ``first ..`` for each (seed, position), for the tests."""
     seeds, positions = _keys(seeds, positions, len(seeds))
     out = np.empty((len(seeds), count), dtype=np.float64)
-    library().folio_philox_uniforms(len(seeds), seeds.ctypes.data, positions.ctypes.data, first, count,
-                                    out.ctypes.data)
+    lib = library()
+    check(lib, lib.folio_philox_uniforms(len(seeds), seeds.ctypes.data, positions.ctypes.data, first, count,
+                                         out.ctypes.data))
     return out
 
 
@@ -398,9 +400,10 @@ class TableSampler:
         # the rep table is only written: a seen token's bias entry has a bit set (penalties.py)
         tables = (penalties.bias.data_ptr(), penalties.rep.data_ptr(), 1, penalties.counts.data_ptr()) \
             if penalties.allocated else (None, None, 0, None)
-        self._lib.folio_sample(m, self.vocab, logits.data_ptr(), logits.stride(0), rows.data_ptr(), self._pointers[0],
-                               self._pointers[1], params.shape[1], *tables, self.vocab,
-                               seeds.ctypes.data, positions.ctypes.data, out.data_ptr(), self._scratch_ptr)
+        check(self._lib, self._lib.folio_sample(m, self.vocab, logits.data_ptr(), logits.stride(0), rows.data_ptr(),
+                                                num_rows, self._pointers[0], self._pointers[1], params.shape[1],
+                                                *tables, self.vocab, seeds.ctypes.data, positions.ctypes.data,
+                                                out.data_ptr(), self._scratch_ptr))
         return out
 
 
@@ -416,7 +419,8 @@ def exp_nonpositive(x: np.ndarray) -> np.ndarray:
     """The kernel's exp (for x <= 0), elementwise: for the tests."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
-    library().folio_exp_nonpositive(x.size, x.ctypes.data, out.ctypes.data)
+    lib = library()
+    check(lib, lib.folio_exp_nonpositive(x.size, x.ctypes.data, out.ctypes.data))
     return out
 
 
@@ -438,5 +442,5 @@ def record_penalties(rows: torch.Tensor, token_ids: torch.Tensor, frequency: tor
     _check_rows(args[1].numpy(), vocab, "token id")
     for t in (bias, rep):
         _table_rows(t, vocab)
-    lib.folio_record_penalties(len(args[0]), counts.shape[1], *(_addr(t) for t in args), _addr(counts), _addr(bias),
-                               _addr(rep))
+    check(lib, lib.folio_record_penalties(len(args[0]), counts.shape[1], counts.shape[0], *(_addr(t) for t in args),
+                                          _addr(counts), _addr(bias), _addr(rep)))

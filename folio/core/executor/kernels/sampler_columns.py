@@ -20,8 +20,8 @@ NUM_PARAMS = len(COLUMNS)
 
 # the struct's fields that are no column, and what reads them
 NOT_COLUMNS = {
-    "n": "the request's choices (frontdoor.generate_request)",
-    "best_of": "the request's sequences and their ranking (frontdoor, the gateway, folio.outputs)",
+    "n": "the request's choices (input_processor.generate_request)",
+    "best_of": "the request's sequences and their ranking (input_processor, the gateway, folio.outputs)",
     "seed": "the seeds table: each row's Philox key (input_batch.seeds)",
     "max_tokens": "the scheduler (Request.max_tokens)",
     "stop": "the tokenizer's stop-string check",

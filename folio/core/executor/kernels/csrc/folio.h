@@ -180,16 +180,16 @@ enum { /* COL_temperature, COL_top_p, ...: a column's index in a row */
 
 /* the column names, comma-separated, in index order */
 const char *folio_sampler_columns(void);
-void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
-                  const uint8_t *greedy, const float *params, int64_t params_ld, float *bias,
-                  float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, const uint64_t *seeds,
-                  const int64_t *positions, int64_t *out, float *scratch);
-void folio_record_penalties(int64_t n, int64_t vocab, const int64_t *rows, const int64_t *tokens,
-                            const float *frequency, const float *presence, const float *repetition,
-                            int32_t *counts, float *bias, float *rep);
-void folio_philox_uniforms(int64_t n, const uint64_t *seeds, const int64_t *positions, int64_t first, int64_t count,
-                           double *out);
-void folio_exp_nonpositive(int64_t n, const float *x, float *out);
+int64_t folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
+                     int64_t num_rows, const uint8_t *greedy, const float *params, int64_t params_ld, float *bias,
+                     float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, const uint64_t *seeds,
+                     const int64_t *positions, int64_t *out, float *scratch);
+int64_t folio_record_penalties(int64_t n, int64_t vocab, int64_t num_rows, const int64_t *rows, const int64_t *tokens,
+                               const float *frequency, const float *presence, const float *repetition,
+                               int32_t *counts, float *bias, float *rep);
+int64_t folio_philox_uniforms(int64_t n, const uint64_t *seeds, const int64_t *positions, int64_t first,
+                              int64_t count, double *out);
+int64_t folio_exp_nonpositive(int64_t n, const float *x, float *out);
 
 /* ------------------------------------------------------------------------------ internal */
 /* the pool (pool.c): fn(arg) on the caller's thread and, with_pool, on the workers that join while

@@ -286,10 +286,20 @@ static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float 
  * int32: NULL, or the penalty state to record each drawn token into (as folio_record_penalties,
  * for the penalised rows). seeds [m] and positions [m]: each logits row's seed and output
  * position (its uniforms' key). out [m]; scratch: 2 * vocab + vocab / BLOCK + 1 floats */
-void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
-                  const uint8_t *greedy, const float *params, int64_t params_ld, float *bias,
-                  float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, const uint64_t *seeds,
-                  const int64_t *positions, int64_t *out, float *scratch) {
+int64_t folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
+                     int64_t num_rows, const uint8_t *greedy, const float *params, int64_t params_ld, float *bias,
+                     float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, const uint64_t *seeds,
+                     const int64_t *positions, int64_t *out, float *scratch) {
+    if (m < 0 || vocab <= 0 || ld < vocab || params_ld < FOLIO_NUM_COLUMNS || num_rows < (rows ? 0 : m) ||
+        (m > 0 && (logits == NULL || greedy == NULL || params == NULL || seeds == NULL || positions == NULL ||
+                   out == NULL || scratch == NULL)) ||
+        ((bias != NULL || rep != NULL || counts != NULL) && pen_ld < vocab))
+        return folio_fail(FOLIO_EINVAL, "sample: %lld rows of %lld (stride %lld), %lld parameters a row",
+                          (long long)m, (long long)vocab, (long long)ld, (long long)params_ld);
+    if (rows != NULL)
+        for (int64_t r = 0; r < m; r++)
+            if (rows[r] < 0 || rows[r] >= num_rows)
+                return folio_fail(FOLIO_ERANGE, "sample: row %lld of tables of %lld", (long long)rows[r], (long long)num_rows);
     float *w = scratch, *block_max = scratch + vocab, *tmp = scratch + vocab + vocab / BLOCK + 1;
     for (int64_t r = 0; r < m; r++) {
         const int64_t row = rows != NULL ? rows[r] : r;
@@ -307,25 +317,39 @@ void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, con
         if (counts != NULL && bias != NULL && rep != NULL && (has_rep || add_bias))
             record_one(row, token, pen_ld, frequency, presence, repetition, counts, bias, rep);
     }
+    return FOLIO_OK;
 }
 
 /* tokens just generated: counts[row, token] += 1, bias = -(frequency * count + presence),
  * rep = repetition (rows may repeat: a verification appends several tokens to one row) */
-void folio_record_penalties(int64_t n, int64_t vocab, const int64_t *rows, const int64_t *tokens,
-                            const float *frequency, const float *presence, const float *repetition,
-                            int32_t *counts, float *bias, float *rep) {
+int64_t folio_record_penalties(int64_t n, int64_t vocab, int64_t num_rows, const int64_t *rows, const int64_t *tokens,
+                               const float *frequency, const float *presence, const float *repetition,
+                               int32_t *counts, float *bias, float *rep) {
+    if (n < 0 || vocab <= 0 || (n > 0 && (rows == NULL || tokens == NULL || frequency == NULL || presence == NULL ||
+                                          repetition == NULL || counts == NULL || bias == NULL || rep == NULL)))
+        return folio_fail(FOLIO_EINVAL, "record_penalties: %lld tokens", (long long)n);
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= num_rows || tokens[i] < 0 || tokens[i] >= vocab)
+            return folio_fail(FOLIO_ERANGE, "record_penalties: row %lld of %lld, token %lld of %lld", (long long)rows[i],
+                              (long long)num_rows, (long long)tokens[i], (long long)vocab);
     for (int64_t i = 0; i < n; i++)
         record_one(rows[i], tokens[i], vocab, frequency[i], presence[i], repetition[i], counts, bias, rep);
+    return FOLIO_OK;
 }
 
 /* out[i, d] = draw first + d of (seeds[i], positions[i]), for i < n and d < count: for the tests */
-void folio_philox_uniforms(int64_t n, const uint64_t *seeds, const int64_t *positions, int64_t first, int64_t count,
-                           double *out) {
+int64_t folio_philox_uniforms(int64_t n, const uint64_t *seeds, const int64_t *positions, int64_t first,
+                              int64_t count, double *out) {
+    if (n < 0 || count < 0 || first < 0 || (n > 0 && (seeds == NULL || positions == NULL || out == NULL)))
+        return folio_fail(FOLIO_EINVAL, "philox_uniforms: %lld keys, %lld draws", (long long)n, (long long)count);
     for (int64_t i = 0; i < n; i++)
         for (int64_t d = 0; d < count; d++) out[i * count + d] = philox_uniform(seeds[i], positions[i], (uint32_t)(first + d));
+    return FOLIO_OK;
 }
 
 /* exp_nonpositive over n values, for the tests */
-void folio_exp_nonpositive(int64_t n, const float *x, float *out) {
+int64_t folio_exp_nonpositive(int64_t n, const float *x, float *out) {
+    if (n < 0 || (n > 0 && (x == NULL || out == NULL))) return folio_fail(FOLIO_EINVAL, "exp: %lld values", (long long)n);
     for (int64_t i = 0; i < n; i++) out[i] = exp_nonpositive(x[i]);
+    return FOLIO_OK;
 }

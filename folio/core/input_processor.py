@@ -1,4 +1,4 @@
-"""The front door: a request's ``SamplingParams`` (``shared/sampling.py``) and prompt become
+"""The input processor: a request's ``SamplingParams`` (``shared/sampling.py``) and prompt become
 the engine's ``GenerateRequest`` here, for the gateway's OpenAI routes and for ``folio.LLM`` alike
 (vLLM shares one input processor between its server and its offline API the same way).
 

@@ -1,5 +1,5 @@
 """One sampling type: the gateway's OpenAI bodies and ``folio.SamplingParams`` give the same struct
-(``shared/sampling.py``) and the same engine requests (``folio/core/frontdoor.py``), and the
+(``shared/sampling.py``) and the same engine requests (``folio/core/input_processor.py``), and the
 struct's rules refuse the same parameters at both doors."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from folio import SamplingParams
-from folio.core.frontdoor import best_of_order, chat_messages, generate_request
+from folio.core.input_processor import best_of_order, chat_messages, generate_request
 from folio.services.gateway import convert
 from folio.services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from folio.shared.sampling import RULES, ParamError
