@@ -250,15 +250,29 @@ def bench_gguf(shape: str, qtype: str, log=sys.stderr) -> Path:
         if source is not None:
             quantize(binary, source, partial, qtype, log=log)
         elif shape == "smollm2":
-            from folio.core.models import prepare_default_model
-
-            convert_hf_to_gguf(prepare_default_model(quiet=True), partial, outtype="bf16", log=log)
+            with tempfile.TemporaryDirectory(prefix="folio-smollm2-", dir=target.parent) as tmp:
+                convert_hf_to_gguf(smollm2_checkpoint(Path(tmp)), partial, outtype="bf16", log=log)
         else:
             with tempfile.TemporaryDirectory(prefix="folio-llama-shape-", dir=target.parent) as tmp:
                 folder = write_llama_checkpoint(Path(tmp) / "hf", LLAMA_SHAPES[shape])
                 convert_hf_to_gguf(folder, partial, outtype="bf16", log=log)
         partial.replace(target)
     return target
+
+
+def smollm2_checkpoint(folder: Path) -> Path:
+    """The prepared SmolLM2 folder as llama.cpp's converter reads it: its files linked into
+    ``folder``, its config naming the architecture (a config rebuilt from a GGUF names none)."""
+    from folio.core.models import prepare_default_model
+
+    source = prepare_default_model(quiet=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((source / "config.json").read_text())
+    config.setdefault("architectures", ["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
 
 
 def llama_1b_gguf(qtype: str = "Q4_1", log=sys.stderr) -> Path:
