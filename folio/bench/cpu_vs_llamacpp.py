@@ -241,6 +241,9 @@ MEASURES = [
     ("top-1 agreement", "%", lambda t: 100 * t.quality["top1"] if t.quality else None, True, 2),
     ("BF16 floor KLD", "", lambda t: t.floor["kld"] if t.floor else None, False, -1),
 ]
+# the runs behind the figures, printed as notes: (measure, Tally attribute, unit, decimals)
+RUNS = [("single stream", "single", "tok/s", 1), ("mixed", "mixed", "tok/s", 1),
+        ("time to first token", "ttft_s", "s", 3), ("seconds to healthy", "healthy_s", "s", 2)]
 
 
 def fmt(value: float, decimals: int) -> str:
@@ -291,6 +294,10 @@ def report(name: str, gguf: Path, tallies: dict[str, Tally], args, ctx: dict, ot
     for t in tallies.values():
         for note in t.notes:
             print(f"- {name} {note}")
+    for measure, attribute, unit, decimals in RUNS:
+        for label, t in tallies.items():
+            print(f"- {name} {measure}, each run in order, {label}: "
+                  f"{', '.join(fmt(v, decimals) for v in getattr(t, attribute))} {unit}")
     table(name, tallies, rows, args)
 
 
