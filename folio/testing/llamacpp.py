@@ -49,6 +49,7 @@ class Peer:
     binaries: tuple[str, ...]  # what build_peer builds
     cmake_flags: tuple[str, ...]
     on_path: bool  # whether a binary on the PATH counts as this peer's
+    missing_files: tuple[tuple[str, str], ...] = ()  # (path in the sources, text): what the sdist left out
 
     @property
     def pin(self) -> str:
@@ -61,13 +62,18 @@ LLAMA_CPP = Peer(
     "llama.cpp", "llama-cpp-python==0.3.36", "vendor/llama.cpp", "FOLIO_LLAMA_",
     ("llama-server", "llama-quantize", "llama-perplexity"),
     _COMMON_FLAGS + ("-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_OPENSSL=OFF"), on_path=True)
+# the script that writes build-info.cpp (the build's commit and compiler, printed at start), which
+# ik-llama-cpp-python's sdist leaves out; as upstream's, run from the source root
+_BUILD_INFO_GEN = """include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info.cmake)
+configure_file(${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp.in ${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp)
+"""
 # its server and perplexity tool are examples there; the flash-attention kernels for quantized KV
 # caches (every K/V type pair, most of the build's time) are left out: every run here keeps f16 KV
 IK_LLAMA_CPP = Peer(
     "ik_llama.cpp", "ik-llama-cpp-python==0.1.5", "vendor/ik_llama.cpp", "FOLIO_IK_LLAMA_",
     ("llama-server", "llama-perplexity"),
     _COMMON_FLAGS + ("-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_SERVER_SSL=OFF", "-DGGML_IQK_FA_ALL_QUANTS=OFF"),
-    on_path=False)
+    on_path=False, missing_files=(("common/cmake/build-info-gen-cpp.cmake", _BUILD_INFO_GEN),))
 PEERS = {p.name: p for p in (LLAMA_CPP, IK_LLAMA_CPP)}
 LLAMA_CPP_PYTHON = LLAMA_CPP.requirement  # the pin the GGUF writers key their files by
 BINARIES = LLAMA_CPP.binaries
@@ -208,6 +214,10 @@ def build_peer(peer: Peer, targets: tuple[str, ...] | None = None, jobs: int = 2
     source = peer_source(peer, log)
     build = _root(peer) / f"build-{peer.pin}"
     with _locked("build", peer):
+        for relative, text in peer.missing_files:
+            if not (source / relative).is_file():
+                (source / relative).parent.mkdir(parents=True, exist_ok=True)
+                (source / relative).write_text(text)
         if not (build / "CMakeCache.txt").is_file():
             subprocess.run(["cmake", "-S", str(source), "-B", str(build), *peer.cmake_flags],
                            check=True, stdout=log, stderr=log)
