@@ -6,8 +6,8 @@ The files (``folio.testing.gguf_models.bench_gguf``, made once and cached): Smol
 prepared folder converted to BF16 by llama.cpp's converter, then quantized by its quantizer; its
 Q4_1 is the packaged file) and Llama-3.2-1B's and -3B's dimensions with random weights. The peers
 are built natively from their sdists (``folio.testing.llamacpp``). One server runs at a time, in
-rounds that alternate the engines: round 0 starts each cold (the file dropped from the page
-cache; for folio, its prepared-model cache emptied), later rounds warm. Each server gets the same
+rounds that alternate the engines: the first round starts each cold (the file dropped from the
+page cache; for folio, its prepared-model cache emptied), later rounds warm. Each server gets the same
 slots and context per slot, ``-t``/``OMP_NUM_THREADS`` threads, and runs single streams, prompts
 of ``--prompt-tokens`` token ids for the time to first token, and the mixed workload; its memory is
 sampled over the whole run. docs/benchmarks.md describes every measure and flag.
@@ -69,7 +69,6 @@ class Tally:
     """One configuration's figures on one file."""
 
     healthy_s: list[float] = field(default_factory=list)  # by round
-    cached: list[float] = field(default_factory=list)  # the file's share in the page cache at each start
     single: list[float] = field(default_factory=list)
     mixed: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
@@ -122,7 +121,6 @@ def run_session(config: Config, gguf: Path, cold: bool, args, ctx: dict, tally: 
         if config.engine == "folio":
             ctx["folio_cache"].empty()
     share = pr.page_cache_share(gguf)
-    tally.cached.append(share)
     port = pr.free_port()
     argv, model = server_argv(config, gguf, port, args, ctx["binaries"])
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **ctx["folio_cache"].env())
@@ -171,9 +169,8 @@ def quality(shape: str, gguf: Path, args, ctx: dict, tallies: dict[str, Tally]) 
     from folio.testing.llamacpp import LLAMA_CPP
 
     bf16 = bench_gguf(shape, "BF16")
-    text = ctx["root"] / "quality" / f"gate-{args.quality_tokens}.txt"
+    text = ctx["workdir"].parent / "gate.txt"  # once a run: eval_quant keeps the samples it decodes
     if not text.is_file():
-        text.parent.mkdir(parents=True, exist_ok=True)
         pq.write_gate_text(text, args.quality_tokens, dict(os.environ))
     key = hashlib.sha256(f"{bf16.name} {text.read_text()} {args.quality_ctx} {LLAMA_CPP.pin}".encode()).hexdigest()
     reference = ctx["root"] / "quality" / f"reference-{shape}-{key[:16]}.dat"
@@ -225,10 +222,10 @@ def bench_file(shape: str, qtype: str, args, ctx: dict) -> dict[str, Tally]:
             run_session(config, gguf, r == 0, args, ctx, tallies[config.label], mine)
     others = ctx["meter"].share()[1]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **ctx["folio_cache"].env())
-    ctx["in_process"] = in_process(gguf, args.tokens, args.runs, env)
+    folio_in_process = in_process(gguf, args.tokens, args.runs, env)
     if args.quality_tokens > 0:
         quality(shape, gguf, args, ctx, tallies)
-    report(f"{shape} {qtype}", gguf, tallies, args, ctx, others)
+    report(f"{shape} {qtype}", gguf, tallies, args, (ctx["bandwidth"], folio_in_process, others))
     return tallies
 
 
@@ -275,9 +272,12 @@ def compare(values: dict[str, float], higher: bool) -> tuple[str, float] | None:
     return best, folio / peer if higher else peer / folio
 
 
-def report(name: str, gguf: Path, tallies: dict[str, Tally], args, ctx: dict, others: float) -> None:
+def report(name: str, gguf: Path, tallies: dict[str, Tally], args, machine: tuple[float, float, float]) -> None:
+    """Every figure of one file; ``machine``: (the bandwidth in GB/s, folio's in-process tokens a
+    second, the share of the CPU other processes took)."""
+    bandwidth, folio_in_process, others = machine
     per_token = weight_bytes_per_token(str(gguf))
-    roof = ctx["bandwidth"] * 1e9 / per_token
+    roof = bandwidth * 1e9 / per_token
     print(f"{name} file size: {gguf.stat().st_size / 1e6:.1f} MB")
     print(f"{name} weight bytes per token: {per_token / 1e6:.1f} MB")
     print(f"{name} roofline: {roof:.1f} tok/s")
@@ -296,10 +296,10 @@ def report(name: str, gguf: Path, tallies: dict[str, Tally], args, ctx: dict, ot
         rows.append((m, values, verdict))
     folio = tallies["folio"]
     served = max(folio.single, default=0.0)
-    print(f"{name} folio in-process single stream: {ctx['in_process']:.1f} tok/s")
+    print(f"{name} folio in-process single stream: {folio_in_process:.1f} tok/s")
     if served:
-        print(f"{name} folio served / in-process: {served / ctx['in_process']:.2f} x")
-    print(f"{name} folio in-process roofline share: {100 * ctx['in_process'] / roof:.1f} %")
+        print(f"{name} folio served / in-process: {served / folio_in_process:.2f} x")
+    print(f"{name} folio in-process roofline share: {100 * folio_in_process / roof:.1f} %")
     peers = [max(t.single) for label, t in tallies.items() if label != "folio" and t.single]
     if peers:
         print(f"{name} best peer served roofline share: {100 * max(peers) / roof:.1f} %")
@@ -427,10 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory bandwidth: {ctx['bandwidth']:.1f} GB/s")
     print(f"- peers: {', '.join(c.label for c in ctx['configs'] if c.engine != 'folio')}; "
           f"{args.concurrency} slots of {args.ctx_per_slot} tokens each; ik_llama.cpp always with {args.ik_flags!r}")
-    for shape in args.shapes:
-        for qtype in args.types_of[shape]:
-            with tempfile.TemporaryDirectory(prefix="folio-vs-peers-", dir=root) as workdir:
-                ctx["workdir"] = Path(workdir)
+    with tempfile.TemporaryDirectory(prefix="folio-vs-peers-", dir=root) as run_dir:  # logs, text, dumps
+        for shape in args.shapes:
+            for qtype in args.types_of[shape]:
+                ctx["workdir"] = Path(run_dir) / f"{shape}-{qtype}"
+                ctx["workdir"].mkdir()
                 bench_file(shape, qtype, args, ctx)
     return 0
 
