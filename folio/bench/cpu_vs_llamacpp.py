@@ -175,6 +175,7 @@ def quality(shape: str, gguf: Path, args, ctx: dict, tallies: dict[str, Tally]) 
     key = hashlib.sha256(f"{bf16.name} {text.read_text()} {args.quality_ctx} {LLAMA_CPP.pin}".encode()).hexdigest()
     reference = ctx["root"] / "quality" / f"reference-{shape}-{key[:16]}.dat"
     if not reference.is_file():
+        reference.parent.mkdir(parents=True, exist_ok=True)
         partial = reference.with_suffix(".partial")
         pq.perplexity_dump(ctx["binaries"]["llama.cpp"]["llama-perplexity"], bf16, text, partial, args.quality_ctx,
                            args.threads, log=ctx["workdir"] / "reference.log")

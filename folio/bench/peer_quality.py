@@ -107,7 +107,7 @@ def perplexity_dump(binary: str, model: str | Path, text: Path, out: Path, n_ctx
     command = [binary, "-m", str(model), "-f", str(text), "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads),
                "--kl-divergence-base", str(out), *extra]
     with open(log or out.with_suffix(".log"), "w") as f:
-        result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
+        result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=out.parent)  # its llama.log too
     if result.returncode != 0 or not out.is_file():
         text_log = Path(log or out.with_suffix(".log")).read_text()[-3000:]
         raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{text_log}")

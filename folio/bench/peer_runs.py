@@ -73,13 +73,14 @@ class MemorySampler(threading.Thread):
 
 
 class Server:
-    """``command`` started in its own session, logging to ``log``, its memory sampled from the start."""
+    """``command`` started in its own session in ``log``'s folder (ik_llama.cpp writes a ``llama.log``
+    where it runs), logging to ``log``, its memory sampled from the start."""
 
     def __init__(self, name: str, command: list[str], port: int, env: dict, log: Path):
         self.name, self.port, self.log = name, port, log
         self.started = time.perf_counter()
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent,
                                          start_new_session=True)
         self.memory = MemorySampler(self.proc.pid)
         self.memory.start()
