@@ -22,8 +22,9 @@ import msgspec
 
 from folio.core.engine import EngineCore, LLMEngine
 from folio.outputs import RequestBuilder, RequestOutput
-from folio.core.frontdoor import SamplingParams, chat_messages
+from folio.core.frontdoor import chat_messages, generate_request
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
+from folio.shared.sampling import SamplingParams
 
 # engine arguments: the config fields ``folio serve``'s flags set, by the flag's name with underscores
 _RUNTIME_ARGS = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"model"}
@@ -63,7 +64,7 @@ class LLM:
     ``speculative_config={"method": "suffix"}`` (a dict or its JSON) drafts tokens to verify."""
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
-        from folio.core.models import resolve_model
+        from folio.core.model_files import resolve_model
         from folio.core.executor.runtime.runner import ModelRunner
         from folio.core.tokenizer.text import TextTokenizer
 
@@ -151,7 +152,7 @@ class LLM:
         builders: list[RequestBuilder] = []
         for i, (fields, sp) in enumerate(zip(prompts, params)):
             request_id = str(next(self._ids))
-            req = msgspec.structs.replace(sp.to_generate_request(request_id, **fields), arrival_time=time.time())
+            req = msgspec.structs.replace(generate_request(sp, request_id, **fields), arrival_time=time.time())
             try:
                 prompt_token_ids, prompt_text, refusals = self.engine.add_request(req)
             except RequestError as exc:

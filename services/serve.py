@@ -2,19 +2,10 @@
 
 The model is resolved (prepared if needed) once, here, and every service gets its folder. Each
 child runs ``folio run NAME`` with the flags that concern it; the sockets live in one run folder
-(``--run-dir``; default ``$FOLIO_RUN_DIR``, else one folder per port, /tmp/folio-PORT), claimed
+(``--run-dir``; default ``$FOLIO_RUN_DIR``, else one folder per port, $TMPDIR/folio-PORT), claimed
 with a lock held for the server's life, so two servers can never share sockets.
 
-``supervise.Supervisor`` restarts a child that dies (with backoff, at most ``--max-restarts`` a
-minute per service; past that everything stops with a message); ``--no-restart`` stops everything
-at the first death instead. Ctrl-C or SIGTERM stops them all: the gateway first, which drains its
-streams, then the rest. Children are in their own process group (a Ctrl-C reaches only us) and get
-SIGTERM if we vanish.
-
-Once ``/health`` answers 200 it logs the start-up time, each service's time to answer and the
-executor's phases (imports, weights, pool, kernels, graphs; ``folio.shared.startup``) in one line.
-The services start together: none waits for another to start (the scheduler waits for the pool
-inside its own process).
+More in docs/modules.md (services/serve.py).
 """
 
 from __future__ import annotations
@@ -29,12 +20,12 @@ import threading
 import time
 from pathlib import Path
 
-from folio.shared.config import LAUNCHED, Endpoints, default_run_dir
+from folio.shared.config import LAUNCHED, Endpoints, default_run_dir, make_run_dir
 from folio.shared.flags import add_launcher_flags, forwarded_argv
-from folio.shared.loops import admin_call
+from folio.shared.transport import admin_call
 
 SERVICES = LAUNCHED  # start order
-EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.shared.startup``'s
+EXECUTOR_PHASES = ("imports", "weights", "pool", "kernels", "graphs")  # ``folio.core.executor.startup``'s
 LOCK_NAME = "serve.lock"
 _PR_SET_PDEATHSIG = 1
 
@@ -43,7 +34,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Every flag of the five services (declared on the config fields), and the launcher's own."""
     add_launcher_flags(parser)
     parser.add_argument("--run-dir", default=None,
-                        help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR, else /tmp/folio-PORT)")
+                        help="folder for the ipc:// sockets (default $FOLIO_RUN_DIR, else $TMPDIR/folio-PORT)")
     parser.add_argument("--kv-events-port", type=int, default=None,
                         help="publish the KV events over tcp on --host:PORT (for a router; default: ipc only)")
     parser.add_argument("--kv-snapshot-port", type=int, default=None,
@@ -105,9 +96,9 @@ def _die_with_parent() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.services.supervise import Supervisor
-    from folio.shared.speculative import speculative_refusal
+    from folio.core.executor.runtime.spec_config import speculative_refusal
 
     if args.lora_modules and not args.enable_lora:
         print("folio: --lora-modules needs --enable-lora", file=sys.stderr)
@@ -162,11 +153,7 @@ def claim_run_dir(run_dir: Path) -> int | None:
     """Lock ``run_dir`` for this server's life (the kernel drops the lock when we die, however we
     die); None, with a message, when another server holds it. Atomic: of two servers started at
     the same instant on one folder exactly one gets it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:  # whoever can open an ipc socket can speak to the service: the folder is ours alone
-        os.chmod(run_dir, 0o700)
-    except PermissionError:
-        pass  # another user's folder: the lock below says who holds it
+    make_run_dir(run_dir)  # (another user's folder: the lock below says who holds it)
     fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -11,6 +11,7 @@ filled by name in the other.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -88,7 +89,7 @@ def default_keys_dir() -> Path:
 @dataclass(frozen=True)
 class PlaneConfig:
     """The internal plane: every service takes the key folder its tcp sockets authenticate with
-    (``shared/plane.py``; read once per process, not carried in the service's config)."""
+    (``shared/curve.py``; read once per process, not carried in the service's config)."""
 
     keys_dir: str | None = flag(None, "the stack's key folder (`folio keys init DIR`; or $FOLIO_KEYS_DIR): every "
                                 "tcp socket speaks CURVE with its keys; needed with tcp endpoints", ALL_SERVICES,
@@ -117,16 +118,6 @@ def cache_dir() -> Path:
     return Path(base) / "folio"
 
 
-def c_compiler() -> str | None:
-    """The C compiler for the executor's CPU kernels: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
-    import shutil
-
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What the executor's model runtime needs to start. ``max_num_seqs`` and
@@ -143,6 +134,9 @@ class RuntimeConfig:
     cpu_quant_activations: str = flag("int8", "CPU int4/int8 weights: int8 quantizes each row's activations per "
                                       "block of 32 for folio's integer kernels (llama.cpp's way, the fast one); "
                                       "bf16 feeds torch's packed kernels", ("executor",), choices=("int8", "bf16"))
+    cpu_activation_passes: int = flag(2, "int8 activations: passes per block of 32: 2 (the value, then its rounding "
+                                      "error: about 15 bits) or 1 (llama.cpp's precision: half the integer work, "
+                                      "which steps of many rows are bound by)", ("executor",), choices=(1, 2))
     kv_cache_dtype: str = flag("auto", "KV pool elements: auto = --dtype; fp8 = e4m3 with per-layer K/V scales "
                                "calibrated at start (twice the blocks of bf16 for the same bytes)", ("executor",),
                                choices=("auto", "fp8"))
@@ -182,7 +176,7 @@ class RuntimeConfig:
                                           "|\"draft_model\", \"num_speculative_tokens\": K, \"model\": DIR, ...} "
                                           "(keys: docs/speculative.md; default: off)", ("executor", "scheduler"),
                                           metavar="JSON")
-    # the older spelling, kept as aliases of --speculative-config (shared/speculative.py maps them)
+    # the older spelling, kept as aliases of --speculative-config (runtime/spec_config.py maps them)
     speculative_model: str | None = flag(None, "speculative decoding: a draft model folder sharing the vocabulary, "
                                          "'ngram' (prompt lookup) or 'suffix'; default: off", ("executor", "scheduler"))
     num_speculative_tokens: int = flag(0, "draft tokens proposed per step", ("executor",))
@@ -270,16 +264,16 @@ class Endpoints:
         raise KeyError(f"{address} is none of this stack's endpoints")
 
     @staticmethod
-    def from_env() -> "Endpoints":
+    def from_env(port: int = DEFAULT_PORT) -> "Endpoints":
         """``FOLIO_ENDPOINTS=tcp`` (compose; ``FOLIO_TCP_HOST``: every service on that host) or
-        ``FOLIO_RUN_DIR`` (ipc, default: the folder of a server on port 8000); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
+        ``FOLIO_RUN_DIR`` (ipc, default: the run folder of a server on HTTP ``port``); ``FOLIO_KV_EVENTS_ENDPOINT`` / ``FOLIO_KV_SNAPSHOT_ENDPOINT`` move the
         KV event stream and its snapshot socket elsewhere (``folio serve --kv-events-port``: tcp for
         a router)."""
         if os.environ.get("FOLIO_ENDPOINTS", "ipc") == "tcp":
             endpoints = Endpoints.tcp(int(os.environ.get("FOLIO_BASE_PORT", "5550")),
                                       os.environ.get("FOLIO_TCP_HOST") or None)
         else:
-            endpoints = Endpoints.ipc(default_run_dir(DEFAULT_PORT))
+            endpoints = Endpoints.ipc(default_run_dir(port))
         moved = {name: os.environ.get(var) for name, var in (("kv_events", "FOLIO_KV_EVENTS_ENDPOINT"),
                                                              ("kv_snapshot", "FOLIO_KV_SNAPSHOT_ENDPOINT"))}
         return replace(endpoints, **{name: value for name, value in moved.items() if value})
@@ -458,6 +452,25 @@ class RouterConfig:
 
 def default_run_dir(port: int) -> Path:
     """Where ``folio serve --port PORT`` puts its ``ipc://`` sockets unless told: ``$FOLIO_RUN_DIR``,
-    else a folder of its own per port, so that servers on two ports run side by side."""
+    else a folder of its own per port under ``$TMPDIR`` (default /tmp), so that servers on two ports
+    run side by side."""
     explicit = os.environ.get("FOLIO_RUN_DIR")
-    return Path(explicit) if explicit else Path(f"/tmp/folio-{port}")
+    return Path(explicit) if explicit else Path(tempfile.gettempdir()) / f"folio-{port}"
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """Make ``run_dir`` if it is missing, 0700 either way: whoever can open an ipc socket can speak
+    to its service, so the folder is its user's alone (another user's folder is left as it is)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.chmod(run_dir, 0o700)
+    except PermissionError:
+        pass
+    return run_dir
+
+
+def ipc_folders(endpoints: Endpoints) -> set[Path]:
+    """The folders that ``endpoints``' ``ipc://`` sockets live in (none for a tcp layout)."""
+    return {Path(address.removeprefix("ipc://")).parent for address in vars(endpoints).values()
+            if address.startswith("ipc://")}

@@ -1,30 +1,6 @@
 """The stack's keys: CURVE key pairs for every tcp socket, and the secret that signs KV transfer handles.
 
-One folder per stack (``folio keys init DIR``; ``--keys-dir`` or ``$FOLIO_KEYS_DIR``; in Kubernetes a
-Secret per service, in compose a volume per service, each filled with ``folio keys split``):
-
-- ``services/NAME.key_secret`` / ``services/NAME.key``: one server key pair per service (gateway,
-  tokenizer, scheduler, kvmanager, executor, router; ZeroMQ's certificate format, ``zmq.auth``). A
-  bound tcp socket serves with its own service's secret; a connecting socket checks the public key
-  of the service that binds the address, so one service's secret opens only that service's sockets;
-- ``client.key_secret`` / ``client.key``: the key pair every connecting socket presents;
-- ``clients/*.key``: the public keys a bound socket lets in (``client.key`` is copied there; a
-  deployment adds more, one file a peer);
-- ``handle.secret``: 32 random bytes (hex), the HMAC key of signed transfer handles (``sign``/``verify``:
-  the router signs, the gateway verifies);
-- ``peers/NAME.key_secret`` / ``peers/NAME.key`` (``folio keys init DIR --peer NAME``): a client key
-  pair of its own for one instance (a decode instance: a KV transfer is served only to the key its
-  handle names), its public key also in ``clients/NAME.key``. A process presents it instead of
-  ``client.key`` with ``FOLIO_PEER_KEY=NAME``.
-
-``init_keys`` keeps whatever is already there (a compose one-shot runs it on every ``up``; a folder
-made before the per-service pairs gets them on its next init, and its old ``server.key_secret`` is
-no longer read), writes each missing file under a temporary name and links it into place, so two
-starts racing on one folder never leave half a key. ``split_keys`` writes the reduced folder one
-service's process needs: its own secret, every service's public key, the client secret, ``clients/``,
-``handle.secret`` for the gateway and the router only. A public key is derived from its secret
-whenever the secret is there; another service's public key is read from ``services/NAME.key``.
-``shared/transport.py`` reads the folder (``load_keys``); ``folio serve`` on one host makes one itself.
+More in docs/modules.md (shared/keys.py).
 """
 
 from __future__ import annotations

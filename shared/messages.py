@@ -3,7 +3,9 @@
 Each type is a ``msgspec.Struct`` with a type tag, encoded as msgpack; no pickle ever crosses a
 socket, and no tensor either: only token ids, block ids and small per-step metadata. Decoding
 validates the shape, so a malformed message raises ``msgspec.ValidationError`` (or
-``msgspec.DecodeError``) that the receiving service logs and drops.
+``msgspec.DecodeError``) that the receiving service logs and drops. A request's sampling
+parameters are one struct of their own, ``shared/sampling.py``'s ``SamplingParams``, carried as
+it was built from the gateway to the executor.
 
 The types made per request per step (deltas, plan entries, allocator ops, logprobs, KV events) are
 ``gc=False``: out of the cyclic collector's counts and walks (none of them can be part of a
@@ -30,54 +32,17 @@ from __future__ import annotations
 
 import msgspec
 
+from folio.shared.sampling import SamplingParams
+
 
 class Grammar(msgspec.Struct, frozen=True, kw_only=True):
     """A structured-output spec the tokenizer checked (``folio/core/structured/grammar.py``); the executor
-    compiles it against the vocabulary once per ``key`` (a hash of kind and spec)."""
+    compiles it against the vocabulary once per ``key`` (a hash of kind and spec). It rides beside a
+    request's ``SamplingParams`` (``EngineRequest.grammar``, ``NewRequestData.grammar``)."""
 
     key: str
     kind: str  # json_schema, json_object, regex, choice, grammar
     spec: str  # the schema as JSON text, the regex, the choices as a JSON list, the EBNF
-
-
-class WireSampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """How one request picks its next tokens, as the engine reads it. Defaults are OpenAI's.
-
-    Users set ``folio.core.frontdoor.SamplingParams`` (vLLM's names and defaults, checked), whose
-    ``engine_sampling`` builds this, copying the fields both name; ``grammar`` is set by the
-    tokenizer once it checked the request's spec."""
-
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int | None = None  # None: no top-k cut
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-n logprobs of each sampled token (0: the token's own only)
-    prompt_logprobs: int | None = None  # the same for prompt tokens
-    # structured output: every sampled token must keep the output inside this grammar
-    grammar: Grammar | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    def with_seed_offset(self, offset: int) -> "WireSampling":
-        """The params of choice ``offset`` of a seeded request with several choices: ``seed +
-        offset`` (stepping down where that would leave the int64 range), so that choices differ
-        yet each is reproducible."""
-        if self.seed is None or offset == 0:
-            return self
-        seed = self.seed + offset if self.seed + offset < 2**63 else self.seed - offset
-        return msgspec.structs.replace(self, seed=seed)
-
-
-_GREEDY_EPS = 1e-5
 
 
 class TokenLogprobs(msgspec.Struct, gc=False, frozen=True, array_like=True):
@@ -96,8 +61,9 @@ class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     req_id: str
     token_ids: list[int]  # prompt, then any output already generated
     num_prompt_tokens: int
-    sampling: WireSampling
+    sampling: SamplingParams  # as the gateway (or folio.LLM) built it
     block_ids: list[int]
+    grammar: Grammar | None = None  # structured output: every sampled token keeps the output inside it
     num_computed_tokens: int = 0
     # False for beams: the scheduler picks each beam's next token and sends it (``new_token_ids``)
     append_sampled: bool = True
@@ -197,6 +163,9 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
     # tracing on: the executor's wall-clock start and end of the step (ns), for the scheduler's spans
     # of its prefill chunks and decodes; empty when tracing is off
     exec_ns: list[int] = []
+    # the executor refused the plan (``InvalidPlan``) or the step failed: why. The step produced
+    # nothing, and the scheduler ends every request it scheduled with this reason
+    error: str = ""
 
     @staticmethod
     def flat(sampled: list[list[int]]) -> dict:
@@ -217,15 +186,6 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
 
 
 # --------------------------------------------------------------------------- request pipeline
-
-
-class BeamSearchParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Beam search (``use_beam_search``): ``width`` beams, the best of which come back as the
-    request's choices; ``length_penalty`` and ``early_stopping`` as transformers defines them."""
-
-    width: int
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False  # True, False or "never"
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -289,24 +249,20 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     """
 
     req_id: str
-    sampling: WireSampling
+    sampling: SamplingParams  # stop strings included; it travels on unchanged
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    # no max_tokens in the HTTP request: the tokenizer gives it all the context the prompt leaves
-    fill_max_tokens: bool = False
-    stop: list[str] = []
     echo: bool = False  # also return the prompt text (completions only)
     stream: bool = False
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: str | None = None  # passed on to EngineRequest
     # more choices of the same prompt (their req_ids): the scheduler forks them from this one
-    # after the prompt is computed, or, with ``beam_search``, they receive the best beams
+    # after the prompt is computed, or, with ``sampling.use_beam_search``, they receive the best beams
     fork_req_ids: list[str] = []
-    beam_search: BeamSearchParams | None = None
-    # structured output: the tokenizer compiles it (cached by hash) into ``sampling.grammar``
+    # structured output: the tokenizer checks it (cached by hash) into ``EngineRequest.grammar``
     guided: GuidedSpec | None = None
     tools: list[dict] | None = None  # OpenAI tool definitions, rendered by the chat template
     chat_template_kwargs: dict | None = None  # extra template variables (Qwen3's enable_thinking)
@@ -328,22 +284,22 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling: WireSampling
+    sampling: SamplingParams
     eos_token_id: int | None = None
     priority: int = 0
     arrival_time: float = 0.0
     # keeps tenants' prefix caches apart: blocks are only shared between requests with equal salts
     cache_salt: str | None = None
     # more choices of this prompt: choice i (1-based) gets ``sampling.with_seed_offset(i)`` and
-    # shares the prompt's blocks (forked once the prompt is computed); with ``beam_search`` the
-    # choices are the best beams, best first
+    # shares the prompt's blocks (forked once the prompt is computed); with
+    # ``sampling.use_beam_search`` the choices are the best of ``sampling.num_sequences`` beams, best first
     fork_req_ids: list[str] = []
-    beam_search: BeamSearchParams | None = None
     lora_name: str | None = None  # the LoRA adapter; None: the base model
     traceparent: str | None = None  # tracing on: the gateway's request span, the parent of the later stages'
     # a continuation: output tokens placed as already generated (``GenerateRequest.forced_token_ids``)
     forced_token_ids: list[int] = []
     kv_transfer: dict | None = None  # pull the prompt's KV from there (``GenerateRequest.kv_transfer``)
+    grammar: Grammar | None = None  # structured output: the checked spec of ``GenerateRequest.guided``
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):

@@ -5,25 +5,7 @@
 batch processor posts the spans as OTLP/HTTP protobuf to ``URL/v1/traces`` (the OTLP HTTP
 exporter's path) from a thread of its own, so a slow collector never holds a request up.
 
-One trace per request. The gateway's ``gateway.request`` span is its root, or the child of the
-client's span when the request carries a W3C ``traceparent`` header; its context travels in the
-existing messages (``GenerateRequest.traceparent``, ``EngineRequest.traceparent``), never in a
-message of its own, and every later stage is its child:
-
-- ``tokenizer.encode``: the prompt's tokenization (prompt tokens);
-- ``scheduler.queue``: from the scheduler's receipt to the first step that schedules the request;
-- ``executor.prefill_chunk``: one per prefill chunk, over the executor's time for that step (tokens,
-  the chunk's start, cached tokens); ``executor.decode``: one summary of the request's decode steps
-  (their count, tokens, preemptions), from the first decode step's start to the last one's end.
-  The scheduler records these two (it knows chunks and decodes) with the executor's own clock:
-  each ``StepResult`` carries the step's start and end (``exec_ns``) while tracing is on;
-- ``tokenizer.detokenize``: from the first tokens to the last (tokens);
-- ``gateway.stream``: from the first output written to the client to the end of the response.
-A router in front adds ``router.forward`` (the replica chosen, the attempt) as a child of its own
-``router.request`` and passes the replica its context in the ``traceparent`` header.
-
-With tracing off nothing is imported from OpenTelemetry and each service's per-step path tests one
-attribute (``tracing is None``) and allocates nothing.
+More in docs/modules.md (shared/tracing.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every service builds its sockets here (``make_socket``) on a ``zmq.asyncio.Conte
 and receives messages of ``folio.shared.messages`` with ``encode``/``Decoder``. Who binds what is fixed
 by the pattern: a PULL that many push into binds; a ROUTER binds; a PUB binds; the rest connect.
 
-Every ``tcp://`` socket speaks CURVE (``shared/plane.py``): a bound one serves with its service's
+Every ``tcp://`` socket speaks CURVE (``shared/curve.py``): a bound one serves with its service's
 server key and lets in only the stack's client keys, a connecting one presents the client key and
 checks the key of the service it names (``service=``, the owner of the endpoint it dials); without
 a key folder a tcp socket is refused here (``MissingKeys``), never opened in the clear.
@@ -13,11 +13,17 @@ a key folder a tcp socket is refused here (``MissingKeys``), never opened in the
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import msgspec
+import structlog
 import zmq
 import zmq.asyncio
 
-from folio.shared.plane import MissingKeys, secure  # noqa: F401  (MissingKeys: for callers)
+from folio.shared.messages import AdminReply, AdminRequest
+from folio.shared.curve import MissingKeys, secure  # noqa: F401  (MissingKeys: for callers)
 
 # How many messages a socket queues per peer before PUSH blocks (back-pressure) or PUB drops.
 DEFAULT_HWM = 100_000
@@ -28,6 +34,9 @@ LINGER_MS = 500
 MAX_TCP_MESSAGE_BYTES = 64 * 1024 * 1024
 
 _BINDS = {zmq.PULL, zmq.ROUTER, zmq.PUB}
+
+# for callers whose output is the reply alone (the CLI): failures there are a None, not a log line
+QUIET = structlog.wrap_logger(structlog.ReturnLogger(), processors=[])
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
@@ -48,6 +57,7 @@ class Decoder:
 
 
 MalformedMessage = msgspec.MsgspecError
+_admin_reply_decoder = Decoder(AdminReply)
 
 
 def make_socket(
@@ -127,3 +137,79 @@ async def recv_multipart(sock: zmq.asyncio.Socket) -> list[bytes]:
         return await sock.recv_multipart(zmq.DONTWAIT)
     except zmq.Again:
         return await sock.recv_multipart()
+
+
+async def receive_reply(sock: zmq.asyncio.Socket, decoder: Decoder, log, timeout_s: float | None = None,
+                        accept: Callable[[object], bool] | None = None, socket_name: str = ""):
+    """The next well-formed reply on a DEALER that ``accept`` takes (malformed or stale ones are
+    logged and skipped); None when none came within ``timeout_s`` (None: wait for ever)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        data = await recv_ready(sock)  # (a reply that came while the caller worked: no poll)
+        if data is None:
+            if deadline is not None:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                    return None
+            data = await sock.recv()
+        try:
+            message = decoder.decode(data)
+        except MalformedMessage as exc:
+            log.warning("malformed reply dropped", socket=socket_name, error=str(exc))
+            continue
+        if accept is not None and not accept(message):
+            log.warning("unexpected reply dropped", socket=socket_name, got=type(message).__name__)
+            continue
+        return message
+
+
+async def request(sock: zmq.asyncio.Socket, message, decoder: Decoder, log, timeout_s: float | None = None,
+                  accept: Callable[[object], bool] | None = None, socket_name: str = ""):
+    """Send ``message`` on a DEALER and wait for its reply (``receive_reply``)."""
+    await sock.send(encode(message))
+    return await receive_reply(sock, decoder, log, timeout_s, accept, socket_name)
+
+
+async def ask_admin(ctx: zmq.asyncio.Context, address: str, command: str, args: dict | None, timeout_s: float,
+                    log, service: str | None = None) -> AdminReply | None:
+    """One ``AdminRequest`` to the admin socket at ``address`` (``service``'s: needed over tcp) on a
+    socket of its own; None when nobody answers in time."""
+    sock = make_socket(ctx, zmq.DEALER, address, service=service)
+    try:
+        return await request(sock, AdminRequest(command=command, args=args or {}), _admin_reply_decoder, log,
+                             timeout_s, socket_name="admin")
+    except zmq.ZMQError as exc:
+        log.debug("admin query failed", address=address, error=str(exc))
+        return None
+    finally:
+        sock.close(linger=0)
+
+
+def admin_call(address: str, command: str, args: dict | None, timeout_s: float, log=QUIET,
+               service: str | None = None) -> AdminReply | None:
+    """``ask_admin`` for code without an event loop (the CLI, the launcher's side thread)."""
+
+    async def ask() -> AdminReply | None:
+        ctx = zmq.asyncio.Context()
+        try:
+            return await ask_admin(ctx, address, command, args, timeout_s, log, service)
+        finally:
+            ctx.term()
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(ask())
+    with ThreadPoolExecutor(1) as worker:  # called from a coroutine: its loop is busy running it
+        return worker.submit(asyncio.run, ask()).result()
+
+
+def close_sockets(*socks: zmq.Socket) -> None:
+    for sock in socks:
+        sock.close()
+
+
+def ask_service(endpoints, service: str, command: str, args: dict | None, timeout_s: float) -> AdminReply | None:
+    """``admin_call`` to ``service``'s admin socket in ``endpoints`` (a ``config.Endpoints``)."""
+    return admin_call(getattr(endpoints, f"admin_{service}"), command, args, timeout_s, service=service)

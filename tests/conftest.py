@@ -49,7 +49,7 @@ def batch_invariant(request) -> bool:
 @pytest.fixture(scope="session")
 def smollm_dir() -> str:
     """The packaged SmolLM2-135M-Instruct, converted once into the cache folder."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     return str(prepare_default_model(quiet=True))
 
@@ -58,7 +58,7 @@ def smollm_dir() -> str:
 def smollm_tokenizer_dir(tmp_path_factory) -> str:
     """SmolLM2's tokenizer files (no weights), for tiny models that need a real tokenizer: the
     prepared model's folder when it exists, else the tokenizer and config read from the packaged GGUF."""
-    from folio.core.models import default_model_dir, is_prepared, packaged_gguf
+    from folio.core.model_files import default_model_dir, is_prepared, packaged_gguf
 
     if is_prepared(default_model_dir()):
         return str(default_model_dir())
@@ -86,7 +86,7 @@ def only_slow_tests_load_the_default_model(request, monkeypatch):
         return
     from folio.core.executor.model import loader
     from folio.core.executor.runtime import runner, spec_decode
-    from folio.core.models import default_model_dir
+    from folio.core.model_files import default_model_dir
 
     def guarded(load):
         def load_model(path, *args, **kwargs):

@@ -51,7 +51,7 @@ def test_a_test_that_asks_for_smollm_dir_must_be_marked_slow():
 
 def test_loading_the_packaged_model_in_a_fast_test_fails(tiny_model_dir):
     from folio.core.executor.model.loader import load_model
-    from folio.core.models import default_model_dir
+    from folio.core.model_files import default_model_dir
 
     with pytest.raises(pytest.fail.Exception, match="loads the packaged SmolLM2 but is not marked slow"):
         load_model(default_model_dir(), torch.float32, torch.device("cpu"), "none")

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -250,7 +251,7 @@ def test_quick_start_runs_as_written_on_a_fresh_clone(tmp_path):
         assert isinstance(text, str) and text.strip(), body
     finally:
         stop(proc)
-        shutil.rmtree(f"/tmp/folio-{port}", ignore_errors=True)  # the default run folder of that port
+        shutil.rmtree(Path(tempfile.gettempdir(), f"folio-{port}"), ignore_errors=True)  # that port's default run folder
     served_s = time.monotonic() - started
 
     r = subprocess.run(f"{test} {TEST_COMMAND_ARGS}", shell=True, cwd=clone, env=env, capture_output=True,

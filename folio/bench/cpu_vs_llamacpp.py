@@ -2,31 +2,14 @@
 
     folio bench cpu-vs-llamacpp [--quick] [--shapes smollm2 1b 3b] [--types Q4_0 Q4_K_M Q8_0] [--threads N]
 
-The files (``folio.testing.gguf_models.bench_gguf``, made once and cached): SmolLM2-135M (its
-prepared folder converted to BF16 by llama.cpp's converter, then quantized by its quantizer; its
-Q4_1 is the packaged file) and Llama-3.2-1B's and -3B's dimensions with random weights. The peers
-are built natively from their sdists (``folio.testing.llamacpp``). One server runs at a time, in
-rounds that alternate the engines: the first round starts each cold (the file dropped from the
-page cache; for folio, its prepared-model cache emptied), later rounds warm. Each server gets the same
-slots and context per slot, ``-t``/``OMP_NUM_THREADS`` threads, and runs single streams, prompts
-of ``--prompt-tokens`` token ids for the time to first token, and the mixed workload; its memory is
-sampled over the whole run. docs/benchmarks.md describes every measure and flag.
+The engines' configurations, the rounds of servers (one at a time, cold then warm, alternating),
+the quality step and the report. The KLDs of the engines are comparable because all but the
+engine is shared: one reference (mainline ``llama-perplexity`` on the shape's BF16 file), its
+tokens, chunks and scored positions, one 16-bit encoding of every engine's log-probabilities and
+one KL function over them (``peer_quality``); the ``BF16 floor`` lines show the part of a figure
+that is arithmetic, not quantization.
 
-Quality: the KL divergence of each engine's next-token distribution on the quantized file from the
-same BF16 model's, over the quality gate's text (``folio.bench.eval_quant``'s seeded SmolLM2
-samples, decoded). The two KLDs are comparable because everything but the engine is shared: one
-reference, mainline ``llama-perplexity --kl-divergence-base`` on the shape's BF16 file (the file
-the quantized ones were made from); its tokens (llama.cpp's tokenization of the text, stored in
-that file) and its chunks of ``--quality-ctx`` tokens, each evaluated from an empty cache with the
-second half scored; every engine's log-probabilities written in that file's 16-bit encoding (the
-peers by ``llama-perplexity``, folio by ``peer_quality.write_folio_dump``, its logits from the
-backend a server picks); and one function computing the mean KL sum of ``llama-perplexity
---kl-divergence`` over all of them (``peer_quality.kld``). What the reference cannot share is the
-arithmetic: the ``BF16 floor`` lines give each engine's KLD on the BF16 file itself (mainline's is
-zero by construction), the part of a figure that is not the quantization.
-
-Each figure prints as ``label: value`` (``folio bench`` collects them); the ratios compare folio
-with the best peer configuration for that measure, written so that above 1 means folio is better.
+More in docs/modules.md (folio/bench/cpu_vs_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -125,7 +108,7 @@ def run_session(config: Config, gguf: Path, cold: bool, args, ctx: dict, tally: 
     argv, model = server_argv(config, gguf, port, args, ctx["binaries"])
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **ctx["folio_cache"].env())
     log = ctx["workdir"] / f"{config.label.replace(' ', '')}-{len(tally.healthy_s)}.log"
-    server = pr.Server(config.label, argv, port, env, log)
+    server = pr.MeasuredServer(config.label, argv, port, env, log)
     try:
         tally.healthy_s.append(server.wait_healthy())
         for _ in range(args.runs):

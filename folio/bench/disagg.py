@@ -27,9 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import zmq
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSender
-from folio.shared.plane import release
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.transfer import KVLayout
+from folio.services.executor.kv_sockets import KVReceiver, KVSender
+from folio.shared.curve import release
 
 SHAPE = PoolShape(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 
@@ -117,18 +118,18 @@ def itl_under_prefills(url: str, streams: int, max_tokens: int, prompt_tokens: i
 
 
 def serving(args) -> dict:
-    from folio.testing.routerstack import Replica, start_router
+    from folio.testing.routerstack import ReplicaProcess, start_router
     flags = ("--max-num-seqs", "16", "--num-kv-blocks", "1024", "--max-num-batched-tokens", "2048")
     out = {}
-    solo = Replica("SmolLM2-135M-Instruct", flags).start()
+    solo = ReplicaProcess("SmolLM2-135M-Instruct", flags).start()
     try:
         solo.wait_ready(600)
         out["colocated"] = itl_under_prefills(solo.url, args.streams, args.max_tokens, args.prompt_tokens,
                                               args.interval)
     finally:
         solo.cleanup()
-    p = Replica("SmolLM2-135M-Instruct", flags + ("--kv-role", "prefill")).start()
-    d = Replica("SmolLM2-135M-Instruct", flags + ("--kv-role", "decode")).start()
+    p = ReplicaProcess("SmolLM2-135M-Instruct", flags + ("--kv-role", "prefill")).start()
+    d = ReplicaProcess("SmolLM2-135M-Instruct", flags + ("--kv-role", "decode")).start()
     router = None
     try:
         p.wait_ready(600), d.wait_ready(600)

@@ -8,12 +8,7 @@ of perplexities (quantized / reference) on the text.
 
 Exits 1 when a configuration misses its target (see TARGETS), so CI can run it as a gate.
 
-    python scripts/eval_quant.py [--model M] [--configs int4 int8] [--num-tokens 10240]
-    python scripts/eval_quant.py --configs awq=/path/to/awq-folder int4-g64 ...
-
-A config is ``NAME`` (a --quantization value on ``--model``; ``int4-gN`` picks the group size),
-``NAME=FOLDER`` (a quantized folder served with its own quantization), or ``kv-fp8``: the fp32
-weights over an FP8 (e4m3) KV pool whose per-layer scales are calibrated as the executor does.
+More in docs/modules.md (folio/bench/eval_quant.py).
 """
 
 from __future__ import annotations
@@ -29,11 +24,11 @@ import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE
-from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
+from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
 from folio.core.executor.model.loader import load_model
 from folio.core.executor.runtime.runner import make_backend
 from folio.shared.config import DEFAULT_MODEL_NAME, batch_invariant_from_env, cache_dir
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 
 # (mean KLD at most, top-1 agreement at least), per kind of configuration: the figures of the issue
 # that set the gate (issue 14's table: int4 1e-3 and 99%, int8 and the FP8 KV cache 5e-3 and 98%,
@@ -98,7 +93,7 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
     from folio.core.engine import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     num_seqs = len(PROMPTS)
     new = math.ceil(num_tokens / num_seqs)
@@ -106,7 +101,7 @@ def reference_text(model, tokenizer, path: Path, num_tokens: int, seed: int) -> 
                                        num_kv_blocks=num_seqs * ((new + 64) // 16 + 2),
                                        batch_invariant=batch_invariant), str(path))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    params = [WireSampling(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=new, ignore_eos=True, seed=seed + i)
+    params = [SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=new, ignore_eos=True, seed=seed + i)
               for i in range(num_seqs)]
     outs = generate(runner, prompts, params)
     seqs = [p + o for p, o in zip(prompts, outs)]

@@ -4,7 +4,7 @@ alone against 8 distinct rank-16 adapters (every projection targeted) mixed in t
 Both runs go through the real scheduler (``EngineCore``) on one runner, in turns, ``--repeats``
 times; each prints tokens/s (prompt and output tokens over wall time) and the ratio of the mixed
 run to the base run of the same round. Target (issue: multi-LoRA): at least 0.75x.
-The adapters are random ``peft`` adapters (``folio.testing.lora``; peft is a test extra).
+The adapters are random ``peft`` adapters (``folio.testing.peft_adapters``; peft is a test extra).
 
     python scripts/bench_lora.py [--streams 32] [--adapters 8] [--rank 16] [--repeats 3] [--threads N]
 """
@@ -21,10 +21,11 @@ import torch
 
 from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.core.models import prepare_default_model
+from folio.core.model_files import prepare_default_model
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import EngineRequest, WireSampling
-from folio.testing.lora import write_peft_adapter
+from folio.shared.messages import EngineRequest
+from folio.shared.sampling import SamplingParams
+from folio.testing.peft_adapters import write_peft_adapter
 from folio.bench.cpu_meter import CpuMeter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -34,7 +35,7 @@ def throughput(runner: ModelRunner, names: list[str | None], streams: int, promp
                tag: str) -> float:
     """Tokens/s of ``streams`` requests (request i on adapter ``names[i % len(names)]``)."""
     core = EngineCore(runner, max_num_seqs=streams, max_num_batched_tokens=2048, enable_prefix_caching=False)
-    params = WireSampling(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(streams):
         prompt = [(31 * i + 7 * j) % 40000 + 100 for j in range(prompt_len)]
         assert not core.add_request(EngineRequest(req_id=f"{tag}{i}", prompt_token_ids=prompt, sampling=params,

@@ -1,20 +1,6 @@
 """A mixture-of-experts decode step against a dense one with the same active parameters, on the CPU.
 
-Two random-weight models of the same shape but the feed-forward block: a Mixtral (8 experts,
-top-2, each expert's intermediate size I) and a Llama whose MLP has 2 I (what a token computes
-in both). Each runs a batch-64 decode step (64 sequences of 64 cached tokens) through the real
-model and backend, fp32; the time is the median over ``--steps``, the two models' steps timed in
-turns (one of each, repeatedly) so that other processes' load falls on both alike. A third run
-swaps the MoE block's grouped forward for a loop over tokens (each token's k experts one
-matrix-vector product at a time), the baseline the grouping is there to beat. Prints ms per step
-and the ratios measured in this run, and how much of the CPUs other processes took meanwhile;
-``--profile`` adds the torch profiler's table of the MoE step's operations.
-
-At batch 64 every one of the 8 experts gets rows, so an MoE step reads 4x the dense step's
-feed-forward weight bytes (fp32: 24 MB a layer against 6 MB here) for the same arithmetic; its
-ratio grows when other processes take memory bandwidth.
-
-    python scripts/bench_moe.py [--steps 30] [--batch 64] [--hidden 512] [--layers 4] [--profile]
+More in docs/modules.md (folio/bench/moe.py).
 """
 
 from __future__ import annotations
@@ -77,11 +63,10 @@ def step_ms(steps: int, *runs) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size I")
-    ap.add_argument("--layers", type=int, default=4)
+    sizes = {"--steps": (30, "timed steps of each model, after 3 warm-up steps"), "--batch": (64, "decode rows a step"), "--hidden": (512, "hidden size"),
+             "--expert-size": (512, "each expert's intermediate size I"), "--layers": (4, "decoder layers")}
+    for flag, (default, what) in sizes.items():
+        ap.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     ap.add_argument("--profile", action="store_true", help="print the MoE step's operations (torch profiler)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the comparison is of work, not of thread scaling on a shared machine

@@ -1,13 +1,10 @@
 """Quality for ``folio bench cpu-vs-llamacpp``: each engine's KL divergence from the BF16 model.
 
-Every engine's next-token log-probabilities go into one file format, llama.cpp's
-``--kl-divergence-base`` file (``"_logits_"``, ``n_ctx``, ``n_vocab``, ``n_chunk``, the chunks'
-token ids, then for each chunk's scored positions a record of ``n_vocab`` 16-bit log-probabilities
-with a float scale and offset); the peers write theirs with ``llama-perplexity``, folio with
-``write_folio_dump`` (the same chunks and encoding, its logits from the backend a server runs the
-model with). ``kld(reference, dump)`` then compares two such files the way ``llama-perplexity
---kl-divergence`` does. ``gate_text`` is the quality gate's text (``folio.bench.eval_quant``:
-SmolLM2's own seeded samples) decoded to a text file, which ``llama-perplexity`` tokenizes.
+llama.cpp's log-probability files (``read_dump``, ``encode_log_probs``), the KL divergence between
+two of them (``kld``), the peers' files (``perplexity_dump``) and folio's (``write_folio_dump``), and
+the quality gate's text (``gate_text``).
+
+More in docs/modules.md (folio/bench/peer_quality.py).
 """
 
 from __future__ import annotations
@@ -123,7 +120,7 @@ def gate_text(out: Path, num_tokens: int) -> Path:
     from transformers import AutoTokenizer
 
     from folio.bench.eval_quant import reference_text
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.shared.config import DEFAULT_MODEL_NAME
 
     path = resolve_model(DEFAULT_MODEL_NAME)

@@ -1,14 +1,10 @@
 """One server at a time for ``folio bench cpu-vs-llamacpp``: its start, its memory, its workloads.
 
-``Server`` starts a command in its own session and samples the memory of its whole process tree
-(resident and proportional set sizes summed over every process, peak over the run) from the
-moment it is launched; ``wait_healthy`` times the start to a 200 on ``/health``. The workloads talk
-OpenAI completions over HTTP: ``single_stream`` (one completion, ``ignore_eos``), ``mixed`` (many
-requests, some at once) and ``first_token_s`` (a prompt of token ids and one new token: the time to
-the first token). ``page_cache_share`` says how much of a file the page cache holds (``mincore``)
-and ``evict_page_cache`` drops it (``posix_fadvise``), so a cold start reads its file from disk.
-``FolioCache`` is the private cache folder the benchmark's ``folio serve`` runs with, emptied for
-cold starts but for its compiled kernels.
+``MeasuredServer`` (a command and its process tree's peak RSS and PSS), the workloads
+(``single_stream``, ``mixed``, ``first_token_s``), a file's place in the page cache
+(``page_cache_share``, ``evict_page_cache``) and the folio cache a cold start empties (``FolioCache``).
+
+More in docs/modules.md (folio/bench/peer_runs.py).
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ class MemorySampler(threading.Thread):
             self.done.wait(self.interval_s)
 
 
-class Server:
+class MeasuredServer:
     """``command`` started in its own session in ``log``'s folder (ik_llama.cpp writes a ``llama.log``
     where it runs), logging to ``log``, its memory sampled from the start."""
 

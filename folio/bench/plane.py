@@ -1,26 +1,6 @@
 """What CURVE costs: served tok/s of the stack on tcp endpoints with CURVE against the same stack without it.
 
-Two stacks of the five services run side by side, each as compose runs them (``FOLIO_ENDPOINTS=tcp``
-on 127.0.0.1, ``folio.testing.tcpstack``): one with the stack's key folder (every tcp socket
-CURVE, the default), the other started with ``FOLIO_UNSAFE_NO_CURVE=1`` (the same sockets in the
-clear; that variable exists for this measurement only). Both serve the mixed workload of ``folio
-bench serving`` (prompts 16..160 tokens, outputs 8..80, all sent at once, one streaming HTTP client
-per request), after ``--warmup-rounds`` uncounted (a fresh stack's first run is slower), taking
-turns for ``--rounds`` rounds, the side that goes first alternating. Prints
-each run's output tokens/s, and CURVE / clear: of the best run of each side, and the median of the
-rounds' ratios. Also how much of the CPUs other processes took meanwhile.
-
-Then (``--roundtrips``, 0: skipped) the cost of CURVE on one message: a DEALER and a ROUTER over
-tcp loopback in this process, a message of ``--message-bytes`` (a step plan's size) there and
-back, with CURVE and in the clear, taking turns for ``--rounds`` rounds; prints microseconds per
-round trip of each (the median round) and the difference: what CURVE adds each time a message
-crosses a socket, with far less noise than a served run on a busy machine. With the served runs,
-it also prints what that adds to a served run: the steps the CURVE stack's scheduler counted per
-run, times ``CROSSINGS_PER_STEP`` round trips (a step's messages: the plan and its result, the
-kvmanager's operations and digest, the token batch and the text deltas: five one-way messages,
-counted as three round trips), over the run's time: an estimate from measured figures, printed as one.
-
-    python scripts/bench_plane.py [--num-requests 32] [--rounds 4]      # or: folio bench plane
+More in docs/modules.md (folio/bench/plane.py).
 """
 
 from __future__ import annotations
@@ -35,10 +15,10 @@ import time
 
 from folio.bench.cpu_meter import CpuMeter
 from folio.bench.serving import describe, random_prompt, run_served, workload
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 from folio.shared.config import DEFAULT_MODEL_NAME
 from folio.shared.keys import init_keys
-from folio.shared.plane import UNSAFE_ENV
+from folio.shared.curve import UNSAFE_ENV
 from folio.testing.tcpstack import TcpStack
 
 SERVED_NAME = "bench"
@@ -96,7 +76,7 @@ def roundtrip_us(curve: bool, n: int, size: int) -> float:
     loopback, with the stack's CURVE (``secure``) or in the clear."""
     import zmq
 
-    from folio.shared.plane import release, secure
+    from folio.shared.curve import release, secure
 
     ctx = zmq.Context()
     server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
@@ -125,9 +105,9 @@ def roundtrip_us(curve: bool, n: int, size: int) -> float:
 
 
 def section_roundtrips(args, keys_dir: str) -> float:
-    from folio.shared import plane
+    from folio.shared import curve
 
-    plane.use_keys(keys_dir)
+    curve.use_keys(keys_dir)
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     for r in range(args.rounds):
         for side in (SIDES if r % 2 == 0 else SIDES[::-1]):

@@ -8,14 +8,7 @@
    filled last block) against 4 independent requests sent together, with and without prefix
    caching.
 
-3. With ``--kv-disk-dir DIR``, instead: the disk tier across a restart. A fresh server (a new
-   runner: a new, empty pool) with its disk tier on DIR serves a ~2,000-token prompt cold and
-   stops; a second fresh server on the same folder serves the same prompt. Prints both times to
-   first token, their ratio, the second server's disk hits (its kvmanager's ``tiers``) and
-   whether the outputs are equal.
-
-    python scripts/bench_prefix_cache.py [--model PATH] [--num-requests 8] [--system-tokens 800]
-    python scripts/bench_prefix_cache.py --kv-disk-dir /tmp/kv [--system-tokens 2000]
+More in docs/modules.md (folio/bench/prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -28,10 +21,11 @@ import time
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
-from folio.shared.messages import TokenBatch, WireSampling
-from folio.core.models import resolve_model
+from folio.shared.messages import TokenBatch
+from folio.shared.sampling import SamplingParams
+from folio.core.model_files import resolve_model
 from folio.shared.transport import Decoder
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 
 # the back half's limits (its pool is the runner's, made in main)
 LIMITS = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)
@@ -46,7 +40,7 @@ QUESTIONS = ["When does the library open?", "Where are the maps?", "How many boo
 
 async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[int]], caching: bool) -> list[float]:
     """Serve ``prompts`` one after the other; seconds from submit to the first token of each."""
-    params = WireSampling(temperature=0.0, max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
     decoder, ttfts = Decoder(TokenBatch), []
     async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
         for i, prompt in enumerate(prompts):
@@ -63,7 +57,7 @@ async def measure_ttft(model_path: str, runner: ModelRunner, prompts: list[list[
 async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: list[int], num_samples: int,
                                   num_new: int, forked: bool, caching: bool) -> int:
     """Most device blocks in use while ``num_samples`` samples of ``prompt`` run to ``num_new`` tokens."""
-    params = WireSampling(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
+    params = SamplingParams(temperature=0.8, seed=0, max_tokens=num_new, ignore_eos=True)
     ids = [f"s{i}" for i in range(num_samples)]
     decoder = Decoder(TokenBatch)
     async with back_half(model_path, runner=runner, enable_prefix_caching=caching, **LIMITS) as bh:
@@ -84,7 +78,7 @@ async def peak_blocks_for_samples(model_path: str, runner: ModelRunner, prompt: 
 
 async def serve_once(model_path: str, runner: ModelRunner, prompt: list[int]) -> tuple[float, list[int], dict]:
     """One request on a fresh back half: seconds to its first token, its output, the kvmanager's stats."""
-    params = WireSampling(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     decoder, out = Decoder(TokenBatch), []
     async with back_half(model_path, runner=runner, **LIMITS) as bh:
         t0 = time.perf_counter()

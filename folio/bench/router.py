@@ -1,20 +1,6 @@
 """The KV-cache-aware router against round-robin routing, measured in one run.
 
-Two real ``folio serve`` replicas (CPU, small KV pools) behind ``folio run router``: first with
-``--policy round_robin``, then with the default cache-aware policy, on the same workload and the
-same replicas (their caches cleared in between). The workload: ``--groups`` conversations, each
-with its own long system prompt (about ``--system-tokens`` tokens), asking ``--rounds`` questions
-one round at a time (every group's question of a round sent at once, in a shuffled order, as
-traffic comes: a fixed order would let round-robin keep each group on one replica by chance;
-streamed). The pools are
-sized so that one replica holds about half of the groups' prefixes: round-robin sends every
-prefix to both replicas and they evict each other's; cache-aware keeps each group on one.
-
-Prints, per policy: TTFT of the later requests (rounds after the first, whose prefix was computed
-before) and of all, requests/s and output tokens/s, and each replica's prefix-cache counters
-(tokens found cached / tokens asked), plus the CPU share other processes took meanwhile.
-
-    flock /tmp/folio-bench.lock python scripts/bench_router.py [--model PATH] [--groups 4] [--rounds 3]
+More in docs/modules.md (folio/bench/router.py).
 """
 
 from __future__ import annotations
@@ -32,8 +18,8 @@ import aiohttp
 
 from folio.bench.cpu_meter import CpuMeter
 from folio.shared.config import DEFAULT_MODEL_NAME
-from folio.core.models import resolve_model
-from folio.testing.routerstack import Replica, start_router
+from folio.core.model_files import resolve_model
+from folio.testing.routerstack import ReplicaProcess, start_router
 
 TOPICS = ["harbour", "orchard", "observatory", "bakery", "railway", "museum", "vineyard", "glacier",
           "lighthouse", "monastery", "brewery", "aquarium"]
@@ -97,7 +83,7 @@ async def warm_up(url: str) -> None:
         await asyncio.gather(*(one_request(session, url, f"Warm-up {i}. " * 60, "Hello?", 2) for i in range(2)))
 
 
-def cache_counters(replicas: list[Replica]) -> list[tuple[int, int]]:
+def cache_counters(replicas: list[ReplicaProcess]) -> list[tuple[int, int]]:
     return [(s["num_prefix_cache_hits"], s["num_prefix_cache_queries"])
             for s in (r.admin("kvmanager", "stats") for r in replicas)]
 
@@ -125,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = ("--served-model-name", "m", "--num-kv-blocks", str(num_blocks), "--max-num-seqs", "8",
              "--log-level", "error")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still stops the replicas
-    replicas = [Replica(model, flags).start() for _ in range(2)]
+    replicas = [ReplicaProcess(model, flags).start() for _ in range(2)]
     results = {}
     try:
         for r in replicas:

@@ -20,8 +20,8 @@ import torch
 from folio.core.engine import generate
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
-from folio.shared.messages import WireSampling
-from folio.core.models import resolve_model
+from folio.shared.sampling import SamplingParams
+from folio.core.model_files import resolve_model
 
 WORDS = "the a river mountain city code model light quiet storm paper engine story garden".split()
 
@@ -36,7 +36,7 @@ def make_prompts(tokenizer, batch: int) -> list[list[int]]:
 
 def time_folio(runner, prompts, new_tokens: int) -> float:
     def once(n):
-        params = WireSampling(temperature=0.0, max_tokens=n, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
         generate(runner, prompts, params)
         return time.perf_counter() - t0

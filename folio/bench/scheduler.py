@@ -8,14 +8,7 @@ step N's result to receiving step N+1's plan is what the services cost on the cr
 every step: the scheduler reading the result, updating its requests, pushing the tokens, planning
 with its allocator replica, sending the step log and encoding the plan.
 
-    flock /tmp/folio-bench.lock .venv/bin/python scripts/bench_scheduler.py [--num-requests 256]
-
-Prints that gap (median, p90, mean) over the steps that ran exactly ``--num-requests`` decodes,
-the scheduler's own planning and update time per step (its stats), the plan's size on the wire,
-and the CPU share other processes took meanwhile. Then the same decode steps in one process,
-without sockets (plan, encode the plan and the log, decode it as the executor does, a result,
-update, encode the tokens), as CPU time per step: a figure that other work on the machine disturbs
-much less than wall time; then each part's wall time and each message's bytes per step.
+More in docs/modules.md (folio/bench/scheduler.py).
 """
 
 from __future__ import annotations
@@ -45,8 +38,8 @@ from folio.shared.messages import (
     StepPlan,
     StepResult,
     TokenBatch,
-    WireSampling,
 )
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode, make_socket, recv_multipart
 
 EPOCH = "bench"
@@ -130,7 +123,7 @@ async def run(args, ep: Endpoints) -> None:
         prompt = [rng.randrange(1, 30000) for _ in range(args.prompt_len)]
         await to_scheduler.send(encode(EngineRequest(
             req_id=f"r{i}", prompt_token_ids=prompt, eos_token_id=0,
-            sampling=WireSampling(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))))
+            sampling=SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))))
     finished, num_tokens, decoder = 0, 0, Decoder(TokenBatch)
     t0 = time.perf_counter()
     while finished < args.num_requests:
@@ -167,7 +160,7 @@ def in_process(args) -> None:
     for i in range(args.num_requests):
         sched.add_request(EngineRequest(
             req_id=f"r{i}", prompt_token_ids=[rng.randrange(1, 30000) for _ in range(args.prompt_len)], eos_token_id=0,
-            sampling=WireSampling(temperature=0.0, max_tokens=4000, ignore_eos=True)))
+            sampling=SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)))
     decoder, plan_decoder = Decoder(StepResult), Decoder(StepPlan)
     parts = dict.fromkeys(("schedule", "build plan", "encode plan", "decode plan (executor)", "result", "update",
                            "encode tokens"), 0.0)

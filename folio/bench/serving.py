@@ -1,43 +1,6 @@
 """Serving benchmark: folio served over HTTP against baselines measured in the same run.
 
-Every figure is a ratio against a baseline run here, on this machine, in this run. Sections
-(``--sections``, default all):
-
-- throughput: a mixed workload (prompts 16..160 tokens, outputs 8..80, all sent at once). Served
-  folio (``folio serve``, one streaming HTTP client per request; a server with
-  ``--no-async-scheduling`` and one with the default async scheduling, both up, taking turns with
-  the in-process engine for ``--repeats`` rounds, the fastest of each counting) against
-  (a) the same engine in-process (``folio.LLM``: the same scheduler, KV pool, token budget and
-      detokenization, no sockets), all requests queued at once: the cost of services and sockets;
-  (b) ``transformers`` static batching: the requests in arrival order in fixed batches of
-      ``--hf-batch-size``, each left-padded to its longest prompt and run until its longest
-      output (``min_new_tokens`` = ``max_new_tokens``); only each request's own output counts as
-      useful. Prints useful output tokens/s and served/static. Also TTFT and ITL percentiles.
-- itl: inter-token latency of 8 decoding streams while one long prompt (``--itl-long-prompt``
-  tokens, max_tokens 1) arrives, over the window from its send to its completion (plus 0.2 s).
-  Chunked prefill (step budget ``--max-num-batched-tokens`` = ``--itl-chunk-tokens``) against a
-  server with the same budget started with ``--no-enable-chunked-prefill`` (the scheduler then
-  takes a whole prompt in one step even past the budget). Prints ITL p50/p99, the longest gap,
-  the long prompt's latency, and unchunked/chunked ratios (with under 100 gaps, p99 is the max).
-- sampling: the throughput workload, all at once, through one served folio (async scheduling),
-  greedy against temperature 0.8, top-p 0.95 and presence penalty 0.5, unseeded and with a
-  ``seed`` on every request (``--no-request-seeds``: without the seeded run), taking turns for
-  ``--repeats`` rounds (the fastest of each counting). Prints output tokens/s and each sampled
-  run's share of greedy's.
-- invariance: the same workload through a server with ``--batch-invariant`` and one
-  with ``--no-batch-invariant``, in turns: the served cost of batch-independent numerics.
-- concurrency: the same workload, all at once, against a server whose KV pool is only
-  ``--budget-kv-blocks`` blocks. Peak requests running at once (the scheduler's
-  ``max_num_running``, or the most ``num_running`` seen polling its stats every 50 ms) against
-  contiguous preallocation at ``--max-model-len``, which reserves that many tokens per request and
-  so runs floor(budget tokens / max_model_len) requests. Also the KV waste of both for this
-  workload, from its lengths: tokens held / tokens reserved.
-
-A server is reused by the next section when its flags match (with the defaults none do); each
-one logs to its own file. After each section the script says how much of the CPUs other
-processes took meanwhile: on a shared machine that is what makes figures meaningless.
-
-    python scripts/bench_serving.py [--sections all|throughput,itl,sampling,concurrency] [--num-requests 64]
+More in docs/modules.md (folio/bench/serving.py).
 """
 
 from __future__ import annotations
@@ -56,7 +19,7 @@ from pathlib import Path
 
 from folio import LLM, SamplingParams
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
-from folio.core.models import resolve_model
+from folio.core.model_files import resolve_model
 from folio.testing.server import Server, start_server, stop_server
 from folio.bench.cpu_meter import CpuMeter
 

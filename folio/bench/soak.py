@@ -5,29 +5,7 @@ the queue limit (``--max-queue-len``) is exercised and refuses some with 429. Ev
 ``--kill-every`` seconds the next service of ``--kill`` (in turn) gets SIGKILL; ``folio serve``
 restarts it. Each request has a client deadline (``--request-timeout`` plus a margin).
 
-Reported:
-- completed (the whole answer), errored (a clear error: an HTTP error object, 429 and 503
-  included, or an error event in the stream), lost (neither: a dropped connection or a client
-  deadline passed; must be 0);
-- p50/p99 latency of the completed, and the cost of a kill: p50/p99 of the completed requests
-  that were in flight when a service was killed against those that were not (a scheduler or
-  tokenizer kill replays its requests, an executor or kvmanager kill recomputes them); and how
-  many failed after their stream began (an error event: 0 expected, kills included);
-- each service's resident memory at the start (after a warm-up) and the end: a restarted service
-  is a new process (its pid is shown), whose figure is that of its own life only; and the KV
-  blocks in use once the load stops (must be 0);
-- the gateway's resident memory every ``--mem-every`` seconds (it is never killed, so its figures
-  span the whole run): a leak grows in every interval, while the allocator's and aiohttp's bounded
-  caches settle after the first minutes, which the second half's growth shows; beside it the
-  number of blocks Python's small-object allocator holds for the gateway (its admin ``stats``):
-  flat while the resident size creeps means the creep is not Python objects kept per request;
-- how busy other processes kept the CPUs meanwhile.
-
-    python scripts/bench_soak.py --duration 600            # the README figure
-    python scripts/bench_soak.py --duration 60 --check     # CI's minute: exit 1 on a loss or leak
-
-The gateway is not killed by default: its crash drops its connections (only a router in front
-resumes them elsewhere, ``tests/faults/test_resume.py``).
+More in docs/modules.md (folio/bench/soak.py).
 """
 
 from __future__ import annotations
@@ -65,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_model() -> str:
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
     from folio.testing.models import write_tiny_chat_model
 
     return write_tiny_chat_model(tempfile.mkdtemp(prefix="folio-soak-"), str(prepare_default_model()))

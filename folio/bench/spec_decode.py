@@ -1,28 +1,6 @@
 """Speculative decoding, measured in one run: tokens/s with and without speculation, per workload.
 
-The engine is the real scheduler policy, block allocator and model runner stepped in this process
-(``folio.core.engine.EngineCore``: the services' step without sockets), greedy, on
-SmolLM2-135M-Instruct as ``folio serve`` runs it (``--quantization auto``: int4). Decode tokens/s
-counts the tokens generated after every request of a wave has its first token (prefill excluded)
-over the time they took. For each workload and batch it runs plain decoding before and after the
-proposers (the baseline is their mean: the machine's load drifts), then each proposer, and prints
-tokens/s, the ratio to plain, the mean accepted length (tokens per verification: accepted drafts
-+ 1), the share of steps that drafted, and whether the output equals plain decoding's.
-
-Workloads:
-- ``chat``: ordinary questions, nothing to copy;
-- ``edit``: the same code file edited over 5 turns, each turn's prompt holding the conversation so
-  far (the answers repeat the last answer, not this prompt alone);
-- ``copy``: copy or extract from a document given in the prompt.
-
-Proposers (``--proposers``): ``ngram`` (prompt lookup, the older flags: always drafts),
-``ngram-adaptive`` and ``suffix`` (``--speculative-config``, drafting chosen per step), ``draft``
-(SmolLM2's first ``--draft-layers`` layers, an untrained early-exit draft), ``self`` (the target as
-its own draft: the ceiling of the accepted length), ``eagle3`` (the draft head shipped for the
-model, or ``--eagle-model DIR``: one ``folio train-draft`` wrote; drafting chosen per step) and
-``eagle3-always`` (the same head drafting every step).
-
-    python scripts/bench_spec_decode.py [--batches 1 8 32] [--workloads chat edit copy] [--max-tokens 64]
+More in docs/modules.md (folio/bench/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -35,8 +13,9 @@ from pathlib import Path
 from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, cache_dir
-from folio.shared.messages import EngineRequest, WireSampling
-from folio.core.models import resolve_model, truncate_layers
+from folio.shared.messages import EngineRequest
+from folio.shared.sampling import SamplingParams
+from folio.core.model_files import resolve_model, truncate_layers
 
 DOCUMENT = (
     "The harbor town of Westmere keeps three lighthouses. The north light was built in 1821 from grey "
@@ -90,7 +69,7 @@ def run_wave(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, eos
     outputs: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(req_id=f"b{i}", prompt_token_ids=p, eos_token_id=eos,
-                                         sampling=WireSampling(temperature=0.0, max_tokens=max_tokens)))
+                                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
     t0 = tokens0 = None
     while (deltas := engine.step()) is not None:
         for d in deltas.all_deltas():

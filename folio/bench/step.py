@@ -8,12 +8,7 @@ that has to go with it. It runs a vocabulary of 512 so that the sampler's arithm
 hide its overhead. Decode steps at batch 1, 64 and 256, greedy and with temperature 0.8, top-p
 0.95 and presence/frequency/repetition penalties; ms per step for each.
 
-    python scripts/bench_step.py [--steps 40] [--profile] [--device cuda] [--smollm] [--batch-invariance]
-
-With ``--device cuda`` it also runs the random-weight Llama-3.2-1B shape (hidden 2048, 16 layers,
-32 heads, 8 KV heads, vocabulary 49,152, bf16) in process, eager (``enforce_eager``) and with CUDA
-graphs of the decode step, and prints tokens/s and ms per step of each (``--modes`` picks them).
-The last line is always ``host ms/step at B=256: X`` (greedy).
+More in docs/modules.md (folio/bench/step.py).
 """
 
 from __future__ import annotations
@@ -21,23 +16,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import json
 import pstats
 import tempfile
 import time
 
+import msgspec
 import torch
 
 from folio.bench.cpu_meter import CpuMeter
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 
-GREEDY = WireSampling(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-SAMPLED = WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
                          repetition_penalty=1.1, max_tokens=1 << 20, ignore_eos=True)
 PROMPT_LEN, BLOCK_SIZE = 16, 16
 # the issue's SmolLM2 case: temperature 0.8, top-p 0.95 and a presence penalty
-SMOLLM_SAMPLED = WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.5, max_tokens=1 << 20,
+SMOLLM_SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, max_tokens=1 << 20,
                                 ignore_eos=True)
 
 
@@ -71,13 +69,16 @@ def null_runner(folder: str, device: str, max_num_seqs: int) -> ModelRunner:
     return runner
 
 
-def decode_steps(runner: ModelRunner, batch: int, params: WireSampling, steps: int, profile: cProfile.Profile | None):
-    """Prefill ``batch`` prompts, then time ``steps`` decode steps; returns seconds per step."""
+def decode_steps(runner: ModelRunner, batch: int, params: SamplingParams, steps: int, profile: cProfile.Profile | None,
+                 grammar=None):
+    """Prefill ``batch`` prompts (constrained by ``grammar``, if given), then time ``steps`` decode
+    steps; returns seconds per step."""
     rng = torch.Generator().manual_seed(batch)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     blocks = {r: [i * 8] for i, r in enumerate(ids)}
     new = [NewRequestData(req_id=r, token_ids=torch.randint(0, 512, (PROMPT_LEN,), generator=rng).tolist(),
-                          num_prompt_tokens=PROMPT_LEN, sampling=params, block_ids=blocks[r]) for r in ids]
+                          num_prompt_tokens=PROMPT_LEN, sampling=params, block_ids=blocks[r], grammar=grammar)
+           for r in ids]
     runner.execute(StepPlan(step_id=0, new_reqs=new, num_scheduled_tokens={r: PROMPT_LEN for r in ids}))
     computed, elapsed = PROMPT_LEN, 0.0
     for step in range(1, steps + 1):
@@ -126,7 +127,7 @@ def run_null(args) -> float:
 
 def run_smollm(args) -> None:
     """SmolLM2-135M-Instruct on the CPU at batch 64: decode steps greedy and sampled."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     config = RuntimeConfig(device="cpu", num_kv_blocks=64 * 8, max_num_seqs=64, block_size=BLOCK_SIZE,
                            quantization=args.smollm_quantization)
@@ -161,7 +162,7 @@ def prefill_step(runner: ModelRunner, length: int) -> float:
 def run_invariance_cost(args) -> None:
     """SmolLM2 with ``--batch-invariant`` and without, in turns: decode steps at batch 1 and 64
     (greedy and sampled) and the prefill of a 512- and a 2048-token prompt; ms of each and on/off."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     path = str(prepare_default_model(quiet=True))
     runners = {}
@@ -191,56 +192,109 @@ def constrained_step(runner: ModelRunner, args, greedy_s: float) -> None:
     grammar compiled before timing): the constrained step cost."""
     import json
 
-    import msgspec
-
     from folio.core.structured.grammar import check_spec
     from folio.shared.messages import GuidedSpec
     from folio.bench.structured import SCHEMA
 
     grammar = check_spec(GuidedSpec(kind="json_schema", spec=json.dumps(SCHEMA)))
     runner.grammars.prepare(grammar).result()
-    guided = msgspec.structs.replace(GREEDY, grammar=grammar)
     meter = CpuMeter()
-    c = min(decode_steps(runner, 64, guided, args.steps, None) for _ in range(args.repeats))
+    c = min(decode_steps(runner, 64, GREEDY, args.steps, None, grammar) for _ in range(args.repeats))
     print(f"SmolLM2 B=64 constrained (a JSON schema, every row): {c * 1e3:.1f} ms/step, ratio to greedy "
           f"{c / greedy_s:.3f}; other processes kept {100 * meter.share()[1]:.0f}% of the CPUs busy meanwhile",
           flush=True)
 
 
-def run_cuda_1b(args) -> None:
-    """The 1B shape in process (needs a GPU)."""
-    from folio.core.engine import generate
-    from folio.testing.models import write_tiny_model
+# the model shapes of the in-process step (config sizes): Llama-3.2-1B's, and a tiny one for the CPU
+MODEL_SHAPES = {
+    "1b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=1024),
+}
 
+
+def write_random_checkpoint(folder, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **sizes) -> str:
+    """A random-weight Llama (config.json + model.safetensors) drawn on ``device`` in ``dtype``: the 1B
+    shape in seconds, where ``write_tiny_model``'s fp32 init and save take minutes. Projections and
+    embeddings ~N(0, 0.02), norms ~N(1, 0.1)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", rms_norm_eps=1e-5, tie_word_embeddings=False, **sizes)
+    with torch.device("meta"):  # names and shapes only: nothing is allocated
+        shapes = {name: p.shape for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    gen = torch.Generator(device).manual_seed(0)
+    state = {}
+    for name, shape in shapes.items():
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        t = t * 0.02 if len(shape) > 1 else 1.0 + 0.1 * t
+        state[name] = t.to(dtype).cpu()
+    config.save_pretrained(folder)
+    save_file(state, str(Path(folder) / "model.safetensors"))
+    return str(folder)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_model_steps(args) -> None:
+    """Decode steps of a random model in process (``--model-shape``; the 1B shape needs a GPU), eager
+    and with CUDA graphs: tokens/s and ms per step at each of ``--batches``, each row also in ``--json``.
+    A step's time is (a run of N + 1 tokens - a run of 1) / N, so the prefill cancels out."""
+    from folio.core.engine import generate
+
+    figures = {"shape": args.model_shape, "device": args.device, "rows": []}
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
+
+    sizes = MODEL_SHAPES[args.model_shape]
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    kinds = {"greedy": GREEDY, "sampled": SAMPLED}
     with tempfile.TemporaryDirectory() as folder:
-        path = write_tiny_model(folder, vocab_size=49152, hidden_size=2048, intermediate_size=8192,
-                                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                max_position_embeddings=4096)
+        t0 = time.perf_counter()
+        path = write_random_checkpoint(folder, args.device, getattr(torch, dtype), **sizes)
+        figures["checkpoint_s"] = time.perf_counter() - t0
+        print(f"{args.model_shape} checkpoint written in {figures['checkpoint_s']:.1f} s", flush=True)
         for mode in args.modes:
-            config = RuntimeConfig(device="cuda", dtype="bfloat16", max_num_seqs=256, enforce_eager=mode == "eager")
+            config = RuntimeConfig(device=args.device, dtype=dtype, max_num_seqs=max(args.batches),
+                                   enforce_eager=mode == "eager")
             t0 = time.perf_counter()
             runner = ModelRunner(config, path)
             graphs = runner.graphs
-            print(f"1B {mode}: started in {time.perf_counter() - t0:.1f} s; graphs of batches "
+            figures[f"{mode}_start_s"] = time.perf_counter() - t0
+            print(f"{args.model_shape} {mode}: started in {figures[f'{mode}_start_s']:.1f} s; graphs of batches "
                   f"{graphs.buckets if graphs else 'none'}", flush=True)
-            for batch in (1, 64, 256):
-                prompts = [[(i * 7 + j) % 49152 for j in range(128)] for i in range(batch)]
-                for params in (GREEDY, SAMPLED):
-                    def once(n, p=params):
-                        p = WireSampling(**{**{f: getattr(p, f) for f in p.__struct_fields__}, "max_tokens": n})
-                        torch.cuda.synchronize()
+            for batch in args.batches:
+                prompts = [[(i * 7 + j) % sizes["vocab_size"] for j in range(args.prompt_len)] for i in range(batch)]
+                for kind in args.kinds:
+                    def once(n, p=kinds[kind]):
+                        p = msgspec.structs.replace(p, max_tokens=n)
+                        sync(runner.device)
                         t0 = time.perf_counter()
                         generate(runner, prompts, p)
-                        torch.cuda.synchronize()
+                        sync(runner.device)
                         return time.perf_counter() - t0
                     once(2)
-                    dt = (once(65) - once(1)) / 64
-                    kind = "greedy" if params is GREEDY else "sampled"
-                    replays = f", {graphs.num_replays} graph replays so far" if graphs else ""
-                    print(f"1B {mode} B={batch} {kind}: {batch / dt:,.0f} tok/s, "
-                          f"{dt * 1e3:.2f} ms/step{replays}", flush=True)
+                    steps = args.decode_steps
+                    dt = (once(steps + 1) - once(1)) / steps
+                    replays = graphs.num_replays if graphs else 0
+                    figures["rows"].append(dict(mode=mode, batch=batch, kind=kind, tok_s=batch / dt,
+                                                ms_per_step=dt * 1e3, graph_replays=replays))
+                    save()
+                    print(f"{args.model_shape} {mode} B={batch} {kind}: {batch / dt:,.0f} tok/s, "
+                          f"{dt * 1e3:.2f} ms/step, {replays} graph replays so far", flush=True)
             del runner
-            torch.cuda.empty_cache()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    save()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,7 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--profile", action="store_true", help="cProfile the B=256 steps")
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"],
-                        help="--device cuda: the 1B shape eager, with CUDA graphs, or both")
+                        help="the in-process model's steps eager, with CUDA graphs, or both")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="the in-process model's shape (default: 1b with --device cuda, none on the CPU)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256], help="the in-process model's batches")
+    parser.add_argument("--kinds", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
+    parser.add_argument("--decode-steps", type=int, default=64, help="the in-process model's timed decode steps")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--json", default=None, help="the in-process model's rows, written as each is measured")
     parser.add_argument("--skip-null", action="store_true", help="only the other cases (--smollm, the 1B shape)")
     parser.add_argument("--smollm", action="store_true",
                         help="also SmolLM2 at batch 64 on the CPU, greedy vs sampled vs constrained")
@@ -267,9 +328,11 @@ def main(argv: list[str] | None = None) -> None:
         run_smollm(args)
     if args.batch_invariance:
         run_invariance_cost(args)
-    if args.device == "cuda":
+    if args.model_shape is None and args.device == "cuda":
+        args.model_shape = "1b"
+    if args.model_shape is not None:
         with contextlib.suppress(KeyboardInterrupt):
-            run_cuda_1b(args)
+            run_model_steps(args)
     print(f"host ms/step at B=256: {greedy_256:.3f}")
 
 

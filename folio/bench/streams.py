@@ -1,22 +1,6 @@
 """Benchmark: how many tokens per second the gateway and the tokenizer stream to many SSE clients.
 
-The real gateway and tokenizer run as processes (``folio run gateway``, ``folio run tokenizer``) on
-ipc:// sockets and a local HTTP port. This script plays the back half (``FakeBackend``): it takes
-the tokenizer's ``EngineRequest``s and, at a fixed step rate, pushes one ``TokenBatch`` per step
-with one token for every running request (text with multi-byte characters, so that some tokens
-hold half a character), finishing each at ``max_tokens``; it also answers the scheduler's,
-kvmanager's and executor's health pings. The clients run in another process (``--client``): plain
-sockets under one epoll loop, one HTTP/1.1 streaming request each, whose bytes are only stored
-while the streams run and parsed (chunked encoding, SSE events, the usage chunk) once all ended,
-so that the client costs little next to what it measures.
-
-    flock /tmp/folio-bench.lock .venv/bin/python scripts/bench_streams.py [--num-streams 512]
-
-Prints the streamed tokens per second (every stream's completion tokens over the time from the
-first request to the last stream's end), the step rate the backend kept, when the requests reached
-it (a stream runs its max_tokens steps from there), the CPU seconds each process spent, and the
-CPU share other processes took meanwhile. The run starts once the services are idle. The same
-pieces back the test ``tests/services/test_stream_load.py``.
+More in docs/modules.md (folio/bench/streams.py).
 """
 
 from __future__ import annotations
@@ -38,7 +22,8 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints
-from folio.shared.loops import QUIET, freeze_heap, serve_admin
+from folio.services.shell import freeze_heap, serve_admin
+from folio.shared.transport import QUIET
 from folio.shared.messages import AbortRequest, EngineRequest, TokenBatch, TokenDelta
 from folio.shared.transport import Decoder, encode, make_socket
 
@@ -323,7 +308,7 @@ async def run_bench(model: str, num_streams: int, max_tokens: int, step_s: float
     ``freeze``: once the tokenizer is loaded, freeze this process's heap, so that no full collection
     walking transformers' objects holds the backend's steps back (the script does; a test leaves
     its own process alone)."""
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.core.tokenizer.text import TextTokenizer
 
     tokenizer = TextTokenizer(resolve_model(model))

@@ -25,8 +25,9 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.structured.masks import apply_grammar_masks
 from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig
 from folio.core.structured.grammar import check_spec
-from folio.shared.messages import GuidedSpec, WireSampling
-from folio.core.models import resolve_model
+from folio.shared.messages import GuidedSpec
+from folio.shared.sampling import SamplingParams
+from folio.core.model_files import resolve_model
 
 # long enough that no row completes its structure within the measured tokens
 SCHEMA = {"type": "object", "properties": {
@@ -36,7 +37,7 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "notes", "rating"]}
 
 
-def decode_step_times(runner, prompts, params: WireSampling, new_tokens: int) -> list[float]:
+def decode_step_times(runner, prompts, params: SamplingParams, new_tokens: int, grammar=None) -> list[float]:
     times: list[float] = []
     execute = runner.execute
 
@@ -48,7 +49,7 @@ def decode_step_times(runner, prompts, params: WireSampling, new_tokens: int) ->
 
     runner.execute = timed
     try:
-        generate(runner, prompts, msgspec.structs.replace(params, max_tokens=new_tokens))
+        generate(runner, prompts, msgspec.structs.replace(params, max_tokens=new_tokens), grammar=grammar)
     finally:
         runner.execute = execute
     return times[1:]  # the first step is the prefill
@@ -84,13 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [hf.encode(text.format(w))[:24] for w in ("a river", "a city", "a storm", "a garden") * (args.batch // 4)]
     prompts += prompts[: args.batch - len(prompts)]
     meter = CpuMeter()
-    plain = WireSampling(temperature=0.0, ignore_eos=True)
-    guided = msgspec.structs.replace(plain, grammar=grammar)
-    decode_step_times(runner, prompts[:4], guided, 2)  # warm-up
+    plain = SamplingParams(temperature=0.0, ignore_eos=True)
+    decode_step_times(runner, prompts[:4], plain, 2, grammar)  # warm-up
     free_steps, constrained_steps = [], []
     for _ in range(2):
         free_steps += decode_step_times(runner, prompts, plain, args.new_tokens)
-        constrained_steps += decode_step_times(runner, prompts, guided, args.new_tokens)
+        constrained_steps += decode_step_times(runner, prompts, plain, args.new_tokens, grammar)
     free, constrained = statistics.median(free_steps), statistics.median(constrained_steps)
     parts = mask_parts(runner, grammar, args.batch)
     print(f"batch {args.batch}, {args.new_tokens} new tokens, greedy; schema compiled once in {compile_s * 1e3:.0f} ms")

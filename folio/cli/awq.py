@@ -1,20 +1,6 @@
 """Activation-aware weight quantization (AWQ, arXiv 2306.00978) of our Llama-family model, on the CPU.
 
-``folio quantize`` (``quantize.py``) calls ``awq_quantize`` with a dense fp32 model and calibration
-token sequences. For every decoder layer, with the inputs each projection sees on the calibration
-text:
-
-- scale search: per input channel ``s = mean|x| ** alpha`` over 20 values of alpha in [0, 1),
-  keeping the one whose quantized ``Q(W * s) / s`` gives the smallest output error on the
-  calibration inputs (alpha = 0 is plain round to nearest, so AWQ never loses to it there). The
-  ``1 / s`` is folded into the operation before: the RMSNorm weight for q/k/v and gate/up, the
-  up projection's rows for the down projection. o_proj keeps s = 1 (its scale would fold into v's
-  rows, which cannot carry one per query channel when k/v heads are fewer than query heads).
-- clipping search: per output channel and group, the range is shrunk to ``r * max|w|`` for r in
-  1.0 .. 0.5 when that lowers the group's output error (not for q/k/v: attention scores are
-  sensitive to it, as AutoAWQ found).
-
-The result is one ``Int4Weight`` per HF linear name and the changed norm/up weights (dense).
+More in docs/modules.md (folio/cli/awq.py).
 """
 
 from __future__ import annotations

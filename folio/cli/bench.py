@@ -1,13 +1,13 @@
 """``folio bench``: the benchmarks, one command.
 
-    folio bench serve [flags]                 # any OpenAI-compatible endpoint (folio.cli.bench_serve)
+    folio bench serve [flags]                 # any OpenAI-compatible endpoint (folio.bench.serve)
     folio bench list                          # the benchmarks and their first lines
     folio bench NAME [--save-result F.json] [flags of folio.bench.NAME]
 
 ``NAME`` runs the benchmark module ``folio.bench.NAME`` (its ``main``, with its own flags: ``folio
 bench step --steps 40`` is ``python -m folio.bench.step --steps 40``, and ``python
 scripts/bench_step.py --steps 40`` in a checkout), then prints one summary block in the shared
-format (``folio.cli.bench_report``): the figures it printed as ``label: number [unit]`` lines, its
+format (``folio.bench.report``): the figures it printed as ``label: number [unit]`` lines, its
 wall time and exit status; ``--save-result`` writes the same as JSON with its whole output. The
 benchmarks that start servers of their own and compare against baselines (serving, streams,
 router, soak, prefix_cache) stay subcommands; their workloads, pointed at any endpoint, are
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from folio.cli.bench_report import figures_in, print_block, write_json
+from folio.bench.report import figures_in, print_block, write_json
 
 PACKAGE = "folio.bench"
 USAGE = "usage: folio bench serve [flags] | folio bench list | folio bench NAME [--save-result FILE.json] [flags]"
@@ -101,12 +101,11 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "serve":
-        from folio.cli.bench_serve import main as serve_main
+        from folio.bench.serve import main as serve_main
 
         return serve_main(rest)
     known = benchmarks()
     if name == "list":
-        print("serve        any OpenAI-compatible endpoint: vLLM's bench serve figures (folio bench serve -h)")
         for key, path in known.items():
             print(f"{key:<12} {first_line(path)}")
         return 0

@@ -1,21 +1,6 @@
 """GPTQ (arXiv 2210.17323) for folio's symmetric per-channel int8 weights, on the CPU.
 
-``folio quantize --method int8`` calls ``gptq_int8`` with a dense fp32 model and calibration token
-sequences. Round to nearest treats every weight alone; GPTQ quantizes a projection's input columns
-one at a time and spreads each column's rounding error over the columns not yet quantized, in the
-proportion that minimises the layer's output error on the calibration inputs:
-
-- ``H = X^T X`` over the calibration rows ``X`` the projection sees (accumulated by forward hooks,
-  fp64), damped by ``DAMP`` of its mean diagonal, with dead inputs (a zero diagonal) dropped;
-- columns in descending order of ``H``'s diagonal (the paper's "act order"; with one scale per
-  output channel the order costs nothing at inference);
-- the error of column ``i`` is ``(w_i - q_i) / [H^-1]_ii`` and moves the later columns by that
-  times row ``i`` of the upper Cholesky factor of ``H^-1``; blocks of ``BLOCK`` columns apply
-  their accumulated update to the rest in one matrix product.
-
-The scales stay ``max|w| / 127`` per output channel, the same layout, file format and kernels as
-round-to-nearest int8, so only the integers differ. Inputs are captured from the dense model (all
-layers in one pass over the calibration text), not from the partly quantized one.
+More in docs/modules.md (folio/cli/gptq.py).
 """
 
 from __future__ import annotations

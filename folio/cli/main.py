@@ -1,26 +1,6 @@
 """``folio``: one command for people and containers.
 
-- ``folio serve [flags]``: the five services as processes on ipc:// sockets, HTTP on --port;
-- ``folio run SERVICE [flags]``: one service alone (what each compose container runs), or the
-  router in front of many replicas (``folio run router --replica URL ...``);
-- ``folio prepare [--force]``: convert the packaged default model once;
-- ``folio chat [--url URL]``: talk to a model in the terminal through any OpenAI-compatible server;
-- ``folio quantize --method awq|int4|int8 MODEL OUT``: write a quantized model folder;
-- ``folio train-draft --out DIR [--model M]``: train an eagle3 draft head on the model's own answers;
-- ``folio bench serve [flags]``: vLLM's serving benchmark figures against any OpenAI-compatible
-  endpoint; ``folio bench NAME``: the benchmark ``folio.bench.NAME`` with one summary format (``folio bench list``);
-- ``folio kv stats|seq REQ_ID|blocks|clear``, ``folio scheduler stats|requests|abort REQ_ID|drain|resume``,
-  ``folio executor stats``, ``folio tokenizer stats``, ``folio gateway stats``,
-  ``folio router stats|replicas`` (``--json``):
-  ask a running service's admin socket, found by ``--port`` (the server's HTTP port: its run
-  folder is /tmp/folio-PORT) or ``--run-dir``;
-- ``folio keys init DIR``: make the stack's key folder (CURVE key pairs, a server pair per service,
-  the handle-signing secret); keeps the keys already there. ``folio keys split DIR OUT --service
-  NAME``: the reduced folder one service's container needs (its own secret only). Services and
-  admin commands read it with ``--keys-dir`` or ``$FOLIO_KEYS_DIR``, and refuse a tcp endpoint
-  without it;
-- ``folio health SERVICE``: exit 0 when the service answers a ping (compose health checks);
-  ``folio health gateway --http URL`` asks the gateway's ``/health`` instead, which pings them all.
+More in docs/modules.md (folio/cli/main.py).
 """
 
 from __future__ import annotations
@@ -30,10 +10,10 @@ import importlib
 import json
 import sys
 
-from folio.shared import loops, plane
-from folio.shared.config import Endpoints, default_run_dir, keys_dir_from_env
+from folio.shared import curve
+from folio.shared.transport import ask_service
+from folio.shared.config import DEFAULT_PORT, Endpoints, RouterConfig, default_run_dir, keys_dir_from_env
 from folio.shared.keys import KeysError, init_keys
-from folio.shared.messages import AdminReply
 
 RUNNABLE = ("gateway", "tokenizer", "scheduler", "kvmanager", "executor", "router")
 # admin verbs per service as the CLI names it ("kv" is the kvmanager); more come with later issues
@@ -126,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         parser.error(f"run needs a service: {', '.join(RUNNABLE)}")
     if args.command == "prepare":
-        from folio.core.models import main as prepare_main
+        from folio.core.model_files import main as prepare_main
 
         return prepare_main(["--force"] if args.force else [])
     if args.command == "keys" and args.verb == "split":
@@ -135,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return keys_init(args.folder, args.peer)
     if args.command != "health" or not args.http:  # a tcp endpoint is spoken to with the stack's keys only
         try:
-            plane.use_keys(args.keys_dir or keys_dir_from_env())
+            curve.use_keys(args.keys_dir or keys_dir_from_env())
         except KeysError as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
@@ -143,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.http:
             return http_health(args.http, args.timeout)
         try:
-            reply = admin_call(_endpoints(args), args.service, "ping", {}, args.timeout)
-        except (plane.MissingKeys, KeysError) as exc:
+            reply = ask_service(_endpoints(args, args.service), args.service, "ping", {}, args.timeout)
+        except (curve.MissingKeys, KeysError) as exc:
             print(f"folio: {exc}", file=sys.stderr)
             return 1
         return 0 if reply is not None else 1
@@ -188,12 +168,13 @@ def run_service(name: str, argv: list[str]) -> int:
     return module.main(argv) or 0
 
 
-def _endpoints(args: argparse.Namespace) -> Endpoints:
+def _endpoints(args: argparse.Namespace, service: str) -> Endpoints:
     if args.run_dir:
         return Endpoints.ipc(args.run_dir)
     if args.port is not None:
         return Endpoints.ipc(default_run_dir(args.port))
-    return Endpoints.from_env()
+    # the service's own default port: a router alone listens on 8080, and its folder is that port's
+    return Endpoints.from_env(RouterConfig.port if service == "router" else DEFAULT_PORT)
 
 
 def http_health(url: str, timeout_s: float) -> int:
@@ -211,11 +192,6 @@ def http_health(url: str, timeout_s: float) -> int:
     return 1
 
 
-def admin_call(endpoints: Endpoints, service: str, command: str, call_args: dict, timeout_s: float) -> AdminReply | None:
-    """One AdminRequest to ``service``'s admin socket; None when it does not answer in time."""
-    return loops.admin_call(getattr(endpoints, f"admin_{service}"), command, call_args, timeout_s, service=service)
-
-
 def admin_command(args: argparse.Namespace, service: str) -> int:
     call_args = {}
     if args.verb in _NEEDS_REQ_ID:
@@ -224,8 +200,8 @@ def admin_command(args: argparse.Namespace, service: str) -> int:
             return 2
         call_args["req_id"] = args.req_id
     try:
-        reply = admin_call(_endpoints(args), service, args.verb, call_args, args.timeout)
-    except (plane.MissingKeys, KeysError) as exc:
+        reply = ask_service(_endpoints(args, service), service, args.verb, call_args, args.timeout)
+    except (curve.MissingKeys, KeysError) as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
     if reply is None:

@@ -44,7 +44,7 @@ def calibration_text(path: Path, num_tokens: int, seed: int) -> list[list[int]]:
     from folio.core.engine import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -60,7 +60,7 @@ def calibration_text(path: Path, num_tokens: int, seed: int) -> list[list[int]]:
     blocks = count * ((max(map(len, prompts)) + new) // 16 + 2)
     runner = ModelRunner(RuntimeConfig(quantization="none", dtype="float32", device="cpu", num_kv_blocks=blocks),
                          str(path))
-    params = [WireSampling(temperature=1.0, max_tokens=new, ignore_eos=True, seed=seed + i)
+    params = [SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=seed + i)
               for i in range(count)]
     outs = generate(runner, prompts, params)
     return [p + o for p, o in zip(prompts, outs)]
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="the default model's name or a model folder")
     parser.add_argument("out", help="the folder to write")
     args = parser.parse_args(argv)
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     try:
         path = quantize(resolve_model(args.model), Path(args.out), args.method, args.group_size,

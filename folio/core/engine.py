@@ -1,14 +1,12 @@
 """The engine in one process: the services' step without sockets.
 
 ``EngineCore`` is the scheduler's policy with its allocator replica (the prefix cache included)
-and the executor's ``ModelRunner``, stepped as the scheduler service steps them: ``schedule`` ->
-``build_plan`` -> ``execute`` -> ``update_from_result`` (with ``async_scheduling``, the next step is
-planned before the last one's result is applied, as the service plans it while the executor runs;
-in one thread that overlaps nothing, but it takes the same path). In one process the replica is the only
-allocator: the kvmanager, the owner of record that the services keep in step with it, is not
-needed. ``LLMEngine`` adds the tokenizer service's side: prompts and chats are encoded by the
-same ``TextTokenizer``, and token deltas become text deltas (incremental detokenization, stop
-strings, logprob text) in the same ``OutputProcessor``.
+and the executor's ``ModelRunner``, stepped by the scheduler service's own step loop
+(``scheduler/step_loop.py``), here over the runner itself (``LocalExecutor``). In one process the
+replica is the only allocator: the kvmanager, the owner of record that the services keep in step
+with it, is not needed (``ReplicaOnly``). ``LLMEngine`` adds the tokenizer service's side: prompts
+and chats are encoded by the same ``TextTokenizer``, and token deltas become text deltas
+(incremental detokenization, stop strings, logprob text) in the same ``OutputProcessor``.
 
 Used by ``folio.LLM`` (the offline API), by the benchmarks' in-process figures (``generate``) and
 by the tests' ``LocalEngine``, which checks every step against an allocator of record.
@@ -18,28 +16,83 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Coroutine
+from typing import TypeVar
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.kv.window import all_layers_window
-from folio.core.scheduler.exchange import StepOutput
 from folio.core.scheduler.policy import Scheduler
+from folio.core.scheduler.state import StepOutput
+from folio.core.scheduler.step_loop import StepLoop
 from folio.core.scheduler.stats import scheduler_stats
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import TextTokenizer
 from folio.shared.messages import (
     EngineRequest,
     GenerateRequest,
+    Grammar,
     PoolInfo,
     StepPlan,
+    StepResult,
     TextDelta,
     TokenBatch,
     TokenDelta,
-    WireSampling,
 )
+from folio.shared.sampling import SamplingParams
+
+T = TypeVar("T")
+
+
+class LocalExecutor:
+    """The step loop's executor in process: the model runner, run on each plan in the order sent,
+    when its result is asked for (so a step planned ahead is planned before the last one runs, as
+    the service plans it while the executor runs; in one thread that overlaps nothing, but it
+    takes the same path)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.plans: deque[StepPlan] = deque()  # sent, not run yet
+        self.execute_seconds_total = 0.0
+
+    async def send_plan(self, plan: StepPlan) -> None:
+        self.plans.append(plan)
+
+    async def receive_result(self, step_id: int) -> StepResult:
+        plan = self.plans.popleft()
+        assert plan.step_id == step_id, (plan.step_id, step_id)
+        t0 = time.perf_counter()
+        result = self.runner.execute(plan)
+        self.execute_seconds_total += time.perf_counter() - t0
+        return result
+
+
+class ReplicaOnly:
+    """The step loop's allocator of record in process: none, the replica is the only allocator."""
+
+    out_of_sync = None
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def send_log(self, out: StepOutput) -> None:
+        pass
+
+    async def new_epoch(self, reason: str) -> None:
+        self.scheduler.new_epoch(self.scheduler.pool)
+
+
+def run_inline(step: Coroutine[None, None, T]) -> T:
+    """Run a coroutine that never waits (every await in process) to its end, in this thread."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return done.value
+    step.close()
+    raise RuntimeError("an in-process step waited for something: it has no event loop to wait in")
 
 
 class EngineCore:
-    """Scheduler + allocator replica + model runner, stepped in the caller's thread."""
+    """Scheduler + allocator replica + model runner, stepped in the caller's thread by the step loop."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, async_scheduling: bool = False,
@@ -62,9 +115,9 @@ class EngineCore:
             num_host_blocks=pool.num_host_blocks, enable_prefix_caching=enable_prefix_caching,
             sliding_window=all_layers_window(getattr(runner.spec, "layer_windows", ()))))
         self.scheduler.speculative = runner.proposer is not None
-        self.async_scheduling = async_scheduling
-        self.in_flight: deque[tuple[StepOutput, StepPlan]] = deque()  # planned, not run yet
-        self.execute_seconds_total = 0.0
+        self.executor = LocalExecutor(runner)
+        self.steps = StepLoop(self.scheduler, self.executor, ReplicaOnly(self.scheduler),
+                              async_scheduling=async_scheduling, on_plan=self.on_plan)
 
     @property
     def max_model_len(self) -> int | None:
@@ -85,29 +138,11 @@ class EngineCore:
         return self.scheduler.abort(req_id)
 
     def has_work(self) -> bool:
-        return bool(self.in_flight) or self.scheduler.has_work()
+        return self.steps.has_work()
 
     def step(self) -> TokenBatch | None:
         """One iteration: its deltas (``TokenBatch``); None when there was nothing to schedule."""
-        sched, in_flight = self.scheduler, self.in_flight
-        if not in_flight and not self._plan(None):
-            return None
-        if self.async_scheduling and len(in_flight) == 1 and sched.can_plan_ahead(in_flight[0][0]):
-            self._plan(in_flight[0][0])
-        out, plan = in_flight.popleft()
-        t0 = time.perf_counter()
-        result = self.runner.execute(plan)
-        self.execute_seconds_total += time.perf_counter() - t0
-        return sched.update_from_result(out, result)
-
-    def _plan(self, running: StepOutput | None) -> bool:
-        out = self.scheduler.schedule(running)
-        if out is None:
-            return False
-        plan = self.scheduler.build_plan(out)
-        self.on_plan(out, plan)
-        self.in_flight.append((out, plan))
-        return True
+        return run_inline(self.steps.step())
 
     def on_plan(self, out: StepOutput, plan: StepPlan) -> None:
         """Called with each step's decision and plan before it runs (tests check them here)."""
@@ -117,7 +152,7 @@ class EngineCore:
         cache's hit rate over every admitted prompt token."""
         stats = scheduler_stats(self.scheduler)
         stats["prefix_cache_hit_rate"] = stats["num_cached_tokens_total"] / max(1, stats["num_prompt_tokens_total"])
-        stats["execute_seconds_total"] = self.execute_seconds_total
+        stats["execute_seconds_total"] = self.executor.execute_seconds_total
         return stats
 
 
@@ -137,12 +172,12 @@ class LLMEngine:
         "error" deltas of a request the scheduler refused, such as one beyond the whole KV pool).
         Raises ``RequestError`` when it cannot run (empty, beyond the context, token ids outside
         the vocabulary)."""
-        prompt_token_ids, prompt_text, sampling = self.tokenizer.prepare(req)
+        prompt_token_ids, prompt_text = self.tokenizer.prepare(req)
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
         refusals = self.core.add_request(EngineRequest(
-            req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=req.sampling,
             eos_token_id=self.tokenizer.eos_token_id, priority=req.priority, arrival_time=req.arrival_time,
-            cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids, beam_search=req.beam_search,
+            cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids,
             lora_name=req.lora_name))
         return prompt_token_ids, prompt_text, self._texts(TokenBatch(step_id=self.next_step_id, deltas=refusals))
 
@@ -167,12 +202,13 @@ class LLMEngine:
         return texts
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], params: WireSampling | list[WireSampling],
-             eos_token_id: int | None = None, **engine_options) -> list[list[int]]:
+def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             eos_token_id: int | None = None, grammar: Grammar | None = None, **engine_options) -> list[list[int]]:
     """Token ids in, each request's generated token ids out, through the real scheduler (token
     budget, preemption, prefix caching): the in-process path of the benchmarks and of
-    calibration. ``engine_options``: ``EngineCore``'s keyword arguments."""
-    if isinstance(params, WireSampling):
+    calibration. ``grammar``: every request's structured output (checked already).
+    ``engine_options``: ``EngineCore``'s keyword arguments."""
+    if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     core = EngineCore(runner, **engine_options)
     outputs: dict[str, list[int]] = {}
@@ -180,7 +216,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], params: WireSampling
         req_id = f"req-{i}"
         outputs[req_id] = []
         refusals = core.add_request(EngineRequest(req_id=req_id, prompt_token_ids=list(prompt), sampling=sp,
-                                                  eos_token_id=eos_token_id))
+                                                  eos_token_id=eos_token_id, grammar=grammar))
         if refusals:
             raise ValueError(f"prompt {i}: {refusals[0].error}")
     while core.has_work():

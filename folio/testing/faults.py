@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import psutil
 
-from folio.cli.main import admin_call
+from folio.shared.transport import ask_service
 from folio.shared.config import Endpoints
 from folio.testing.server import free_port
 
@@ -74,7 +74,7 @@ class Served:
             time.sleep(0.2)
 
     def admin(self, service: str, command: str) -> dict:
-        reply = admin_call(self.endpoints, service, command, {}, 5.0)
+        reply = ask_service(self.endpoints, service, command, {}, 5.0)
         assert reply is not None and reply.ok, f"{service} {command}: {reply}"
         return reply.data
 

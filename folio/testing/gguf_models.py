@@ -7,18 +7,7 @@ process: the GGUFs the readers are checked against. Most families take a Sentenc
 families only as a byte-level BPE whose pre-tokenizer it recognises, so those get SmolLM2's
 tokenizer and need a vocabulary of at least ``SMOLLM_VOCAB`` tokens.
 
-``write_llama_gguf(path, shape, qtype)`` writes a random-weight Llama of any ``shape`` one layer at a
-time (sharded safetensors, so memory stays at one layer's size), converts it with llama.cpp's
-converter to BF16 and quantizes it with its ``llama-quantize``.
-
-The benchmark files (``bench_gguf(shape, qtype)``, shapes ``BENCH_SHAPES``): ``smollm2`` is the
-packaged SmolLM2-135M-Instruct (its prepared folder converted to BF16 by llama.cpp's converter;
-its Q4_1 is the packaged file itself), ``1b`` and ``3b`` Llama-3.2-1B's and -3B's dimensions with
-random weights (``LLAMA_1B``, ``LLAMA_3B``; speed does not depend on weight values) and SmolLM2's
-tokenizer, the vocabulary padded by the converter to 128,256 tokens. Each shape's BF16 file is
-written once and kept (the reference that quality is measured against); each type is quantized
-from it once by ``llama-quantize``. All live in ``<folio cache>/gguf/``, keyed by the shape, the
-type and the llama.cpp pin. ``python -m folio.testing.gguf_models SHAPE [QTYPE]`` makes one.
+More in docs/modules.md (folio/testing/gguf_models.py).
 """
 
 from __future__ import annotations
@@ -60,7 +49,7 @@ def write_tiny_tokenizer(folder, max_pieces: int = 100) -> Path:
 def smollm_tokenizer_files(folder) -> Path:
     """SmolLM2's tokenizer files copied into ``folder``: from the prepared default model when there
     is one, else read from the packaged GGUF."""
-    from folio.core.models import default_model_dir, is_prepared, packaged_gguf
+    from folio.core.model_files import default_model_dir, is_prepared, packaged_gguf
 
     folder = Path(folder)
     source = default_model_dir()
@@ -207,7 +196,7 @@ def llama_shape_key(shape: dict, qtype: str, seed: int = 0) -> str:
 
 def _smollm2_key(qtype: str) -> str:
     """What the SmolLM2 files depend on: the packaged GGUF they come from and the llama.cpp pin."""
-    from folio.core.models import packaged_gguf
+    from folio.core.model_files import packaged_gguf
 
     gguf = packaged_gguf()
     blob = json.dumps({"smollm2": gguf.name, "size": gguf.stat().st_size, "llama.cpp": LLAMA_CPP_PYTHON})
@@ -222,7 +211,7 @@ def bench_gguf_path(shape: str, qtype: str) -> Path:
     """Where ``bench_gguf(shape, qtype)`` keeps its file (the packaged file for SmolLM2's Q4_1)."""
     qtype = qtype.upper()
     if shape == "smollm2":
-        from folio.core.models import packaged_gguf
+        from folio.core.model_files import packaged_gguf
 
         if qtype == "Q4_1":
             return packaged_gguf()
@@ -263,7 +252,7 @@ def bench_gguf(shape: str, qtype: str, log=sys.stderr) -> Path:
 def smollm2_checkpoint(folder: Path) -> Path:
     """The prepared SmolLM2 folder as llama.cpp's converter reads it: its files linked into
     ``folder``, its config naming the architecture (a config rebuilt from a GGUF names none)."""
-    from folio.core.models import prepare_default_model
+    from folio.core.model_files import prepare_default_model
 
     source = prepare_default_model(quiet=True)
     for f in source.iterdir():

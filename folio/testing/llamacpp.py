@@ -1,24 +1,6 @@
 """The CPU peers' own tools for comparisons and test oracles: their sources, converter and binaries.
 
-Two peers, each from one pinned source distribution on the package index (``PEERS``), downloaded
-with pip and extracted once per machine under ``<folio cache>/<peer>/``:
-
-- ``llama.cpp`` (``LLAMA_CPP``): the llama.cpp that ``llama-cpp-python`` vendors. Its tools write
-  the GGUFs: ``convert_hf_to_gguf(model_dir, out)`` runs its ``convert_hf_to_gguf.py`` with the
-  ``gguf-py`` beside it (not whichever ``gguf`` is installed), the writer the GGUF readers are
-  checked against; ``convert_many`` runs many conversions in one process; ``quantize`` runs its
-  ``llama-quantize``;
-- ``ik_llama.cpp`` (``IK_LLAMA_CPP``): the CPU-focused fork that ``ik-llama-cpp-python`` vendors.
-
-``build_peer(peer)`` compiles a peer's ``llama-server`` and ``llama-perplexity`` (and mainline's
-``llama-quantize``) with CMake for this CPU (``-march=native``; no CURL, no OpenSSL, no GPU
-back-end) in a build folder kept in the cache and keyed by the pin, and copies the binaries beside
-it: minutes to tens of minutes on a small machine, once. ``python -m folio.testing.llamacpp [--peer
-NAME|all] [JOBS]`` runs it. ``find_binary(peer, name)`` looks at the peer's environment variable
-(``$FOLIO_LLAMA_SERVER``, ``$FOLIO_LLAMA_QUANTIZE``, ``$FOLIO_LLAMA_PERPLEXITY``,
-``$FOLIO_IK_LLAMA_SERVER``, ``$FOLIO_IK_LLAMA_PERPLEXITY``), then, for mainline only, the PATH
-(ik_llama.cpp's binaries carry the same names), then the ones built here. The tests only use
-binaries that exist (or build them when ``FOLIO_BUILD_LLAMA_SERVER=1``).
+More in docs/modules.md (folio/testing/llamacpp.py).
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from folio.cli.main import admin_call
+from folio.shared.transport import ask_service
 from folio.shared.config import Endpoints
 from folio.testing.server import free_port
 
 
 @dataclass
-class Replica:
+class ReplicaProcess:
     model: str
     flags: tuple[str, ...]
     port: int = field(default_factory=free_port)
@@ -42,7 +42,7 @@ class Replica:
         key = f",key={self.peer_key}" if self.peer_key else ""
         return f"{self.url},kv_events_port={self.kv_events_port},kv_snapshot_port={self.kv_snapshot_port}{key}"
 
-    def start(self) -> "Replica":
+    def start(self) -> "ReplicaProcess":
         cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", self.model, "--host", "127.0.0.1",
                "--port", str(self.port), "--run-dir", self.run_dir, "--log-level", "warning",
                "--kv-events-port", str(self.kv_events_port), "--kv-snapshot-port", str(self.kv_snapshot_port),
@@ -55,7 +55,7 @@ class Replica:
         self.proc = subprocess.Popen(cmd, env=env)
         return self
 
-    def wait_ready(self, timeout_s: float = 180.0) -> "Replica":
+    def wait_ready(self, timeout_s: float = 180.0) -> "ReplicaProcess":
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,7 +66,7 @@ class Replica:
         raise RuntimeError("folio serve did not become ready")
 
     def admin(self, service: str, command: str, must: bool = True, **args) -> dict:
-        reply = admin_call(Endpoints.ipc(self.run_dir), service, command, args, 5.0)
+        reply = ask_service(Endpoints.ipc(self.run_dir), service, command, args, 5.0)
         if reply is None or not reply.ok:
             assert not must, f"{service} {command}: {reply}"
             return {}
@@ -106,7 +106,7 @@ class RouterProc:
         return f"http://127.0.0.1:{self.port}"
 
     def admin(self, command: str) -> dict:
-        reply = admin_call(Endpoints.ipc(self.run_dir), "router", command, {}, 5.0)
+        reply = ask_service(Endpoints.ipc(self.run_dir), "router", command, {}, 5.0)
         assert reply is not None and reply.ok, f"router {command}: {reply}"
         return reply.data
 
@@ -123,7 +123,7 @@ class RouterProc:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def start_router(model: str, replicas: list[Replica], *flags: str, num_up: int | None = None,
+def start_router(model: str, replicas: list[ReplicaProcess], *flags: str, num_up: int | None = None,
                  timeout_s: float = 60.0) -> RouterProc:
     run_dir = tempfile.mkdtemp(prefix="folio-rt-", dir="/tmp")
     port = free_port()

@@ -9,7 +9,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from folio.cli.main import admin_call
+from folio.shared.transport import ask_service
 from folio.shared.config import Endpoints
 
 
@@ -26,7 +26,7 @@ class Server:
     proc: subprocess.Popen
 
     def admin(self, service: str, command: str, **args) -> dict:
-        reply = admin_call(self.endpoints, service, command, args, 5.0)
+        reply = ask_service(self.endpoints, service, command, args, 5.0)
         assert reply is not None and reply.ok, f"{service} {command}: {reply}"
         return reply.data
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from folio.shared.config import Endpoints
 from folio.shared.keys import split_keys
-from folio.shared.loops import admin_call
+from folio.shared.transport import admin_call
 
 SERVICES = ("kvmanager", "executor", "scheduler", "tokenizer", "gateway")
 
@@ -136,20 +136,20 @@ class TcpStack:
     def admin(self, service: str, command: str, args: dict | None = None, timeout_s: float = 1.0):
         """``admin_call`` to ``service`` with this stack's keys (and, for a stack started with
         ``FOLIO_UNSAFE_NO_CURVE``, in the clear as it is): the reply, None without one."""
-        from folio.shared import plane
+        from folio.shared import curve
 
-        saved = os.environ.get(plane.UNSAFE_ENV)
-        os.environ[plane.UNSAFE_ENV] = self.extra_env.get(plane.UNSAFE_ENV, "0")
+        saved = os.environ.get(curve.UNSAFE_ENV)
+        os.environ[curve.UNSAFE_ENV] = self.extra_env.get(curve.UNSAFE_ENV, "0")
         try:
-            if plane.stack_keys() is None or plane.stack_keys().folder != self.keys_dir:
-                plane.use_keys(self.keys_dir)
+            if curve.stack_keys() is None or curve.stack_keys().folder != self.keys_dir:
+                curve.use_keys(self.keys_dir)
             return admin_call(getattr(self.endpoints, f"admin_{service}"), command, args or {}, timeout_s,
                               service=service)
         finally:
             if saved is None:
-                os.environ.pop(plane.UNSAFE_ENV)
+                os.environ.pop(curve.UNSAFE_ENV)
             else:
-                os.environ[plane.UNSAFE_ENV] = saved
+                os.environ[curve.UNSAFE_ENV] = saved
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())

@@ -1,20 +1,6 @@
 """The executor's part in disaggregated serving (``--kv-role``), around ``runner.execute``.
 
-- ``prefill``: a ``KVSender`` answers pulls on ``tcp://*:--kv-transfer-port`` (0: a free port, in
-  the admin ``stats`` as ``kv_transfer_port``). This side follows each request's block table
-  through the plans; at the end of the step whose forward completed a prompt (it sampled its first
-  token), the prompt's blocks are copied into a host staging pool (one copy: the device blocks go
-  back to the allocator as the one-token request finishes, the staged copy belongs to the
-  transfer) and exported under the request's id. The staged blocks are the transfer's until the
-  decode side confirms, reports a failure, or ``STAGING_TTL_S`` passes: then they go back to the staging
-  pool's free list (``staging_free``; ``stats()`` counts both). A request that names the decode
-  instance's key (``kv_export_peer``, from the router) is exported for that key only.
-- ``decode``: before a step, each ``plan.kv_loads`` entry is pulled into the request's new blocks
-  (``KVReceiver``; the layout handshake runs with each pull). A pull that fails (the prefill
-  instance gone, the transfer expired, a layout mismatch) is computed here instead, in the same
-  step: the request's plan entry starts at its cached prefix (``fallback_computed_tokens``) and
-  schedules the tokens up to the forced one, so its output is the same either way.
-- ``both``: nothing (``make_kv_role`` returns None).
+More in docs/modules.md (services/executor/kv_roles.py).
 """
 
 from __future__ import annotations
@@ -23,8 +9,9 @@ import msgspec
 import structlog
 import torch
 
-from folio.core.executor.runtime.kv_pool import KVPool
-from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, KVSender, TransferError
+from folio.core.kv.tensors.pool import KVPool
+from folio.core.kv.tensors.transfer import KVLayout, TransferError
+from folio.services.executor.kv_sockets import KVReceiver, KVSender
 from folio.core.kv.allocator import cdiv
 from folio.shared.messages import TransferHandle
 from folio.shared.messages import StepPlan, StepResult
@@ -117,8 +104,8 @@ class DecodeRole:
         self.num_recomputed = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if plan.kv_loads:
-            plan = self._load(plan)
+        if plan.kv_loads:  # checked first: a pull writes into the blocks the plan names
+            plan = self._load(self.runner.accept(plan))
         return self.runner.execute(plan)
 
     def _load(self, plan: StepPlan) -> StepPlan:

@@ -1,35 +1,6 @@
 """The executor service: the model runtime (``ModelRunner``) behind its socket.
 
-Who talks to it:
-- the scheduler sends a ``StepPlan`` to its ROUTER (``recv_from_scheduler``) and gets the
-  ``StepResult``; steps are executed one at a time, in arrival order. With async scheduling the
-  next plan arrives while a step runs and waits in the socket; its decodes that follow a token
-  sampled in the step before (placeholders) read that token from the runner's batch, where the
-  step before appended it;
-- at start it registers its KV pool with the kvmanager (``send_to_kvmanager``, DEALER) under a
-  fresh epoch, so that the kvmanager drops tables from an earlier executor's pool; then it sends
-  the same registration every ``REGISTER_EVERY_S``, so that a restarted kvmanager learns the pool
-  (to one that knows it already, it changes nothing);
-- CLIs ask its admin ROUTER for ``stats`` (the runner's: pool size, device, dtype, backend; its
-  start-up phases, ``startup``, which ``folio serve`` logs; with
-  ``--tensor-parallel-size`` > 1 each rank's device, memory and step time, asked between steps);
-- with ``--enable-lora`` the runner holds the LoRA adapters (``--lora-modules``, registered as it
-  starts); the gateway asks the admin socket for ``lora_list`` (names and folders) and, with
-  ``--allow-runtime-lora``, ``lora_load`` {name, path} and ``lora_unload`` {name}, run on the step
-  thread between steps. A refused adapter (bad folder, rank above ``--max-lora-rank``, a target
-  the model lacks) is answered ``{"error": why, "status": 400}`` and changes nothing. Adapters
-  loaded at run time are not kept across a restart of this service.
-
-With ``--kv-role prefill`` it exports each prompt's KV when the prompt is computed and serves the
-pulls (its admin ``stats`` name the ``kv_transfer_port``); with ``--kv-role decode`` it pulls the
-KV a plan's ``kv_loads`` name before the step (``kv_roles.py``).
-
-With ``--otlp-traces-endpoint`` each ``StepResult`` carries the step's wall-clock start and end
-(``exec_ns``): the scheduler records the executor's spans with them (``services/scheduler/tracing.py``).
-
-With ``--tensor-parallel-size N`` > 1 the runner is ``workers.ParallelRunner``: this process is
-rank 0 of N; a dead rank ends this process (exit code 1), so that its supervisor starts a new
-executor under a new epoch and the scheduler recomputes.
+More in docs/modules.md (services/executor/service.py).
 """
 
 from __future__ import annotations
@@ -44,13 +15,15 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import WorkerGroupError
 from folio.core.kv.window import all_layers_window
 from folio.services.executor.kv_roles import make_kv_role
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import ExecutorServiceConfig
-from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_router
+from folio.services.shell import serve_admin, serve_router
+from folio.shared.transport import close_sockets, receive_reply
 from folio.shared.messages import PoolInfo, RegisterPool, StepPlan, StepResult
 from folio.shared.transport import Decoder, encode, make_socket
 
@@ -142,11 +115,13 @@ class ExecutorService:
             return msgspec.structs.replace(result, epoch=self.epoch)
         except WorkerGroupError:
             raise  # on_failure ends the process: an answer would only say the step went wrong
-        except Exception:
-            # a plan that does not fit our state: answer anyway (the scheduler fails the requests
-            # that got no token) rather than leave it waiting forever
+        except InvalidPlan as exc:  # refused before anything ran: the executor is as it was
+            log.warning("step plan refused", step_id=plan.step_id, error=str(exc))
+            return StepResult(step_id=plan.step_id, epoch=self.epoch, error=f"the step plan was refused: {exc}")
+        except Exception as exc:
+            # answer anyway (the scheduler ends the step's requests) rather than leave it waiting forever
             log.exception("step failed", step_id=plan.step_id, req_ids=list(plan.num_scheduled_tokens))
-            return StepResult(step_id=plan.step_id, epoch=self.epoch)
+            return StepResult(step_id=plan.step_id, epoch=self.epoch, error=f"the step failed: {type(exc).__name__}")
         finally:
             self.execute_seconds_total += time.perf_counter() - t0
             if self.recv_from_scheduler.get(zmq.EVENTS) & zmq.POLLIN:  # the next plan is here already

@@ -55,9 +55,10 @@ async def run_chat(request: web.Request, req: ChatCompletionRequest, meta: Respo
     """Submit ``req`` as chat does and answer with ``response_fn(meta, deltas, usage)`` (a dict),
     or, streamed, ``stream_fn(request, mailbox, meta, req)``."""
     service = request.app[SERVICE]
+    params = req.sampling_params()
     _, lora_name = await service.resolve_model(req.model)
     reasoning = request_reasoning_parser(req, service.config) is not None
-    gen = convert.chat_generate_requests(req, meta.id, lora_name=lora_name, reasoning=reasoning)
+    gen = convert.chat_generate_requests(req, meta.id, params, lora_name=lora_name, reasoning=reasoning)
     mailbox = service.submit(gen, None)
     return await _respond(request, mailbox, meta, req, stream_fn, response_fn)
 

@@ -11,7 +11,7 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from folio.services.gateway import messages_api, responses_api, tracing
+from folio.services.gateway import messages_api, request_spans, responses_api
 from folio.services.gateway.dashboard import add_dashboard_routes
 from folio.services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
 from folio.services.gateway.service import GatewayService
@@ -51,7 +51,7 @@ def body_limit(max_bytes: int, timeout_s: float):
 
 def build_app(service: GatewayService) -> web.Application:
     traced = getattr(service, "tracing", None)  # --otlp-traces-endpoint: the request spans around the rest
-    app = web.Application(middlewares=[*([tracing.middleware(traced)] if traced else []), error_middleware,
+    app = web.Application(middlewares=[*([request_spans.middleware(traced)] if traced else []), error_middleware,
                                        # the key first: a stranger's body is never read
                                        auth_middleware(service.config.api_key),
                                        body_limit(service.config.max_body_bytes, service.config.body_timeout_s)],

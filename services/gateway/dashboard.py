@@ -1,19 +1,6 @@
 """The live KV page: ``GET /dashboard`` and the JSON it polls.
 
-- ``/dashboard`` and ``/dashboard/static/*``: the page (``static/``: hand-written HTML, JS and CSS,
-  shipped as package data; nothing comes from elsewhere). They hold no data, so they need no key.
-- ``/dashboard/api/state?since=T&cells=N&req_id=R``: what the page draws, gathered from the admin
-  sockets: the kvmanager's ``map`` (both tiers in at most N cells, ``services/kvmanager/blockmap.py``,
-  and the block table of request R, the one hovered or clicked, taken at the same moment), the
-  kvmanager's ``tiers`` (blocks, bytes and hits of the device, host and disk tiers) and the
-  samples of the engine's figures taken after ``since``.
-It sits behind ``--api-key`` like ``/v1/`` (``routes.auth_middleware``); the page takes the key
-from its ``?key=`` parameter or asks for it, and sends it as a bearer token.
-
-``History`` samples the scheduler's and kvmanager's ``stats`` once a second into a ring of the last
-five minutes, only while somebody watches (a poll in the last ``IDLE_STOP_S``): an unwatched
-gateway asks nothing. Rates (step time, batch size, token-budget use, prefix hit rate,
-preemptions) are differences of the services' running totals between two samples.
+More in docs/modules.md (services/gateway/dashboard.py).
 """
 
 from __future__ import annotations

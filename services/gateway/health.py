@@ -4,19 +4,9 @@ One task per service (``GatewayService.start`` runs them) pings its admin socket
 ``PROBE_INTERVAL_S`` with a ``PING_TIMEOUT_S`` deadline and keeps the answer; readers never wait on
 a probe, so probing never slows serving, and what ``/health`` reports is never older than about a
 second (an interval plus a deadline). A ping's reply names the process instance
-(``folio.shared.loops.INSTANCE``), which tells a restart from a pause.
+(``folio.services.shell.INSTANCE``), which tells a restart from a pause.
 
-Who reads it:
-- ``/health`` and ``/ready``: 200 only while every service answered within ``DOWN_AFTER_S``,
-  else 503 with a JSON body naming those that did not (output arriving from the tokenizer counts
-  as an answer: a busy loop may answer a ping late, but it is not down);
-- ``GatewayService.submit``: new requests get 503 while any service is down;
-- ``GatewayService.on_lost``, called from here: the tokenizer and scheduler hold in-flight
-  requests' state, so when one of them restarts (a new instance) the gateway replays those
-  requests as continuations of what they delivered; one silent past ``STALL_S`` is logged, and its
-  requests wait for it or for its restart. The executor and kvmanager hold nothing a request
-  cannot recompute: their in-flight requests wait (bounded by ``--request-timeout``) and then
-  complete.
+More in docs/modules.md (services/gateway/health.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from folio.shared.config import GatewayConfig
-from folio.shared.loops import ServiceSpec
+from folio.services.shell import ServiceSpec
 
 
 def open_service(config: GatewayConfig, ctx, log):

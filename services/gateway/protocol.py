@@ -3,9 +3,9 @@
 ``routes.py`` decodes each body with ``parse(body, CompletionRequest)`` (or another request type):
 types and OpenAI's ranges are ``msgspec`` annotations on the structs below; the rules of the HTTP
 API's own fields (prompts, streaming, structured output, tools) are the ``(param, is_bad, message)``
-rows of ``_COMMON_RULES``/``_COMPLETION_RULES``/``_CHAT_RULES``. The rules that tie sampling
-parameters together are the front door's (``folio/core/frontdoor.py``, applied by ``convert.py``),
-shared with ``folio.LLM``.
+rows of ``_COMMON_RULES``/``_COMPLETION_RULES``/``_CHAT_RULES``. A body's ``sampling_params()`` is
+its one ``SamplingParams`` (``shared/sampling.py``), whose own rules, shared with
+``folio.LLM``, are checked as it is built.
 Anything wrong becomes an ``ApiError`` that the routes turn into an OpenAI error object.
 Unknown fields are ignored, as OpenAI does (clients send extras such as ``user``).
 """
@@ -20,6 +20,7 @@ import msgspec
 from msgspec import Meta
 
 from folio.core.frontdoor import ChatMessageIn
+from folio.shared.sampling import ParamError, SamplingParams
 
 MAX_N = 128  # choices per prompt: each is a sequence in the batch
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -87,17 +88,20 @@ class ContinueChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class _Params(msgspec.Struct, kw_only=True):
-    """Fields both endpoints take. ``None`` means "not given": the engine default applies."""
+    """Fields both endpoints take. ``None`` means "not given": the ``SamplingParams`` default
+    applies (OpenAI's and vLLM's agree). The sampling fields carry OpenAI's types and its ranges
+    where they are narrower than ``SamplingParams``' rules (temperature up to 2, penalties within
+    +-2); everything else about them is checked by the struct (``sampling_params``)."""
 
     model: str | None = None
     max_tokens: PosInt | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 and 0: no top-k cut (vLLM's convention)
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Meta(le=2.0)] | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 and -1: off
+    min_p: float | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(le=10.0)] | None = None
     seed: Int64 | None = None
     stop: Annotated[str, Meta(max_length=MAX_STOP_CHARS)] | \
         Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_CHARS)]], Meta(max_length=4)] | None = None
@@ -124,6 +128,18 @@ class _Params(msgspec.Struct, kw_only=True):
     # choices not named start from the beginning)
     continue_choices: Annotated[list[ContinueChoice], Meta(max_length=MAX_N * 64)] | None = None
 
+    def _sampling(self, **endpoint) -> SamplingParams:
+        """The body's ``SamplingParams``: the fields both name, as given, then ``endpoint`` (the
+        fields this endpoint maps its own way); a value the struct refuses is a 400 naming it."""
+        given = {name: getattr(self, name) for name in SamplingParams.__struct_fields__
+                 if name in self.__struct_fields__ and getattr(self, name) is not None}
+        if self.temperature is None and given.get("use_beam_search"):
+            given["temperature"] = 0.0  # beams run greedy: their default temperature
+        try:
+            return SamplingParams(**{**given, **endpoint})
+        except ParamError as exc:
+            raise ApiError(str(exc), param=exc.param) from None
+
 
 class CompletionRequest(_Params, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists
@@ -136,6 +152,10 @@ class CompletionRequest(_Params, kw_only=True):
     use_beam_search: bool = False
     length_penalty: Annotated[float, Meta(ge=-10.0, le=10.0)] = 1.0
     early_stopping: bool | Literal["never"] = False
+
+    def sampling_params(self) -> SamplingParams:
+        # echo with logprobs also returns the prompt tokens' logprobs, as OpenAI does
+        return self._sampling(prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None)
 
 
 class FunctionDef(msgspec.Struct, kw_only=True):
@@ -170,6 +190,12 @@ class ChatCompletionRequest(_Params, kw_only=True):
     add_generation_prompt: bool = True
     # vLLM's: extra variables for the chat template (Qwen3's ``enable_thinking``)
     chat_template_kwargs: dict | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        # chat's logprobs is a flag with top_logprobs beside it; without a token limit the reply
+        # may have all the context the prompt leaves (max_tokens None)
+        return self._sampling(max_tokens=self.max_completion_tokens or self.max_tokens,
+                              logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

@@ -6,7 +6,8 @@ and runs through chat's own path (``api_bridge.run_chat``). The output is a list
 reasoning (``--reasoning-parser``), the message, the function calls. Streamed, it is the API's
 typed events in order: ``response.created``, ``response.in_progress``, per item
 ``response.output_item.added``, its part's added, deltas and done events, ``response.output_item.done``,
-then ``response.completed`` (its ``status`` ``incomplete`` when ``max_output_tokens`` cut it).
+then ``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` cut it (the status
+the same request gets unstreamed, as OpenAI's API ends such a stream).
 
 Responses are kept (unless ``store`` is false) in a ``ResponseStore``: bounded
 (``--response-store-size``, oldest out first) and with a time to live (``--response-store-ttl``).
@@ -246,7 +247,7 @@ class ResponseEvents:
             events.append(self._event("response.content_part.added", **self._at(), content_index=0, part=part))
         return events
 
-    def _close(self) -> list:
+    def _close(self, status: str = "completed") -> list:
         item, events = self.item, []
         if item is None:
             return events
@@ -260,7 +261,7 @@ class ResponseEvents:
             extra = {"logprobs": []} if part["type"] == "output_text" else {}
             events.append(self._event(kind, **at, content_index=0, text=part["text"], **extra))
             events.append(self._event("response.content_part.done", **at, content_index=0, part=part))
-        item["status"] = "completed"
+        item["status"] = status
         events.append(self._event("response.output_item.done", output_index=at["output_index"], item=item))
         self.output.append(item)
         self.item = None
@@ -298,24 +299,31 @@ class ResponseEvents:
         return [self._event("error", code="server_error", message=message, param=None)]
 
     def finish(self, usage: dict) -> list:
-        events = self._close()
-        status = "incomplete" if self.finish_reason == "length" else "completed"
+        status = final_status(self.finish_reason)
+        events = self._close(status)  # the item that was cut is incomplete too
         response = response_object(self.meta, self.req, self.output, usage, status)
         self.on_done(response)
-        # response.completed even when max_output_tokens cut it (its status says incomplete), as
-        # vLLM sends it: the openai client's stream helper waits for that event and no other
-        return events + [self._event("response.completed", response=response)]
+        # response.incomplete, as OpenAI's API sends it (the openai client's get_final_response()
+        # raises on it: its final response is this event's)
+        return events + [self._event(f"response.{status}", response=response)]
 
 
 # --------------------------------------------------------------------------- routes
 
 
-def whole_output(reader, text: str) -> list[dict]:
+def final_status(finish_reason: str | None) -> str:
+    """A response's status, streamed or not: ``incomplete`` when ``max_output_tokens`` cut it."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def whole_output(reader, text: str, status: str) -> list[dict]:
     reasoning, content, calls = reader.message(text)
     output = [reasoning_item(reasoning)] if reasoning else []
     if content or not calls:
         output.append(message_item(content or ""))
-    return output + [call_item(c) for c in calls]
+    output += [call_item(c) for c in calls]
+    output[-1]["status"] = status  # the item that was cut, as the stream's last item.done says
+    return output
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -340,8 +348,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             store.put(response, conversation)
 
     def respond(meta, deltas, usage):
-        output = whole_output(reader_for(request, chat), deltas[0].text)
-        status = "incomplete" if deltas[0].finish_reason == "length" else "completed"
+        status = final_status(deltas[0].finish_reason)
+        output = whole_output(reader_for(request, chat), deltas[0].text, status)
         response = response_object(meta, req, output, usage, status)
         keep(response)
         return response

@@ -45,7 +45,7 @@ from folio.services.gateway.service import GatewayService
 from folio.services.gateway.streaming import collect, stream
 from folio.shared import messages
 from folio.shared.keys import verify
-from folio.shared.plane import stack_keys
+from folio.shared.curve import stack_keys
 
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 SERVICE = web.AppKey("service", GatewayService)
@@ -90,10 +90,10 @@ def auth_middleware(api_key: str | None):
 async def completions(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     req = parse(await request.read(), CompletionRequest)
+    params = req.sampling_params()
     model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1,
                         echo=req.echo)
-    params = convert.completion_params(req)
     gen = _with_kv_transfer(service, req, convert.completion_generate_requests(req, meta.id, params, lora_name))
     response_fn = await _kv_export_response(service, req, responses.completion_response)
     mailbox = service.submit(gen, _resumed(req))
@@ -250,10 +250,11 @@ async def _stream_completion(request, mailbox, meta: ResponseMeta, req: Completi
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     req = parse(await request.read(), ChatCompletionRequest)
+    params = req.sampling_params()
     model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
     reasoning = request_reasoning_parser(req, service.config) is not None
-    gen = _with_kv_transfer(service, req, convert.chat_generate_requests(req, meta.id, lora_name=lora_name,
+    gen = _with_kv_transfer(service, req, convert.chat_generate_requests(req, meta.id, params, lora_name=lora_name,
                                                                          reasoning=reasoning))
     response_fn = responses.chat_response
     if output_reader(req, service.config) is not None:

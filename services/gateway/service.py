@@ -1,45 +1,6 @@
 """The gateway's side of the sockets: requests out to the tokenizer, text back into mailboxes.
 
-Peers (``folio.shared.config.Endpoints``):
-- ``send_to_tokenizer`` (PUSH to ``tokenizer_in``): ``GenerateRequest``, ``AbortRequest``,
-  ``TokenizeRequest``/``DetokenizeRequest``;
-- ``recv_from_tokenizer`` (PULL, bound at ``gateway_in``): ``TextBatch``, ``TokenizeReply``;
-- ``recv_from_admin`` (ROUTER at ``admin_gateway``): ``stats``;
-- the scheduler's and kvmanager's admin sockets, asked for ``stats`` at each ``/metrics`` scrape
-  and by the live KV page (``dashboard.py``: also ``map``) through a short-lived
-  DEALER (a late reply then dies with its socket instead of answering the next question); every service's admin socket, pinged by ``health.HealthMonitor``.
-
-LoRA adapters (``--enable-lora``): the executor holds them; the gateway keeps their names
-(``adapters``, from the executor's ``lora_list``: asked every ``LORA_SYNC_S`` and whenever a
-request names a model it does not know) to map a request's ``model`` to its adapter
-(``resolve_model``), and counts its open requests per adapter. With ``--allow-runtime-lora``,
-``load_lora``/``unload_lora`` ask the executor's admin socket; an adapter with requests open here
-is not unloaded (409): a request that names an adapter never finds it gone.
-
-The HTTP side (``routes.py``) calls ``submit``/``abort`` and reads the returned ``OutputMailbox``.
-With ``--otlp-traces-endpoint`` (``tracing.py``), ``submit`` puts the request span's context into
-the ``GenerateRequest``s.
-``submit`` refuses work up front: 503 while a service is down, 429 past ``--max-queue-len`` queued
-or ``--max-concurrent-requests`` open requests. ``fail`` ends a request's unfinished choices with
-an error delta (and aborts them, freeing their blocks): on a deadline, or past its replays.
-
-Replay: when the tokenizer or the scheduler restarts (``health.HealthMonitor`` sees a new instance),
-every request in flight loses its state there, and ``replay`` sends each unfinished choice again as
-a continuation: the same prompt and params (a choice of ``n`` > 1 alone, with its own seed offset),
-the tokens it has delivered as ``forced_token_ids`` (computed again, not sampled; they count as
-output), under a new engine id (``<choice id>.r<k>``; the old one is aborted, so that the state a
-surviving service holds for it goes). Its deltas are put into the mailbox under the choice's id:
-the client's stream goes on with no token repeated or missing. Greedy and seeded choices go on
-exactly as they would have (sampling is seeded per output position); an unseeded sample goes on as
-another sample of the same distribution. A beam search, whose beams come out only at its end,
-starts over whole. The requests that had delivered output are sent at once; those without any
-(one of them may be what crashed the service) follow one at a time, each once the one before
-delivered tokens (or after ``REPLAY_HOLD_S``), so that a request that crashes the scheduler on
-arrival takes nobody down with it again; a replay counts when it is sent. A crash while such a
-suspect is probed is its own: the requests beside it go again without it counting against them. A
-request replayed ``--max-replays`` times in a row without delivering a token in between (a "poison"
-request, crashing the service each time) ends with the error instead. A service that is only
-silent (hung, not restarted) keeps its requests: they wait for it, bounded by ``--request-timeout``.
+More in docs/modules.md (services/gateway/service.py).
 """
 
 from __future__ import annotations
@@ -58,9 +19,10 @@ from folio.services.gateway.health import HealthMonitor
 from folio.services.gateway.mailbox import OutputMailbox
 from folio.services.gateway.metrics import GatewayMetrics
 from folio.services.gateway.protocol import ApiError
-from folio.services.gateway.tracing import current as request_trace
+from folio.services.gateway.request_spans import current as request_trace
 from folio.shared.config import GatewayConfig
-from folio.shared.loops import ask_admin, close_sockets, serve_admin, serve_pull
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import ask_admin, close_sockets
 from folio.shared.messages import (
     AbortRequest,
     DetokenizeRequest,
@@ -374,7 +336,7 @@ class GatewayService:
                 new_ids = [new_id(c) for c in choices]
                 sends.append(msgspec.structs.replace(req, req_id=new_ids[0], fork_req_ids=new_ids[1:]))
                 continue
-            if req.beam_search is not None:  # its beams come out together: some did, some not
+            if req.sampling.use_beam_search:  # its beams come out together: some did, some not
                 for c in choices:
                     if c in todo:
                         self.abort(c)

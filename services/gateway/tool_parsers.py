@@ -6,17 +6,7 @@ and ``hold_from`` which part of streamed text may still become a call (held back
 content). ``parser`` is ``--tool-call-parser``: one format, or ``auto``, which reads whichever of
 them the text is written in (the markers do not overlap), so every family works without a flag.
 
-The formats, as the families document them:
-
-- ``hermes`` (Hermes, Qwen 2.5/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-- ``llama3_json`` (Llama 3.1/3.3): ``{"name": ..., "parameters": {...}}``, ``;``-separated, maybe
-  after ``<|python_tag|>``;
-- ``pythonic`` (Llama 3.2, Llama 4): ``[get_weather(city="Paris"), ...]``, maybe inside
-  ``<|python_start|>...<|python_end|>``;
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``, or the newer
-  ``[TOOL_CALLS]name[ARGS]{...}`` (and the bare JSON list where the marker was a special token
-  that detokenizing dropped);
-- ``qwen3_coder``: ``<tool_call><function=name><parameter=key>value</parameter>...</function></tool_call>``.
+More in docs/modules.md (services/gateway/tool_parsers.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """The block map of the live KV page: both tiers aggregated into at most ``max_cells`` cells.
 
-The kvmanager's admin verb ``map`` answers with ``block_map(allocator, max_cells)``; the gateway's
-``/dashboard/state`` passes it on to the page (``services/gateway/dashboard.py``). A pool of
-hundreds of thousands of blocks would make a JSON of megabytes and a page of as many elements, so
-each cell stands for a range of ``blocks_per_cell`` consecutive block ids and carries how many of
-them are in each state:
-
-- ``owned``: held by one block table;
-- ``shared``: held by more than one (a fork or a prefix hit), ``max_refs`` the highest ref count;
-- ``cached``: free, but indexed by the prefix cache (a later request can take it back);
-- free: the rest of the cell (not sent: ``blocks_per_cell`` minus the others, the last cell shorter);
-- ``host``: on the host tier, the blocks that hold a swapped-out table.
-
-The counting runs in numpy, on the kvmanager's loop, once per poll of the page: 49 ms for half a
-million blocks (measured 2026-12-01 on a 2-core CPU that other processes kept about half busy),
-which the scheduler does not wait for (it never waits on the kvmanager's replies).
+More in docs/modules.md (services/kvmanager/blockmap.py).
 """
 
 from __future__ import annotations

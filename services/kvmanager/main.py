@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from folio.shared.config import KVManagerConfig
-from folio.shared.loops import ServiceSpec
+from folio.services.shell import ServiceSpec
 
 
 def open_service(config: KVManagerConfig, ctx, log):

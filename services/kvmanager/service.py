@@ -1,30 +1,6 @@
 """The kvmanager service: the owner of record of the KV blocks, fed by the scheduler's step log.
 
-Who talks to it, on its ROUTER (``Endpoints.kvmanager``), DEALER peers:
-- the executor, once at start: ``RegisterPool`` -> ``PoolInfo``. A new pool voids everything the
-  old pool held: tables and cache are dropped and ``AllBlocksCleared`` is published; the
-  scheduler, out of sync from then on, starts a new epoch;
-- the scheduler: ``GetPool`` -> ``PoolInfo`` (held until a pool is registered); ``KVReset`` ->
-  ``PoolInfo`` at each new sync epoch (empty tables on both sides; a kvmanager that restarted and
-  knows no pool adopts the scheduler's); then the ``KVStepRequest`` log of each step that changed
-  the tables, applied in order (``folio.core.kv.steplog``) -> ``KVStepReply`` with the state digest,
-  which the scheduler checks against its replica's without having waited for it.
-  ``folio kv clear`` goes the other way: ``KVClearCache`` asks the scheduler for a ``KVClear`` in
-  its next log, so that both allocators drop the same blocks at the same point.
-It PUBlishes the prefix cache's changes on ``Endpoints.kv_events`` (one ``KVEventBatch`` per step
-that changed it, numbered, vLLM's framing) for routers and dashboards, and answers
-``KVSnapshotRequest`` on ``Endpoints.kv_snapshot`` with every hash the cache holds and the number
-of the next batch, so a router that starts late or misses batches rebuilds its view.
-The tiers (``folio.core.kv.tiers``): the allocator of record holds the device and host tiers'
-index (a device block evicted from the prefix cache goes to the host tier, a host block evicted goes
-to the disk tier); the executor holds their bytes and the disk's files, and performs the copies
-each step plan names. The disk tier's folder outlives this process and is shared with other
-replicas: the scheduler looks it up while it plans and puts the hashes to load in the log, so this
-record follows without reading the disk; its ``stats`` count the folder's blocks and bytes.
-Its admin ROUTER (``Endpoints.admin_kvmanager``) answers ``stats`` (with ``tiers``: blocks, bytes and
-hits per tier), ``seq`` (a block table),
-``blocks`` (a map of both tiers), ``map`` (the same, aggregated for the gateway's live KV page:
-``blockmap.py``) and ``clear`` (drop the free cached blocks).
+More in docs/modules.md (services/kvmanager/service.py).
 """
 
 from __future__ import annotations
@@ -41,7 +17,8 @@ from folio.core.kv.steplog import StepLog
 from folio.core.kv.tiers import scan_folder
 from folio.services.kvmanager.blockmap import DEFAULT_MAX_CELLS, block_map
 from folio.shared.config import KVManagerConfig
-from folio.shared.loops import close_sockets, reply, serve_admin, serve_router
+from folio.services.shell import reply, serve_admin, serve_router
+from folio.shared.transport import close_sockets
 from folio.shared.messages import (
     KV_EVENTS_TOPIC,
     AllBlocksCleared,

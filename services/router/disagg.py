@@ -1,34 +1,7 @@
 """Disaggregated serving through the router: ``folio run router --prefill URL ... --decode URL ...``
 (each URL takes ``--replica``'s ``,kv_events_port=P,kv_snapshot_port=Q`` suffixes).
 
-A generation request (``/v1/completions``, ``/v1/chat/completions``) goes in two legs:
-
-1. Prefill: to a ``--kv-role prefill`` instance picked by prefix hits, as ``--replica`` requests
-   are, with ``max_tokens`` 1, not streamed, and the ``kv_transfer`` extension ``{"export": true,
-   "export_to": KEY}``: the CURVE public key of the decode instance picked for the decode leg (the
-   least loaded), picked first: its ``,key=NAME`` (``folio keys init DIR --peer NAME``, that instance
-   started with ``FOLIO_PEER_KEY=NAME``), else the stack's client key. The prefill executor serves
-   the transfer to that key only.
-   Its answer carries the first token (text and id) and ``kv_transfer``: the transfer id, the port
-   of its executor's KV sender and the blocks' count. A first token that ends the request (a stop,
-   or ``max_tokens`` 1) is the whole answer.
-2. Decode: to a ``--kv-role decode`` instance (the least loaded) with the original body plus
-   ``{"kv_transfer": {"handle": {transfer_id, endpoint: tcp://<prefill host>:<port>, num_blocks,
-   num_tokens}, "forced_token_ids": [first token]}}``. Its executor pulls the prompt's KV and goes
-   on after the first token, which counts as its output position 0, so greedy and seeded outputs
-   are a single instance's. The extension is for the router only; gateways validate it (400).
-
-Streams reach the client without a gap: the first token's chunk is written as soon as the prefill
-leg answers, then the decode leg's stream follows. ``n`` > 1 runs one pair of legs per choice
-(choice i seeded ``seed + i``, as a single instance seeds them), merged by index.
-
-Failures (no request is lost): a prefill instance that fails is left for another; with none left
-the request goes whole to a decode instance (colocated: it computes the prompt itself). A decode
-instance that fails before its answer began is left for another, with the same handle (with a key
-of its own, its pull is refused, and it computes the prompt itself). One that dies mid-stream: the request is sent again to
-another decode instance, without the handle (recomputed there); the text the client already has
-is skipped from the new stream, so a greedy or seeded stream finishes with its solo output. A
-transfer that no decode instance pulls expires on the prefill side (its blocks are freed).
+More in docs/modules.md (services/router/disagg.py).
 """
 
 from __future__ import annotations
@@ -45,8 +18,8 @@ from aiohttp import web
 from folio.services.router.replicas import Replica, parse_replica
 from folio.services.router.resume import ClientGone, to_client
 from folio.shared.keys import KeysError, sign
-from folio.shared.loops import StartError
-from folio.shared.plane import stack_keys
+from folio.services.shell import StartError
+from folio.shared.curve import stack_keys
 
 HANDLE_TTL_S = 300.0  # a signed handle's life: as long as the prefill side keeps its blocks (STAGING_TTL_S)
 

@@ -1,8 +1,9 @@
 """``folio run router``: parse flags into ``RouterConfig`` and route HTTP until SIGTERM/SIGINT.
 
 Its admin socket comes from the environment (``folio.shared.config.Endpoints.from_env``), as for every
-service; the replicas come from ``--replica`` (repeatable) and ``--replica-dns``, or, disaggregated,
-from ``--prefill`` and ``--decode`` (``disagg.py``).
+service (without ``FOLIO_RUN_DIR``: the run folder of its ``--port``); the replicas come from
+``--replica`` (repeatable) and ``--replica-dns``, or, disaggregated, from ``--prefill`` and
+``--decode`` (``disagg.py``). Its keys are ``--keys-dir``'s, else this host's (made if missing).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from folio.shared.config import RouterConfig
-from folio.shared.loops import ServiceSpec, StartError
+from folio.services.shell import ServiceSpec, StartError
 
 
 def check(parser, args) -> None:
@@ -31,13 +32,34 @@ def check(parser, args) -> None:
             parser.error(str(exc))
 
 
+def host_keys(log) -> None:
+    """With no key folder named, the one ``folio serve`` makes on this host, made here when this
+    router starts first (as ``folio serve`` would make it): the replicas' KV events are on tcp,
+    where every socket speaks CURVE, and a replica on this host finds the same folder."""
+    from folio.shared import curve
+    from folio.shared.config import default_keys_dir
+    from folio.shared.keys import KeysError, init_keys
+
+    if curve.curve_disabled() or curve.stack_keys() is not None:
+        return
+    folder = default_keys_dir()
+    try:
+        init_keys(folder)
+    except (OSError, KeysError) as exc:
+        raise StartError("no key folder for the replicas' KV events, and none can be made here; give --keys-dir",
+                         keys_dir=str(folder), error=str(exc)) from exc
+    curve.use_keys(str(folder), "router")
+    log.info("no key folder given: using this host's", keys_dir=str(folder))
+
+
 def open_service(config: RouterConfig, ctx, log):
     from folio.services.router.prompt import PromptEncoder
     from folio.services.router.service import RouterService
 
+    host_keys(log)
     encoder = None
     if config.policy == "cache_aware":
-        from folio.core.models import resolve_model
+        from folio.core.model_files import resolve_model
         from folio.core.tokenizer.text import TextTokenizer
 
         try:

@@ -22,7 +22,8 @@ from pathlib import Path
 import structlog
 
 from folio.core.tokenizer.text import TextTokenizer
-from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
+from folio.shared.messages import ChatMessage, GenerateRequest
+from folio.shared.sampling import SamplingParams
 
 log = structlog.get_logger()
 
@@ -70,7 +71,7 @@ class PromptEncoders:
 
 
 def _load(model_id: str, root: str) -> PromptEncoder | None:
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     try:
         encoder = PromptEncoder(TextTokenizer(resolve_model(root)))
@@ -84,7 +85,7 @@ def _load(model_id: str, root: str) -> PromptEncoder | None:
 
 def _generate_request(body: dict, chat: bool) -> GenerateRequest | None:
     """The request as the gateway would hand it to the tokenizer (first prompt of a batch)."""
-    params = WireSampling()
+    params = SamplingParams()
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

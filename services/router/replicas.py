@@ -1,25 +1,7 @@
 """The replicas behind the router: who they are, whether they answer, how loaded they are, and
 what their prefix caches hold.
 
-- Who: ``--replica URL[,kv_events_port=P][,kv_snapshot_port=Q]`` (static) and, with
-  ``--replica-dns NAME:PORT``, every address a (Kubernetes headless Service) name resolves to,
-  looked up again every ``dns_interval_s``.
-- Liveness and load: each replica's ``GET /metrics`` every ``poll_interval_s`` gives its running
-  and waiting requests (``folio:num_requests_running``/``waiting``); a refused or dropped
-  connection (in a poll or a request in ``service.py``), or ``slow_polls_to_down`` polls in a row
-  that time out (a replica on busy CPUs answers late but lives), mark it down; a poll that
-  succeeds again brings it back.
-- Caches: one SUB socket per replica on its kvmanager's KV events (tcp, ``kv_events_port``), fed
-  to ``KVIndex``; on a gap or restart in the numbering, and whenever a replica comes up, the view
-  is rebuilt from a ``KVSnapshot`` asked on ``kv_snapshot_port`` (without an answer it starts
-  empty: a replica that came back has lost its cache, and so its affinity, until it caches again).
-- Models: each poll that succeeds also reads the replica's ``GET /v1/models`` (with ``$FOLIO_API_KEY``
-  when the replicas want a key): the base model(s) it serves and its adapters (entries with a
-  ``parent``), which change as adapters are loaded and unloaded at run time. ``serving`` gives the
-  replicas a request's ``model`` may go to; a replica whose list is not known yet (or that has no
-  ``/v1/models``) may take any model, and answers for itself. Its ``/metrics`` also say which
-  adapters it is running or holding in its queue (``*lora_requests_info``, vLLM's labels): the
-  adapters routing prefers it for.
+More in docs/modules.md (services/router/replicas.py).
 """
 
 from __future__ import annotations
@@ -37,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from folio.services.router.index import KVIndex
 from folio.shared.config import RouterConfig, api_key_from_env
-from folio.shared.loops import request
+from folio.shared.transport import request
 from folio.shared.messages import KV_EVENTS_TOPIC, KVEventBatch, KVSnapshot, KVSnapshotRequest
 from folio.shared.transport import Decoder, MalformedMessage, make_socket
 

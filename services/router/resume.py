@@ -1,21 +1,6 @@
 """Resuming a stream on another replica when the one serving it dies mid-stream.
 
-The router asks each streamed request's replica for the token ids of every chunk (vLLM's
-``return_token_ids``; the field is taken out again before the client sees it, unless the client
-asked for it), forwards whole SSE events only, and keeps, per choice, the token ids it forwarded
-and whether the choice finished. When the replica's connection breaks (reset, closed before
-``[DONE]``), the same request goes to another replica serving the model with
-``continue_choices``: each choice's forwarded token ids, computed there again but not sampled (the
-gateway's continuation: ``forced_token_ids``), or ``finished``. That replica's gateway sends only
-what follows: no role chunk or echo again, no text of the forced tokens. Its chunks get the first
-stream's ``id`` and ``created``. The client sees one stream: greedy and seeded choices go on with
-exactly the tokens the first replica would have sent (sampling is seeded per output position); an
-unseeded sample goes on as another sample.
-
-Not resumed (the stream ends where it broke, as before): requests with ``tools`` (the tool-call
-reader's state on the replica is not rebuilt) and beam searches (their beams come out at the end:
-a break before that is an ordinary retry). Requests whose stream had not begun are retried as
-before (``service.py``).
+More in docs/modules.md (services/router/resume.py).
 """
 
 from __future__ import annotations

@@ -6,28 +6,7 @@ Who talks to it: clients over HTTP (``/v1/completions``, ``/v1/chat/completions`
 (``Endpoints.admin_router``). It talks to the replicas' gateways over HTTP and to their kvmanagers
 over ZeroMQ (``replicas.py``).
 
-Models: a request goes only to replicas that serve its ``model`` (a base model, or an adapter
-routed with its name as ``lora_name``), as their ``/v1/models`` say (``replicas.py``); a model no
-replica lists, even after their lists are read again, gets OpenAI's 404 ``model_not_found``. A
-request without ``model`` may go to any replica. ``/v1/models`` is the union of the live replicas'
-lists (the first entry of each id), asked with the client's own headers (an API key is the
-replicas' to check).
-
-Failures: a replica that refuses the connection, drops it, or answers 502/503/504 before the
-answer began is left for another (up to ``max_attempts`` replicas); one whose connection failed is
-marked down, so new work goes elsewhere. A stream is only forwarded once its first bytes arrived,
-so a replica that dies before its first token costs the client nothing but time. A stream cut
-after it began goes on from another replica serving the model, as a continuation of what the
-client has (``resume.py``: the streamed token ids are the forced prefix there); without one that
-takes it, it ends there.
-
-Disaggregated (``--prefill`` and ``--decode``): each request runs a prefill leg and a decode leg
-(``disagg.py``), its stream starting with the prefill side's first token.
-
-Tracing (``--otlp-traces-endpoint``, ``folio.shared.tracing``): a ``router.request`` span per
-request (the child of the client's ``traceparent``), a ``router.forward`` span per attempt (the
-replica, why it was chosen, its cached tokens), whose context the replica gets in its
-``traceparent`` header. With tracing off a client's ``traceparent`` is passed on as it is.
+More in docs/modules.md (services/router/service.py).
 """
 
 from __future__ import annotations
@@ -50,7 +29,8 @@ from folio.services.router.replicas import Replica, ReplicaSet, read_models
 from folio.services.router.resume import ClientGone, ResumableStream, to_client
 from folio.services.router.routing import Decision, Router
 from folio.shared.config import RouterConfig
-from folio.shared.loops import close_sockets, serve_admin
+from folio.services.shell import serve_admin
+from folio.shared.transport import close_sockets
 from folio.shared.tracing import TRACEPARENT, setup as tracing_setup, traceparent_of
 from folio.shared.transport import make_socket
 

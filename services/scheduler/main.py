@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from folio.shared.config import SchedulerConfig
-from folio.shared.loops import ServiceSpec
+from folio.services.shell import ServiceSpec
 
 
 def open_service(config: SchedulerConfig, ctx, log):

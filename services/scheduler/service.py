@@ -1,42 +1,43 @@
-"""The scheduler service: the iteration loop around ``policy.Scheduler``, and its sockets.
+"""The scheduler service: the step loop (``folio.core.scheduler.step_loop``) over its sockets.
 
 Who talks to it:
 - the tokenizer PUSHes ``EngineRequest`` and ``AbortRequest`` into ``recv_from_tokenizer``;
-- each step it plans with its allocator replica, sends the step's allocator log to the kvmanager
-  (``send_to_kvmanager``, DEALER: one ``KVStepRequest`` when the log is not empty, without
-  waiting), sends the ``StepPlan`` to the executor (``send_to_executor``, DEALER), waits for its
-  ``StepResult`` and PUSHes one ``TokenBatch`` to the tokenizer. With async scheduling (the
-  default) it plans and sends step N+1 before waiting for step N's result, whenever the policy
-  says N+1 does not depend on it (``Scheduler.can_plan_ahead``): at most one step runs ahead;
-- the kvmanager's replies are read as they come (``receive_from_kvmanager``): each step's state
+- each step the loop plans with the allocator replica, sends the step's allocator log to the
+  kvmanager (``KVManagerClient``: one ``KVStepRequest`` on ``send_to_kvmanager``, DEALER, when the
+  log is not empty, without waiting), sends the ``StepPlan`` to the executor (``ExecutorClient``:
+  ``send_to_executor``, DEALER), waits for its ``StepResult`` and PUSHes one ``TokenBatch`` to the
+  tokenizer. With async scheduling (the default) it plans and sends step N+1 before waiting for
+  step N's result, whenever the policy says N+1 does not depend on it (``can_plan_ahead``): at
+  most one step runs ahead;
+- the kvmanager's replies are read as they come (``KVManagerClient.receive``): each step's state
   digest is checked against the replica's; a mismatch, or a kvmanager that lost its state
-  (restarted), starts a new epoch (``new_epoch``: the one place that resynchronises, also used
-  when the executor restarts). ``KVClearCache`` (``folio kv clear``) puts a clear into the next log;
+  (restarted), starts a new epoch (``KVManagerClient.new_epoch``: the one place that
+  resynchronises, also used when the executor restarts). ``KVClearCache`` (``folio kv clear``)
+  puts a clear into the next log;
 - CLIs ask its admin ROUTER for ``stats`` (with the running and waiting requests per LoRA
   adapter; at most ``--max-loras`` distinct adapters run at once), ``requests``, ``abort``,
   ``drain`` (finish what was accepted, refuse new requests with 503) and ``resume``.
 With ``--otlp-traces-endpoint`` it records a traced request's queue span and, with the executor's
-step times, its prefill chunks and a summary of its decodes (``tracing.py``).
+step times, its prefill chunks and a summary of its decodes (``step_spans.py``).
 The loop sleeps on an event when there is no work (never polls) and wakes on the next message.
 """
-
 from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections import deque
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from folio.core.scheduler.exchange import StepOutput
 from folio.core.scheduler.policy import Scheduler
+from folio.core.scheduler.state import StepOutput
 from folio.core.scheduler.stats import describe_requests, scheduler_stats
+from folio.core.scheduler.step_loop import StepLoop
 from folio.shared.config import SchedulerConfig
-from folio.shared.speculative import speculative_settings
-from folio.shared.loops import close_sockets, receive_reply, serve_admin, serve_pull
+from folio.core.executor.runtime.spec_config import speculation_on
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import close_sockets, receive_reply
 from folio.shared.messages import (
     AbortRequest,
     EngineRequest,
@@ -45,11 +46,12 @@ from folio.shared.messages import (
     KVReset,
     KVStepReply,
     PoolInfo,
+    StepPlan,
     StepResult,
     TokenBatch,
     TokenDelta,
 )
-from folio.services.scheduler.tracing import SchedulerTracer
+from folio.services.scheduler.step_spans import SchedulerTracer
 from folio.shared.tracing import setup as tracing_setup
 from folio.shared.transport import Decoder, encode, make_socket
 
@@ -66,127 +68,20 @@ MAX_PENDING_DIGESTS = 10_000
 CRASH_ON_PROMPT = [int(t) for t in os.environ.get("FOLIO_TESTING_CRASH_ON_PROMPT", "").split(",") if t.strip()]
 
 
-class SchedulerService:
-    def __init__(self, config: SchedulerConfig, ctx: zmq.asyncio.Context):
-        ep = config.endpoints
-        self.config = config
-        self.recv_from_tokenizer = make_socket(ctx, zmq.PULL, ep.scheduler_in)
-        self.send_to_tokenizer = make_socket(ctx, zmq.PUSH, ep.tokenizer_in, service="tokenizer")
-        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager, service="kvmanager")
-        self.send_to_executor = make_socket(ctx, zmq.DEALER, ep.executor, service="executor")
-        self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_scheduler)
-        self.tokenizer_decoder = Decoder(EngineRequest, AbortRequest)
-        self.kvmanager_decoder = Decoder(PoolInfo, KVStepReply, KVClearCache)
-        self.executor_decoder = Decoder(StepResult)
-        self.handlers = {EngineRequest: self.handle_engine_request, AbortRequest: self.handle_abort_request}
-        self.admin_commands = {"stats": self.admin_stats, "requests": self.admin_requests, "abort": self.admin_abort,
-                               "drain": self.admin_drain, "resume": self.admin_resume}
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   enable_chunked_prefill=config.enable_chunked_prefill,
-                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
-                                   preemption_mode=config.preemption_mode,
-                                   scheduling_policy=config.scheduling_policy, max_loras=config.max_loras)
-        self.wake = asyncio.Event()
-        self.pool_ready = False
-        self.executor_check_s = EXECUTOR_CHECK_S
+class KVManagerClient:
+    """The step loop's allocator of record in the service: the kvmanager behind its DEALER. Each
+    step's log goes out without waiting; its digest is checked when the reply comes (a mismatch,
+    or a kvmanager that lost its state, sets ``out_of_sync``)."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, scheduler: Scheduler, wake: asyncio.Event):
+        self.sock = sock
+        self.scheduler = scheduler
+        self.wake = wake  # set when the loop has something to do: a new epoch, a cache to clear
+        self.decoder = Decoder(PoolInfo, KVStepReply, KVClearCache)
         self.generation = 0  # the sync epoch with the kvmanager
         self.pending_digests: dict[int, bytes] = {}  # step_id -> the replica's digest, until the reply
-        self.resync_reason: str | None = None  # set when the kvmanager's state is not the replica's
+        self.out_of_sync: str | None = None  # set when the kvmanager's state is not the replica's
         self.kv_reply: asyncio.Future | None = None  # a GetPool / KVReset waiting for its PoolInfo
-        self.scheduler.speculative = speculative_settings(config) is not None
-        tracing = tracing_setup(config.otlp_traces_endpoint, "scheduler")
-        self.tracer = SchedulerTracer(tracing) if tracing is not None else None  # None: tracing off
-        self.in_flight: deque[StepOutput] = deque()  # steps sent to the executor, oldest first (at most 2)
-        # where step time goes: the bench compares them with the executor's execute time
-        self.timers = {"step_seconds_total": 0.0, "plan_seconds_total": 0.0, "update_seconds_total": 0.0,
-                       "executor_wait_seconds_total": 0.0, "last_step_seconds": 0.0}
-
-    async def run(self) -> None:
-        receiver = asyncio.ensure_future(self.receive_from_kvmanager())
-        try:
-            await asyncio.gather(self.loop(), serve_admin(self.recv_from_admin, self.admin_commands, log))
-        finally:
-            receiver.cancel()
-            close_sockets(self.recv_from_tokenizer, self.send_to_tokenizer, self.send_to_kvmanager,
-                          self.send_to_executor, self.recv_from_admin)
-
-    # ------------------------------------------------------------------ the iteration loop
-    async def loop(self) -> None:
-        log.info("waiting for the executor's KV pool")
-        await self.new_epoch("start")
-        info = self.scheduler.pool
-        self.pool_ready = True
-        if self.config.preemption_mode == "swap" and not info.num_host_blocks:
-            log.warning("--preemption-mode swap without a host tier (--num-host-blocks): preemption recomputes")
-        log.info("pool ready", num_blocks=info.num_blocks, block_size=info.block_size,
-                 max_model_len=self.scheduler.max_model_len, sliding_window=info.sliding_window, epoch=info.epoch)
-        receiver = asyncio.ensure_future(self.receive_from_tokenizer())
-        try:
-            while True:
-                if self.resync_reason is not None and not self.in_flight:
-                    await self.new_epoch(self.resync_reason)
-                if not (self.in_flight or self.scheduler.has_work()) or not await self.step():
-                    self.wake.clear()
-                    await self.wake.wait()
-        finally:
-            receiver.cancel()
-
-    async def step(self) -> bool:
-        """Wait for one step's result, sending the step first when none runs and, with async
-        scheduling, the one after it meanwhile; False when there was nothing to do (then the loop
-        waits for a message)."""
-        sched, timers, in_flight = self.scheduler, self.timers, self.in_flight
-        t0 = time.perf_counter()
-        if not in_flight:
-            if not await self.send_step(None):
-                return False
-        await self.plan_ahead()
-        t1 = time.perf_counter()
-        timers["plan_seconds_total"] += t1 - t0
-        out = in_flight[0]
-        result = await self.receive_result(out.step_id, self.executor_check_s)
-        t2 = time.perf_counter()
-        timers["executor_wait_seconds_total"] += t2 - t1
-        if result is None or (result.epoch and result.epoch != sched.pool.epoch):
-            sched.counters["num_executor_restarts"] += 1
-            in_flight.clear()  # their results are lost with the executor: they recompute
-            await self.new_epoch("the executor restarted")
-            return True
-        in_flight.popleft()
-        batch = sched.update_from_result(out, result)
-        if self.tracer is not None:
-            self.tracer.on_result(out, result)
-        t3 = time.perf_counter()
-        await self.plan_ahead()  # the executor waits for that one, the tokenizer a moment longer
-        t4 = time.perf_counter()
-        if batch:
-            await self.send_to_tokenizer.send(encode(batch))
-        t5 = time.perf_counter()
-        timers["plan_seconds_total"] += t4 - t3
-        timers["update_seconds_total"] += (t3 - t2) + (t5 - t4)
-        timers["last_step_seconds"] = t5 - t0
-        timers["step_seconds_total"] += t5 - t0
-        return True
-
-    async def plan_ahead(self) -> None:
-        """With async scheduling, send the step after the running one when the policy allows."""
-        in_flight = self.in_flight
-        if (self.config.async_scheduling and len(in_flight) == 1 and self.resync_reason is None
-                and self.scheduler.can_plan_ahead(in_flight[0])):
-            await self.send_step(in_flight[0])
-
-    async def send_step(self, running: StepOutput | None) -> bool:
-        """Plan a step (ahead of ``running``'s result, if given) and send it; False if empty."""
-        sched = self.scheduler
-        out = sched.schedule(running)
-        if out is None:
-            return False
-        self.send_log(out)
-        if self.tracer is not None:  # before the send yields: the requests are as ``schedule`` left them
-            self.tracer.on_sent(out)
-        await self.send_to_executor.send(encode(sched.build_plan(out)))
-        self.in_flight.append(out)
-        return True
 
     def send_log(self, out: StepOutput) -> None:
         """The step's allocator log to the kvmanager, not waited for: its digest is checked when
@@ -197,7 +92,7 @@ class SchedulerService:
         if len(self.pending_digests) >= MAX_PENDING_DIGESTS:
             self.pending_digests.pop(next(iter(self.pending_digests)))
         self.pending_digests[out.step_id] = out.digest
-        sent = self.send_to_kvmanager.send(encode(self.scheduler.kv_request(out, self.generation)), flags=zmq.NOBLOCK)
+        sent = self.sock.send(encode(self.scheduler.kv_request(out, self.generation)), flags=zmq.NOBLOCK)
         if sent.done() and sent.exception() is not None:
             log.warning("kvmanager not keeping up: step log dropped", step_id=out.step_id)
 
@@ -208,10 +103,10 @@ class SchedulerService:
         kvmanager that lost its state."""
         self.generation += 1
         self.pending_digests.clear()
-        self.resync_reason = None
+        self.out_of_sync = None
         sched = self.scheduler
-        pool = sched.pool or await self.kv_call(GetPool())
-        info = await self.kv_call(KVReset(generation=self.generation, pool=pool))
+        pool = sched.pool or await self.call(GetPool())
+        info = await self.call(KVReset(generation=self.generation, pool=pool))
         old = sched.pool.epoch if sched.pool else None
         num = sched.new_epoch(info)
         if reason != "start":
@@ -219,16 +114,16 @@ class SchedulerService:
                       new_epoch=info.epoch, generation=self.generation, num_requests=num)
             self.wake.set()
 
-    async def kv_call(self, request, timeout_s: float | None = None) -> PoolInfo:
-        """A request the kvmanager answers with ``PoolInfo`` (read by ``receive_from_kvmanager``)."""
+    async def call(self, request, timeout_s: float | None = None) -> PoolInfo:
+        """A request the kvmanager answers with ``PoolInfo`` (read by ``receive``)."""
         self.kv_reply = asyncio.get_running_loop().create_future()
-        await self.send_to_kvmanager.send(encode(request))
+        await self.sock.send(encode(request))
         return await asyncio.wait_for(self.kv_reply, timeout_s)
 
-    async def receive_from_kvmanager(self) -> None:
-        """The kvmanager's messages as they come: ``PoolInfo`` answers ``kv_call``, ``KVClearCache``
+    async def receive(self) -> None:
+        """The kvmanager's messages as they come: ``PoolInfo`` answers ``call``, ``KVClearCache``
         clears the cache in the next log, ``KVStepReply`` carries a step's digest."""
-        await serve_pull(self.send_to_kvmanager, self.kvmanager_decoder,
+        await serve_pull(self.sock, self.decoder,
                          {PoolInfo: self.handle_pool_info, KVClearCache: self.handle_clear_cache,
                           KVStepReply: self.check_digest}, log, "kvmanager")
 
@@ -241,35 +136,111 @@ class SchedulerService:
         self.wake.set()
 
     def check_digest(self, reply: KVStepReply) -> None:
-        if reply.generation != self.generation or self.resync_reason is not None:
+        if reply.generation != self.generation or self.out_of_sync is not None:
             return  # about an epoch already left
         expected = self.pending_digests.pop(reply.step_id, None)
         if not reply.in_sync:
-            self.resync_reason = "the kvmanager lost its state (restarted, or a new pool)"
+            self.out_of_sync = "the kvmanager lost its state (restarted, or a new pool)"
         elif expected is not None and reply.digest != expected:
             self.scheduler.counters["num_digest_mismatches"] += 1
-            self.resync_reason = "the kvmanager's state digest differs from the replica's"
-        if self.resync_reason is not None:
-            log.error("kvmanager out of sync", step_id=reply.step_id, reason=self.resync_reason)
+            self.out_of_sync = "the kvmanager's state digest differs from the replica's"
+        if self.out_of_sync is not None:
+            log.error("kvmanager out of sync", step_id=reply.step_id, reason=self.out_of_sync)
             self.wake.set()
 
-    async def receive_result(self, step_id: int, check_s: float):
-        """Step ``step_id``'s ``StepResult`` (malformed or stale replies are skipped); a reply
-        slower than ``check_s`` checks for an executor restart (None if it did)."""
+
+class ExecutorClient:
+    """The step loop's executor in the service: the executor behind its DEALER. A result slower
+    than ``check_s`` makes it ask the kvmanager whether the executor restarted (a new pool epoch)."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, scheduler: Scheduler, kvmanager: KVManagerClient):
+        self.sock = sock
+        self.scheduler = scheduler
+        self.kvmanager = kvmanager
+        self.decoder = Decoder(StepResult)
+        self.check_s = EXECUTOR_CHECK_S
+
+    async def send_plan(self, plan: StepPlan) -> None:
+        await self.sock.send(encode(plan))
+
+    async def receive_result(self, step_id: int) -> StepResult | None:
+        """Step ``step_id``'s ``StepResult`` (malformed or stale replies are skipped); None if the
+        executor restarted."""
         while True:
-            result = await receive_reply(self.send_to_executor, self.executor_decoder, log, check_s,
+            result = await receive_reply(self.sock, self.decoder, log, self.check_s,
                                          accept=lambda r: r.step_id == step_id, socket_name="executor")
             if result is not None:
                 return result
-            if await self.executor_restarted():
+            if await self.restarted():
                 return None
 
-    async def executor_restarted(self) -> bool:
+    async def restarted(self) -> bool:
         try:
-            info = await self.kv_call(GetPool(), timeout_s=self.executor_check_s)
+            info = await self.kvmanager.call(GetPool(), timeout_s=self.check_s)
         except TimeoutError:
             return False  # the kvmanager is away too: keep waiting for the executor
         return info.epoch != self.scheduler.pool.epoch
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig, ctx: zmq.asyncio.Context):
+        ep = config.endpoints
+        self.config = config
+        self.recv_from_tokenizer = make_socket(ctx, zmq.PULL, ep.scheduler_in)
+        self.send_to_tokenizer = make_socket(ctx, zmq.PUSH, ep.tokenizer_in, service="tokenizer")
+        self.send_to_kvmanager = make_socket(ctx, zmq.DEALER, ep.kvmanager, service="kvmanager")
+        self.send_to_executor = make_socket(ctx, zmq.DEALER, ep.executor, service="executor")
+        self.recv_from_admin = make_socket(ctx, zmq.ROUTER, ep.admin_scheduler)
+        self.tokenizer_decoder = Decoder(EngineRequest, AbortRequest)
+        self.handlers = {EngineRequest: self.handle_engine_request, AbortRequest: self.handle_abort_request}
+        self.admin_commands = {"stats": self.admin_stats, "requests": self.admin_requests, "abort": self.admin_abort,
+                               "drain": self.admin_drain, "resume": self.admin_resume}
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                   preemption_mode=config.preemption_mode,
+                                   scheduling_policy=config.scheduling_policy, max_loras=config.max_loras)
+        self.scheduler.speculative = speculation_on(config)
+        self.wake = asyncio.Event()
+        self.pool_ready = False
+        self.kvmanager = KVManagerClient(self.send_to_kvmanager, self.scheduler, self.wake)
+        self.executor = ExecutorClient(self.send_to_executor, self.scheduler, self.kvmanager)
+        tracing = tracing_setup(config.otlp_traces_endpoint, "scheduler")
+        self.tracer = SchedulerTracer(tracing) if tracing is not None else None  # None: tracing off
+        self.steps = StepLoop(self.scheduler, self.executor, self.kvmanager, async_scheduling=config.async_scheduling,
+                              on_plan=(lambda out, plan: self.tracer.on_sent(out)) if self.tracer else None,
+                              on_result=self.tracer.on_result if self.tracer else None)
+
+    async def run(self) -> None:
+        receiver = asyncio.ensure_future(self.kvmanager.receive())
+        try:
+            await asyncio.gather(self.loop(), serve_admin(self.recv_from_admin, self.admin_commands, log))
+        finally:
+            receiver.cancel()
+            close_sockets(self.recv_from_tokenizer, self.send_to_tokenizer, self.send_to_kvmanager,
+                          self.send_to_executor, self.recv_from_admin)
+
+    # ------------------------------------------------------------------ the iteration loop
+    async def loop(self) -> None:
+        log.info("waiting for the executor's KV pool")
+        await self.kvmanager.new_epoch("start")
+        info = self.scheduler.pool
+        self.pool_ready = True
+        if self.config.preemption_mode == "swap" and not info.num_host_blocks:
+            log.warning("--preemption-mode swap without a host tier (--num-host-blocks): preemption recomputes")
+        log.info("pool ready", num_blocks=info.num_blocks, block_size=info.block_size,
+                 max_model_len=self.scheduler.max_model_len, sliding_window=info.sliding_window, epoch=info.epoch)
+        receiver = asyncio.ensure_future(self.receive_from_tokenizer())
+        try:
+            while True:
+                if await self.steps.step(publish=self.push_batch) is None:
+                    self.wake.clear()
+                    await self.wake.wait()
+        finally:
+            receiver.cancel()
+
+    async def push_batch(self, batch: TokenBatch) -> None:
+        await self.send_to_tokenizer.send(encode(batch))
 
     async def push_deltas(self, step_id: int, deltas: list[TokenDelta]) -> None:
         await self.send_to_tokenizer.send(encode(TokenBatch(step_id=step_id, deltas=deltas)))
@@ -305,11 +276,11 @@ class SchedulerService:
         if not self.pool_ready:
             return {"pool_ready": False, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
                     **self.scheduler.counters}
-        steps = max(1, self.scheduler.counters["num_steps"])
-        return {"pool_ready": True, **scheduler_stats(self.scheduler), **self.timers, "generation": self.generation,
+        steps, timers = max(1, self.scheduler.counters["num_steps"]), self.steps.timers
+        return {"pool_ready": True, **scheduler_stats(self.scheduler), **timers, "generation": self.kvmanager.generation,
                 "async_scheduling": self.config.async_scheduling,
-                "mean_step_seconds": self.timers["step_seconds_total"] / steps,
-                "mean_plan_seconds": self.timers["plan_seconds_total"] / steps, **self.lora_stats()}
+                "mean_step_seconds": timers["step_seconds_total"] / steps,
+                "mean_plan_seconds": timers["plan_seconds_total"] / steps, **self.lora_stats()}
 
     def lora_stats(self) -> dict:
         """Running and waiting requests per LoRA adapter (``/metrics``), and the adapters' limit."""

@@ -9,11 +9,11 @@ import gc
 import sys
 
 from folio.shared.config import TokenizerConfig
-from folio.shared.loops import ServiceSpec, StartError
+from folio.services.shell import ServiceSpec, StartError
 
 
 def open_service(config: TokenizerConfig, ctx, log):
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.core.tokenizer.text import TextTokenizer
     from folio.services.tokenizer.service import TokenizerService
 

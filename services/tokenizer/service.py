@@ -1,26 +1,6 @@
 """The tokenizer service: text in, token ids to the scheduler; token ids back, text to the gateway.
 
-Peers (``folio.shared.config.Endpoints``):
-- ``recv_from_pipeline`` (PULL, bound at ``tokenizer_in``): ``GenerateRequest``/``AbortRequest``
-  from the gateway and ``TokenBatch`` from the scheduler share one inbox, so a client abort and
-  the tokens of the same request are seen in the order they arrived;
-- ``send_to_scheduler`` (PUSH to ``scheduler_in``): ``EngineRequest``, ``AbortRequest``;
-- ``send_to_gateway`` (PUSH to ``gateway_in``): ``TextBatch`` (one per ``TokenBatch``) and error
-  deltas for requests that cannot run (prompt + max_tokens beyond the context, bad token ids),
-  and the ``TokenizeReply`` to each ``TokenizeRequest``/``DetokenizeRequest`` of the gateway;
-- ``recv_from_admin`` (ROUTER at ``admin_tokenizer``): ``stats``.
-
-A continuation (``GenerateRequest.forced_token_ids``: a request replayed by the gateway after a
-restart, or resumed from another replica) goes on where its stream stopped: its text state is
-rebuilt over the forced tokens (``OutputProcessor.add_request``) without sending their text again.
-
-With ``--otlp-traces-endpoint`` (``folio.shared.tracing``) a request that carries a traceparent
-gets a ``tokenizer.encode`` span and, per choice, a ``tokenizer.detokenize`` span (first tokens to
-the last), and its ``EngineRequest`` carries the traceparent on.
-
-All tokenizer work is synchronous CPU work on the event loop; the loop only multiplexes sockets.
-The exception is structured output: a request whose spec was not seen before waits while a
-worker thread checks it (``folio/core/structured/grammar.py``), and the loop goes on serving everybody else.
+More in docs/modules.md (services/tokenizer/service.py).
 """
 
 from __future__ import annotations
@@ -29,21 +9,22 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Callable
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
 from folio.core.structured.grammar import GrammarChecker, GrammarError
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.shared.config import TokenizerConfig
-from folio.shared.loops import close_sockets, serve_admin, serve_pull
+from folio.services.shell import serve_admin, serve_pull
+from folio.shared.transport import close_sockets
 from folio.shared.messages import (
     AbortRequest,
     DetokenizeRequest,
     EngineRequest,
     GenerateRequest,
+    Grammar,
     TextBatch,
     TextDelta,
     TokenBatch,
@@ -56,8 +37,8 @@ from folio.shared.transport import Decoder, encode, make_socket
 log = structlog.get_logger()  # lazy: takes the config setup_logging makes in main
 NUM_REMEMBERED_ENDED = 4096  # req_ids recently aborted here, whose late tokens need no new abort
 # what a GenerateRequest hands on to its EngineRequest as it is
-PASSED_ON = ("priority", "arrival_time", "cache_salt", "fork_req_ids", "beam_search", "lora_name", "forced_token_ids",
-             "kv_transfer", "traceparent")
+PASSED_ON = ("priority", "arrival_time", "cache_salt", "fork_req_ids", "lora_name", "forced_token_ids", "kv_transfer",
+             "traceparent")
 
 
 class TokenizerService:
@@ -125,7 +106,7 @@ class TokenizerService:
         self.stats["num_generate"] += 1
         t0 = now_ns() if self.tracing is not None and req.traceparent else 0
         try:
-            prompt_token_ids, prompt_text, sampling = self.tokenizer.prepare(req)
+            prompt_token_ids, prompt_text = self.tokenizer.prepare(req)
         except RequestError as exc:
             if t0:
                 self.tracing.record("tokenizer.encode", req.traceparent, t0, now_ns(), {"error.type": "rejected"})
@@ -137,20 +118,20 @@ class TokenizerService:
             for choice_id in (req.req_id, *req.fork_req_ids):
                 self.traces[choice_id] = [req.traceparent, 0, 0]
         if req.guided is None:
-            self._send(req, prompt_token_ids, prompt_text, sampling)
+            self._send(req, prompt_token_ids, prompt_text, None)
             return
         grammar = self.grammars.lookup(req.guided)
         if grammar is not None:
-            self._send(req, prompt_token_ids, prompt_text, msgspec.structs.replace(sampling, grammar=grammar))
+            self._send(req, prompt_token_ids, prompt_text, grammar)
             return
         # a new spec: checked in a worker thread while the loop serves everybody else
         self.compiling[req.req_id] = req
         future = self.grammars.submit(req.guided)
         loop = asyncio.get_running_loop()
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(
-            self._grammar_done, req, prompt_token_ids, prompt_text, sampling, f))
+            self._grammar_done, req, prompt_token_ids, prompt_text, f))
 
-    def _grammar_done(self, req: GenerateRequest, prompt_token_ids, prompt_text, sampling, future) -> None:
+    def _grammar_done(self, req: GenerateRequest, prompt_token_ids, prompt_text, future) -> None:
         if self.compiling.pop(req.req_id, None) is None:
             return  # aborted while it was checked
         exc = future.exception()
@@ -158,7 +139,7 @@ class TokenizerService:
             param = exc.param if isinstance(exc, GrammarError) else req.guided.param
             self._reject(req, str(exc) if isinstance(exc, GrammarError) else f"cannot compile: {exc}", param)
             return
-        self._send(req, prompt_token_ids, prompt_text, msgspec.structs.replace(sampling, grammar=future.result()))
+        self._send(req, prompt_token_ids, prompt_text, future.result())
 
     def _reject(self, req: GenerateRequest, message: str, param: str | None) -> None:
         self.stats["num_rejected"] += 1
@@ -166,10 +147,11 @@ class TokenizerService:
         for choice_id in (req.req_id, *req.fork_req_ids):
             self._reply_error(choice_id, message, 400, param)
 
-    def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, sampling) -> None:
+    def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, grammar: Grammar | None) -> None:
+        """The request on to the scheduler, its sampling params as the gateway built them."""
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
-        engine_req = EngineRequest(req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                                   eos_token_id=self.tokenizer.eos_token_id,
+        engine_req = EngineRequest(req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=req.sampling,
+                                   grammar=grammar, eos_token_id=self.tokenizer.eos_token_id,
                                    **{name: getattr(req, name) for name in PASSED_ON})
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))

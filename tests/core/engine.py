@@ -12,7 +12,8 @@ import msgspec
 from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import EngineRequest, StepPlan, TokenDelta, WireSampling
+from folio.shared.messages import EngineRequest, StepPlan, TokenDelta
+from folio.shared.sampling import SamplingParams
 from tests.core.kv_owner import Owner
 
 
@@ -77,11 +78,11 @@ def make_runner(model_dir: str, num_kv_blocks: int, block_size: int = 16, num_ho
 
 def engine_request(req_id: str, prompt: list[int], max_tokens: int, eos_token_id: int | None = None,
                    **options) -> EngineRequest:
-    """``options``: WireSampling fields, plus ``fork_req_ids``, ``beam_search`` and ``priority``."""
-    extra = {k: options.pop(k) for k in ("fork_req_ids", "beam_search", "priority") if k in options}
+    """``options``: SamplingParams fields, plus ``fork_req_ids``, ``priority`` and ``grammar``."""
+    extra = {k: options.pop(k) for k in ("fork_req_ids", "priority", "grammar") if k in options}
     options.setdefault("temperature", 0.0)
     return EngineRequest(req_id=req_id, prompt_token_ids=list(prompt), eos_token_id=eos_token_id,
-                         sampling=WireSampling(max_tokens=max_tokens, **options), **extra)
+                         sampling=SamplingParams(max_tokens=max_tokens, **options), **extra)
 
 
 def alone(runner: ModelRunner, msg: EngineRequest) -> Output:

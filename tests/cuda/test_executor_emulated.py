@@ -10,7 +10,7 @@ import pytest
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from folio.testing.models import write_tiny_model
 from tests.executor.toy_driver import generate
 
@@ -30,7 +30,7 @@ def _run(model_dir, backend_factory=None):
     order = list(range(24))
     random.Random(5).shuffle(order)
     prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33, 2, 90, 11, 4], [9, 1, 77, 23, 5]]
-    return generate(runner, prompts, WireSampling(temperature=0.0, max_tokens=6), chunk_size=6, block_order=order)
+    return generate(runner, prompts, SamplingParams(temperature=0.0, max_tokens=6), chunk_size=6, block_order=order)
 
 
 @pytest.mark.parametrize("split", [None, True])

@@ -159,14 +159,14 @@ def _greedy(model_dir, backend: str, dtype: str, kv_cache_dtype: str = "auto"):
     from tests.executor.toy_driver import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     config = RuntimeConfig(device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16, attention_backend=backend,
                            kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(config, model_dir)
     assert runner.backend.name == backend
     prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33, 2, 90, 11, 4] * 3, [9, 1, 77, 23, 5], [6] * 40]
-    return generate(runner, prompts, WireSampling(temperature=0.0, max_tokens=24), chunk_size=16)
+    return generate(runner, prompts, SamplingParams(temperature=0.0, max_tokens=24), chunk_size=16)
 
 
 def test_executor_greedy_equal_tiny_model(cuda_backend_cls, tmp_path):

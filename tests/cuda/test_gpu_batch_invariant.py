@@ -21,13 +21,13 @@ VOCAB = 49152
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     pytest.importorskip("cupy")
+    from folio.bench.step import MODEL_SHAPES, write_random_checkpoint
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.testing.models import write_tiny_model
 
-    path = write_tiny_model(tmp_path_factory.mktemp("m1b"), vocab_size=VOCAB, hidden_size=2048,
-                            intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                            num_key_value_heads=8, max_position_embeddings=4096)
+    assert MODEL_SHAPES["1b"]["vocab_size"] == VOCAB
+    # drawn on the GPU in bf16 (2.5 GB), where write_tiny_model would init and save 5 GB in fp32 on the CPU
+    path = write_random_checkpoint(tmp_path_factory.mktemp("m1b"), "cuda", torch.bfloat16, **MODEL_SHAPES["1b"])
     config = RuntimeConfig(device="cuda", dtype="bfloat16", max_num_seqs=16, batch_invariant=True)
     r = ModelRunner(config, path)
     assert r.backend.name == "cuda" and r.backend.batch_invariant
@@ -44,10 +44,10 @@ def _prompts():
 
 
 def test_concurrent_greedy_streams_equal_their_solo_outputs(runner):
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
     from tests.executor.toy_driver import generate
 
-    params = WireSampling(temperature=0.0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     together = generate(runner, _prompts(), params, chunk_size=24)
     solo = [generate(runner, [p], params)[0] for p in _prompts()]
     assert together == solo

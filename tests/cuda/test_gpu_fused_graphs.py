@@ -32,13 +32,13 @@ def _generate(model_dir, enforce_eager: bool):
     from tests.executor.toy_driver import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     config = RuntimeConfig(device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
                            attention_backend="cuda", max_num_seqs=16, enforce_eager=enforce_eager)
     runner = ModelRunner(config, model_dir)
     prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(11)]
-    params = [WireSampling(temperature=0.0, max_tokens=4 + 3 * i) for i in range(11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i) for i in range(11)]
     return generate(runner, prompts, params, chunk_size=32), runner
 
 

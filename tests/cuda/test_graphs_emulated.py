@@ -15,7 +15,7 @@ from folio.core.executor.runtime.input_batch import StepInputs
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from folio.testing.models import write_tiny_model
 from tests.executor.toy_driver import generate
 
@@ -52,7 +52,7 @@ def test_graph_path_gives_the_eager_tokens(model_dir, emu_launcher):
     """Five requests finishing one after another: decode batches of 5, 4, 3, 2, 1 run in buckets
     8, 4, 4, 2, 1 (padding rows re-padded as the batch shrinks) and sample what eager steps do."""
     prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33], [9, 1, 77], [5, 5, 6, 2, 90, 11], [4], [60, 61, 62, 63, 64]]
-    params = [WireSampling(temperature=0.0, max_tokens=n) for n in (9, 3, 6, 2, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (9, 3, 6, 2, 5)]
     eager = generate(_runner(model_dir, emu_launcher, False), prompts, params, chunk_size=4)
     runner = _runner(model_dir, emu_launcher, True)
     got = generate(runner, prompts, params, chunk_size=4)

@@ -17,7 +17,7 @@ from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
 from folio.core.executor.kernels.layer_ops import KernelLayerOps
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from folio.testing.models import write_tiny_model
 from tests.cuda.kv_cases import FP8_KV_SCALES, fresh_meta, make_fp8_step, make_step
 from tests.cuda.window_cases import check, check_gelu_tanh_and_mul, run_attend
@@ -210,7 +210,7 @@ def _generate(model_dir, backend_factory=None):
     order = list(range(24))
     random.Random(5).shuffle(order)
     prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33, 2, 90, 11, 4], [9, 1, 77, 23, 5]]
-    return generate(runner, prompts, WireSampling(temperature=0.0, max_tokens=8), chunk_size=6, block_order=order)
+    return generate(runner, prompts, SamplingParams(temperature=0.0, max_tokens=8), chunk_size=6, block_order=order)
 
 
 class _NoWindows(KernelAttentionBackend):
@@ -251,7 +251,7 @@ def test_gemma2_graph_path_gives_the_eager_tokens(gemma2_dir, emu_launcher):
         return r
 
     prompts = [[3, 17, 99, 5, 42, 8, 8, 61, 120, 7, 33], [9, 1, 77], [5, 5, 6, 2, 90, 11]]
-    params = [WireSampling(temperature=0.0, max_tokens=n) for n in (9, 3, 6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (9, 3, 6)]
     eager = generate(runner(False), prompts, params, chunk_size=4)
     graph_runner = runner(True)
     assert generate(graph_runner, prompts, params, chunk_size=4) == eager

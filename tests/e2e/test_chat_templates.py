@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
+from folio.shared.messages import ChatMessage, GenerateRequest
+from folio.shared.sampling import SamplingParams
 from folio.core.tokenizer.text import RequestError, TextTokenizer
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.server import start_server, stop_server
@@ -71,7 +72,7 @@ def reference_ids(model_dir: str, messages: list[dict]) -> list[int]:
 def served_ids(model_dir: str, messages: list[dict]) -> list[int]:
     """The prompt the tokenizer service makes of a chat request."""
     req = GenerateRequest(req_id="c", messages=[ChatMessage(**m) for m in messages],
-                          sampling=WireSampling(max_tokens=4))
+                          sampling=SamplingParams(max_tokens=4))
     return TextTokenizer(model_dir).prepare(req)[0]
 
 

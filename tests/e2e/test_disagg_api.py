@@ -22,12 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import KVLayout, KVReceiver, LayoutMismatch, TransferError
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.transfer import KVLayout, LayoutMismatch, TransferError
+from folio.services.executor.kv_sockets import KVReceiver
 from folio.shared.keys import init_peer, load_keys, sign
 from folio.shared.messages import TransferHandle
-from folio.shared.plane import stack_keys
-from folio.testing.routerstack import Replica, post, start_router
+from folio.shared.curve import stack_keys
+from folio.testing.routerstack import ReplicaProcess, post, start_router
 
 pytestmark = pytest.mark.slow
 # batch-invariant: answers computed beside others, on another instance, must equal a single instance's bit for bit
@@ -80,9 +81,9 @@ def texts_of(body: dict) -> dict[int, str]:
 
 
 def stack_of(kv_flags: tuple[str, ...], num_decode: int):
-    p = Replica("SmolLM2-135M-Instruct", FLAGS + ("--kv-role", "prefill") + kv_flags).start()
+    p = ReplicaProcess("SmolLM2-135M-Instruct", FLAGS + ("--kv-role", "prefill") + kv_flags).start()
     init_peer(stack_keys().folder, "decode-1")
-    ds = [Replica("SmolLM2-135M-Instruct", FLAGS + ("--kv-role", "decode") + kv_flags,
+    ds = [ReplicaProcess("SmolLM2-135M-Instruct", FLAGS + ("--kv-role", "decode") + kv_flags,
                   peer_key="decode-1" if i == 0 else None).start() for i in range(num_decode)]
     router = None
     try:

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from folio.testing.lora import write_peft_adapter
+from folio.testing.peft_adapters import write_peft_adapter
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.server import start_server, stop_server
 

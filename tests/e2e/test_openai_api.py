@@ -66,7 +66,7 @@ def test_chat_greedy_matches_the_in_process_runtime(client, server, smollm_dir):
     from tests.executor.toy_driver import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
     tok = AutoTokenizer.from_pretrained(smollm_dir)
@@ -75,7 +75,7 @@ def test_chat_greedy_matches_the_in_process_runtime(client, server, smollm_dir):
     quantization = server.admin("executor", "stats")["quantization"]
     assert quantization in ("int4", "none")
     runner = ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization=quantization), smollm_dir)
-    expected = generate(runner, [ids], WireSampling(temperature=0, max_tokens=20), eos_token_id=tok.eos_token_id)[0]
+    expected = generate(runner, [ids], SamplingParams(temperature=0, max_tokens=20), eos_token_id=tok.eos_token_id)[0]
     expected_text = tok.decode([t for t in expected if t != tok.eos_token_id], skip_special_tokens=True)
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].message.content == expected_text

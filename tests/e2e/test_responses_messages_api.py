@@ -65,9 +65,13 @@ def test_responses_plain_streamed_and_tools_chained(openai_client):
     assert r.object == "response" and r.status == "incomplete" and r.usage.output_tokens == 5
     assert r.output[0].type == "message" and r.output_text == r.output[0].content[0].text
     with openai_client.responses.stream(model=MODEL, input="Hi", max_output_tokens=5) as stream:  # the SDK's helper
-        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
-        final = stream.get_final_response()
-    assert text and final.output_text == text and final.status == "incomplete"
+        streamed = list(stream)
+    # cut by max_output_tokens: the stream ends in response.incomplete, as OpenAI's does (the helper's
+    # get_final_response() waits for response.completed alone; the last event holds the response)
+    text = "".join(e.delta for e in streamed if e.type == "response.output_text.delta")
+    final = streamed[-1].response
+    assert streamed[-1].type == "response.incomplete" and final.status == "incomplete"
+    assert text and final.output_text == text and final.incomplete_details.reason == "max_output_tokens"
 
     events = list(openai_client.responses.create(model=MODEL, input="Weather?", tools=RESPONSES_TOOLS, stream=True,
                                                  max_output_tokens=200, extra_body={"guided_regex": FORCED}))

@@ -96,9 +96,9 @@ def test_a_dead_rank_restarts_the_executor(tp_server):
                        timeout_s=60, what="the executor to exit")
 
     def new_epoch():
-        from folio.cli.main import admin_call
+        from folio.shared.transport import ask_service
 
-        reply = admin_call(tp_server.endpoints, "executor", "stats", {}, 2.0)
+        reply = ask_service(tp_server.endpoints, "executor", "stats", {}, 2.0)
         return reply is not None and reply.ok and reply.data["epoch"] != epoch
 
     tp_server.wait_for(new_epoch, timeout_s=180, what="a restarted executor")

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from folio.shared.messages import TokenLogprobs, WireSampling
+from folio.shared.messages import TokenLogprobs
+from folio.shared.sampling import SamplingParams
 
 
 @dataclass
 class SamplingRow:
     """What the sampler needs of one request."""
 
-    params: WireSampling
+    params: SamplingParams
     generator: torch.Generator | None  # not read: a row is seeded when params.seed is set (see seeded_noise)
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -118,7 +119,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> to
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    need_k = any(r.params.top_k is not None and r.params.top_k < vocab for r in rows)
+    need_k = any(0 < r.params.top_k < vocab for r in rows)  # 0: off
     need_p = any(r.params.top_p < 1.0 for r in rows)
     if not (need_k or need_p):
         return logits
@@ -137,7 +138,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
 
 
-def has_penalties(params: WireSampling) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
     """Whether the token history changes this request's distribution (only penalties read it)."""
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 

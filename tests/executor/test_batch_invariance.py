@@ -80,6 +80,8 @@ def test_the_batch_dependent_kernels_fail_the_bitwise_check(smollm_dir):
 @pytest.mark.parametrize("num_threads", [2, 3, 16])
 def test_attention_rows_shared_among_threads_are_bitwise_the_same(num_threads):
     """A step's rows split among threads (as a long prefill's are) give the single thread's bits."""
+    import ctypes
+
     import numpy as np
     import torch
 
@@ -95,17 +97,18 @@ def test_attention_rows_shared_among_threads_are_bitwise_the_same(num_threads):
     seq = np.array([0] * 200 + [1] * 3, dtype=np.int64)
     tok = np.arange(len(lens), dtype=np.int64)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
-    need = (num_heads // num_kv_heads) * int(lens.max())
+    need = lib.folio_attention_scratch(num_heads // num_kv_heads, int(lens.max()))
+    rows = cpu_kernels.Rows(m=len(lens), tok=tok.ctypes.data, seq=seq.ctypes.data, lens=lens.ctypes.data,
+                            block_tables=tables.data_ptr(), num_seqs=tables.shape[0], max_blocks=tables.shape[1])
+    kv = cpu_kernels.KV(k=k_cache.data_ptr(), v=v_cache.data_ptr(), num_blocks=num_blocks, block_size=block_size,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim)
+    lib.folio_set_threads(num_threads)
     outs = []
     for threads in (1, num_threads):
         out, scratch = torch.empty_like(q), np.empty(threads * need, dtype=np.float32)
-        args = (q.data_ptr(), tables.data_ptr(), tables.stride(0), lens.ctypes.data, k_cache.data_ptr(),
-                v_cache.data_ptr(), block_size, num_heads, num_kv_heads, head_dim, 0.125, 0, 0.0, out.data_ptr(),
-                scratch.ctypes.data)
-        if threads == 1:
-            lib.folio_decode_attention(len(lens), tok.ctypes.data, seq.ctypes.data, *args)
-        else:
-            lib.folio_decode_attention_threads(threads, need, len(lens), tok.ctypes.data, seq.ctypes.data, *args)
+        cpu_kernels.check(lib, lib.folio_decode_attention(ctypes.byref(rows), q.data_ptr(), len(lens), num_heads,
+                                                          ctypes.byref(kv), 0.125, 0, 0.0, out.data_ptr(),
+                                                          scratch.ctypes.data, need, threads))
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     # and the kernel computes attention: row 199 (the prefill's last token) against the reference

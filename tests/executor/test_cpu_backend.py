@@ -18,7 +18,7 @@ from folio.core.executor.kernels.cpu_backend import CpuKernelBackend, CpuLayerOp
 from folio.core.executor.kernels.layer_ops import TORCH_LAYER_OPS, KernelRope
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 
 BF16 = torch.bfloat16
 
@@ -160,7 +160,7 @@ def test_a_quantized_model_runs_every_step_through_the_kernels_and_matches_the_r
                                                attention_backend=name), tiny_model_dir) for name in ("cpu", "torch")}
     rng = random.Random(0)
     prompts = [[rng.randrange(128) for _ in range(n)] for n in (1, 5, 30, 9)]
-    greedy = WireSampling(temperature=0.0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {name: generate(r, prompts, greedy, max_num_batched_tokens=20) for name, r in runners.items()}
     assert runners["cpu"].backend.layer_ops.num_fallbacks == 0
     assert outs["cpu"] == outs["torch"]

@@ -13,7 +13,7 @@ from folio.core.executor.kernels import cpu_kernels
 from folio.core.executor.sampling import sampler
 from folio.core.executor.sampling.penalties import PenaltyState
 from folio.core.executor.sampling.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs_batch
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 CHI2_P001 = {3: 16.27, 5: 20.52, 7: 24.32, 9: 27.88, 11: 31.26, 13: 34.53, 15: 37.70}
@@ -33,7 +33,7 @@ def test_exp_is_within_two_ulp_and_exactly_zero_below_the_float_range():
     assert (below == 0).all()
 
 
-def batch_of(params: list[WireSampling], logits: torch.Tensor, outputs: list[list[int]]) -> SamplingBatch:
+def batch_of(params: list[SamplingParams], logits: torch.Tensor, outputs: list[list[int]]) -> SamplingBatch:
     return SamplingBatch.from_rows([SamplingRow(p, make_generator(p.seed, CPU), [1, 2], o)
                                     for p, o in zip(params, outputs)],
                                    logits.shape[1], CPU)
@@ -43,7 +43,7 @@ def test_greedy_rows_under_penalties_take_the_torch_paths_tokens_bit_for_bit(mon
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 300, generator=gen) * 3
     logits[:8, 10] = logits[:8, 20] = logits[:8].amax(-1) + 1  # ties: the first index wins
-    params = [WireSampling(temperature=0.0, repetition_penalty=[1.0, 1.3, 0.7][i % 3],
+    params = [SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 0.7][i % 3],
                              presence_penalty=[0.0, 0.5][i % 2], frequency_penalty=0.2 * (i % 4)) for i in range(64)]
     outputs = [[int(logits[i].argmax()), int(logits[i].argmin()), 20, 20] for i in range(64)]
     batch = batch_of(params, logits, outputs)
@@ -55,10 +55,10 @@ def test_greedy_rows_under_penalties_take_the_torch_paths_tokens_bit_for_bit(mon
 
 
 @pytest.mark.parametrize("params", [
-    WireSampling(temperature=0.7),
-    WireSampling(temperature=1.0, top_p=0.8),
-    WireSampling(temperature=1.2, min_p=0.05, top_p=0.9),
-    WireSampling(temperature=0.9, top_p=0.95, presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.2, min_p=0.05, top_p=0.9),
+    SamplingParams(temperature=0.9, top_p=0.95, presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2),
 ])
 @pytest.mark.parametrize("vocab", [16, 4096])  # within one block of 64 tokens, and many blocks
 def test_draws_follow_the_processed_distribution_and_never_leave_the_kept_set(params, vocab):
@@ -85,7 +85,7 @@ def test_draws_follow_the_processed_distribution_and_never_leave_the_kept_set(pa
 
 def test_a_tiny_top_p_and_a_min_p_near_one_leave_the_best_token():
     logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(2)) * 2
-    for params in (WireSampling(temperature=1.0, top_p=1e-6), WireSampling(temperature=0.7, min_p=0.999)):
+    for params in (SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=0.7, min_p=0.999)):
         out = sampler.sample_batch(logits, batch_of([params] * 32, logits, [[]] * 32))
         assert torch.equal(out, logits.argmax(-1))
 
@@ -94,7 +94,7 @@ def test_recorded_penalties_equal_the_torch_bookkeeping_bit_for_bit(monkeypatch)
     rng = np.random.default_rng(4)
     kernel, torch_ops = (PenaltyState(12, 500, CPU) for _ in range(2))
     for state in (kernel, torch_ops):
-        state.set_row(0, WireSampling(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.1), [5], [])
+        state.set_row(0, SamplingParams(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.1), [5], [])
     for _ in range(30):
         rows = torch.as_tensor(rng.integers(0, 12, 9))  # repeats: a verification appends several tokens to a row
         tokens = torch.as_tensor(rng.integers(0, 40, 9))
@@ -109,11 +109,11 @@ def test_recorded_penalties_equal_the_torch_bookkeeping_bit_for_bit(monkeypatch)
 
 def test_which_batches_the_kernel_takes():
     logits = torch.randn(4, 100)
-    plain = WireSampling(temperature=0.8, top_p=0.9)
-    assert sampler._kernel_takes_all(logits, batch_of([plain, WireSampling(temperature=0.0)] * 2, logits, [[]] * 4))
-    for other in (WireSampling(temperature=0.8, seed=3), WireSampling(temperature=0.8, top_k=5)):
+    plain = SamplingParams(temperature=0.8, top_p=0.9)
+    assert sampler._kernel_takes_all(logits, batch_of([plain, SamplingParams(temperature=0.0)] * 2, logits, [[]] * 4))
+    for other in (SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.8, top_k=5)):
         assert sampler._kernel_takes_all(logits, batch_of([plain, other] * 2, logits, [[]] * 4))  # every row
-    greedy = [WireSampling(temperature=0.0)] * 4
+    greedy = [SamplingParams(temperature=0.0)] * 4
     assert not sampler._kernel_takes_all(logits, batch_of(greedy, logits, [[]] * 4))  # numpy's argmax does it
     assert not sampler._kernel_takes_all(logits.to(torch.float64), batch_of([plain] * 4, logits, [[]] * 4))
 
@@ -136,10 +136,10 @@ def test_table_sampling_reads_the_persistent_rows_and_records_as_the_per_call_pa
 
     vocab, rng = 300, np.random.default_rng(7)
     batches = [InputBatch(64, vocab, 16, CPU) for _ in range(2)]
-    kinds = [WireSampling(temperature=0.0, presence_penalty=0.5, repetition_penalty=1.3),
-             WireSampling(temperature=0.9, top_p=0.9, frequency_penalty=0.4, repetition_penalty=0.8),
-             WireSampling(temperature=0.7),  # no penalties: its rows are never read or recorded
-             WireSampling(temperature=0.0)]
+    kinds = [SamplingParams(temperature=0.0, presence_penalty=0.5, repetition_penalty=1.3),
+             SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.4, repetition_penalty=0.8),
+             SamplingParams(temperature=0.7),  # no penalties: its rows are never read or recorded
+             SamplingParams(temperature=0.0)]
     histories = [rng.integers(0, vocab, 6 + i % 5).tolist() for i in range(40)]  # 3 prompt tokens each
     for batch in batches:
         for i, tokens in enumerate(histories):

@@ -1,75 +1,50 @@
-"""folio's quantized CPU GEMM (``kernels/csrc/qgemm.c`` through ``quant/cpu_gemm.py``) and the one-call
-layer stack (``kernels/csrc/stack.c``): against a float64 reference of what they compute, the same
-bits on AVX-512, AVX2 and plain C builds, rows independent of their batch, and no thread spinning
-once the calls stop."""
+"""folio's quantized CPU kernels (``kernels/csrc/quant.c`` through ``quant/cpu_gemm.py``) and the one-call
+layer stack (``kernels/csrc/stack.c``): every GGUF type repacked losslessly (against gguf-py's own
+dequantization), the GEMM against a float64 reference of what it computes, the same bits on
+AVX-512, AVX2 and plain C builds, rows independent of their batch, checked inputs, and no thread
+spinning once the calls stop."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from folio.core.executor.kernels import cpu_kernels
 from folio.core.executor.quant import cpu_gemm
+from folio.core.executor.quant.cpu_gemm import PackedWeight, QGemm
 from folio.core.executor.quant.formats import quantize_int4, quantize_int8
 from folio.core.executor.quant.linear import QuantLinear, QuantLMHead, unpack_int4
+from folio.testing.gguf_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler for the CPU kernels")
 
-SHAPES = [(960, 576), (45, 64), (200, 1536)]  # SmolLM2's q/k/v; a tile's tail; a long K
-
-
-def _int4_stored(q4):
-    """(q, d, m) as the kernel holds them: d and m rounded to fp16, per block of 32."""
-    g = q4.group_size // 32
-    scale = q4.scale.float().repeat_interleave(g, 1)
-    minimum = q4.zero.float().repeat_interleave(g, 1) - 8 * scale
-    return q4.q, scale.half().float(), minimum.half().float()
+def gguf_values(name: str, raw: np.ndarray, k: int) -> np.ndarray:
+    return gguf.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(raw.shape[0], k)
 
 
 def _relerr(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("group", [32, 64])
-def test_int4_matches_what_it_computes(n, k, group):
-    torch.manual_seed(n + k + group)
-    q4 = quantize_int4(torch.randn(n, k) * 0.05, group)
-    g = cpu_gemm.QGemm.int4(q4)
-    for m in (1, 3, 4, 5, 67, 130):  # tails of the 4-row passes and of the 64-row blocks
-        x = torch.randn(m, k)
-        y = g(x)
-        assert y.shape == (m, n) and y.dtype == torch.float32
-        assert _relerr(y, cpu_gemm.reference(4, x, *_int4_stored(q4))) < 1e-5
-        # and close to the dequantized weights: two int8 passes keep about 15 bits of x; what is
-        # left is the fp16 rounding of the scales and minima (exact for GGUF's Q4_1, fp16 itself)
-        dense = x.double() @ q4.dequantize().double().T
-        assert _relerr(y, dense) < 5e-3
-
-
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_int8_matches_what_it_computes(n, k):
-    torch.manual_seed(n * k)
-    q, d = cpu_gemm.int8_blocks(torch.randn(n, k) * 0.05)
-    g = cpu_gemm.QGemm.int8(q, d)
-    one_pass = cpu_gemm.QGemm(8, g.packed, n, k, passes=1)  # the LM head's
-    for m in (1, 6, 70):
-        x = torch.randn(m, k)
-        assert _relerr(g(x), cpu_gemm.reference(8, x, q, d, None)) < 1e-5
-        assert _relerr(one_pass(x), cpu_gemm.reference(8, x, q, d, None, passes=1)) < 1e-5
-
-
-def test_bf16_rows_in_and_out():
-    torch.manual_seed(3)
-    q4 = quantize_int4(torch.randn(96, 128) * 0.05, 32)
-    g = cpu_gemm.QGemm.int4(q4)
-    x = torch.randn(5, 128).bfloat16()
-    y = g(x)
-    assert y.dtype == torch.bfloat16
-    assert torch.equal(y, g(x.float()).bfloat16())  # the same activations, rounded once at the end
+@pytest.mark.parametrize("name", list(cpu_gemm.TYPES))
+def test_every_type_repacks_losslessly_and_multiplies_as_it_should(name):
+    rng = np.random.default_rng(cpu_gemm.TYPES[name])
+    n, k = 45, 512  # a tile's tail; two K-quant units
+    raw = random_blocks(name, n, k, rng)
+    order = rng.permutation(n)
+    w = PackedWeight.from_gguf(name, raw, k, order)
+    assert np.array_equal(w.dequantize().numpy(), gguf_values(name, raw, k)[order])  # bit for bit
+    assert np.array_equal(w.rows(torch.tensor([44, 0, 7])).numpy(), gguf_values(name, raw, k)[order[[44, 0, 7]]])
+    for passes in (1, 2):
+        g = QGemm(w, passes)
+        for m in (1, 2, 3, 5, 8, 9, 17, 70):  # every row-pass size and the 64-row blocks' tail
+            x = torch.randn(m, k)
+            assert _relerr(g(x), cpu_gemm.reference(w, x, passes)) < 2e-5, (passes, m)
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA; no vectors at all
@@ -78,27 +53,84 @@ def test_every_instruction_set_gives_the_same_bits(march):
         other = cpu_kernels.library_for(march)
     except RuntimeError as exc:
         pytest.skip(f"no {march} build here: {exc}")
-    torch.manual_seed(4)
-    q4 = quantize_int4(torch.randn(200, 576) * 0.05, 32)
-    q8, d8 = cpu_gemm.int8_blocks(torch.randn(130, 576) * 0.05)
-    x = torch.randn(9, 576)
-    for native in (cpu_gemm.QGemm.int4(q4), cpu_gemm.QGemm.int8(q8, d8), cpu_gemm.QGemm.int8(q8, d8, passes=1)):
-        theirs = cpu_gemm.QGemm(native.kind, native.packed, native.n, native.k, lib=other, passes=native.passes)
-        assert torch.equal(native(x), theirs(x)), (march, native.kind, native.passes)
+    rng = np.random.default_rng(4)
+    x = torch.randn(11, 512)
+    for name in cpu_gemm.TYPES:
+        w = PackedWeight.from_gguf(name, random_blocks(name, 40, 512, rng), 512)
+        for passes in (1, 2):
+            assert torch.equal(QGemm(w, passes)(x), QGemm(w, passes, lib=other)(x)), (march, name, passes)
     expected = {"x86-64-v3": "avx2", "x86-64": "c"}[march]
-    assert other.folio_qgemm_path().decode() == expected
+    assert other.folio_gemm_path().decode() == expected
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_is_the_same_in_any_batch(threads):
-    torch.manual_seed(5)
-    q4 = quantize_int4(torch.randn(3072, 576) * 0.05, 32)
-    g = cpu_gemm.QGemm.int4(q4)
-    x = torch.randn(70, 576)
-    full = g(x, threads=threads)
-    for i in range(0, 70, 7):
-        assert torch.equal(g(x[i:i + 1], threads=threads), full[i:i + 1])
-        assert torch.equal(g(x[i:i + 5], threads=1), full[i:i + 5])
+    rng = np.random.default_rng(5)
+    for name in ("Q4_0", "Q4_K", "Q6_K"):
+        w = PackedWeight.from_gguf(name, random_blocks(name, 1536, 512, rng), 512)
+        g = QGemm(w)
+        x = torch.randn(70, 512)
+        full = g(x, threads=threads)
+        for i in range(0, 70, 7):
+            assert torch.equal(g(x[i:i + 1], threads=threads), full[i:i + 1])
+            assert torch.equal(g(x[i:i + 5], threads=1), full[i:i + 5])
+
+
+def test_a_fused_weight_of_mixed_types_is_its_parts_side_by_side():
+    rng = np.random.default_rng(6)
+    q, k, v = (PackedWeight.from_gguf(t, random_blocks(t, n, 256, rng), 256)
+               for t, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40)))
+    fused = PackedWeight.cat([q, k, v])
+    assert fused.types == ["Q4_K", "Q6_K"] and fused.n == 136 and len(fused.parts) == 3
+    x = torch.randn(6, 256)
+    assert torch.equal(QGemm(fused)(x), torch.cat([QGemm(p)(x) for p in (q, k, v)], dim=1))
+
+
+def test_bf16_rows_in_and_out():
+    torch.manual_seed(3)
+    g = QGemm(PackedWeight.from_int4(quantize_int4(torch.randn(96, 128) * 0.05, 32)))
+    x = torch.randn(5, 128).bfloat16()
+    y = g(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, g(x.float()).bfloat16())  # the same activations, rounded once at the end
+
+
+def test_folios_own_int4_and_int8_match_their_dense_weights():
+    torch.manual_seed(2)
+    for group in (32, 64):
+        q4 = quantize_int4(torch.randn(200, 576) * 0.05, group)
+        x = torch.randn(9, 576)
+        # two int8 passes keep about 15 bits of x; what is left is the fp16 rounding of the scales
+        assert _relerr(QGemm(PackedWeight.from_int4(q4))(x), x.double() @ q4.dequantize().double().T) < 5e-3
+    q8, d8 = cpu_gemm.int8_blocks(torch.randn(130, 576) * 0.05)
+    w8 = PackedWeight.from_int8(q8, d8)
+    assert torch.equal(w8.dequantize(), (q8.float().view(130, 18, 32) * d8[..., None]).view(130, 576))
+
+
+def test_bad_inputs_are_refused_before_anything_is_written():
+    w = PackedWeight.from_gguf("Q4_0", random_blocks("Q4_0", 32, 64, np.random.default_rng(0)), 64)
+    g = QGemm(w)
+    with pytest.raises(ValueError, match=r"\[rows, 64\]"):
+        g(torch.randn(3, 32))  # too narrow: read past its rows
+    with pytest.raises(ValueError):
+        g(torch.randn(64))  # not rows
+    with pytest.raises(TypeError):
+        g(torch.randn(2, 64).half())  # fp16 read as fp32
+    with pytest.raises(ValueError, match="bytes"):  # a part that does not add up, caught in C
+        bad = PackedWeight([cpu_gemm.WeightPart(w.parts[0].type, 48, w.parts[0].tiles)], 64)
+        QGemm(bad)
+    with pytest.raises(ValueError, match="unit"):
+        PackedWeight.from_gguf("Q4_K", np.zeros((16, 144), dtype=np.uint8), 128)  # K-quants need 256s
+    with pytest.raises(IndexError):
+        w.rows(torch.tensor([32]))
+    lib = cpu_kernels.library()
+    order = np.array([0] * 31 + [99], dtype=np.int64)  # a row that is not there
+    out = torch.zeros(w.parts[0].tiles.numel(), dtype=torch.uint8)
+    raw = random_blocks("Q4_0", 32, 64, np.random.default_rng(1))
+    with pytest.raises(IndexError):
+        cpu_kernels.check(lib, lib.folio_repack(2, 32, 64, raw.ctypes.data, raw.shape[1], order.ctypes.data,
+                                                out.data_ptr(), out.numel()))
+    assert not out.any()
 
 
 def test_packing_round_trips_and_the_layer_switches_forms():
@@ -112,7 +144,7 @@ def test_packing_round_trips_and_the_layer_switches_forms():
     for weight in (q4, quantize_int8(torch.randn(48, 128) * 0.05)):
         layer, x = QuantLinear(weight), torch.randn(3, 128)
         ours = layer(x)
-        assert layer.qpacked is not None and layer.packed is None  # one form kept
+        assert layer.weight_packed is not None and layer.packed is None  # one form kept
         layer.set_int8_activations(False)
         theirs = layer(x)
         assert layer.packed is not None
@@ -120,6 +152,9 @@ def test_packing_round_trips_and_the_layer_switches_forms():
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05 * theirs.abs().max().item())
         layer.set_int8_activations(True)
         assert torch.equal(layer(x), ours) and layer.packed is None
+    kquant = QuantLinear(PackedWeight.from_gguf("Q4_K", random_blocks("Q4_K", 16, 256, np.random.default_rng(2)), 256))
+    with pytest.raises(ValueError, match="bf16"):
+        kquant.set_int8_activations(False)  # torch's kernels take int4 groups and int8 only
 
 
 def test_the_lm_head_reads_int8_blocks_and_refines_its_top():
@@ -136,6 +171,15 @@ def test_the_lm_head_reads_int8_blocks_and_refines_its_top():
     assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(4)]), out)  # batch-invariant as it is
 
 
+def test_a_gguf_head_reads_its_own_type():
+    raw = random_blocks("Q6_K", 1000, 256, np.random.default_rng(8))
+    tiles = PackedWeight.from_gguf("Q6_K", raw, 256)
+    head, x = QuantLMHead(tiles), torch.randn(3, 256)
+    exact = x.double() @ torch.from_numpy(gguf_values("Q6_K", raw, 256)).double().T
+    assert _relerr(head(x), exact) < 1e-4  # two int8 passes of x against the file's own weights
+    assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(3)]), head(x))
+
+
 def _thread_cpu_seconds() -> float:
     total = 0
     for task in os.listdir("/proc/self/task"):
@@ -147,8 +191,7 @@ def _thread_cpu_seconds() -> float:
 
 def test_the_pool_sleeps_when_the_calls_stop():
     torch.manual_seed(8)
-    q4 = quantize_int4(torch.randn(3072, 576) * 0.05, 32)
-    g, x = cpu_gemm.QGemm.int4(q4), torch.randn(1, 576)
+    g, x = QGemm(PackedWeight.from_int4(quantize_int4(torch.randn(3072, 576) * 0.05, 32))), torch.randn(1, 576)
     for _ in range(50):
         g(x, threads=2)  # the workers are up and were just busy
     time.sleep(0.05)
@@ -164,7 +207,7 @@ def test_the_layer_stack_in_one_call_gives_the_modules_bits(tmp_path, invariant)
     invariance every prefill token takes the stack too)."""
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
     from folio.testing.models import write_tiny_model
     from tests.executor.toy_driver import generate
 
@@ -178,7 +221,7 @@ def test_the_layer_stack_in_one_call_gives_the_modules_bits(tmp_path, invariant)
     logits_of = runner.model.compute_logits
     runner.model.compute_logits = lambda h: (hidden.append(h.clone()), logits_of(h))[1]
     prompts = [list(range(3, 40)), list(range(50, 61)), [7, 8, 9]]
-    params = WireSampling(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     fused = generate(runner, prompts, params, chunk_size=5)
     fused_hidden, hidden[:] = list(hidden), []
     assert stack.num_calls >= (18 if invariant else 8)  # decodes; with invariance the chunks too

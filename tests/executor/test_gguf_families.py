@@ -195,6 +195,27 @@ def test_transformers_reads_the_gguf_to_folios_logits(case, converted):
     torch.testing.assert_close(prompt_logits(runner_for(path), prompt), theirs, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_tokenizer_service_reads_the_gguf_as_transformers_does(case, converted):
+    """folio's tokenizer of a GGUF (the class of the file's model type, told, so that transformers does not
+    parse the whole file for its config) is AutoTokenizer's: the class, the ids, the special tokens, the chat
+    template; and the config values the tokenizer service reads are transformers' own."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from folio.core.tokenizer.text import TextTokenizer
+
+    _, path = converted(case)
+    ours, theirs = TextTokenizer(path), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert type(ours.hf) is type(theirs)
+    for text in ("the cat sat on a mat", "Hello, world! 123", "  spaced\nlines\t"):
+        assert ours.hf.encode(text) == theirs.encode(text)
+    assert (ours.hf.bos_token_id, ours.hf.eos_token_id, len(ours.hf)) == (theirs.bos_token_id, theirs.eos_token_id,
+                                                                            len(theirs))
+    assert ours.hf.chat_template == theirs.chat_template
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert ours.max_model_len == config.max_position_embeddings
+
+
 @pytest.mark.parametrize("case", ["llama-tied", "phi3-longrope"])
 def test_quantized_gguf_serves_its_blocks_through_the_int4_path(case, converted, tmp_path):
     """Q4_0 attention and Q4_1 MLP projections (F32 embeddings and norms), in a llama (q/k rows

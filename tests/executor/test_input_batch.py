@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.runtime.input_batch import InputBatch
-from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
-from folio.shared.messages import NewRequestData, RunningRequestData, WireSampling
+from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
+from folio.core.executor.kernels.sampler_columns import NUM_PARAMS, column_values
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 
 VOCAB, BS = 97, 4
 
@@ -27,7 +29,7 @@ class Req:
     tokens: list[int]
     num_prompt: int
     blocks: list[int]
-    params: WireSampling
+    params: SamplingParams
     num_computed: int = 0
     drafts: list[int] = field(default_factory=list)
 
@@ -44,7 +46,7 @@ class World:
 
     def params(self):
         r = self.rng
-        return WireSampling(temperature=r.choice([0.0, 0.7]), top_p=r.choice([1.0, 0.9]), seed=r.choice([None, 5]),
+        return SamplingParams(temperature=r.choice([0.0, 0.7]), top_p=r.choice([1.0, 0.9]), seed=r.choice([None, 5]),
                               presence_penalty=r.choice([0.0, 0.5]))
 
     def join(self, new_reqs, req_id=None, tokens=None, num_prompt=None, params=None, computed=0, blocks=None):
@@ -118,7 +120,7 @@ def rebuild(world: World, scheduled, spec):
         if end == len(req.tokens):
             logit_rows += range(len(input_ids) - len(drafts) - 1, len(input_ids))
             if not drafts:
-                sample_params.append(param_row(req.params, VOCAB))
+                sample_params.append(column_values(req.params, VOCAB))
     meta = AttentionMetadata.build(list(scheduled.values()), seq_lens, tables, None, BS)
     return input_ids, meta, logit_rows, sample_params
 
@@ -129,10 +131,14 @@ def test_the_persistent_batch_equals_a_rebuild_every_step(seed):
     rng = random.Random(seed)
     world = World(rng)
     batch = InputBatch(max_num_reqs=2, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))  # rows grow
+    limits = PlanLimits(num_blocks=1 << 20, num_host_blocks=0, block_size=BS, max_positions=1 << 10, vocab_size=VOCAB)
     for _ in range(25):
         finished, new, running, scheduled, spec = world.step()
         for req_id in finished:
             batch.remove(req_id)
+        # every plan the scheduler's world sends passes the executor's check, on the batch it finds
+        check_plan(StepPlan(step_id=0, new_reqs=new, running_reqs=running, num_scheduled_tokens=scheduled,
+                            spec_token_ids=spec), limits, batch)
         for n in new:
             batch.add(n.req_id, n.token_ids, n.num_prompt_tokens, n.num_computed_tokens, n.block_ids, n.sampling)
         batch.apply_running(running, 0)
@@ -170,21 +176,27 @@ def test_the_persistent_batch_equals_a_rebuild_every_step(seed):
 
 def test_a_plan_the_rows_cannot_run_is_a_clear_error():
     batch = InputBatch(max_num_reqs=4, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))
-    batch.add("a", [1, 2, 3], 3, 0, [0], WireSampling())
-    with pytest.raises(ValueError, match="a: 4 tokens scheduled but only 3"):
-        batch.prepare({"a": 4}, {})
-    batch.add("b", list(range(9)), 9, 0, [1], WireSampling())
-    with pytest.raises(ValueError, match="b: 9 tokens need more than its 1 blocks"):
-        batch.prepare({"a": 3, "b": 9}, {})
-    with pytest.raises(KeyError, match="unknown request 'c'"):
-        batch.prepare({"c": 1}, {})
+    limits = PlanLimits(num_blocks=8, num_host_blocks=0, block_size=BS, max_positions=64, vocab_size=VOCAB)
+
+    def check(num_scheduled, **plan):
+        check_plan(StepPlan(step_id=0, num_scheduled_tokens=num_scheduled, **plan), limits, batch)
+
+    batch.add("a", [1, 2, 3], 3, 0, [0], SamplingParams())
+    with pytest.raises(InvalidPlan, match="a: 4 tokens scheduled but only 3"):
+        check({"a": 4})
+    batch.add("b", list(range(9)), 9, 0, [1], SamplingParams())
+    with pytest.raises(InvalidPlan, match="b: 9 tokens need more than its 1 blocks"):
+        check({"a": 3, "b": 9})
+    with pytest.raises(InvalidPlan, match="unknown request 'c'"):
+        check({"c": 1})
+    check({"a": 3, "b": 9}, running_reqs=[RunningRequestData(req_id="b", new_block_ids=[2, 3], num_computed_tokens=0)])
 
 
 def test_a_request_takes_the_lowest_free_row():
     """Rows stay a run from 0 while requests come and go together (the sampler reads the penalty
     state of consecutive rows in place)."""
     batch = InputBatch(max_num_reqs=2, vocab_size=VOCAB, block_size=BS, device=torch.device("cpu"))
-    params = WireSampling(temperature=0.0)
+    params = SamplingParams(temperature=0.0)
     rows = [batch.add(f"r{i}", [1, 2], 2, 0, [i], params) for i in range(5)]  # the rows grow past 2
     assert rows == [0, 1, 2, 3, 4]
     for req_id in ("r3", "r0", "r1"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.core.executor.kernels.kv_quant import (
     CALIBRATION_MARGIN,
     FP8_DTYPE,
@@ -23,11 +23,12 @@ from folio.core.executor.kernels.kv_quant import (
 )
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling, StepPlan
+from folio.shared.messages import StepPlan
+from folio.shared.sampling import SamplingParams
 from tests.executor.toy_driver import generate
 
 PROMPTS = [[5, 9, 14, 2, 77, 3], list(range(10, 50)), [101], [7] * 19, [60, 61, 62, 63, 64, 65, 66, 67, 68]]
-GREEDY = WireSampling(temperature=0.0, max_tokens=12)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 def test_round_trip_is_within_e4m3_precision_and_saturates():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 
 
 def _pool(dtype=torch.bfloat16, num_blocks=6):

@@ -3,13 +3,16 @@ pool, and swapping blocks to the host tier and back, in the order a StepPlan ask
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from folio.core.executor.kernels.attention import TorchAttentionBackend
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.executor.runtime.input_batch import InputBatch
+from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.messages import StepPlan
 
@@ -92,10 +95,14 @@ def test_a_host_block_swapped_in_and_rewritten_by_a_swap_out_of_the_same_step_is
     assert same(block(pool.host_caches, 1), leaving)
 
 
-def test_swaps_without_a_host_tier_are_refused():
-    runner = SimpleNamespace(pool=KVPool(SHAPE, 2, torch.device("cpu")), backend=TorchAttentionBackend())
-    with pytest.raises(ValueError, match="host tier"):
-        ModelRunner._copy_blocks(runner, StepPlan(step_id=0, swap_out=[(0, 0)]))
+def test_swaps_without_a_host_tier_or_outside_it_are_refused():
+    batch = InputBatch(max_num_reqs=1, vocab_size=16, block_size=SHAPE.block_size, device=torch.device("cpu"))
+    limits = PlanLimits(num_blocks=2, num_host_blocks=0, block_size=SHAPE.block_size, max_positions=64, vocab_size=16)
+    with pytest.raises(InvalidPlan, match="no host tier"):
+        check_plan(StepPlan(step_id=0, swap_out=[(0, 0)]), limits, batch)
+    limits = dataclasses.replace(limits, num_host_blocks=4)
+    with pytest.raises(InvalidPlan, match=r"swap_in\[1\] = \(4, 1\): block 4 is outside the host tier"):
+        check_plan(StepPlan(step_id=0, swap_in=[(3, 0), (4, 1)]), limits, batch)
 
 
 @pytest.mark.gpu

@@ -7,11 +7,11 @@ import pytest
 import torch
 import zmq
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_transfer import (
-    KVLayout, KVReceiver, KVSender, LayoutMismatch, TransferError, TransferHandle)
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.transfer import KVLayout, LayoutMismatch, TransferError, TransferHandle
+from folio.services.executor.kv_sockets import KVReceiver, KVSender
 from folio.core.kv.allocator import BlockAllocator
-from folio.shared.plane import secure
+from folio.shared.curve import secure
 
 
 def _pool(dtype=torch.bfloat16, num_blocks=8, seed=0, **kw):
@@ -215,25 +215,25 @@ def test_blocks_the_receiver_holds_already_are_skipped(released):
 def test_a_transfer_staged_for_one_key_is_served_to_that_key_only(stack_keys_dir, released):
     """Two decode instances' keys, both let in by the stack: the transfer named for one of them
     gives the other nothing (not even that it exists), then gives the named one its blocks, once."""
-    from folio.shared import plane
+    from folio.shared import curve
     from folio.shared.keys import init_peer, load_keys
 
     a, b = init_peer(stack_keys_dir, "decode-a"), init_peer(stack_keys_dir, "decode-b")
     keys_a, keys_b = load_keys(stack_keys_dir, peer="decode-a"), load_keys(stack_keys_dir, peer="decode-b")
     assert {a, b} <= keys_a.allowed and keys_a.client_public == a and keys_b.client_public == b
-    plane.use_keys(stack_keys_dir)  # the folder read again: its ZAP handler lets both peers in
+    curve.use_keys(stack_keys_dir)  # the folder read again: its ZAP handler lets both peers in
     src, dst = _pool(seed=1), _pool(seed=2)
     ctx = zmq.Context()  # a context of its own: a fresh ZAP handler
     sender = _sender(src, released, ctx=ctx)
     try:
         handle = sender.export([3, 4], num_tokens=8, peer=a)
-        refused_before = plane.REFUSALS.num_refused
+        refused_before = curve.REFUSALS.num_refused
         with pytest.raises(TransferError, match="not outstanding"):
             KVReceiver(dst, KVLayout.of(dst), keys=keys_b).pull(handle, [0, 1])
         with pytest.raises(TransferError, match="not outstanding"):  # nor the stack's shared client key
             KVReceiver(dst, KVLayout.of(dst)).pull(handle, [0, 1])
         assert not torch.equal(dst.kv_caches[0][0][0], src.kv_caches[0][0][3])  # nothing landed
-        assert sender.counts["refused"] == 2 and plane.REFUSALS.num_refused == refused_before + 2
+        assert sender.counts["refused"] == 2 and curve.REFUSALS.num_refused == refused_before + 2
         assert handle.transfer_id in sender.outstanding and not released  # the strangers' FAILs freed nothing
         moved = KVReceiver(dst, KVLayout.of(dst), keys=keys_a).pull(handle, [0, 1])
         assert moved == 2 * src.shape.bytes_per_block
@@ -245,7 +245,7 @@ def test_a_transfer_staged_for_one_key_is_served_to_that_key_only(stack_keys_dir
             KVReceiver(dst, KVLayout.of(dst), keys=keys_a).pull(handle, [0, 1])
     finally:
         sender.close()
-        plane.release(ctx)
+        curve.release(ctx)
         ctx.term()
 
 

@@ -18,8 +18,9 @@ from folio.core.executor.lora import LoRAError, LoRAManager, bgmv, load_peft_ada
 from folio.core.executor.lora.adapters import projection_layout
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import EngineRequest, WireSampling
-from folio.testing.lora import write_peft_adapter
+from folio.shared.messages import EngineRequest
+from folio.shared.sampling import SamplingParams
+from folio.testing.peft_adapters import write_peft_adapter
 from folio.testing.models import write_tiny_model
 
 import peft  # noqa: E402  (a test extra: a missing peft fails, never skips)
@@ -148,7 +149,7 @@ def test_manager_slots_lru(tiny):
 
 
 # ---------------------------------------------------------------------- the oracle, through EngineCore
-GREEDY = WireSampling(temperature=0.0, max_tokens=10, logprobs=5)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=5)
 PROMPTS = [[(11 * i + 5 * j) % 127 + 1 for j in range(4 + 2 * i)] for i in range(16)]  # 4..34 tokens
 CHOICES = [None, *ADAPTERS]  # request i runs CHOICES[i % 4]
 
@@ -270,7 +271,7 @@ def test_unknown_adapter_is_refused(tiny):
 
 def prompt_logprobs(core: EngineCore, prompt, adapter, req_id):
     """Each prompt token's logprob given its prefix (teacher-forced: no generation to diverge)."""
-    params = WireSampling(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     assert not core.add_request(EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params,
                                               lora_name=adapter))
     out = None

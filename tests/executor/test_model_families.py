@@ -21,7 +21,8 @@ import torch
 from folio.core.engine import EngineCore
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import EngineRequest, WireSampling
+from folio.shared.messages import EngineRequest
+from folio.shared.sampling import SamplingParams
 from folio.testing.models import write_tiny_model
 
 MOE = dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=32)
@@ -50,7 +51,7 @@ FAMILIES = {
                                                                short_factor=[1.0 + 0.4 * i for i in range(8)],
                                                                long_factor=[2.0 + 0.7 * i for i in range(8)]))),
 }
-GREEDY = WireSampling(temperature=0.0, max_tokens=12, logprobs=5)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
 PROMPTS = [[(7 * i + 13 * j) % 127 + 1 for j in range(5 + 3 * i)] for i in range(8)]  # 5..26 tokens
 
 
@@ -142,7 +143,7 @@ def test_ngram_speculative_decoding(family, batch_invariant):
                                        num_speculative_tokens=3, batch_invariant=batch_invariant), path)
     core = EngineCore(runner, max_num_seqs=8, max_num_batched_tokens=64)
     loops = [p + p[:6] for p in PROMPTS[2:6]]  # a repeated stretch for the proposer to match
-    plain = WireSampling(temperature=0.0, max_tokens=GREEDY.max_tokens)  # (logprob requests never speculate)
+    plain = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens)  # (logprob requests never speculate)
     for prompt, (tokens, _, _) in zip(loops, run(runner, loops, core=core, params=plain)):
         check_against_reference(hf, prompt, tokens, None)
     assert core.scheduler.counters["num_spec_draft_tokens"] > 0

@@ -7,7 +7,7 @@ import torch
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from folio.testing.models import write_tiny_model
 from tests.executor.toy_driver import generate
 
@@ -64,7 +64,7 @@ def test_logits_and_greedy_match_transformers(family_dir):
         hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.pool.kv_caches, meta, runner.backend)
         ours = runner.model.compute_logits(hidden)
     torch.testing.assert_close(ours, ref_logits, rtol=1e-4, atol=1e-4)
-    got = generate(runner, [prompt], WireSampling(temperature=0.0, max_tokens=40))[0]
+    got = generate(runner, [prompt], SamplingParams(temperature=0.0, max_tokens=40))[0]
     assert got == expected
 
 

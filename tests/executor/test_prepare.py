@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from folio.core.executor.model.loader import load_model
-from folio.core import models
+from folio.core import model_files
 
 
 @pytest.mark.slow
@@ -25,21 +25,21 @@ def test_prepared_folder_is_complete_and_reused(smollm_dir):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
-    assert models.prepare_default_model(quiet=True) == folder  # second call: nothing converted
+    assert model_files.prepare_default_model(quiet=True) == folder  # second call: nothing converted
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
-    assert models.resolve_model("SmolLM2-135M-Instruct") == folder
+    assert model_files.resolve_model("SmolLM2-135M-Instruct") == folder
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither 'SmolLM2-135M-Instruct' nor an existing path"):
-        models.resolve_model(str(tmp_path / "nope"))
+        model_files.resolve_model(str(tmp_path / "nope"))
 
 
 @pytest.mark.slow
 def test_gguf_file_loads_to_the_same_weights(smollm_dir):
     cpu = torch.device("cpu")
     from_folder = load_model(smollm_dir, torch.float32, cpu).state_dict()
-    from_gguf = load_model(models.packaged_gguf(), torch.float32, cpu).state_dict()
+    from_gguf = load_model(model_files.packaged_gguf(), torch.float32, cpu).state_dict()
     assert from_folder.keys() == from_gguf.keys()
     for name, tensor in from_folder.items():
         assert torch.equal(tensor, from_gguf[name]), name

@@ -114,7 +114,7 @@ def test_q4_1_blocks_repack_exactly_into_int4_groups(smollm_dir):
     from pathlib import Path
 
     from folio.core.executor.model.loader import load_hf_config, read_safetensors
-    from folio.core.models import packaged_gguf
+    from folio.core.model_files import packaged_gguf
 
     dense = read_safetensors(Path(smollm_dir))  # transformers' own dequantization of the GGUF
     method, quant = read_gguf_quant(packaged_gguf(), load_hf_config(Path(smollm_dir)))
@@ -197,13 +197,13 @@ def test_runner_serves_each_quantization_and_refuses_fp8_on_the_cpu(tiny_model_d
     from tests.executor.toy_driver import generate
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     outputs = {}
     for method in ("none", "int8", "int4"):
         runner = ModelRunner(RuntimeConfig(num_kv_blocks=16, block_size=4, quantization=method), tiny_model_dir)
         assert runner.stats()["quantization"] == method
-        outputs[method] = generate(runner, [list(range(3, 15))], WireSampling(temperature=0, max_tokens=6))[0]
+        outputs[method] = generate(runner, [list(range(3, 15))], SamplingParams(temperature=0, max_tokens=6))[0]
     assert all(len(o) == 6 for o in outputs.values())
     with pytest.raises(ValueError, match="fp8 weights need a CUDA GPU"):
         ModelRunner(RuntimeConfig(num_kv_blocks=16, quantization="fp8"), tiny_model_dir)

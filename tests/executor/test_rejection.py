@@ -40,7 +40,7 @@ import torch
 
 from folio.core.executor.sampling.rejection import num_accepted, verify
 from folio.core.executor.sampling.sampler import SamplingRow, make_generator, processed_probs, sample
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 
 VOCAB = 6
 NUM_SAMPLES = 20_000
@@ -86,7 +86,7 @@ TARGET = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3)) * 0.8
 DRAFT = -TARGET + 0.3 * torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
 
 
-def step(params: WireSampling, k: int, start: int, n: int, point_mass: bool) -> list[list[int]]:
+def step(params: SamplingParams, k: int, start: int, n: int, point_mass: bool) -> list[list[int]]:
     """One verification of k drafts at positions start .. start + k - 1 for n requests at once."""
     rows = [SamplingRow(params, None, [], []) for _ in range(n)]
     target = TARGET[start : start + k + 1].repeat(n, 1)
@@ -97,7 +97,7 @@ def step(params: WireSampling, k: int, start: int, n: int, point_mass: bool) -> 
     return verify(target, drafts, [None if point_mass else q] * n, rows)
 
 
-def target_probs(logits: torch.Tensor, params: WireSampling) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The target distribution worked out here rather than with ``processed_probs``, so that a
     verifier (or a processed_probs) that drops temperature or top_p cannot agree with itself."""
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)
@@ -109,7 +109,7 @@ def target_probs(logits: torch.Tensor, params: WireSampling) -> torch.Tensor:
     return (probs / probs.sum()).float()
 
 
-def first_two_tokens(params: WireSampling, k: int, point_mass: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def first_two_tokens(params: SamplingParams, k: int, point_mass: bool) -> tuple[torch.Tensor, torch.Tensor]:
     outputs = step(params, k, 0, NUM_SAMPLES, point_mass)
     short = [i for i, out in enumerate(outputs) if len(out) == 1]
     for i, out in zip(short, step(params, k, 1, len(short), point_mass)):
@@ -122,7 +122,7 @@ def first_two_tokens(params: WireSampling, k: int, point_mass: bool) -> tuple[to
 @pytest.mark.parametrize("point_mass", [False, True], ids=["draft_model", "point_mass"])
 @pytest.mark.parametrize(
     "params",
-    [WireSampling(temperature=1.0), WireSampling(temperature=0.7), WireSampling(temperature=1.0, top_p=0.8)],
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.8)],
     ids=["t1", "t0.7", "top_p0.8"],
 )
 @pytest.mark.parametrize("k", [1, 2])
@@ -138,7 +138,7 @@ def test_output_follows_the_target_distribution(k, params, point_mass):
 def test_the_draft_model_case_is_not_trivially_accepted():
     """The chi-square tests mean something only if drafts are rejected often and accepted often."""
     torch.manual_seed(0)
-    outputs = step(WireSampling(temperature=1.0), 2, 0, 2000, point_mass=False)
+    outputs = step(SamplingParams(temperature=1.0), 2, 0, 2000, point_mass=False)
     accepted = torch.tensor(num_accepted(outputs))
     assert 0.2 < (accepted == 0).float().mean() < 0.8
     assert (accepted == 2).float().mean() > 0.05
@@ -173,12 +173,12 @@ def competing_logits(num_positions: int, seed: int) -> torch.Tensor:
 def test_greedy_equals_plain_greedy_decoding_with_and_without_penalties():
     k = 4
     cases = [  # (params, prompt, output so far, logits)
-        (WireSampling(temperature=0.0), [1, 2], [], random_logits(k + 1, seed=1)),
-        (WireSampling(temperature=0.0, frequency_penalty=0.5), [1], [9], competing_logits(k + 1, 2)),
-        (WireSampling(temperature=0.0, repetition_penalty=1.5), [2, 30], [], competing_logits(k + 1, 3)),
+        (SamplingParams(temperature=0.0), [1, 2], [], random_logits(k + 1, seed=1)),
+        (SamplingParams(temperature=0.0, frequency_penalty=0.5), [1], [9], competing_logits(k + 1, 2)),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.5), [2, 30], [], competing_logits(k + 1, 3)),
     ]
     for params, prompt, output, logits in cases[1:]:
-        unpenalised = greedy_walk(logits, SamplingRow(WireSampling(temperature=0.0), None, prompt, output))
+        unpenalised = greedy_walk(logits, SamplingRow(SamplingParams(temperature=0.0), None, prompt, output))
         assert greedy_walk(logits, SamplingRow(params, None, prompt, output)) != unpenalised  # penalties matter
     rows, logits_rows, drafts, expected = [], [], [], []
     for params, prompt, output, logits in cases:
@@ -200,9 +200,9 @@ def test_greedy_equals_plain_greedy_decoding_with_and_without_penalties():
 
 def test_greedy_rows_are_exact_inside_a_sampled_batch():
     logits = random_logits(3, seed=7)
-    walk = greedy_walk(logits, SamplingRow(WireSampling(temperature=0.0), None, [], []))
-    sampled = SamplingRow(WireSampling(temperature=1.0), None, [], [])
-    greedy = SamplingRow(WireSampling(temperature=0.0), None, [], [])
+    walk = greedy_walk(logits, SamplingRow(SamplingParams(temperature=0.0), None, [], []))
+    sampled = SamplingRow(SamplingParams(temperature=1.0), None, [], [])
+    greedy = SamplingRow(SamplingParams(temperature=0.0), None, [], [])
     batch = torch.cat([logits[:2], logits, logits[:1]])
     got = verify(batch, [[3], [walk[0], (walk[1] + 1) % 50], []], [None, None, None], [sampled, greedy, sampled])
     assert got[1] == walk[:2]
@@ -216,7 +216,7 @@ def seeded_case(trial: int, seed: int, generator: torch.Generator | None = None)
     """A seeded request at output position ``trial`` with 3 drafts sampled from q."""
     g = torch.Generator().manual_seed(trial)
     logits = torch.randn(4, 30, generator=g) * 2
-    params = WireSampling(temperature=1.0, top_k=20, seed=seed)
+    params = SamplingParams(temperature=1.0, top_k=20, seed=seed)
     row = SamplingRow(params, generator or make_generator(seed, CPU), [7], [1] * trial)
     q = torch.softmax(torch.randn(3, 30, generator=g) * 2, dim=-1)
     drafts = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(3)]
@@ -226,7 +226,7 @@ def seeded_case(trial: int, seed: int, generator: torch.Generator | None = None)
 def test_a_seeded_request_draws_the_same_tokens_whatever_the_batch():
     torch.manual_seed(0)
     others = [(torch.randn(k + 1, 30), torch.randint(0, 30, (k,)).tolist()) for k in (0, 2, 5, 1)]
-    other_row = SamplingRow(WireSampling(temperature=1.0), None, [], [])
+    other_row = SamplingRow(SamplingParams(temperature=1.0), None, [], [])
     shared_gen = make_generator(1234, CPU)
     alone, crowded = [], []
     for trial in range(30):
@@ -272,7 +272,7 @@ def test_a_residual_with_no_mass_left_falls_back_to_p():
     argmax over zeros (token 0, which p rules out here)."""
     torch.manual_seed(0)
     logits = torch.tensor([[0.0, 0.0, 3.0, 2.0, 0.0, 0.0]]).repeat(2, 1)
-    params = WireSampling(temperature=1.0, top_k=2)
+    params = SamplingParams(temperature=1.0, top_k=2)
     q = processed_probs(logits[:1], [SamplingRow(params, None, [], [])]) * 1.5  # [1, vocab], > p on {2, 3}
     rows = [SamplingRow(params, None, [], [])] * 400
     out = verify(logits.repeat(400, 1), [[2]] * 400, [q] * 400, rows)
@@ -281,7 +281,7 @@ def test_a_residual_with_no_mass_left_falls_back_to_p():
 
 
 def test_shapes_are_checked():
-    row = SamplingRow(WireSampling(), None, [], [])
+    row = SamplingRow(SamplingParams(), None, [], [])
     with pytest.raises(ValueError):
         verify(torch.zeros(2, VOCAB), [[1, 2]], [None], [row])  # three rows needed
     with pytest.raises(ValueError):

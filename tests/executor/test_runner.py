@@ -8,14 +8,16 @@ import random
 import pytest
 import torch
 
-from folio.core.executor.runtime.kv_pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.core.executor.runtime.plan_check import InvalidPlan
+from folio.core.kv.tensors.pool import PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, StepPlan, WireSampling
+from folio.shared.messages import NewRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 from tests.executor.toy_driver import generate
 
 PROMPTS = [[5, 9, 14, 2, 77, 3], list(range(10, 50)), [101], [7] * 19, [60, 61, 62, 63, 64, 65, 66, 67, 68]]
-GREEDY = WireSampling(temperature=0.0, max_tokens=12)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 def runner_for(model_dir, **kw) -> ModelRunner:
@@ -38,13 +40,13 @@ def test_batched_chunked_and_block_sizes_agree(tiny_model_dir, reference, block_
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
-    seeded = WireSampling(temperature=1.0, top_p=0.9, seed=42, max_tokens=16)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=16)
     runner = runner_for(tiny_model_dir)
     alone = generate(runner, [PROMPTS[0]], seeded)[0]
-    others = WireSampling(temperature=1.2, max_tokens=16)
+    others = SamplingParams(temperature=1.2, max_tokens=16)
     crowded = generate(runner, PROMPTS[1:3] + [PROMPTS[0]] + PROMPTS[3:], [others, others, seeded, others, others])
     assert crowded[2] == alone
-    reseeded = WireSampling(temperature=1.0, top_p=0.9, seed=43, max_tokens=16)
+    reseeded = SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=16)
     assert generate(runner, [PROMPTS[0]], reseeded)[0] != alone
 
 
@@ -56,7 +58,7 @@ def test_prompt_logprobs_match_a_full_forward_across_chunks(tiny_model_dir):
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     runner = runner_for(tiny_model_dir)
-    params = WireSampling(temperature=0.0, max_tokens=1, prompt_logprobs=2, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, logprobs=3)
     result = None
     for step, (start, n) in enumerate([(0, 15), (15, 15), (30, 10)]):
         new = [NewRequestData(req_id="r", token_ids=prompt, num_prompt_tokens=len(prompt), sampling=params,
@@ -81,15 +83,16 @@ def test_prompt_logprobs_match_a_full_forward_across_chunks(tiny_model_dir):
 def test_bad_plans_are_clear_errors(tiny_model_dir):
     runner = runner_for(tiny_model_dir, block_size=8)
     new = NewRequestData(req_id="a", token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=GREEDY, block_ids=[0])
-    with pytest.raises(ValueError, match="only 3 to compute"):
+    with pytest.raises(InvalidPlan, match="only 3 to compute"):
         runner.execute(StepPlan(step_id=0, new_reqs=[new], num_scheduled_tokens={"a": 4}))
     long = NewRequestData(req_id="b", token_ids=list(range(20)), num_prompt_tokens=20, sampling=GREEDY, block_ids=[1])
-    with pytest.raises(ValueError, match="need more than its 1 blocks"):
+    with pytest.raises(InvalidPlan, match="need more than its 1 blocks"):
         runner.execute(StepPlan(step_id=1, new_reqs=[long], num_scheduled_tokens={"b": 20}))
     from folio.shared.messages import RunningRequestData
 
-    with pytest.raises(KeyError, match="unknown request 'zzz'"):
+    with pytest.raises(InvalidPlan, match="unknown request 'zzz'"):
         runner.execute(StepPlan(step_id=2, running_reqs=[RunningRequestData(req_id="zzz", new_block_ids=[], num_computed_tokens=0)]))
+    assert runner.requests == {} and runner.batch.row_of == {}  # nothing of the refused plans was applied
 
 
 def test_pool_is_allocated_once_in_the_vllm_layout(tiny_model_dir):
@@ -137,11 +140,11 @@ def test_the_c_kernel_over_the_persistent_rows_draws_what_the_per_call_sampler_d
     and penalty state read in place, tokens recorded in the same call). Under the same torch seed
     the runner gives the same tokens without it (the gathered-rows path: ``sample_batch`` with the
     penalty state gathered, then recorded), greedy and sampled, with and without penalties."""
-    params = [WireSampling(temperature=0.0, presence_penalty=0.8, repetition_penalty=1.4, max_tokens=14),
-              WireSampling(temperature=0.9, top_p=0.9, frequency_penalty=0.5, max_tokens=14),
-              WireSampling(temperature=1.1, min_p=0.05, max_tokens=14),
-              WireSampling(temperature=0.0, max_tokens=14),
-              WireSampling(temperature=0.8, top_p=0.95, repetition_penalty=0.7, presence_penalty=-0.3, max_tokens=9)]
+    params = [SamplingParams(temperature=0.0, presence_penalty=0.8, repetition_penalty=1.4, max_tokens=14),
+              SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.5, max_tokens=14),
+              SamplingParams(temperature=1.1, min_p=0.05, max_tokens=14),
+              SamplingParams(temperature=0.0, max_tokens=14),
+              SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=0.7, presence_penalty=-0.3, max_tokens=9)]
     outputs = []
     for table in (True, False):
         runner = runner_for(tiny_model_dir)

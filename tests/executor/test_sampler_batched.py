@@ -13,21 +13,22 @@ import numpy as np
 import pytest
 import torch
 
+from folio.core.executor.kernels.sampler_columns import column_values
 from folio.core.executor.sampling import sampler
 from folio.core.executor.sampling.penalties import PenaltyState
 from folio.core.executor.sampling.sampler import SamplingBatch, SamplingRow, make_generator, processed_probs, sample
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from tests.executor import reference_sampler as ref
 
 CPU = torch.device("cpu")
 VOCAB = 600
 
 
-def random_params(rng: random.Random, seeded: bool) -> WireSampling:
-    return WireSampling(
+def random_params(rng: random.Random, seeded: bool) -> SamplingParams:
+    return SamplingParams(
         temperature=rng.choice([0.0, 0.5, 0.8, 1.0, 1.7]),
         top_p=rng.choice([1.0, 1.0, 0.95, 0.6, 0.3]),
-        top_k=rng.choice([None, None, 1, 5, 40, 400]),
+        top_k=rng.choice([0, 0, 1, 5, 40, 400]),
         min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
         presence_penalty=rng.choice([0.0, 0.0, 0.7]),
         frequency_penalty=rng.choice([0.0, 0.0, 0.3]),
@@ -112,10 +113,10 @@ CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.3
 @pytest.mark.parametrize("path", ["kernel", "torch"])  # the CPU kernel (cpu_kernels.py), or torch ops alone
 @pytest.mark.parametrize("window", [3, 256])
 @pytest.mark.parametrize("params", [
-    WireSampling(temperature=0.8),  # the whole row
-    WireSampling(temperature=1.0, top_p=0.9),
-    WireSampling(temperature=1.3, top_k=5),
-    WireSampling(temperature=1.0, min_p=0.1, top_p=0.97),
+    SamplingParams(temperature=0.8),  # the whole row
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, min_p=0.1, top_p=0.97),
 ])
 def test_unseeded_draws_follow_the_processed_distribution(monkeypatch, window, params, path):
     monkeypatch.setattr(sampler, "WINDOW", window)
@@ -144,9 +145,9 @@ def check_draws(base: torch.Tensor, rows: list, p: torch.Tensor) -> None:
 
 def test_a_mixed_batch_keeps_each_rows_rule():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)) * 4
-    params = [WireSampling(temperature=0.0), WireSampling(temperature=1.0, top_k=1),
-              WireSampling(temperature=0.0, presence_penalty=50.0), WireSampling(temperature=1.0, top_p=1e-6),
-              WireSampling(temperature=0.7, min_p=0.999), WireSampling(temperature=0.0)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=0.0, presence_penalty=50.0), SamplingParams(temperature=1.0, top_p=1e-6),
+              SamplingParams(temperature=0.7, min_p=0.999), SamplingParams(temperature=0.0)]
     outputs = [[], [], [int(logits[2].argmax())], [], [], []]
     out = sample(logits, [SamplingRow(p, None, [], o) for p, o in zip(params, outputs)]).token_ids
     best = logits.argmax(-1).tolist()
@@ -163,7 +164,7 @@ def test_incremental_penalties_equal_the_ones_rebuilt_from_the_history():
     rows = torch.tensor([9, 0, 3, 2, 1, 4, 5, 8])  # persistent rows in any order
     for row, p, pr, out in zip(rows.tolist(), params, prompts, outputs):
         state.set_row(row, p, pr, out)
-    table = torch.tensor([sampler.param_row(p, VOCAB) for p in params])
+    table = torch.tensor([column_values(p, VOCAB) for p in params])
     for _ in range(20):  # tokens generated one step at a time, repeats included
         new = torch.tensor([rng.randrange(40) for _ in range(8)])
         state.record(rows, new, table[:, sampler.FREQUENCY], table[:, sampler.PRESENCE], table[:, sampler.REPETITION])
@@ -183,7 +184,7 @@ def test_incremental_penalties_equal_the_ones_rebuilt_from_the_history():
     greedy = SamplingBatch(table, np.ones(8, dtype=bool), table.numpy(), keys, keys, bias, rep)
     assert torch.equal(sampler.sample_batch(logits, greedy),
                        torch.tensor(ref.sample(logits, [ref.SamplingRow(
-                           WireSampling(temperature=0.0, presence_penalty=p.presence_penalty,
+                           SamplingParams(temperature=0.0, presence_penalty=p.presence_penalty,
                                           frequency_penalty=p.frequency_penalty,
                                           repetition_penalty=p.repetition_penalty), None, pr, o)
                            for p, pr, o in zip(params, prompts, outputs)]).token_ids))
@@ -195,7 +196,7 @@ def test_unseeded_rows_beside_seeded_greedy_and_top_k_rows():
     for seed in range(4):
         logits, params, prompts, outputs = random_case(200 + seed, 40, seeded=True)
         rng = random.Random(seed)
-        params = [msgspec.structs.replace(p, seed=None, top_k=None) if rng.random() < 0.5 else p for p in params]
+        params = [msgspec.structs.replace(p, seed=None, top_k=0) if rng.random() < 0.5 else p for p in params]
         ours = sample(logits, rows_for(sampler, params, prompts, outputs)).token_ids
         assert_greedy_equal_and_draws_kept(logits, params, prompts, outputs, ours)
 
@@ -203,7 +204,7 @@ def test_unseeded_rows_beside_seeded_greedy_and_top_k_rows():
 @pytest.mark.parametrize("repetition", [[0.8, 0.8], [1.3, 1.3], [0.8, 1.3]])
 def test_repetition_penalties_above_and_below_one_equal_the_per_row_sampler(repetition):
     logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(11)) * 3
-    params = [WireSampling(temperature=0.0, repetition_penalty=repetition[i % 2]) for i in range(8)]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=repetition[i % 2]) for i in range(8)]
     prompts = [[i, 50 + i, 300] for i in range(8)]
     outputs = [[int(logits[i].argmax()), int(logits[i].argmin()), 7] for i in range(8)]  # both signs penalised
     ours = processed_probs(logits, rows_for(sampler, params, prompts, outputs))

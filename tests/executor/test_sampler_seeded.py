@@ -18,7 +18,7 @@ from folio.core.executor.kernels import cpu_kernels
 from folio.core.executor.sampling import sampler
 from folio.core.executor.sampling.philox import philox4x32_10, seed_words, uniforms
 from folio.core.executor.sampling.sampler import SamplingRow, processed_probs, sample
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from tests.executor import reference_sampler as ref
 from tests.executor.test_sampler_batched import check_draws
 
@@ -57,19 +57,19 @@ def test_the_c_kernel_and_torch_give_the_same_uniforms_bit_for_bit():
     assert seed_words(2**64 + 5) == seed_words(5) and seed_words(2**64 - 1) == -1
 
 
-SEEDED = WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.6, seed=1234)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.6, seed=1234)
 OTHERS = [
-    WireSampling(temperature=0.0),
-    WireSampling(temperature=1.0),
-    WireSampling(temperature=0.7, top_k=20, seed=99),
-    WireSampling(temperature=1.1, min_p=0.05, top_p=0.9),
-    WireSampling(temperature=0.0, repetition_penalty=1.3),
-    WireSampling(temperature=0.9, top_k=5, top_p=0.8, frequency_penalty=0.4),
-    WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.6, seed=1234),  # the same params, other logits
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=20, seed=99),
+    SamplingParams(temperature=1.1, min_p=0.05, top_p=0.9),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.9, top_k=5, top_p=0.8, frequency_penalty=0.4),
+    SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.6, seed=1234),  # the same params, other logits
 ]
 
 
-def seeded_tokens(size: int, where: int, steps: int, case: int, params: WireSampling = SEEDED) -> list[int]:
+def seeded_tokens(size: int, where: int, steps: int, case: int, params: SamplingParams = SEEDED) -> list[int]:
     """The seeded row's tokens over ``steps`` output positions, at row ``where`` of batches of
     ``size`` whose other rows (random kinds, logits and histories) change from step to step."""
     gen = torch.Generator().manual_seed(17)
@@ -89,8 +89,8 @@ def seeded_tokens(size: int, where: int, steps: int, case: int, params: WireSamp
 
 
 @PATHS
-@pytest.mark.parametrize("params", [SEEDED, WireSampling(temperature=1.2, seed=5),
-                                    WireSampling(temperature=0.9, top_k=30, min_p=0.01, seed=6)],
+@pytest.mark.parametrize("params", [SEEDED, SamplingParams(temperature=1.2, seed=5),
+                                    SamplingParams(temperature=0.9, top_k=30, min_p=0.01, seed=6)],
                          ids=["top-p+presence", "temperature", "top-k+min-p"])
 def test_a_seeded_row_draws_the_same_alone_and_in_batches_of_7_and_64(monkeypatch, path, params):
     use(monkeypatch, path)
@@ -103,8 +103,8 @@ def test_a_seeded_row_draws_the_same_alone_and_in_batches_of_7_and_64(monkeypatc
 def test_an_unseeded_row_with_a_seed_of_its_own_draws_as_a_seeded_one():
     """The runner's per-request random seed (``SamplingRow.seed``) keys the draws as a request's own."""
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)) * 2
-    plain = WireSampling(temperature=1.0)
-    seeded = [SamplingRow(WireSampling(temperature=1.0, seed=77), None, [], [0] * 3)] * 4
+    plain = SamplingParams(temperature=1.0)
+    seeded = [SamplingRow(SamplingParams(temperature=1.0, seed=77), None, [], [0] * 3)] * 4
     keyed = [SamplingRow(plain, None, [], [0] * 3, seed=77)] * 4
     assert sample(logits, keyed).token_ids == sample(logits, seeded).token_ids
     draws = {tuple(sample(logits, [SamplingRow(plain, None, [], [0] * 3)] * 4).token_ids) for _ in range(8)}
@@ -114,9 +114,9 @@ def test_an_unseeded_row_with_a_seed_of_its_own_draws_as_a_seeded_one():
 @PATHS
 @pytest.mark.parametrize("vary", ["seed", "position"])
 @pytest.mark.parametrize("params", [
-    WireSampling(temperature=0.8, top_p=0.95, presence_penalty=0.6),
-    WireSampling(temperature=1.3, top_k=4),
-    WireSampling(temperature=1.0, top_k=6, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.6),
+    SamplingParams(temperature=1.3, top_k=4),
+    SamplingParams(temperature=1.0, top_k=6, top_p=0.8, min_p=0.05),
 ])
 def test_seeded_draws_follow_the_target_distribution(monkeypatch, path, vary, params):
     """n draws, one per row: each row its own seed at one position, or one seed at n positions."""

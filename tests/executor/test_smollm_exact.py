@@ -13,7 +13,7 @@ import torch
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
+from folio.shared.sampling import SamplingParams
 from tests.executor.toy_driver import generate
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def run(smollm_dir, prompts, block_size=16, chunk_size=None, alone=False, batch_
     runner = ModelRunner(RuntimeConfig(num_kv_blocks=600, block_size=block_size, quantization="none",
                                        batch_invariant=batch_invariant), smollm_dir)
     assert runner.backend.name == ("cpu" if batch_invariant else "torch")
-    params = WireSampling(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     if alone:
         return [generate(runner, [p], params)[0] for p in prompts]
     return generate(runner, prompts, params, chunk_size=chunk_size)

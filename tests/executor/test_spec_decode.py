@@ -123,9 +123,9 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
     next proposal equals a fresh draft's for the same tokens: no rejected token's KV survives."""
     from folio.core.executor.kernels.attention import TorchAttentionBackend
     from folio.core.executor.runtime.input_batch import InputBatch
-    from folio.core.executor.runtime.runner import RequestState
+    from folio.core.executor.runtime.runner import RunnerRequest
     from folio.core.executor.runtime.spec_decode import DraftModelProposer
-    from folio.shared.messages import WireSampling
+    from folio.shared.sampling import SamplingParams
 
     target, draft = tiny_pair
 
@@ -134,8 +134,8 @@ def test_the_draft_cache_keeps_only_accepted_tokens(tiny_pair):
 
     prompt = repetitive_prompts(1, seed=11)[0]
     batch = InputBatch(1, 64, 4, torch.device("cpu"))
-    row = batch.add("a", list(prompt), len(prompt), 0, [], WireSampling(temperature=0.0))
-    state = RequestState("a", row, batch, WireSampling(temperature=0.0), True)
+    row = batch.add("a", list(prompt), len(prompt), 0, [], SamplingParams(temperature=0.0))
+    state = RunnerRequest("a", row, batch, SamplingParams(temperature=0.0), True)
     used = proposer()
     first = used.propose([state])[0].token_ids
     other = (first[1] + 1) % 64  # the target accepted the first draft, then chose something else
@@ -261,7 +261,7 @@ def test_greedy_smollm2_is_identical_with_speculation(smollm_dir, smollm_prompts
     """The issue's check: SmolLM2-135M-Instruct, greedy, alone (batch 1) and all together; ``auto``
     serves the packaged Q4_1 weights int4 with bf16 activations, where one flipped last bit of
     attention changed a near-tie until verified tokens attended as decodes do."""
-    from folio.core.models import truncate_layers
+    from folio.core.model_files import truncate_layers
 
     prompts, eos = smollm_prompts
     reqs = [engine_request(f"p{i}", p, n, eos_token_id=eos) for i, (p, n) in enumerate(prompts)]

@@ -96,7 +96,7 @@ def test_the_heads_cache_keeps_only_what_the_target_verified(tiny_target, random
 def _teacher_forced(runner, tokens: list[int]) -> torch.Tensor:
     """The target's hidden states over ``tokens`` in one prefill (taps set in ``model.tapped``)."""
     from folio.core.executor.kernels.attention import AttentionMetadata
-    from folio.core.executor.runtime.kv_pool import KVPool
+    from folio.core.kv.tensors.pool import KVPool
 
     bs = runner.pool.block_size
     pool = KVPool(runner.pool_shape, -(-len(tokens) // bs), torch.device("cpu"))

@@ -9,7 +9,7 @@ import pytest
 from folio.core.executor.runtime.spec_control import SpecController
 from folio.core.executor.runtime.spec_suffix import SuffixProposer, SuffixTrie
 from folio.shared.config import RuntimeConfig
-from folio.shared.speculative import LORA_REFUSAL, speculative_refusal, speculative_settings
+from folio.core.executor.runtime.spec_config import LORA_REFUSAL, speculative_refusal, speculative_settings
 from tests.core.engine import engine_request
 from tests.executor.test_spec_decode import make_runner, repetitive_prompts, run
 
@@ -133,6 +133,39 @@ def test_speculative_config_and_its_aliases_say_what_is_wrong():
 
     runtime, _ = engine_configs("m", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}})
     assert speculative_settings(runtime).num_speculative_tokens == 2
+
+
+def test_the_older_flags_given_to_folio_serve_take_the_proposers_defaults():
+    """``folio serve``'s namespace holds None for a flag not given (it forwards only what was
+    given); the settings are the same as a service's, whose config holds the flags' defaults."""
+    import argparse
+
+    from folio.services.serve import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--speculative-model", "ngram", "--num-speculative-tokens", "4"])
+    assert speculative_refusal(args) is None
+    launcher = speculative_settings(args)
+    assert speculative_settings(RuntimeConfig(speculative_model="ngram", num_speculative_tokens=4)) == launcher
+    assert (launcher.prompt_lookup_min, launcher.prompt_lookup_max, launcher.disable_by_batch_size) == (1, 4, 0)
+    given = speculative_settings(parser.parse_args(["--speculative-model", "suffix", "--num-speculative-tokens", "2",
+                                                    "--ngram-prompt-lookup-min", "2",
+                                                    "--speculative-disable-by-batch-size", "8"]))
+    assert (given.method, given.prompt_lookup_min, given.prompt_lookup_max, given.disable_by_batch_size) == \
+        ("suffix", 2, 4, 8)
+    assert "needs --num-speculative-tokens" in speculative_refusal(parser.parse_args(["--speculative-model", "ngram"]))
+    # the scheduler gets --speculative-model alone (the other older flags are the executor's): it
+    # only asks whether steps carry drafts (it raised there, and the service hung at start)
+    from folio.services.scheduler.main import parse_config as scheduler_config
+    from folio.core.executor.runtime.spec_config import speculation_on
+    from folio.services.serve import service_argv
+
+    assert speculation_on(scheduler_config(service_argv("scheduler", args, "/m")))
+    assert not speculation_on(scheduler_config(service_argv("scheduler", parser.parse_args([]), "/m")))
+    bad = parser.parse_args(["--speculative-model", "ngram", "--num-speculative-tokens", "3",
+                             "--ngram-prompt-lookup-min", "5"])
+    assert "prompt_lookup_min <= prompt_lookup_max" in speculative_refusal(bad)
 
 
 def test_adapters_with_speculation_are_refused_at_start(tiny_pair, capsys):

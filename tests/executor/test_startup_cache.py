@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from folio.core.executor.kernels import cpu_kernels
+from folio.core.executor.quant.cpu_gemm import PackedWeight
 from folio.core.executor.model import loader
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.services.serve import startup_breakdown
-from folio.shared import startup
-from folio.shared.config import c_compiler
+from folio.core.executor import startup
+from folio.core.executor.kernels.toolchain import c_compiler
 from folio.testing.models import write_tiny_model
 
 
@@ -44,6 +45,8 @@ def _tensors(model) -> dict[str, torch.Tensor]:
         for key, value in vars(module).items():
             if isinstance(value, torch.Tensor):
                 out[f"{name}.{key}"] = value
+            elif isinstance(value, PackedWeight):  # a quantized weight's tiles, part by part
+                out.update({f"{name}.{key}.{i}": part.tiles for i, part in enumerate(value.parts)})
         for key, value in [*module._parameters.items(), *module._buffers.items()]:
             if value is not None:
                 out[f"{name}.{key}"] = value

@@ -16,7 +16,8 @@ xgr = pytest.importorskip("xgrammar")
 
 from folio.core.executor.sampling.sampler import SamplingRow, sample  # noqa: E402
 from folio.core.structured.masks import advance, apply_grammar_masks, unpack_bitmask  # noqa: E402
-from folio.shared.messages import WireSampling  # noqa: E402
+from folio.shared.messages import SamplingParams  # noqa: E402
+from folio.shared.sampling import SamplingParams
 
 EOS = 0
 VOCAB = ["<eos>", "a", "b", "c", "ab", "ba", "abc", "cc", "d", "0", "1", "12", "x", "-", "-1", "aa", "bb",
@@ -82,7 +83,7 @@ def test_sampler_never_draws_a_forbidden_token(compiler, temperature):
     for step in range(12):
         logits = torch.randn(1, width, generator=gen)
         logits[0, VOCAB.index("cc")] = 50.0  # the model loves a token the grammar never allows
-        row = SamplingRow(WireSampling(temperature=temperature, seed=step), None, [1], [], matcher)
+        row = SamplingRow(SamplingParams(temperature=temperature, seed=step), None, [1], [], matcher)
         token = sample(logits, [row]).token_ids[0]
         assert token in brute_force(r"(ab|ba)+c?", text)
         advance([matcher], [[token]], ["r"])

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from folio.core.executor.parallel.comm import Shard
+from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import ParallelRunner, resident_tensors
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import BeamSearchParams
+from folio.shared.messages import NewRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 from folio.testing.models import write_tiny_model
 from tests.core.engine import LocalEngine, engine_request
 
@@ -117,10 +119,10 @@ def test_prompt_logprobs_agree(mqa_group, mqa_model):
 
 
 def test_beams_are_unchanged(mqa_model, mqa_group):
-    beam = BeamSearchParams(width=3, length_penalty=1.0, early_stopping=True)
+    beam = {"use_beam_search": True, "n": 3, "best_of": 3, "early_stopping": True}
 
     def run(runner):
-        reqs = [engine_request("b0", PROMPTS[0], 8, eos_token_id=3, beam_search=beam, fork_req_ids=["b1", "b2"])]
+        reqs = [engine_request("b0", PROMPTS[0], 8, eos_token_id=3, fork_req_ids=["b1", "b2"], **beam)]
         return outputs(runner, reqs)
     assert run(mqa_group.runner) == run(ModelRunner(config(mqa_model), mqa_model))
 
@@ -156,6 +158,19 @@ def test_swapping_acts_on_every_ranks_pool(mqa_model, mqa_group):
     ours, num_swap_outs = run(mqa_group.runner)
     assert num_swap_outs > 0
     assert ours == run(ModelRunner(config(mqa_model, num_host_blocks=64), mqa_model))[0]
+
+
+def test_a_refused_plan_reaches_no_rank_and_the_group_serves_on(mqa_model, mqa_group):
+    """A plan that does not fit is refused on rank 0 before the broadcast: no rank exits, and the
+    group then samples what one rank samples."""
+    bad = StepPlan(step_id=10**6, new_reqs=[NewRequestData(req_id="x", token_ids=[1, 2], num_prompt_tokens=2,
+                                                            sampling=SamplingParams(temperature=0.0), block_ids=[96])],
+                   num_scheduled_tokens={"x": 2}, finished_req_ids=["gone"])
+    with pytest.raises(InvalidPlan, match="x: block id 96 is outside the pool"):
+        mqa_group.runner.execute(bad)
+    assert not mqa_group.failures
+    reqs = requests()[:3]
+    assert outputs(mqa_group.runner, reqs) == outputs(ModelRunner(config(mqa_model), mqa_model), reqs)
 
 
 def _weight_bytes(tensors) -> int:

@@ -21,7 +21,7 @@ from folio.core.executor.model.loader import load_hf_config, read_safetensors
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.executor.runtime.workers import ParallelRunner
 from folio.shared.config import RuntimeConfig
-from folio.core.models import packaged_gguf
+from folio.core.model_files import packaged_gguf
 from tests.core.engine import LocalEngine, engine_request
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import torch
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.kv.allocator import cdiv
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
-from folio.testing.backhalf import back_half
+from folio.shared.sampling import SamplingParams
+from folio.services.in_process import back_half
 from folio.testing.models import write_tiny_model
 from tests.core.engine import LocalEngine, engine_request
 from tests.core.kv_owner import Owner
@@ -96,7 +96,7 @@ def test_verifying_ngram_drafts(mistral):
 async def test_the_services_free_behind_the_window_in_step(mistral):
     path, hf = mistral
     async with back_half(path, num_kv_blocks=6, block_size=BLOCK_SIZE, max_num_batched_tokens=8) as bh:
-        params = WireSampling(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         (tokens,) = await bh.generate([PROMPT], params)
         assert tokens == reference_tokens(hf, PROMPT, MAX_TOKENS)
         kv = (await bh.admin("kvmanager", "stats")).data

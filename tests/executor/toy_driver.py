@@ -12,14 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from folio.core.executor.runtime.runner import ModelRunner
-from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, WireSampling
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan
+from folio.shared.sampling import SamplingParams
 
 
 @dataclass
 class _Seq:
     req_id: str
     prompt: list[int]
-    params: WireSampling
+    params: SamplingParams
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     output: list[int] = field(default_factory=list)
@@ -30,7 +31,7 @@ class _Seq:
 def generate(
     runner: ModelRunner,
     prompts: list[list[int]],
-    params: WireSampling | list[WireSampling],
+    params: SamplingParams | list[SamplingParams],
     chunk_size: int | None = None,
     eos_token_id: int | None = None,
     block_order: list[int] | None = None,
@@ -39,7 +40,7 @@ def generate(
 
     ``block_order`` (a permutation of block ids) lets tests hand out non-contiguous blocks.
     """
-    if isinstance(params, WireSampling):
+    if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     free = list(block_order if block_order is not None else range(runner.pool.num_blocks))
     free.reverse()

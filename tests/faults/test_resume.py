@@ -14,7 +14,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from folio.testing.routerstack import Replica, start_router
+from folio.testing.routerstack import ReplicaProcess, start_router
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # a served stack under 16-64 streams, a minute or more
 
@@ -73,7 +73,7 @@ def stack(tmp_path_factory, smollm_tokenizer_dir):
     from folio.testing.models import write_tiny_chat_model
 
     model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-resume"), smollm_tokenizer_dir)
-    a, b = Replica(model, FLAGS).start(), Replica(model, FLAGS).start()
+    a, b = ReplicaProcess(model, FLAGS).start(), ReplicaProcess(model, FLAGS).start()
     router = None
     try:
         a.wait_ready(), b.wait_ready()

@@ -106,7 +106,8 @@ else:
 
 
 def test_the_memory_of_a_process_tree_is_summed(tmp_path):
-    server = pr.Server("tree", [sys.executable, "-c", CHILD, "parent", CHILD], 0, dict(os.environ), tmp_path / "log")
+    command = [sys.executable, "-c", CHILD, "parent", CHILD]
+    server = pr.MeasuredServer("tree", command, 0, dict(os.environ), tmp_path / "log")
     try:
         deadline = time.monotonic() + 60
         while server.memory.peak_pss < 2 * (64 << 20) and time.monotonic() < deadline:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from folio import LLM, LoRARequest, SamplingParams
-from folio.testing.lora import write_peft_adapter
+from folio.testing.peft_adapters import write_peft_adapter
 from folio.testing.models import write_tiny_chat_model
 
 import peft  # noqa: E402  (a test extra: a missing peft fails, never skips)

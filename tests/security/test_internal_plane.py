@@ -25,7 +25,7 @@ import zmq
 from folio.shared.config import ENDPOINT_OWNERS, Endpoints
 from folio.shared.keys import StackKeys, init_keys
 from folio.shared.messages import AbortRequest, AdminRequest
-from folio.shared.plane import secure
+from folio.shared.curve import secure
 from folio.shared.transport import encode
 from folio.testing.models import write_tiny_chat_model
 from folio.testing.tcpstack import TcpStack

@@ -11,7 +11,7 @@ import sys
 import pytest
 import zmq
 
-from folio.shared import plane
+from folio.shared import curve
 from folio.shared.keys import SERVICES, KeysError, init_keys, load_keys, sign, split_keys, verify
 from folio.shared.transport import make_socket
 
@@ -127,9 +127,9 @@ def test_serve_reads_a_complete_key_folder_without_writing_to_it(tmp_path, monke
 def test_a_tcp_socket_without_keys_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("FOLIO_KEYS_DIR")
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))  # no folder of `folio serve`'s either
-    monkeypatch.setattr(plane, "_state", {"keys": None, "set": False, "service": None})
+    monkeypatch.setattr(curve, "_state", {"keys": None, "set": False, "service": None})
     ctx = zmq.Context()
-    with pytest.raises(plane.MissingKeys, match="folio keys init"):
+    with pytest.raises(curve.MissingKeys, match="folio keys init"):
         make_socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", service="kvmanager")
     make_socket(ctx, zmq.PULL, f"ipc://{tmp_path}/x.sock").close()  # ipc needs none
     ctx.term()
@@ -152,15 +152,15 @@ def test_a_wrong_key_gets_nothing_and_is_logged(stack_keys_dir):
     stranger.curve_serverkey = keys.server_public("kvmanager")
     stranger.linger = 0
     stranger.connect(address)
-    before = plane.REFUSALS.num_refused
+    before = curve.REFUSALS.num_refused
     stranger.send(b"let me in")
     friend.send(b"hello")
     assert server.poll(5000) and server.recv_multipart()[1] == b"hello"
     assert not server.poll(500)  # the stranger's message never arrives
-    assert plane.REFUSALS.num_refused > before
+    assert curve.REFUSALS.num_refused > before
     for s in (stranger, friend, server):
         s.close(0)
-    plane.release(ctx)
+    curve.release(ctx)
     ctx.term()
 
 
@@ -183,7 +183,7 @@ def test_a_client_that_checks_another_services_key_gets_no_handshake(stack_keys_
             for s in (right, server):
                 s.close(0)
     finally:
-        plane.release(ctx)
+        curve.release(ctx)
         ctx.destroy(linger=0)
 
 
@@ -214,9 +214,9 @@ def test_a_service_secret_cannot_serve_as_another_service(stack_keys_dir, tmp_pa
         control.send(b"hello")
         assert rogue.poll(5000) and rogue.recv_multipart()[1] == b"hello"
         with pytest.raises(KeysError, match="scheduler.key_secret is missing"):
-            plane.secure(ctx, ctx.socket(zmq.ROUTER), "tcp://127.0.0.1:*", bind=True, keys=stolen, service="scheduler")
+            curve.secure(ctx, ctx.socket(zmq.ROUTER), "tcp://127.0.0.1:*", bind=True, keys=stolen, service="scheduler")
     finally:
-        plane.release(ctx)
+        curve.release(ctx)
         ctx.destroy(linger=0)
 
 
@@ -248,7 +248,7 @@ def test_an_unnamed_service_is_an_error_never_a_shared_key(stack_keys_dir):
             make_socket(ctx, zmq.DEALER, "tcp://127.0.0.1:5", service="postgres")
         make_socket(ctx, zmq.DEALER, "ipc:///nonexistent/x.sock").close(0)  # ipc: nothing to check
     finally:
-        plane.release(ctx)
+        curve.release(ctx)
         ctx.destroy(linger=0)
 
 
@@ -261,13 +261,13 @@ def _plain_dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
 
 
 def test_a_keyless_peer_is_refused_unless_curve_is_turned_off(stack_keys_dir, monkeypatch):
-    monkeypatch.delenv(plane.UNSAFE_ENV, raising=False)
+    monkeypatch.delenv(curve.UNSAFE_ENV, raising=False)
     ctx = zmq.Context()
     server = make_socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", service="kvmanager")
     address = server.getsockopt(zmq.LAST_ENDPOINT).decode()
     _plain_dealer(ctx, address).send(b"let me in")
     assert not server.poll(700)  # CURVE: a keyless peer's handshake fails, nothing is read
-    monkeypatch.setenv(plane.UNSAFE_ENV, "1")  # the opt-out that measures CURVE's cost
+    monkeypatch.setenv(curve.UNSAFE_ENV, "1")  # the opt-out that measures CURVE's cost
     clear = make_socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", service="kvmanager")
     peer = _plain_dealer(ctx, clear.getsockopt(zmq.LAST_ENDPOINT).decode())
     peer.send(b"hello")
@@ -275,7 +275,7 @@ def test_a_keyless_peer_is_refused_unless_curve_is_turned_off(stack_keys_dir, mo
     assert clear.curve_server == 0 and server.curve_server == 1
     for s in (peer, clear, server):
         s.close(0)
-    plane.release(ctx)
+    curve.release(ctx)
     ctx.term()
 
 
@@ -288,7 +288,7 @@ def test_a_service_without_curve_serves_tcp_in_the_clear_and_says_so(tmp_path):
 
     base = free_port_run(16)
     env = {**os.environ, "FOLIO_ENDPOINTS": "tcp", "FOLIO_TCP_HOST": "127.0.0.1", "FOLIO_BASE_PORT": str(base),
-           "FOLIO_CACHE_DIR": str(tmp_path), plane.UNSAFE_ENV: "1"}
+           "FOLIO_CACHE_DIR": str(tmp_path), curve.UNSAFE_ENV: "1"}
     env.pop("FOLIO_KEYS_DIR", None)
     log = tmp_path / "kvmanager.log"
     with open(log, "w") as out:

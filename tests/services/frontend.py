@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from folio.shared.config import DEFAULT_MODEL_NAME, Endpoints, GatewayConfig, TokenizerConfig
-from folio.shared.loops import QUIET, ask_admin
+from folio.shared.transport import QUIET, ask_admin
 from folio.shared.messages import (
     AbortRequest,
     AdminReply,
@@ -34,7 +34,7 @@ SCRIPT_TEXT = " The answer is 42. END of the story, told twice over and over aga
 @lru_cache(maxsize=1)
 def text_tokenizer():
     """The real SmolLM2 tokenizer (loaded once per test process: ~1 s)."""
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
     from folio.core.tokenizer.text import TextTokenizer
 
     return TextTokenizer(resolve_model(DEFAULT_MODEL_NAME))
@@ -47,14 +47,15 @@ def short_run_dir() -> str:
 
 class ScriptedScheduler:
     """Answers each EngineRequest with the tokens of ``script(request)``, one per step, then
-    finishes it: "length" at max_tokens, "stop" at a stop token id, else EOS with "stop"."""
+    finishes it: "length" at max_tokens (None: what ``max_model_len`` leaves), "stop" at a stop
+    token id, else EOS with "stop"."""
 
     def __init__(self, ctx, endpoints: Endpoints, script: Callable[[EngineRequest], list[int]],
-                 step_s: float = 0.005):
+                 step_s: float = 0.005, max_model_len: int = 8192):
         self.recv_from_tokenizer = make_socket(ctx, zmq.PULL, endpoints.scheduler_in)
         self.send_to_tokenizer = make_socket(ctx, zmq.PUSH, endpoints.tokenizer_in)
         self.decoder = Decoder(EngineRequest, AbortRequest)
-        self.script, self.step_s = script, step_s
+        self.script, self.step_s, self.max_model_len = script, step_s, max_model_len
         self.requests: dict[str, EngineRequest] = {}
         self.received: list[EngineRequest] = []
         self.aborts: list[AbortRequest] = []
@@ -95,13 +96,13 @@ class ScriptedScheduler:
             finish = None
             if token in sp.stop_token_ids or token == req.eos_token_id:
                 finish = "stop"
-            elif len(out) >= sp.max_tokens:
+            elif len(out) >= (sp.max_tokens or self.max_model_len - len(req.prompt_token_ids)):
                 finish = "length"
             first = len(out) == len(req.forced_token_ids) + 1
             deltas.append(TokenDelta(
                 req_id=req_id,
                 token_ids=[token],
-                logprobs=None if sp.logprobs is None else [_fake_logprobs(token, sp.logprobs)],
+                logprobs=None if sp.engine_logprobs is None else [_fake_logprobs(token, sp.engine_logprobs)],
                 prompt_logprobs=_fake_prompt_logprobs(req) if first and sp.prompt_logprobs is not None else None,
                 finish_reason=finish,
                 num_prompt_tokens=len(req.prompt_token_ids) if first else 0,
@@ -150,7 +151,7 @@ async def front_half(script=None, api_key: str | None = None, served_model_name:
     if max_model_len is not None:
         tokenizer = _with_max_model_len(tokenizer, max_model_len)
     tok_service = TokenizerService(TokenizerConfig(endpoints=endpoints), tokenizer, ctx)
-    scheduler = ScriptedScheduler(ctx, endpoints, script or script_tokens(), step_s)
+    scheduler = ScriptedScheduler(ctx, endpoints, script or script_tokens(), step_s, tokenizer.max_model_len)
     gw_service = GatewayService(GatewayConfig(endpoints=endpoints, api_key=api_key,
                                               served_model_name=served_model_name, admin_timeout_s=0.1,
                                               probed_services=("tokenizer",), **gateway_options), ctx)

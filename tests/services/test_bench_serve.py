@@ -15,8 +15,8 @@ import time
 import pytest
 from aiohttp import web
 
-from folio.cli import bench_serve
-from folio.cli.bench_serve import RequestResult, compute_metrics
+from folio.bench import serve as bench_serve
+from folio.bench.serve import RequestResult, compute_metrics
 
 TTFT_S, GAP_S, SLOW_TTFT_S = 0.10, 0.02, 0.35
 

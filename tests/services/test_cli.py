@@ -14,14 +14,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
 
-from folio.cli.main import admin_call, main as folio
+from folio.cli.main import main as folio
+from folio.shared.transport import ask_service
 from folio.services.serve import SERVICES, add_serve_args, service_argv
 from folio.shared.config import Endpoints
-from folio.testing.backhalf import short_run_dir
+from folio.services.in_process import short_run_dir
 from folio.testing.models import write_tiny_chat_model
 
 STARTUP_TIMEOUT_S = 90
@@ -46,7 +48,7 @@ class Serve:
         self.run_dir = run_dir or short_run_dir()
         where = ["--run-dir", self.run_dir] if run_dir != "default" else []
         if run_dir == "default":
-            self.run_dir = f"/tmp/folio-{self.port}"
+            self.run_dir = str(Path(tempfile.gettempdir(), f"folio-{self.port}"))  # default_run_dir, unset
         cmd = [sys.executable, "-m", "folio.cli.main", "serve", "--model", model, *where,
                "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "64", "--dtype", "float32",
                "--block-size", "8", "--max-num-seqs", "8", *flags]
@@ -63,9 +65,9 @@ class Serve:
         waiting = set(SERVICES)
         while waiting and time.monotonic() < deadline:
             assert self.proc.poll() is None, self.stderr()
-            waiting = {s for s in waiting if admin_call(self.endpoints, s, "ping", {}, 0.5) is None}
+            waiting = {s for s in waiting if ask_service(self.endpoints, s, "ping", {}, 0.5) is None}
         assert not waiting, f"not answering: {waiting}"
-        while admin_call(self.endpoints, "kvmanager", "stats", {}, 1).data["registered"] is False:
+        while ask_service(self.endpoints, "kvmanager", "stats", {}, 1).data["registered"] is False:
             time.sleep(0.1)
         wait_healthy(self.port)  # the gateway's own probes saw them all
 
@@ -89,7 +91,7 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
         assert len(children) == len(SERVICES)
         for service in SERVICES:  # each froze what its imports and setup left (a full collection of it
             # stalled the executor's steps for up to 210 ms)
-            assert admin_call(serve.endpoints, service, "ping", {}, 5).data["gc_frozen"] > 10_000, service
+            assert ask_service(serve.endpoints, service, "ping", {}, 5).data["gc_frozen"] > 10_000, service
         with urllib.request.urlopen(f"http://127.0.0.1:{serve.port}/v1/models", timeout=30) as resp:
             model_name = json.load(resp)["data"][0]["id"]
         body = json.dumps({"model": model_name, "prompt": "Hello", "max_tokens": 5, "temperature": 0}).encode()

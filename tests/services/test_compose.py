@@ -22,9 +22,10 @@ import jsonschema
 import pytest
 import yaml
 
-from folio.cli.main import RUNNABLE, admin_call
+from folio.cli.main import RUNNABLE
+from folio.shared.transport import ask_service
 from folio.shared.config import Endpoints
-from folio.testing.backhalf import short_run_dir
+from folio.services.in_process import short_run_dir
 from folio.testing.models import write_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,7 +195,7 @@ def test_the_commands_start_as_local_processes_and_stop_on_sigterm(tiny_chat_mod
         while pending and time.monotonic() < deadline:
             for n, p in procs.items():
                 assert p.poll() is None, f"{n} exited: {Path(logs[n].name).read_text()}"
-            pending = {s for s in pending if admin_call(endpoints, s, "ping", {}, 0.5) is None}
+            pending = {s for s in pending if ask_service(endpoints, s, "ping", {}, 0.5) is None}
         assert not pending
         # the health checks compose runs, as written
         for name in ("kvmanager", "scheduler", "tokenizer"):

@@ -15,11 +15,12 @@ from folio.core.executor.runtime.runner import ModelRunner
 from folio.services.executor.service import ExecutorService
 from folio.services.kvmanager.service import KVManagerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig
-from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, StepResult, WireSampling
+from folio.shared.messages import NewRequestData, RunningRequestData, StepPlan, StepResult
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode, make_socket
-from folio.testing.backhalf import admin_call, short_run_dir
+from folio.services.in_process import admin_call, short_run_dir
 
-GREEDY = WireSampling(temperature=0.0, max_tokens=4)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 def plans() -> list[StepPlan]:
@@ -63,13 +64,27 @@ async def test_steps_over_the_socket_match_the_runner_and_the_pool_is_registered
                                                                    num_computed_tokens=0)],
                        num_scheduled_tokens={"ghost": 1})
         await scheduler.send(encode(bad))
-        assert decoder.decode(await asyncio.wait_for(scheduler.recv(), 30)) == StepResult(step_id=9, epoch=executor.epoch)
+        refused = decoder.decode(await asyncio.wait_for(scheduler.recv(), 30))
+        assert refused.step_id == 9 and refused.token_ids == [] and "unknown request 'ghost'" in refused.error
+        # a block outside the pool: refused before any kernel runs, and the next plan is served as
+        # though the refused ones never came
+        outside = StepPlan(step_id=10, new_reqs=[NewRequestData(req_id="s", token_ids=[1, 2], num_prompt_tokens=2,
+                                                                sampling=GREEDY, block_ids=[8])],
+                           num_scheduled_tokens={"s": 2})
+        await scheduler.send(encode(outside))
+        refused = decoder.decode(await asyncio.wait_for(scheduler.recv(), 30))
+        assert refused.token_ids == [] and "s: block id 8 is outside the pool (0..7)" in refused.error
+        after = StepPlan(step_id=11, running_reqs=[RunningRequestData(req_id="r", new_block_ids=[], num_computed_tokens=7)],
+                         num_scheduled_tokens={"r": 1})
+        await scheduler.send(encode(after))
+        assert decoder.decode(await asyncio.wait_for(scheduler.recv(), 30)) == \
+            msgspec.structs.replace(local.execute(after), epoch=executor.epoch)
 
         kv_stats = (await admin_call(ctx, ep.admin_kvmanager, "stats")).data
         assert kv_stats["registered"] and kv_stats["num_blocks_total"] == 8 and kv_stats["epoch"] == executor.epoch
         assert kv_stats["bytes_per_block"] == local.pool_shape.bytes_per_block
         ex_stats = (await admin_call(ctx, ep.admin_executor, "stats")).data
-        assert ex_stats["num_blocks"] == 8 and ex_stats["block_size"] == 4 and ex_stats["num_steps"] == 4
+        assert ex_stats["num_blocks"] == 8 and ex_stats["block_size"] == 4 and ex_stats["num_steps"] == 6
     finally:
         scheduler.close(linger=0)
         for task in tasks:

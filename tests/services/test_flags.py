@@ -41,7 +41,7 @@ def test_each_service_defaults_to_its_own_config():
 def _other_value(d):
     """A value for the flag that is not its default, as a command-line string (None: an on/off flag)."""
     if d.flag.choices:
-        return next(c for c in d.flag.choices if c != d.default)
+        return str(next(c for c in d.flag.choices if c != d.default))
     if d.annotation.startswith("bool"):
         return None
     if d.annotation.startswith("float"):

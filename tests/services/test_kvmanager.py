@@ -28,7 +28,7 @@ from folio.shared.messages import (
     RegisterPool,
 )
 from folio.shared.transport import Decoder, encode, make_socket
-from folio.testing.backhalf import admin_call, short_run_dir
+from folio.services.in_process import admin_call, short_run_dir
 
 # ---------------------------------------------------------------------------- the allocator
 

@@ -8,13 +8,13 @@ import pytest
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WireSampling
-from folio.testing.backhalf import back_half
+from folio.shared.sampling import SamplingParams
+from folio.services.in_process import back_half
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 BLOCK_SIZE = 16
-GREEDY = WireSampling(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import zmq.asyncio
 
 from folio.services.router.main import parse_config
 from folio.shared.config import Endpoints, RouterConfig
-from folio.testing.backhalf import short_run_dir
+from folio.services.in_process import short_run_dir
 
 
 def test_the_router_takes_the_flag_and_the_environment(monkeypatch):

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from folio.testing.models import write_tiny_chat_model
-from folio.testing.routerstack import Replica, http_json, post, start_router
+from folio.testing.routerstack import ReplicaProcess, http_json, post, start_router
 
 pytestmark = pytest.mark.slow  # two replicas and a router per test: 23 s in all
 
@@ -34,7 +34,7 @@ def model(tmp_path_factory, smollm_tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module")
 def stack(model):
-    a, b = Replica(model, FLAGS).start(), Replica(model, FLAGS).start()
+    a, b = ReplicaProcess(model, FLAGS).start(), ReplicaProcess(model, FLAGS).start()
     router = None
     try:
         a.wait_ready(), b.wait_ready()
@@ -55,7 +55,7 @@ def chat(url: str, system: str, question: str, max_tokens: int = 4, **extra) -> 
     return post(url + "/v1/chat/completions", body)
 
 
-def prefix_hits(replica: Replica) -> int:
+def prefix_hits(replica: ReplicaProcess) -> int:
     return replica.admin("kvmanager", "stats")["num_prefix_cache_hits"]
 
 

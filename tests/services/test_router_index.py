@@ -187,13 +187,14 @@ def test_prompts_are_tokenized_as_the_tokenizer_service_does(smollm_tokenizer_di
     body the router cannot read gives None (routed by load) instead of an error."""
     from folio.services.router.prompt import PromptEncoder
     from folio.core.tokenizer.text import TextTokenizer
-    from folio.shared.messages import ChatMessage, GenerateRequest, WireSampling
+    from folio.shared.messages import ChatMessage, GenerateRequest
+    from folio.shared.sampling import SamplingParams
 
     tokenizer = TextTokenizer(smollm_tokenizer_dir)
     encoder = PromptEncoder(tokenizer)
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
-    replica_side = tokenizer.encode_request(GenerateRequest(req_id="x", sampling=WireSampling(), messages=[
+    replica_side = tokenizer.encode_request(GenerateRequest(req_id="x", sampling=SamplingParams(), messages=[
         ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there")]))[0]
     assert encoder.token_ids({"messages": messages}, chat=True) == replica_side
     assert encoder.token_ids({"prompt": "Hello world"}, chat=False) == tokenizer.hf.encode("Hello world")

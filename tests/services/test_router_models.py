@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from folio.services.router.replicas import Replica, read_active_adapters, read_models
 from folio.shared.config import Endpoints, RouterConfig
-from folio.testing.backhalf import short_run_dir
-from folio.testing.lora import write_peft_adapter
+from folio.services.in_process import short_run_dir
+from folio.testing.peft_adapters import write_peft_adapter
 from folio.testing.models import write_tiny_chat_model, write_tiny_model
-from folio.testing.routerstack import Replica as ServedReplica
+from folio.testing.routerstack import ReplicaProcess as ServedReplica
 from folio.testing.routerstack import http_json, post, start_router
 
 

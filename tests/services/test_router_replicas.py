@@ -19,7 +19,7 @@ from folio.core.kv.block_hash import block_extra_keys, chain_block_hashes
 from folio.shared.config import Endpoints, KVManagerConfig, RouterConfig
 from folio.shared.messages import KVAllocate, KVConfirm, KVFree, KVReset, KVStepReply, KVStepRequest, PoolInfo, RegisterPool
 from folio.shared.transport import Decoder, encode, make_socket
-from folio.testing.backhalf import short_run_dir
+from folio.services.in_process import short_run_dir
 
 BS = 4
 

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from folio.shared.messages import WireSampling
-from folio.testing.backhalf import back_half
+from folio.shared.sampling import SamplingParams
+from folio.services.in_process import back_half
 from tests.core.engine import alone, engine_request, make_runner
 
 NUM_REQUESTS = 200
@@ -73,18 +73,18 @@ async def test_200_concurrent_requests_on_64_blocks_all_finish_as_if_alone(tiny_
 async def test_drain_finishes_accepted_work_and_refuses_new_requests(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=16) as bh:
         bh.pace(0.05)  # "before" must still be running when the drain comes
-        await bh.submit("before", [1, 2, 3], WireSampling(temperature=0.0, max_tokens=40, ignore_eos=True))
+        await bh.submit("before", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         await wait_until_running(bh)
         drained = await bh.admin("scheduler", "drain")
         assert drained.ok and drained.data["draining"] and not drained.data["idle"]
-        await bh.submit("during", [4, 5, 6], WireSampling(temperature=0.0, max_tokens=4))
+        await bh.submit("during", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=4))
         outputs = await bh.collect(["before", "during"])
         assert outputs["during"] == ([], "error") and len(outputs["before"][0]) == 40
         refusal = next(d for b in bh.batches for d in b.all_deltas() if d.req_id == "during")
         assert refusal.error_code == 503 and "draining" in refusal.error
         assert (await bh.admin("scheduler", "stats")).data["draining"] is True
         assert (await bh.admin("scheduler", "resume")).data == {"draining": False}
-        await bh.submit("after", [4, 5, 6], WireSampling(temperature=0.0, max_tokens=4))
+        await bh.submit("after", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=4))
         assert (await bh.collect(["after"]))["after"][1] == "length"
 
 
@@ -92,7 +92,7 @@ async def test_drain_finishes_accepted_work_and_refuses_new_requests(tiny_model_
 async def test_admin_abort_ends_the_stream_and_frees_blocks_unknown_ids_are_an_error(tiny_model_dir):
     async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=16) as bh:
         bh.pace(0.02)  # "long" must still be running when it is aborted
-        await bh.submit("long", [1, 2, 3], WireSampling(temperature=0.0, max_tokens=200, ignore_eos=True))
+        await bh.submit("long", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         await wait_until_running(bh)
         reply = await bh.admin("scheduler", "abort", req_id="long")
         assert reply.ok and reply.data["aborted"]

@@ -11,17 +11,18 @@ import structlog
 
 from folio.core.executor.runtime.runner import ModelRunner
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import TokenBatch, WireSampling
+from folio.shared.messages import TokenBatch
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode
 from tests.executor.toy_driver import generate
-from folio.testing.backhalf import back_half
+from folio.services.in_process import back_half
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 5, [10, 11], list(range(20, 50)), [3] * 9, [60, 61, 62, 63]]
 MAX_TOKENS = [8, 20, 5, 12, 9, 16]
 
 
-def greedy(max_tokens: int) -> WireSampling:
-    return WireSampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ async def test_a_restarted_executor_makes_running_requests_start_over(tiny_model
                                        num_kv_blocks=64), tiny_model_dir)
     long_reference = generate(runner, [LONG_PROMPT], greedy(LONG_MAX_TOKENS))[0]
     async with back_half(tiny_model_dir, num_kv_blocks=128, block_size=4) as bh:
-        bh.services[2].executor_check_s = 0.3  # a lost step is noticed quickly
+        bh.services[2].executor.check_s = 0.3  # a lost step is noticed quickly
         req_ids = [f"req-{i}" for i in range(len(PROMPTS))] + ["req-long"]
         for req_id, prompt, m in zip(req_ids, PROMPTS + [LONG_PROMPT], MAX_TOKENS + [LONG_MAX_TOKENS]):
             await bh.submit(req_id, prompt, greedy(m))

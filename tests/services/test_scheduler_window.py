@@ -19,7 +19,7 @@ from folio.core.kv.allocator import BlockAllocator, cdiv
 from folio.core.kv.window import all_layers_window, hybrid_kv_bytes, layer_windows_from_config, window_blocks
 from folio.shared.messages import KVReset, KVStepRequest, PoolInfo, RegisterPool, StepResult
 from folio.shared.transport import make_socket
-from folio.testing.backhalf import admin_call
+from folio.services.in_process import admin_call
 from tests.core.kv_owner import Owner
 from tests.services.test_kvmanager import ask, kvmanager  # noqa: F401 (the service fixture)
 from tests.core.scheduler.test_scheduler_invariants import check_allocator, output_of, token_of

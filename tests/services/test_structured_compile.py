@@ -20,9 +20,10 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from folio.core.structured.grammar import GrammarChecker, GrammarError, check_spec  # noqa: E402
-from folio.shared.messages import AbortRequest, GuidedSpec, TokenBatch, WireSampling  # noqa: E402
+from folio.shared.messages import AbortRequest, GuidedSpec, TokenBatch, SamplingParams  # noqa: E402
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode  # noqa: E402
-from folio.testing.backhalf import back_half  # noqa: E402
+from folio.services.in_process import back_half  # noqa: E402
 from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.core.structured.test_structured_engine import chat_model, tok  # noqa: E402,F401  (fixtures)
 
@@ -137,8 +138,8 @@ async def test_a_new_schema_with_a_short_prompt_never_stalls_the_others(chat_mod
         try:
             eos = tok.eos_token_id
             warm = check_spec(GuidedSpec(kind="regex", spec="[0-9]{2}"))  # the vocabulary, loaded
-            await bh.submit("warm", tok.hf.encode("Number:"), WireSampling(temperature=0.0, max_tokens=4,
-                                                                            grammar=warm), eos)
+            await bh.submit("warm", tok.hf.encode("Number:"), SamplingParams(temperature=0.0, max_tokens=4), eos,
+                            grammar=warm)
             await _until(lambda: "warm" in finished, 300, "the warm-up request")
             assert finished["warm"][0] == "stop", finished["warm"]
             schema = new_wide_schema(2000)
@@ -148,12 +149,12 @@ async def test_a_new_schema_with_a_short_prompt_never_stalls_the_others(chat_mod
             streams = [f"plain-{i}" for i in range(3)]
             for i, req_id in enumerate(streams):
                 await bh.submit(req_id, tok.hf.encode(f"Story {i}:"),
-                                WireSampling(temperature=0.0, max_tokens=480, ignore_eos=True))
+                                SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True))
             await _until(lambda: all(len(tokens[r]) >= 8 for r in streams), 300, "the streams to decode")
             before = (await bh.admin("executor", "stats")).data
             sent = time.perf_counter()
-            await bh.submit("big", tok.hf.encode("JSON:"), WireSampling(temperature=0.0, max_tokens=200,
-                                                                          grammar=grammar), eos)
+            await bh.submit("big", tok.hf.encode("JSON:"), SamplingParams(temperature=0.0, max_tokens=200), eos,
+                            grammar=grammar)
             await _until(lambda: "big" in finished, 300, "the constrained request")
             first = arrivals["big"][0]
             after = (await bh.admin("executor", "stats")).data

@@ -28,8 +28,8 @@ from folio.shared.messages import (
     TokenBatch,
     TokenDelta,
     ToolCall,
-    WireSampling,
 )
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode, make_socket
 from tests.services.frontend import admin_call, short_run_dir, text_tokenizer
 
@@ -82,14 +82,14 @@ async def test_request_tokenized_and_tokens_detokenized(tokenizer_peers):
     service, peers, ctx, ep = tokenizer_peers
     tok = text_tokenizer()
     msgs = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")]
-    await peers.send(GenerateRequest(req_id="a-0", sampling=WireSampling(temperature=0.0), messages=msgs,
-                                     fill_max_tokens=True, priority=3))
+    sampling = SamplingParams(temperature=0.0, max_tokens=None)  # what the context leaves
+    await peers.send(GenerateRequest(req_id="a-0", sampling=sampling, messages=msgs, priority=3))
     engine_req = await peers.scheduler_gets()
     expected = tok.hf.encode(tok.hf.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs],
                                                         add_generation_prompt=True, tokenize=False),
                              add_special_tokens=False)
     assert engine_req.prompt_token_ids == expected
-    assert engine_req.sampling.max_tokens == tok.max_model_len - len(expected)
+    assert engine_req.sampling == sampling  # as it was sent: the scheduler works out the tokens left
     assert engine_req.eos_token_id == tok.eos_token_id and engine_req.priority == 3
     ids = tok.hf.encode(" Sure 😀")
     await peers.send(TokenBatch(step_id=1, deltas=[TokenDelta(req_id="a-0", token_ids=ids[:2],
@@ -106,8 +106,8 @@ async def test_request_tokenized_and_tokens_detokenized(tokenizer_peers):
 async def test_abort_and_stop_string_reach_the_scheduler(tokenizer_peers):
     service, peers, ctx, ep = tokenizer_peers
     tok = text_tokenizer()
-    await peers.send(GenerateRequest(req_id="b-0", sampling=WireSampling(), prompt="x", stop=["answer"]))
-    await peers.send(GenerateRequest(req_id="c-0", sampling=WireSampling(), prompt="y"))
+    await peers.send(GenerateRequest(req_id="b-0", sampling=SamplingParams(stop=["answer"]), prompt="x"))
+    await peers.send(GenerateRequest(req_id="c-0", sampling=SamplingParams(), prompt="y"))
     assert (await peers.scheduler_gets()).req_id == "b-0"
     assert (await peers.scheduler_gets()).req_id == "c-0"
     await peers.send(AbortRequest(req_id="c-0"))
@@ -124,8 +124,8 @@ async def test_abort_and_stop_string_reach_the_scheduler(tokenizer_peers):
 
 async def test_context_overflow_and_bad_tokens_answer_the_gateway(tokenizer_peers):
     service, peers, ctx, ep = tokenizer_peers
-    await peers.send(GenerateRequest(req_id="d-0", sampling=WireSampling(max_tokens=9000), prompt="x"))
-    await peers.send(GenerateRequest(req_id="e-0", sampling=WireSampling(), prompt_token_ids=[10**6]))
+    await peers.send(GenerateRequest(req_id="d-0", sampling=SamplingParams(max_tokens=9000), prompt="x"))
+    await peers.send(GenerateRequest(req_id="e-0", sampling=SamplingParams(), prompt_token_ids=[10**6]))
     errors = [(await peers.gateway_gets()).deltas[0] for _ in range(2)]
     assert [(d.req_id, d.error_code, d.error_param, d.finish_reason) for d in errors] == [
         ("d-0", 400, "max_tokens", "error"), ("e-0", 400, "prompt", "error")]
@@ -135,9 +135,9 @@ async def test_context_overflow_and_bad_tokens_answer_the_gateway(tokenizer_peer
 
 async def test_garbage_is_dropped_and_the_service_keeps_serving(tokenizer_peers):
     service, peers, ctx, ep = tokenizer_peers
-    for junk in (b"", b"\xc1", b"\x93\x01\x02\x03", encode(WireSampling())):
+    for junk in (b"", b"\xc1", b"\x93\x01\x02\x03", encode(SamplingParams())):
         await peers.send(junk)
-    await peers.send(GenerateRequest(req_id="f-0", sampling=WireSampling(), prompt="still here"))
+    await peers.send(GenerateRequest(req_id="f-0", sampling=SamplingParams(), prompt="still here"))
     assert (await peers.scheduler_gets()).req_id == "f-0"
     reply = await admin_call(ctx, ep.admin_tokenizer, "stats")
     assert reply.ok and reply.data["num_malformed"] == 4 and reply.data["num_requests"] == 1
@@ -151,7 +151,7 @@ async def test_main_serves_and_stops_on_sigterm():
     ctx = zmq.asyncio.Context()
     peers = Peers(ctx, Endpoints.ipc(run_dir))
     try:
-        await peers.send(GenerateRequest(req_id="g-0", sampling=WireSampling(max_tokens=100), prompt="x"))
+        await peers.send(GenerateRequest(req_id="g-0", sampling=SamplingParams(max_tokens=100), prompt="x"))
         err = (await asyncio.wait_for(peers.from_tokenizer_to_gateway.recv(), 60))
         assert "maximum context length is 64" in Decoder(TextBatch).decode(err).deltas[0].error
         proc.send_signal(signal.SIGTERM)
@@ -170,13 +170,14 @@ async def test_structured_specs_are_checked_once_and_bad_ones_answered(tokenizer
     service, peers, ctx, ep = tokenizer_peers
     regex = GuidedSpec(kind="regex", spec="[0-9]{3}", param="guided_regex")
     for req_id in ("g-0", "g-1"):
-        await peers.send(GenerateRequest(req_id=req_id, sampling=WireSampling(), prompt="Code:", guided=regex))
+        await peers.send(GenerateRequest(req_id=req_id, sampling=SamplingParams(), prompt="Code:", guided=regex))
     got = [await peers.scheduler_gets(), await peers.scheduler_gets()]
     assert {g.req_id for g in got} == {"g-0", "g-1"}
-    assert all(g.sampling.grammar.kind == "regex" and g.sampling.grammar.spec == "[0-9]{3}" for g in got)
+    assert all(g.grammar.kind == "regex" and g.grammar.spec == "[0-9]{3}" and g.sampling == SamplingParams()
+               for g in got)
     assert service.grammars.stats["num_grammar_checks"] == 1
     bad = GuidedSpec(kind="grammar", spec="root ::= missing", param="guided_grammar")
-    await peers.send(GenerateRequest(req_id="b-0", sampling=WireSampling(), prompt="x", guided=bad,
+    await peers.send(GenerateRequest(req_id="b-0", sampling=SamplingParams(), prompt="x", guided=bad,
                                      fork_req_ids=["b-1"]))
     errors = {d.req_id: d for _ in range(2) for d in (await peers.gateway_gets()).deltas}
     assert set(errors) == {"b-0", "b-1"}
@@ -184,10 +185,10 @@ async def test_structured_specs_are_checked_once_and_bad_ones_answered(tokenizer
     assert "missing" in errors["b-0"].error
     # a request aborted while its spec is checked never reaches the scheduler
     slow = GuidedSpec(kind="regex", spec="[a-z]{2,9}")
-    await peers.send(GenerateRequest(req_id="c-0", sampling=WireSampling(), prompt="x", guided=slow))
+    await peers.send(GenerateRequest(req_id="c-0", sampling=SamplingParams(), prompt="x", guided=slow))
     await peers.send(AbortRequest(req_id="c-0"))
     assert isinstance(await peers.scheduler_gets(), AbortRequest)
-    await peers.send(GenerateRequest(req_id="d-0", sampling=WireSampling(), prompt="x"))
+    await peers.send(GenerateRequest(req_id="d-0", sampling=SamplingParams(), prompt="x"))
     assert (await peers.scheduler_gets()).req_id == "d-0"
 
 
@@ -197,7 +198,7 @@ async def test_tools_reach_the_prompt(tokenizer_peers):
     msgs = [ChatMessage("user", "Weather?"),
             ChatMessage("assistant", "", tool_calls=[ToolCall(id="c1", name="get_weather", arguments='{"city": "Oslo"}')]),
             ChatMessage("tool", '{"temp": 3}', tool_call_id="c1")]
-    await peers.send(GenerateRequest(req_id="t-0", sampling=WireSampling(), messages=msgs, tools=[tool]))
+    await peers.send(GenerateRequest(req_id="t-0", sampling=SamplingParams(), messages=msgs, tools=[tool]))
     text = text_tokenizer().decode_with_specials((await peers.scheduler_gets()).prompt_token_ids)
     assert '"name": "get_weather"' in text and "<tools>" in text  # SmolLM2's template: the Hermes form
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text

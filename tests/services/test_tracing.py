@@ -24,7 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 
 from folio.shared.tracing import parse_traceparent, traces_url  # noqa: E402
 from folio.testing.models import write_tiny_chat_model  # noqa: E402
-from folio.testing.routerstack import Replica, start_router  # noqa: E402
+from folio.testing.routerstack import ReplicaProcess, start_router  # noqa: E402
 from folio.testing.server import free_port  # noqa: E402
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -119,7 +119,7 @@ def stack(tmp_path_factory, smollm_tokenizer_dir):
     receiver = Receiver()
     model = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-traced"), smollm_tokenizer_dir)
     # prefills of at most 8 tokens a step: a prompt of ~30 tokens runs as several chunks
-    replica = Replica(model, ("--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8",
+    replica = ReplicaProcess(model, ("--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8",
                               "--long-prefill-token-threshold", "8", "--otlp-traces-endpoint", receiver.url))
     log = tempfile.TemporaryFile("a+")
     replica.proc = subprocess.Popen(

@@ -8,6 +8,6 @@ folder imports only the ones above it in this list; ``tests/test_layout.py`` che
   penalties, rejection sampling; multi-LoRA (none of the three imports another);
 - ``model/``: model families over shared layers, and loading checkpoints (HF folders, GGUF, a
   rank's shard);
-- ``runtime/``: the model runner, the persistent input batch, the KV pool, CUDA graphs, proposers,
+- ``runtime/``: the model runner, the persistent input batch, CUDA graphs, proposers,
   the tensor-parallel worker group.
 """

@@ -1,47 +1,6 @@
 """The block allocator: one block table per request over a device tier and a host tier.
 
-Pure, deterministic bookkeeping, no sockets and no tensors: the scheduler plans with a replica of
-it and the kvmanager owns the record, both driven by the same step log (``steplog.py``). Block
-ids are the handles of the executor's pools. What it adds to ``block_pool.BlockPool``'s counting:
-
-- prefix caching: a full block is named by a chained hash of (parent hash, its token ids, extra
-  keys such as the request's cache salt): ``folio.core.kv.block_hash``, which the router uses too. A
-  request new to the allocator first takes the longest run of cached blocks that match its tokens
-  (each hit verified against the stored tokens and parent); the hit is capped so that at least
-  one token of the allocation, and so the last prompt token, is still computed.
-- forks: the child's table is a copy of the parent's with ref counts bumped. Full blocks are
-  shared for good; the first write into a shared, partly filled last block copies it
-  (copy-on-write): the writer gets a fresh block and a (src, dst) pair lands in ``block_copies``.
-- swapping: ``swap_out`` moves a table to host blocks, ``swap_in`` back to fresh device blocks;
-  the (device, host) and (host, device) pairs land in ``swap_out_pairs``/``swap_in_pairs``.
-- sliding windows: with ``sliding_window`` W > 0 (a model whose every layer attends to at most
-  its last W positions) an allocation that writes from position p first gives back the blocks
-  whose last position is below p - W + 1, which no later query reads (a decoding sequence holds
-  at most ``ceil(W / block_size) + 1`` blocks from the first block it starts after its prompt; a
-  chunk of C tokens, those of its C tokens and the W - 1 before them); a sequence new here does
-  not revive the cached blocks of its prefix hit that lie wholly before its window. The skipped
-  blocks keep their entries in the table (``RequestTable.num_skipped_blocks`` says how many lead
-  it): a valid block id, possibly handed to another sequence since, so that positions still map
-  to ``table[p // block_size]`` and the executor is told nothing; the attention backends mask
-  keys outside the window, so those entries are never read for a score. A skipped block goes
-  back like any other: to the prefix cache (evictable) when it was indexed, else to the free
-  queue; only the owner of a block writes it, and eviction unindexes a block before it is
-  handed out again, so a prefix hit never points at overwritten KV.
-- lower tiers (``tiers.py``): with prefix caching and a host tier, a cached device block that an
-  allocation evicts is copied to a host block (a ``swap_out`` pair) and indexed there under the
-  same hash; with a disk tier (``disk_tier``), every block the device index takes is written
-  through to a file once computed (so a restart finds it), and a cached host block evicted (or a
-  device block, with no room or no host tier) is written too, unless its file exists (a
-  ``tier_saves`` entry: (medium, block id, hash);
-  a host block filled in the same step is saved from its device source instead, which still holds
-  the bytes: saves run before any copy). A sequence new here takes its device hits, then the host
-  hits that continue them (fresh device blocks, ``swap_in`` pairs; the host blocks stay pinned
-  until the step's copies are taken), then the disk hashes the planner verified and put in its
-  ``KVAllocate`` (``load_hashes``: fresh device blocks, ``tier_loads`` entries (block id, hash)).
-  Loaded blocks are indexed at once (their bytes land before the step runs) and are not spilled
-  again in the step that fills them. Both replicas take the same decisions: the disk's contents
-  enter only through the op.
-The copies accumulate until the service takes them for the step's reply (``take_copies``).
+More in docs/modules.md (folio/core/kv/allocator.py).
 """
 
 from __future__ import annotations
@@ -120,14 +79,9 @@ class BlockAllocator:
         self._filled: set[int] = set()  # device blocks whose bytes land by this step's copies
 
     # ------------------------------------------------------------------ views
-    @property
-    def num_free_blocks(self) -> int:
-        """Device blocks an allocation may still take (free plus evictable cached)."""
-        return self.device.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.device.num_used_blocks
+    # device blocks an allocation may still take (free plus evictable cached), and those held
+    num_free_blocks = property(lambda self: self.device.num_free_blocks)
+    num_used_blocks = property(lambda self: self.device.num_used_blocks)
 
     @property
     def free_block_ids(self) -> list[int]:

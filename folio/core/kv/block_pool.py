@@ -7,16 +7,7 @@ one for its host tier); nothing else touches it. Every block is in exactly one o
 - cached: free, but its full contents are indexed by hash, so a later request can take it back;
 - free: holds nothing anyone can find.
 
-``take`` hands out free blocks first (lowest ids first at start, then in the order they were
-freed) and only then evicts cached ones, least recently freed first. ``release`` appends a table's
-blocks in the order given: the allocator passes them deepest first, so that a sequence's tail is
-evicted before its head (a tail is only useful together with its head).
-
-With a lower tier below it (``spill`` set), each cached block ``take`` evicts is listed there with
-its index entry, for the allocator to copy down a tier (host, disk: ``tiers.py``).
-
-Every change to the index is recorded in ``events`` (``BlockStored``/``BlockRemoved``) for the
-kvmanager to publish once per step (the scheduler's replica drops them).
+More in docs/modules.md (folio/core/kv/block_pool.py).
 """
 
 from __future__ import annotations

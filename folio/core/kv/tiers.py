@@ -1,44 +1,6 @@
 """The KV tiers below the device pool: the disk tier's files and the cost model that decides loads.
 
-Three tiers hold prefix blocks, each evicting least recently used first:
-
-- device: the executor's pool (``BlockPool`` "GPU" in the allocator);
-- host: the pool's host blocks (``--num-host-blocks``), shared with swapped-out requests. A device
-  block the prefix cache evicts is copied there (a ``swap_out`` pair in the step plan) and indexed
-  in the host ``BlockPool`` under the same hash; a later request that misses on the device but hits
-  there gets a fresh device block and a ``swap_in`` pair. This tier is part of the replicated
-  allocator: the scheduler's replica and the kvmanager's apply the same step log and take the same
-  decisions (``allocator.py``).
-- disk: files under ``--kv-disk-dir``, at most ``--kv-disk-gb``. A block the host tier evicts (or
-  the device, without a host tier) is written there (a ``tier_saves`` entry of the step plan). The
-  folder is shared between processes (a restarted server, other replicas of the same model on the
-  host), so it is not part of the replicated state: the scheduler looks hashes up in it while it
-  plans (``find_run``: files verified whole, checksums included), and puts the hashes it decided to
-  load in the ``KVAllocate`` of the request (``load_hashes``); both allocators then take fresh
-  device blocks for them and the executor reads the files into those blocks before the step
-  (``tier_loads``).
-
-Files are content-addressed: ``<dir>/<layout id>/<hh>/<block hash hex>.kv``. The layout id hashes
-the model's identity (its config.json, its weight files' names and sizes, the quantization) and the
-pool's layout (dtype, block size, KV heads, head size, layers, the tensor-parallel shard, the FP8
-scales when the pool is FP8): a block's bytes mean the same to every process that computes the same
-id. The block hash is the chained hash of the router and the prefix cache
-(``folio.core.kv.block_hash``), so it names the whole prefix, salt and adapter included.
-
-A file: ``MAGIC`` (8 bytes), the layout id's 16 bytes, the block hash (16), the payload's length
-(u64) and its CRC-32 (u32), then the payload (``KVPool.read_blocks``' bytes of one block). A file
-whose header, length or checksum is wrong is deleted and reported missing: its tokens are
-recomputed, never served. Writes go to a temporary name and are renamed into place, so a reader
-never sees half a file from a writer that is still running (a truncated file is a crash or damage).
-
-Recency is the file's mtime: a hit touches it, so every process on the folder shares one LRU clock;
-the process that writes evicts the oldest files while the folder's total is over the cap.
-
-The cost model (``TierCostModel``): a run of lower-tier hits is loaded when
-``bytes / load_bandwidth < tokens / prefill_rate``, both measured as the server runs (exponential
-moving averages of the files the scheduler verified and of the prefill steps it timed; start
-values ``DEFAULT_LOAD_BYTES_PER_S`` and ``DEFAULT_PREFILL_TOKENS_PER_S``). Host hits are always
-taken (a memory copy is far cheaper than a forward pass).
+More in docs/modules.md (folio/core/kv/tiers.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Several requests of one client request share blocks through forks (``KVFork``):
   beam with several children is forked in the next step, one without any is freed, and when the
   search is over the group's choices get their results.
 
-``Forks`` belongs to one ``policy.Scheduler`` and moves requests through its queues.
+``Forks`` is part of the scheduler's state (``state.py``) and moves requests through its queues.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from folio.core.scheduler.beam import BeamSearch
 from folio.core.scheduler.request import Request, Status
-from folio.shared.messages import EngineRequest, KVFork, TokenDelta, WireSampling
+from folio.shared.messages import EngineRequest, KVFork, TokenDelta
+from folio.shared.sampling import SamplingParams
 
 
 @dataclass(eq=False)
@@ -31,7 +32,7 @@ class BeamGroup:
     req_id: str
     choice_ids: list[str]
     search: BeamSearch
-    sampling: WireSampling  # what each beam runs with: greedy, top-2W logprobs
+    sampling: SamplingParams  # what each beam runs with: greedy, top-2W logprobs
     live: dict[int, Request] = field(default_factory=dict)  # beam id -> request
     candidates: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     width: int = 1
@@ -41,7 +42,7 @@ class BeamGroup:
 
 class Forks:
     def __init__(self, sched):
-        self.sched = sched  # the policy.Scheduler whose queues and allocator replica these use
+        self.sched = sched  # the scheduler's state (``state.SchedulerState``): its queues and allocator replica
         self.unforked: list[Request] = []  # new beams, forked from their parent in the next step
         self.groups: dict[str, BeamGroup] = {}  # beam searches by each of their choice ids
 
@@ -93,19 +94,18 @@ class Forks:
         sched.enqueue(sched.running, child, Status.RUNNING)
 
     # ------------------------------------------------------------------ beam groups
-    def add_beam_search(self, msg: EngineRequest, priority: int, arrival: int) -> None:
-        params = msg.beam_search
-        eos = set(msg.sampling.stop_token_ids)
-        if msg.eos_token_id is not None and not msg.sampling.ignore_eos:
+    def add_beam_search(self, msg: EngineRequest, max_tokens: int, priority: int, arrival: int) -> None:
+        params = msg.sampling
+        eos = set(params.stop_token_ids)
+        if msg.eos_token_id is not None and not params.ignore_eos:
             eos.add(msg.eos_token_id)
-        search = BeamSearch(params.width, length_penalty=params.length_penalty,
-                            early_stopping=params.early_stopping, max_tokens=msg.sampling.max_tokens,
-                            eos_token_ids=eos)
+        width = params.num_sequences
+        search = BeamSearch(width, length_penalty=params.length_penalty, early_stopping=params.early_stopping,
+                            max_tokens=max_tokens, eos_token_ids=eos)
         # every beam runs greedy and reports its top raw logprobs; the group picks its tokens
-        sampling = WireSampling(temperature=0.0, max_tokens=msg.sampling.max_tokens, ignore_eos=True,
-                                  logprobs=search.top_k)
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=search.top_k)
         group = BeamGroup(req_id=msg.req_id, choice_ids=[msg.req_id, *msg.fork_req_ids], search=search,
-                          sampling=sampling, width=params.width, num_prompt_tokens=len(msg.prompt_token_ids))
+                          sampling=sampling, width=width, num_prompt_tokens=len(msg.prompt_token_ids))
         beam = self._new_beam(group, search.beams[0].beam_id, msg.prompt_token_ids, [], (priority, arrival))
         beam.arrival_time = msg.arrival_time
         for choice_id in group.choice_ids:
@@ -115,6 +115,7 @@ class Forks:
     def _new_beam(self, group: BeamGroup, beam_id: int, prompt: list[int], output: list[int],
                   order: tuple[int, int]) -> Request:
         beam = Request(req_id=f"{group.req_id}#beam{beam_id}", prompt_token_ids=list(prompt), sampling=group.sampling,
+                       max_tokens=group.search.max_tokens,
                        output_token_ids=list(output), append_sampled=False, group=group, key=(*order, beam_id))
         group.live[beam_id] = beam
         self.sched.requests[beam.req_id] = beam
@@ -150,7 +151,7 @@ class Forks:
         group.candidates = {}
         sched.counters["num_generation_tokens_total"] += len(group.live)
         if group.queue_time is None:
-            group.queue_time = sched.queue_time(next(iter(group.live.values()))) or 0.0
+            group.queue_time = next(iter(group.live.values())).take_queue_time() or 0.0
         if group.search.done:
             self.end_group(group)
             sched.counters["num_requests_finished"] += len(group.choice_ids)

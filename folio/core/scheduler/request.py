@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from folio.core.kv.block_hash import kv_salt
-from folio.shared.messages import EngineRequest, WireSampling
+from folio.shared.messages import EngineRequest, Grammar
+from folio.shared.sampling import SamplingParams
 
 
 class Status(str, Enum):
@@ -33,7 +34,10 @@ class Status(str, Enum):
 class Request:
     req_id: str
     prompt_token_ids: list[int]
-    sampling: WireSampling
+    sampling: SamplingParams  # as the client's request built it (a choice's: with its seed offset)
+    # the most output tokens: ``sampling.max_tokens``, or what the context leaves when that is None
+    max_tokens: int
+    grammar: Grammar | None = None  # structured output
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
@@ -70,18 +74,22 @@ class Request:
     # change when a readmission finds a different prefix in the cache)
     counts_sent: bool = False
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
-    grammar_ready: bool = False  # the executor reported its grammar compiled (``structured/gate.py``)
+    grammar_ready: bool = False  # the executor reported its grammar compiled (``structured/scheduling.py``)
     # tokens it samples in steps sent but not answered yet (async scheduling): the next step may
     # decode them as placeholders, which the executor fills in with what it sampled
     num_pending: int = 0
 
     @staticmethod
-    def from_message(msg: EngineRequest, req_id: str | None = None, sampling: WireSampling | None = None) -> "Request":
+    def from_message(msg: EngineRequest, max_tokens: int, req_id: str | None = None,
+                     sampling: SamplingParams | None = None) -> "Request":
+        """``max_tokens``: the output tokens it may have (admission resolved a None)."""
         sampling = sampling or msg.sampling
         return Request(
             req_id=req_id or msg.req_id,
             prompt_token_ids=list(msg.prompt_token_ids),
             sampling=sampling,
+            max_tokens=max_tokens,
+            grammar=msg.grammar,
             eos_token_id=msg.eos_token_id,
             arrival_time=msg.arrival_time,
             stop_token_ids=frozenset(sampling.stop_token_ids),
@@ -137,9 +145,16 @@ class Request:
             return "stop"
         if token_id == self.eos_token_id and not self.sampling.ignore_eos:
             return "stop"
-        if len(self.output_token_ids) >= self.sampling.max_tokens:
+        if len(self.output_token_ids) >= self.max_tokens:
             return "length"
         return None
+
+    def take_queue_time(self) -> float | None:
+        """Its time in the queue before its first step, once (None after, or when unknown)."""
+        if self.queue_time_sent or self.first_scheduled_time is None or not self.arrival_time:
+            return None
+        self.queue_time_sent = True
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
 
     def reset_for_recompute(self) -> None:
         """Preempted by recompute: drop every block and the executor's state, keep the tokens."""

@@ -1,6 +1,6 @@
 """The scheduler's statistics, as ``folio scheduler stats|requests`` and ``/metrics`` read them.
 
-The policy (``policy.py``, ``exchange.py``, ``forks.py``) only counts (``Scheduler.counters``) and
+The policy (``policy.py``, ``executor_step.py``, ``forks.py``) only counts (``Scheduler.counters``) and
 keeps its queues; what is derived from them for people is built here, when asked.
 """
 

@@ -5,7 +5,7 @@ tokenizer, compiled against the vocabulary in the executor.
   schema, ``json_object``, a regex, a list of choices, an EBNF/GBNF grammar) into an xgrammar
   ``Grammar`` (no vocabulary needed: milliseconds even for large schemas), in a worker thread and
   once per spec (cached by a hash of it), so that a spec that cannot be compiled is a 400 naming
-  the problem before anything is scheduled. The request then carries ``WireSampling.grammar``
+  the problem before anything is scheduled. The request then carries ``EngineRequest.grammar``
   (the spec and its key: a few hundred bytes, where xgrammar's serialized compiled grammar is
   tens of megabytes for a large schema).
 - The executor compiles it where the vocabulary and the logits live

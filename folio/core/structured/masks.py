@@ -1,22 +1,7 @@
 """Structured output in the executor: grammars compiled against the vocabulary, a matcher per
 request, and the allowed-token mask.
 
-The tokenizer service checks each request's spec (``grammar.py``) and sends it in
-``WireSampling.grammar``. Here ``GrammarStore`` compiles it against the vocabulary once per key
-(an LRU), with xgrammar's dynamic compilation, in a worker thread beside the steps. The scheduler
-names each grammar it has not seen compiled in a step plan (``StepPlan.grammars``: ``watch``) and
-holds back the token its request samples first until a step result names the key ready
-(``take_reports``; ``gate.py``), so that a compile never stalls a step. A request
-that samples while its compile has not ended (its key dropped from the LRU since the scheduler
-learnt it was ready) waits for it in ``matcher``: ``grammar_wait_seconds_total``.
-
-The runner keeps a matcher on the request's state: a fork gets its own (it is a request of its
-own), and a request that starts over (preempted by recompute, its executor restarted) replays its
-output tokens through a fresh matcher, so that its state always equals the tokens it has.
-
-``apply_grammar_masks`` is the sampler's one call: before the draw, every row with a live matcher
-has the tokens its grammar forbids set to -inf. Constrained rows never speculate (the runner
-proposes no drafts for them), so verification never sees a grammar.
+More in docs/modules.md (folio/core/structured/masks.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Incremental detokenization and stop strings, one request at a time.
 
-Used by the tokenizer service (``folio/core/tokenizer/outputs.py``) for every token the scheduler
+Used by the tokenizer service (``folio/core/tokenizer/output_processor.py``) for every token the scheduler
 sends back. Two pieces:
 
 - ``IncrementalDetokenizer`` turns token ids into text one token at a time without ever emitting a

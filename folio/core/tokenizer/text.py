@@ -13,15 +13,12 @@ import json
 import re
 from pathlib import Path
 
-import msgspec
-
 from folio.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     GenerateRequest,
     TokenizeReply,
     TokenizeRequest,
-    WireSampling,
 )
 
 
@@ -42,7 +39,7 @@ class TextTokenizer:
 
         model_dir = Path(model_dir)
         if model_dir.suffix == ".gguf":  # a single GGUF file carries its tokenizer and config
-            self.hf = AutoTokenizer.from_pretrained(model_dir.parent, gguf_file=model_dir.name)
+            self.hf = _gguf_tokenizer(model_dir)
         else:
             self.hf = AutoTokenizer.from_pretrained(model_dir)
         backend = getattr(self.hf, "backend_tokenizer", None)  # the Rust tokenizer: fast, no Python
@@ -137,23 +134,21 @@ class TextTokenizer:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
-    def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None, WireSampling]:
-        """(prompt token ids, prompt text when there is one, the sampling params with the
-        max_tokens the context allows), or RequestError."""
+    def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None]:
+        """(prompt token ids, prompt text when there is one) of a request that fits the context,
+        or RequestError."""
         prompt_token_ids, prompt_text = self.encode_request(req)
-        max_tokens = self.fit_max_tokens(req, len(prompt_token_ids))
-        sampling = req.sampling
-        if max_tokens != sampling.max_tokens:
-            sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
-        return prompt_token_ids, prompt_text, sampling
+        self.fit_max_tokens(req, len(prompt_token_ids))
+        return prompt_token_ids, prompt_text
 
     def fit_max_tokens(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
-        """max_tokens the request may have, or RequestError when it does not fit the context."""
+        """The output tokens the request may have (its max_tokens; None: what the context leaves,
+        which the scheduler works out again), or RequestError when it does not fit the context."""
         prompt_param = "messages" if req.messages is not None else "prompt"
         if num_prompt_tokens == 0:
             raise RequestError("the prompt is empty", prompt_param)
         max_tokens = req.sampling.max_tokens
-        if req.fill_max_tokens:
+        if max_tokens is None:
             max_tokens = self.max_model_len - num_prompt_tokens
         if max_tokens < 1 or num_prompt_tokens + max_tokens > self.max_model_len:
             wanted = max(max_tokens, 1)  # a prompt that fills the context still asks for one token
@@ -256,10 +251,24 @@ _GPT2_BYTE_DECODER = _gpt2_byte_decoder()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _gguf_tokenizer(path: Path):
+    """The tokenizer AutoTokenizer makes of a GGUF, without its reading the file's config through
+    gguf-py (10 s and more for a vocabulary of 128k): the class of the file's model type, told."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from folio.core.gguf_file import model_type
+
+    kind = model_type(path)
+    if kind in TOKENIZER_MAPPING_NAMES:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, tokenizer_type=kind)
+    return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)  # AutoTokenizer's for it
+
+
 def _read_model_config(model_dir: Path) -> dict:
     if model_dir.suffix == ".gguf":
-        from transformers import AutoConfig
+        from folio.core.gguf_file import model_config_dict
 
-        return AutoConfig.from_pretrained(model_dir.parent, gguf_file=model_dir.name).to_dict()
+        return model_config_dict(model_dir)
     path = model_dir / "config.json"
     return json.loads(path.read_text()) if path.exists() else {}

@@ -367,7 +367,7 @@ async def test_events_are_published_numbered_and_admin_verbs_answer():
         RegisterPool,
     )
     from folio.shared.transport import Decoder, encode, make_socket
-    from folio.testing.backhalf import admin_call, short_run_dir
+    from folio.services.in_process import admin_call, short_run_dir
 
     run_dir = short_run_dir()
     ep = Endpoints.ipc(run_dir)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.shared.messages import BeamSearchParams
 from folio.testing.models import write_tiny_model
 from tests.core.engine import LocalEngine, engine_request, make_runner
 
@@ -33,10 +32,11 @@ def hf_beam_search(model, prompt, width, n, length_penalty, early_stopping, max_
 
 def folio_beam_search(runner, prompts, width, n, length_penalty, early_stopping, max_new_tokens, eos):
     engine = LocalEngine(runner)
-    beam = BeamSearchParams(width=width, length_penalty=length_penalty, early_stopping=early_stopping)
+    beam = {"use_beam_search": True, "n": n, "best_of": width, "length_penalty": length_penalty,
+            "early_stopping": early_stopping}
     for p, prompt in enumerate(prompts):
-        engine.add(engine_request(f"p{p}-0", prompt, max_new_tokens, eos_token_id=eos, beam_search=beam,
-                                  fork_req_ids=[f"p{p}-{i}" for i in range(1, n)]))
+        engine.add(engine_request(f"p{p}-0", prompt, max_new_tokens, eos_token_id=eos,
+                                  fork_req_ids=[f"p{p}-{i}" for i in range(1, n)], **beam))
     outputs = engine.run()
     assert engine.alloc.num_used_blocks == 0  # dead beams and finished searches gave every block back
     return engine, [[outputs[f"p{p}-{i}"].token_ids for i in range(n)] for p in range(len(prompts))]
@@ -67,10 +67,10 @@ def test_beams_survive_preemption(tiny):
     """A pool too small for every beam at once: beams are preempted and recomputed, same beams."""
     model, _, path = tiny
     prompts = [[1, 5, 9, 13, 2, 2], [7, 3, 3, 30]]
-    beam = BeamSearchParams(width=4, length_penalty=1.0, early_stopping=False)
     engine = LocalEngine(make_runner(path, num_kv_blocks=14, block_size=4), max_num_seqs=8)
     for p, prompt in enumerate(prompts):
-        engine.add(engine_request(f"p{p}-0", prompt, 14, eos_token_id=EOS, beam_search=beam, fork_req_ids=[f"p{p}-1"]))
+        engine.add(engine_request(f"p{p}-0", prompt, 14, eos_token_id=EOS, fork_req_ids=[f"p{p}-1"],
+                                  use_beam_search=True, n=2, best_of=4))
     outputs = engine.run()
     assert engine.sched.counters["num_preemptions"] > 0
     for p, prompt in enumerate(prompts):

@@ -11,15 +11,14 @@ import pytest
 
 from folio.core.scheduler.policy import Scheduler
 from folio.shared.messages import (
-    BeamSearchParams,
     EngineRequest,
     Grammar,
     KVConfirm,
     PoolInfo,
     StepResult,
     TokenDelta,
-    WireSampling,
 )
+from folio.shared.sampling import SamplingParams
 from tests.core.kv_owner import Owner
 
 
@@ -31,9 +30,9 @@ def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
     return sched, Owner(num_blocks, block_size, num_host_blocks)
 
 
-def request(req_id, num_prompt, max_tokens=4, **sampling):
-    return EngineRequest(req_id=req_id, prompt_token_ids=list(range(1, num_prompt + 1)),
-                         sampling=WireSampling(temperature=0.0, max_tokens=max_tokens, **sampling), eos_token_id=0)
+def request(req_id, num_prompt, max_tokens=4, grammar=None, **sampling):
+    return EngineRequest(req_id=req_id, prompt_token_ids=list(range(1, num_prompt + 1)), grammar=grammar,
+                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling), eos_token_id=0)
 
 
 def step_batch(sched, alloc: Owner, token=7):
@@ -129,6 +128,21 @@ def test_refuses_what_can_never_fit():
     assert sched.counters["num_requests_rejected"] == 3
 
 
+def test_no_max_tokens_means_what_the_context_leaves_and_the_params_reach_the_plan_unchanged():
+    sched, alloc = make(num_blocks=16, block_size=4, max_model_len=12, max_num_batched_tokens=16)
+    msg = request("fill", 8, max_tokens=None, ignore_eos=True)
+    assert not sched.add_request(msg)
+    plan, deltas = step(sched, alloc)
+    assert plan.new_reqs[0].sampling is msg.sampling and msg.sampling.max_tokens is None
+    for _ in range(3):
+        plan, deltas = step(sched, alloc)
+    assert [d.finish_reason for d in deltas] == ["length"]  # 8 prompt + 4 output = the context of 12
+    unknown = Scheduler(4, 16, None)  # no context length known at all: a limit is needed
+    unknown.set_pool(PoolInfo(num_blocks=16, block_size=4, bytes_per_block=1, epoch="e", num_free_blocks=16))
+    (refused,) = unknown.add_request(request("x", 8, max_tokens=None))
+    assert refused.finish_reason == "error" and "max_tokens is needed" in refused.error
+
+
 def test_finish_reasons_eos_stop_token_and_ignore_eos():
     sched, alloc = make()
     sched.add_request(request("eos", 2, max_tokens=8))
@@ -203,7 +217,7 @@ GRAMMAR = Grammar(key="k", kind="regex", spec="[a-z]+")
 def test_steps_whose_result_decides_the_next_are_not_planned_ahead(what):
     sched, alloc = make(num_blocks=32, block_size=4, max_num_seqs=8)
     if what == "beam":
-        sched.add_request(msgspec.structs.replace(request("a", 3), beam_search=BeamSearchParams(width=2)))
+        sched.add_request(request("a", 3, use_beam_search=True, best_of=2))
     elif what == "fork":
         sched.add_request(msgspec.structs.replace(request("a", 6), fork_req_ids=["a2"]))
     elif what == "grammar":

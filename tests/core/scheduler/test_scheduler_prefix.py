@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.core.scheduler.policy import Scheduler
-from folio.shared.messages import EngineRequest, PoolInfo, StepResult, WireSampling
+from folio.shared.messages import EngineRequest, PoolInfo, StepResult
+from folio.shared.sampling import SamplingParams
 from tests.core.kv_owner import Owner
 
 
@@ -22,7 +23,7 @@ def make(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
 
 def request(req_id, prompt, max_tokens=2, **sampling):
     return EngineRequest(req_id=req_id, prompt_token_ids=prompt, eos_token_id=0,
-                         sampling=WireSampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling))
+                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling))
 
 
 def step(sched, alloc, token=7, fail=()):

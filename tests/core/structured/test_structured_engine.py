@@ -96,7 +96,8 @@ WORDS16 = "( the| on| cat| sat){16}"
 def test_a_constrained_rows_drafts_stop_where_its_grammar_refuses_one(chat_model, tok, grammars):
     from folio.core.executor.runtime.runner import ModelRunner
     from folio.shared.config import RuntimeConfig
-    from folio.shared.messages import NewRequestData, StepPlan, WireSampling
+    from folio.shared.messages import NewRequestData, StepPlan
+    from folio.shared.sampling import SamplingParams
 
     config = RuntimeConfig(num_kv_blocks=16, block_size=16, device="cpu", dtype="float32",
                            speculative_model="ngram", num_speculative_tokens=3)
@@ -104,7 +105,7 @@ def test_a_constrained_rows_drafts_stop_where_its_grammar_refuses_one(chat_model
     grammar = grammars.check(GuidedSpec(kind="regex", spec=WORDS))
     prompt = tok.hf.encode("the cat sat on the mat the cat sat on the mat the cat sat")
     reqs = [NewRequestData(req_id=r, token_ids=prompt, num_prompt_tokens=len(prompt), block_ids=[i * 4 + j for j in range(4)],
-                           sampling=WireSampling(temperature=0.0, max_tokens=8, grammar=g))
+                           sampling=SamplingParams(temperature=0.0, max_tokens=8), grammar=g)
             for i, (r, g) in enumerate((("plain", None), ("constrained", grammar)))]
     runner.execute(StepPlan(step_id=0, new_reqs=reqs, num_scheduled_tokens={r.req_id: len(prompt) for r in reqs}))
     states = [runner.requests["plain"], runner.requests["constrained"]]

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
-from folio.shared.messages import GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs, WireSampling
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
+from folio.shared.messages import GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs
+from folio.shared.sampling import SamplingParams
 from tests.services.frontend import text_tokenizer
 
 PIECES = ["Hello", " 😀", " 世界", " café", " —", " naïve", " 🧑‍🚀", " END", "\n", " stop", "ST", "OP", " ∑", "日本語"]
@@ -102,8 +103,8 @@ def test_one_pass_step_gives_exactly_the_general_fold_output(tok, specs, data):
         prompt = "Say: 😀"
         prompt_ids = tok.hf.encode(prompt)
         for c in range(spec["n"]):
-            req = GenerateRequest(req_id=f"r{i}-{c}", prompt=prompt, stop=spec["stop"], echo=spec["echo"],
-                                  sampling=WireSampling(logprobs=spec["logprobs"]))
+            req = GenerateRequest(req_id=f"r{i}-{c}", prompt=prompt, echo=spec["echo"],
+                                  sampling=SamplingParams(logprobs=spec["logprobs"], stop=spec["stop"]))
             for proc in (fast, general):
                 proc.add_request(req, prompt_ids, tok.eos_token_id, prompt)
     texts: dict[str, str] = {}
@@ -125,7 +126,7 @@ def test_the_short_path_is_taken_for_plain_decode_steps(tok):
     fast, _ = processors(tok)
     calls = []
     fast._apply = lambda *args: calls.append(args) or OutputProcessor._apply(fast, *args)
-    req = GenerateRequest(req_id="a", prompt="Hi", sampling=WireSampling())
+    req = GenerateRequest(req_id="a", prompt="Hi", sampling=SamplingParams())
     fast.add_request(req, tok.hf.encode("Hi"), tok.eos_token_id, "Hi")
     ids = tok.hf.encode(" one two three", add_special_tokens=False)
     for step, token_id in enumerate(ids):

@@ -3,14 +3,16 @@ tokenizer service, on real SmolLM2 tokens (no sockets: ``OutputProcessor`` direc
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from folio.core.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker, _partial_stop_len
-from folio.core.tokenizer.outputs import OutputProcessor, TokenTexts
+from folio.core.tokenizer.output_processor import OutputProcessor, TokenTexts
 from folio.core.tokenizer.text import RequestError
-from folio.shared.messages import ChatMessage, GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs, WireSampling
+from folio.shared.messages import ChatMessage, GenerateRequest, TokenBatch, TokenDelta, TokenLogprobs
+from folio.shared.sampling import SamplingParams
 from tests.services.frontend import text_tokenizer
 
 MIXED = "Hello 😀 世界 café — naïve 🧑‍🚀 done.\n  Indented ∑ 日本語のテキスト"
@@ -25,8 +27,11 @@ def processor(tok) -> OutputProcessor:
     return OutputProcessor(tok.decode, TokenTexts(tok.decode_with_specials, tok.raw_bytes))
 
 
-def add(tok, proc, req_id="r", prompt="Say:", **kw) -> GenerateRequest:
-    req = GenerateRequest(req_id=req_id, sampling=kw.pop("sampling", WireSampling()), prompt=prompt, **kw)
+def add(tok, proc, req_id="r", prompt="Say:", stop=(), **kw) -> GenerateRequest:
+    sampling = kw.pop("sampling", SamplingParams())
+    if stop:
+        sampling = msgspec.structs.replace(sampling, stop=list(stop))
+    req = GenerateRequest(req_id=req_id, sampling=sampling, prompt=prompt, **kw)
     proc.add_request(req, tok.hf.encode(prompt), tok.eos_token_id, prompt)
     return req
 
@@ -116,7 +121,7 @@ def test_stop_checker_earliest_match_and_partial_suffix():
 def test_stop_token_id_and_eos_text_not_in_output(tok):
     ids = tok.hf.encode(" fine.")
     proc = processor(tok)
-    add(tok, proc, req_id="s", sampling=WireSampling(stop_token_ids=[ids[-1]]))
+    add(tok, proc, req_id="s", sampling=SamplingParams(stop_token_ids=[ids[-1]]))
     deltas, _ = feed_one_by_one(proc, "s", ids, finish_last="stop")
     assert "".join(d.text for d in deltas) == " fine"
     assert deltas[-1].stop_reason == ids[-1] and deltas[-1].num_output_tokens == len(ids)
@@ -198,21 +203,23 @@ def test_scheduler_error_becomes_a_text_error(tok):
 
 
 def test_chat_template_and_prompt_checks(tok):
-    req = GenerateRequest(req_id="c", sampling=WireSampling(), messages=[ChatMessage("user", "hi")])
+    req = GenerateRequest(req_id="c", sampling=SamplingParams(), messages=[ChatMessage("user", "hi")])
     ids, text = tok.encode_request(req)
     assert text.startswith("<|im_start|>system")
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode_with_specials(ids) == text
-    bad = GenerateRequest(req_id="t", sampling=WireSampling(), prompt_token_ids=[1, tok.vocab_size])
+    bad = GenerateRequest(req_id="t", sampling=SamplingParams(), prompt_token_ids=[1, tok.vocab_size])
     with pytest.raises(RequestError, match="outside the vocabulary"):
         tok.encode_request(bad)
-    long_req = GenerateRequest(req_id="l", sampling=WireSampling(max_tokens=tok.max_model_len), prompt="x")
+    long_req = GenerateRequest(req_id="l", sampling=SamplingParams(max_tokens=tok.max_model_len), prompt="x")
     with pytest.raises(RequestError, match="maximum context length") as info:
         tok.fit_max_tokens(long_req, 5)
     assert info.value.param == "max_tokens"
-    fill = GenerateRequest(req_id="f", sampling=WireSampling(), messages=[ChatMessage("user", "hi")],
-                           fill_max_tokens=True)
+    fill = GenerateRequest(req_id="f", sampling=SamplingParams(max_tokens=None), messages=[ChatMessage("user", "hi")])
     assert tok.fit_max_tokens(fill, 100) == tok.max_model_len - 100
+    with pytest.raises(RequestError, match="maximum context length") as info:
+        tok.fit_max_tokens(fill, tok.max_model_len)  # a prompt that leaves nothing
+    assert info.value.param == "messages"
     with pytest.raises(RequestError, match="empty"):
         tok.fit_max_tokens(long_req, 0)
 

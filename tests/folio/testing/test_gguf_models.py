@@ -40,7 +40,7 @@ def test_the_3b_shape_has_llama_3_2_3bs_parameter_count():
 
 
 def test_each_benchmark_file_has_its_own_place_and_smollm2s_q4_1_is_the_packaged_file():
-    from folio.core.models import packaged_gguf
+    from folio.core.model_files import packaged_gguf
 
     assert bench_gguf_path("smollm2", "Q4_1") == packaged_gguf()
     paths = {bench_gguf_path(shape, q) for shape in ("smollm2", "1b", "3b") for q in ("BF16", "Q4_0", "Q4_K_M", "Q8_0")}

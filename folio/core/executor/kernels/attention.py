@@ -9,24 +9,15 @@ Pool layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads,
 fp8 pool (``kv_quant``) stores e4m3 values with the layer's scales, the gather dequantizes.
 Slot of the token at position p: ``block_table[p // block_size] * block_size + p % block_size``.
 
-Two per-layer attention variants are parameters of ``attend``, not copies of it:
-
-- a sliding window W > 0: the token at position p attends keys at positions p - W < k <= p
-  (transformers' ``sliding_window``), in decode, chunked prefill, prefix-cached continuation and
-  verification alike. The step's plan is built once; each window's masks (and the blocks they
-  cover) are derived from it the first time a layer asks for that window, and kept in the plan.
-  Blocks wholly before a token's window are never gathered: a scheduler may free them and point
-  their table entries anywhere, since nothing there enters the arithmetic (not even as a masked
-  term: a masked key still goes through q.k and p.v, where NaN or inf garbage would surface).
-- a logit soft-cap c > 0: s = c * tanh(s / c) after the scale, before the mask. SDPA cannot cap,
-  so a capped layer computes its scores explicitly (fp32 matmuls, the cap, the mask as a select,
-  softmax, @ v). Without a cap (windowed or not) attention stays SDPA's.
+More in docs/modules.md (folio/core/executor/kernels/attention.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -196,6 +187,15 @@ def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_C
     return rows, chunks
 
 
+def attention_options(window, softcap) -> tuple[int, float]:
+    """``attend``'s window and soft-cap, checked once for every backend: a window >= 0, a soft-cap 0
+    or a positive fp32 (the kernels compute in fp32)."""
+    window, softcap = int(window), float(softcap)
+    if window < 0 or not (softcap == 0.0 or 0.0 < np.float32(softcap) < math.inf):
+        raise ValueError(f"window must be >= 0 and softcap 0 or a positive fp32, got {window} and {softcap}")
+    return window, softcap
+
+
 class TorchAttentionBackend:
     """Reference paged attention in plain torch ops.
 
@@ -266,9 +266,7 @@ class TorchAttentionBackend:
         window: int = 0,  # > 0: position p attends keys p - window < k <= p (a sliding-window layer)
         softcap: float = 0.0,  # > 0: score = softcap * tanh(score / softcap), after the scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        window, softcap = int(window), float(softcap)
-        if window < 0 or softcap < 0:
-            raise ValueError(f"window {window} and softcap {softcap} must be >= 0")
+        window, softcap = attention_options(window, softcap)
         plan = self.plan(meta)
         out = torch.empty_like(query)
         self._attend_decode(out, query, k_cache, v_cache, plan, scale, kv_scales, window, softcap)

@@ -76,9 +76,12 @@ class CpuLayerOps:
         n, d = residual.shape
         out = torch.empty((n, d), dtype=self._out_dtype(norm, residual))
         weight = norm.weight.contiguous()  # (held while the kernel reads it)
-        self.lib.folio_add_rms_norm(n, d, None if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
-                                    int(x is not None and x.dtype == _BF16), residual.data_ptr(), residual.stride(0),
-                                    weight.data_ptr(), norm.eps, out.data_ptr(), d, int(out.dtype == _BF16))
+        if weight.numel() != d:
+            raise ValueError(f"a norm of {weight.numel()} weights for rows of {d}")
+        cpu_kernels.check(self.lib, self.lib.folio_add_rms_norm(
+            n, d, None if x is None else x.data_ptr(), 0 if x is None else x.stride(0),
+            int(x is not None and x.dtype == _BF16), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+            norm.eps, out.data_ptr(), d, int(out.dtype == _BF16)))
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 d] -> [n, d]
@@ -94,8 +97,8 @@ class CpuLayerOps:
             return reference(gate_up)
         n, d = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((n, d), dtype=self.act_dtype)
-        kernel(n, d, gate_up.data_ptr(), gate_up.stride(0), int(gate_up.dtype == _BF16), out.data_ptr(), d,
-               int(out.dtype == _BF16))
+        cpu_kernels.check(self.lib, kernel(n, d, gate_up.data_ptr(), gate_up.stride(0), int(gate_up.dtype == _BF16),
+                                           out.data_ptr(), d, int(out.dtype == _BF16)))
         return out
 
     def rope_write_kv(self, qkv: torch.Tensor, attn, rope: KernelRope, k_cache, v_cache, meta, backend) -> torch.Tensor:
@@ -109,30 +112,42 @@ class CpuLayerOps:
             return TORCH_LAYER_OPS.rope_write_kv(qkv.to(rope.cos_table.dtype), attn, rope.reference(), k_cache,
                                                  v_cache, meta, backend)
         n = qkv.shape[0]
+        if positions.numel() != n or slots.numel() != n or rope.sin_table.shape != rope.cos_table.shape \
+                or rope.cos_table.shape[1] != attn.head_dim:
+            raise ValueError(f"{n} tokens with {positions.numel()} positions, {slots.numel()} slots")
         q = torch.empty((n, attn.num_heads, attn.head_dim), dtype=torch.float32)
-        self.lib.folio_rope_write_kv(n, qkv.data_ptr(), qkv.stride(0), int(qkv.dtype == _BF16), positions.data_ptr(),
-                                     rope.cos_table.data_ptr(), rope.sin_table.data_ptr(), slots.data_ptr(),
-                                     attn.num_heads, attn.num_kv_heads, attn.head_dim, q.data_ptr(),
-                                     k_cache.data_ptr(), v_cache.data_ptr())
+        cpu_kernels.check(self.lib, self.lib.folio_rope_write_kv(
+            n, qkv.data_ptr(), qkv.stride(0), int(qkv.dtype == _BF16), positions.data_ptr(), rope.cos_table.data_ptr(),
+            rope.sin_table.data_ptr(), rope.cos_table.shape[0], slots.data_ptr(), attn.num_heads, kv_struct(k_cache, v_cache),
+            q.data_ptr()))
         return q
 
 
+def kv_struct(k_cache: torch.Tensor, v_cache: torch.Tensor) -> cpu_kernels.KV:
+    """folio.h's ``folio_kv`` of one layer's pool (fp32, contiguous, [blocks, block_size, heads, dim])."""
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"a KV pool of shapes {list(k_cache.shape)} and {list(v_cache.shape)}")
+    return cpu_kernels.KV(k=k_cache.data_ptr(), v=v_cache.data_ptr(), num_blocks=k_cache.shape[0],
+                          block_size=k_cache.shape[1], num_kv_heads=k_cache.shape[2], head_dim=k_cache.shape[3])
+
+
 class _CpuPlan(_TorchPlan):
-    """The torch plan's chunks, and the decode rows as arrays for the kernel."""
+    """The torch plan's chunks, and the decode rows as folio.h's ``folio_rows`` for the kernels."""
 
     def __init__(self, meta, max_row_chunk: int):
         rows, chunks = decode_rows_and_chunks(meta, max_row_chunk)
         super().__init__(decode=None, chunks=chunks, write_idx=_write_idx(meta))
         self.tok = None
+        self.block_tables = meta.block_tables.to(torch.int32).contiguous()
         if rows:
             cols = np.array(rows, dtype=np.int64).T
             self.tok, self.seq, self.lens = (np.ascontiguousarray(c) for c in cols)
             self.max_len = int(self.lens.max())
             self.num_keys = int(self.lens.sum())  # keys read per KV head (windows aside)
-        self.block_tables = meta.block_tables.contiguous()
-        if rows:  # the kernel's row arguments, the same for every layer
-            self.row_args = (len(rows), self.tok.ctypes.data, self.seq.ctypes.data)
-            self.table_args = (self.block_tables.data_ptr(), self.block_tables.stride(0), self.lens.ctypes.data)
+            bt = self.block_tables
+            self.rows = cpu_kernels.Rows(m=len(rows), tok=self.tok.ctypes.data, seq=self.seq.ctypes.data,
+                                         lens=self.lens.ctypes.data, block_tables=bt.data_ptr(), num_seqs=bt.shape[0],
+                                         max_blocks=bt.shape[1])
 
 
 class DecodeStack:
@@ -144,26 +159,9 @@ class DecodeStack:
 
     def __init__(self, lib: ctypes.PyDLL, act_dtype: torch.dtype):
         self.lib, self.act = lib, act_dtype  # between the layers' operations: fp32 or bf16
-        self._dims = np.zeros(12, dtype=np.int64)
-        self._bufs: dict[str, torch.Tensor] = {}
-        self._buf_ptrs = (ctypes.c_void_p * 9)()
+        self._work = torch.empty(0, dtype=torch.uint8)
         self.num_calls = 0  # steps it ran (tests check it does)
-
-    def _workspace(self, n: int, scratch: int) -> None:
-        d = self._dims
-        hidden, q_size, kv_size, inter = (int(v) for v in d[:4])
-        act = self.act
-        shapes = {"normed": (hidden, act), "qkv": (q_size + 2 * kv_size, act), "q": (q_size, torch.float32),
-                  "attn": (q_size, torch.float32), "h": (hidden, torch.float32), "gate_up": (2 * inter, act),
-                  "act": (inter, act), "down": (hidden, act)}
-        if not self._bufs or self._bufs["normed"].shape[0] < n or self._bufs["normed"].dtype != act:
-            rows = max(n, 2 * self._bufs["normed"].shape[0] if self._bufs else 8)
-            for name, (width, dtype) in shapes.items():
-                self._bufs[name] = torch.empty((rows, width), dtype=dtype)
-        if "scratch" not in self._bufs or self._bufs["scratch"].numel() < scratch:
-            self._bufs["scratch"] = torch.empty(max(scratch, 2 * self._bufs.get("scratch", torch.empty(0)).numel()))
-        for i, name in enumerate((*shapes, "scratch")):
-            self._buf_ptrs[i] = self._bufs[name].data_ptr()
+        self.profile: np.ndarray | None = None  # int64 [len(STACK_PARTS)]: each part's ns are added (a benchmark's)
 
     def __call__(self, model, residual: torch.Tensor, positions: torch.Tensor, kv_caches, meta, plan):
         if plan.chunks or plan.tok is None or len(plan.tok) != residual.shape[0]:
@@ -172,29 +170,30 @@ class DecodeStack:
         if layout is None or residual.dtype != torch.float32 or not residual.is_contiguous() \
                 or positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
             return None
-        self._dims[:8] = layout.dims
+        stack = layout.stack
+        stack.act_bf16, stack.threads = int(self.act == _BF16), torch.get_num_threads()
+        stack.profile_ns = None if self.profile is None else self.profile.ctypes.data
+        if self.lib.folio_threads() != stack.threads:  # the GEMMs' pool: the torch threads, as QGemm sets it
+            self.lib.folio_set_threads(stack.threads)
         n = residual.shape[0]
-        threads = torch.get_num_threads()
-        group = int(self._dims[4] // self._dims[5])
-        stride = group * plan.max_len
-        self._dims[8], self._dims[9], self._dims[10] = plan.block_tables.stride(0), threads, stride
-        self._dims[11] = int(self.act == _BF16)
-        self._workspace(n, threads * stride)
+        ref = ctypes.byref(stack)
+        need = self.lib.folio_stack_work_bytes(ref, n, plan.max_len)
+        cpu_kernels.check(self.lib, min(need, 0))
+        if self._work.numel() < need:
+            self._work = torch.empty(max(need, 2 * self._work.numel()), dtype=torch.uint8)
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         out = torch.empty_like(residual)
         taps = None
         if model.taps:  # a draft head reads these layers' residuals (``CausalLM.taps``)
             by_layer = {i: torch.empty_like(residual) for i in model.taps}
             model.tapped = [by_layer[i] for i in model.taps]
-            taps = (ctypes.c_void_p * len(layout.table))()
+            taps = (ctypes.c_void_p * stack.num_layers)()
             for i, t in by_layer.items():
                 taps[i] = t.data_ptr()
-        self.lib.folio_decode_stack(len(layout.table), layout.table.ctypes.data, self._dims.ctypes.data, layout.eps,
-                                    layout.scale, layout.softcap, n, residual.data_ptr(), layout.first_norm.data_ptr(),
-                                    positions.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
-                                    slots.data_ptr(), len(plan.tok), plan.tok.ctypes.data, plan.seq.ctypes.data,
-                                    plan.lens.ctypes.data, plan.block_tables.data_ptr(), self._buf_ptrs,
-                                    out.data_ptr(), taps)
+        step = cpu_kernels.Step(n=n, residual=residual.data_ptr(), positions=positions.data_ptr(),
+                                slots=slots.data_ptr(), rows=plan.rows, out=out.data_ptr(), work=self._work.data_ptr(),
+                                work_bytes=self._work.numel(), taps=None if taps is None else ctypes.addressof(taps))
+        cpu_kernels.check(self.lib, self.lib.folio_decode_stack(ref, ctypes.byref(step)))
         self.num_calls += 1
         return out
 
@@ -212,7 +211,6 @@ class CpuKernelBackend(TorchAttentionBackend):
         self.layer_ops = CpuLayerOps(lib, act_dtype, final_norm)
         self.stack = DecodeStack(lib, act_dtype)
         self._scratch = np.empty(0, dtype=np.float32)
-        self._scratch_ptr = self._scratch.ctypes.data
 
     def plan(self, meta) -> _TorchPlan:
         if not isinstance(meta.plan, _CpuPlan):
@@ -230,20 +228,16 @@ class CpuKernelBackend(TorchAttentionBackend):
             return
         # make_cpu_backend took an fp32 model and pool (contiguous, as KVPool allocates it); either
         # RoPE path gives a contiguous fp32 query
-        num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
-        need = (num_heads // num_kv_heads) * plan.max_len
+        num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+        need = self.lib.folio_attention_scratch(num_heads // num_kv_heads, plan.max_len)
         # a step that reads many keys (a prefill attended row by row, long contexts) shares its rows
-        # among the torch threads, idle meanwhile; each row stays whole on one thread
+        # among the threads, idle meanwhile; each (row, head) pair stays whole on one thread
         threads = torch.get_num_threads() if plan.num_keys >= THREADED_KEYS else 1
         if len(self._scratch) < threads * need:
             self._scratch = np.empty(max(threads * need, 2 * len(self._scratch)), dtype=np.float32)
-            self._scratch_ptr = self._scratch.ctypes.data
-        args = (query.data_ptr(), *plan.table_args, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-                num_heads, num_kv_heads, head_dim, scale, window, softcap, out.data_ptr(), self._scratch_ptr)
-        if threads > 1:
-            self.lib.folio_decode_attention_threads(threads, need, *plan.row_args, *args)
-        else:
-            self.lib.folio_decode_attention(*plan.row_args, *args)
+        cpu_kernels.check(self.lib, self.lib.folio_decode_attention(
+            ctypes.byref(plan.rows), query.data_ptr(), query.shape[0], num_heads, kv_struct(k_cache, v_cache), scale,
+            window, softcap, out.data_ptr(), self._scratch.ctypes.data, need, threads))
 
 
 def make_cpu_backend(model, model_dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -108,6 +108,13 @@ def write_kv_name(dtype: str, fp8: bool = False) -> str:
     return f"folio::write_kv<{DTYPES[dtype]}{_cache_arg(fp8)}>"
 
 
+def built_type(dtype: str, built, what: str) -> str:
+    """The C type of ``dtype`` for kernels built for the dtypes ``built``, or the error naming them."""
+    if dtype not in built:
+        raise UnsupportedKernelError(f"no {what} for dtype {dtype} (built: {', '.join(built)})")
+    return DTYPES[dtype]
+
+
 COPY_BLOCKS_NAME = "folio::copy_blocks"
 FUSED_KERNELS = ("add_rms_norm", "silu_and_mul", "rope_write_kv", "gelu_tanh_and_mul")  # cuda/fused_ops.cu, templated on T
 
@@ -123,9 +130,8 @@ class FusedNames:
 
 
 def fused_names(dtype: str) -> FusedNames:
-    if dtype not in DTYPES:
-        raise UnsupportedKernelError(f"no fused kernels for dtype {dtype} (built: {', '.join(DTYPES)})")
-    return FusedNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in FUSED_KERNELS))
+    t = built_type(dtype, DTYPES, "fused kernels")
+    return FusedNames(*(f"folio::{kernel}<{t}>" for kernel in FUSED_KERNELS))
 
 
 def rope_write_kv_fp8_name(dtype: str) -> str:
@@ -145,10 +151,8 @@ class QuantNames:
 
 
 def quant_names(dtype: str) -> QuantNames:
-    if dtype not in QUANT_DTYPES:
-        raise UnsupportedKernelError(f"no W4A16 kernels for activations of dtype {dtype} "
-                                     f"(built: {', '.join(QUANT_DTYPES)})")
-    return QuantNames(*(f"folio::{kernel}<{DTYPES[dtype]}>" for kernel in QUANT_KERNELS))
+    t = built_type(dtype, QUANT_DTYPES, "W4A16 kernels for activations")
+    return QuantNames(*(f"folio::{kernel}<{t}>" for kernel in QUANT_KERNELS))
 
 
 @dataclass(frozen=True)
@@ -159,9 +163,7 @@ class GemmNames:
 
 
 def gemm_names(dtype: str) -> GemmNames:
-    if dtype not in DGEMM_DTYPES:
-        raise UnsupportedKernelError(f"no batch-invariant GEMM for dtype {dtype} (built: {', '.join(DGEMM_DTYPES)})")
-    return GemmNames(f"folio::dense_gemm<{DTYPES[dtype]}>")
+    return GemmNames(f"folio::dense_gemm<{built_type(dtype, DGEMM_DTYPES, 'batch-invariant GEMM')}>")
 
 
 @functools.cache  # asked once per layer and step

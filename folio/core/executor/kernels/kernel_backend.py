@@ -16,13 +16,11 @@ any batch the scheduler can form: the count that grows with the batch (work item
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
-from folio.core.executor.kernels.attention import AttentionMetadata
+from folio.core.executor.kernels.attention import AttentionMetadata, attention_options
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, DeviceScales, scales_key
 from folio.core.executor.kernels.kernel_plan import KernelPlan, PathPlan, build_plan, work_items  # noqa: F401 (re-export)
 from folio.core.executor.kernels.layer_ops import KernelLayerOps
@@ -83,15 +81,10 @@ class KernelAttentionBackend:
         return plans[key]
 
     # ------------------------------------------------------------------ per layer
-    def write_kv(
-        self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], any token/head strides
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_scales=(1.0, 1.0),  # an fp8 pool's (k_scale, v_scale) or KVScales: stored = (value - shift) / scale
-    ) -> None:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, kv_scales=(1.0, 1.0)) -> None:
+        """``TorchAttentionBackend.write_kv`` on the CUDA kernels (``key`` and ``value`` of any token
+        and head strides)."""
         num_tokens, num_kv_heads, head_dim = key.shape
         if num_tokens == 0:
             return
@@ -107,21 +100,11 @@ class KernelAttentionBackend:
         )
         self.launcher.launch(names, "write_kv", (num_tokens, 1, 1), (ck.WRITE_THREADS, 1, 1), args, key.device)
 
-    def attend(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        kv_scales=(1.0, 1.0),  # an fp8 pool's (k_scale, v_scale) or KVScales: dequantized = stored * scale
-        window: int = 0,  # > 0: position p attends keys p - window < k <= p (a sliding-window layer)
-        softcap: float = 0.0,  # > 0: score = softcap * tanh(score / softcap), after the scale
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, kv_scales=(1.0, 1.0), window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """``TorchAttentionBackend.attend`` on the CUDA kernels: the same arguments, the same result."""
         num_tokens, num_heads, head_dim = query.shape
-        window, softcap = int(window), float(softcap)
-        if window < 0 or not (softcap == 0.0 or 0.0 < np.float32(softcap) < math.inf):
-            raise ValueError(f"window must be >= 0 and softcap 0 or a positive fp32, got {window} and {softcap}")
+        window, softcap = attention_options(window, softcap)
         num_kv_heads = k_cache.shape[2]
         if query.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:
             raise ValueError(f"query dtype {query.dtype} differs from the KV pool's {k_cache.dtype}")

@@ -1,24 +1,7 @@
 """Step planning of the ``cuda`` attention backend: which kernel takes which sequence, the work
 items along the grid, and into how many splits each kernel cuts the context.
 
-``kernel_backend.KernelAttentionBackend.plan`` calls ``build_plan`` once per step and GQA shape
-(the plan is cached on the step's ``AttentionMetadata`` and shared by every layer, also across a
-CUDA graph's replays). Sequences with one new token go to the decode kernel
-(``cuda/decode_attention.cu``, one CTA per sequence and KV head), the others (prefill chunks,
-speculative verification) and groups above ``DECODE_MAX_GROUP`` to a chunk kernel: the
-tensor-core ``cuda/prefill_attention.cu`` for f16/bf16, ``cuda/paged_attention.cu`` for fp32.
-Every count that grows with the batch goes along grid x, so any batch the scheduler can form
-stays within CUDA's grid limits. A sliding-window layer gets its own plan (the same items, splits
-sized by the keys inside the window).
-
-Batch-invariant plans (``invariant=True``, the executor's ``--batch-invariant``): every sequence,
-one new token or many, goes to the chunk kernel, whose rows are computed independently of the
-other rows of their CTA; the context is cut into partitions of one fixed size (``partition_size``
-keys, aligned to multiples of it from position 0, whatever the batch, the chunk or the context
-length), each computed in the same tile order, and ``paged_attention_reduce`` merges them in
-partition order. So a query row over the same keys gets bitwise the same output in a decode step,
-inside a prefill chunk, after a prefix hit, or in any batch. The decode kernel (fp32 P, another key
-order) is not used then: it could not agree bitwise with the tensor-core kernel (P rounded to T).
+More in docs/modules.md (folio/core/executor/kernels/kernel_plan.py).
 """
 
 from __future__ import annotations

@@ -7,38 +7,7 @@ Each of ``k_scale``, ``v_scale`` and ``k_shift`` is an fp32 ``[num_kv_heads, hea
 holds one value). The pool costs one byte per element: half of bf16/fp16, a quarter of fp32, so
 the same byte budget holds twice (four times) the blocks.
 
-The K shift is free: attention never adds it back. A query's scores against shifted keys are
-q.(k - k_shift) = q.k - q.k_shift, every score of that query moved by the same amount, which the
-softmax does not see; the kernels fold the per-channel K scale into the query and the V scale
-into each output channel, so neither costs a per-element multiply. A soft-capped layer (tanh of
-the score is not shift-invariant) calibrates a zero shift. What the shift buys is e4m3's error:
-it is relative to each stored element, and keys share a large common part (RoPE's slow pairs,
-biases), which then no longer carries that error into every score.
-
-Scales are calibrated once at start, before the pool is sized: the model runs a forward pass over
-``CALIBRATION_TEXT`` (a few hundred tokens of prose, code and lists; ids spread over the
-vocabulary when the model has no tokenizer) into a scratch pool of the model's dtype. Per layer,
-``k_shift`` is each K channel's mean there, ``k_scale`` per channel ``CALIBRATION_MARGIN * amax /
-448`` of the shifted channel, and ``v_scale`` the same rule over all of the layer's V. The margin
-leaves room for text whose K/V run larger than the calibration's before anything saturates; being
-floating point, e4m3 keeps its relative precision (3 mantissa bits) across the range, so the
-margin costs only the few values that fall below its smallest normal (2^-6 x the scale).
-
-The rotation (QuaRot's, for the KV cache): before the write, each head's q, k and v are multiplied
-by one orthogonal ``head_dim x head_dim`` matrix R (the normalised Sylvester-Hadamard matrix when
-head_dim is a power of two, else a seeded random orthogonal one), and attention's output by R^T.
-(qR).(kR) = q.k and (sum p v R) R^T = sum p v, so the math is unchanged; what changes is e4m3's
-error. Its rounding error is relative to each element, so a key whose energy sits in a few channels
-(RoPE's slow pairs carry large values that queries share) puts most of a score's error into those
-channels' products; rotated, every channel holds about ||k|| / sqrt(head_dim) and the error spreads.
-The shift and the scales are calibrated in the rotated basis.
-
-Measured on SmolLM2-135M (``scripts/eval_quant.py --configs kv-fp8``, 727 teacher-forced tokens,
-mean KLD against fp32): one scale per layer 4.0e-3; a K scale per KV head 4.1e-3 (no gain: e4m3
-is floating point, so a scale moves little but the subnormal edge); per-channel K scales with the
-mean shift 3.6e-3; the same without the rotation 5.6e-3. Earlier, on 2,135 tokens, the rotation
-alone took the pool from 7.7e-3 to 4.2e-3. The rotation costs four small matmuls per layer, on fp8
-pools only (inside the fused RoPE + KV-write kernel on a GPU).
+More in docs/modules.md (folio/core/executor/kernels/kv_quant.py).
 """
 
 from __future__ import annotations

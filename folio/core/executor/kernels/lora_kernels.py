@@ -10,38 +10,18 @@ no adapter (the row is left alone). x, y, lora_a and lora_b share one dtype (flo
 float32); accumulation and the ``[rows, r_max]`` intermediate are fp32, and each output is rounded
 once (``y + scale * delta`` in fp32).
 
-- ``bgmv(y, x, lora_a, lora_b, indices, scales)``: decode rows; ``indices [n]`` the slot of each row.
-  Launches ``bgmv_shrink`` (one warp per (row, rank row)) and ``lora_expand<T, false>`` (one thread
-  per output column of a row).
-- ``sgmv(y, x, lora_a, lora_b, seg_starts, seg_slots, scales)``: contiguous row segments (prefill
-  chunks), ``seg_starts`` either ``[num_segs + 1]`` (Punica's offsets, the last = the end of the last
-  segment) or ``[num_segs]`` (the last segment then ends at row n), ``seg_slots [num_segs]``.
-  Launches ``sgmv_shrink`` (per work item of up to ``LORA_BM`` rows of one segment and per k split:
-  the segment's A tile is loaded once for its rows) and ``lora_expand<T, true>`` (B read once per
-  item).
-
-Nothing loops over rows on the host and nothing reads back from the device: the grids are sized
-from shapes (``n // LORA_BM + num_segs`` SGMV work items at most) and each CTA finds its rows on the
-device, so the launches can be captured in a CUDA graph. The work grows with the rows and the
-distinct segments, not with a host loop. Sizes the kernels take (``shape_problems`` names the
-others; the caller keeps its torch path then): ``in`` and ``r_max`` multiples of 8, ``r_max <=
-MAX_RANK``, x, y, lora_a, lora_b with unit column stride.
-
-Kernels are compiled by CuPy's ``RawModule`` (NVRTC) from ``cuda/lora.cu`` with our headers inlined
-and the loader's options, once per process, and launched on torch's current stream. The tests
-launch the same instances in the CPU emulation (``tests/cuda/test_lora_kernels.py``) by passing
-``launcher=``.
+More in docs/modules.md (folio/core/executor/kernels/lora_kernels.py).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.kernel_family import KernelFamily
 
 SOURCE = "lora.cu"
 # Mirrors constants of cuda/lora.cu (the tests check they agree).
@@ -72,20 +52,20 @@ class LoraNames:
     sgmv_expand_mma: str | None
 
 
-def lora_names(dtype: str) -> LoraNames:
-    if dtype not in LORA_DTYPES:
-        raise ck.UnsupportedKernelError(f"no LoRA kernels for dtype {dtype} (built: {', '.join(LORA_DTYPES)})")
-    t = ck.DTYPES[dtype]
-    mma = dtype in MMA_DTYPES
+def _lora_names(dtype: str) -> LoraNames:
+    t, mma = ck.DTYPES[dtype], dtype in MMA_DTYPES
     return LoraNames(bgmv_shrink=f"folio::bgmv_shrink<{t}>", sgmv_shrink=f"folio::sgmv_shrink<{t}>",
                      bgmv_expand=f"folio::lora_expand<{t}, false>", sgmv_expand=f"folio::lora_expand<{t}, true>",
                      sgmv_shrink_mma=f"folio::sgmv_shrink_mma<{t}>" if mma else None,
                      sgmv_expand_mma=f"folio::sgmv_expand_mma<{t}>" if mma else None)
 
 
-def all_name_expressions() -> list[str]:
-    """Every instance ``lora_names`` can ask for (what the compile test and the emulation build)."""
-    return sorted({name for dtype in LORA_DTYPES for name in vars(lora_names(dtype)).values() if name})
+FAMILY = KernelFamily("LoRA kernels", SOURCE, LORA_DTYPES, _lora_names,
+                         needs_cupy="LoRA on a GPU runs folio's LoRA kernels")
+lora_names = FAMILY.names  # the instances one dtype asks for
+all_name_expressions = FAMILY.all_name_expressions
+module_source = FAMILY.module_source
+cupy_launcher = FAMILY.launcher
 
 
 def shape_problems(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> list[str]:
@@ -224,39 +204,3 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
                      np.int32(num_segs), np.int32(n), np.int32(out), np.int32(r_max), np.int32(splits),
                      np.int64(y.stride(0))], x.device)
     return y
-
-
-# ---------------------------------------------------------------------------- compiling on a GPU
-def module_source() -> str:
-    """``cuda/lora.cu`` with our headers inlined (``cuda_kernels.source_of``)."""
-    return ck.source_of(SOURCE)
-
-
-class LoraCupyLauncher:
-    """Launches the LoRA kernels (one module, every instance, compiled once per process) on torch's
-    current stream."""
-
-    def __init__(self, device: torch.device):
-        from folio.core.executor.kernels.cuda_backend import CupyLauncher
-
-        self._streams = CupyLauncher(device)  # its view of torch's current stream
-
-    def launch(self, names: LoraNames, kernel: str, grid, block, args, device: torch.device) -> None:
-        self._streams.launch_from(SOURCE, tuple(all_name_expressions()), getattr(names, kernel), grid, block, args,
-                                  device)
-
-
-@functools.cache
-def _launcher_for(device_id: int) -> LoraCupyLauncher:
-    return LoraCupyLauncher(torch.device("cuda", device_id))
-
-
-def cupy_launcher(device: torch.device) -> LoraCupyLauncher:
-    if device.type != "cuda":
-        raise ValueError(f"the LoRA kernels run on a CUDA device (tensors on {device}); pass launcher= to emulate")
-    try:
-        import cupy  # noqa: F401
-    except ImportError as e:
-        raise ValueError("LoRA on a GPU runs folio's LoRA kernels, which need CuPy "
-                         "(pip install 'folio[cuda12]' or 'folio[cuda13]')") from e
-    return _launcher_for(device.index if device.index is not None else torch.cuda.current_device())

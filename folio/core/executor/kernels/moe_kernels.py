@@ -1,42 +1,17 @@
 """Mixture-of-experts on CUDA: the launch wrapper of ``cuda/moe.cu`` (routing + grouped GEMM).
 
-``fused_moe(launcher, x, router_logits, w_gate_up, w_down, top_k, renormalize)`` runs a block's
-routed experts in six launches, with no host synchronisation (the work list is built on the
-device and the GEMM grids are sized for the worst case, so a step can be captured in a CUDA graph):
-
-1. ``moe_route``: per token, softmax of the router's logits in fp32, the top-k experts (largest
-   first) and their weights, renormalised to sum to 1 when ``renormalize`` (``norm_topk_prob``);
-2. ``moe_group``: per expert, its offset and its rows of the permutation of (token, slot) pairs
-   sorted by expert, tokens ascending (``torch.argsort(ids.flatten(), stable=True)``);
-3. ``moe_plan``: the work items (expert, 64 sorted rows);
-4. ``moe_gemm<T, true>``: per item and 64 columns, ``silu(x W_gate^T) * (x W_up^T)`` with the rows
-   gathered from x through the permutation (mma.sync m16n8k16, fp32 accumulation);
-5. ``moe_gemm<T, false>``: the down projection, each row written to its (token, slot) place;
-6. ``moe_combine``: each token's k slots times their weights, summed in slot order in fp32
-   (deterministic: no atomics).
-
-Activations and expert weights are float16 or bfloat16 (the model's dtype). Sizes the kernels
-take (``check_moe_shapes`` says which one is off): hidden and intermediate sizes multiples of 16,
-at most ``MAX_EXPERTS`` experts, ``1 <= top_k <= min(32, num_experts)``. ``MoE.forward``
-(``model/moe.py``) calls ``routed_experts`` for activations on a GPU (or with a launcher set on
-the block, as the emulated tests do) and keeps the torch path where these do not hold (fp32 or
-quantized experts, other sizes).
-
-Kernels are compiled by CuPy's ``RawModule`` (NVRTC) from ``cuda/moe.cu`` with our headers
-inlined and the loader's options (``cuda_kernels.NVRTC_OPTIONS``), once per dtype and process, and
-launched on torch's current stream (``MoeCupyLauncher``). The tests launch the same instances in
-the CPU emulation (``tests/cuda/test_moe_kernels.py``).
+More in docs/modules.md (folio/core/executor/kernels/moe_kernels.py).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from folio.core.executor.kernels import cuda_kernels as ck
+from folio.core.executor.kernels.kernel_family import KernelFamily
 
 SOURCE = "moe.cu"
 # Mirrors constants of cuda/moe.cu (the tests check they agree).
@@ -64,19 +39,19 @@ class MoeNames:
     combine: str
 
 
-def moe_names(dtype: str) -> MoeNames:
-    if dtype not in MOE_DTYPES:
-        raise ck.UnsupportedKernelError(f"no MoE kernels for activations of dtype {dtype} "
-                                        f"(built: {', '.join(MOE_DTYPES)})")
+def _moe_names(dtype: str) -> MoeNames:
     t = ck.DTYPES[dtype]
     return MoeNames(route=f"folio::moe_route<{t}>", group="folio::moe_group", plan="folio::moe_plan",
                     gate_up=f"folio::moe_gemm<{t}, true>", down=f"folio::moe_gemm<{t}, false>",
                     combine=f"folio::moe_combine<{t}>")
 
 
-def all_name_expressions() -> list[str]:
-    """Every instance ``moe_names`` can ask for (what the compile test and the emulation build)."""
-    return sorted({name for dtype in MOE_DTYPES for name in vars(moe_names(dtype)).values()})
+FAMILY = KernelFamily("MoE kernels", SOURCE, MOE_DTYPES, _moe_names,
+                         needs_cupy="mixture-of-experts models on a GPU run folio's MoE kernels", module_per_dtype=True)
+moe_names = FAMILY.names  # the instances one activation dtype asks for
+all_name_expressions = FAMILY.all_name_expressions
+module_source = FAMILY.module_source
+cupy_launcher = FAMILY.launcher
 
 
 def shape_problems(hidden: int, intermediate: int, num_experts: int, top_k: int) -> list[str]:
@@ -202,37 +177,3 @@ def routed_experts(moe, x: torch.Tensor) -> torch.Tensor | None:
     launcher = getattr(moe, "kernel_launcher", None) or cupy_launcher(x.device)
     logits = torch.nn.functional.linear(x, moe.gate.weight)  # [n, E], the model's dtype (as MoE.route)
     return fused_moe(launcher, x, logits, w_gate_up, w_down, moe.top_k, moe.norm_topk_prob)
-
-
-# ---------------------------------------------------------------------------- compiling on a GPU
-def module_source() -> str:
-    """``cuda/moe.cu`` with our headers inlined (``cuda_kernels.source_of``)."""
-    return ck.source_of(SOURCE)
-
-
-class MoeCupyLauncher:
-    """Launches the MoE kernels (compiled per dtype, once per process) on torch's current stream."""
-
-    def __init__(self, device: torch.device):
-        from folio.core.executor.kernels.cuda_backend import CupyLauncher
-
-        self._streams = CupyLauncher(device)  # its view of torch's current stream
-        self.num_sms = self._streams.num_sms
-
-    def launch(self, names: MoeNames, kernel: str, grid, block, args, device: torch.device) -> None:
-        self._streams.launch_from(SOURCE, tuple(sorted(vars(names).values())), getattr(names, kernel), grid, block,
-                                  args, device)
-
-
-@functools.cache
-def _launcher_for(device_id: int) -> MoeCupyLauncher:
-    return MoeCupyLauncher(torch.device("cuda", device_id))
-
-
-def cupy_launcher(device: torch.device) -> MoeCupyLauncher:
-    try:
-        import cupy  # noqa: F401
-    except ImportError as e:
-        raise ValueError("mixture-of-experts models on a GPU run folio's MoE kernels, which need CuPy "
-                         "(pip install 'folio[cuda12]' or 'folio[cuda13]')") from e
-    return _launcher_for(device.index if device.index is not None else torch.cuda.current_device())

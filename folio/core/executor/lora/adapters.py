@@ -7,15 +7,7 @@ with ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, 
 gate/up/down MLP projections. A module's delta is ``scale * B (A x)`` with ``scale = alpha / r``
 (``alpha / sqrt(r)`` with rsLoRA).
 
-The model fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: ``projection_layout``
-says, for each layer, which rows of each fused output each checkpoint projection owns, and the
-adapter keeps each target's A and B under its fused projection and part (the manager stacks a
-fused projection's parts along the rank, so one ``B (A x)`` gives every part its rows).
-
-Anything folio would compute differently from ``peft`` is refused with ``LoRAError`` (a
-``ValueError``) naming the problem: a missing folder or file, a rank above ``max_lora_rank``, a
-target the model has no projection for (embeddings, the LM head, experts), a shape that does not
-match the model, DoRA, biases, ``modules_to_save``.
+More in docs/modules.md (folio/core/executor/lora/adapters.py).
 """
 
 from __future__ import annotations

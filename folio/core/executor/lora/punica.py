@@ -7,16 +7,7 @@ Every token of a step may use a different adapter (or none). The adapters on the
 - ``bgmv`` (decode): a slot index per token (``-1``: the base model, no delta);
 - ``sgmv`` (prefill chunks): contiguous row segments, a slot per segment.
 
-Both compute ``y[t] += scales[s] * (x[t] @ lora_a[s].T) @ lora_b[s].T``. Here they group the rows
-by slot and run two GEMMs per distinct adapter: the work grows with the adapters in the step, never
-with a loop over requests or tokens (``LoRABatch`` does the grouping once per step, on the host,
-for all the layers). On CUDA the kernels of ``kernels/lora_kernels.py`` take the same arguments.
-
-A step of few tokens over several adapters (decode) takes a shorter path on the CPU: two GEMMs
-for all of them, ``((x @ A_all.T) * M) @ B_all``, with ``A_all`` the first ``k`` slots' A as one
-matrix (a view), ``B_all`` their B transposed (kept so by the manager) and ``M`` each token's
-scale on its own slot's columns and zeros elsewhere: a constant number of ops per projection
-whatever the number of adapters, for ``k`` times the (small) FLOPs of one.
+More in docs/modules.md (folio/core/executor/lora/punica.py).
 """
 
 from __future__ import annotations

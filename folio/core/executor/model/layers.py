@@ -28,6 +28,8 @@ vocabulary; ``comm`` sums the row-parallel outputs and gathers the logits.
 
 from __future__ import annotations
 
+import ctypes
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -434,8 +436,8 @@ class CausalLM(nn.Module):
         """This model's layers as ``csrc/stack.c`` reads them, or None when they are not plain."""
         l0, last = self.layers[0], self.layers[-1]
         key = (id(kv_caches), len(kv_caches), id(l0.self_attn.qkv_proj),
-               id(getattr(l0.self_attn.qkv_proj, "qpacked", None)), id(getattr(last, "mlp", None)),
-               id(getattr(getattr(last, "mlp", None), "down_proj", None)))
+               id(getattr(l0.self_attn.qkv_proj, "weight_packed", None)), id(getattr(last, "mlp", None)),
+               id(getattr(getattr(last, "mlp", None), "down_proj", None)), id(self.rope_cos))
         cached = self.__dict__.get("_stack_layout")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_stack_layout"] = (key, StackLayout.of(self, kv_caches))
@@ -496,22 +498,15 @@ class CausalLM(nn.Module):
         return logits
 
 
-L_FIELDS = 14  # csrc/stack.c's entries per layer
-
-
 @dataclass
 class StackLayout:
-    """A plain model's layers for ``csrc/stack.c`` (the CPU kernels' whole stack in one call): per
-    layer the packed projections (int4 or int8 blocks of ``quant/cpu_gemm.py``), the norms, the KV
-    pool and the window, as addresses; the shape; what every layer shares."""
+    """A plain model's layers as ``csrc/stack.c`` reads them (the CPU kernels' whole stack in one
+    call): ``stack``, folio.h's ``folio_stack``, whose layers hold each projection's tiles, the
+    norms and the KV pool; ``keepalive``: what its addresses point into."""
 
-    table: np.ndarray  # [num_layers, L_FIELDS] int64
-    dims: tuple[int, ...]  # hidden, q_size, kv_size, intermediate, heads, KV heads, head_dim, block_size
-    scale: float
-    softcap: float
-    eps: float
-    first_norm: torch.Tensor
-    keepalive: tuple  # what the addresses point into
+    stack: object  # cpu_kernels.Stack
+    layers: object  # cpu_kernels.Layer * num_layers
+    keepalive: tuple
 
     @staticmethod
     def plain(model) -> bool:
@@ -527,13 +522,15 @@ class StackLayout:
                     or mlp.comm is not None or tuple(attn.kv_scales) != (1.0, 1.0):
                 return False
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if type(proj) is not QuantLinear or proj.bias is not None or proj.qpacked is None \
+                if type(proj) is not QuantLinear or proj.bias is not None or proj.weight_packed is None \
                         or not proj.int8_activations:
                     return False
         return True
 
     @classmethod
     def of(cls, model, kv_caches) -> StackLayout | None:
+        from folio.core.executor.kernels import cpu_kernels as ck
+
         if not cls.plain(model):
             return None
         layers = model.layers
@@ -541,7 +538,7 @@ class StackLayout:
         if len({(layer.self_attn.scale, layer.self_attn.softcap, layer.mlp.intermediate_size)
                 for layer in layers}) != 1:
             return None
-        table = np.zeros((len(layers), L_FIELDS), dtype=np.int64)
+        table = (ck.Layer * len(layers))()
         nexts = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
         for i, (layer, (k_cache, v_cache), nxt) in enumerate(zip(layers, kv_caches, nexts)):
             attn, mlp = layer.self_attn, layer.mlp
@@ -550,15 +547,21 @@ class StackLayout:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm, nxt):
                 if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
                     return None
-            for j, proj in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                table[i, 2 * j], table[i, 2 * j + 1] = proj.qpacked.data_ptr(), proj.bits
-            table[i, 8:] = (layer.post_attention_layernorm.weight.data_ptr(), nxt.weight.data_ptr(),
-                            k_cache.data_ptr(), v_cache.data_ptr(), attn.window, int(mlp.gelu))
-        dims = (model.spec.hidden_size, a0.q_size, a0.kv_size, m0.intermediate_size, a0.num_heads, a0.num_kv_heads,
-                a0.head_dim, kv_caches[0][0].shape[1])
-        keep = (kv_caches, [layer.input_layernorm.weight for layer in layers], model.norm.weight)
-        return cls(table, dims, float(a0.scale), float(a0.softcap), float(model.norm.eps),
-                   layers[0].input_layernorm.weight, keep)
+            kv = ck.KV(k=k_cache.data_ptr(), v=v_cache.data_ptr(), num_blocks=k_cache.shape[0],
+                       block_size=k_cache.shape[1], num_kv_heads=k_cache.shape[2], head_dim=k_cache.shape[3])
+            table[i] = ck.Layer(qkv=attn.qkv_proj.weight_packed.struct, o=attn.o_proj.weight_packed.struct,
+                                gate_up=mlp.gate_up_proj.weight_packed.struct, down=mlp.down_proj.weight_packed.struct,
+                                post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                                next_norm=nxt.weight.data_ptr(), kv=kv, window=attn.window, gelu=int(mlp.gelu))
+        stack = ck.Stack(num_layers=len(layers), layers=ctypes.addressof(table), hidden=model.spec.hidden_size,
+                         num_heads=a0.num_heads, head_dim=a0.head_dim, intermediate=m0.intermediate_size,
+                         eps=float(model.norm.eps), scale=float(a0.scale), softcap=float(a0.softcap),
+                         first_norm=layers[0].input_layernorm.weight.data_ptr(), cos_table=model.rope_cos.data_ptr(),
+                         sin_table=model.rope_sin.data_ptr(), rope_len=model.rope_cos.shape[0], act_bf16=0,
+                         passes=QuantLinear.passes, threads=1)
+        keep = (kv_caches, [layer.input_layernorm.weight for layer in layers], model.norm.weight, model.rope_cos,
+                model.rope_sin)
+        return cls(stack, table, keep)
 
 
 def base_layout(spec: ModelSpec, shard: Shard) -> dict[str, list[Part]]:

@@ -1,6 +1,6 @@
 """Weight loading: a Hugging Face folder (config.json + safetensors) or a GGUF file.
 
-The executor's runtime calls ``load_model``; ``folio/core/models.py`` uses ``load_gguf_state`` to turn the
+The executor's runtime calls ``load_model``; ``folio/core/model_files.py`` uses ``load_gguf_state`` to turn the
 packaged GGUF into a model folder once. A GGUF file is read by ``gguf_slices.py`` (every architecture
 llama.cpp writes that a family here runs: its config rebuilt from the metadata, its tensors under
 their HF names). A checkpoint's own quantization (GGUF Q4_0/Q4_1/Q8_0, an AWQ folder, folio's int8
@@ -34,7 +34,9 @@ import structlog
 import torch
 
 from folio.core.executor.model import configs
-from folio.core.executor.model.gguf_slices import read_gguf, read_gguf_config
+from folio.core.executor.model.gguf_slices import read_gguf
+from folio.core.gguf_file import read_gguf_config
+from folio.core.executor.model.gguf_weights import load_gguf_native
 from folio.core.executor.model.layers import PACKED_PROJECTIONS, CausalLM, ModelSpec, Part
 from folio.core.executor.model.registry import build_model, check_runtime, family_for, model_spec
 from folio.core.executor.parallel.comm import Comm, Shard
@@ -44,7 +46,7 @@ from folio.core.executor.quant.formats import (
 )
 from folio.core.executor.quant.gpu import quantize_model_gpu, require_fp8
 from folio.core.executor.quant.linear import quantize_model
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import cache_dir
 
 log = structlog.get_logger()
@@ -62,7 +64,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_hf_config(path: Path):
     """A checkpoint's ``transformers`` config: a folder's config.json, or a GGUF's rebuilt from its
-    metadata (``gguf_slices.gguf_config``)."""
+    metadata (``folio.core.gguf_file.gguf_config``)."""
     path = Path(path)
     return read_gguf_config(path) if path.suffix == ".gguf" else configs.load_hf_config(path)
 
@@ -137,7 +139,7 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
 
 def prepared_source(folder: Path) -> Path | None:
     """The GGUF a prepared folder was dequantized from, when it is still there."""
-    from folio.core.models import MARKER, default_model_dir, packaged_gguf
+    from folio.core.model_files import MARKER, default_model_dir, packaged_gguf
 
     marker = folder / MARKER
     if not marker.exists():
@@ -269,7 +271,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, quant
         if model is None:
             t0 = time.perf_counter()
             model = _load_model(path, dtype, device, quantization, group_size)
-            if (entry is not None and model.quantization in ("int4", "int8")
+            if (entry is not None and model.quantization in ("int4", "int8", "gguf")
                     and time.perf_counter() - t0 >= PREPARED_MIN_BUILD_S):
                 save_prepared(model, entry)
         return model
@@ -279,6 +281,11 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizati
                 group_size: int) -> CausalLM:
     if path.is_dir():
         model_spec(load_hf_config(path))  # an unsupported model fails before its weights are read
+    source = path if path.suffix == ".gguf" else prepared_source(path) if path.is_dir() else None
+    if source is not None and device.type == "cpu" and dtype == torch.float32:
+        model = load_gguf_native(source, load_hf_config(path) if path.is_dir() else None, quantization)
+        if model is not None:
+            return model
     config, state, checkpoint_method, quant = read_checkpoint(path)
     method = resolve_quantization(quantization, checkpoint_method, device)
     spec = model_spec(config)  # raises for a model no family runs
@@ -312,8 +319,8 @@ def _code_digest() -> str:
     """The loading code's source (model families, quantization and packing): a new folio makes new entries."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(torch.__version__.encode())
-    for sub in ("model", "quant"):
-        for f in sorted((root / sub).glob("*.py")):
+    for pattern in ("model/*.py", "quant/*.py", "kernels/csrc/*.[ch]"):  # the tiles' layout is quant.c's
+        for f in sorted(root.glob(pattern)):
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
 

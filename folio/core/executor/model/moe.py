@@ -2,42 +2,7 @@
 families subclass (mixtral.py, qwen2_moe.py, qwen3_moe.py, olmoe.py), with the spec and the
 checkpoint layout they share.
 
-Routing: softmax over the router's logits (fp32), the top-k experts of each token, optionally
-renormalised to sum to 1 (``norm_topk_prob``; Mixtral always does). Execution groups tokens by
-expert: the (token, slot) pairs are sorted by expert id and their rows gathered once; each
-expert's gate/up GEMM writes its contiguous run of rows into one buffer, one SiLU x up runs over
-the whole buffer, each expert's down GEMM writes its run into the output, and the rows are
-scattered back with their routing weights (``index_add_``). The Python loops are over experts,
-never over tokens. On the CPU in fp32 each expert's two weights are oneDNN-packed once at load
-(``pack_for_cpu``), as the dense layers are. At batch 64 every expert gets rows, so a step
-streams all the experts' weights from memory (4x a dense model's with the same active
-parameters, for 8 experts top-2): the GEMMs are bound by memory bandwidth, not arithmetic, and
-there the packed layout streamed fastest (4 layers x 8 experts of 512 x 512, 16 rows each, one
-thread: 14.3 ms against 17.8 for ``torch.mm`` on transposed weights and 18.0 for ``F.linear``).
-``scripts/bench_moe.py`` measures the step against a dense one.
-
-Qwen2-MoE adds a shared expert (a dense MLP every token goes through), scaled by
-``sigmoid(shared_expert_gate(x))``.
-
-Tensor parallelism: every rank holds a slice of every expert, its part of the expert's
-intermediate size (gate and up rows, down columns; ``moe_layout`` reads only that slice), and
-the shared expert's part likewise; the router and the shared expert's gate are replicated. The
-block's output on a rank is a partial sum (routed experts and shared expert together), summed
-over the ranks by one all-reduce.
-
-Quantized (``--quantization int8``/``int4`` on the CPU): each expert's two weights are rounded to
-nearest into the packed CPU layers (``quant/linear.QuantLinear``, ``quantize_experts``), the
-shared expert is quantized as a dense MLP, and the grouped forward is unchanged. The router and the shared
-expert's gate stay in the model's dtype (as the LM head keeps its exact weights): a routing
-decision is a ranking of close values. Activations arrive bf16 from the CPU kernels then; the
-experts' weighted rows are summed in fp32.
-
-On a GPU (activations on CUDA, or a ``kernel_launcher`` set on the block, as the emulated tests
-do), the routed experts run on folio's MoE kernels (``kernels/moe_kernels.py``, ``cuda/moe.cu``:
-routing, grouping and a grouped GEMM on the device, no host sync) where they apply: f16/bf16
-weights, not quantized, sizes multiples of 16; elsewhere the torch path below runs. Serving
-still runs MoE models on the CPU only (``registry.check_runtime`` says so at start) until a GPU
-run has checked this path.
+More in docs/modules.md (folio/core/executor/model/moe.py).
 """
 
 from __future__ import annotations
@@ -202,6 +167,21 @@ class MoECausalLM(CausalLM):
 
     ckpt_block = "mlp"
     ckpt_expert_names = ("gate_proj", "up_proj", "down_proj")
+    qk_norm = ""  # the family's q/k norm (``ModelSpec.qk_norm``)
+
+    @classmethod
+    def spec_from_config(cls, config) -> ModelSpec:
+        """The spec from Qwen-MoE's config fields (``num_experts``, ``norm_topk_prob``,
+        ``moe_intermediate_size``), as OLMoE and both Qwen MoE families name them, with the family's
+        ``moe_options``."""
+        options = {"num_experts": config.num_experts, "norm_topk_prob": bool(config.norm_topk_prob),
+                   "moe_intermediate_size": getattr(config, "moe_intermediate_size", None), "qk_norm": cls.qk_norm}
+        return moe_spec(config, **{**options, **cls.moe_options(config)})
+
+    @classmethod
+    def moe_options(cls, config) -> dict:
+        """What the family reads from its config beyond the shared fields (overrides them)."""
+        return {}
 
     def make_layer(self, index: int) -> DecoderLayer:
         spec = self.spec

@@ -4,8 +4,7 @@ expert that every token goes through, scaled by ``sigmoid(shared_expert_gate(x))
 
 from __future__ import annotations
 
-from folio.core.executor.model.layers import ModelSpec
-from folio.core.executor.model.moe import MoECausalLM, moe_spec
+from folio.core.executor.model.moe import MoECausalLM
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):
@@ -13,8 +12,6 @@ class Qwen2MoeForCausalLM(MoECausalLM):
     architectures = ("Qwen2MoeForCausalLM",)
 
     @classmethod
-    def spec_from_config(cls, config) -> ModelSpec:
-        return moe_spec(config, num_experts=config.num_experts, norm_topk_prob=bool(config.norm_topk_prob),
-                        moe_intermediate_size=config.moe_intermediate_size,
-                        shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-                        qkv_bias=bool(getattr(config, "qkv_bias", True)))
+    def moe_options(cls, config) -> dict:
+        return {"shared_expert_intermediate_size": config.shared_expert_intermediate_size,
+                "qkv_bias": bool(getattr(config, "qkv_bias", True))}

@@ -6,15 +6,10 @@
 
 from __future__ import annotations
 
-from folio.core.executor.model.layers import ModelSpec
-from folio.core.executor.model.moe import MoECausalLM, moe_spec
+from folio.core.executor.model.moe import MoECausalLM
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
     model_types = ("qwen3_moe",)
     architectures = ("Qwen3MoeForCausalLM",)
-
-    @classmethod
-    def spec_from_config(cls, config) -> ModelSpec:
-        return moe_spec(config, num_experts=config.num_experts, norm_topk_prob=bool(config.norm_topk_prob),
-                        moe_intermediate_size=config.moe_intermediate_size, qk_norm="head")
+    qk_norm = "head"  # per head, as Qwen3

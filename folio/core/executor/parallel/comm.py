@@ -1,22 +1,6 @@
 """Tensor parallelism: which slice of the model a rank holds (``Shard``) and how ranks talk (``Comm``).
 
-Megatron's split, as vLLM, SGLang and TGI do it:
-- q/k/v and gate/up are column-parallel (each rank holds some output rows: its heads, its part
-  of the intermediate size); o and down are row-parallel (the matching input columns), and one
-  all-reduce after each sums the partial outputs;
-- KV heads are split across ranks; with fewer KV heads than ranks each rank holds the one KV head
-  its query heads read (replicated on ``size / num_kv_heads`` ranks);
-- a mixture of experts gives every rank a slice of every expert (its part of each expert's
-  intermediate size, as for a dense MLP) and replicates the router; one all-reduce sums the
-  block's output (``model/moe.py``);
-- the vocabulary is split for the embedding (each rank looks up the ids it holds, an all-reduce
-  fills in the rest) and the LM head (each rank's logits, gathered along the vocabulary);
-- norms and the RoPE tables are replicated.
-
-``Comm`` wraps one gloo (CPU) or NCCL (GPU) process group built from a TCP store, without
-``torch.distributed``'s global default group, so a process may hold more than one. Its users:
-the model (all-reduce, all-gather), the runner (the pool size: the minimum over ranks), and
-``runtime/workers.py`` (the step plan broadcast as bytes, per-rank stats gathered as bytes).
+More in docs/modules.md (folio/core/executor/parallel/comm.py).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Quantized linear layers for the CPU, and swapping them into a loaded model.
+"""Quantized linear layers and LM head for the CPU, and swapping them into a loaded model.
 
-Decode rows go through torch's packed kernels (``_weight_int4pack_mm_for_cpu`` for int4 groups,
-``_weight_int8pack_mm`` for per-channel int8). Those kernels are fast only with bf16 activations
-(fp32 ones are 10-30x slower), so a quantized layer casts its input to bf16 and its output back:
-the rest of the model (residual stream, norms, attention, the KV pool) stays in the model's dtype
-(fp32 on the CPU by default). Every call, prefill chunks included, goes through the packed
-kernels: they are row-invariant (a row's result is bitwise the same whatever else is in the call,
-tested), so a sequence's tokens do not depend on the batch it shared a step with. A dense GEMM for
-calls above ~8 rows (where the packed kernels lose to it) broke that: 32 concurrent greedy streams
-stopped equalling their solo outputs. So there is no row threshold, and no dense copy: a weight
-costs 0.5 (int4) or 1 (int8) byte plus its scales.
-
-``loader.py`` calls ``quantize_model``; ``runner.py`` leaves these layers out of oneDNN packing.
+``QuantLinear`` multiplies with a weight in a GGUF type's tiles (``cpu_gemm.PackedWeight``: GGUF
+files are served in their own types; folio's int4/int8 weights as Q4_1/Q8_0 tiles) through folio's
+kernels, activations quantized to int8 inside each call; with ``--cpu-quant-activations bf16``,
+int4 and int8 weights go through torch's packed kernels instead. ``QuantEmbedding`` keeps a GGUF
+embedding table in its type; ``QuantLMHead`` is the head (docs/quantization.md: how a dense head is
+approximated and refined). Every row of a call is computed on its own, in one order: a row's result
+does not depend on the batch. ``loader.py`` calls ``quantize_model``.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(packed: torch.Tensor, n: int, k: int) -> Int4Weight:
-    """The ``Int4Weight`` (groups of 32) that ``cpu_gemm.pack_int4`` packed (fp16 scales, as stored)."""
+    """The ``Int4Weight`` (groups of 32) of Q4_1 tiles (fp16 scales, as stored)."""
     tiles, blocks = (n + TILE - 1) // TILE, k // BLOCK
     raw = packed.view(tiles, blocks, 320)
     nibbles = raw[..., :256].reshape(tiles, blocks, 4, TILE, 4)  # [t, b, chunk, r, j]
@@ -57,61 +52,79 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> Int4Weight:
     return Int4Weight(q.contiguous(), d.contiguous(), (m + 8.0 * d).contiguous(), BLOCK)
 
 
-class QuantLinear(nn.Module):
-    """``y = x @ W.T (+ bias)`` with W held int4 (grouped) or int8 (per channel).
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> Int8Weight:
+    """The per-channel ``Int8Weight`` of Q8_0 tiles whose blocks share their row's scale."""
+    values = packed.view(-1, k // BLOCK, Q8_BLOCK_BYTES)[..., :512]
+    q = values.reshape(-1, k // BLOCK, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(-1, k)[:n].view(torch.int8)
+    d = packed.view(-1, k // BLOCK, Q8_BLOCK_BYTES)[:, 0, 512:].contiguous().view(torch.float16)
+    return Int8Weight(q.contiguous(), d.float().reshape(-1)[:n].contiguous())
 
-    With folio's kernels (``cpu_gemm``; ``int8_activations``, the default) each call quantizes its
-    rows to int8 per block of 32 and multiplies in integers, reading W packed once for every row of
-    the call; otherwise torch's packed kernels take bf16 rows (``--cpu-quant-activations bf16``),
-    in a form made from folio's when the setting asks for it."""
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with W quantized: a GGUF type's tiles (``cpu_gemm.PackedWeight``), or
+    folio's int4 groups / per-channel int8 (packed as Q4_1 / Q8_0 tiles).
+
+    With folio's kernels (``int8_activations``, the default) each call quantizes its rows to int8
+    per block of 32 in ``passes`` passes and multiplies in integers, reading W once for every row
+    of the call; otherwise torch's packed kernels take bf16 rows (``--cpu-quant-activations bf16``,
+    int4 and int8 weights only), in a form made from the tiles when the setting asks for it."""
 
     int8_activations = True  # the runner sets it from --cpu-quant-activations
+    passes = 2  # int8 passes per activation block
 
-    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: Int4Weight | Int8Weight | cpu_gemm.PackedWeight, bias: torch.Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = weight.q.shape
-        self.bits = 4 if isinstance(weight, Int4Weight) else 8
-        self.group_size = weight.group_size if self.bits == 4 else 0
-        self.packed = self.scale_zero = self.scale = self.qpacked = None
+        self.out_features, self.in_features = (weight.n, weight.k) if isinstance(weight, cpu_gemm.PackedWeight) \
+            else weight.q.shape
+        self.packed = self.scale_zero = self.scale = self.weight_packed = None
+        self.group_size = 0
         self._qgemm = None
-        if cpu_gemm.available() and self.in_features % BLOCK == 0 and self.group_size % BLOCK == 0:
-            if self.bits == 4:
-                self.qpacked = cpu_gemm.pack_int4(weight)
+        if isinstance(weight, cpu_gemm.PackedWeight):
+            self.weight_packed = weight
+        elif cpu_gemm.available() and self.in_features % BLOCK == 0 and getattr(weight, "group_size", BLOCK) % BLOCK == 0:
+            if isinstance(weight, Int4Weight):
+                self.weight_packed = cpu_gemm.PackedWeight.from_int4(weight)
             else:  # a per-channel scale is every block's
                 blocks = weight.scale.float()[:, None].expand(-1, self.in_features // BLOCK)
-                self.qpacked = cpu_gemm.pack_int8(weight.q, blocks.half().float())
+                self.weight_packed = cpu_gemm.PackedWeight.from_int8(weight.q, blocks.half().float())
         else:
             self._torch_form(weight)
         self.bias = bias
 
     def _torch_form(self, weight: Int4Weight | Int8Weight) -> None:
-        if self.bits == 4:
+        if isinstance(weight, Int4Weight):
             self.group_size = weight.group_size
             self.packed, self.scale_zero = int4_pack_for_cpu(weight)
         else:
             self.packed = aligned(weight.q)
             self.scale = aligned(weight.scale.to(ACT_DTYPE))
 
-    def _weight_from_qpacked(self) -> Int4Weight | Int8Weight:
-        n, k = self.out_features, self.in_features
-        if self.bits == 4:
-            return unpack_int4(self.qpacked, n, k)
-        values = self.qpacked.view(-1, k // BLOCK, Q8_BLOCK_BYTES)[..., :512]
-        q = values.reshape(-1, k // BLOCK, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(-1, k)[:n].view(torch.int8)
-        # the per-channel scale: every block of a row holds it
-        d = self.qpacked.view(-1, k // BLOCK, Q8_BLOCK_BYTES)[:, 0, 512:].contiguous().view(torch.float16)
-        return Int8Weight(q.contiguous(), d.float().reshape(-1)[:n].contiguous())
+    def _weight_from_tiles(self) -> Int4Weight | Int8Weight:
+        w = self.weight_packed
+        kinds = w.types
+        if kinds == ["Q4_1"]:
+            return unpack_int4(w.parts[0].tiles, self.out_features, self.in_features)
+        if kinds == ["Q8_0"]:
+            return unpack_int8(w.parts[0].tiles, self.out_features, self.in_features)
+        raise ValueError(f"--cpu-quant-activations bf16 takes int4 (Q4_1) and int8 (Q8_0) weights, not {kinds}; "
+                         "serve this model with int8 activations")
 
     def set_int8_activations(self, on: bool) -> None:
-        """folio's kernels (on) or torch's: folio's packed form is the source, torch's is made from it
-        when asked for and dropped when not used."""
+        """folio's kernels (on) or torch's: folio's tiles are the source, torch's form is made from
+        them when asked for and dropped when not used."""
         self.int8_activations = on
-        if self.qpacked is None:
+        if self.weight_packed is None:
             return  # no compiler here: torch's form is the only one
         if on:
             self.packed = self.scale_zero = self.scale = None
         elif self.packed is None:
-            self._torch_form(self._weight_from_qpacked())
+            self._torch_form(self._weight_from_tiles())
+
+    @property
+    def bits(self) -> int:
+        if self.weight_packed is not None:
+            return 8 if self.weight_packed.types == ["Q8_0"] else 4
+        return 8 if self.scale is not None else 4
 
     def __getstate__(self) -> dict:
         state = super().__getstate__().copy()
@@ -119,13 +132,13 @@ class QuantLinear(nn.Module):
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
-        if self.qpacked is not None and self.int8_activations:
-            if self._qgemm is None:
-                self._qgemm = cpu_gemm.QGemm(self.bits, self.qpacked, self.out_features, self.in_features)
+        if self.weight_packed is not None and self.int8_activations:
+            if self._qgemm is None or self._qgemm.passes != self.passes:
+                self._qgemm = cpu_gemm.QGemm(self.weight_packed, self.passes)
             y = self._qgemm(x)
             return y if self.bias is None else y + self.bias
         xa = aligned(x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE))  # bf16 already from the CPU kernels
-        if self.bits == 4:
+        if self.scale_zero is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scale_zero)
         else:
             y = torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scale)
@@ -134,7 +147,33 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}"
+        kinds = "+".join(self.weight_packed.types) if self.weight_packed is not None else f"torch int{self.bits}"
+        return f"in={self.in_features}, out={self.out_features}, {kinds}"
+
+
+class QuantEmbedding(nn.Module):
+    """The embedding table kept in its GGUF type: a lookup dequantizes the rows it reads (the values
+    GGUF's dequantization gives). ``weight`` (the whole table in fp32) is made only when something
+    asks for it (an eagle3 head's fingerprint and draft vocabulary)."""
+
+    def __init__(self, weight: cpu_gemm.PackedWeight):
+        super().__init__()
+        self.table = weight
+        self._dense: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden] fp32
+        return self.table.rows(input_ids)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.table.dequantize()
+        return self._dense
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__().copy()
+        state["_dense"] = None
+        return state
 
 
 SMALL_ROWS = 4  # calls of up to this many rows take the LM head's int4 pair (measured faster up to 4 here)
@@ -177,21 +216,29 @@ class QuantLMHead(nn.Module):
     batch_invariant = False  # the runner sets it from --batch-invariant
     int8_activations = True  # the runner sets it from --cpu-quant-activations
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor | cpu_gemm.PackedWeight):
         super().__init__()
-        self.weight = weight  # [vocab, hidden], shared with the embedding table when tied
+        # a GGUF head in its own type: its tiles are the exact weights (nothing to refine from) and
+        # are read with two int8 passes; a dense head: the copies below, refined from ``weight``
+        self.tiles = weight if isinstance(weight, cpu_gemm.PackedWeight) else None
+        self.weight = None if self.tiles is not None else weight  # [vocab, hidden], shared with the embedding when tied
         # the copies the approximate pass reads: folio's int8 blocks (with --cpu-quant-activations
         # int8), else the bf16 copy and the int4 pair, or only the oneDNN-packed copy of a
         # batch-invariant head (the others are dropped when it is made)
         self.weight_bf16 = self.pair = self.packed = self.qhead = None
         self._qgemm = None
-        self._copies_for_any_batch()
+        if self.tiles is None:
+            self._copies_for_any_batch()
 
     def _int8_blocks_usable(self) -> bool:
         return self.int8_activations and cpu_gemm.available() and self.weight.shape[1] % BLOCK == 0
 
     def set_int8_activations(self, on: bool) -> None:
         self.int8_activations = on
+        if self.tiles is not None and not on:  # torch's kernels read a dense copy: the user asked for it
+            self.weight, self.tiles, self._qgemm = self.tiles.dequantize(), None, None
+        if self.tiles is not None:
+            return
         if (self.qhead is not None) != self._int8_blocks_usable():
             self.weight_bf16 = self.pair = self.packed = self.qhead = self._qgemm = None
             self._copies_for_any_batch()
@@ -204,7 +251,7 @@ class QuantLMHead(nn.Module):
     def _copies_for_any_batch(self) -> None:
         weight = self.weight
         if self._int8_blocks_usable():  # one pass of integer dots; its rows are batch-invariant
-            self.qhead = cpu_gemm.pack_int8(*cpu_gemm.int8_blocks(weight))
+            self.qhead = cpu_gemm.PackedWeight.from_int8(*cpu_gemm.int8_blocks(weight))
             return
         self.weight_bf16 = weight.to(ACT_DTYPE)
         if weight.shape[1] % HEAD_GROUP == 0 and weight.shape[0] % 16 == 0:  # what the packed kernel takes
@@ -228,9 +275,13 @@ class QuantLMHead(nn.Module):
         return torch.cat(parts).float()
 
     def approximate(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] fp32
+        if self.tiles is not None:  # the layers' passes (a GGUF head's weights are exact: nothing to refine)
+            if self._qgemm is None or self._qgemm.passes != QuantLinear.passes:
+                self._qgemm = cpu_gemm.QGemm(self.tiles, passes=QuantLinear.passes)
+            return self._qgemm(x, out_dtype=torch.float32)
         if self.qhead is not None:
             if self._qgemm is None:
-                self._qgemm = cpu_gemm.QGemm(8, self.qhead, *self.weight.shape, passes=1)  # refined below
+                self._qgemm = cpu_gemm.QGemm(self.qhead, passes=1)  # refined below
             return self._qgemm(x, out_dtype=torch.float32)
         if self.batch_invariant:
             return self._invariant(x)
@@ -246,6 +297,8 @@ class QuantLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, vocab] fp32
         logits = self.approximate(x)
+        if self.tiles is not None:
+            return logits
         top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices  # [rows, REFINE_TOP]
         rows = self.weight.index_select(0, top.reshape(-1)).view(*top.shape, -1)  # (aten::index took 0.36 ms)
         exact = torch.einsum("rh,rkh->rk", x.to(self.weight.dtype), rows).float()
@@ -257,7 +310,7 @@ def activation_dtype(model) -> torch.dtype:
     takes folio's kernels (which read fp32 rows as cheaply as bf16 ones; a bf16 rounding between
     the operations was then the larger part of the error left), bf16 for torch's packed kernels."""
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    if linears and all(m.qpacked is not None and m.int8_activations for m in linears):
+    if linears and all(m.weight_packed is not None and m.int8_activations for m in linears):
         return torch.float32
     return ACT_DTYPE
 
@@ -267,9 +320,11 @@ def quant_layers_available() -> bool:
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_weight_int8pack_mm")
 
 
-def quantize_model(model, weights: dict[str, Int4Weight | Int8Weight], method: str = "", group_size: int = 32) -> None:
-    """Swap each projection named in ``weights`` (our fused names, e.g. ``layers.0.mlp.gate_up_proj``)
-    for a ``QuantLinear``; the LM head becomes a ``QuantLMHead``. A mixture of experts' routed
+def quantize_model(model, weights: dict, method: str = "", group_size: int = 32,
+                   head: cpu_gemm.PackedWeight | None = None) -> None:
+    """Swap each projection named in ``weights`` (our fused names, e.g. ``layers.0.mlp.gate_up_proj``;
+    ``Int4Weight``, ``Int8Weight`` or ``PackedWeight``) for a ``QuantLinear``; the LM head becomes a
+    ``QuantLMHead`` (of ``head``, a GGUF head's tiles, when given). A mixture of experts' routed
     experts are rounded from the model's own weights (``moe.MoE.quantize_experts``, ``method``
     int8 or int4 at ``group_size``)."""
     if not quant_layers_available():
@@ -281,6 +336,6 @@ def quantize_model(model, weights: dict[str, Int4Weight | Int8Weight], method: s
     for module in model.modules():
         if hasattr(module, "quantize_experts"):
             module.quantize_experts(method, group_size)
-    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    weight = head if head is not None else model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.packed_lm_head = QuantLMHead(weight)
     model.lm_head = None

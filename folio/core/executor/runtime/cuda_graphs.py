@@ -1,20 +1,6 @@
 """CUDA graphs of the decode step: one per padded batch size, captured at start, replayed per step.
 
-A decode step (every scheduled sequence computes one token, no drafts) of ``n`` sequences runs as
-the graph of the smallest bucket ``b >= n`` (buckets 1, 2, 4, then multiples of 8 up to
-``min(max_num_seqs, 256)``, vLLM's sizes): its inputs are copied into static buffers that the graph
-reads, rows ``n..b`` are padding (sequence length 0, slot -1: no KV read or written, output
-discarded), and one replay runs the whole model forward with no kernel launched from Python.
-Everything else runs eagerly: prefill chunks, verification, batches above the largest bucket and
-block tables wider than the static one. The graph's attention plan is built before capture for
-a context as long as the static table (the model's longest) and reused by every replay: the
-split-KV count the eager rule picks for that length at the bucket's size, splits past a
-sequence's end leaving at once; so a graph is right for any context but may split a short one
-less finely than an eager step would.
-
-The runner (``runner.ModelRunner``) builds one after the pool on a GPU with the kernel backend,
-unless ``--enforce-eager``. ``capture=False`` keeps the static buffers and padding but runs the
-forward eagerly over them: the CPU tests check that path against the unpadded step.
+More in docs/modules.md (folio/core/executor/runtime/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +13,7 @@ from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.kernels.cuda_kernels import DECODE_MAX_GROUP
 from folio.core.executor.runtime.input_batch import StepInputs
 from folio.core.executor.kernels.kernel_backend import KernelAttentionBackend
-from folio.shared import startup
+from folio.core.executor import startup
 
 MAX_GRAPH_BATCH = 256
 

@@ -25,7 +25,7 @@ import torch
 from folio.core.executor.kernels.attention import AttentionMetadata
 from folio.core.executor.sampling.penalties import PenaltyState, has_penalties
 from folio.core.executor.sampling.philox import draw_seed, seed_words
-from folio.core.executor.sampling.sampler import NUM_PARAMS, param_row
+from folio.core.executor.kernels.sampler_columns import NUM_PARAMS, column_values
 
 NO_LOGPROBS = -1
 
@@ -125,11 +125,11 @@ class InputBatch:
         self.num_tokens[row], self.num_prompt[row], self.num_computed[row] = len(token_ids), num_prompt, num_computed
         self.block_table[row, : len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
-        self.params[row] = param_row(sampling, self.vocab_size)
+        self.params[row] = column_values(sampling, self.vocab_size)
         self.greedy[row] = sampling.greedy
         self.penalised[row] = has_penalties(sampling)
         self.repetition[row] = sampling.repetition_penalty != 1.0
-        self.num_logprobs[row] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
+        self.num_logprobs[row] = NO_LOGPROBS if sampling.engine_logprobs is None else sampling.engine_logprobs
         self.seeds[row] = seed_words(sampling.seed) if sampling.seed is not None else draw_seed()
         self.appends[row] = append_sampled
         self.lora_ids[row] = lora_id
@@ -203,7 +203,8 @@ class InputBatch:
 
     # ------------------------------------------------------------------ one step
     def prepare(self, num_scheduled: dict[str, int], spec_token_ids: dict[str, list[int]]) -> StepInputs:
-        """Gather the step's inputs from the rows; raises ValueError for a plan the rows cannot run."""
+        """Gather the step's inputs from the rows, for a plan ``plan_check.check_plan`` passed (the
+        positions, slots and block-table reads below are not checked again)."""
         num_seqs = len(num_scheduled)
         try:
             found = operator.itemgetter(*num_scheduled)(self.row_of) if num_seqs else ()  # a tuple, or one row
@@ -225,7 +226,6 @@ class InputBatch:
         end = start + counts - num_spec  # the real tokens each computes; its drafts follow them
         seq_lens = start + counts
         need = (seq_lens + self.block_size - 1) // self.block_size
-        self._check(num_scheduled, rows, counts, num_spec, end, have, need)
         query_start = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         num_tokens = int(query_start[-1])
@@ -262,16 +262,6 @@ class InputBatch:
         )
         return StepInputs(dev["input_ids"], meta, dev["logits_idx"], rows, counts, samples, num_spec, sample_rows,
                           dev["sample_rows"], dev["sample_params"].view(-1, NUM_PARAMS))
-
-    def _check(self, num_scheduled, rows, counts, num_spec, end, have, need) -> None:
-        bad_tokens = (end > have) | ((num_spec > 0) & (end != have))
-        bad_blocks = need > self.num_blocks[rows]
-        if bad_tokens.any() or bad_blocks.any():
-            i = int(np.flatnonzero(bad_tokens | bad_blocks)[0])
-            req_id, start = list(num_scheduled)[i], int(end[i] - counts[i] + num_spec[i])
-            if bad_tokens[i]:
-                raise ValueError(f"{req_id}: {counts[i]} tokens scheduled but only {have[i] - start} to compute")
-            raise ValueError(f"{req_id}: {start + counts[i]} tokens need more than its {self.num_blocks[rows[i]]} blocks")
 
     def _new_staging(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)

@@ -4,21 +4,16 @@ The executor service wraps this behind its socket. The scheduler sends per-step 
 ``StepPlan``: new requests in full, running ones as new block ids and counts); the runner keeps
 what it needs of each request between steps (its tokens, block table, sampling params and the
 seed of its draws), flattens the step into one varlen batch, runs the model and samples.
+Each plan is checked first (``accept``, ``plan_check.py``): one that does not fit raises
+``InvalidPlan`` before any of it is applied.
 
-With tensor parallelism every rank has a runner over its shard (``workers.py`` drives them):
-rank 0 samples in ``execute`` and notes the tokens it appended; the other ranks ``follow`` the
-same plan, run the same forward pass and logits (the collectives), and append rank 0's tokens
-when the next plan brings them.
-
-With ``enable_lora`` the runner holds a ``lora.LoRAManager`` (adapters registered from
-``lora_modules`` at start, or by ``add_lora``) and wraps the model's projections; each step gives
-every token its adapter's slot (a request's adapter id per row of the batch, repeated over its
-tokens: no loop over requests) and the projections add the batched delta.
+More in docs/modules.md (folio/core/executor/runtime/runner.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import msgspec
@@ -31,9 +26,10 @@ from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
-from folio.core.executor.runtime.kv_calibration import calibrate_kv_scales, calibration_ids
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
+from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
+from folio.core.kv.tensors.pool import KVPool, PoolShape, blocks_for_budget, cpu_kv_budget_bytes, gpu_num_blocks
 from folio.core.executor.model.loader import load_model, resolve_dtype
 from folio.core.executor.model.layers import PackedLinear, cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
@@ -42,43 +38,47 @@ from folio.core.executor.sampling.rejection import verify
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_control import SpecController, make_proposer
 from folio.core.executor.runtime.spec_decode import Proposal
-from folio.shared.speculative import LORA_REFUSAL, speculative_settings
+from folio.core.executor.runtime.spec_config import LORA_REFUSAL, speculative_settings
 from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_masks, compile_error, draft_masks,
                                          grammar_prefix)
-from folio.shared import startup
+from folio.core.executor import startup
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, WireSampling
+from folio.shared.messages import Grammar, NewRequestData, StepPlan, StepResult, TokenLogprobs
+from folio.shared.sampling import SamplingParams
 
 
 LORA_DEFAULTS = {"enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "max_cpu_loras": None, "lora_modules": ()}
 
 
-class RequestState:
+class _RowColumn:
+    """A read-only attribute: the request's entry in one column of the persistent batch."""
+
+    def __init__(self, column: str):
+        self.column = column
+
+    def __get__(self, state, owner=None):
+        return self if state is None else int(getattr(state.batch, self.column)[state.row])
+
+    def __set__(self, state, value):
+        raise AttributeError(f"{self.column} is the batch's: change it there")
+
+
+class RunnerRequest:
     """What the runner keeps of a request besides its row of the persistent batch."""
 
-    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: WireSampling, append_sampled: bool):
+    seed = _RowColumn("seeds")  # the key of its draws: its own seed, or the random one drawn when it joined
+    num_prompt_tokens = _RowColumn("num_prompt")
+    adapter = _RowColumn("lora_ids")
+    num_computed_tokens = _RowColumn("num_computed")
+
+    def __init__(self, req_id: str, row: int, batch: InputBatch, sampling: SamplingParams, append_sampled: bool,
+                 grammar: Grammar | None = None):
         self.req_id, self.row, self.batch, self.sampling = req_id, row, batch, sampling
+        self.grammar = grammar  # structured output: every token it samples keeps inside it
         self.append_sampled = append_sampled  # False for beams: the scheduler sends their tokens
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.proposal: Proposal | None = None  # the drafts proposed after its last step, with their q
         self.matcher: object | None = None  # structured output: its grammar's state after its tokens
-
-    @property
-    def seed(self) -> int:
-        """The key of its draws: its own seed, or the random one drawn when it joined."""
-        return int(self.batch.seeds[self.row])
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return int(self.batch.num_prompt[self.row])
-
-    @property
-    def adapter(self) -> int:
-        return int(self.batch.lora_ids[self.row])
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return int(self.batch.num_computed[self.row])
 
     @property
     def token_ids(self) -> list[int]:
@@ -87,6 +87,26 @@ class RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.batch.tokens(self.row)[self.num_prompt_tokens :].tolist()
+
+
+def rope_rows(model) -> int:
+    """The positions the model's RoPE tables hold (every table: Gemma 3 has a second one)."""
+    local = getattr(model, "local_rope", None)
+    tables = [t for t in (getattr(model, "rope_cos", None), getattr(local, "rope_cos", None)) if t is not None]
+    return min((t.shape[0] for t in tables), default=model.spec.max_position_embeddings)
+
+
+def _without(plan: StepPlan, req_ids: set[str]) -> StepPlan:
+    """``plan`` less the requests ``req_ids`` (scheduled, new, running, drafts, KV pulls)."""
+    named = set(plan.num_scheduled_tokens) | {r.req_id for r in plan.new_reqs} | {r.req_id for r in plan.running_reqs}
+    if named.isdisjoint(req_ids):
+        return plan
+    return msgspec.structs.replace(
+        plan, num_scheduled_tokens={r: n for r, n in plan.num_scheduled_tokens.items() if r not in req_ids},
+        new_reqs=[r for r in plan.new_reqs if r.req_id not in req_ids],
+        running_reqs=[r for r in plan.running_reqs if r.req_id not in req_ids],
+        spec_token_ids={r: d for r, d in plan.spec_token_ids.items() if r not in req_ids},
+        kv_loads=[load for load in plan.kv_loads if load.req_id not in req_ids])
 
 
 def resolve_device(name: str) -> torch.device:
@@ -169,6 +189,7 @@ class ModelRunner:
         for module in self.model.modules():  # folio's kernels or torch's (the backend's dtypes follow)
             if isinstance(module, (QuantLinear, QuantLMHead)):
                 module.set_int8_activations(config.cpu_quant_activations == "int8")
+        QuantLinear.passes = config.cpu_activation_passes  # one model a process: the layers' and the stack's
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model,
                                     batch_invariant=config.batch_invariant)
         if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
@@ -193,9 +214,16 @@ class ModelRunner:
         with startup.phase("pool"):
             self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.tiers = self._make_tiers(model_path)  # the disk tier, with --kv-disk-dir
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RunnerRequest] = {}
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
+        self.limits = PlanLimits(num_blocks=self.pool.num_blocks, num_host_blocks=self.pool.num_host_blocks,
+                                 block_size=config.block_size, max_positions=rope_rows(self.model),
+                                 vocab_size=self.spec.vocab_size, disk_tier=self.tiers is not None,
+                                 max_loras=lora["max_loras"] if lora["enable_lora"] else 0)
+        # requests of refused plans: the scheduler ends them, but a plan it made ahead may name them
+        # still; they are left out of every plan until it reports them finished
+        self._refused: set[str] = set()
         self.table_sampler = cpu_kernels.TableSampler(self.spec.vocab_size) \
             if self.device.type == "cpu" and cpu_kernels.library() is not None else None
         # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
@@ -314,18 +342,15 @@ class ModelRunner:
     def _add_request(self, new: NewRequestData) -> None:
         if new.req_id in self.requests:
             self._drop(new.req_id)
-        lora_id = 0
-        if new.lora_name is not None:
-            if self.lora is None:
-                raise LoRAError(f"{new.req_id}: LoRA adapter {new.lora_name!r} asked but LoRA is not enabled")
-            lora_id = self.lora.id_of(new.lora_name)
+        lora_id = self.lora.id_of(new.lora_name) if new.lora_name is not None else 0  # (checked: check_plan)
         row = self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                              new.block_ids, new.sampling, new.append_sampled, lora_id)
-        self.requests[new.req_id] = RequestState(new.req_id, row, self.batch, new.sampling, new.append_sampled)
+        self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled,
+                                                  new.grammar)
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
-        if new.sampling.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
-            self.grammars.prepare(new.sampling.grammar)  # (the scheduler's ask started it already)
+        if new.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
+            self.grammars.prepare(new.grammar)  # (the scheduler's ask started it already)
             self._constrained.add(new.req_id)
 
     def _drop(self, req_id: str) -> None:
@@ -338,7 +363,7 @@ class ModelRunner:
         self._constrained.discard(req_id)
 
     def _update_states(self, plan: StepPlan) -> None:
-        for req_id in plan.finished_req_ids:
+        for req_id in plan.finished_req_ids:  # (rank 0 dropped them already in ``accept``)
             self._drop(req_id)
         for new in plan.new_reqs:
             self._add_request(new)
@@ -348,7 +373,7 @@ class ModelRunner:
         disk_dir = getattr(self.config, "kv_disk_dir", None)
         if not disk_dir:
             return None
-        from folio.core.executor.runtime.kv_tiers import KVTierStore, pool_layout_id
+        from folio.core.kv.tensors.disk import KVTierStore, pool_layout_id
         from folio.core.kv.tiers import DiskTier
 
         ident = pool_layout_id(self.pool, model_path, self.config.quantization, str(self.dtype), self.kv_scales,
@@ -359,11 +384,8 @@ class ModelRunner:
     def _copy_blocks(self, plan: StepPlan) -> None:
         """The kvmanager's copies, before the step reads the pool: disk-tier saves first (they
         read blocks that this step may write again), then swap-outs (the blocks they vacate may be
-        written by swap-ins, copies or this step), then swap-ins, disk-tier loads, copy-on-write."""
-        if (plan.swap_out or plan.swap_in) and not self.pool.host_caches:
-            raise ValueError(f"step {plan.step_id} swaps blocks but this executor has no host tier")
-        if (plan.tier_saves or plan.tier_loads) and self.tiers is None:
-            raise ValueError(f"step {plan.step_id} moves blocks to or from disk but this executor has no disk tier")
+        written by swap-ins, copies or this step), then swap-ins, disk-tier loads, copy-on-write.
+        ``check_plan`` saw that each block lies in its pool and that the tiers exist."""
         if plan.tier_saves:
             self.tiers.save(plan.tier_saves, protect=[h for _, h in plan.tier_loads])
         swap_in, host_in = plan.swap_in, self.pool.host_caches
@@ -383,13 +405,34 @@ class ModelRunner:
             self.backend.copy_blocks(self.pool.kv_caches, plan.block_copies)
 
     # ------------------------------------------------------------------ one step
+    def accept(self, plan: StepPlan) -> StepPlan:
+        """The plan this executor runs: its grammars watched and its finished requests dropped
+        (both stand whatever the rest says), the requests of plans refused before left out, the
+        rest checked against the pool, the RoPE tables, the vocabulary and the held requests
+        before anything of it is applied. Raises ``InvalidPlan`` (the step's requests are then
+        refused until reported finished)."""
+        for grammar in plan.grammars:
+            self.grammars.watch(grammar)
+        for req_id in plan.finished_req_ids:
+            self._drop(req_id)
+            self._refused.discard(req_id)
+        if self._refused:
+            plan = _without(plan, self._refused)
+        try:
+            check_plan(plan, self.limits, self.batch, self.lora.ids if self.lora is not None else None)
+        except InvalidPlan:  # (an id neither held nor new here is refused again each time)
+            new = {r.req_id for r in plan.new_reqs}
+            self._refused.update(r for r in itertools.chain(plan.num_scheduled_tokens, new, (
+                r.req_id for r in plan.running_reqs)) if r in new or r in self.batch.row_of)
+            raise
+        return plan
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """One step; the result also names the grammars the scheduler waits for whose compile
-        ended (with nothing to compute it first waits a little for one, ``await_grammars``)."""
-        for grammar in plan.grammars:
-            self.grammars.watch(grammar)
-        result = self._execute(plan)
+        ended (with nothing to compute it first waits a little for one, ``await_grammars``).
+        A plan that does not fit raises ``InvalidPlan`` (``accept``)."""
+        result = self._execute(self.accept(plan))
         if plan.await_grammars and not plan.num_scheduled_tokens:
             self.grammars.wait_watched()
         ready, errors = self.grammars.take_reports()
@@ -467,9 +510,9 @@ class ModelRunner:
             state = self.requests[req_id]
             if state.matcher is None:
                 try:
-                    state.matcher = self.grammars.matcher(state.sampling.grammar, state.output_token_ids)
+                    state.matcher = self.grammars.matcher(state.grammar, state.output_token_ids)
                 except Exception as exc:  # a compile that failed: this request alone fails
-                    self.grammars.failed[state.sampling.grammar.key] = compile_error(exc)
+                    self.grammars.failed[state.grammar.key] = compile_error(exc)
                     failed.add(req_id)
                     continue
             found = True
@@ -558,7 +601,7 @@ class ModelRunner:
             if append and state.proposal is not None:
                 self.proposer.rollback(req_id, int(self.batch.num_tokens[state.row]))
 
-    def _verify(self, logits: torch.Tensor, states: list[RequestState], offsets: list[int], plan: StepPlan):
+    def _verify(self, logits: torch.Tensor, states: list[RunnerRequest], offsets: list[int], plan: StepPlan):
         drafts = [plan.spec_token_ids[s.req_id] for s in states]
         target = torch.cat([logits[o : o + len(d) + 1] for o, d in zip(offsets, drafts)])
         q = []
@@ -581,7 +624,7 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _mask_drafts(target: torch.Tensor, states: list[RequestState], drafts: list[list[int]]) -> torch.Tensor:
+    def _mask_drafts(target: torch.Tensor, states: list[RunnerRequest], drafts: list[list[int]]) -> torch.Tensor:
         """Constrained rows: each verified position sees its grammar's mask, as plain sampling does."""
         if all(s.matcher is None for s in states):
             return target
@@ -593,7 +636,7 @@ class ModelRunner:
             start += len(d) + 1
         return target
 
-    def _record(self, state: RequestState, new: list[int]) -> None:
+    def _record(self, state: RunnerRequest, new: list[int]) -> None:
         """Penalty counts and the last sampled token of a verified request."""
         device = self.batch.last_sampled.device
         rows = torch.full((len(new),), state.row, dtype=torch.long, device=device)
@@ -602,7 +645,7 @@ class ModelRunner:
         self.batch.penalties.record(rows, tokens, *(params[col].expand(len(new)) for col in (FREQUENCY, PRESENCE, REPETITION)))
         self.batch.last_sampled[state.row] = new[-1]
 
-    def _propose(self, samplers: list[RequestState]) -> list[list[int]]:
+    def _propose(self, samplers: list[RunnerRequest]) -> list[list[int]]:
         """Drafts for each sampler's next step (none for beams, logprob requests, or when the
         batch is large enough that speculation stops paying)."""
         limit = self.spec_settings.disable_by_batch_size if self.spec_settings is not None else 0
@@ -616,7 +659,7 @@ class ModelRunner:
                 self.spec_control.proposed(len(samplers), False, 0.0)
             return []
         start = time.perf_counter()
-        wanted = [s for s in samplers if s.append_sampled and s.sampling.logprobs is None
+        wanted = [s for s in samplers if s.append_sampled and s.sampling.engine_logprobs is None
                   and (s.matcher is None or not s.matcher.is_terminated())]
         for state in samplers:
             state.proposal = None

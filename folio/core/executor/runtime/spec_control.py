@@ -1,31 +1,7 @@
 """Which proposer the config names (``make_proposer``), and when to use it: the runner asks
 ``SpecController`` each step whether drafting pays.
 
-Speculation pays when the tokens a verification gains outweigh what it costs: at batch 1 on a
-CPU verifying five tokens costs about one plain step, at batch 32 every draft token is real GEMM
-work, and a proposer that finds nothing to copy only adds its own time. Neither side is known in
-advance, so it is measured: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) the controller
-keeps a decaying mean of the tokens per second that decode-only steps gave with drafts and
-without (the step's forward pass and sampling, plus the proposing that made its drafts), and
-picks the faster.
-
-- A cold bucket tries each arm, alternately: once each when one is ``clear_ratio`` times faster,
-  up to ``min_samples`` each while they are close. A drafting step at batch 32 costs about three
-  plain ones, and a batch shrinks through the buckets as its requests finish.
-- A cold bucket below one where drafting clearly lost starts from that verdict (as a ratio to
-  its own first plain step) instead of trying drafts at once; its own samples replace it.
-- The slower arm is tried again after ``explore_every`` decisions of its bucket times the square
-  of how much faster the faster arm is (at most ``max_explore_every``): a proposer that stops
-  paying (a chat after a copy task) is tried again soon when it was close, and rarely when a
-  drafting step costs several plain ones (at batch 32 a probe every 16 steps cost a third of the
-  speed).
-
-Steps with prefill chunks say nothing about decode speed and are not counted. The choice never
-changes what is sampled: verification is lossless either way.
-
-Each decision is made one step ahead (at the end of step N, for the proposing at the end of N+1)
-and said in step N's result (``StepResult.drafts_next``): when it is no, the scheduler plans step
-N+2 before N+1's result, as async scheduling does without speculation.
+More in docs/modules.md (folio/core/executor/runtime/spec_control.py).
 """
 
 from __future__ import annotations
@@ -34,7 +10,7 @@ import torch
 
 from folio.core.executor.runtime.spec_decode import DraftModelProposer, NgramProposer
 from folio.core.executor.runtime.spec_suffix import SuffixProposer
-from folio.shared.speculative import speculative_settings
+from folio.core.executor.runtime.spec_config import speculative_settings
 
 PLAIN, SPEC = 0, 1
 
@@ -158,7 +134,7 @@ def make_proposer(config, target_model, device: torch.device, dtype: torch.dtype
                               settings.prompt_lookup_min, settings.prompt_lookup_max)
     if settings.method == "eagle3":
         return make_eagle_proposer(settings.model, target_model, k, device, dtype)
-    from folio.core.models import resolve_model
+    from folio.core.model_files import resolve_model
 
     num_blocks = config.num_draft_kv_blocks or num_target_blocks
     if backend.name == "cpu":  # its layer ops are shaped for the target's (quantized) layers

@@ -5,19 +5,7 @@ tokens cheaply, the target computes the last token and the ``k`` guesses in one 
 normal paged path, and ``rejection.verify`` keeps the longest prefix the target agrees with plus
 one token of its own, with exactly the target's distribution.
 
-- ``NgramProposer`` (prompt lookup): find the latest earlier occurrence of the sequence's last
-  n tokens (n from ``max_n`` down to ``min_n``) and propose what followed it. Deterministic: its
-  "distribution" is a point mass on the proposal. Free, and strong where the output copies the
-  input (rewriting, extraction, code edits).
-- ``DraftModelProposer``: a smaller model sharing the target's vocabulary, run here on its own
-  small paged pool with its own block tables (the kvmanager manages only the target's pool). It
-  samples each draft from its own distribution ``q``, processed with the request's sampling
-  parameters (penalties see the drafts before them), and keeps ``q`` for the verification. Its
-  cache follows the accepted tokens: after a verification only the KV of accepted tokens is
-  kept (``rollback``), and the next proposal first catches up with the tokens it has not seen.
-
-``spec_control.make_proposer`` builds the one ``--speculative-config`` names (``spec_suffix``
-holds the suffix proposer) and ``spec_control.SpecController`` decides per step whether to use it.
+More in docs/modules.md (folio/core/executor/runtime/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from folio.core.executor.kernels.attention import AttentionMetadata
-from folio.core.executor.runtime.kv_pool import KVPool, PoolShape
+from folio.core.kv.tensors.pool import KVPool, PoolShape
 from folio.core.executor.model.loader import load_model
 from folio.core.executor.model.layers import cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.sampling.rejection import processed_probs

@@ -1,26 +1,7 @@
 """An EAGLE-3 style draft head (``EagleHead``), its files (``save_head``/``load_head``) and its
 proposer (``EagleProposer``), which ``spec_control.make_proposer`` builds for ``"method": "eagle3"``.
 
-The head is one decoder layer that reads the target's own hidden states. For position ``i`` of a
-sequence it takes the residuals after a low and a middle layer of the target and its final
-(normed) output at ``i``, each RMS-normalised and fused by one linear layer into a feature ``g_i``,
-plus the embedding of the next token ``x_{i+1}`` (the target's own embedding table); a decoder
-layer whose attention sees the head's own earlier positions (RoPE as the target, at position
-``i``) turns them into ``h_i``, and a norm and an LM head over a reduced draft vocabulary (the
-target's LM head rows of the tokens most frequent in the training data, ``draft_to_target``
-mapping them back) predict ``x_{i+2}``. Drafting a chain, the next input takes ``h_i`` in place of
-the target's feature, which is what the trainer (``folio train-draft``) unrolls.
-
-The target hands over its hidden states for every position it computed (``observe``, called by
-the runner after each forward pass; ``CausalLM.taps`` names the layers). The proposer keeps each
-request's pending features until it proposes: then it feeds the head the positions verified
-since (the last token and the accepted drafts), drafts ``k`` tokens greedily (point masses: the
-verifier stays lossless whatever the request samples), and keeps in the head's cache only the
-positions built from the target's features; ``rollback`` drops the features of rejected drafts.
-The head's KV cache is a dense tensor per proposer, ``[num_slots, capacity, kv_heads, head_dim]``,
-a slot per request; a request's cache starts at the first position the target computed for it
-(a prefix-cache hit before it is simply not seen by the head, which costs acceptance, not
-correctness).
+More in docs/modules.md (folio/core/executor/runtime/spec_eagle.py).
 """
 
 from __future__ import annotations

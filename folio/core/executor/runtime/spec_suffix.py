@@ -1,20 +1,6 @@
 """Suffix speculation: drafts from what earlier requests said, with no model and no training.
 
-Agent loops, multi-turn edits and templated traffic repeat themselves across requests: the
-answer to "edit this file" shares long runs with the last answer, and neither is in this
-request's prompt. ``SuffixProposer`` (the runner's proposer for ``{"method": "suffix"}``) keeps
-a ``SuffixTrie`` over the recent requests' tokens (prompt and output, per adapter), finds the
-longest suffix of a request's tokens that occurred before, and proposes the most frequent
-continuation, token by token while the branch taken keeps at least ``min_token_prob`` of its
-parent's occurrences, and for at most ``max_spec_factor`` tokens per token matched: a long,
-frequent match drafts many tokens, a short or ambiguous one few or none (the speculation length
-comes from the match, as in Arctic Inference's suffix decoding). The request's own tokens are
-searched too (prompt lookup, as the n-gram proposer does); the longer match wins.
-
-Memory is bounded: the trie holds every substring of at most ``max_depth`` tokens of the last
-``max_cached_requests`` requests (counts per node, the oldest request's substrings removed when
-a new one comes), so it costs O(tokens x depth) nodes. A request enters when the runner drops it
-(finished or preempted; a request seen again replaces its earlier tokens).
+More in docs/modules.md (folio/core/executor/runtime/spec_suffix.py).
 """
 
 from __future__ import annotations

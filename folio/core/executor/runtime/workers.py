@@ -3,14 +3,15 @@
 The executor service's own process is rank 0: ``ParallelRunner`` starts ranks 1..N-1 (processes
 with ``--distributed-executor-backend mp``, Ray actors in a placement group with ``ray``), they
 all join one process group (gloo on the CPU, NCCL on GPUs) through rank 0's TCP store, and each
-loads its shard. Per step rank 0 broadcasts one ``WorkerStep`` (the plan as the scheduler sent
-it, msgpack-encoded, plus the tokens it appended the step before), every rank runs the step on
+loads its shard. Per step rank 0 broadcasts one ``WorkerStep`` (the plan as it accepted it,
+msgpack-encoded, plus the tokens it appended the step before), every rank runs the step on
 its shard, and rank 0 samples and answers the scheduler. The service sees ``ParallelRunner`` as
 it sees a ``ModelRunner``.
 
-A rank that dies, a collective that fails, or a step that fails on any rank (even a plan that
-does not fit the state: the ranks could no longer be shown to agree, and one rank skipping a
-collective would leave the others waiting) is an executor crash: the failing rank exits,
+A plan that does not fit (``plan_check.py``) is refused on rank 0 before it is broadcast, so no
+rank runs it. A rank that dies, a collective that fails, or a step that fails on any rank once
+broadcast (the ranks could no longer be shown to agree, and one rank skipping a collective
+would leave the others waiting) is an executor crash: the failing rank exits,
 ``on_failure`` is called (the service exits, so its supervisor restarts it under a new epoch and
 the scheduler recomputes), and ``execute`` raises ``WorkerGroupError``.
 """
@@ -31,9 +32,10 @@ import structlog
 import torch
 
 from folio.core.executor.parallel.comm import Comm, Shard, check_shardable, connect, serve_store
+from folio.core.executor.runtime.plan_check import InvalidPlan
 from folio.core.executor.runtime.runner import ModelRunner, resolve_device
 from folio.shared.config import RuntimeConfig
-from folio.shared.messages import WorkerStep
+from folio.shared.messages import StepPlan, WorkerStep
 
 log = structlog.get_logger()
 BACKENDS = ("mp", "ray")
@@ -294,6 +296,13 @@ class ParallelRunner:
             raise WorkerGroupError(str(exc)) from exc
 
     def execute(self, plan):
+        try:  # refused on rank 0 before any rank runs it: the group stays whole
+            plan = self.runner.accept(plan)
+        except InvalidPlan:
+            if plan.finished_req_ids:  # done whatever the rest said: every rank drops them
+                self._broadcast(WorkerStep(plan=StepPlan(step_id=plan.step_id, finished_req_ids=plan.finished_req_ids),
+                                           appended=self.runner.take_appended()))
+            raise
         self._broadcast(WorkerStep(plan=plan, appended=self.runner.take_appended()))
         t0 = time.perf_counter()
         try:

@@ -53,11 +53,13 @@ import numpy as np
 import torch
 
 from folio.core.executor.kernels import cpu_kernels
-from folio.core.executor.kernels.sampler_columns import FREQUENCY, MIN_P, NUM_PARAMS, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P
-from folio.core.executor.sampling.penalties import has_penalties, neutral_zero, tensors_from_rows
+from folio.core.executor.kernels.sampler_columns import (FREQUENCY, MIN_P, NUM_PARAMS, PRESENCE, REPETITION,
+                                                         TEMPERATURE, TOP_K, TOP_P, column_values)
+from folio.core.executor.sampling.penalties import has_penalties, tensors_from_rows
 from folio.core.executor.sampling.philox import draw_seed, seed_words, uniforms
 from folio.core.structured.masks import apply_grammar_masks
-from folio.shared.messages import TokenLogprobs, WireSampling
+from folio.shared.messages import TokenLogprobs
+from folio.shared.sampling import SamplingParams
 
 __all__ = ["SamplingBatch", "SamplingRow", "SamplerOutput", "has_penalties", "make_generator", "position_seed",
            "process_logits", "processed_probs", "processed_probs_batch", "sample", "sample_batch",
@@ -70,7 +72,7 @@ WINDOW = 256  # tokens the sorting-free top-k/top-p looks at before sorting a ro
 class SamplingRow:
     """What the sampler needs of one request (for callers that keep token lists)."""
 
-    params: WireSampling
+    params: SamplingParams
     generator: torch.Generator | None  # unused by the draws (counter-based: ``seed``); kept for callers
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -111,20 +113,12 @@ def position_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def param_row(params: WireSampling, vocab_size: int) -> list[float]:
-    """One row of ``SamplingBatch.params``; a greedy row keeps temperature 1 (it never divides)."""
-    top_k = vocab_size if params.top_k is None else min(params.top_k, vocab_size)
-    temperature = 1.0 if params.greedy else params.temperature
-    return [temperature, params.top_p, params.min_p, neutral_zero(params.presence_penalty),
-            neutral_zero(params.frequency_penalty), params.repetition_penalty, float(top_k)]
-
-
 @dataclass
 class SamplingBatch:
     """Sampling parameters of n rows as device tensors, with host summaries so that choosing
     which operations to run never reads the device."""
 
-    params: torch.Tensor  # [n, NUM_PARAMS] fp32, columns TEMPERATURE ... TOP_K
+    params: torch.Tensor  # [n, NUM_PARAMS] fp32, the columns of ``sampler_columns.column_values``
     greedy: np.ndarray  # [n] bool (host)
     host_params: np.ndarray  # [n, NUM_PARAMS] fp32, the same values on the host
     seeds: np.ndarray  # [n] int64: each row's 64-bit seed (its uniforms' key)
@@ -135,7 +129,7 @@ class SamplingBatch:
 
     @staticmethod
     def from_rows(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
-        host = np.array([param_row(r.params, vocab_size) for r in rows], dtype=np.float32).reshape(-1, NUM_PARAMS)
+        host = np.array([column_values(r.params, vocab_size) for r in rows], dtype=np.float32).reshape(-1, NUM_PARAMS)
         seeds = np.array([r.key() for r in rows], dtype=np.int64)
         positions = np.array([len(r.output_token_ids) for r in rows], dtype=np.int64)
         batch = SamplingBatch(torch.from_numpy(host).to(device), np.array([r.params.greedy for r in rows], dtype=bool),
@@ -479,7 +473,7 @@ def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """``logits``: [num_rows, vocab_size] fp32, one row per request given with its token lists."""
     token_ids = sample_batch(logits, SamplingBatch.from_rows(rows, logits.shape[1], logits.device))
-    want = [r.params.logprobs for r in rows]
+    want = [r.params.engine_logprobs for r in rows]
     logprob_rows: list[TokenLogprobs | None] = [None] * len(rows)
     idx = [i for i, n in enumerate(want) if n is not None]
     if idx:

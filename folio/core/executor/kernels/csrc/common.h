@@ -1,4 +1,4 @@
-/* What the CPU kernels share (folio/core/executor/kernels/csrc): a vectorisable exp and bf16 conversions.
+/* What the CPU kernels share (folio/core/executor/kernels/csrc): a vectorisable exp, bf16 and fp16 conversions.
  * Compiled with -ffp-contract=off, so that plain arithmetic rounds as torch's does; fmaf is asked
  * for by name where a fused multiply-add is wanted. */
 
@@ -45,9 +45,17 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* qgemm.c's pool: fn(arg) on the caller's thread and, with_pool, on the workers that join while it
- * runs (fn claims its own units of work); returns when every thread is out of fn */
-typedef void (*task_fn)(void *arg);
-void folio_run_parallel(task_fn fn, void *arg, int with_pool);
+/* IEEE half -> float (exact), for the plain C paths */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    float f;
+    if (exp == 0) {
+        f = ldexpf((float)man, -24); /* zero or subnormal */
+        return sign ? -f : f;
+    }
+    uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 #endif

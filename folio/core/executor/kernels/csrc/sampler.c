@@ -32,6 +32,15 @@
  */
 
 #include "common.h"
+#include "folio.h"
+
+/* the column names of FOLIO_SAMPLER_COLUMNS (folio.h), comma-separated, in index order */
+const char *folio_sampler_columns(void) {
+#define FOLIO_COLUMN_NAME(name) #name ","
+    static const char names[] = FOLIO_SAMPLER_COLUMNS(FOLIO_COLUMN_NAME);
+#undef FOLIO_COLUMN_NAME
+    return names;
+}
 
 #define BLOCK 64 /* tokens per block: the inverse-CDF walk sums whole blocks, then searches one;
                   * greedy rows find their maximum by its block */
@@ -269,8 +278,8 @@ static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float 
 
 /* logits: [m, vocab] fp32 rows (row stride ld), one per token to draw. rows [m]: each logits
  * row's row in the tables below (NULL: row r is table row r). Tables, indexed by that row:
- * greedy [*] (0/1); params [*, params_ld] with the temperature, top-p, min-p, presence,
- * frequency and repetition penalties and top-k in the columns of cols [7]; bias and rep [*, pen_ld] (NULL:
+ * greedy [*] (0/1); params [*, params_ld] (params_ld >= FOLIO_NUM_COLUMNS) with the columns at
+ * the COL_ indices of folio.h; bias and rep [*, pen_ld] (NULL:
  * no such penalty), read only for the rows whose own penalties are not neutral (a neutral row's
  * are zero and one); with rep_from_bias the rep table is not read at all: a row's repetition
  * penalty applies to the tokens whose bias entry has a bit set (penalise()). counts [*, pen_ld]
@@ -278,21 +287,22 @@ static inline void record_one(int64_t row, int64_t token, int64_t pen_ld, float 
  * for the penalised rows). seeds [m] and positions [m]: each logits row's seed and output
  * position (its uniforms' key). out [m]; scratch: 2 * vocab + vocab / BLOCK + 1 floats */
 void folio_sample(int64_t m, int64_t vocab, const float *logits, int64_t ld, const int64_t *rows,
-                  const uint8_t *greedy, const float *params, int64_t params_ld, const int64_t *cols, float *bias,
+                  const uint8_t *greedy, const float *params, int64_t params_ld, float *bias,
                   float *rep, int64_t rep_from_bias, int32_t *counts, int64_t pen_ld, const uint64_t *seeds,
                   const int64_t *positions, int64_t *out, float *scratch) {
     float *w = scratch, *block_max = scratch + vocab, *tmp = scratch + vocab + vocab / BLOCK + 1;
     for (int64_t r = 0; r < m; r++) {
         const int64_t row = rows != NULL ? rows[r] : r;
         const float *param = params + row * params_ld;
-        const float presence = param[cols[3]], frequency = param[cols[4]], repetition = param[cols[5]];
+        const float presence = param[COL_presence_penalty], frequency = param[COL_frequency_penalty];
+        const float repetition = param[COL_repetition_penalty];
         const int has_rep = repetition != 1.0f && (rep_from_bias ? bias != NULL : rep != NULL);
         const int add_bias = bias != NULL && (presence != 0.0f || frequency != 0.0f);
         const int rep_mode = !has_rep ? 0 : rep_from_bias ? 2 : 1;
         const int64_t token = draw_row(logits + r * ld, rep != NULL ? rep + row * pen_ld : NULL,
                                        bias != NULL ? bias + row * pen_ld : NULL, repetition, rep_mode, add_bias,
-                                       greedy[row], param[cols[0]], param[cols[1]], param[cols[2]],
-                                       (int64_t)param[cols[6]], seeds[r], positions[r], vocab, w, block_max, tmp);
+                                       greedy[row], param[COL_temperature], param[COL_top_p], param[COL_min_p],
+                                       (int64_t)param[COL_top_k], seeds[r], positions[r], vocab, w, block_max, tmp);
         out[r] = token;
         if (counts != NULL && bias != NULL && rep != NULL && (has_rep || add_bias))
             record_one(row, token, pen_ld, frequency, presence, repetition, counts, bias, rep);

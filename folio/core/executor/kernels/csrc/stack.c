@@ -1,128 +1,152 @@
-/* A whole decode step's decoder layers in one call: for each layer the same kernels, with the same
- * arguments and dtypes, that the model's modules call one by one through cpu_backend.py (the norms,
- * RoPE + KV write, silu/gelu x gate and attention of layers.c, the quantized GEMMs of qgemm.c), so
- * its result is bit for bit theirs; what it saves is the Python between them (about a millisecond
- * a token on SmolLM2's 30 layers, as much as the GEMMs' own time at batch 1).
- *
- * cpu_backend.py's DecodeStack takes it when every token of the step is attended row by row (decode,
- * or any step of a batch-invariant backend) and the model's layers are plain (pre-norm, dense
- * gated MLP, quantized projections with folio's kernels, no bias, q/k norm, LoRA or sharding).
- * The attention of a step is shared among the GEMMs' threads by (row, KV head): each pair whole on
- * one thread, so the bits do not depend on the split.
- */
+/* A whole step's decoder layers in one call: for each layer the same kernels, with the same arguments
+ * and dtypes, that the model's modules call one by one through cpu_backend.py (the norms, RoPE + KV
+ * write, silu/gelu x gate and attention of layers.c, the quantized GEMMs of quant.c), so its result
+ * is bit for bit theirs; what it saves is the Python between them. The stack and the step are
+ * checked whole before the first kernel runs (every weight's parts, every pool, every position,
+ * slot, row and block id); a bad one writes nothing. */
 
-#include <stdatomic.h>
+#define _GNU_SOURCE
 #include <string.h>
+#include <time.h>
 
 #include "common.h"
+#include "folio.h"
 
-void folio_add_rms_norm(int64_t n, int64_t d, const void *x, int64_t xs, int x_bf16, float *residual, int64_t rs,
-                        const float *weight, float eps, void *out, int64_t os, int out_bf16);
-void folio_rope_write_kv(int64_t n, const void *qkv, int64_t qs, int qkv_bf16, const int64_t *positions,
-                         const float *cos_table, const float *sin_table, const int64_t *slots, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, float *q_out, float *k_cache, float *v_cache);
-void folio_silu_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs, int in_bf16, void *out, int64_t os,
-                        int out_bf16);
-void folio_gelu_tanh_and_mul(int64_t n, int64_t d, const void *gate_up, int64_t gs, int in_bf16, void *out,
-                             int64_t os, int out_bf16);
-void folio_decode_attention_heads(int64_t m, const int64_t *tok, const int64_t *seq, const float *q,
-                                  const int32_t *block_tables, int64_t bt_stride, const int64_t *lens,
-                                  const float *k_cache, const float *v_cache, int64_t block_size, int64_t num_heads,
-                                  int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float softcap,
-                                  float *out, float *scratch, int64_t g0, int64_t g1);
-int64_t folio_qgemm(int64_t kind, int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx, int64_t x_bf16,
-                    const uint8_t *w, void *y, int64_t ldy, int64_t y_bf16, int64_t threads, int64_t passes);
-
-#define LAYER_PASSES 2 /* the projections' activations in two int8 passes, as QuantLinear asks (cpu_gemm.py) */
-
-/* a layer's entries in the int64 table (cpu_backend.DecodeStack writes it) */
-enum {
-    L_QKV, L_QKV_KIND, L_O, L_O_KIND, L_GATE_UP, L_GATE_UP_KIND, L_DOWN, L_DOWN_KIND, /* packed weights */
-    L_POST_NORM,      /* post_attention_layernorm's weight */
-    L_NEXT_NORM,      /* the next layer's input norm, or the final norm */
-    L_K_CACHE, L_V_CACHE, L_WINDOW, L_GELU,
-    L_FIELDS
-};
-
+/* the work area: each buffer 64-byte aligned */
 typedef struct {
-    int64_t m, num_tokens, bt_stride, block_size, num_heads, num_kv_heads, head_dim, window, scratch_stride;
-    const int64_t *tok, *seq, *lens;
-    const int32_t *block_tables;
-    const float *q, *k_cache, *v_cache;
-    float scale, softcap;
-    float *out, *scratch;
-    _Atomic int64_t next;
-    _Atomic int slots;
-    int max_slots;
-} attention_task;
+    int64_t normed, qkv, q, attn, h, gate_up, act, down, scratch, total;
+} work_layout;
 
-static void attention_part(void *p) {
-    attention_task *a = (attention_task *)p;
-    const int64_t units = a->m * a->num_kv_heads;
-    const int slot = atomic_fetch_add(&a->slots, 1); /* this thread's scratch */
-    if (slot >= a->max_slots) return;                 /* more threads came than scratch was made for */
-    float *scratch = a->scratch + slot * a->scratch_stride;
-    for (;;) { /* unit: (row, KV head), whole on one thread */
-        const int64_t u = atomic_fetch_add(&a->next, 1);
-        if (u >= units) return;
-        const int64_t r = u / a->num_kv_heads, g = u % a->num_kv_heads;
-        folio_decode_attention_heads(1, a->tok + r, a->seq + r, a->q, a->block_tables, a->bt_stride, a->lens + r,
-                                     a->k_cache, a->v_cache, a->block_size, a->num_heads, a->num_kv_heads, a->head_dim,
-                                     a->scale, a->window, a->softcap, a->out, scratch, g, g + 1);
-    }
+static int64_t align64(int64_t v) { return (v + 63) & ~(int64_t)63; }
+
+/* the part just run, when a profile is asked for: its time since *t0 */
+static inline void lap(const folio_stack *s, int part, struct timespec *t0) {
+    if (s->profile_ns == NULL) return;
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    s->profile_ns[part] += (t1.tv_sec - t0->tv_sec) * 1000000000L + (t1.tv_nsec - t0->tv_nsec);
+    *t0 = t1;
 }
 
-/* dims: hidden, q_size, kv_size, intermediate, num_heads, num_kv_heads, head_dim, block_size, bt_stride,
- * threads (for the attention), scratch_stride (floats per thread), activations bf16 (1) or fp32 (0);
- * bufs: normed ([n, hidden]), qkv, q (fp32 [n, q_size]), attn (fp32 [n, q_size]), h (fp32 [n, hidden]),
- * gate_up ([n, 2 inter]), act ([n, inter]), down ([n, hidden]), in the activations' dtype but q, attn, h;
- * scratch (fp32, threads * scratch_stride);
- * residual [n, hidden] fp32 holds the embeddings and is updated in place; the last layer's
- * normed output (the final norm, fp32) goes to out [n, hidden]. The first layer's input norm is
- * first_norm. taps (NULL, or one pointer per layer, NULL where not wanted): the residual after that
- * layer is copied there ([n, hidden] fp32), for a draft head that reads the target's hidden states. */
-void folio_decode_stack(int64_t num_layers, const int64_t *layers, const int64_t *dims, float eps, float scale,
-                        float softcap, int64_t n, float *residual, const float *first_norm, const int64_t *positions,
-                        const float *cos_table, const float *sin_table, const int64_t *slots, int64_t m,
-                        const int64_t *tok, const int64_t *seq, const int64_t *lens, const int32_t *block_tables,
-                        void *const *bufs, float *out, float *const *taps) {
-    const int64_t hidden = dims[0], q_size = dims[1], kv_size = dims[2], inter = dims[3];
-    const int64_t num_heads = dims[4], num_kv_heads = dims[5], head_dim = dims[6], block_size = dims[7];
-    const int64_t bt_stride = dims[8], threads = dims[9], scratch_stride = dims[10];
-    const int ab = (int)dims[11]; /* the activations between the operations: bf16 (1) or fp32 (0) */
-    const int64_t qkv_size = q_size + 2 * kv_size;
-    void *normed = bufs[0], *qkv = bufs[1], *gate_up = bufs[5], *act = bufs[6], *down = bufs[7];
-    float *q = bufs[2], *attn = bufs[3], *h = bufs[4], *scratch = bufs[8];
-    folio_add_rms_norm(n, hidden, NULL, 0, 0, residual, hidden, first_norm, eps, normed, hidden, ab);
-    for (int64_t i = 0; i < num_layers; i++) {
-        const int64_t *L = layers + i * L_FIELDS;
-        folio_qgemm(L[L_QKV_KIND], n, qkv_size, hidden, normed, hidden, ab, (const uint8_t *)L[L_QKV], qkv, qkv_size,
-                    ab, 0, LAYER_PASSES);
-        float *k_cache = (float *)L[L_K_CACHE], *v_cache = (float *)L[L_V_CACHE];
-        folio_rope_write_kv(n, qkv, qkv_size, ab, positions, cos_table, sin_table, slots, num_heads, num_kv_heads,
-                            head_dim, q, k_cache, v_cache);
-        attention_task at = {m, n, bt_stride, block_size, num_heads, num_kv_heads, head_dim, L[L_WINDOW],
-                             scratch_stride, tok, seq, lens, block_tables, q, k_cache, v_cache, scale, softcap,
-                             attn, scratch, 0, 0, (int)threads};
-        int64_t total = 0;
-        for (int64_t r = 0; r < m; r++) total += lens[r];
-        /* below ~a thousand keys per head a second thread costs more than the attention */
-        folio_run_parallel(attention_part, &at, threads > 1 && total * num_kv_heads >= 4096);
-        folio_qgemm(L[L_O_KIND], n, hidden, q_size, attn, q_size, 0, (const uint8_t *)L[L_O], h, hidden, 0, 0,
-                    LAYER_PASSES);
-        folio_add_rms_norm(n, hidden, h, hidden, 0, residual, hidden, (const float *)L[L_POST_NORM], eps, normed,
-                           hidden, ab);
-        folio_qgemm(L[L_GATE_UP_KIND], n, 2 * inter, hidden, normed, hidden, ab, (const uint8_t *)L[L_GATE_UP],
-                    gate_up, 2 * inter, ab, 0, LAYER_PASSES);
-        if (L[L_GELU])
+static work_layout layout_of(const folio_stack *s, int64_t n, int64_t max_len) {
+    const folio_layer *l0 = &s->layers[0];
+    const int64_t act = s->act_bf16 ? 2 : 4, q_size = s->num_heads * s->head_dim;
+    const int64_t group = s->num_heads / l0->kv.num_kv_heads;
+    work_layout w;
+    int64_t at = 0;
+    w.normed = at, at += align64(n * s->hidden * act);
+    w.qkv = at, at += align64(n * l0->qkv.n * act);
+    w.q = at, at += align64(n * q_size * 4);
+    w.attn = at, at += align64(n * q_size * 4);
+    w.h = at, at += align64(n * s->hidden * 4);
+    w.gate_up = at, at += align64(n * 2 * s->intermediate * act);
+    w.act = at, at += align64(n * s->intermediate * act);
+    w.down = at, at += align64(n * s->hidden * act);
+    w.scratch = at, at += align64(s->threads * folio_attention_scratch(group, max_len) * 4);
+    w.total = at + 64; /* the caller's area need not be aligned */
+    return w;
+}
+
+static int64_t check_shape(const folio_weight *w, int64_t n, int64_t k, int64_t layer, const char *name) {
+    const int64_t rc = folio_check_weight(w);
+    if (rc) return rc;
+    if (w->n != n || w->k != k)
+        return folio_fail(FOLIO_EINVAL, "layer %lld %s: %lld x %lld, want %lld x %lld", (long long)layer, name,
+                          (long long)w->n, (long long)w->k, (long long)n, (long long)k);
+    return FOLIO_OK;
+}
+
+static int64_t check_stack(const folio_stack *s) {
+    if (s == NULL || s->layers == NULL || s->num_layers < 1 || s->hidden <= 0 || s->num_heads <= 0 ||
+        s->head_dim <= 0 || s->intermediate <= 0 || s->first_norm == NULL || s->cos_table == NULL ||
+        s->sin_table == NULL || s->rope_len <= 0 || (s->passes != 1 && s->passes != 2) || s->threads < 1)
+        return folio_fail(FOLIO_EINVAL, "stack: bad dimensions or tables");
+    const folio_layer *l0 = &s->layers[0];
+    const int64_t q_size = s->num_heads * s->head_dim;
+    for (int64_t i = 0; i < s->num_layers; i++) {
+        const folio_layer *l = &s->layers[i];
+        int64_t rc;
+        if ((rc = folio_check_kv(&l->kv))) return rc;
+        if (l->kv.head_dim != s->head_dim || l->kv.num_kv_heads != l0->kv.num_kv_heads || s->num_heads % l->kv.num_kv_heads ||
+            l->kv.num_blocks != l0->kv.num_blocks || l->kv.block_size != l0->kv.block_size)
+            return folio_fail(FOLIO_EINVAL, "layer %lld: its pool's shape differs", (long long)i);
+        const int64_t kv_size = l->kv.num_kv_heads * s->head_dim;
+        if ((rc = check_shape(&l->qkv, q_size + 2 * kv_size, s->hidden, i, "qkv")) ||
+            (rc = check_shape(&l->o, s->hidden, q_size, i, "o")) ||
+            (rc = check_shape(&l->gate_up, 2 * s->intermediate, s->hidden, i, "gate_up")) ||
+            (rc = check_shape(&l->down, s->hidden, s->intermediate, i, "down")))
+            return rc;
+        if (l->post_norm == NULL || l->next_norm == NULL) return folio_fail(FOLIO_EINVAL, "layer %lld: no norm", (long long)i);
+    }
+    return FOLIO_OK;
+}
+
+int64_t folio_stack_work_bytes(const folio_stack *s, int64_t n, int64_t max_len) {
+    const int64_t rc = check_stack(s);
+    return rc ? rc : layout_of(s, n, max_len).total;
+}
+
+static int64_t gemm(const folio_weight *w, int64_t n, void *x, int64_t x_dtype, void *y, int64_t y_dtype,
+                    const folio_stack *s) {
+    folio_matrix in = {x, n, w->k, w->k, x_dtype}, out = {y, n, w->n, w->n, y_dtype};
+    return folio_gemm(w, &in, &out, s->passes, 0);
+}
+
+int64_t folio_decode_stack(const folio_stack *s, const folio_step *step) {
+    int64_t rc, max_len;
+    if ((rc = check_stack(s))) return rc;
+    if (step == NULL || step->n < 0 || step->residual == NULL || step->out == NULL || step->work == NULL)
+        return folio_fail(FOLIO_EINVAL, "step: missing buffers");
+    const folio_kv *kv0 = &s->layers[0].kv;
+    if ((rc = folio_check_tokens(step->n, step->positions, s->rope_len, step->slots, kv0))) return rc;
+    if ((rc = folio_check_rows(&step->rows, step->n, kv0, 0, &max_len))) return rc;
+    if (step->rows.m != step->n) return folio_fail(FOLIO_EINVAL, "step: %lld rows for %lld tokens", (long long)step->rows.m,
+                                                   (long long)step->n);
+    const work_layout w = layout_of(s, step->n, max_len);
+    if (step->work_bytes < w.total)
+        return folio_fail(FOLIO_EINVAL, "step: %lld bytes of work area, need %lld", (long long)step->work_bytes, (long long)w.total);
+    const int64_t n = step->n, hidden = s->hidden, inter = s->intermediate;
+    const int64_t ab = s->act_bf16 ? FOLIO_BF16 : FOLIO_F32;
+    const int64_t stride = folio_attention_scratch(s->num_heads / kv0->num_kv_heads, max_len);
+    char *base = (char *)(((uintptr_t)step->work + 63) & ~(uintptr_t)63);
+    void *normed = base + w.normed, *qkv = base + w.qkv, *gate_up = base + w.gate_up, *act = base + w.act,
+         *down = base + w.down;
+    float *q = (float *)(base + w.q), *attn = (float *)(base + w.attn), *h = (float *)(base + w.h),
+          *scratch = (float *)(base + w.scratch);
+    float *residual = step->residual;
+    /* every size was checked above: the calls below cannot fail but for memory */
+    struct timespec t0;
+    if (s->profile_ns) clock_gettime(CLOCK_MONOTONIC, &t0);
+    folio_add_rms_norm(n, hidden, NULL, 0, 0, residual, hidden, s->first_norm, s->eps, normed, hidden, ab);
+    lap(s, FOLIO_P_NORMS, &t0);
+    for (int64_t i = 0; i < s->num_layers; i++) {
+        const folio_layer *l = &s->layers[i];
+        if ((rc = gemm(&l->qkv, n, normed, ab, qkv, ab, s))) return rc;
+        lap(s, FOLIO_P_QKV, &t0);
+        folio_rope_write_kv(n, qkv, l->qkv.n, ab, step->positions, s->cos_table, s->sin_table, s->rope_len,
+                            step->slots, s->num_heads, &l->kv, q);
+        lap(s, FOLIO_P_ROPE, &t0);
+        folio_attend(&step->rows, q, s->num_heads, &l->kv, s->scale, l->window, s->softcap, attn, scratch, stride,
+                     s->threads);
+        lap(s, FOLIO_P_ATTENTION, &t0);
+        if ((rc = gemm(&l->o, n, attn, FOLIO_F32, h, FOLIO_F32, s))) return rc;
+        lap(s, FOLIO_P_O, &t0);
+        folio_add_rms_norm(n, hidden, h, hidden, FOLIO_F32, residual, hidden, l->post_norm, s->eps, normed, hidden, ab);
+        lap(s, FOLIO_P_NORMS, &t0);
+        if ((rc = gemm(&l->gate_up, n, normed, ab, gate_up, ab, s))) return rc;
+        lap(s, FOLIO_P_GATE_UP, &t0);
+        if (l->gelu)
             folio_gelu_tanh_and_mul(n, inter, gate_up, 2 * inter, ab, act, inter, ab);
         else
             folio_silu_and_mul(n, inter, gate_up, 2 * inter, ab, act, inter, ab);
-        folio_qgemm(L[L_DOWN_KIND], n, hidden, inter, act, inter, ab, (const uint8_t *)L[L_DOWN], down, hidden, ab, 0,
-                    LAYER_PASSES);
-        const int last = i == num_layers - 1;
-        folio_add_rms_norm(n, hidden, down, hidden, ab, residual, hidden, (const float *)L[L_NEXT_NORM], eps,
-                           last ? (void *)out : normed, hidden, last ? 0 : ab);
-        if (taps && taps[i]) memcpy(taps[i], residual, (size_t)(n * hidden) * sizeof(float));
+        lap(s, FOLIO_P_ACT, &t0);
+        if ((rc = gemm(&l->down, n, act, ab, down, ab, s))) return rc;
+        lap(s, FOLIO_P_DOWN, &t0);
+        const int last = i == s->num_layers - 1;
+        folio_add_rms_norm(n, hidden, down, hidden, ab, residual, hidden, l->next_norm, s->eps,
+                           last ? (void *)step->out : normed, hidden, last ? FOLIO_F32 : ab);
+        if (step->taps && step->taps[i]) memcpy(step->taps[i], residual, (size_t)(n * hidden) * sizeof(float));
+        lap(s, FOLIO_P_NORMS, &t0);
     }
+    return FOLIO_OK;
 }

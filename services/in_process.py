@@ -1,6 +1,6 @@
-"""The back half (kvmanager, executor, scheduler): real services on real ``ipc://`` sockets, run as
-asyncio tasks in the caller's loop, and a stand-in for the tokenizer that speaks the real protocol
-(PUSH ``EngineRequest``s, PULL ``TokenBatch``es)."""
+"""The back half of the services (kvmanager, executor, scheduler) run in the caller's process: real
+services on real ``ipc://`` sockets as asyncio tasks in its loop, and the tokenizer's two sockets
+(PUSH ``EngineRequest``s, PULL ``TokenBatch``es) in its hands. For tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from folio.services.executor.service import ExecutorService
 from folio.services.kvmanager.service import KVManagerService
 from folio.services.scheduler.service import SchedulerService
 from folio.shared.config import Endpoints, ExecutorServiceConfig, KVManagerConfig, RuntimeConfig, SchedulerConfig
-from folio.shared.loops import QUIET, ask_admin
-from folio.shared.messages import AdminReply, EngineRequest, TokenBatch, WireSampling
+from folio.shared.transport import QUIET, ask_admin
+from folio.shared.messages import AdminReply, EngineRequest, TokenBatch
+from folio.shared.sampling import SamplingParams
 from folio.shared.transport import Decoder, encode, make_socket
 
 
@@ -54,9 +55,9 @@ class BackHalf:
 
         self.runner.execute = paced
 
-    async def submit(self, req_id: str, prompt: list[int], params: WireSampling, eos_token_id=None,
+    async def submit(self, req_id: str, prompt: list[int], params: SamplingParams, eos_token_id=None,
                      **extra) -> None:
-        """``extra``: more EngineRequest fields (fork_req_ids, beam_search, priority)."""
+        """``extra``: more EngineRequest fields (fork_req_ids, priority, grammar)."""
         msg = EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=params, eos_token_id=eos_token_id,
                             **extra)
         await self.to_scheduler.send(encode(msg))

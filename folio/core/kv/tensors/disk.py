@@ -17,7 +17,7 @@ import time
 import torch
 
 from folio.core.executor.kernels.kv_quant import scales_fingerprint
-from folio.core.executor.runtime.kv_pool import KVPool
+from folio.core.kv.tensors.pool import KVPool
 from folio.core.kv.tiers import HOST, DiskTier, layout_id, model_identity
 
 

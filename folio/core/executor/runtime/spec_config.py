@@ -4,7 +4,7 @@
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
 
 The executor reads it to build its proposer (``folio.core.executor.runtime.spec_decode``); the
-scheduler reads it only to know that steps carry drafts (each waits for the last one's result).
+scheduler asks only whether steps carry drafts (``speculation_on``: each waits for the last one's result).
 The older flags (``--speculative-model ngram|DIR``, ``--num-speculative-tokens``,
 ``--ngram-prompt-lookup-min/max``, ``--speculative-disable-by-batch-size``) stay as aliases: they
 are turned into the same settings here, so there is one place that decides what was asked for.
@@ -92,16 +92,30 @@ def speculative_settings(config) -> SpeculativeConfig | None:
         return parse_speculative_config(given)
     if not legacy:
         return None
-    k = getattr(config, "num_speculative_tokens", 0)
-    if k < 1:
+    k = getattr(config, "num_speculative_tokens", None)
+    if k is None or k < 1:
         raise ValueError("--speculative-model needs --num-speculative-tokens of at least 1")
     method = legacy if legacy in ("ngram", "suffix") else "draft_model"
+    # a flag not given is missing (a runtime config) or None (``folio serve``'s flags, which
+    # forward only what was given): either way SpeculativeConfig's own default holds
+    given = {field: getattr(config, flag, None) for field, flag in LEGACY_FLAGS.items()}
     return SpeculativeConfig(method=method, num_speculative_tokens=k,
                              model=legacy if method == "draft_model" else None,
-                             prompt_lookup_min=getattr(config, "ngram_prompt_lookup_min", 1),
-                             prompt_lookup_max=getattr(config, "ngram_prompt_lookup_max", 4),
-                             disable_by_batch_size=getattr(config, "speculative_disable_by_batch_size", 0),
+                             **{field: value for field, value in given.items() if value is not None},
                              adaptive=False)  # the older flags keep their fixed behaviour
+
+
+# SpeculativeConfig's fields that an older flag sets (the flag's config field: its default is the same)
+LEGACY_FLAGS = {"prompt_lookup_min": "ngram_prompt_lookup_min", "prompt_lookup_max": "ngram_prompt_lookup_max",
+                "disable_by_batch_size": "speculative_disable_by_batch_size"}
+
+
+def speculation_on(config) -> bool:
+    """Whether a config asks for speculative decoding: all the scheduler needs to know (its steps
+    then wait for the last one's result). It takes ``--speculative-model`` but not the executor's
+    other older flags; what is asked for is the executor's to read, and ``folio serve`` refuses a
+    bad request before any service starts."""
+    return bool(getattr(config, "speculative_config", None) or getattr(config, "speculative_model", None))
 
 
 def speculative_refusal(config) -> str | None:

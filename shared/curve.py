@@ -1,32 +1,6 @@
-"""The internal plane's gate: CURVE on every tcp socket, and the log of who was refused.
+"""The internal plane's CURVE: every tcp socket authenticated, and the log of who was refused.
 
-``shared/transport.py`` calls ``secure(ctx, sock, address, bind, service=...)`` on each socket it
-makes (and the KV transfer sockets of ``folio/core/executor/runtime/kv_transfer.py`` call it on
-theirs). ``service`` is the service that binds ``address``. On an ``ipc://`` address it does nothing.
-On ``tcp://``:
-
-- a bound socket becomes a CURVE server with its service's key pair (``services/NAME.key_secret``;
-  ``service`` defaults to the process's own, the one ``use_keys`` was given: ``folio run NAME`` and
-  each service's entry point name themselves); its context gets one ZAP handler (pyzmq's
-  ``ThreadAuthenticator``), which lets in only the key folder's client keys, so a peer with a wrong
-  key is refused before one of its messages is read. A peer with no key at all fails the handshake
-  itself (libzmq never asks ZAP): a socket monitor reports that. A process that is no service (the
-  admin CLI) binds no tcp socket: it raises ``KeysError``;
-- a connecting socket presents the stack's client key and checks the public key of the service
-  that binds the address, which its caller names (the owner of the ``Endpoints`` field it dials,
-  ``config.ENDPOINT_OWNERS``; a replica's KV events and snapshots are the kvmanager's; a KV transfer
-  port is the executor's). A tcp connection without one raises ``ValueError``: there is no
-  shared key to fall back on. A client that checks another service's key gets no handshake.
-
-Each refusal is logged (``peer refused``) once per address and reason per minute, with the count
-of those it did not log. The key folder comes from ``use_keys(folder, service)`` (each service's
-``--keys-dir``), else ``$FOLIO_KEYS_DIR``, else the one ``folio serve`` made on this host (in the
-cache folder); without one a tcp socket raises ``MissingKeys``.
-
-``FOLIO_UNSAFE_NO_CURVE=1`` turns CURVE off: tcp sockets open in the clear, with or without a key
-folder, and whoever reaches a port speaks the protocol. It exists to measure what CURVE costs
-(``folio bench plane``) and for nothing else: never the default, warned about loudly by every
-process that has it (``warn_if_unsafe``, at start, and on the first tcp socket).
+More in docs/modules.md (shared/curve.py).
 """
 
 from __future__ import annotations

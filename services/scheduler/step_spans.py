@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from folio.core.scheduler.exchange import StepOutput
+from folio.core.scheduler.state import StepOutput
 from folio.core.scheduler.request import Request, Status
 from folio.shared.messages import EngineRequest, StepResult
 from folio.shared.tracing import Tracing, now_ns

@@ -39,7 +39,7 @@ class KVPool:
     """The device pool plus, with ``num_host_blocks``, a host tier of the same block shape that the
     kvmanager's swap-outs copy to (pinned when the device is a GPU, so that copies run async): the
     tables of swapped-out requests, and the prefix blocks the device's cache evicted
-    (``folio.core.kv.tiers``; the disk tier below it is ``runtime/kv_tiers.py``)."""
+    (``folio.core.kv.tiers``; the disk tier below it is ``disk.py``)."""
 
     def __init__(self, shape: PoolShape, num_blocks: int, device: torch.device, num_host_blocks: int = 0):
         if num_blocks < 1:

@@ -1,4 +1,4 @@
-"""Where a service's start-up time goes: named phases, timed once per process.
+"""Where the executor's start-up time goes: named phases, timed once per process.
 
 The executor's loading code times its phases here (``weights``: reading and preparing the model,
 ``pool``: the KV pool, ``kernels``: compiling or loading the C/CUDA kernels, ``graphs``: CUDA graph

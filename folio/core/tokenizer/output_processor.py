@@ -65,7 +65,7 @@ class TokenTexts:
 
 
 @dataclass
-class RequestState:
+class RequestTextState:
     req: GenerateRequest
     prompt_token_ids: list[int]
     prompt_text: str | None  # set when echo asks for it
@@ -112,17 +112,17 @@ class OutputProcessor:
     def __init__(self, decode, token_texts: TokenTexts):
         self._decode = decode  # list[int] -> str, special tokens skipped
         self._texts = token_texts
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestTextState] = {}
 
     def add_request(self, req: GenerateRequest, prompt_token_ids: list[int], eos_token_id: int | None,
                     prompt_text: str | None) -> None:
         echo_text = (prompt_text if prompt_text is not None else self._decode(prompt_token_ids)) if req.echo else None
-        state = self.requests[req.req_id] = RequestState(
+        state = self.requests[req.req_id] = RequestTextState(
             req=req,
             prompt_token_ids=prompt_token_ids,
             prompt_text=echo_text,
             detokenizer=IncrementalDetokenizer(self._decode, prompt_token_ids),
-            stop=StopChecker(req.stop),
+            stop=StopChecker(req.sampling.stop),
             eos_token_id=eos_token_id,
             text_offset=len(echo_text) if echo_text else 0,
             num_prompt_tokens=len(prompt_token_ids),
@@ -130,12 +130,12 @@ class OutputProcessor:
         if req.forced_token_ids:
             self._resume(state, req.forced_token_ids)
 
-    def _resume(self, state: RequestState, forced: list[int]) -> None:
+    def _resume(self, state: RequestTextState, forced: list[int]) -> None:
         """A continuation: the state its original request had after ``forced``, whose text (and
         echo, and logprobs) the client has already. The detokenizer and the stop checker take the
         tokens as they did then (their held-back tails come out with the tokens that follow);
         nothing is emitted."""
-        wants_offsets = state.req.sampling.logprobs is not None
+        wants_offsets = state.req.sampling.engine_logprobs is not None  # as the engine reports them
         for token_id in forced:
             state.stop.feed(state.detokenizer.add(token_id))
             if wants_offsets:
@@ -152,7 +152,7 @@ class OutputProcessor:
             choice = req if choice_id == req.req_id else msgspec.structs.replace(req, req_id=choice_id, fork_req_ids=[])
             self.add_request(choice, prompt_token_ids, eos_token_id, prompt_text)
 
-    def remove(self, req_id: str) -> RequestState | None:
+    def remove(self, req_id: str) -> RequestTextState | None:
         return self.requests.pop(req_id, None)
 
     def process(self, batch: TokenBatch) -> tuple[list[TextDelta], list[AbortRequest], list[str]]:
@@ -183,12 +183,11 @@ class OutputProcessor:
             else:
                 self._fold(state, TokenDelta(req_id=req_id, token_ids=[token_id]), outputs, aborts)
         for delta in batch.deltas:
-            req_id = delta.req_id
-            state = requests.get(req_id)
+            state = requests.get(delta.req_id)
             if state is None:
-                unknown.append(req_id)
+                unknown.append(delta.req_id)
                 continue
-            token_ids = delta.token_ids
+            req_id, token_ids = delta.req_id, delta.token_ids
             if (state.plain and req_id not in outputs and len(token_ids) == 1 and delta.finish_reason is None
                     and delta.logprobs is None and delta.prompt_logprobs is None and delta.queue_time_s is None
                     and not delta.num_prompt_tokens):
@@ -206,7 +205,7 @@ class OutputProcessor:
                 del requests[req_id]
         return deltas, aborts, unknown
 
-    def _fold(self, state: RequestState, delta: TokenDelta, outputs: dict, aborts: list[AbortRequest]) -> None:
+    def _fold(self, state: RequestTextState, delta: TokenDelta, outputs: dict, aborts: list[AbortRequest]) -> None:
         """``process`` for a delta off its short path: fold it into the request's pending output."""
         req_id = delta.req_id
         out = outputs.get(req_id)
@@ -219,7 +218,7 @@ class OutputProcessor:
         if self._apply(state, delta, out) and delta.finish_reason is None:
             aborts.append(AbortRequest(req_id=req_id, reason="stop"))
 
-    def _apply(self, state: RequestState, delta: TokenDelta, out: _Pending) -> bool:
+    def _apply(self, state: RequestTextState, delta: TokenDelta, out: _Pending) -> bool:
         """Fold one TokenDelta into ``out``; True when a stop string ended the request."""
         if delta.num_prompt_tokens:
             state.num_prompt_tokens = delta.num_prompt_tokens
@@ -257,7 +256,7 @@ class OutputProcessor:
                 out.stop_reason = delta.token_ids[-1]
         return False
 
-    def _prompt_logprobs(self, state: RequestState, lps: list[TokenLogprobs | None]) -> list[TextLogprob]:
+    def _prompt_logprobs(self, state: RequestTextState, lps: list[TokenLogprobs | None]) -> list[TextLogprob]:
         result, offset = [], 0
         for token_id, lp in zip(state.prompt_token_ids, lps):
             if lp is None:  # the first prompt token has no logprob
@@ -269,7 +268,7 @@ class OutputProcessor:
             result.append(item)
         return result
 
-    def _text_delta(self, state: RequestState, out: _Pending) -> TextDelta:
+    def _text_delta(self, state: RequestTextState, out: _Pending) -> TextDelta:
         prompt_text = None
         if not state.sent_first:
             state.sent_first = True

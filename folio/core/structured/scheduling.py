@@ -7,16 +7,7 @@ last token): its prefill chunks run while the grammar compiles, and no step (the
 its own chunks) ever waits for a compile. A waiting request held that way lets the ones behind it
 in the queue pass.
 
-The first plan that holds a request back names its grammar (``StepPlan.grammars``); each step
-result names the asked keys whose compile ended (``grammars_ready``, or ``grammar_errors`` with the
-reason: their requests end with it). With nothing else to run the plan asks the executor to wait
-for a compile (``await_grammars``, at most a short poll, so that new requests get in).
-
-Keys reported compiled are remembered in an LRU as long as the executor's, so that a request whose
-grammar is cached there costs no step at all. Should the executor have dropped a key since (its LRU
-evicted it), that request's first sample waits for the compile in the executor, the one case where
-a step waits (``grammar_wait_seconds_total``). A new epoch (a restarted executor has an empty cache)
-forgets everything: what was asked, what was ready.
+More in docs/modules.md (folio/core/structured/scheduling.py).
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from folio.shared.messages import Grammar, WireSampling
+from folio.shared.messages import Grammar
 
 MAX_READY_KEYS = 256  # the executor's LRU (``masks.MAX_CACHED_GRAMMARS``)
 
@@ -33,7 +24,7 @@ class Constrained(Protocol):
     """What the gate reads and sets on a request (the scheduler's ``Request``)."""
 
     req_id: str
-    sampling: WireSampling
+    grammar: Grammar | None  # its structured-output grammar (None: unconstrained)
     grammar_ready: bool  # set here once its grammar is known compiled
 
 
@@ -46,7 +37,7 @@ class GrammarGate:
 
     def holds(self, req: Constrained) -> bool:
         """Whether ``req`` must not sample yet, its grammar not known compiled (asking for it)."""
-        grammar = req.sampling.grammar
+        grammar = req.grammar
         if grammar is None or req.grammar_ready:
             return False
         if grammar.key in self.ready:

@@ -1,5 +1,5 @@
-"""``folio bench serve``: load any OpenAI-compatible endpoint (folio, vLLM, llama.cpp's server, a
-router) and print vLLM's ``bench serve`` figures in vLLM's layout, so results compare line by line.
+"""Any OpenAI-compatible endpoint under load (folio, vLLM, llama.cpp's server, a router): vLLM's
+``bench serve`` figures in vLLM's layout, so results compare line by line (``folio bench serve``).
 
     folio bench serve --base-url http://127.0.0.1:8000 [--model NAME] [--endpoint completions|chat]
         [--dataset random|prefix-repetition|sharegpt [--dataset-path FILE]] [--num-prompts 1000]
@@ -7,34 +7,7 @@ router) and print vLLM's ``bench serve`` figures in vLLM's layout, so results co
         [--input-len 1024 --output-len 128 --range-ratio 0.0] [--seed 0]
         [--goodput ttft:200 tpot:50] [--save-result FILE.json] [--plot FILE.png] [--preset NAME]
 
-- Requests stream (``stream_options.include_usage``), greedy, with ``max_tokens`` = the output
-  length and ``ignore_eos`` so that every answer is as long as asked; an endpoint whose first
-  request refuses ``ignore_eos`` (HTTP 400) runs without it, and says so. Arrivals are a Poisson
-  process at ``--request-rate`` (a gamma process with ``--burstiness`` other than 1), or all at
-  once (``inf``); ``--max-concurrency`` caps the requests in flight. One request is sent alone
-  first, as a check (not counted).
-- Prompts are token-accurate for the target's tokenizer when one is known: ``--tokenizer auto``
-  (the default) asks the endpoint's ``/tokenize`` (vLLM's and folio's ``{"prompt"}``, llama.cpp
-  server's ``{"content"}``, llama-cpp-python's ``/extras/tokenize``), ``--tokenizer PATH`` loads
-  a local Hugging Face tokenizer. The random prompts are words from a fixed list that the
-  tokenizer keeps as one token each (a leading space included); each prompt is then encoded and
-  words added or dropped until it has exactly its length. With no tokenizer (an endpoint without
-  ``/tokenize``, ``--tokenizer none``) a prompt of N words stands for N tokens, and the input
-  totals come from the server's usage counts instead.
-- Output tokens are the server's ``usage.completion_tokens``; without usage, the streamed chunks
-  that carried text (one token each). TTFT runs from the send to the first chunk with text;
-  TPOT = (latency - TTFT) / (output tokens - 1); ITL = every gap between chunks with text; the
-  peak output throughput and concurrency are counted in 1-second buckets, as vLLM does.
-- Goodput: the successful requests that meet every SLO given (``ttft``, ``tpot``, ``e2el``, ms),
-  per second of the run. Failed requests (an HTTP error, an error event, a dropped stream, a
-  timeout) are counted and left out of every latency figure.
-- ``--save-result`` writes vLLM's result keys (``completed``, ``request_throughput``,
-  ``mean_ttft_ms``, ``p99_itl_ms``, ``ttfts``, ``itls``, ...) as JSON; ``--plot`` draws the latency
-  percentiles and the output throughput over time with matplotlib (``pip install 'folio[bench]'``).
-- ``--preset`` sets the workload of one of the serving scripts (``mixed``: scripts/bench_serving.py's
-  throughput workload; ``soak``: scripts/bench_soak.py's Poisson load; ``prefix``: the shared
-  system prompts of scripts/bench_router.py and bench_prefix_cache.py; ``streams``:
-  scripts/bench_streams.py's many concurrent streams); any flag given still wins.
+More in docs/modules.md (folio/bench/serve.py).
 """
 
 from __future__ import annotations
@@ -52,7 +25,7 @@ from datetime import datetime
 
 import numpy as np
 
-from folio.cli.bench_report import print_block, write_json
+from folio.bench.report import print_block, write_json
 
 # the serving scripts' workloads, as `folio bench serve` flags (explicit flags override them)
 PRESETS: dict[str, dict] = {

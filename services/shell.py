@@ -1,21 +1,9 @@
-"""The socket loops every service runs, written once: serve a ROUTER (decode, dispatch by type,
-reply to the sender's envelope), serve a single-frame socket (PULL or DEALER: receive, decode,
-dispatch), request/reply with a deadline (the admin calls of the gateway, the CLI and the
-launcher; the scheduler's and executor's calls to their peers), answer admin requests, and run
-until SIGTERM/SIGINT.
-
-``run_service`` is the body every ``services/*/main.py`` shares (``folio run NAME``, and each
-process of ``folio serve``): the service's flags into its config, its logging, and the service run
-until SIGTERM/SIGINT. A ``main.py`` declares a ``ServiceSpec``: the service's name, config type,
-flag checks and derived fields, and ``open``, which builds the service inside the event loop from
-the config, a ZeroMQ context and the logger and returns it (anything with ``async run()``, and
-``close()`` if it has one) or a coroutine to await; its ``parse_config`` and ``main`` are the spec's
-``config`` and ``main``. ``open`` raises ``StartError`` for a start that cannot go on (no model):
-the error is logged and the process exits 1.
-
-Malformed messages are logged and dropped here, once, naming the request(s) they were about when
-the bytes are readable msgpack at all (``sniff_req_ids``); a failing handler is logged and the
-loop goes on, so each service only writes handlers.
+"""What every service shell runs, written once: ``run_service`` (flags into the config, logging,
+keys, its run folder made if missing, the service run until SIGTERM/SIGINT), the ``ServiceSpec``
+each ``main.py`` declares, and the receive loops (``serve_router``, ``serve_pull``, ``serve_admin``)
+that decode, dispatch by type and log and drop a malformed message. Client calls (``request``,
+``admin_call``) are in ``folio.shared.transport``; docs/architecture.md (Service shells) says how a
+service is put together.
 """
 
 from __future__ import annotations
@@ -27,22 +15,20 @@ import inspect
 import signal
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import structlog
 import zmq
 import zmq.asyncio
 
-from folio.shared import plane
-from folio.shared.config import Endpoints, keys_dir_from_env
+from folio.shared import curve
+from folio.shared.config import DEFAULT_PORT, Endpoints, ipc_folders, keys_dir_from_env, make_run_dir
 from folio.shared.keys import KeysError
 from folio.shared.flags import config_values, service_parser
 from folio.shared.logs import setup_logging
 from folio.shared.messages import AdminReply, AdminRequest
-from folio.shared.transport import Decoder, MalformedMessage, encode, make_socket, recv, recv_multipart, recv_ready
+from folio.shared.transport import Decoder, MalformedMessage, encode, recv, recv_multipart
 
 # A ROUTER handler gets the decoded message and the sender's envelope (routing frames); it returns
 # the reply to send, or None when there is none (yet: a deferred reply keeps the envelope).
@@ -51,12 +37,9 @@ Handler = Callable[[object, list[bytes]], Awaitable[object | None] | object | No
 StreamHandler = Callable[[object], Awaitable[None] | None]
 
 _admin_decoder = Decoder(AdminRequest)
-_admin_reply_decoder = Decoder(AdminReply)
 # this process's name for itself: a ``ping`` answers it, so that a prober tells a restarted service
 # (a new instance, its state gone) from one that was only slow (in a container the pid is always 1)
 INSTANCE = uuid.uuid4().hex
-# for callers whose output is the reply alone (the CLI): failures there are a None, not a log line
-QUIET = structlog.wrap_logger(structlog.ReturnLogger(), processors=[])
 
 
 def freeze_heap() -> None:
@@ -162,72 +145,6 @@ async def serve_pull(sock: zmq.asyncio.Socket, decoder: Decoder, handlers: dict[
                 on_error(message)
 
 
-async def receive_reply(sock: zmq.asyncio.Socket, decoder: Decoder, log, timeout_s: float | None = None,
-                        accept: Callable[[object], bool] | None = None, socket_name: str = ""):
-    """The next well-formed reply on a DEALER that ``accept`` takes (malformed or stale ones are
-    logged and skipped); None when none came within ``timeout_s`` (None: wait for ever)."""
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
-    while True:
-        data = await recv_ready(sock)  # (a reply that came while the caller worked: no poll)
-        if data is None:
-            if deadline is not None:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or not await sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
-                    return None
-            data = await sock.recv()
-        try:
-            message = decoder.decode(data)
-        except MalformedMessage as exc:
-            log.warning("malformed reply dropped", socket=socket_name, error=str(exc))
-            continue
-        if accept is not None and not accept(message):
-            log.warning("unexpected reply dropped", socket=socket_name, got=type(message).__name__)
-            continue
-        return message
-
-
-async def request(sock: zmq.asyncio.Socket, message, decoder: Decoder, log, timeout_s: float | None = None,
-                  accept: Callable[[object], bool] | None = None, socket_name: str = ""):
-    """Send ``message`` on a DEALER and wait for its reply (``receive_reply``)."""
-    await sock.send(encode(message))
-    return await receive_reply(sock, decoder, log, timeout_s, accept, socket_name)
-
-
-async def ask_admin(ctx: zmq.asyncio.Context, address: str, command: str, args: dict | None, timeout_s: float,
-                    log, service: str | None = None) -> AdminReply | None:
-    """One ``AdminRequest`` to the admin socket at ``address`` (``service``'s: needed over tcp) on a
-    socket of its own; None when nobody answers in time."""
-    sock = make_socket(ctx, zmq.DEALER, address, service=service)
-    try:
-        return await request(sock, AdminRequest(command=command, args=args or {}), _admin_reply_decoder, log,
-                             timeout_s, socket_name="admin")
-    except zmq.ZMQError as exc:
-        log.debug("admin query failed", address=address, error=str(exc))
-        return None
-    finally:
-        sock.close(linger=0)
-
-
-def admin_call(address: str, command: str, args: dict | None, timeout_s: float, log=QUIET,
-               service: str | None = None) -> AdminReply | None:
-    """``ask_admin`` for code without an event loop (the CLI, the launcher's side thread)."""
-
-    async def ask() -> AdminReply | None:
-        ctx = zmq.asyncio.Context()
-        try:
-            return await ask_admin(ctx, address, command, args, timeout_s, log, service)
-        finally:
-            ctx.term()
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(ask())
-    with ThreadPoolExecutor(1) as worker:  # called from a coroutine: its loop is busy running it
-        return worker.submit(asyncio.run, ask()).result()
-
-
 async def serve_admin(sock: zmq.asyncio.Socket, commands: dict[str, Callable[[dict], dict]], log) -> None:
     """Answer ``AdminRequest``s: ``commands[name](args) -> data`` (or a coroutine giving it);
     ``ping`` always works; it also says how many objects ``freeze_heap`` put out of the
@@ -295,7 +212,9 @@ class ServiceSpec:
         if self.check is not None:
             self.check(parser, args)
         more = self.fields(args) if self.fields is not None else {}
-        config = self.config_type(endpoints=Endpoints.from_env(), **more,
+        # a gateway or router alone on --port P: the run folder of P, where `folio ... --port P` looks
+        endpoints = Endpoints.from_env(getattr(args, "port", DEFAULT_PORT))
+        config = self.config_type(endpoints=endpoints, **more,
                                   **config_values(self.config_type, args, self.name))
         return config, args
 
@@ -313,11 +232,17 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     config, args = spec.parse(argv)
     log = setup_logging(spec.name, json=config.log_json, level=args.log_level)
     try:
-        plane.use_keys(args.keys_dir or keys_dir_from_env(), spec.name)
+        curve.use_keys(args.keys_dir or keys_dir_from_env(), spec.name)
     except KeysError as exc:
         log.error("cannot read the key folder", error=str(exc))
         return 1
-    plane.warn_if_unsafe(log)
+    curve.warn_if_unsafe(log)
+    try:  # a service started alone makes its own run folder, as `folio serve` does
+        for folder in ipc_folders(config.endpoints):
+            make_run_dir(folder)
+    except OSError as exc:
+        log.error("cannot make the run folder for the ipc sockets (set FOLIO_RUN_DIR)", error=str(exc))
+        return 1
     if spec.starting is not None:
         log.info("starting", **spec.starting(config))
 
@@ -336,8 +261,8 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
             close = getattr(service, "close", None)
             if close is not None and not inspect.isawaitable(service):
                 close()
-            plane.release(ctx)
-            if spec.drop_unsent:
+            curve.release(ctx)
+            if spec.drop_unsent or service is None:  # (a failed start: its sockets were never closed)
                 ctx.destroy(linger=0)
             else:
                 ctx.term()
@@ -347,13 +272,8 @@ def run_service(spec: ServiceSpec, argv: list[str] | None = None) -> int:
     except StartError as exc:
         log.error(exc.message, **exc.fields)
         return 1
-    except (plane.MissingKeys, KeysError) as exc:
+    except (curve.MissingKeys, KeysError) as exc:
         log.error("no keys for a tcp endpoint", error=str(exc))
         return 1
     except KeyboardInterrupt:  # SIGINT while starting (Ctrl-C reaches every process of the group)
         return 130
-
-
-def close_sockets(*socks: zmq.Socket) -> None:
-    for sock in socks:
-        sock.close()

@@ -1,4 +1,4 @@
-"""A request samples only once its grammar is compiled (``folio/core/structured/gate.py``): the scheduler
+"""A request samples only once its grammar is compiled (``folio/core/structured/scheduling.py``): the scheduler
 holds back the token it samples from until a step result names its grammar ready, asks for each
 new grammar once, holds nothing back for a grammar the executor reported compiled, ends the
 requests of a grammar that failed to compile with the reason, and forgets what it knew when the
@@ -16,8 +16,9 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from folio.shared.messages import GuidedSpec, WireSampling  # noqa: E402
-from folio.testing.backhalf import back_half  # noqa: E402
+from folio.shared.messages import GuidedSpec  # noqa: E402
+from folio.shared.sampling import SamplingParams  # noqa: E402
+from folio.services.in_process import back_half  # noqa: E402
 from tests.core.engine import LocalEngine, engine_request, make_runner  # noqa: E402
 from tests.services.test_structured_compile import new_wide_schema  # noqa: E402
 from tests.core.structured.test_structured_engine import chat_model, grammars, tok  # noqa: E402,F401  (fixtures)
@@ -120,8 +121,8 @@ async def test_an_executor_restart_while_a_grammar_compiles(chat_model, tok):  #
                          max_num_batched_tokens=64) as bh:
         schema = new_wide_schema(1500)
         grammar = await asyncio.to_thread(check_spec, GuidedSpec(kind="json_schema", spec=json.dumps(schema)))
-        await bh.submit("r", tok.hf.encode("JSON:"), WireSampling(temperature=0.0, max_tokens=100, grammar=grammar),
-                        tok.eos_token_id)
+        await bh.submit("r", tok.hf.encode("JSON:"), SamplingParams(temperature=0.0, max_tokens=100),
+                        tok.eos_token_id, grammar=grammar)
         collected = asyncio.ensure_future(bh.collect(["r"], timeout_s=120))
         for _ in range(2000):  # until the scheduler asked for the grammar
             if (await bh.admin("scheduler", "stats")).data["num_grammar_held_steps"]:

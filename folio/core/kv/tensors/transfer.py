@@ -1,37 +1,12 @@
-"""KV transfer: a request's KV blocks move from one executor's pool to another's (prefill -> decode).
+"""KV transfer, without its sockets: a request's KV blocks move from one executor's pool to
+another's (prefill -> decode).
 
-The bytes move over ZeroMQ (across processes and hosts, over tcp): the sender answers a pull with
-multipart frames, one per run of consecutive blocks per layer (K then V), each a memoryview of the
-pool's own memory sent with ``copy=False`` (no copy on the sender; a prefill executor stages a GPU
-pool's blocks to a host pool first, ``services/executor/kv_roles.py``). The receiver copies each
-frame into its pool's blocks. This is the one transport ``folio serve --kv-role`` runs; device to
-device transports (CUDA IPC, NIXL) are not offered until a flag can choose them.
-
-Records (``KVSender``): ``export(block_ids)`` puts the blocks under a fresh transfer id, owned by
-that transfer until the receiver confirms (``CONFIRM``: released as done) or reports a failure
-(``FAIL``), or until ``ttl_s`` passes unconfirmed (a dead receiver): both release them as failed.
-``on_release(transfer_id, block_ids, ok)`` is where the owner of the blocks (the kvmanager's
-allocator) frees them; ``outstanding`` is every transfer still owned. A pull of an unknown or
-released transfer is refused; a transfer exported for a peer (``export(..., peer=z85 key)``, the
-decode instance's CURVE key the router named) is served to that key only: the ZAP handler's
-User-Id of the pulling connection must be it, so another key of the stack (another decode
-instance, a prefill instance, a router) gets nothing. One exported for no peer (or over ipc, or
-with ``FOLIO_UNSAFE_NO_CURVE``, where no key is known) goes to the first peer that pulls it. Either
-way a transfer's blocks go to one decode instance, once, before its TTL. The receiver confirms only after the last byte is in its pool; any
-failure on its side (timeout, refused, short answer) sends ``FAIL`` and raises ``TransferError``.
-
-The handshake: every pull carries the receiver's ``KVLayout`` (dtype, block size, KV heads, head
-size, layers, FP8 scales); a sender whose layout differs refuses with a message naming each
-difference, and the receiver raises ``LayoutMismatch`` with it. The transfer stays owned (the
-blocks are not freed: another receiver may take them).
-
-Over tcp both sockets speak CURVE with the stack's keys (``shared/plane.py``): a peer without them
-is refused before it can name a transfer id. No peer's bytes are ever unpickled here: headers are
-msgpack, KV frames are raw bytes copied into the pool after their sizes are checked.
-
-Wire (DEALER -> ROUTER, msgpack headers): ``[b"PULL", {transfer_id, layout}]`` ->
-``[b"OK", {num_blocks, ...}, *frames]`` or ``[b"ERR", {message, kind}]``;
-``[b"CONFIRM"|b"FAIL", {transfer_id}]`` -> ``[b"OK", {}]``.
+``KVExporter`` (the prefill side) holds exported blocks under a transfer id until the receiver
+confirms, fails or the TTL passes, and answers each request with a reply and the blocks' bytes
+(memoryviews of the pool); ``KVImporter`` (the decode side) pulls a handle's blocks through a
+``KVChannel`` and lands them in its pool. ``KVLayout`` is the handshake both check. The ZeroMQ
+sockets that carry it (CURVE over tcp) are the executor service's (``services/executor/kv_sockets.py``);
+docs/operations.md (Disaggregated prefill and decode) has the protocol and its rules.
 """
 
 from __future__ import annotations
@@ -40,21 +15,17 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
-import msgspec
 import numpy as np
 import torch
-import zmq
 
 from folio.core.executor.kernels.kv_quant import scales_fingerprint
-from folio.core.executor.runtime.kv_pool import KVPool
+from folio.core.kv.tensors.pool import KVPool
 from folio.shared.messages import TransferHandle
-from folio.shared.plane import REFUSALS, secure
 
 DEFAULT_TTL_S = 60.0
 DEFAULT_TIMEOUT_S = 10.0
-_POLL_MS = 50
 
 
 class TransferError(RuntimeError):
@@ -124,45 +95,36 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _user_id(parts: list[zmq.Frame]) -> str | None:
-    """The ZAP handler's User-Id of a received message (the peer's z85 CURVE key); None without CURVE."""
-    try:
-        user = parts[-1].get("User-Id")
-    except (zmq.ZMQError, IndexError):
-        return None
-    return user or None
-
-
 def _frame_of(view: torch.Tensor) -> memoryview:
     """A pool view's bytes as a memoryview of the pool's memory (staged to host from a GPU)."""
     t = view if view.device.type == "cpu" else view.cpu()
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-class KVSender:
-    """The prefill side: holds exported blocks until confirmed and answers pulls on ``endpoint``."""
+class KVChannel(Protocol):
+    """How a ``KVImporter`` reaches senders: one request on ``endpoint`` and its answer."""
 
-    def __init__(self, pool: KVPool, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*",
+    def request(self, endpoint: str, verb: bytes, header: dict, timeout_s: float) -> tuple[bytes, dict, list]:
+        """(status, reply header, the reply's frames as buffers); raises ``TransferError`` on no answer."""
+
+    def close(self) -> None: ...
+
+
+class KVExporter:
+    """The prefill side: holds exported blocks until confirmed and answers pulls (``answer``).
+    ``endpoint``: where its socket listens, carried by each ``TransferHandle``; ``refused(what, why)``
+    reports a pull by a key the transfer was not staged for."""
+
+    def __init__(self, pool: KVPool, layout: KVLayout, endpoint: str,
                  on_release: Callable[[str, list[int], bool], None] | None = None, ttl_s: float = DEFAULT_TTL_S,
-                 ctx: zmq.Context | None = None):
-        self.pool, self.layout, self.ttl_s = pool, layout, ttl_s
-        self.on_release = on_release
-        self.ctx = ctx or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small headers; a larger one drops its peer
-        # CURVE with the executor's server key: only the stack's client keys pull KV
-        secure(self.ctx, self.sock, endpoint, bind=True, service="executor")
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                 refused: Callable[[str, str], None] | None = None):
+        self.pool, self.layout, self.ttl_s, self.endpoint = pool, layout, ttl_s, endpoint
+        self.on_release, self._refused = on_release, refused
         self.outstanding: dict[str, tuple[list[int], float]] = {}  # transfer id -> (block ids, deadline)
         self._for_peer: dict[str, str] = {}  # transfer id -> the z85 key it is served to (``export``'s peer)
         self._served_to: dict[str, bytes] = {}  # transfer id -> the routing id of the peer that pulled it first
         self.counts = {"exported": 0, "confirmed": 0, "failed": 0, "expired": 0, "refused": 0, "bytes_sent": 0}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------------ records
     def export(self, block_ids: list[int], num_tokens: int = 0, transfer_id: str | None = None,
@@ -201,53 +163,26 @@ class KVSender:
             self.release(t, ok=False, why="expired")
         return late
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self.sock.close(0)
-
-    # ------------------------------------------------------------------ the socket
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(_POLL_MS):
-                try:
-                    parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    continue
-                frames = [p.bytes for p in parts]
-                try:
-                    self._handle(frames, _user_id(parts))
-                except Exception as exc:  # a malformed message: answered, logged by the peer, dropped
-                    if len(frames) >= 2:
-                        self._send(frames[0], b"ERR", {"message": f"bad request: {exc}", "kind": "bad_request"})
-            self.expire()
-
-    def _send(self, who: bytes, status: bytes, header: dict, frames: list | None = None) -> None:
-        self.sock.send_multipart([who, status, msgspec.msgpack.encode(header), *(frames or [])], copy=False)
-
-    def _handle(self, frames: list[bytes], user: str | None = None) -> None:
-        """One request; ``user``: the z85 CURVE key the peer authenticated with (None without CURVE)."""
-        who, verb, header = frames[0], frames[1], msgspec.msgpack.decode(frames[2]) if len(frames) > 2 else {}
+    def answer(self, who: bytes, verb: bytes, header: dict, user: str | None = None) -> tuple[bytes, dict, list]:
+        """One request from peer ``who``: (status, reply header, frames). ``user``: the z85 CURVE key
+        the peer authenticated with (None without CURVE)."""
         if verb in (b"CONFIRM", b"FAIL"):
             tid = str(header["transfer_id"])
             with self._lock:
                 mine = self._served_to.get(tid) == who
             if mine:  # only the peer it was served to ends a transfer (another's FAIL frees nothing)
                 self.release(tid, ok=verb == b"CONFIRM")
-            self._send(who, b"OK", {})
-            return
+            return b"OK", {}, []
         if verb != b"PULL":
-            self._send(who, b"ERR", {"message": f"unknown verb {verb[:16]!r}", "kind": "bad_request"})
-            return
+            return b"ERR", {"message": f"unknown verb {verb[:16]!r}", "kind": "bad_request"}, []
         diffs = self.layout.differences(KVLayout.from_wire(header["layout"]))
         if diffs:
             self.counts["refused"] += 1
-            self._send(who, b"ERR", {"message": "KV layouts differ (sender vs receiver): " + "; ".join(diffs),
-                                     "kind": "layout"})
-            return
+            return b"ERR", {"message": "KV layouts differ (sender vs receiver): " + "; ".join(diffs),
+                            "kind": "layout"}, []
         tid = str(header["transfer_id"])
+        unknown = b"ERR", {"message": f"transfer {tid} is not outstanding (confirmed, failed or expired)",
+                           "kind": "unknown"}, []
         with self._lock:
             entry = self.outstanding.get(tid)
             named = self._for_peer.get(tid)
@@ -256,67 +191,38 @@ class KVSender:
             first = self._served_to.setdefault(tid, who) if entry is not None and not not_yours else None
         if not_yours:
             self.counts["refused"] += 1
-            REFUSALS.refused(f"kv transfer {tid[:48]}", "pulled by a key it was not staged for")
-            # the same answer as for an unknown transfer: a stranger learns nothing of what is staged
-            self._send(who, b"ERR", {"message": f"transfer {tid} is not outstanding (confirmed, failed or expired)",
-                                     "kind": "unknown"})
-            return
-        if entry is not None and first != who:
-            self.counts["refused"] += 1
-            self._send(who, b"ERR", {"message": f"transfer {tid} is being served to another peer", "kind": "taken"})
-            return
+            if self._refused is not None:
+                self._refused(f"kv transfer {tid[:48]}", "pulled by a key it was not staged for")
+            return unknown  # the same answer as for an unknown transfer: a stranger learns nothing
         if entry is None:
-            self._send(who, b"ERR", {"message": f"transfer {tid} is not outstanding (confirmed, failed or expired)",
-                                     "kind": "unknown"})
-            return
+            return unknown
+        if first != who:
+            self.counts["refused"] += 1
+            return b"ERR", {"message": f"transfer {tid} is being served to another peer", "kind": "taken"}, []
         block_ids = entry[0]
         # one frame per run of consecutive blocks, per layer, K then V: slices of the pool itself
         runs = _runs(block_ids)
         out = [_frame_of(t[start:start + n]) for start, n in runs for kv in self.pool.kv_caches for t in kv]
         self.counts["bytes_sent"] += sum(f.nbytes for f in out)
-        self._send(who, b"OK", {"num_blocks": len(block_ids), "runs": [n for _, n in runs]}, out)
+        return b"OK", {"num_blocks": len(block_ids), "runs": [n for _, n in runs]}, out
 
 
-class KVReceiver:
-    """The decode side: pulls a handle's blocks into its pool's blocks, then confirms."""
+class KVImporter:
+    """The decode side: pulls a handle's blocks into its pool's blocks through ``channel``, then confirms."""
 
-    def __init__(self, pool: KVPool, layout: KVLayout, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 ctx: zmq.Context | None = None, keys=None):
-        self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
-        self.keys = keys  # the key pair it pulls with (None: the process's, ``FOLIO_PEER_KEY``'s when set)
-        self.ctx = ctx or zmq.Context.instance()
+    def __init__(self, pool: KVPool, layout: KVLayout, channel: KVChannel, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.pool, self.layout, self.channel, self.timeout_s = pool, layout, channel, timeout_s
         self.counts = {"pulled": 0, "failed": 0, "bytes_received": 0}
-        self._sockets: dict[str, zmq.Socket] = {}  # a DEALER per sender, reused
 
     def close(self) -> None:
-        """Close its sockets (before its context is terminated, which waits for them)."""
-        for sock in self._sockets.values():
-            sock.close(0)
-        self._sockets.clear()
+        self.channel.close()
 
     def _request(self, endpoint: str, verb: bytes, header: dict) -> tuple[dict, list]:
-        """One request and its answer on this endpoint's socket (kept for the next; dropped after
-        a timeout, so that a late answer is never taken for the next request's)."""
-        sock = self._sockets.pop(endpoint, None)
-        if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            secure(self.ctx, sock, endpoint, bind=False, keys=self.keys, service="executor")
-            sock.connect(endpoint)
-        try:
-            sock.send_multipart([verb, msgspec.msgpack.encode(header)])
-            if not sock.poll(int(self.timeout_s * 1000)):
-                raise TransferError(f"no answer from the KV sender at {endpoint} within {self.timeout_s} s")
-            frames = sock.recv_multipart(copy=False)
-        except BaseException:
-            sock.close(0)
-            raise
-        self._sockets[endpoint] = sock
-        status, reply = frames[0].bytes, msgspec.msgpack.decode(frames[1].bytes)
+        status, reply, frames = self.channel.request(endpoint, verb, header, self.timeout_s)
         if status != b"OK":
             cls = LayoutMismatch if reply.get("kind") == "layout" else TransferError
             raise cls(reply.get("message", "refused"))
-        return reply, frames[2:]
+        return reply, frames
 
     def pull(self, handle: TransferHandle, block_ids: list[int]) -> int:
         """The handle's blocks into ``block_ids`` of this pool (as many); confirmed once all landed.
@@ -364,7 +270,7 @@ class KVReceiver:
         moved = 0
         for r, n in enumerate(sizes):
             for j, cache in enumerate(caches):
-                buf = frames[r * per_run + j].buffer
+                buf = frames[r * per_run + j]
                 if buf.nbytes != n * block_bytes:
                     raise TransferError(f"a frame of {buf.nbytes} bytes for {n} blocks of {block_bytes}")
                 src = np.frombuffer(buf, dtype=np.uint8)
