@@ -101,6 +101,8 @@ LLAMA_1B = dict(
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
+# Llama-3.2-3B's config.json the same way (3.21B parameters, tied head)
+LLAMA_3B = dict(LLAMA_1B, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128)
 # the same writer's smallest useful shape (rows a multiple of 32 for Q4 blocks; padded vocabulary)
 TINY_LLAMA = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=SMOLLM_VOCAB + 64)
@@ -163,15 +165,13 @@ def write_llama_gguf(path, shape: dict = LLAMA_1B, qtype: str = "Q4_1", seed: in
     ``qtype`` is BF16, quantized by its ``llama-quantize`` (``python -m folio.testing.llamacpp``
     builds it)."""
     path = Path(path)
-    binary = find_llama_quantize()
-    if qtype.upper() != "BF16" and binary is None:
-        raise FileNotFoundError("llama-quantize is not built: python -m folio.testing.llamacpp builds it")
+    binary = _quantizer(qtype)
     with tempfile.TemporaryDirectory(prefix="folio-llama-shape-", dir=path.parent) as tmp:
         folder = write_llama_checkpoint(Path(tmp) / "hf", shape, seed)
         bf16 = convert_hf_to_gguf(folder, Path(tmp) / "bf16.gguf", outtype="bf16", log=log)
         shutil.rmtree(folder)
         partial = path.with_name(path.name + ".partial")
-        if qtype.upper() == "BF16":
+        if binary is None:
             shutil.move(bf16, partial)
         else:
             quantize(binary, bf16, partial, qtype, log=log)
@@ -179,27 +179,98 @@ def write_llama_gguf(path, shape: dict = LLAMA_1B, qtype: str = "Q4_1", seed: in
     return path
 
 
+def _quantizer(qtype: str) -> str | None:
+    """llama-quantize's path for ``qtype`` (None for BF16, which needs none); raises when not built."""
+    if qtype.upper() == "BF16":
+        return None
+    binary = find_llama_quantize()
+    if binary is None:
+        raise FileNotFoundError("llama-quantize is not built: python -m folio.testing.llamacpp builds it")
+    return binary
+
+
 def llama_shape_key(shape: dict, qtype: str, seed: int = 0) -> str:
     blob = json.dumps({"shape": shape, "seed": seed, "llama.cpp": LLAMA_CPP_PYTHON}, sort_keys=True)
     return f"{hashlib.sha256(blob.encode()).hexdigest()[:12]}-{qtype.upper()}"
 
 
-def llama_1b_gguf(qtype: str = "Q4_1", shape: dict = LLAMA_1B, log=sys.stderr) -> Path:
-    """The 1B-shape GGUF in ``qtype``, written once into ``<folio cache>/gguf/`` (minutes; ~2.5 GB of
-    disk while it is converted, its BF16 intermediate then dropped)."""
-    target = cache_dir() / "gguf" / f"llama-3.2-1b-shape-{llama_shape_key(shape, qtype)}.gguf"
+def _smollm2_key(qtype: str) -> str:
+    """What the SmolLM2 files depend on: the packaged GGUF they come from and the llama.cpp pin."""
+    from folio.core.model_files import packaged_gguf
+
+    gguf = packaged_gguf()
+    blob = json.dumps({"smollm2": gguf.name, "size": gguf.stat().st_size, "llama.cpp": LLAMA_CPP_PYTHON})
+    return f"{hashlib.sha256(blob.encode()).hexdigest()[:12]}-{qtype.upper()}"
+
+
+BENCH_SHAPES = ("smollm2", "1b", "3b")
+LLAMA_SHAPES = {"1b": LLAMA_1B, "3b": LLAMA_3B}
+
+
+def bench_gguf_path(shape: str, qtype: str) -> Path:
+    """Where ``bench_gguf(shape, qtype)`` keeps its file (the packaged file for SmolLM2's Q4_1)."""
+    qtype = qtype.upper()
+    if shape == "smollm2":
+        from folio.core.model_files import packaged_gguf
+
+        if qtype == "Q4_1":
+            return packaged_gguf()
+        return cache_dir() / "gguf" / f"smollm2-135m-{_smollm2_key(qtype)}.gguf"
+    if shape not in LLAMA_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: one of {', '.join(BENCH_SHAPES)}")
+    return cache_dir() / "gguf" / f"llama-3.2-{shape}-shape-{llama_shape_key(LLAMA_SHAPES[shape], qtype)}.gguf"
+
+
+def bench_gguf(shape: str, qtype: str, log=sys.stderr) -> Path:
+    """The benchmark file of ``shape`` in ``qtype`` (``BF16`` or a ``llama-quantize`` type), made once:
+    the BF16 file first (minutes for the 3B shape; its checkpoint, about 6.4 GB, is dropped once
+    converted), then the type quantized from it."""
+    target = bench_gguf_path(shape, qtype)
     if target.is_file():
         return target
+    binary = _quantizer(qtype)
+    source = None if binary is None else bench_gguf(shape, "BF16", log)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(target.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_file():
-            write_llama_gguf(target, shape, qtype, log=log)
+        if target.is_file():
+            return target
+        partial = target.with_name(target.name + ".partial")
+        if source is not None:
+            quantize(binary, source, partial, qtype, log=log)
+        elif shape == "smollm2":
+            with tempfile.TemporaryDirectory(prefix="folio-smollm2-", dir=target.parent) as tmp:
+                convert_hf_to_gguf(smollm2_checkpoint(Path(tmp)), partial, outtype="bf16", log=log)
+        else:
+            with tempfile.TemporaryDirectory(prefix="folio-llama-shape-", dir=target.parent) as tmp:
+                folder = write_llama_checkpoint(Path(tmp) / "hf", LLAMA_SHAPES[shape])
+                convert_hf_to_gguf(folder, partial, outtype="bf16", log=log)
+        partial.replace(target)
     return target
 
 
+def smollm2_checkpoint(folder: Path) -> Path:
+    """The prepared SmolLM2 folder as llama.cpp's converter reads it: its files linked into
+    ``folder``, its config naming the architecture (a config rebuilt from a GGUF names none)."""
+    from folio.core.model_files import prepare_default_model
+
+    source = prepare_default_model(quiet=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((source / "config.json").read_text())
+    config.setdefault("architectures", ["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def llama_1b_gguf(qtype: str = "Q4_1", log=sys.stderr) -> Path:
+    """The 1B-shape GGUF in ``qtype`` (``bench_gguf("1b", qtype)``)."""
+    return bench_gguf("1b", qtype, log)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["1b"]:
-        print(llama_1b_gguf(*(sys.argv[2:3])))
+    if sys.argv[1:2] and sys.argv[1] in BENCH_SHAPES:
+        print(bench_gguf(sys.argv[1], *(sys.argv[2:3] or ["Q4_1"])))
     else:
         print(convert_tiny_model(sys.argv[1], *(sys.argv[2:3])))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from folio.testing.gguf_models import LLAMA_1B, TINY_LLAMA, llama_shape_key, write_llama_gguf
+from folio.testing.gguf_models import (
+    LLAMA_1B, LLAMA_3B, TINY_LLAMA, bench_gguf_path, llama_shape_key, write_llama_gguf,
+)
 from folio.testing.llamacpp import find_llama_quantize
 
 gguf = pytest.importorskip("gguf")
@@ -21,8 +23,31 @@ def test_the_1b_shape_has_llama_3_2_1bs_parameter_count():
     total = s["vocab_size"] * hidden + s["num_hidden_layers"] * layer + hidden  # tied head
     assert total == 1_235_814_400  # Llama-3.2-1B's safetensors: 1.24B parameters
     assert s["num_attention_heads"] * dim == hidden and s["tie_word_embeddings"]
-    keys = {llama_shape_key(shape, q) for shape in (LLAMA_1B, TINY_LLAMA) for q in ("Q4_0", "Q4_1")}
-    assert len(keys) == 4
+    keys = {llama_shape_key(shape, q) for shape in (LLAMA_1B, LLAMA_3B, TINY_LLAMA) for q in ("Q4_0", "Q4_1")}
+    assert len(keys) == 6
+
+
+def parameters(s: dict) -> int:
+    hidden, dim = s["hidden_size"], s["head_dim"]
+    attention = hidden * dim * (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"])
+    layer = attention + 3 * hidden * s["intermediate_size"] + 2 * hidden
+    return s["vocab_size"] * hidden + s["num_hidden_layers"] * layer + hidden  # tied head
+
+
+def test_the_3b_shape_has_llama_3_2_3bs_parameter_count():
+    assert parameters(LLAMA_3B) == 3_212_749_824  # Llama-3.2-3B's safetensors: 3.21B parameters
+    assert LLAMA_3B["num_attention_heads"] * LLAMA_3B["head_dim"] == LLAMA_3B["hidden_size"]
+
+
+def test_each_benchmark_file_has_its_own_place_and_smollm2s_q4_1_is_the_packaged_file():
+    from folio.core.model_files import packaged_gguf
+
+    assert bench_gguf_path("smollm2", "Q4_1") == packaged_gguf()
+    paths = {bench_gguf_path(shape, q) for shape in ("smollm2", "1b", "3b") for q in ("BF16", "Q4_0", "Q4_K_M", "Q8_0")}
+    assert len(paths) == 12
+    assert bench_gguf_path("1b", "q4_k_m") == bench_gguf_path("1b", "Q4_K_M")
+    with pytest.raises(ValueError, match="unknown shape"):
+        bench_gguf_path("8b", "Q4_0")
 
 
 @pytest.mark.skipif(find_llama_quantize() is None,
