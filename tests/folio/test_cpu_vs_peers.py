@@ -2,8 +2,9 @@
 ``llama-perplexity`` does and the KL divergence over them, the page-cache share and its eviction, the
 memory of a process tree, the private folio cache a cold start empties, and the ratios.
 
-Slow, with the peers built (``FOLIO_BUILD_LLAMA_SERVER=1`` or CI builds them, once, into the folio
-cache; otherwise they skip, saying how): ``--quick`` end to end, every measure printed for folio and
+Slow, with the peers built (``FOLIO_BUILD_LLAMA_SERVER=1`` builds them, once, into the folio cache;
+otherwise they skip, saying how: building both takes tens of minutes on two cores, more than a CI run of
+a fresh machine can spend): ``--quick`` end to end, every measure printed for folio and
 each peer configuration and every ratio recomputed from the printed figures; and the KL divergence
 computed here against ``llama-perplexity --kl-divergence``'s own on the same files."""
 
@@ -155,10 +156,10 @@ def test_long_prompts_share_no_first_token_and_have_their_length():
 
 
 def peer_binaries() -> dict:
-    """The peers' binaries, built when CI or ``FOLIO_BUILD_LLAMA_SERVER=1`` says so; else a skip."""
+    """The peers' binaries, built when ``FOLIO_BUILD_LLAMA_SERVER=1`` says so; else a skip."""
     from folio.testing.llamacpp import IK_LLAMA_CPP, LLAMA_CPP, ensure_peer, find_binary
 
-    build = os.environ.get("FOLIO_BUILD_LLAMA_SERVER") == "1" or os.environ.get("CI", "").lower() in ("1", "true")
+    build = os.environ.get("FOLIO_BUILD_LLAMA_SERVER") == "1"
     found = {}
     for peer in (LLAMA_CPP, IK_LLAMA_CPP):
         if build:
