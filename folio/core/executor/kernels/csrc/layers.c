@@ -231,6 +231,13 @@ static inline float VF_SUM(__m256 v) {
 }
 #endif
 
+/* a key's or value's row, AHEAD rows before it is read: the rows of a sequence's keys are scattered
+ * over its blocks and strided by the KV heads, so the hardware prefetcher does not find them */
+#define AHEAD 8
+static inline void prefetch_row(const float *row, int64_t head_dim) {
+    for (int64_t j = 0; j < head_dim; j += 16) __builtin_prefetch(row + j, 0, 0);
+}
+
 /* q . k of one head over head_dim floats */
 static inline __attribute__((always_inline)) float dot_head(const float *restrict q, const float *restrict k,
                                                             const int64_t head_dim) {
@@ -259,6 +266,7 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *res
         for (int a = 0; a < group * nv; a++) acc[a] = VF_ZERO();
         for (int64_t i = 0; i < n; i++) {
             const float *v = cache + offsets[i];
+            if (i + AHEAD < n) prefetch_row(cache + offsets[i + AHEAD], head_dim);
             for (int j = 0; j < nv; j++) {
                 const vf row = VF_LOAD(v + j * VF_N);
                 for (int64_t h = 0; h < group; h++) acc[h * nv + j] = VF_FMA(VF_SET1(p[h * n + i]), row, acc[h * nv + j]);
@@ -298,6 +306,7 @@ static inline __attribute__((always_inline)) void attend_group(
             offsets[i] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * kv_size + head_offset;
     for (int64_t i = 0; i < n; i++) {
         const float *key = k_cache + offsets[i];
+        if (i + AHEAD < n) prefetch_row(k_cache + offsets[i + AHEAD], head_dim);
         for (int64_t h = 0; h < group; h++) {
             float s = dot_head(qg + h * head_dim, key, head_dim) * scale;
             if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
@@ -413,8 +422,8 @@ void folio_attend(const folio_rows *rows, const float *q, int64_t num_heads, con
     attention_task a = {rows, q, num_heads, kv, scale, softcap, window, out, scratch, scratch_stride, threads, 0, 0};
     int64_t total = 0;
     for (int64_t r = 0; r < rows->m; r++) total += rows->lens[r];
-    /* below ~a thousand keys per head a second thread costs more than the attention */
-    folio_run_parallel(attention_part, &a, threads > 1 && total * kv->num_kv_heads >= 4096);
+    /* below a few hundred keys in all a second thread costs more than it saves */
+    folio_run_parallel(attention_part, &a, threads > 1 && total * kv->num_kv_heads >= 256);
 }
 
 int64_t folio_attention_scratch(int64_t group, int64_t max_len) { return (group + 2) * max_len; }
