@@ -112,30 +112,30 @@ def _settings(args) -> dict:
                                           "draft_vocab", "intermediate_size", "depth", "batch_size", "lr")}
 
 
-def train(args, command: str) -> dict:
-    from folio import LLM
-    from folio.core.executor.runtime.spec_eagle import EagleHead, HeadConfig, save_head, target_fingerprint
-    from folio.shared.config import DEFAULT_MODEL_NAME
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    model_name = args.model or DEFAULT_MODEL_NAME
-    llm = LLM(model_name, quantization=args.quantization, max_num_seqs=args.max_num_seqs, device="cpu")
-    runner = llm.engine.core.runner
-    data_file, settings = out / "data.json", _settings(args)
+def _answers(llm, args, model_name: str, out: Path, settings: dict) -> list[dict]:
+    """The model's answers to the prompts (read back from ``data.json`` when made with these settings)."""
+    data_file = out / "data.json"
     data = json.loads(data_file.read_text()) if data_file.exists() else None
     if data is None or data["settings"] != {k: settings[k] for k in data["settings"]}:
         print(f"answering {args.num_prompts} prompts with {model_name} ...", file=sys.stderr)
         data = {"settings": {k: settings[k] for k in ("model", "seed", "num_prompts", "max_tokens", "quantization")},
                 "sequences": collect(llm, args)}
         data_file.write_text(json.dumps(data))
-    seqs = data["sequences"]
-    rng = random.Random(args.seed)
+    return data["sequences"]
+
+
+def _split(seqs: list[dict], args) -> tuple[list[dict], list[dict]]:
+    """(held out, trained on): a seeded shuffle, the held-out share kept apart."""
     order = list(range(len(seqs)))
-    rng.shuffle(order)
+    random.Random(args.seed).shuffle(order)
     num_held = max(1, round(len(seqs) * args.heldout))
-    held, trained = [seqs[i] for i in order[:num_held]], [seqs[i] for i in order[num_held:]]
+    return [seqs[i] for i in order[:num_held]], [seqs[i] for i in order[num_held:]]
+
+
+def _new_head(runner, trained: list[dict], args):
+    """A head for the target, its draft vocabulary the trained answers' most frequent tokens; and the
+    map from target to draft ids (-100: not in the draft vocabulary)."""
+    from folio.core.executor.runtime.spec_eagle import EagleHead, HeadConfig
 
     counts = torch.zeros(runner.spec.vocab_size, dtype=torch.long)
     for s in trained:
@@ -148,14 +148,13 @@ def train(args, command: str) -> dict:
     head.attach(runner.model)
     target_to_draft = torch.full((runner.spec.vocab_size,), -100, dtype=torch.long)
     target_to_draft[head.draft_to_target] = torch.arange(cfg.draft_vocab_size)
-    print(f"hidden states of {len(seqs)} answers ...", file=sys.stderr)
-    feats = [features(runner, s["prompt"] + s["answer"]) for s in seqs]
-    feat_of = {id(s): f for s, f in zip(seqs, feats)}
+    return head, target_to_draft
 
-    params = [p for p in head.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+
+def _resume(head, optim, ckpt_file: Path, settings: dict) -> dict:
+    """The training state of ``checkpoint.pt`` when made with these settings (head and optimizer
+    restored), else a fresh one."""
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "epoch": 0, "cursor": 0}
-    ckpt_file = out / "checkpoint.pt"
     if ckpt_file.exists():
         ckpt = torch.load(ckpt_file, weights_only=True)
         if ckpt["settings"] == settings:
@@ -165,12 +164,22 @@ def train(args, command: str) -> dict:
             print(f"resuming at step {state['step']} ({state['tokens']} tokens)", file=sys.stderr)
         else:
             print("checkpoint.pt was made with other settings: starting over", file=sys.stderr)
+    return state
+
+
+def _train_loop(head, trained, feat_of, target_to_draft, args, out: Path, settings: dict) -> dict:
+    """Steps of ``args.batch_size`` answers until the token budget or the minutes are spent,
+    checkpointed every ``args.checkpoint_every`` steps and at the end; the final state."""
+    from tqdm import tqdm
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    ckpt_file = out / "checkpoint.pt"
+    state = _resume(head, optim, ckpt_file, settings)
 
     def save_checkpoint():
         torch.save({"settings": settings, "head": head.state_dict(), "optim": optim.state_dict(), "state": state},
                    ckpt_file)
-
-    from tqdm import tqdm
 
     bar = tqdm(total=args.token_budget, initial=min(state["tokens"], args.token_budget), unit="tok",
                desc="train-draft", file=sys.stderr)
@@ -198,6 +207,27 @@ def train(args, command: str) -> dict:
     bar.close()
     save_checkpoint()
     head.eval()
+    return state
+
+
+def train(args, command: str) -> dict:
+    from folio import LLM
+    from folio.core.executor.runtime.spec_eagle import save_head, target_fingerprint
+    from folio.shared.config import DEFAULT_MODEL_NAME
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    model_name = args.model or DEFAULT_MODEL_NAME
+    llm = LLM(model_name, quantization=args.quantization, max_num_seqs=args.max_num_seqs, device="cpu")
+    runner = llm.engine.core.runner
+    settings = _settings(args)
+    seqs = _answers(llm, args, model_name, out, settings)
+    held, trained = _split(seqs, args)
+    head, target_to_draft = _new_head(runner, trained, args)
+    print(f"hidden states of {len(seqs)} answers ...", file=sys.stderr)
+    feat_of = {id(s): features(runner, s["prompt"] + s["answer"]) for s in seqs}
+    state = _train_loop(head, trained, feat_of, target_to_draft, args, out, settings)
     acceptance = heldout_acceptance(head, held, feat_of, args.k)
     card = {"target": {"fingerprint": target_fingerprint(runner.model), "model": model_name,
                        "quantization": args.quantization},

@@ -373,3 +373,16 @@ def model_config_dict(path) -> dict:
     if "tokenizer.ggml.eos_token_id" in meta:
         out["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
     return out
+
+
+def hf_tokenizer(path):
+    """The tokenizer AutoTokenizer makes of a GGUF, without its reading the file's config through
+    gguf-py (10 s and more for a vocabulary of 128k): the class of the file's model type, told."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    path = Path(path)
+    kind = model_type(path)
+    if kind in TOKENIZER_MAPPING_NAMES:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, tokenizer_type=kind)
+    return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)  # AutoTokenizer's for it

@@ -56,7 +56,9 @@ class GrammarStore:
         path = Path(self.model_path)
         try:
             if path.suffix == ".gguf":
-                hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                from folio.core.gguf_file import hf_tokenizer
+
+                hf = hf_tokenizer(path)
             else:
                 hf = AutoTokenizer.from_pretrained(path)
         except Exception as exc:  # a model folder without a tokenizer serves no structured output

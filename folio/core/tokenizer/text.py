@@ -39,7 +39,9 @@ class TextTokenizer:
 
         model_dir = Path(model_dir)
         if model_dir.suffix == ".gguf":  # a single GGUF file carries its tokenizer and config
-            self.hf = _gguf_tokenizer(model_dir)
+            from folio.core.gguf_file import hf_tokenizer
+
+            self.hf = hf_tokenizer(model_dir)
         else:
             self.hf = AutoTokenizer.from_pretrained(model_dir)
         backend = getattr(self.hf, "backend_tokenizer", None)  # the Rust tokenizer: fast, no Python
@@ -249,20 +251,6 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 
 _GPT2_BYTE_DECODER = _gpt2_byte_decoder()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _gguf_tokenizer(path: Path):
-    """The tokenizer AutoTokenizer makes of a GGUF, without its reading the file's config through
-    gguf-py (10 s and more for a vocabulary of 128k): the class of the file's model type, told."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-
-    from folio.core.gguf_file import model_type
-
-    kind = model_type(path)
-    if kind in TOKENIZER_MAPPING_NAMES:
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, tokenizer_type=kind)
-    return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)  # AutoTokenizer's for it
 
 
 def _read_model_config(model_dir: Path) -> dict:

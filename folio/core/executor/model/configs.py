@@ -7,8 +7,13 @@ from pathlib import Path
 
 
 def load_hf_config(path: Path):
+    """A .gguf file's config comes from its metadata through folio's own reader (transformers'
+    reads the whole file through gguf-py: seconds, and tens of seconds for a large vocabulary)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from folio.core.gguf_file import read_gguf_config
+
+        return read_gguf_config(path)
     from transformers import AutoConfig
 
-    if path.suffix == ".gguf":
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     return AutoConfig.from_pretrained(path)

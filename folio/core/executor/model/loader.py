@@ -33,9 +33,8 @@ from types import SimpleNamespace
 import structlog
 import torch
 
-from folio.core.executor.model import configs
+from folio.core.executor.model.configs import load_hf_config  # noqa: F401  (the loader's callers name it here)
 from folio.core.executor.model.gguf_slices import read_gguf
-from folio.core.gguf_file import read_gguf_config
 from folio.core.executor.model.gguf_weights import load_gguf_native
 from folio.core.executor.model.layers import PACKED_PROJECTIONS, CausalLM, ModelSpec, Part
 from folio.core.executor.model.registry import build_model, check_runtime, family_for, model_spec
@@ -60,13 +59,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def load_hf_config(path: Path):
-    """A checkpoint's ``transformers`` config: a folder's config.json, or a GGUF's rebuilt from its
-    metadata (``folio.core.gguf_file.gguf_config``)."""
-    path = Path(path)
-    return read_gguf_config(path) if path.suffix == ".gguf" else configs.load_hf_config(path)
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
