@@ -154,6 +154,22 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_d
         return TorchAttentionBackend()
 
 
+def _settled_config(config: RuntimeConfig, shard: Shard, enable_lora: bool, spec_settings) -> RuntimeConfig:
+    """The config a runner runs: refusals said before anything loads, and eager steps where decode
+    graphs cannot capture the work (eagle3's hidden states, LoRA's per-step delta, collectives)."""
+    if enable_lora and shard.size > 1:
+        raise ValueError("LoRA adapters need tensor_parallel_size 1")
+    if spec_settings is not None and enable_lora:
+        raise ValueError(LORA_REFUSAL)
+    eager = enable_lora or shard.size > 1
+    if spec_settings is not None and spec_settings.method == "eagle3":
+        if shard.size > 1:
+            raise ValueError("eagle3 draft heads need tensor_parallel_size 1: the head reads the whole "
+                             "model's hidden states and embeddings on one rank")
+        eager = True
+    return dataclasses.replace(config, enforce_eager=True) if eager else config
+
+
 class ModelRunner:
     def __init__(self, config: RuntimeConfig, model_path: str, shard: Shard = Shard(), comm: Comm | None = None,
                  device: torch.device | None = None, **lora_options):
@@ -162,45 +178,15 @@ class ModelRunner:
         lora = {k: lora_options.pop(k, getattr(config, k, d)) for k, d in LORA_DEFAULTS.items()}
         if lora_options:
             raise TypeError(f"unknown argument(s) {', '.join(sorted(lora_options))}")
-        if lora["enable_lora"] and shard.size > 1:
-            raise ValueError("LoRA adapters need tensor_parallel_size 1")
         self.spec_settings = speculative_settings(config)  # before loading anything: a refusal is said at once
-        if self.spec_settings is not None and lora["enable_lora"]:
-            raise ValueError(LORA_REFUSAL)
-        if self.spec_settings is not None and self.spec_settings.method == "eagle3":
-            if shard.size > 1:
-                raise ValueError("eagle3 draft heads need tensor_parallel_size 1: the head reads the whole "
-                                 "model's hidden states and embeddings on one rank")
-            # the draft head reads hidden states that captured decode graphs do not hand out
-            config = dataclasses.replace(config, enforce_eager=True)
-        if lora["enable_lora"]:  # the per-step delta is not captured in decode graphs
-            config = dataclasses.replace(config, enforce_eager=True)
-        if shard.size > 1:  # decode graphs would have to capture the collectives: eager steps only
-            config = dataclasses.replace(config, enforce_eager=True)
-        self.config = config
+        self.config = config = _settled_config(config, shard, lora["enable_lora"], self.spec_settings)
         self.shard, self.comm = shard, comm
         self.device = device if device is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device, config.quantization, shard=shard, comm=comm)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_packing_available():
-            pack_linears_for_cpu(self.model)
         self.spec = self.model.spec
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
-        for module in self.model.modules():  # folio's kernels or torch's (the backend's dtypes follow)
-            if isinstance(module, (QuantLinear, QuantLMHead)):
-                module.set_int8_activations(config.cpu_quant_activations == "int8")
-        QuantLinear.passes = config.cpu_activation_passes  # one model a process: the layers' and the stack's
-        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model,
-                                    batch_invariant=config.batch_invariant)
-        if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
-            from folio.core.executor.kernels.gemm_kernels import make_linears_batch_invariant
-            from folio.core.executor.quant.gpu import AwqLinear
-
-            # the projections and the LM head off cuBLAS; W4A16 layers in their own invariant mode
-            make_linears_batch_invariant(self.model, own_mode=(AwqLinear,))
-        for module in self.model.modules():  # the layers whose kernels change order with the call's rows
-            if isinstance(module, (PackedLinear, QuantLMHead)):
-                module.batch_invariant = config.batch_invariant
+        self._set_kernels(kv_dtype)
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
@@ -237,19 +223,43 @@ class ModelRunner:
         self.grammars = GrammarStore(model_path, self.spec.vocab_size)
         self._constrained: set[str] = set()  # requests with a grammar
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
-        self.lora: LoRAManager | None = None
-        if lora["enable_lora"]:
-            # over a quantized base on the CPU the adapters take the layers' activations' dtype (bf16 for
-            # torch's packed kernels: AMX GEMMs)
-            quantized = self.device.type == "cpu" and self.model.quantization not in (None, "none")
-            self.lora = LoRAManager(self.model, lora["max_loras"], lora["max_lora_rank"], lora["max_cpu_loras"],
-                                    self.device, activation_dtype(self.model) if quantized else self.dtype)
-            self.lora.attach()
-            for module in lora["lora_modules"] or ():
-                name, sep, path = module.partition("=")
-                if not sep or not name or not path:
-                    raise ValueError(f"a LoRA module is NAME=PATH, not {module!r}")
-                self.lora.add(name, path)
+        self.lora: LoRAManager | None = self._make_lora(lora) if lora["enable_lora"] else None
+
+    def _set_kernels(self, kv_dtype: torch.dtype) -> None:
+        """The model's layers on folio's kernels or torch's, and the attention backend (whose dtypes
+        follow the layers')."""
+        config = self.config
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_packing_available():
+            pack_linears_for_cpu(self.model)
+        for module in self.model.modules():
+            if isinstance(module, (QuantLinear, QuantLMHead)):
+                module.set_int8_activations(config.cpu_quant_activations == "int8")
+        QuantLinear.passes = config.cpu_activation_passes  # one model a process: the layers' and the stack's
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype, kv_dtype, self.model,
+                                    batch_invariant=config.batch_invariant)
+        if config.batch_invariant and self.device.type == "cuda" and getattr(self.backend, "batch_invariant", False):
+            from folio.core.executor.kernels.gemm_kernels import make_linears_batch_invariant
+            from folio.core.executor.quant.gpu import AwqLinear
+
+            # the projections and the LM head off cuBLAS; W4A16 layers in their own invariant mode
+            make_linears_batch_invariant(self.model, own_mode=(AwqLinear,))
+        for module in self.model.modules():  # the layers whose kernels change order with the call's rows
+            if isinstance(module, (PackedLinear, QuantLMHead)):
+                module.batch_invariant = config.batch_invariant
+
+    def _make_lora(self, lora: dict) -> LoRAManager:
+        # over a quantized base on the CPU the adapters take the layers' activations' dtype (bf16 for
+        # torch's packed kernels: AMX GEMMs)
+        quantized = self.device.type == "cpu" and self.model.quantization not in (None, "none")
+        manager = LoRAManager(self.model, lora["max_loras"], lora["max_lora_rank"], lora["max_cpu_loras"],
+                              self.device, activation_dtype(self.model) if quantized else self.dtype)
+        manager.attach()
+        for module in lora["lora_modules"] or ():
+            name, sep, path = module.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"a LoRA module is NAME=PATH, not {module!r}")
+            manager.add(name, path)
+        return manager
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, name: str, path: str) -> None:
