@@ -60,6 +60,8 @@ def test_the_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(
     library = Path(probe.strip().splitlines()[-1])
     assert b"__asan_init" in library.read_bytes() and b"__ubsan_handle" in library.read_bytes(), \
         f"{library} was not built with the sanitizers"
-    out = run_sanitized(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
+    # --capture=sys: the sanitizers' runtime writes to file descriptor 2 (libubsan does not honour
+    # log_path when loaded beside the ASan runtime), which pytest's default capture would swallow
+    out = run_sanitized(["-m", "pytest", "-q", "-x", "--capture=sys", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
                          *KERNEL_TESTS], tmp_path, timeout_s=1500)
     assert " passed" in out and " failed" not in out, out[-3000:]

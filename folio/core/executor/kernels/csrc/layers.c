@@ -288,7 +288,7 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *res
 /* attention of one KV head's query heads (group of them, at qg) over keys first..len-1 through a
  * block table (blocks wholly before first are not read), into orow; each score scaled, then
  * capped to softcap * tanh(score / softcap) when softcap > 0. scratch: group * n scores, then n
- * offsets (int64) of the keys' rows in the pool (the same for K and V); head_dim is a constant
+ * offsets (int64, 8-byte aligned) of the keys' rows in the pool (the same for K and V); head_dim is a constant
  * where the caller can make it one. One fixed order per row: a row's result does not depend on
  * the rows beside it. */
 static inline __attribute__((always_inline)) void attend_group(
@@ -296,7 +296,8 @@ static inline __attribute__((always_inline)) void attend_group(
     const float *v_cache, int64_t block_size, int64_t kv_size, int64_t head_offset, int64_t group,
     const int64_t head_dim, float scale, float softcap, float *restrict orow, float *restrict scratch) {
     const int64_t n = len - first;
-    int64_t *offsets = (int64_t *)(scratch + group * n);
+    /* the offsets start on the next 8-byte boundary after the scores (one float of slack) */
+    int64_t *offsets = (int64_t *)(((uintptr_t)(scratch + group * n) + 7) & ~(uintptr_t)7);
     const int shift = __builtin_ctzll((unsigned long long)block_size);
     if ((block_size & (block_size - 1)) == 0) /* a power of two, as block sizes are: no division */
         for (int64_t pos = first, i = 0; pos < len; pos++, i++)
@@ -426,7 +427,7 @@ void folio_attend(const folio_rows *rows, const float *q, int64_t num_heads, con
     folio_run_parallel(attention_part, &a, threads > 1 && total * kv->num_kv_heads >= 256);
 }
 
-int64_t folio_attention_scratch(int64_t group, int64_t max_len) { return (group + 2) * max_len; }
+int64_t folio_attention_scratch(int64_t group, int64_t max_len) { return (group + 2) * max_len + 2; }
 
 int64_t folio_decode_attention(const folio_rows *rows, const float *q, int64_t num_tokens, int64_t num_heads,
                                const folio_kv *kv, float scale, int64_t window, float softcap, float *out,
