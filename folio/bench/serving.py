@@ -112,6 +112,36 @@ def run_hf_static(path: str, jobs: list[Job], batch_size: int, pad_id: int) -> f
     return elapsed
 
 
+def run_hf_continuous(path: str, jobs: list[Job]) -> float:
+    """transformers' own continuous batching (``ContinuousBatchingManager``, paged attention): every
+    job added at once, each with its own output length, greedy, its end of sequence ignored."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(n for _, n in jobs))
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in jobs),
+                          max_generated_length=config.max_new_tokens, num_requests=len(jobs))
+    with torch.inference_mode(), model.continuous_batching_context_manager(
+            generation_config=config, workload_hints=hints, block=True, timeout=30) as manager:
+        def finish(requests: dict[str, int]) -> None:
+            while requests:
+                result = manager.get_result(timeout=600)
+                if result is None:
+                    raise RuntimeError("transformers' continuous batching stopped before its requests ended")
+                want = requests.pop(result.request_id)
+                if len(result.generated_tokens) != want:
+                    raise RuntimeError(f"transformers gave {len(result.generated_tokens)} tokens, not {want}")
+
+        finish({manager.add_request(jobs[0][0], max_new_tokens=4): 4})  # warm-up
+        t0 = time.perf_counter()
+        finish({manager.add_request(p, max_new_tokens=n): n for p, n in jobs})
+        elapsed = time.perf_counter() - t0
+    del model
+    return elapsed
+
+
 # ---------------------------------------------------------------------------- HTTP clients
 async def one_stream(session, base_url: str, prompt: list[int], max_tokens: int,
                      stamps: list[float] | None = None, sampling: dict | None = None) -> dict:
@@ -222,9 +252,10 @@ def common_flags(args, num_kv_blocks: int, max_num_batched_tokens: int) -> list[
 # ---------------------------------------------------------------------------- section: throughput
 def section_throughput(args, path: str, jobs: list[Job], warmup: list[int], pad_id: int, servers: Servers) -> None:
     print(f"\n== throughput: served folio vs in-process folio.LLM vs transformers static batches of "
-          f"{args.hf_batch_size}")
+          f"{args.hf_batch_size} and transformers' continuous batching")
     out_tokens = sum(n for _, n in jobs)
     hf_s = run_hf_static(path, jobs, args.hf_batch_size, pad_id)
+    hf_cb_s = run_hf_continuous(path, jobs)
     flags = common_flags(args, args.num_kv_blocks, args.max_num_batched_tokens)
     # both servers and the in-process engine stay up, idle between their turns, and the three take
     # turns for --repeats rounds; the fastest of each counts (on a shared 2-core machine the speed
@@ -245,10 +276,12 @@ def section_throughput(args, path: str, jobs: list[Job], warmup: list[int], pad_
     stop_server(server)
 
     print(f"{'':<30} {'req/s':>8} {'useful out tok/s':>17}")
-    for name, seconds in ((f"transformers static B={args.hf_batch_size}", hf_s), ("in-process folio.LLM", local_s),
+    for name, seconds in ((f"transformers static B={args.hf_batch_size}", hf_s),
+                          ("transformers continuous", hf_cb_s), ("in-process folio.LLM", local_s),
                           ("served folio, sync scheduling", sync_s), ("served folio (async scheduling)", served_s)):
         print(f"{name:<30} {len(jobs) / seconds:>8.2f} {out_tokens / seconds:>17.1f}")
     print(f"served / transformers static throughput: {hf_s / served_s:.2f}x")
+    print(f"served / transformers continuous throughput: {hf_cb_s / served_s:.2f}x")
     for name, seconds in (("served, --no-async-scheduling", sync_s), ("served (async scheduling)", served_s)):
         print(f"{name} / in-process throughput: {local_s / seconds:.3f} (services and sockets cost "
               f"{100 * (1 - local_s / seconds):.1f}%)")
