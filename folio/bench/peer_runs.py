@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import mmap
 import os
 import random
@@ -112,13 +113,26 @@ class MeasuredServer:
 
 
 async def complete(session, port: int, model: str, prompt, max_tokens: int) -> dict:
-    """One completion; its ``usage``."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    """One streamed completion; its ``usage`` (from the stream's last chunks). Streamed because
+    a random-weight model's bytes need not form UTF-8 text: ik_llama.cpp then fails a whole
+    unstreamed answer with HTTP 500, while each server's stream holds back a partial character."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
     async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
-        data = await r.json()
         if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {data}")
-        return data["usage"]
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the stream ended in an error: {event['error']}")
+            usage = event.get("usage") or usage
+    if usage is None:
+        raise RuntimeError("the stream carried no usage")
+    return usage
 
 
 def _session(total_s: float):
