@@ -138,7 +138,10 @@ async def complete(session, port: int, model: str, prompt, max_tokens: int) -> d
 def _session(total_s: float):
     import aiohttp
 
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total_s))
+    # a connection a request (none kept alive): llama-server may close a connection after a stream,
+    # and a pooled client would send the next request on it
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total_s),
+                                 connector=aiohttp.TCPConnector(force_close=True, limit=0))
 
 
 async def _single_stream(port: int, model: str, tokens: int) -> float:
