@@ -68,7 +68,8 @@ def in_process_engine(path: str, jobs: list[Job], args):
     """``folio.LLM`` with the throughput server's flags (``common_flags``), warmed up; and a
     function that times one pass of the workload through it."""
     llm = LLM(path, num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=max(256, args.num_requests), max_model_len=args.max_model_len)
+              max_num_seqs=max(256, args.num_requests), max_model_len=args.max_model_len,
+              quantization=args.quantization)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in jobs]
     llm.generate({"prompt_token_ids": jobs[0][0]}, params[0], use_tqdm=False)  # warm-up
 
@@ -246,7 +247,8 @@ def _stdio_to(log):
 
 def common_flags(args, num_kv_blocks: int, max_num_batched_tokens: int) -> list[str]:
     return ["--num-kv-blocks", str(num_kv_blocks), "--max-num-batched-tokens", str(max_num_batched_tokens),
-            "--max-num-seqs", str(max(256, args.num_requests)), "--max-model-len", str(args.max_model_len)]
+            "--max-num-seqs", str(max(256, args.num_requests)), "--max-model-len", str(args.max_model_len),
+            "--quantization", args.quantization]
 
 
 # ---------------------------------------------------------------------------- section: throughput
@@ -450,6 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="all", help=f"all, or a comma list of {', '.join(SECTIONS)}")
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--quantization", default="none",
+                        help="folio's weights (none: fp32, as transformers runs; auto: the model's own, int4 for the default)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV pool of the throughput and itl servers")
@@ -488,7 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     jobs = workload(tokenizer, args.num_requests, args.seed)
     warmup = random_prompt(tokenizer, random.Random(args.seed + 2), 24)
-    print(f"model {Path(path).name}, float32, {torch.get_num_threads()} torch threads, "
+    print(f"model {Path(path).name}, folio's weights --quantization {args.quantization} (transformers float32), "
+          f"{torch.get_num_threads()} torch threads, "
           f"{os.cpu_count()} CPUs; sections: {', '.join(args.sections)}")
     print(f"workload (throughput, concurrency): {describe(jobs)}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
