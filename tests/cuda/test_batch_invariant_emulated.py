@@ -88,6 +88,7 @@ def test_attention_row_is_bitwise_the_same_decoded_prefilled_and_after_a_prefix_
     assert _same_bits(decoded, after_hit), (decoded.float() - after_hit.float()).abs().max()
 
 
+@pytest.mark.slow  # over 8 s: the full suite's
 def test_the_per_step_plans_are_not_invariant(emu_launcher):
     """The check above can fail: without invariance the decoded row takes the decode kernel and
     differs from the prefilled one in some bits."""

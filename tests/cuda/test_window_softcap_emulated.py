@@ -220,6 +220,7 @@ class _NoWindows(KernelAttentionBackend):
         return super().attend(*args, window=0, softcap=softcap, **kwargs)
 
 
+@pytest.mark.slow  # over 8 s: the full suite's
 @pytest.mark.parametrize("split", [None, True])
 def test_gemma2_greedy_tokens_equal_torch_backend(gemma2_dir, emu_launcher, split):
     """Chunked prefill (chunks of 6 over a 15-token prompt), decode past the window, split or not:
@@ -234,6 +235,7 @@ def test_gemma2_greedy_tokens_equal_torch_backend(gemma2_dir, emu_launcher, spli
         assert _generate(gemma2_dir, lambda r: _NoWindows(emu_launcher, r.dtype)) != expected
 
 
+@pytest.mark.slow  # over 8 s: the full suite's
 def test_gemma2_graph_path_gives_the_eager_tokens(gemma2_dir, emu_launcher):
     """The decode-graph path (static padded buffers whose plan covers the whole table, run eagerly
     over the emulated kernels): the windowed layers' plans are derived from the graph's plan

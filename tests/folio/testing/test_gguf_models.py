@@ -50,6 +50,7 @@ def test_each_benchmark_file_has_its_own_place_and_smollm2s_q4_1_is_the_packaged
         bench_gguf_path("8b", "Q4_0")
 
 
+@pytest.mark.slow  # over 8 s: the full suite's
 @pytest.mark.skipif(find_llama_quantize() is None,
                     reason="llama-quantize is not built: `python -m folio.testing.llamacpp` builds it")
 def test_the_writer_at_a_tiny_shape_goes_through_llamacpp_and_folio_serves_it(tmp_path):
