@@ -195,7 +195,9 @@ def test_transformers_reads_the_gguf_to_folios_logits(case, converted):
     torch.testing.assert_close(prompt_logits(runner_for(path), prompt), theirs, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# the MoE cases convert their larger checkpoints first: over 7 s each, in the full suite's tier
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.endswith("_moe") else c
+                                  for c in sorted(CASES)])
 def test_the_tokenizer_service_reads_the_gguf_as_transformers_does(case, converted):
     """folio's tokenizer of a GGUF (the class of the file's model type, told, so that transformers does not
     parse the whole file for its config) is AutoTokenizer's: the class, the ids, the special tokens, the chat
