@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,8 +23,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.services.doc_commands import stop as stop_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -197,29 +197,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float)
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the launcher (it stops its services, which run in sessions of their own), then
-    SIGKILL to its process group and to anything of its tree still alive."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-    for child in tree:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(tree, timeout=30)
+    """SIGTERM to the launcher alone (it stops its services, which run in sessions of their own),
+    then SIGKILL to its process group and to anything of its tree still alive."""
+    stop_tree(proc, group=False, wait_s=60)
 
 
 @pytest.mark.slow

@@ -272,9 +272,10 @@ def http_status(url: str) -> int | None:
         return None
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group (a ``folio serve`` stops its services, which run in
-    sessions of their own), then SIGKILL to the group and to whatever of its tree is left."""
+def stop(proc: subprocess.Popen, *, group: bool = True, wait_s: float = 40) -> None:
+    """SIGTERM to the command's process group (``group``; else to the command alone: a ``folio
+    serve`` stops its services, which run in sessions of their own), up to ``wait_s`` for it to
+    end, then SIGKILL to the group and to whatever of its tree is left."""
     import psutil
 
     try:
@@ -283,11 +284,14 @@ def stop(proc: subprocess.Popen) -> None:
         tree = []
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            if group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
             pass
         try:
-            proc.wait(timeout=40)
+            proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             pass
     try:
