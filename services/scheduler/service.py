@@ -79,6 +79,7 @@ class KVManagerClient:
         self.wake = wake  # set when the loop has something to do: a new epoch, a cache to clear
         self.decoder = Decoder(PoolInfo, KVStepReply, KVClearCache)
         self.generation = 0  # the sync epoch with the kvmanager
+        self.synced_generation = 0  # the last epoch whose reset both sides completed (stats)
         self.pending_digests: dict[int, bytes] = {}  # step_id -> the replica's digest, until the reply
         self.out_of_sync: str | None = None  # set when the kvmanager's state is not the replica's
         self.kv_reply: asyncio.Future | None = None  # a GetPool / KVReset waiting for its PoolInfo
@@ -109,6 +110,7 @@ class KVManagerClient:
         info = await self.call(KVReset(generation=self.generation, pool=pool))
         old = sched.pool.epoch if sched.pool else None
         num = sched.new_epoch(info)
+        self.synced_generation = self.generation
         if reason != "start":
             log.error("new epoch: running requests start over", reason=reason, old_epoch=old,
                       new_epoch=info.epoch, generation=self.generation, num_requests=num)
@@ -277,7 +279,7 @@ class SchedulerService:
             return {"pool_ready": False, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
                     **self.scheduler.counters}
         steps, timers = max(1, self.scheduler.counters["num_steps"]), self.steps.timers
-        return {"pool_ready": True, **scheduler_stats(self.scheduler), **timers, "generation": self.kvmanager.generation,
+        return {"pool_ready": True, **scheduler_stats(self.scheduler), **timers, "generation": self.kvmanager.synced_generation,
                 "async_scheduling": self.config.async_scheduling,
                 "mean_step_seconds": timers["step_seconds_total"] / steps,
                 "mean_plan_seconds": timers["plan_seconds_total"] / steps, **self.lora_stats()}

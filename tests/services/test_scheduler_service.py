@@ -186,6 +186,36 @@ async def test_a_kvmanager_killed_under_load_costs_a_new_epoch_and_loses_nothing
 
 
 @pytest.mark.asyncio
+async def test_stats_show_an_epoch_only_once_both_sides_hold_it(tiny_model_dir):
+    """The scheduler's ``generation`` moves with ``num_epochs``, never while its reset is in flight:
+    the kvmanager already holds the new generation then, and a reader comparing the two would take
+    the new epoch for settled before the scheduler counted it."""
+    async with back_half(tiny_model_dir, num_kv_blocks=64, block_size=4) as bh:
+        await bh.generate([[1, 2, 3]], greedy(3))
+        link, call = bh.services[2].kvmanager, bh.services[2].kvmanager.call
+
+        async def slow_call(request, timeout_s=None):  # the kvmanager's answer is late to arrive
+            info = await call(request, timeout_s)
+            await asyncio.sleep(0.5)
+            return info
+
+        link.call = slow_call
+        await bh.restart_kvmanager()
+        await bh.submit("after", [4, 5, 6], greedy(3))  # its step finds the kvmanager out of sync
+        seen = set()
+        for _ in range(60):
+            stats = (await bh.admin("scheduler", "stats")).data
+            kv = (await bh.admin("kvmanager", "stats")).data
+            assert stats["generation"] == stats["num_epochs"]
+            seen.add((stats["generation"], kv.get("generation")))
+            if stats["generation"] == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert (1, 2) in seen and stats["generation"] == 2  # the window was seen, then closed
+        assert len((await bh.collect(["after"]))["after"][0]) == 3
+
+
+@pytest.mark.asyncio
 async def test_a_diverged_kvmanager_is_caught_by_the_digest(tiny_model_dir, reference):
     async def diverge(bh):
         bh.services[0].allocator.device.take(1)  # a block the replica knows nothing of
