@@ -279,7 +279,8 @@ class SchedulerService:
             return {"pool_ready": False, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
                     **self.scheduler.counters}
         steps, timers = max(1, self.scheduler.counters["num_steps"]), self.steps.timers
-        return {"pool_ready": True, **scheduler_stats(self.scheduler), **timers, "generation": self.kvmanager.synced_generation,
+        return {"pool_ready": True, **scheduler_stats(self.scheduler), **timers,
+                "generation": self.kvmanager.synced_generation,
                 "async_scheduling": self.config.async_scheduling,
                 "mean_step_seconds": timers["step_seconds_total"] / steps,
                 "mean_plan_seconds": timers["plan_seconds_total"] / steps, **self.lora_stats()}
