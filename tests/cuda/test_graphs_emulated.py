@@ -48,6 +48,7 @@ def _runner(model_dir, launcher, graphs: bool) -> ModelRunner:
     return runner
 
 
+@pytest.mark.slow  # about 10 s
 def test_graph_path_gives_the_eager_tokens(model_dir, emu_launcher):
     """Five requests finishing one after another: decode batches of 5, 4, 3, 2, 1 run in buckets
     8, 4, 4, 2, 1 (padding rows re-padded as the batch shrinks) and sample what eager steps do."""

@@ -153,7 +153,8 @@ def same_spec(a, b) -> None:
     assert dataclasses.replace(a, rms_norm_eps=0.0) == dataclasses.replace(b, rms_norm_eps=0.0)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "gemma2" else c  # gemma2: 8 s
+                                  for c in sorted(CASES)])
 def test_gguf_loads_to_the_folders_weights_and_logits(case, converted):
     folder, path = converted(case)
     cpu = torch.device("cpu")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from folio.bench.streams import run_bench
 from folio.shared.config import DEFAULT_MODEL_NAME
 
@@ -15,6 +17,7 @@ NUM_STREAMS = 512
 MAX_TOKENS = 18  # past the script's split characters (数据流, 🚀), which must arrive whole
 
 
+@pytest.mark.slow  # about 7.5 s of load
 def test_512_streams_all_complete_with_their_whole_text():
     result = asyncio.run(run_bench(DEFAULT_MODEL_NAME, NUM_STREAMS, MAX_TOKENS, step_s=0.01, timeout_s=120.0))
     assert result["num_unfinished"] == 0

@@ -91,6 +91,7 @@ def test_every_kernel_source_is_in_the_wheel(installed, folder, installed_as):
     assert missing == [], missing
 
 
+@pytest.mark.slow  # about 8 s: a compiler run
 def test_installed_package_compiles_its_kernels(installed, tmp_path):
     if importlib.util.find_spec("cupy") is None:
         pytest.skip("CuPy (the test extras' NVRTC wrapper) is not installed")
