@@ -49,6 +49,7 @@ def post(base: str, body: dict, timeout_s: float = 120.0) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.slow  # about 7 s: a server and a browser
 def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
     from playwright.sync_api import sync_playwright
 

@@ -131,6 +131,7 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(tiny_chat_model, capsys):
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
 
 
+@pytest.mark.slow  # about 6 s
 def test_serve_without_restarts_says_which_child_died_and_stops_the_others(tiny_chat_model):
     serve = Serve(tiny_chat_model, "--no-restart")
     try:
