@@ -473,8 +473,9 @@ typedef __m256 vfl; /* 8 rows' floats */
  * a 215 MB Q6_K LM head read at 30.5 GB/s this way against 17.8 at 10240 bytes ahead (every
  * distance from 512 to 32768 bytes was slower, and no prefetch slower still: 15.1), Q4_K and Q6_K
  * FFN weights at 30.2 against 23.6; Q4_0 read faster ahead (23.8 against 20.9), Q4_1 the same. */
-static inline __attribute__((always_inline)) void prefetch_unit(const uint8_t *w, const int bytes, const int ahead) {
-    for (int off = 0; off < bytes; off += 64) _mm_prefetch((const char *)(w + ahead + off), _MM_HINT_NTA);
+static inline __attribute__((always_inline)) void prefetch_unit(const uint8_t *w, const type_info *t) {
+    const int ahead = t->unit == SB ? PREFETCH : 0;
+    for (int off = 0; off < t->unit_bytes; off += 64) _mm_prefetch((const char *)(w + ahead + off), _MM_HINT_NTA);
 }
 
 /* a 4-byte group of x over every lane */
@@ -561,7 +562,7 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
     __m512 acc[MC];
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t un = 0; un < a->kb / subs; un++, w += L.unit_bytes) {
-        prefetch_unit(w, L.unit_bytes, L.unit == SB ? PREFETCH : 0);
+        prefetch_unit(w, &L);
         const __m512 d = VF_HALVES(w + t->d);
         const __m512 dm = IS_K(T) || HAS_MIN(T) ? VF_HALVES(w + t->m) : _mm512_setzero_ps();
         for (int s = 0; s < subs; s++) {
@@ -629,7 +630,7 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
     __m256 acc[MC][2]; /* rows 0..7, 8..15 of the tile */
     for (int i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t un = 0, subs = L.unit / SB; un < a->kb / subs; un++, w += L.unit_bytes) {
-        prefetch_unit(w, L.unit_bytes, L.unit == SB ? PREFETCH : 0);
+        prefetch_unit(w, &L);
         for (int s = 0; s < subs; s++) {
             const int64_t b = un * subs + s;
             for (int h = 0; h < 2; h++) {
