@@ -348,42 +348,87 @@ int64_t folio_dequant_rows(int64_t type, int64_t n, int64_t k, const uint8_t *ti
 
 /* A row's block of 32 inputs: x ~ dx (xq + xq2 / 254), xq = round(x / dx), dx = max|x| / 127,
  * xq2 = round((x / dx - xq) 254) (the second pass: the rounding error itself, about 15 bits in
- * all); rounding half away from zero, as llama.cpp's Q8 blocks. sx = dx isum + dx2 isum2 is what
- * a minimum multiplies; isumA/isumA2: the sums of the first 16 (Q6_K's scales are per 16). */
+ * all); rounding half away from zero, as llama.cpp's Q8 blocks. The kernels sum both passes in
+ * integers, x ~ (dx / 254) (254 xq + xq2), so a block carries the sum's scale and integers: with
+ * one pass ds = dx and isum = sum xq, with two ds = dx / 254 and isum = 254 sum xq + sum xq2
+ * (|254 dot(w, xq) + dot(w, xq2)| < 2^29 for 8-bit w). sx = ds isum is what a minimum multiplies;
+ * isumA: the sum over the first 16 (Q6_K's scales are per 16). */
 typedef struct {
-    float dx, dx2, sx;
-    int32_t isum, isum2, isumA, isumA2, pad;
+    float ds, sx;
+    int32_t isum, isumA;
 } act_block;
+
+/* round half away from zero (roundf) of |t| < 2^23, LANES at a time: truncate, then step away
+ * where the exact remainder is half or more */
+#if defined(__AVX512F__)
+#define QLANES 16
+static inline void round_lanes(const float *t, int32_t *q) {
+    const __m512 v = _mm512_loadu_ps(t), r = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, r)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000));
+    const __m512 away = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)), sign));
+    _mm512_storeu_si512(q, _mm512_cvttps_epi32(_mm512_mask_add_ps(r, up, r, away)));
+}
+static inline float absmax_block(const float *v) {
+    const __m512 m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v)), _mm512_abs_ps(_mm512_loadu_ps(v + 16)));
+    return _mm512_reduce_max_ps(m);
+}
+#elif defined(__AVX2__)
+#define QLANES 8
+static inline void round_lanes(const float *t, int32_t *q) {
+    const __m256 v = _mm256_loadu_ps(t), r = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
+    const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(v, r)),
+                                    _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m256 step = _mm256_and_ps(up, _mm256_or_ps(_mm256_set1_ps(1.0f), sign));
+    _mm256_storeu_si256((__m256i *)q, _mm256_cvttps_epi32(_mm256_add_ps(r, step)));
+}
+static inline float absmax_block(const float *v) {
+    const __m256 mask = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(mask, _mm256_loadu_ps(v));
+    for (int j = 8; j < SB; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(mask, _mm256_loadu_ps(v + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+#else
+#define QLANES 1
+static inline void round_lanes(const float *t, int32_t *q) { *q = (int32_t)roundf(*t); }
+static inline float absmax_block(const float *v) {
+    float amax = 0.0f;
+    for (int j = 0; j < SB; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+    return amax;
+}
+#endif
 
 static void quantize_row(const void *x, int bf16, int64_t k, int passes, int8_t *xq, int8_t *xq2, act_block *blk) {
     for (int64_t b = 0; b < k / SB; b++) {
-        float v[SB], amax = 0.0f;
-        for (int j = 0; j < SB; j++) {
-            const int64_t i = b * SB + j;
-            v[j] = bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-            const float a = fabsf(v[j]);
-            amax = a > amax ? a : amax;
-        }
+        float v[SB], t[SB], r[SB];
+        int32_t q[SB], q2[SB], c[SB];
+        if (bf16)
+            for (int j = 0; j < SB; j++) v[j] = bf16_to_float(((const uint16_t *)x)[b * SB + j]);
+        else
+            memcpy(v, (const float *)x + b * SB, sizeof(v));
+        const float amax = absmax_block(v); /* inputs are finite */
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0, sum2 = 0, sumA = 0, sumA2 = 0;
-        for (int j = 0; j < SB; j++) {
-            const float t = v[j] * inv;
-            const float q = roundf(t);
-            xq[b * SB + j] = (int8_t)q;
-            sum += (int32_t)q;
-            if (j == 15) sumA = sum;
-            if (passes > 1) {
-                const int32_t q2 = (int32_t)roundf((t - q) * 254.0f); /* t - q is exact: |t| < 128 */
-                xq2[b * SB + j] = (int8_t)q2;
-                sum2 += q2;
-                if (j == 15) sumA2 = sum2;
-            }
+        for (int j = 0; j < SB; j++) t[j] = v[j] * inv;
+        for (int j = 0; j < SB; j += QLANES) round_lanes(t + j, q + j);
+        for (int j = 0; j < SB; j++) xq[b * SB + j] = (int8_t)q[j];
+        if (passes > 1) {
+            for (int j = 0; j < SB; j++) r[j] = (t[j] - (float)q[j]) * 254.0f; /* t - q is exact: |t| < 128 */
+            for (int j = 0; j < SB; j += QLANES) round_lanes(r + j, q2 + j);
+            for (int j = 0; j < SB; j++) xq2[b * SB + j] = (int8_t)q2[j];
+            for (int j = 0; j < SB; j++) c[j] = 254 * q[j] + q2[j];
+        } else {
+            memcpy(c, q, sizeof(c));
         }
+        int32_t sumA = 0, sumB = 0;
+        for (int j = 0; j < 16; j++) sumA += c[j];
+        for (int j = 16; j < SB; j++) sumB += c[j];
         act_block *o = blk + b;
-        o->dx = d;
-        o->dx2 = d / 254.0f;
-        o->sx = d * (float)sum + o->dx2 * (float)sum2;
-        o->isum = sum, o->isum2 = sum2, o->isumA = sumA, o->isumA2 = sumA2, o->pad = 0;
+        o->ds = passes > 1 ? d / 254.0f : d;
+        o->sx = o->ds * (float)(sumA + sumB);
+        o->isum = sumA + sumB, o->isumA = sumA;
     }
 }
 
@@ -556,7 +601,8 @@ static inline __attribute__((always_inline)) void decode(const int T, const uint
 
 /* rows r0 .. r0 + mc of x against one tile: every unit of it */
 static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
-                                                            int64_t col, int64_t count, int64_t r0, const int mc) {
+                                                            int64_t col, int64_t count, int64_t r0, const int mc,
+                                                            const int P) {
     const type_info L = layout(T), *t = &L;
     const int subs = L.unit / SB;
     __m512 acc[MC];
@@ -571,32 +617,42 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
             __m512 scale, bmin, scaleB; /* per row: the sub-block's scales and minimum */
             sub_scales(T, t, w, s, 0, d, dm, &scale, &bmin, &scaleB);
             const int64_t b = un * subs + s;
+#pragma GCC unroll 16
             for (int i = 0; i < mc; i++) {
                 const act_block *ab = a->blk + (r0 + i) * a->kb + b;
-                for (int p = 0; p < a->passes; p++) {
+                /* both passes' dots in one integer sum (act_block): Q6_K's halves apart (dotA: inputs
+                 * 0-15, dotB: 16-31), the others' two chains added at the end */
+                __m512i dotA = _mm512_setzero_si512(), dotB = dotA;
+                _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                     const int8_t *xb = (p ? a->xq2 : a->xq) + (r0 + i) * a->k + b * SB;
-                    __m512i e0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4(xb));
-                    __m512i e1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[1], bcast4(xb + 4));
-                    __m512i f0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], bcast4(xb + 16));
-                    __m512i f1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[5], bcast4(xb + 20));
-                    e0 = _mm512_dpbusd_epi32(e0, q[2], bcast4(xb + 8));
-                    e1 = _mm512_dpbusd_epi32(e1, q[3], bcast4(xb + 12));
-                    f0 = _mm512_dpbusd_epi32(f0, q[6], bcast4(xb + 24));
-                    f1 = _mm512_dpbusd_epi32(f1, q[7], bcast4(xb + 28));
-                    const __m512i dotA = _mm512_add_epi32(e0, e1), dotB = _mm512_add_epi32(f0, f1);
-                    const int32_t isum = p ? ab->isum2 : ab->isum, isumA = p ? ab->isumA2 : ab->isumA;
-                    const __m512 dx = _mm512_set1_ps(p ? ab->dx2 : ab->dx);
-                    if (T == FOLIO_Q6_K) { /* two halves of 16, each with its own scale */
-                        const __m512i a32 = _mm512_sub_epi32(dotA, _mm512_set1_epi32(32 * isumA));
-                        const __m512i b32 = _mm512_sub_epi32(dotB, _mm512_set1_epi32(32 * (isum - isumA)));
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a32), _mm512_mul_ps(scale, dx), acc[i]);
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b32), _mm512_mul_ps(scaleB, dx), acc[i]);
-                    } else {
-                        __m512i sum = _mm512_add_epi32(dotA, dotB);
-                        if (SIGNED(T)) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * isum));
-                        if (OFFSET(T)) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET(T) * isum));
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, dx), acc[i]);
+                    if (p && T == FOLIO_Q6_K) {
+                        dotA = _mm512_mullo_epi32(dotA, _mm512_set1_epi32(254));
+                        dotB = _mm512_mullo_epi32(dotB, _mm512_set1_epi32(254));
+                    } else if (p) {
+                        dotA = _mm512_mullo_epi32(_mm512_add_epi32(dotA, dotB), _mm512_set1_epi32(254));
+                        dotB = _mm512_setzero_si512();
                     }
+                    if (T == FOLIO_Q6_K) {
+                        for (int c = 0; c < 4; c++) dotA = _mm512_dpbusd_epi32(dotA, q[c], bcast4(xb + 4 * c));
+                        for (int c = 4; c < 8; c++) dotB = _mm512_dpbusd_epi32(dotB, q[c], bcast4(xb + 4 * c));
+                    } else {
+                        for (int c = 0; c < 8; c += 2) {
+                            dotA = _mm512_dpbusd_epi32(dotA, q[c], bcast4(xb + 4 * c));
+                            dotB = _mm512_dpbusd_epi32(dotB, q[c + 1], bcast4(xb + 4 * c + 4));
+                        }
+                    }
+                }
+                const __m512 dx = _mm512_set1_ps(ab->ds);
+                if (T == FOLIO_Q6_K) { /* two halves of 16, each with its own scale */
+                    const __m512i a32 = _mm512_sub_epi32(dotA, _mm512_set1_epi32(32 * ab->isumA));
+                    const __m512i b32 = _mm512_sub_epi32(dotB, _mm512_set1_epi32(32 * (ab->isum - ab->isumA)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a32), _mm512_mul_ps(scale, dx), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b32), _mm512_mul_ps(scaleB, dx), acc[i]);
+                } else {
+                    __m512i sum = _mm512_add_epi32(dotA, dotB);
+                    if (SIGNED(T)) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * ab->isum));
+                    if (OFFSET(T)) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET(T) * ab->isum));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, dx), acc[i]);
                 }
                 if (HAS_MIN(T)) acc[i] = _mm512_fmadd_ps(bmin, _mm512_set1_ps(ab->sx), acc[i]);
                 if (IS_K(T)) acc[i] = _mm512_fnmadd_ps(bmin, _mm512_set1_ps(ab->sx), acc[i]);
@@ -625,7 +681,8 @@ static inline __m256i dot8s(__m256i s, __m256i w, __m256i x) {
 }
 
 static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, const int T, const uint8_t *w,
-                                                            int64_t col, int64_t count, int64_t r0, const int mc) {
+                                                            int64_t col, int64_t count, int64_t r0, const int mc,
+                                                            const int P) {
     const type_info L = layout(T), *t = &L;
     __m256 acc[MC][2]; /* rows 0..7, 8..15 of the tile */
     for (int i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -640,11 +697,16 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
                 const __m256 dm = IS_K(T) || HAS_MIN(T) ? VF_HALVES(w + t->m + 16 * h) : _mm256_setzero_ps();
                 __m256 scale, bmin, scaleB;
                 sub_scales(T, t, w, s, h, d, dm, &scale, &bmin, &scaleB);
+#pragma GCC unroll 16
                 for (int i = 0; i < mc; i++) {
                     const act_block *ab = a->blk + (r0 + i) * a->kb + b;
-                    for (int p = 0; p < a->passes; p++) {
+                    __m256i dotA = _mm256_setzero_si256(), dotB = dotA; /* both passes summed (act_block) */
+                    _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                         const int8_t *xb = (p ? a->xq2 : a->xq) + (r0 + i) * a->k + b * SB;
-                        __m256i dotA = _mm256_setzero_si256(), dotB = dotA;
+                        if (p) {
+                            dotA = _mm256_mullo_epi32(dotA, _mm256_set1_epi32(254));
+                            dotB = _mm256_mullo_epi32(dotB, _mm256_set1_epi32(254));
+                        }
                         for (int c = 0; c < 4; c++) {
                             if (SIGNED(T)) {
                                 dotA = dot8s(dotA, q[c], bcast4(xb + 4 * c));
@@ -654,18 +716,17 @@ static inline __attribute__((always_inline)) void tile_rows(const gemm_args *a, 
                                 dotB = dot8(dotB, q[c + 4], bcast4(xb + 16 + 4 * c));
                             }
                         }
-                        const int32_t isum = p ? ab->isum2 : ab->isum, isumA = p ? ab->isumA2 : ab->isumA;
-                        const __m256 dx = _mm256_set1_ps(p ? ab->dx2 : ab->dx);
-                        if (T == FOLIO_Q6_K) {
-                            const __m256i a32 = _mm256_sub_epi32(dotA, _mm256_set1_epi32(32 * isumA));
-                            const __m256i b32 = _mm256_sub_epi32(dotB, _mm256_set1_epi32(32 * (isum - isumA)));
-                            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a32), _mm256_mul_ps(scale, dx), acc[i][h]);
-                            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b32), _mm256_mul_ps(scaleB, dx), acc[i][h]);
-                        } else {
-                            __m256i sum = _mm256_add_epi32(dotA, dotB);
-                            if (OFFSET(T)) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(OFFSET(T) * isum));
-                            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, dx), acc[i][h]);
-                        }
+                    }
+                    const __m256 dx = _mm256_set1_ps(ab->ds);
+                    if (T == FOLIO_Q6_K) {
+                        const __m256i a32 = _mm256_sub_epi32(dotA, _mm256_set1_epi32(32 * ab->isumA));
+                        const __m256i b32 = _mm256_sub_epi32(dotB, _mm256_set1_epi32(32 * (ab->isum - ab->isumA)));
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a32), _mm256_mul_ps(scale, dx), acc[i][h]);
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b32), _mm256_mul_ps(scaleB, dx), acc[i][h]);
+                    } else {
+                        __m256i sum = _mm256_add_epi32(dotA, dotB);
+                        if (OFFSET(T)) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(OFFSET(T) * ab->isum));
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, dx), acc[i][h]);
                     }
                     if (HAS_MIN(T)) acc[i][h] = _mm256_fmadd_ps(bmin, _mm256_set1_ps(ab->sx), acc[i][h]);
                     if (IS_K(T)) acc[i][h] = _mm256_fnmadd_ps(bmin, _mm256_set1_ps(ab->sx), acc[i][h]);
@@ -694,7 +755,7 @@ static inline int32_t value_of(const type_info *t, int T, const uint8_t *u, int 
 }
 
 static inline void tile_rows(const gemm_args *a, const int T, const uint8_t *w0, int64_t col, int64_t count,
-                             int64_t r0, const int mc) {
+                             int64_t r0, const int mc, const int P) {
     const type_info L = layout(T), *t = &L;
     const int subs = t->unit / SB;
     const int64_t units = a->kb / subs;
@@ -717,18 +778,18 @@ static inline void tile_rows(const gemm_args *a, const int T, const uint8_t *w0,
                     } else if (T == FOLIO_IQ4_XS) {
                         scale = d * (float)(int8_t)w[t->sc + 16 * s + r];
                     }
-                    for (int p = 0; p < a->passes; p++) {
+                    int32_t dotA = 0, dotB = 0; /* both passes summed (act_block) */
+                    _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                         const int8_t *xb = (p ? a->xq2 : a->xq) + (r0 + i) * a->k + b * SB;
-                        const float dx = p ? ab->dx2 : ab->dx;
-                        int32_t dotA = 0, dotB = 0;
+                        dotA *= p ? 254 : 1, dotB *= p ? 254 : 1;
                         for (int e = 0; e < 16; e++) dotA += value_of(t, T, w, r, s, e) * xb[e];
                         for (int e = 16; e < SB; e++) dotB += value_of(t, T, w, r, s, e) * xb[e];
-                        if (T == FOLIO_Q6_K) {
-                            acc[r] = fmaf((float)dotA, scale * dx, acc[r]);
-                            acc[r] = fmaf((float)dotB, scaleB * dx, acc[r]);
-                        } else {
-                            acc[r] = fmaf((float)(dotA + dotB), scale * dx, acc[r]);
-                        }
+                    }
+                    if (T == FOLIO_Q6_K) {
+                        acc[r] = fmaf((float)dotA, scale * ab->ds, acc[r]);
+                        acc[r] = fmaf((float)dotB, scaleB * ab->ds, acc[r]);
+                    } else {
+                        acc[r] = fmaf((float)(dotA + dotB), scale * ab->ds, acc[r]);
                     }
                     if (HAS_MIN(T)) acc[r] = fmaf(bmin, ab->sx, acc[r]);
                     if (IS_K(T)) acc[r] = fmaf(-bmin, ab->sx, acc[r]);
@@ -740,35 +801,39 @@ static inline void tile_rows(const gemm_args *a, const int T, const uint8_t *w0,
 }
 #endif
 
-/* rows r0 .. r1 of x against one tile of type T, in passes of MC rows and then fewer */
-static inline __attribute__((always_inline)) void rows_of(const gemm_args *a, const int T, const uint8_t *w,
-                                                          int64_t col, int64_t count, int64_t r0, int64_t r1) {
+/* rows r0 .. r1 of x against one tile of type T, in passes of MC rows and then fewer; P: the
+ * activations' passes, a constant in each copy so that the rows' sums stay in registers */
+static inline __attribute__((always_inline)) void rows_of(const gemm_args *a, const int T, const int P,
+                                                          const uint8_t *w, int64_t col, int64_t count, int64_t r0,
+                                                          int64_t r1) {
     int64_t r = r0;
-    for (; r + MC <= r1; r += MC) tile_rows(a, T, w, col, count, r, MC);
+    for (; r + MC <= r1; r += MC) tile_rows(a, T, w, col, count, r, MC, P);
 #if MC >= 8
-    if (r + 4 <= r1) tile_rows(a, T, w, col, count, r, 4), r += 4;
+    if (r + 4 <= r1) tile_rows(a, T, w, col, count, r, 4, P), r += 4;
 #endif
 #if MC >= 4
-    if (r + 2 <= r1) tile_rows(a, T, w, col, count, r, 2), r += 2;
+    if (r + 2 <= r1) tile_rows(a, T, w, col, count, r, 2, P), r += 2;
 #endif
 #if MC >= 2
-    if (r + 1 <= r1) tile_rows(a, T, w, col, count, r, 1), r += 1;
+    if (r + 1 <= r1) tile_rows(a, T, w, col, count, r, 1, P), r += 1;
 #endif
 }
+
+#define ROWS_OF(T) (a->passes == 2 ? rows_of(a, T, 2, w, col, count, r0, r1) : rows_of(a, T, 1, w, col, count, r0, r1))
 
 static void rows_of_type(const gemm_args *a, int type, const uint8_t *w, int64_t col, int64_t count, int64_t r0,
                          int64_t r1) {
     switch (type) {
-        case FOLIO_Q4_0: rows_of(a, FOLIO_Q4_0, w, col, count, r0, r1); break;
-        case FOLIO_Q4_1: rows_of(a, FOLIO_Q4_1, w, col, count, r0, r1); break;
-        case FOLIO_Q5_0: rows_of(a, FOLIO_Q5_0, w, col, count, r0, r1); break;
-        case FOLIO_Q5_1: rows_of(a, FOLIO_Q5_1, w, col, count, r0, r1); break;
-        case FOLIO_Q8_0: rows_of(a, FOLIO_Q8_0, w, col, count, r0, r1); break;
-        case FOLIO_IQ4_NL: rows_of(a, FOLIO_IQ4_NL, w, col, count, r0, r1); break;
-        case FOLIO_Q4_K: rows_of(a, FOLIO_Q4_K, w, col, count, r0, r1); break;
-        case FOLIO_Q5_K: rows_of(a, FOLIO_Q5_K, w, col, count, r0, r1); break;
-        case FOLIO_Q6_K: rows_of(a, FOLIO_Q6_K, w, col, count, r0, r1); break;
-        case FOLIO_IQ4_XS: rows_of(a, FOLIO_IQ4_XS, w, col, count, r0, r1); break;
+        case FOLIO_Q4_0: ROWS_OF(FOLIO_Q4_0); break;
+        case FOLIO_Q4_1: ROWS_OF(FOLIO_Q4_1); break;
+        case FOLIO_Q5_0: ROWS_OF(FOLIO_Q5_0); break;
+        case FOLIO_Q5_1: ROWS_OF(FOLIO_Q5_1); break;
+        case FOLIO_Q8_0: ROWS_OF(FOLIO_Q8_0); break;
+        case FOLIO_IQ4_NL: ROWS_OF(FOLIO_IQ4_NL); break;
+        case FOLIO_Q4_K: ROWS_OF(FOLIO_Q4_K); break;
+        case FOLIO_Q5_K: ROWS_OF(FOLIO_Q5_K); break;
+        case FOLIO_Q6_K: ROWS_OF(FOLIO_Q6_K); break;
+        case FOLIO_IQ4_XS: ROWS_OF(FOLIO_IQ4_XS); break;
         default: break;
     }
 }
