@@ -2,11 +2,12 @@
 own counters: norms, qkv, RoPE + KV write, attention, o, gate_up, SiLU x gate, down), the LM head,
 and the rest of the executor's step (embedding lookup, sampling, the plan's bookkeeping).
 
-    folio bench cpu_step [--model M] [--batches 1 9 32] [--verify 9] [--context 128] [--steps 24] [--passes 1 2]
+    folio bench cpu_step [--model M] [--batches 1 9 32] [--verify 9] [--context 128] [--steps 24] [--repeats 3]
+                    [--passes 1 2]
 
 Each batch runs ``--steps`` decode steps after a prefill of ``--context`` tokens a row, in
 process (the model runner alone: no scheduler, no sockets); ``--verify N`` adds a step of one row scoring N
-tokens, as speculation's verify step does, and its ratio to a one-token step; prints ``label: value`` lines
+tokens, as speculation's verify step does, and its ratio to a one-token step of the same round; prints ``label: value`` lines
 (``folio bench`` collects them) in ms per step, and the weights' GB/s of the whole step.
 """
 
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", nargs="*", type=int, default=[9],
                         help="also one row scoring this many tokens a step (a speculative verify step)")
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every configuration in turn (medians)")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--passes", nargs="+", type=int, default=[QuantLinear.passes], choices=(1, 2))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -127,19 +129,25 @@ def main(argv: list[str] | None = None) -> int:
             r.model.__dict__.pop("_stack_layout", None)
             if getattr(r.model.packed_lm_head, "_qgemm", None) is not None:
                 r.model.packed_lm_head._qgemm = None
-        one_row = None
-        for batch, verify in [(b, 1) for b in args.batches] + [(1, v) for v in args.verify]:
-            parts = run_batch(runner if verify == 1 else drafting(), batch, args.context, args.steps, verify)
+        configs = [(b, 1) for b in args.batches] + [(1, v) for v in args.verify]
+        if args.verify and 1 not in args.batches:
+            configs.insert(0, (1, 1))  # the verify steps' baseline
+        # each configuration once a round, the rounds in turn: a noisy machine slows all alike
+        rounds = [[run_batch(runner if v == 1 else drafting(), b, args.context, args.steps, v) for b, v in configs]
+                  for _ in range(args.repeats)]
+        step = {c: float(np.median([r[i]["step"] for r in rounds])) for i, c in enumerate(configs)}
+        for i, (batch, verify) in enumerate(configs):
+            parts = {k: float(np.median([r[i][k] for r in rounds])) for k in rounds[0][i]}
             tag = f"passes {passes} batch {batch}" + (f" verify {verify}" if verify > 1 else "")
             print(f"{tag} " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "step"))
-            print(f"{tag} ms/step: {parts['step']:.3f}")
+            print(f"{tag} ms/step: {step[batch, verify]:.3f}")
             if verify > 1:
-                one_row = one_row or run_batch(runner, 1, args.context, args.steps)["step"]
-                print(f"{tag} / batch 1 step: {parts['step'] / one_row:.2f}")
+                ratios = [r[i]["step"] / r[configs.index((1, 1))]["step"] for r in rounds]
+                print(f"{tag} / batch 1 step: {float(np.median(ratios)):.2f} (rounds: "
+                      + ", ".join(f"{x:.2f}" for x in ratios) + ")")
             else:
-                one_row = parts["step"] if batch == 1 else one_row
-                print(f"{tag} tok/s: {batch * 1e3 / parts['step']:.1f}")
-            print(f"{tag} weight GB/s: {weights / parts['step'] / 1e6:.1f}")
+                print(f"{tag} tok/s: {batch * 1e3 / step[batch, verify]:.1f}")
+            print(f"{tag} weight GB/s: {weights / step[batch, verify] / 1e6:.1f}")
     return 0
 
 

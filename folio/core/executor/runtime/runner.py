@@ -613,7 +613,11 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, states: list[RunnerRequest], offsets: list[int], plan: StepPlan):
         drafts = [plan.spec_token_ids[s.req_id] for s in states]
-        target = torch.cat([logits[o : o + len(d) + 1] for o, d in zip(offsets, drafts)])
+        ends = [o + len(d) + 1 for o, d in zip(offsets, drafts)]
+        if all(o == e for o, e in zip(offsets[1:], ends)):  # one run of rows (every sampler verifies): a view
+            target = logits[offsets[0] : ends[-1]]
+        else:
+            target = torch.cat([logits[o:e] for o, e in zip(offsets, ends)])
         q = []
         for state, d in zip(states, drafts):
             proposal = state.proposal
