@@ -132,7 +132,7 @@ def fresh_speculation(runner: ModelRunner) -> None:
         runner.proposer.tries.clear()
         runner.proposer.cached.clear()
     if runner.spec_control is not None:
-        runner.spec_control = SpecController()
+        runner.spec_control = SpecController(payoff=runner.spec_control.payoff)
         runner.spec_control.first_decision(runner.drafts_now)
 
 

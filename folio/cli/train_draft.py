@@ -23,6 +23,17 @@ PROMPT_TEMPLATES = [
     "List five facts about {t}.", "Write an email to a friend about {t}.", "What is a common misconception about {t}?",
     "Describe the history of {t} briefly.", "Give a step-by-step guide related to {t}.",
     "Compare {t} with something similar and explain the difference.", "Write a haiku about {t}.",
+    # the wider set: questions as people type them into a chat
+    "Can you help me understand {t}?", "I'm curious about {t}. Where should I start?",
+    "Tell me something surprising about {t}.", "What do beginners get wrong about {t}?",
+    "Write a short dialogue between two friends talking about {t}.", "Give me a quick overview of {t}.",
+    "What questions should I ask an expert on {t}?", "Make a packing or shopping list related to {t}.",
+    "Write a limerick about {t}.", "Explain {t} in one paragraph, then give an example.",
+    "What would the world look like without {t}?", "Describe {t} to someone who has never heard of it.",
+    "Give me two arguments for and two against {t}.", "Write a tweet-length summary of {t}.",
+    "How has {t} changed over the last hundred years?", "What are the first three steps to learn about {t}?",
+    "Write a short product description inspired by {t}.", "Teach me one useful thing about {t} today.",
+    "What is the most important idea behind {t}?", "Write a four-line rhyme about {t} for a child.",
 ]
 TOPICS = [  # none of them is a topic of folio.bench.spec_decode's chat prompts, which measure the head
     "the water cycle", "glaciers", "machine learning", "origami", "the Roman Empire", "volcanoes", "saving money",
@@ -34,6 +45,14 @@ TOPICS = [  # none of them is a topic of folio.bench.spec_decode's chat prompts,
     "bicycles", "deserts", "the French Revolution", "meditation", "robots", "cooking pasta",
     "the Great Wall of China", "smartphones", "libraries", "a rainy day", "teamwork", "mathematics", "city parks",
     "the Silk Road", "bridges", "board games", "jazz", "submarines", "the Olympic Games", "maps",
+    "kites", "the Amazon rainforest", "penguins", "budgeting for a holiday", "composting", "the Moon landing",
+    "earthworms", "hiking boots", "solar panels", "the Renaissance", "tea", "wind turbines", "snowflakes",
+    "spreadsheets", "first aid", "castles", "the metric system", "owls", "running a marathon",
+    "video games", "pottery", "the Nile", "thunderstorms", "sourdough", "learning to swim", "lighthouses",
+    "the periodic table", "podcasts", "yoga", "train stations", "coral reefs", "handwriting", "sailing",
+    "a birthday party", "houseplants", "the Eiffel Tower", "telescopes", "cheese", "elections", "fossils",
+    "knitting", "the speed of light", "wolves", "moving to a new city", "clocks", "chocolate", "museums",
+    "the human brain", "skateboarding", "paper", "bees and flowers", "online privacy", "a picnic",
 ]
 LOSS_DECAY = 0.8
 
@@ -57,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--max-num-seqs", type=int, default=32, help="answers generated at once")
     p.add_argument("--quantization", default="auto", help="the target's weights, as folio serve takes them")
+    p.add_argument("--compare", default=None, help="a head folder (\"shipped\": the packaged one) to measure on the "
+                                                   "same held-out answers; its figure goes into the card")
     return p
 
 
@@ -229,6 +250,7 @@ def train(args, command: str) -> dict:
     feat_of = {id(s): features(runner, s["prompt"] + s["answer"]) for s in seqs}
     state = _train_loop(head, trained, feat_of, target_to_draft, args, out, settings)
     acceptance = heldout_acceptance(head, held, feat_of, args.k)
+    compared = _compare(args, runner, held, feat_of)
     card = {"target": {"fingerprint": target_fingerprint(runner.model), "model": model_name,
                        "quantization": args.quantization},
             "command": command, "seed": args.seed,
@@ -237,8 +259,27 @@ def train(args, command: str) -> dict:
             "training": {"steps": state["step"], "tokens": state["tokens"], "minutes": round(state["seconds"] / 60, 2),
                          "depth": args.depth},
             "heldout_acceptance_length": acceptance, "heldout_k": args.k}
+    if compared is not None:
+        card["compared"] = compared
     save_head(head, out, card)
     return card
+
+
+def _compare(args, runner, held: list[dict], feat_of: dict) -> dict | None:
+    """Another head's acceptance on the same held-out answers (``--compare``), or None."""
+    from folio.core.executor.runtime.spec_eagle import load_head, read_card, shipped_head
+
+    if args.compare is None:
+        return None
+    folder = shipped_head(runner.model) if args.compare == "shipped" else Path(args.compare)
+    taps = runner.model.taps
+    other = load_head(folder, runner.model, torch.float32, torch.device("cpu"))
+    if tuple(runner.model.taps) != tuple(taps):
+        raise ValueError(f"{folder}: its head reads layers {runner.model.taps}, this one {taps}")
+    acceptance = heldout_acceptance(other, held, feat_of, args.k)
+    print(f"{folder}: held-out acceptance length {acceptance:.3f} on the same answers", file=sys.stderr)
+    return {"head": folder.name if args.compare == "shipped" else str(folder),
+            "command": read_card(folder).get("command", ""), "heldout_acceptance_length": acceptance}
 
 
 def _pad(batch: list[dict], feat_of: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

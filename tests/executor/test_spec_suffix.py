@@ -285,3 +285,28 @@ def test_a_decision_measured_a_step_late_is_not_tried_twice():
         ctl.proposed(32, speculate, 0.0)
         out.append(drafts_now)
     assert sum(out) == 0  # the first proposing was the one try; its comparison settles it
+
+
+def test_the_closed_payoff_counts_the_row_furthest_behind():
+    """One row of four gains 4 tokens a drafting step, the others 1: a server (rows refilled)
+    gains 7 tokens for 4 in the time of 1.2 plain steps, drafting wins; a closed batch ends with its
+    laggard, which gains 1 token either way, so drafting loses."""
+    def spec_share(payoff: str) -> float:
+        ctl, out = SpecController(min_samples=2, payoff=payoff), []
+        for _ in range(120):
+            speculate = ctl.choose(4)
+            ctl.proposed(4, speculate, 0.0)
+            gains = {"a": 4, "b": 1, "c": 1, "d": 1} if speculate else dict.fromkeys("abcd", 1)
+            ctl.observe(0.012 if speculate else 0.010, sum(gains.values()), True, gains)
+            out.append(speculate)
+        assert ctl.stats()["spec_payoff"] == payoff
+        return sum(out[20:]) / len(out[20:])
+
+    assert spec_share("served") > 0.9
+    assert spec_share("closed") < 0.1
+    ctl = SpecController(payoff="closed")  # how far the fewest tokens so far moved, once per row
+    assert ctl._laggard_tokens({"a": 4, "b": 1}) == 2 * 1  # 0 -> 1 (b)
+    assert ctl._laggard_tokens({"a": 1, "b": 5}) == 2 * 4  # 1 (b) -> 5 (a)
+    assert ctl._laggard_tokens({"b": 2}) == 2 and ctl.progress == {"b": 8}  # a finished: forgotten
+    with pytest.raises(ValueError, match="payoff"):
+        SpecController(payoff="open")

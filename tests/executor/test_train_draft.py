@@ -42,6 +42,14 @@ def test_train_draft_writes_a_head_that_serves_and_resumes_from_its_checkpoint(t
     second = json.loads((out / "card.json").read_text())["training"]
     assert second["steps"] > first["steps"] and second["tokens"] >= 400
     assert (out / "data.json").stat().st_mtime == data_mtime
+    # --compare measures another head on the same held-out answers (the same seed and prompts: the
+    # same split) and writes its figure into the card; the head in out was saved in fp16
+    other = tmp_path / "other"
+    assert train_draft(args(tiny_chat, other, **{"--token-budget": 100, "--compare": str(out)})) == 0
+    compared = json.loads((other / "card.json").read_text())["compared"]
+    assert compared["head"] == str(out) and compared["command"] == json.loads((out / "card.json").read_text())["command"]
+    assert abs(compared["heldout_acceptance_length"] - json.loads((out / "card.json").read_text())[
+        "heldout_acceptance_length"]) <= 0.25
     # the head serves, and greedy output is plain decoding's
     from folio import LLM, SamplingParams
 

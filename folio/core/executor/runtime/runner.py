@@ -215,7 +215,8 @@ class ModelRunner:
         # drafts are proposed on rank 0 alone (a draft model is loaded whole there)
         self.proposer = make_proposer(config, self.model, self.device, self.dtype, self.backend,
                                       self.pool.num_blocks) if shard.rank == 0 else None
-        self.spec_control = SpecController() if self.proposer is not None and self.spec_settings.adaptive else None
+        self.spec_control = SpecController(payoff=self.spec_settings.payoff) \
+            if self.proposer is not None and self.spec_settings.adaptive else None
         self.drafts_now = True  # whether the next proposing step proposes (``StepResult.drafts_next``)
         if self.spec_control is not None:
             self.spec_control.first_decision(self.drafts_now)
@@ -466,7 +467,9 @@ class ModelRunner:
             self._advance_grammars(samplers, sampled.sampled_token_ids())
         if self.spec_control is not None:  # this step's speed, for the arm its drafts were chosen by
             decode_only = bool((step.counts - step.num_spec == 1).all() and step.samples.all())
-            self.spec_control.observe(time.perf_counter() - start, len(sampled.token_ids), decode_only)
+            per_request = dict(zip(sampled.req_ids or samplers, map(len, sampled.sampled_token_ids()))) \
+                if self.spec_control.payoff == "closed" else None
+            self.spec_control.observe(time.perf_counter() - start, len(sampled.token_ids), decode_only, per_request)
         spec = self._propose([self.requests[r] for r in samplers]) if self.proposer else []
         if failed:  # their grammar did not compile: no token (the scheduler ends them with the reason)
             keep = [i for i, r in enumerate(samplers) if r not in failed]

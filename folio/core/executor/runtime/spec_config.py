@@ -29,6 +29,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 0  # propose nothing while this many requests sample in a step (0: never)
     adaptive: bool = True  # choose per step between speculating and not from measured speed
+    # what the choice counts as a step's gain (spec_control.SpecController): "served" (rows that
+    # finish are refilled: every token) or "closed" (a fixed batch run to its end: the laggard's)
+    payoff: str = "served"
     # suffix: how deep the shared tree goes, how many requests' tokens it remembers, and how many
     # tokens a match may propose per token matched (Arctic Inference's max_spec_factor)
     suffix_max_depth: int = 32
@@ -46,6 +49,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
                              f"{self.prompt_lookup_max}")
+        if self.payoff not in ("served", "closed"):
+            raise ValueError(f'speculative-config payoff must be "served" or "closed", not {self.payoff!r}')
         if self.suffix_max_depth < 2 or self.suffix_max_cached_requests < 1 or self.suffix_max_spec_factor <= 0:
             raise ValueError("suffix_max_depth >= 2, suffix_max_cached_requests >= 1 and suffix_max_spec_factor > 0")
 

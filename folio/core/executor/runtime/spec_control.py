@@ -28,9 +28,23 @@ class _Bucket:
         self.since_explore = 0  # decisions since the slower arm was last tried
 
 
+PAYOFFS = ("served", "closed")
+
+
 class SpecController:
+    """Per batch-size bucket, the decaying tokens/s of steps with and without drafts; the faster
+    arm is taken, the slower tried again now and then. What counts as a step's tokens is the
+    ``payoff``: "served" (a server's stack, where a row that finishes early is refilled by the next
+    request, so every token a step gains is real: the step's tokens) or "closed" (a batch that runs
+    until its last row ends and is not refilled, ``LLM.generate`` on a fixed set: the batch's end
+    moves only with the row furthest behind, so a step counts that row's tokens once per row)."""
+
     def __init__(self, explore_every: int = 16, min_samples: int = 3, decay: float = 0.8,
-                 max_explore_every: int = 256, clear_ratio: float = 1.5):
+                 max_explore_every: int = 256, clear_ratio: float = 1.5, payoff: str = "served"):
+        if payoff not in PAYOFFS:
+            raise ValueError(f"payoff must be one of {', '.join(PAYOFFS)}, not {payoff!r}")
+        self.payoff = payoff
+        self.progress: dict[str, int] = {}  # closed: each running request's tokens so far
         self.explore_every, self.min_samples, self.decay = explore_every, min_samples, decay
         self.clear_ratio = clear_ratio  # one arm this much faster after one try each: no more tries yet
         self.max_explore_every = max_explore_every
@@ -97,8 +111,12 @@ class SpecController:
         """The decision for the next step, and what its proposing cost."""
         self.pending = (self.bucket_of(num_rows), SPEC if speculate else PLAIN, seconds)
 
-    def observe(self, seconds: float, num_tokens: int, decode_only: bool) -> None:
-        """The step that the pending decision was for ran: ``num_tokens`` sampled in ``seconds``."""
+    def observe(self, seconds: float, num_tokens: int, decode_only: bool,
+                per_request: dict[str, int] | None = None) -> None:
+        """The step that the pending decision was for ran: ``num_tokens`` sampled in ``seconds``
+        (``per_request``: each sampling request's share, which the closed payoff needs)."""
+        if self.payoff == "closed" and per_request:
+            num_tokens = self._laggard_tokens(per_request)
         pending, self.pending = self.pending, None
         if pending is None or not decode_only or num_tokens <= 0:
             return
@@ -113,8 +131,16 @@ class SpecController:
             b.rate[arm] = rate if b.num_samples[arm] == 0 else self.decay * b.rate[arm] + (1 - self.decay) * rate
         b.num_samples[arm] += 1
 
+    def _laggard_tokens(self, per_request: dict[str, int]) -> int:
+        """The closed payoff's tokens of a step: how far it moved the fewest tokens any request
+        has so far, once per request (requests absent from the step have finished: forgotten)."""
+        before = [self.progress.get(r, 0) for r in per_request]
+        self.progress = {r: b + n for (r, n), b in zip(per_request.items(), before)}
+        return len(per_request) * (min(self.progress.values()) - min(before))
+
     def stats(self) -> dict:
-        return {"spec_steps_speculated": self.num_steps[SPEC], "spec_steps_plain": self.num_steps[PLAIN],
+        return {"spec_payoff": self.payoff,
+                "spec_steps_speculated": self.num_steps[SPEC], "spec_steps_plain": self.num_steps[PLAIN],
                 "spec_rates_by_batch": {f"{1 << (k - 1)}+": [round(r, 1) for r in b.rate]
                                         for k, b in sorted(self.buckets.items())}}
 
