@@ -105,17 +105,99 @@ def run_workload(runner, tokenizer, workload: str, batch: int, max_tokens: int) 
     return tokens / seconds, counters, outs
 
 
+def speculative_configs(k: int, eagle_model: str | None) -> dict[str, dict]:
+    """``--speculative-config`` of the proposers that have one (the closed waves add their payoff)."""
+    eagle = {"method": "eagle3", "num_speculative_tokens": k, **({"model": eagle_model} if eagle_model else {})}
+    return {"ngram-adaptive": {"method": "ngram", "num_speculative_tokens": k}, "suffix": {"method": "suffix"},
+            "eagle3": eagle, "eagle3-always": {**eagle, "adaptive": False}}
+
+
+# ---------------------------------------------------------------------------- served, open loop
+def served_prompts(tokenizer, workload: str, num: int) -> list[list[int]]:
+    """The served section's requests: chat prompts, or (mixed) chat and copy tasks in turn."""
+    chat = [encode(tokenizer, [{"role": "user", "content": CHAT[i % len(CHAT)]}]) for i in range(num)]
+    if workload == "chat":
+        return chat
+    copy = [encode(tokenizer, [{"role": "user", "content": COPY_TASKS[i % len(COPY_TASKS)] + DOCUMENT}])
+            for i in range(num)]
+    return [chat[i] if i % 2 == 0 else copy[i] for i in range(num)]
+
+
+async def open_loop(base_url: str, model: str, prompts: list[list[int]], arrivals: list[float],
+                    max_tokens: int) -> tuple[float, float, list[str]]:
+    """Each prompt sent at its arrival time whatever came back before (open loop): (completion
+    tokens/s from the first send to the last answer, mean seconds from arrival to answer, texts)."""
+    import asyncio
+
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        async def one(prompt: list[int], at: float) -> tuple[int, float, str]:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            sent = time.perf_counter()
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            async with session.post(base_url + "/completions", json=body) as resp:
+                resp.raise_for_status()
+                out = await resp.json()
+            return out["usage"]["completion_tokens"], time.perf_counter() - sent, out["choices"][0]["text"]
+
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one(p, at) for p, at in zip(prompts, arrivals)))
+    elapsed = time.perf_counter() - t0
+    return sum(n for n, _, _ in done) / elapsed, sum(s for _, s, _ in done) / len(done), [t for _, _, t in done]
+
+
+def served_section(args, path: str, tokenizer) -> None:
+    """Plain, each proposer (payoff served), plain again: one ``folio serve`` at a time, the same
+    requests at the same (seeded Poisson) arrival times."""
+    import asyncio
+    import random
+
+    from folio.testing.server import start_server, stop_server
+
+    prompts = served_prompts(tokenizer, args.served_workload, args.served_requests)
+    rng = random.Random(0)
+    arrivals, at = [], 0.0
+    for _ in prompts:
+        arrivals.append(at)
+        at += rng.expovariate(args.served_rate) if args.served_rate > 0 else 0.0
+    rate = f"{args.served_rate:g}/s Poisson" if args.served_rate > 0 else "all at once"
+    print(f"\nserved, open loop: {len(prompts)} {args.served_workload} requests ({rate}), up to {args.max_tokens} "
+          f"tokens each, greedy; payoff served")
+    print(f"{'proposer':<16}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}{'plain s/req':>13}{'spec s/req':>12}"
+          f"{'accepted len':>14}")
+    base = ["--quantization", args.quantization, "--max-num-seqs", str(max(64, len(prompts)))]
+    configs = speculative_configs(args.k, args.eagle_model)
+
+    def run(flags: list[str]) -> tuple[float, float, list[str], float]:
+        server = start_server(path, *base, *flags)
+        try:
+            asyncio.run(open_loop(server.base_url, args.model, prompts[:1], [0.0], 4))  # warm-up
+            out = asyncio.run(open_loop(server.base_url, args.model, prompts, arrivals, args.max_tokens))
+            return (*out, server.admin("scheduler", "stats").get("spec_mean_accepted_length", 1.0))
+        finally:
+            stop_server(server)
+
+    before = run([])
+    results = {name: run(["--speculative-config", json.dumps({**configs[name], "payoff": "served"})])
+               for name in args.proposers if name in configs}
+    after = run([])
+    plain, plain_s = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+    for name, (rate_, latency, texts, accepted) in results.items():
+        same = "" if texts == before[2] else "  (OUTPUT DIFFERS)"
+        print(f"{name:<16}{plain:>13.1f}{rate_:>12.1f}{rate_ / plain:>8.2f}{plain_s:>13.2f}{latency:>12.2f}"
+              f"{accepted:>14.2f}{same}", flush=True)
+
+
 def make_runners(path: str, names: list[str], k: int, draft_layers: int, quantization: str,
                  eagle_model: str | None = None) -> dict:
     base = dict(num_kv_blocks=4096, max_num_batched_tokens=4096, max_num_seqs=64, device="cpu",
                 quantization=quantization)
     configs = {"ngram": dict(speculative_model="ngram", num_speculative_tokens=k),
-               "ngram-adaptive": dict(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": k})),
-               "suffix": dict(speculative_config=json.dumps({"method": "suffix"})),
+               **{name: dict(speculative_config=json.dumps({**spec, "payoff": "closed"}))
+                  for name, spec in speculative_configs(k, eagle_model).items() if name != "eagle3-always"},
                "self": dict(speculative_model=path, num_speculative_tokens=k)}
-    eagle = {"method": "eagle3", "num_speculative_tokens": k, **({"model": eagle_model} if eagle_model else {})}
-    configs["eagle3"] = dict(speculative_config=json.dumps(eagle))
-    configs["eagle3-always"] = dict(speculative_config=json.dumps({**eagle, "adaptive": False}))
+    configs["eagle3-always"] = dict(speculative_config=json.dumps(speculative_configs(k, eagle_model)["eagle3-always"]))
     if "draft" in names:
         draft = truncate_layers(path, cache_dir() / "models" / f"{Path(path).name}-first{draft_layers}", draft_layers)
         configs["draft"] = dict(speculative_model=str(draft), num_speculative_tokens=k)
@@ -148,11 +230,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step (ngram, draft, self, eagle3)")
     parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument("--served", action="store_true",
+                        help="also the served, open-loop section (folio serve, requests at seeded Poisson times)")
+    parser.add_argument("--served-only", action="store_true", help="only the served section")
+    parser.add_argument("--served-workload", default="mixed", choices=("chat", "mixed"))
+    parser.add_argument("--served-requests", type=int, default=32)
+    parser.add_argument("--served-rate", type=float, default=0.0, help="requests/s (0: all at once)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     path = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if not args.served_only:
+        closed_section(args, path, tokenizer)
+    if args.served or args.served_only:
+        served_section(args, path, tokenizer)
+
+
+def closed_section(args, path: str, tokenizer) -> None:
+    """Closed waves in process: each batch run to its last row (payoff closed), plain before and after."""
     runners = make_runners(path, args.proposers, args.k, args.draft_layers, args.quantization, args.eagle_model)
     run_workload(runners["plain"], tokenizer, "chat", 1, 4)  # warm-up
     print(f"model {args.model} on cpu (--quantization {args.quantization}), greedy, up to {args.max_tokens} new "

@@ -1,0 +1,35 @@
+"""``folio bench spec_decode --served-only``: the served, open-loop section starts ``folio serve``
+for plain decoding and for a proposer (payoff served), sends the same requests at the same arrival
+times, and prints the ratio with the texts compared; and the cpu_step verify step's ratio."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from folio.bench import cpu_step, spec_decode
+
+
+@pytest.mark.slow
+def test_the_served_section_compares_a_proposer_with_plain_on_the_same_open_loop(capsys):
+    spec_decode.main(["--served-only", "--proposers", "ngram-adaptive", "--served-requests", "4",
+                      "--served-rate", "20", "--max-tokens", "12", "--served-workload", "mixed"])
+    out = capsys.readouterr().out
+    assert "served, open loop: 4 mixed requests (20/s Poisson)" in out
+    row = re.search(r"^ngram-adaptive\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(.*)$", out, re.M)
+    assert row is not None, out
+    plain, spec, ratio = (float(row.group(i)) for i in (1, 2, 3))
+    assert plain > 0 and spec > 0 and abs(ratio - spec / plain) < 0.01
+    assert float(row.group(6)) >= 1.0  # the scheduler's mean accepted length
+    assert "OUTPUT DIFFERS" not in row.group(7)  # greedy: speculation changes no text
+
+
+@pytest.mark.slow
+def test_a_verify_step_scores_its_rows(capsys):
+    assert cpu_step.main(["--batches", "1", "--verify", "3", "--steps", "4", "--repeats", "1", "--context", "32"]) == 0
+    out = capsys.readouterr().out
+    one = float(re.search(r"^passes \d batch 1 ms/step: ([\d.]+)$", out, re.M).group(1))
+    three = float(re.search(r"^passes \d batch 1 verify 3 ms/step: ([\d.]+)$", out, re.M).group(1))
+    ratio = float(re.search(r"verify 3 / batch 1 step: ([\d.]+) \(rounds: ([\d.]+)\)", out).group(1))
+    assert one > 0 and three > 0 and abs(ratio - three / one) < 0.01
