@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import numpy as np
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     head = runner.model.packed_lm_head
     weights += head.tiles.nbytes if getattr(head, "tiles", None) is not None else 0
     print(f"{args.model}: {runner.model.quantization} ({getattr(runner.model, 'weight_types', '')}), "
-          f"{weights / 1e6:.1f} MB of weights a step, {args.threads} threads, context {args.context}")
+          f"{weights / 1e6:.1f} MB of weights a step, {args.threads} threads, context {args.context}, "
+          f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}")
     for passes in args.passes:
         QuantLinear.passes = passes
         for r in [runner, *drafter]:

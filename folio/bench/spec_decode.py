@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -252,7 +253,8 @@ def closed_section(args, path: str, tokenizer) -> None:
     runners = make_runners(path, args.proposers, args.k, args.draft_layers, args.quantization, args.eagle_model)
     run_workload(runners["plain"], tokenizer, "chat", 1, 4)  # warm-up
     print(f"model {args.model} on cpu (--quantization {args.quantization}), greedy, up to {args.max_tokens} new "
-          f"tokens per turn, k={args.k} (suffix: up to 8, from the match)")
+          f"tokens per turn, k={args.k} (suffix: up to 8, from the match), "
+          f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}")
     print(f"{'workload':<9}{'proposer':<16}{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
           f"{'accepted len':>14}{'drafted':>9}")
     for workload in args.workloads:

@@ -16,6 +16,8 @@ router, soak, prefix_cache) stay subcommands; their workloads, pointed at any en
 
 from __future__ import annotations
 
+import argparse
+
 import importlib
 import io
 import sys
@@ -64,8 +66,34 @@ class _Tee(io.TextIOBase):
         return self.stream.fileno()
 
 
+# benchmarks that step a model in this process on the CPU, as the executor service does: torch's
+# OpenMP spin is chosen for their model as the service chooses it (folio.core.executor.threads)
+IN_PROCESS_CPU = ("cpu_step", "spec_decode")
+
+
+def spin_as_served(name: str, argv: list[str]) -> str | None:
+    """``GOMP_SPINCOUNT`` for an in-process CPU benchmark's ``--model`` and ``--quantization``, set
+    before torch loads, as ``folio run executor`` sets it; the value set, or None."""
+    if name not in IN_PROCESS_CPU:
+        return None
+    from folio.core.executor.threads import choose_spin_count
+    from folio.core.model_files import resolve_model
+    from folio.shared.config import DEFAULT_MODEL_NAME
+
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--model", default=DEFAULT_MODEL_NAME)
+    flags.add_argument("--quantization", default="auto")
+    known, _ = flags.parse_known_args(argv)
+    try:
+        path = str(resolve_model(known.model))
+    except (OSError, ValueError):
+        return None  # the benchmark says what is wrong with the model
+    return choose_spin_count(path, known.quantization, "cpu")
+
+
 def run_benchmark(name: str, argv: list[str], save_result: str | None) -> int:
     """Run ``folio.bench.name``'s ``main(argv)``; print the shared summary; its exit status."""
+    spin_as_served(name, argv)
     old_argv, old_stdout = sys.argv, sys.stdout
     sys.argv = [f"folio bench {name}", *argv]  # argparse's usage line names the command
     tee = _Tee(sys.stdout)

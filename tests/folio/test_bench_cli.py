@@ -87,3 +87,25 @@ def test_a_real_script_through_the_cli():
     assert proc.returncode == 0, proc.stderr
     assert "usage: folio bench step" in proc.stdout and "--steps" in proc.stdout
     assert "Exit status:                             0" in proc.stdout
+
+
+def test_in_process_cpu_benchmarks_spin_torchs_threads_as_the_executor_service_does(tmp_path):
+    """``folio bench cpu_step`` / ``spec_decode`` (and their scripts) set ``GOMP_SPINCOUNT`` before
+    torch loads, as ``folio run executor`` does for a model on the C kernels; others, or an fp32
+    model, keep libgomp's default. A fresh interpreter each: torch must not be loaded yet."""
+    import os
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")  # only its name is read: a GGUF steps on the C kernels
+    probe = ("import os, sys; from folio.cli.bench import spin_as_served; "
+             "print(spin_as_served(sys.argv[1], sys.argv[2:]), os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+
+    def run(*argv: str) -> str:
+        return subprocess.run([sys.executable, "-c", probe, *argv], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert run("cpu_step", "--model", str(model)) == "10000 10000 False"
+    assert run("spec_decode", "--model", str(model), "--quantization", "none") == "None None False"
+    assert run("serving", "--model", str(model)) == "None None False"
+    assert run("cpu_step", "--model", str(tmp_path / "missing")) == "None None False"
