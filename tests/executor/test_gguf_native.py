@@ -56,6 +56,11 @@ def test_a_gguf_is_served_in_its_own_types(name, tmp_path):
     # two int8 passes of the activations (about 15 bits) against the file's own weights
     assert ((got - want).abs().max() / want.abs().max()).item() < 5e-3
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
+    # the embedding keeps its input's shape as nn.Embedding does (the eagle3 head looks up [B, T] ids)
+    ids = torch.tensor([[1, 5, 7], [2, 2, 9]])
+    table = model.embed_tokens(ids)
+    assert table.shape == (2, 3, model.spec.hidden_size)
+    assert torch.equal(table[1], model.embed_tokens(ids[1])) and torch.equal(table, dense.model.embed_tokens(ids))
 
 
 def test_a_mixed_file_runs_its_decodes_in_the_one_call_stack(tmp_path):

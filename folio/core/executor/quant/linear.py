@@ -161,8 +161,8 @@ class QuantEmbedding(nn.Module):
         self.table = weight
         self._dense: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden] fp32
-        return self.table.rows(input_ids)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden] fp32, as nn.Embedding
+        return self.table.rows(input_ids).view(*input_ids.shape, self.table.k)
 
     @property
     def weight(self) -> torch.Tensor:
