@@ -203,3 +203,31 @@ def test_training_unrolls_the_chain_the_proposer_drafts(tiny_target, random_head
         logits = head.unrolled(padded[None], chain[1:][None], 4)
     unrolled = [int(head.draft_to_target[logits[d][0, last + d].argmax()]) for d in range(4)]
     assert unrolled == drafts
+
+
+def test_a_cpu_proposer_runs_its_head_in_the_int8_kernels(tiny_target, random_head):
+    """On the CPU the proposer packs the head's linear maps and LM rows as per-channel int8 for
+    folio's kernels (a draft token reads a quarter of the fp32 bytes); the drafts' logits stay
+    the fp32 head's within int8 rounding, once packed the head is left as it is."""
+    from folio.core.executor.model.loader import load_model
+    from folio.core.executor.runtime.spec_eagle import EagleProposer, Int8Linear
+
+    target = load_model(tiny_target, torch.float32, torch.device("cpu"))
+    dense = load_head(random_head, target, torch.float32, torch.device("cpu"))
+    packed = load_head(random_head, target, torch.float32, torch.device("cpu"))
+    EagleProposer(packed, target, 3, torch.device("cpu"))
+    assert all(isinstance(getattr(packed, n), Int8Linear) for n in ("fc", "qkv_proj", "o_proj", "gate_up_proj",
+                                                                    "down_proj"))
+    assert isinstance(packed.target["lm"], Int8Linear) and not isinstance(dense.fc, Int8Linear)
+    fc = packed.fc
+    EagleProposer(packed, target, 3, torch.device("cpu"))  # a second proposer over the same head
+    assert packed.fc is fc
+    torch.manual_seed(0)
+    h = packed.cfg.hidden_size
+    feats, attn = torch.randn(2, 5, 3 * h), torch.randn(2, 5, packed.cfg.num_heads, packed.cfg.head_dim)
+    with torch.inference_mode():
+        want = dense.logits(dense.finish(dense.fuse(feats), attn))
+        got = packed.logits(packed.finish(packed.fuse(feats), attn))
+    assert got.shape == want.shape == (2, 5, packed.cfg.draft_vocab_size)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8

@@ -91,7 +91,7 @@ class EagleHead(nn.Module):
     def attach(self, target_model) -> None:
         """The target's embedding table, its LM head rows for the draft vocabulary and its RoPE tables."""
         lm = target_model.embed_tokens.weight if target_model.lm_head is None else target_model.lm_head.weight
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         self.target = {"embed": target_model.embed_tokens,
                        "lm": lm.detach().index_select(0, self.draft_to_target.to(lm.device)).to(dtype),
                        "cos": target_model.rope_cos.to(dtype), "sin": target_model.rope_sin.to(dtype)}
@@ -102,7 +102,7 @@ class EagleHead(nn.Module):
         return self.fc(torch.cat([_rms(f, eps) for f in features.chunk(3, dim=-1)], dim=-1))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.target["embed"](token_ids).to(self.fc.weight.dtype)
+        return self.target["embed"](token_ids).to(self.dtype)
 
     def project(self, g: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor):
         """q ``[..., heads, hd]``, k and v ``[..., kv_heads, hd]`` of the inputs ``(g, emb)``."""
@@ -122,9 +122,24 @@ class EagleHead(nn.Module):
         return h + self.down_proj(F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., draft_vocab]
-        return F.linear(_rms(h, self.cfg.rms_norm_eps, self.norm), self.target["lm"])
+        x, lm = _rms(h, self.cfg.rms_norm_eps, self.norm), self.target["lm"]
+        return lm(x) if isinstance(lm, nn.Module) else F.linear(x, lm)
 
-    # ------------------------------------------------------------------ training: an unrolled chain
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    def pack_for_cpu(self) -> None:
+        """Serving on the CPU: the layer's linear maps and the LM rows in folio's int8 kernels
+        (per-channel int8 weights, the activations in two int8 passes). A draft token then reads
+        about a quarter of the fp32 bytes (21 MB at SmolLM2's head); training keeps the fp32 head."""
+        if isinstance(self.fc, Int8Linear):  # packed already (a head shared by proposers)
+            return
+        for name in ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            setattr(self, name, Int8Linear(getattr(self, name).weight.detach()))
+        self.target["lm"] = Int8Linear(self.target["lm"])
+
+
     def unrolled(self, features: torch.Tensor, next_ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Logits of each drafting step over padded sequences: ``features`` ``[B, T, 3 hidden]``
         (the target's at positions ``0..T-1``), ``next_ids`` ``[B, T]`` (token ``i + 1``). Step ``d``
@@ -164,6 +179,20 @@ class EagleHead(nn.Module):
 
 
 # ---------------------------------------------------------------------- files
+class Int8Linear(nn.Module):
+    """``x @ W.T`` for any leading shape, W per-channel int8 in the CPU kernels (``QuantLinear``)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        from folio.core.executor.quant.formats import quantize_int8
+        from folio.core.executor.quant.linear import QuantLinear
+
+        self.inner = QuantLinear(quantize_int8(weight.float()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], self.inner.out_features)
+
+    # ------------------------------------------------------------------ training: an unrolled chain
 def save_head(head: EagleHead, folder: str | Path, card: dict) -> None:
     from safetensors.torch import save_file
 
@@ -244,11 +273,15 @@ class _HeadSeq:
 
 class EagleProposer:
     def __init__(self, head: EagleHead, target_model, k: int, device: torch.device):
+        from folio.core.executor.quant import cpu_gemm
+
+        if device.type == "cpu" and head.dtype == torch.float32 and cpu_gemm.available():
+            head.pack_for_cpu()
         self.head, self.k, self.device = head, k, device
         self.target = target_model
         target_model.taps = head.cfg.taps
         cfg = head.cfg
-        self.k_cache = torch.zeros(0, 0, cfg.num_kv_heads, cfg.head_dim, dtype=head.fc.weight.dtype, device=device)
+        self.k_cache = torch.zeros(0, 0, cfg.num_kv_heads, cfg.head_dim, dtype=head.dtype, device=device)
         self.v_cache = self.k_cache.clone()
         self.seqs: dict[str, _HeadSeq] = {}
         self.free_slots: list[int] = []
@@ -262,7 +295,7 @@ class EagleProposer:
         tapped = self.target.tapped
         if len(tapped) != 2 or tapped[0].shape[0] != hidden.shape[0]:
             raise RuntimeError("the target model did not return the hidden states the draft head reads")
-        feats = torch.cat([tapped[0], tapped[1], hidden.float()], dim=-1).to(self.head.fc.weight.dtype)
+        feats = torch.cat([tapped[0], tapped[1], hidden.float()], dim=-1).to(self.head.dtype)
         row = 0
         for req_id, start, count in zip(req_ids, starts.tolist(), counts.tolist()):
             part = feats[row:row + count]
@@ -366,12 +399,12 @@ class EagleProposer:
     def _attend(self, q: torch.Tensor, slot: int, first: int, pos: torch.Tensor) -> torch.Tensor:
         """Causal attention of queries at ``pos`` (ascending) over the slot's cache from ``first``."""
         end = int(pos[-1]) + 1
-        group = self.head.cfg.num_heads // self.head.cfg.num_kv_heads
-        k = self.k_cache[slot, first:end].repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, hd]
-        v = self.v_cache[slot, first:end].repeat_interleave(group, dim=1).transpose(0, 1)
+        k = self.k_cache[slot, first:end].transpose(0, 1)  # [kv_heads, L, hd]: GQA in the attention call
+        v = self.v_cache[slot, first:end].transpose(0, 1)
         keys = torch.arange(first, end, device=self.device)
         mask = keys[None, :] <= pos[:, None]  # [n, L]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.head.scale)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.head.scale,
+                                             enable_gqa=True)
         return out.transpose(0, 1)  # [n, heads, hd]
 
     def _draft_step(self, live, h: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -384,12 +417,11 @@ class EagleProposer:
         self.k_cache[slots, pos] = k
         self.v_cache[slots, pos] = v
         length = int(pos.max()) + 1
-        group = head.cfg.num_heads // head.cfg.num_kv_heads
-        keys = self.k_cache[slots, :length].repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # [B, heads, L, hd]
-        values = self.v_cache[slots, :length].repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
+        keys = self.k_cache[slots, :length].permute(0, 2, 1, 3)  # [B, kv_heads, L, hd]
+        values = self.v_cache[slots, :length].permute(0, 2, 1, 3)
         first = torch.tensor([s.first for _, s, _, _ in live], device=self.device)
         j = torch.arange(length, device=self.device)
         mask = (j[None, :] >= first[:, None]) & (j[None, :] <= pos[:, None])  # [B, L]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
-                                             scale=head.scale)  # [B, heads, 1, hd]
+                                             scale=head.scale, enable_gqa=True)  # [B, heads, 1, hd]
         return head.finish(h, out.squeeze(2))
