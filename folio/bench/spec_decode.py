@@ -166,7 +166,7 @@ def served_section(args, path: str, tokenizer) -> None:
     print(f"\nserved, open loop: {len(prompts)} {args.served_workload} requests ({rate}), up to {args.max_tokens} "
           f"tokens each, greedy; payoff served")
     print(f"{'proposer':<16}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}{'plain s/req':>13}{'spec s/req':>12}"
-          f"{'accepted len':>14}")
+          f"{'s/req ratio':>13}{'accepted len':>14}")
     base = ["--quantization", args.quantization, "--max-num-seqs", str(max(64, len(prompts)))]
     configs = speculative_configs(args.k, args.eagle_model)
 
@@ -187,7 +187,7 @@ def served_section(args, path: str, tokenizer) -> None:
     for name, (rate_, latency, texts, accepted) in results.items():
         same = "" if texts == before[2] else "  (OUTPUT DIFFERS)"
         print(f"{name:<16}{plain:>13.1f}{rate_:>12.1f}{rate_ / plain:>8.2f}{plain_s:>13.2f}{latency:>12.2f}"
-              f"{accepted:>14.2f}{same}", flush=True)
+              f"{plain_s / latency:>13.2f}{accepted:>14.2f}{same}", flush=True)
 
 
 def make_runners(path: str, names: list[str], k: int, draft_layers: int, quantization: str,
