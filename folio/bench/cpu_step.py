@@ -2,13 +2,14 @@
 own counters: norms, qkv, RoPE + KV write, attention, o, gate_up, SiLU x gate, down), the LM head,
 and the rest of the executor's step (embedding lookup, sampling, the plan's bookkeeping).
 
-    folio bench cpu_step [--model M] [--batches 1 9 32] [--verify 9] [--context 128] [--steps 24] [--repeats 3]
-                    [--passes 1 2]
+    folio bench cpu_step [--model M] [--batches 1 9 32] [--verify 9] [--context 128] [--steps 24]
+                         [--repeats 3] [--passes 1 2]
 
 Each batch runs ``--steps`` decode steps after a prefill of ``--context`` tokens a row, in
-process (the model runner alone: no scheduler, no sockets); ``--verify N`` adds a step of one row scoring N
-tokens, as speculation's verify step does, and its ratio to a one-token step of the same round; prints ``label: value`` lines
-(``folio bench`` collects them) in ms per step, and the weights' GB/s of the whole step.
+process (the model runner alone: no scheduler, no sockets); ``--verify N`` adds a step of one row
+scoring N tokens, as speculation's verify step does, and its ratio to a one-token step of the same
+round. Every configuration runs once a round, ``--repeats`` rounds, medians. Prints ``label:
+value`` lines (``folio bench`` collects them) in ms per step, and the weights' GB/s of the step.
 """
 
 from __future__ import annotations

@@ -272,10 +272,9 @@ def _compare(args, runner, held: list[dict], feat_of: dict) -> dict | None:
     if args.compare is None:
         return None
     folder = shipped_head(runner.model) if args.compare == "shipped" else Path(args.compare)
-    taps = runner.model.taps
     other = load_head(folder, runner.model, torch.float32, torch.device("cpu"))
-    if tuple(runner.model.taps) != tuple(taps):
-        raise ValueError(f"{folder}: its head reads layers {runner.model.taps}, this one {taps}")
+    if tuple(other.cfg.taps) != tuple(runner.model.taps):  # the held-out features are this head's layers
+        raise ValueError(f"{folder}: its head reads layers {other.cfg.taps}, this one {runner.model.taps}")
     acceptance = heldout_acceptance(other, held, feat_of, args.k)
     print(f"{folder}: held-out acceptance length {acceptance:.3f} on the same answers", file=sys.stderr)
     return {"head": folder.name if args.compare == "shipped" else str(folder),

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+PAYOFFS = ("served", "closed")  # what the adaptive choice counts as a step's gain (spec_control.SpecController)
 DEFAULT_NUM_TOKENS = {"ngram": 4, "suffix": 8, "draft_model": 3, "eagle3": 3}
 
 
@@ -49,7 +50,7 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
                              f"{self.prompt_lookup_max}")
-        if self.payoff not in ("served", "closed"):
+        if self.payoff not in PAYOFFS:
             raise ValueError(f'speculative-config payoff must be "served" or "closed", not {self.payoff!r}')
         if self.suffix_max_depth < 2 or self.suffix_max_cached_requests < 1 or self.suffix_max_spec_factor <= 0:
             raise ValueError("suffix_max_depth >= 2, suffix_max_cached_requests >= 1 and suffix_max_spec_factor > 0")

@@ -10,7 +10,7 @@ import torch
 
 from folio.core.executor.runtime.spec_decode import DraftModelProposer, NgramProposer
 from folio.core.executor.runtime.spec_suffix import SuffixProposer
-from folio.core.executor.runtime.spec_config import speculative_settings
+from folio.core.executor.runtime.spec_config import PAYOFFS, speculative_settings
 
 PLAIN, SPEC = 0, 1
 
@@ -26,9 +26,6 @@ class _Bucket:
             self.rate, self.num_samples, self.inherited = list(prior.rate), [1, 1], [True, True]
         self.num_decisions = 0
         self.since_explore = 0  # decisions since the slower arm was last tried
-
-
-PAYOFFS = ("served", "closed")
 
 
 class SpecController:
