@@ -106,11 +106,15 @@ def run_workload(runner, tokenizer, workload: str, batch: int, max_tokens: int) 
     return tokens / seconds, counters, outs
 
 
-def speculative_configs(k: int, eagle_model: str | None) -> dict[str, dict]:
-    """``--speculative-config`` of the proposers that have one (the closed waves add their payoff)."""
+def speculative_configs(k: int, eagle_model: str | None, tree=True) -> dict[str, dict]:
+    """``--speculative-config`` of the proposers that have one (the closed waves add their payoff);
+    ``tree``: the eagle3 trees' shape (true: ``spec_config.default_tree``, or paths)."""
     eagle = {"method": "eagle3", "num_speculative_tokens": k, **({"model": eagle_model} if eagle_model else {})}
     return {"ngram-adaptive": {"method": "ngram", "num_speculative_tokens": k}, "suffix": {"method": "suffix"},
-            "eagle3": eagle, "eagle3-always": {**eagle, "adaptive": False}}
+            "eagle3": eagle, "eagle3-always": {**eagle, "adaptive": False},
+            # a tree of drafts (spec_config.default_tree): chosen per step against the chain and
+            # plain decoding, or drafted every step
+            "eagle3-tree": {**eagle, "tree": tree}, "eagle3-tree-always": {**eagle, "tree": tree, "adaptive": False}}
 
 
 # ---------------------------------------------------------------------------- served, open loop
@@ -168,7 +172,7 @@ def served_section(args, path: str, tokenizer) -> None:
     print(f"{'proposer':<16}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}{'plain s/req':>13}{'spec s/req':>12}"
           f"{'s/req ratio':>13}{'accepted len':>14}")
     base = ["--quantization", args.quantization, "--max-num-seqs", str(max(64, len(prompts)))]
-    configs = speculative_configs(args.k, args.eagle_model)
+    configs = speculative_configs(args.k, args.eagle_model, args.tree)
 
     def run(flags: list[str]) -> tuple[float, float, list[str], float]:
         server = start_server(path, *base, *flags)
@@ -191,14 +195,14 @@ def served_section(args, path: str, tokenizer) -> None:
 
 
 def make_runners(path: str, names: list[str], k: int, draft_layers: int, quantization: str,
-                 eagle_model: str | None = None) -> dict:
+                 eagle_model: str | None = None, tree=True) -> dict:
     base = dict(num_kv_blocks=4096, max_num_batched_tokens=4096, max_num_seqs=64, device="cpu",
                 quantization=quantization)
     configs = {"ngram": dict(speculative_model="ngram", num_speculative_tokens=k),
-               **{name: dict(speculative_config=json.dumps({**spec, "payoff": "closed"}))
-                  for name, spec in speculative_configs(k, eagle_model).items() if name != "eagle3-always"},
+               **{name: dict(speculative_config=json.dumps({**spec, **({} if name.endswith("-always") else
+                                                                         {"payoff": "closed"})}))
+                  for name, spec in speculative_configs(k, eagle_model, tree).items()},
                "self": dict(speculative_model=path, num_speculative_tokens=k)}
-    configs["eagle3-always"] = dict(speculative_config=json.dumps(speculative_configs(k, eagle_model)["eagle3-always"]))
     if "draft" in names:
         draft = truncate_layers(path, cache_dir() / "models" / f"{Path(path).name}-first{draft_layers}", draft_layers)
         configs["draft"] = dict(speculative_model=str(draft), num_speculative_tokens=k)
@@ -217,6 +221,8 @@ def fresh_speculation(runner: ModelRunner) -> None:
     if runner.spec_control is not None:
         runner.spec_control = SpecController(payoff=runner.spec_control.payoff)
         runner.spec_control.first_decision(runner.drafts_now)
+    if runner.tree_control is not None:
+        runner.tree_control = SpecController(payoff=runner.tree_control.payoff)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,8 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--workloads", nargs="+", default=["chat", "edit", "copy"], choices=("chat", "edit", "copy"))
     parser.add_argument("--proposers", nargs="+", default=["ngram", "ngram-adaptive", "suffix"],
-                        choices=("ngram", "ngram-adaptive", "suffix", "draft", "self", "eagle3", "eagle3-always"))
+                        choices=("ngram", "ngram-adaptive", "suffix", "draft", "self", "eagle3", "eagle3-always",
+                                 "eagle3-tree", "eagle3-tree-always"))
     parser.add_argument("--eagle-model", default=None, help="eagle3: a head folder (default: the shipped one)")
+    parser.add_argument("--tree", type=json.loads, default=True,
+                        help='eagle3-tree*: the tree as JSON paths, e.g. "[[0], [1], [0, 0]]" (default: the default tree)')
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step (ngram, draft, self, eagle3)")
     parser.add_argument("--draft-layers", type=int, default=8)
@@ -250,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def closed_section(args, path: str, tokenizer) -> None:
     """Closed waves in process: each batch run to its last row (payoff closed), plain before and after."""
-    runners = make_runners(path, args.proposers, args.k, args.draft_layers, args.quantization, args.eagle_model)
+    runners = make_runners(path, args.proposers, args.k, args.draft_layers, args.quantization, args.eagle_model,
+                           args.tree)
     run_workload(runners["plain"], tokenizer, "chat", 1, 4)  # warm-up
     print(f"model {args.model} on cpu (--quantization {args.quantization}), greedy, up to {args.max_tokens} new "
           f"tokens per turn, k={args.k} (suffix: up to 8, from the match), "

@@ -49,6 +49,10 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None  # [num_tokens] int64, each new token's position
     # whether some slots are padding (negative): None = unknown, look at the device
     padded: bool | None = None
+    # tree drafts: sequence b -> [query_len] uint64, bit j of row i set when row i sees the chunk's
+    # token j (the root, token 0, and the nodes on row i's path); the rows see their context, the
+    # ``seq_len - query_len`` keys before the chunk, and those alone. None: every chunk is causal
+    trees: dict[int, np.ndarray] | None = None
     # backend-private plan (built lazily by the backend, once per step)
     plan: object | None = None
 
@@ -109,10 +113,13 @@ class _DecodeGroup:
     lens: list[int] = field(default_factory=list)  # keys each row sees (its position + 1)
     # window -> (block tables [num_decode, blocks], key mask [num_decode, 1, 1, blocks * block_size])
     windows: dict = field(default_factory=dict)
+    tree: bool = False  # some rows are a tree draft's (no sliding window then)
 
     def windowed(self, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks and key mask of a sliding-window layer: each row's table from the block that
         holds its window's first key (earlier blocks are not read), its keys masked to the window."""
+        if self.tree:
+            raise ValueError("tree drafts are not verified in sliding-window layers")
         if window not in self.windows:
             device = self.block_tables.device
             first = [max(0, n - window) // block_size for n in self.lens]  # each row's first block
@@ -162,9 +169,11 @@ class _TorchPlan:
 
 
 def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_CHUNK_ROWS
-                           ) -> tuple[list[tuple[int, int, int]], list[_ChunkSeq]]:
-    """(row of q, sequence, keys this token sees) for each token attended as a decode, and the
-    chunks attended whole. Decode tokens, and each token of a short chunk (speculative
+                           ) -> tuple[list[tuple[int, int, int, int]], list[_ChunkSeq]]:
+    """(row of q, sequence, keys this token sees, extra keys) for each token attended as a
+    decode, and the chunks attended whole. A row sees its sequence's first keys, then the
+    positions after them whose bits are set in its extra keys (a tree draft's rows, ``meta.trees``:
+    the context before the chunk, then the row's own path; 0 for every other row). Decode tokens, and each token of a short chunk (speculative
     verification) as if it were decoded alone, so that a verified token is computed exactly as
     plain decoding computes it. SDPA with several query rows runs another kernel, whose last bits
     differ; with bf16 activations (the quantized layers) such a bit can flip a near-tie and change
@@ -172,12 +181,17 @@ def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_C
     backend passes no limit: every token is attended as a decode, prefill included)."""
     device, bs = meta.block_tables.device, meta.block_size
     starts = meta.query_start_loc.tolist()
-    rows: list[tuple[int, int, int]] = []
+    trees = meta.trees or {}
+    rows: list[tuple[int, int, int, int]] = []
     chunks = []
     for b, n in enumerate(meta.query_lens_list):
         seq_len = meta.seq_lens_list[b]
-        if 0 < n <= max_row_chunk:
-            rows += [(starts[b] + i, b, seq_len - n + 1 + i) for i in range(n)]
+        if b in trees:
+            if not 0 < n <= 64 or len(trees[b]) != n:
+                raise ValueError(f"sequence {b}: a tree of {len(trees[b])} rows for a chunk of {n} (at most 64)")
+            rows += [(starts[b] + i, b, seq_len - n, int(m)) for i, m in enumerate(trees[b])]
+        elif 0 < n <= max_row_chunk:
+            rows += [(starts[b] + i, b, seq_len - n + 1 + i, 0) for i in range(n)]
         elif n > max_row_chunk:
             k_pos = torch.arange(seq_len, device=device)
             q_pos = k_pos[seq_len - n:]
@@ -185,6 +199,11 @@ def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_C
                                     block_ids=meta.block_tables[b, :(seq_len + bs - 1) // bs].long(),
                                     seq_len=seq_len, mask=(k_pos[None, :] <= q_pos[:, None])[None, None]))
     return rows, chunks
+
+
+def _row_end(row: tuple[int, int, int, int]) -> int:
+    """One past the last key position a decode row reads."""
+    return row[2] + row[3].bit_length()
 
 
 def attention_options(window, softcap) -> tuple[int, float]:
@@ -211,6 +230,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     layer_ops = TORCH_LAYER_OPS  # the model's norms, RoPE and activation: plain torch
+    verifies_trees = True  # its decode rows take a tree draft's masks (``AttentionMetadata.trees``)
 
     def plan(self, meta: AttentionMetadata) -> _TorchPlan:
         if isinstance(meta.plan, _TorchPlan):
@@ -223,12 +243,17 @@ class TorchAttentionBackend:
             # torch's CPU SDPA splits a batch of one sequence differently over threads than a
             # larger batch (other last bits): one row attends as a batch of two
             rows = rows * 2 if len(rows) == 1 else rows
-            token_idx, seqs, lens = (torch.tensor(col, dtype=torch.long, device=device) for col in zip(*rows))
-            max_blocks = (max(r[2] for r in rows) + bs - 1) // bs
+            token_idx, seqs, lens = (torch.tensor(col, dtype=torch.long, device=device) for col in list(zip(*rows))[:3])
+            max_blocks = (max(_row_end(r) for r in rows) + bs - 1) // bs
             key_pos = torch.arange(max_blocks * bs, device=device)
+            key_mask = key_pos[None, :] < lens[:, None]
+            if any(r[3] for r in rows):  # tree rows: their ancestors' keys after the context
+                extra = torch.tensor([[(r[3] >> j) & 1 for j in range(64)] for r in rows], dtype=torch.bool)
+                after = key_pos[None, :] - lens[:, None]
+                key_mask |= extra.to(device).gather(1, after.clamp(0, 63)) & (after >= 0) & (after < 64)
             decode = _DecodeGroup(token_idx=token_idx, block_tables=meta.block_tables[seqs, :max_blocks].long(),
-                                  key_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
-                                  lens=[r[2] for r in rows])
+                                  key_mask=key_mask[:, None, None, :], lens=[r[2] for r in rows],
+                                  tree=any(r[3] for r in rows))
         meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=_write_idx(meta))
         return meta.plan
 
@@ -359,6 +384,18 @@ def _write_idx(meta: AttentionMetadata) -> torch.Tensor | None:
     if meta.padded is False or not bool((meta.slot_mapping < 0).any()):
         return None
     return torch.nonzero(meta.slot_mapping >= 0).flatten()
+
+
+def move_slots(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: list[int], dst: list[int]) -> None:
+    """Slot ``dst[i]`` of every layer's K and V becomes a copy of slot ``src[i]`` (a verified tree
+    draft's path, moved to its positions' slots). The sources are read before any is written."""
+    if not src:
+        return
+    device = kv_caches[0][0].device
+    src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst))
+    for cache in (c for kv in kv_caches for c in kv):
+        rows = raw(cache).view(-1, *cache.shape[2:])  # [slots, kv_heads, head_dim], raw bytes (fp8 pools too)
+        rows.index_copy_(0, dst_t, rows.index_select(0, src_t))
 
 
 def _copy_between(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:

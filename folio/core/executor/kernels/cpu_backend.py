@@ -140,14 +140,18 @@ class _CpuPlan(_TorchPlan):
         self.tok = None
         self.block_tables = meta.block_tables.to(torch.int32).contiguous()
         if rows:
-            cols = np.array(rows, dtype=np.int64).T
+            cols = np.array([r[:3] for r in rows], dtype=np.int64).T
             self.tok, self.seq, self.lens = (np.ascontiguousarray(c) for c in cols)
-            self.max_len = int(self.lens.max())
-            self.num_keys = int(self.lens.sum())  # keys read per KV head (windows aside)
+            # tree rows: their ancestors' keys after the context (folio_rows.extra); None when no row has any
+            self.extra = np.array([r[3] for r in rows], dtype=np.uint64) if any(r[3] for r in rows) else None
+            keys = self.lens + (0 if self.extra is None else np.array([r[3].bit_count() for r in rows]))
+            self.max_len = int(keys.max())
+            self.num_keys = int(keys.sum())  # keys read per KV head (windows aside)
             bt = self.block_tables
             self.rows = cpu_kernels.Rows(m=len(rows), tok=self.tok.ctypes.data, seq=self.seq.ctypes.data,
                                          lens=self.lens.ctypes.data, block_tables=bt.data_ptr(), num_seqs=bt.shape[0],
-                                         max_blocks=bt.shape[1])
+                                         max_blocks=bt.shape[1],
+                                         extra=None if self.extra is None else self.extra.ctypes.data)
 
 
 class DecodeStack:

@@ -202,9 +202,13 @@ class InputBatch:
         return self.token_ids[row, : self.num_tokens[row]]
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, num_scheduled: dict[str, int], spec_token_ids: dict[str, list[int]]) -> StepInputs:
+    def prepare(self, num_scheduled: dict[str, int], spec_token_ids: dict[str, list[int]],
+                trees: dict | None = None) -> StepInputs:
         """Gather the step's inputs from the rows, for a plan ``plan_check.check_plan`` passed (the
-        positions, slots and block-table reads below are not checked again)."""
+        positions, slots and block-table reads below are not checked again). ``trees``: requests
+        whose drafts are a tree (``DraftTree``): their chunk is the root and its nodes, each node
+        in the slot after the one before (breadth-first) but at the position of its depth, and
+        attending its own path alone."""
         num_seqs = len(num_scheduled)
         try:
             found = operator.itemgetter(*num_scheduled)(self.row_of) if num_seqs else ()  # a tuple, or one row
@@ -242,9 +246,22 @@ class InputBatch:
                 - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         sample_rows = rows[plain]
         max_blocks = max(1, int(need.max(initial=1)))
+        rope_positions, tree_masks = positions, None
+        if trees:
+            rope_positions, tree_masks = positions.copy(), {}
+            for i, req_id in enumerate(num_scheduled):
+                tree = trees.get(req_id)
+                if tree is None or not num_spec[i]:
+                    continue
+                if counts[i] != num_spec[i] + 1:
+                    raise ValueError(f"{req_id}: a tree draft's chunk is its root and its {num_spec[i]} nodes, "
+                                     f"not {counts[i]} tokens")
+                first = int(query_start[i])
+                rope_positions[first:first + counts[i]] = start[i] + tree.depths(int(num_spec[i]))
+                tree_masks[i] = tree.masks(int(num_spec[i]))
         dev = self._to_device({
             "input_ids": self.token_ids[token_rows, positions],
-            "positions": positions,
+            "positions": rope_positions,
             "slot_mapping": self.block_table[token_rows, positions // self.block_size].astype(np.int64)
             * self.block_size + positions % self.block_size,
             "logits_idx": logits_idx,
@@ -258,7 +275,7 @@ class InputBatch:
             slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
             block_tables=dev["block_tables"].view(num_seqs, max_blocks), max_query_len=int(counts.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)), block_size=self.block_size, query_lens_list=counts.tolist(),
-            seq_lens_list=seq_lens.tolist(), positions=dev["positions"], padded=False,
+            seq_lens_list=seq_lens.tolist(), positions=dev["positions"], padded=False, trees=tree_masks or None,
         )
         return StepInputs(dev["input_ids"], meta, dev["logits_idx"], rows, counts, samples, num_spec, sample_rows,
                           dev["sample_rows"], dev["sample_params"].view(-1, NUM_PARAMS))

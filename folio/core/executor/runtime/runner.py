@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from folio.core.executor.kernels import cpu_kernels
-from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from folio.core.executor.kernels.attention import AttentionMetadata, TorchAttentionBackend, move_slots
 from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
@@ -34,10 +34,11 @@ from folio.core.executor.model.loader import load_model, resolve_dtype
 from folio.core.executor.model.layers import PackedLinear, cpu_linear_packing_available, pack_linears_for_cpu
 from folio.core.executor.parallel.comm import Comm, Shard
 from folio.core.executor.quant.linear import QuantLinear, QuantLMHead, activation_dtype
-from folio.core.executor.sampling.rejection import verify
+from folio.core.executor.sampling.penalties import has_penalties
+from folio.core.executor.sampling.rejection import verify, verify_tree
 from folio.core.executor.sampling.sampler import FREQUENCY, PRESENCE, REPETITION, SamplingBatch, SamplingRow, sample_batch, token_logprobs
 from folio.core.executor.runtime.spec_control import SpecController, make_proposer
-from folio.core.executor.runtime.spec_decode import Proposal
+from folio.core.executor.runtime.spec_decode import DraftTree, Proposal
 from folio.core.executor.runtime.spec_config import LORA_REFUSAL, speculative_settings
 from folio.core.structured.masks import (GrammarStore, advance, apply_grammar_masks, compile_error, draft_masks,
                                          grammar_prefix)
@@ -187,6 +188,7 @@ class ModelRunner:
         self.spec = self.model.spec
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._set_kernels(kv_dtype)
+        self.tree = self._draft_tree() if self.spec_settings is not None and shard.rank == 0 else None
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
@@ -217,6 +219,9 @@ class ModelRunner:
                                       self.pool.num_blocks) if shard.rank == 0 else None
         self.spec_control = SpecController(payoff=self.spec_settings.payoff) \
             if self.proposer is not None and self.spec_settings.adaptive else None
+        # with a tree: whether a drafting step drafts the tree or a chain, from their measured speed
+        self.tree_control = SpecController(payoff=self.spec_settings.payoff) \
+            if self.tree is not None and self.spec_control is not None else None
         self.drafts_now = True  # whether the next proposing step proposes (``StepResult.drafts_next``)
         if self.spec_control is not None:
             self.spec_control.first_decision(self.drafts_now)
@@ -225,6 +230,18 @@ class ModelRunner:
         self._constrained: set[str] = set()  # requests with a grammar
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
         self.lora: LoRAManager | None = self._make_lora(lora) if lora["enable_lora"] else None
+
+    def _draft_tree(self) -> DraftTree | None:
+        """The configured tree's shape; ValueError where tree drafts cannot be verified."""
+        if self.spec_settings.tree is None:
+            return None
+        if not getattr(self.backend, "verifies_trees", False):
+            raise ValueError(f"tree drafts are verified by the torch and cpu attention backends, not "
+                             f"{self.backend.name}: leave \"tree\" out of --speculative-config")
+        if any(self.spec.layer_windows):
+            raise ValueError("tree drafts are not verified in sliding-window layers: leave \"tree\" out of "
+                             "--speculative-config for this model")
+        return DraftTree.from_paths(self.spec_settings.tree)
 
     def _set_kernels(self, kv_dtype: torch.dtype) -> None:
         """The model's layers on folio's kernels or torch's, and the attention backend (whose dtypes
@@ -470,6 +487,9 @@ class ModelRunner:
             per_request = dict(zip(sampled.req_ids or samplers, map(len, sampled.sampled_token_ids()))) \
                 if self.spec_control.payoff == "closed" else None
             self.spec_control.observe(time.perf_counter() - start, len(sampled.token_ids), decode_only, per_request)
+            if self.tree_control is not None:  # a drafting step's speed, for the shape its drafts had
+                self.tree_control.observe(time.perf_counter() - start, len(sampled.token_ids), decode_only,
+                                          per_request)
         spec = self._propose([self.requests[r] for r in samplers]) if self.proposer else []
         if failed:  # their grammar did not compile: no token (the scheduler ends them with the reason)
             keep = [i for i, r in enumerate(samplers) if r not in failed]
@@ -486,7 +506,7 @@ class ModelRunner:
         self._copy_blocks(plan)
         if not plan.num_scheduled_tokens:
             return None
-        step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids)
+        step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids, self._trees(plan))
         hidden = self._forward(step)
         req_ids = list(plan.num_scheduled_tokens)
         if self.proposer is not None and hasattr(self.proposer, "observe"):  # a draft head reads the hidden states
@@ -614,7 +634,29 @@ class ModelRunner:
             if append and state.proposal is not None:
                 self.proposer.rollback(req_id, int(self.batch.num_tokens[state.row]))
 
+    def _trees(self, plan: StepPlan) -> dict[str, DraftTree] | None:
+        """The requests whose drafts this step verifies are a tree, with its shape."""
+        if self.tree is None or not plan.spec_token_ids:
+            return None
+        out = {}
+        for req_id, drafts in plan.spec_token_ids.items():
+            state = self.requests.get(req_id)
+            if drafts and state is not None and state.proposal is not None and state.proposal.tree is not None:
+                out[req_id] = state.proposal.tree
+        return out or None
+
     def _verify(self, logits: torch.Tensor, states: list[RunnerRequest], offsets: list[int], plan: StepPlan):
+        trees = [s.proposal is not None and s.proposal.tree is not None for s in states]
+        if any(trees):  # tree drafts are verified one request at a time, the chains together
+            out: list[list[int] | None] = [None] * len(states)
+            chains = [i for i, t in enumerate(trees) if not t]
+            if chains:
+                for i, new in zip(chains, self._verify(logits, [states[i] for i in chains],
+                                                       [offsets[i] for i in chains], plan)):
+                    out[i] = new
+            for i in np.flatnonzero(trees):
+                out[i] = self._verify_tree(logits, states[i], offsets[i], plan)
+            return out
         drafts = [plan.spec_token_ids[s.req_id] for s in states]
         ends = [o + len(d) + 1 for o, d in zip(offsets, drafts)]
         if all(o == e for o, e in zip(offsets[1:], ends)):  # one run of rows (every sampler verifies): a view
@@ -639,6 +681,32 @@ class ModelRunner:
                 if self.appended is not None:
                     self.appended.append((state.req_id, list(new)))
         return out
+
+    def _verify_tree(self, logits: torch.Tensor, state: RunnerRequest, offset: int, plan: StepPlan) -> list[int]:
+        """One request's tree (``rejection.verify_tree``); the accepted path's KV is moved to the
+        slots of its positions (the root's next ones), where the next steps read it."""
+        drafts, proposal = plan.spec_token_ids[state.req_id], state.proposal
+        if proposal.token_ids[: len(drafts)] != drafts:
+            raise ValueError(f"{state.req_id}: the drafts to verify are not the ones proposed")
+        row = SamplingRow(state.sampling, None, state.token_ids[: state.num_prompt_tokens], state.output_token_ids,
+                          seed=state.seed)
+        new, path = verify_tree(logits[offset: offset + len(drafts) + 1], proposal.tree.children(len(drafts)),
+                                drafts, row)
+        root = int(self.batch.num_tokens[state.row]) - 1  # the root's position: the request's last token
+        moves = [(root + c, root + d) for d, c in enumerate(path, start=1) if c != d]
+        if moves:
+            table, bs = self.batch.block_table[state.row], self.batch.block_size
+            slots = [[int(table[p // bs]) * bs + p % bs for p in pair] for pair in moves]
+            move_slots(self.pool.kv_caches, [s for s, _ in slots], [d for _, d in slots])
+        if hasattr(self.proposer, "accept_path"):
+            self.proposer.accept_path(state.req_id, root, path)
+        if state.append_sampled:
+            self.proposer.rollback(state.req_id, root + len(new))
+            self.batch.append_tokens(state.row, new)
+            self._record(state, new)
+            if self.appended is not None:
+                self.appended.append((state.req_id, list(new)))
+        return new
 
     @staticmethod
     def _mask_drafts(target: torch.Tensor, states: list[RunnerRequest], drafts: list[list[int]]) -> torch.Tensor:
@@ -680,6 +748,13 @@ class ModelRunner:
                   and (s.matcher is None or not s.matcher.is_terminated())]
         for state in samplers:
             state.proposal = None
+        use_tree = self.tree is not None and (self.tree_control is None or self.tree_control.choose(len(samplers)))
+        if use_tree:  # rows with penalties or a grammar draft chains: a tree's positions have other histories
+            trees = [s for s in wanted if s.matcher is None and not has_penalties(s.sampling)]
+            for state, proposal in zip(trees, self.proposer.propose_tree(trees, self.tree)):
+                state.proposal = proposal
+            chose = {id(s) for s in trees}
+            wanted = [s for s in wanted if id(s) not in chose]
         for state, proposal in zip(wanted, self.proposer.propose(wanted)):
             if state.matcher is not None:  # a constrained row's drafts stop where its grammar would refuse one
                 n = grammar_prefix(state.matcher, proposal.token_ids)
@@ -687,6 +762,8 @@ class ModelRunner:
             state.proposal = proposal
         if self.spec_control is not None:
             self.spec_control.proposed(len(samplers), True, time.perf_counter() - start)
+        if self.tree_control is not None:
+            self.tree_control.proposed(len(samplers), use_tree, time.perf_counter() - start)
         return [s.proposal.token_ids if s.proposal is not None else [] for s in samplers]
 
     def _prompt_logprobs(self, hidden, step: StepInputs, req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
@@ -736,5 +813,8 @@ class ModelRunner:
             **self.grammars.stats,
             **(self.lora.stats() if self.lora is not None else {}),
             **(self.spec_control.stats() if self.spec_control is not None else {}),
+            # drafting steps by shape (the tree's controller: its second arm is the tree)
+            **({"spec_steps_chain": self.tree_control.num_steps[0], "spec_steps_tree": self.tree_control.num_steps[1]}
+               if self.tree_control is not None else {}),
             **(self.proposer.stats() if hasattr(self.proposer, "stats") else {}),
         }

@@ -26,10 +26,66 @@ from folio.core.executor.sampling.sampler import SamplingRow, position_seed
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # drafts draw from another stream than the target's samples
 
 
+@dataclass(frozen=True)
+class DraftTree:
+    """The shape of a tree of drafts, its nodes in breadth-first order: ``parents[i]`` is node
+    i's parent among the nodes, -1 for a child of the root (the last token the request has). A
+    chain of k is ``(-1, 0, 1, .., k - 2)``. Any prefix of the nodes is a tree too (a parent comes
+    before its children), so a step that verifies fewer drafts than were proposed keeps one."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.parents) > 63:
+            raise ValueError(f"a draft tree of {len(self.parents)} nodes: at most 63")
+        if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"draft tree parents {self.parents}: each must come before its node")
+
+    @staticmethod
+    def from_paths(paths) -> "DraftTree":
+        """The tree of ``paths`` (each a list of child ranks from the root, Medusa's "choices":
+        ``[[0], [1], [0, 0]]`` is the top two tokens and the top token after the first), sorted
+        breadth-first; every path's parent path must be among them."""
+        paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(paths)}
+        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+            raise ValueError("a draft tree is a non-empty list of non-empty paths of child ranks >= 0")
+        missing = [list(p) for p in paths if len(p) > 1 and p[:-1] not in index]
+        if missing:
+            raise ValueError(f"draft tree paths {missing} lack their parent path")
+        return DraftTree(tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths))
+
+    def depths(self, n: int | None = None) -> np.ndarray:
+        """[n + 1] int64: each position's depth, the root's (0) first."""
+        n = len(self.parents) if n is None else n
+        out = np.zeros(n + 1, dtype=np.int64)
+        for i in range(n):
+            out[i + 1] = out[self.parents[i] + 1] + 1
+        return out
+
+    def masks(self, n: int | None = None) -> np.ndarray:
+        """[n + 1] uint64: bit j of entry i set when position i (0: the root) sees position j, its
+        ancestors and itself (``AttentionMetadata.trees``)."""
+        n = len(self.parents) if n is None else n
+        out = np.ones(n + 1, dtype=np.uint64)
+        for i in range(n):
+            out[i + 1] = out[self.parents[i] + 1] | np.uint64(1 << (i + 1))
+        return out
+
+    def children(self, n: int | None = None) -> list[list[int]]:
+        """Per position (0: the root), its children's positions in rank order."""
+        n = len(self.parents) if n is None else n
+        out: list[list[int]] = [[] for _ in range(n + 1)]
+        for i in range(n):
+            out[self.parents[i] + 1].append(i + 1)
+        return out
+
+
 @dataclass
 class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] q; None for a point mass
+    tree: DraftTree | None = None  # the drafts' shape when they are a tree (point masses); None: a chain
 
 
 class NgramProposer:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from folio.core.executor.runtime.spec_decode import Proposal
+from folio.core.executor.runtime.spec_decode import DraftTree, Proposal
 
 HEAD_FILE, CARD_FILE = "head.safetensors", "card.json"
 FORMAT = "folio-eagle3-v1"
@@ -312,6 +312,20 @@ class EagleProposer:
                 cut = seq.num_pend - MAX_PENDING
                 seq.pend_start, seq.parts, seq.num_pend = seq.pend_start + cut, [seq.pending()[cut:]], MAX_PENDING
 
+    def accept_path(self, req_id: str, root: int, path: list[int]) -> None:
+        """A tree draft was verified: the step computed the root at position ``root`` and the
+        tree's nodes after it (breadth-first); of their features the root's and the accepted
+        nodes' (``path``, positions in the chunk) stay, at positions ``root``, ``root + 1``, ..."""
+        seq = self.seqs.get(req_id)
+        if seq is None or not seq.num_pend or root < seq.pend_start:
+            return
+        rows, local = seq.pending(), root - seq.pend_start
+        keep = torch.tensor([local + j for j in [0, *path]], device=rows.device)
+        if int(keep[-1]) >= rows.shape[0]:
+            return
+        seq.parts = [torch.cat([rows[:local], rows.index_select(0, keep)])]
+        seq.num_pend = local + len(path) + 1
+
     def rollback(self, req_id: str, num_valid: int) -> None:
         """Only tokens ``0..num_valid-1`` are the sequence's: features past them were drafts'."""
         seq = self.seqs.get(req_id)
@@ -347,20 +361,7 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, states) -> list[Proposal]:
         out = [Proposal([]) for _ in states]
-        live = []  # (index, seq, tokens, position of the first draft's input)
-        for i, state in enumerate(states):
-            seq = self.seqs.get(state.req_id)
-            tokens = state.token_ids
-            last = len(tokens) - 2  # the last position whose next token is known
-            if seq is None or last < 0 or last + self.k > self.max_len - 1:
-                continue
-            if not seq.num_pend:
-                continue
-            if seq.first < 0 or seq.pend_start != seq.end:  # nothing cached yet, or a gap: start over there
-                seq.first = seq.end = seq.pend_start
-            if seq.end > last or seq.pend_start + seq.num_pend < last + 1:
-                continue  # the head has not the target's features up to here
-            live.append((i, seq, tokens, last))
+        live = self._live(states, self.k)
         if not live:
             return out
         self._fit(max(s.slot for _, s, _, _ in live) + 1, max(last for *_, last in live) + self.k + 1)
@@ -376,6 +377,86 @@ class EagleProposer:
             out[i] = Proposal(d)
         self.num_proposals += len(live)
         return out
+
+    @torch.inference_mode()
+    def propose_tree(self, states, tree: DraftTree) -> list[Proposal]:
+        """A tree of drafts for each state, of ``tree``'s shape: a position's children are the
+        head's top tokens there, in rank order. Each node's input is its parent's output and its
+        own token's embedding at its depth's position; it attends to the head's cache of the
+        sequence and to its own path's keys, which stay out of the cache (its siblings share
+        the position)."""
+        out = [Proposal([]) for _ in states]
+        depth = tree.depths()
+        live = [entry for entry in self._live(states, int(depth.max()))]
+        if not live:
+            return out
+        self._fit(max(s.slot for _, s, _, _ in live) + 1, max(last for *_, last in live) + 1)
+        h_root = self._catch_up(live)
+        children = tree.children()
+        n = len(tree.parents)
+        tokens = [[0] * n for _ in live]
+        hs: dict[int, torch.Tensor] = {0: h_root}  # position -> [len(live), hidden] output there
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # node position -> its k, v [len(live), kv_heads, hd]
+        head = self.head
+        for level in range(int(depth.max())):
+            # the positions of this depth with children: their outputs name the children
+            expand = [c for c in range(n + 1) if depth[c] == level and children[c]]
+            for c in expand:
+                if c not in hs:
+                    hs[c] = self._tree_node(live, tree, c, tokens, hs, kv)
+                top = head.logits(hs[c]).topk(len(children[c]), dim=-1).indices  # [len(live), m]
+                ids = head.draft_to_target[top].tolist()
+                for j, row in enumerate(ids):
+                    for rank, child in enumerate(children[c]):
+                        tokens[j][child - 1] = row[rank]
+        for (i, *_), t in zip(live, tokens):
+            out[i] = Proposal(t, tree=tree)
+        self.num_proposals += len(live)
+        return out
+
+    def _tree_node(self, live, tree: DraftTree, c: int, tokens, hs, kv) -> torch.Tensor:
+        """The head's output at tree position ``c`` (its parent's computed), for every live request."""
+        head = self.head
+        parent = tree.parents[c - 1] + 1
+        path = [c]
+        while tree.parents[path[-1] - 1] >= 0:
+            path.append(tree.parents[path[-1] - 1] + 1)
+        path.reverse()  # the nodes from depth 1 to c
+        pos = torch.tensor([last + len(path) for *_, last in live], device=self.device)
+        ids = torch.tensor([t[c - 1] for t in tokens], device=self.device)
+        q, k, v = head.project(hs[parent], head.embed(ids), pos)
+        kv[c] = (k, v)
+        slots = torch.tensor([s.slot for _, s, _, _ in live], device=self.device)
+        length = max(last for *_, last in live) + 1
+        keys = torch.cat([self.k_cache[slots, :length], torch.stack([kv[a][0] for a in path], dim=1)], dim=1)
+        values = torch.cat([self.v_cache[slots, :length], torch.stack([kv[a][1] for a in path], dim=1)], dim=1)
+        first = torch.tensor([s.first for _, s, _, _ in live], device=self.device)
+        lasts = torch.tensor([last for *_, last in live], device=self.device)
+        j = torch.arange(length, device=self.device)
+        mask = torch.cat([(j[None, :] >= first[:, None]) & (j[None, :] <= lasts[:, None]),
+                          torch.ones(len(live), len(path), dtype=torch.bool, device=self.device)], dim=1)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3),
+                                             attn_mask=mask[:, None, None, :], scale=head.scale, enable_gqa=True)
+        return head.finish(hs[parent], out.squeeze(2))
+
+    def _live(self, states, depth: int) -> list:
+        """(index, seq, tokens, position of the first draft's input) of each state the head has
+        the target's features for, up to its last token, with room for ``depth`` drafts."""
+        live = []
+        for i, state in enumerate(states):
+            seq = self.seqs.get(state.req_id)
+            tokens = state.token_ids
+            last = len(tokens) - 2  # the last position whose next token is known
+            if seq is None or last < 0 or last + depth > self.max_len - 1:
+                continue
+            if not seq.num_pend:
+                continue
+            if seq.first < 0 or seq.pend_start != seq.end:  # nothing cached yet, or a gap: start over there
+                seq.first = seq.end = seq.pend_start
+            if seq.end > last or seq.pend_start + seq.num_pend < last + 1:
+                continue  # the head has not the target's features up to here
+            live.append((i, seq, tokens, last))
+        return live
 
     def _catch_up(self, live) -> torch.Tensor:
         """Feed the head the pending positions of each live request (their keys and values into

@@ -36,7 +36,7 @@ from folio.core.executor.sampling.philox import uniforms
 from folio.core.executor.sampling.sampler import (SamplingBatch, SamplingRow, _argmax, _search, has_penalties,
                                                   process_logits, processed_probs)
 
-__all__ = ["num_accepted", "processed_probs", "verify"]
+__all__ = ["num_accepted", "processed_probs", "verify", "verify_tree"]
 
 
 def verify(
@@ -104,6 +104,66 @@ def verify(
             n += 1
         out.append(drafts_i[:n] + [candidate_list[row_starts[i] + n]])
     return out
+
+
+def verify_tree(
+    target_logits: torch.Tensor,  # [n + 1, vocab] fp32: row 0 scores the root's next position, row i node i's
+    children: list[list[int]],  # per position (0: the root), its children's positions in rank order
+    token_ids: list[int],  # the n nodes' tokens, breadth-first (node i at position i + 1)
+    row: SamplingRow,  # the request's state BEFORE the drafts (no penalties: see below)
+) -> tuple[list[int], list[int]]:
+    """One request's tree of point-mass drafts: the tokens to append (the accepted path and one
+    more token) and the accepted nodes' positions along the path.
+
+    The walk starts at the root. Greedy: it moves to the child whose token is the target's argmax
+    there and stops at a position without one, outputting that argmax, as ``verify`` does for a
+    chain. Sampled: at a position with target distribution p, the children (distinct tokens, the
+    proposer's top ones) are tried in rank order; child x is accepted with probability
+    r(x) / sum(r), where r is p less the children rejected before it; when none is accepted the
+    token is drawn from r. Each token is then output with exactly p's probability (a rejected
+    child's mass is taken out and the rest renormalised: sampling without replacement), which for
+    one child is ``verify``'s point-mass rule. The coins of position j are draws 1, 2, .. of the
+    row's uniforms at output position ``len(output_token_ids) + depth``, the token draw 0, as a
+    chain keys its own. Every position's history would be its own path, so a request with
+    penalties is verified as a chain (the runner proposes it none)."""
+    if has_penalties(row.params):
+        raise ValueError("a request with penalties is verified as a chain, not a tree")
+    n = len(token_ids)
+    if target_logits.shape[0] != n + 1 or len(children) != n + 1:
+        raise ValueError(f"a tree of {n} nodes needs {n + 1} target rows and child lists")
+    rows = [row] * (n + 1)
+    path: list[int] = []
+    at, depth = 0, 0
+    if row.params.greedy:
+        top = _argmax(process_logits(target_logits, SamplingBatch.from_rows(rows, target_logits.shape[1],
+                                                                               target_logits.device))).tolist()
+        while True:
+            nxt = next((c for c in children[at] if token_ids[c - 1] == top[at]), None)
+            if nxt is None:
+                return [token_ids[c - 1] for c in path] + [top[at]], path
+            path.append(nxt)
+            at = nxt
+    p = processed_probs(target_logits, rows).double()
+    key = torch.tensor([row.key()], dtype=torch.int64, device=p.device)
+    start = len(row.output_token_ids)
+    while True:
+        kids = children[at]
+        u = uniforms(key, torch.tensor([start + depth], dtype=torch.int64, device=p.device), 0, len(kids) + 1)[0]
+        r = p[at].clone()
+        nxt = None
+        for rank, c in enumerate(kids):
+            x = token_ids[c - 1]
+            if float(u[rank + 1]) * float(r.sum()) < float(r[x]):
+                nxt = c
+                break
+            r[x] = 0.0
+        if nxt is None:
+            if float(r.sum()) <= 0.0:  # the children held all of p's mass and were all refused: rounding
+                r = p[at].clone()
+            token = int(_search(r.cumsum(0)[None, :], u[:1]))
+            return [token_ids[c - 1] for c in path] + [token], path
+        path.append(nxt)
+        at, depth = nxt, depth + 1
 
 
 def num_accepted(outputs: list[list[int]]) -> list[int]:

@@ -79,12 +79,15 @@ typedef struct {
 } folio_kv;
 
 /* decode rows: row r is token tok[r] of the step and reads keys 0 .. lens[r] - 1 of sequence
- * seq[r], whose blocks are row seq[r] of block_tables [num_seqs, max_blocks] */
+ * seq[r], whose blocks are row seq[r] of block_tables [num_seqs, max_blocks]; where extra is not
+ * NULL, also the key at position lens[r] + j for each bit j set in extra[r] (a tree draft's
+ * ancestors: the root and the nodes on its path, laid out after the context; no window then) */
 typedef struct {
     int64_t m;
     const int64_t *tok, *seq, *lens;
     const int32_t *block_tables;
     int64_t num_seqs, max_blocks;
+    const uint64_t *extra;
 } folio_rows;
 
 int64_t folio_add_rms_norm(int64_t n, int64_t d, const void *x, int64_t xs, int64_t x_bf16, float *residual,

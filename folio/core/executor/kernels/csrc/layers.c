@@ -292,19 +292,24 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *res
  * where the caller can make it one. One fixed order per row: a row's result does not depend on
  * the rows beside it. */
 static inline __attribute__((always_inline)) void attend_group(
-    const float *restrict qg, const int32_t *table, int64_t first, int64_t len, const float *k_cache,
+    const float *restrict qg, const int32_t *table, int64_t first, int64_t len, uint64_t extra, const float *k_cache,
     const float *v_cache, int64_t block_size, int64_t kv_size, int64_t head_offset, int64_t group,
     const int64_t head_dim, float scale, float softcap, float *restrict orow, float *restrict scratch) {
-    const int64_t n = len - first;
+    const int64_t n = len - first + __builtin_popcountll(extra);
     /* the offsets start on the next 8-byte boundary after the scores (one float of slack) */
     int64_t *offsets = (int64_t *)(((uintptr_t)(scratch + group * n) + 7) & ~(uintptr_t)7);
     const int shift = __builtin_ctzll((unsigned long long)block_size);
+    int64_t i = 0;
     if ((block_size & (block_size - 1)) == 0) /* a power of two, as block sizes are: no division */
-        for (int64_t pos = first, i = 0; pos < len; pos++, i++)
+        for (int64_t pos = first; pos < len; pos++, i++)
             offsets[i] = ((int64_t)table[pos >> shift] * block_size + (pos & (block_size - 1))) * kv_size + head_offset;
     else
-        for (int64_t pos = first, i = 0; pos < len; pos++, i++)
+        for (int64_t pos = first; pos < len; pos++, i++)
             offsets[i] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * kv_size + head_offset;
+    for (uint64_t bits = extra; bits; bits &= bits - 1, i++) { /* a tree row's ancestors, in position order */
+        const int64_t pos = len + __builtin_ctzll(bits);
+        offsets[i] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * kv_size + head_offset;
+    }
     for (int64_t i = 0; i < n; i++) {
         const float *key = k_cache + offsets[i];
         if (i + AHEAD < n) prefetch_row(k_cache + offsets[i + AHEAD], head_dim);
@@ -333,7 +338,7 @@ static inline __attribute__((always_inline)) void attend_group(
 
 /* One query row per entry: row r is token tok[r] of q [*, num_heads, head_dim] and sees keys
  * 0..lens[r]-1 of its sequence seq[r], or with a window > 0 only its last window of them (the
- * table's entries for blocks wholly before are not read). out [*, num_heads, head_dim] gets
+ * table's entries for blocks wholly before are not read), then its extra keys (folio_rows). out [*, num_heads, head_dim] gets
  * softmax(cap(q . k * scale)) . v for each head (GQA: num_heads / num_kv_heads query heads read
  * each KV head; cap(s) = softcap * tanh(s / softcap) when softcap > 0, else s). scratch:
  * folio_attention_scratch(num_heads / num_kv_heads, max(lens)) floats. KV heads g0 .. g1 of row r. */
@@ -344,18 +349,19 @@ static void attend_row(const folio_rows *rows, int64_t r, const float *q, int64_
     const float *qr = q + rows->tok[r] * num_heads * head_dim;
     float *orow = out + rows->tok[r] * num_heads * head_dim;
     const int64_t len = rows->lens[r], first = window > 0 && len > window ? len - window : 0;
+    const uint64_t extra = rows->extra ? rows->extra[r] : 0;
     for (int64_t g = g0; g < g1; g++) {
         const float *qg = qr + g * group * head_dim;
         float *og = orow + g * group * head_dim;
         if (head_dim == 64)
-            attend_group(qg, table, first, len, kv->k, kv->v, kv->block_size, kv_size, g * 64, group, 64, scale,
+            attend_group(qg, table, first, len, extra, kv->k, kv->v, kv->block_size, kv_size, g * 64, group, 64, scale,
                          softcap, og, scratch);
         else if (head_dim == 128)
-            attend_group(qg, table, first, len, kv->k, kv->v, kv->block_size, kv_size, g * 128, group, 128, scale,
-                         softcap, og, scratch);
-        else
-            attend_group(qg, table, first, len, kv->k, kv->v, kv->block_size, kv_size, g * head_dim, group, head_dim,
+            attend_group(qg, table, first, len, extra, kv->k, kv->v, kv->block_size, kv_size, g * 128, group, 128,
                          scale, softcap, og, scratch);
+        else
+            attend_group(qg, table, first, len, extra, kv->k, kv->v, kv->block_size, kv_size, g * head_dim, group,
+                         head_dim, scale, softcap, og, scratch);
     }
 }
 
@@ -374,16 +380,23 @@ int64_t folio_check_rows(const folio_rows *rows, int64_t num_tokens, const folio
         if (seq < 0 || seq >= rows->num_seqs)
             return folio_fail(FOLIO_ERANGE, "row %lld: sequence %lld of %lld", (long long)r, (long long)seq,
                               (long long)rows->num_seqs);
-        if (len < 1 || len > rows->max_blocks * kv->block_size)
-            return folio_fail(FOLIO_ERANGE, "row %lld: %lld keys for a table of %lld blocks", (long long)r, (long long)len,
-                              (long long)rows->max_blocks);
+        const uint64_t extra = rows->extra ? rows->extra[r] : 0;
+        /* the last key a row reads: its context's, or its highest ancestor's */
+        const int64_t end = len < 0 || len > rows->max_blocks * kv->block_size ? -1
+                            : extra ? len + 64 - __builtin_clzll(extra) : len;
+        if (end < 1 || end > rows->max_blocks * kv->block_size)
+            return folio_fail(FOLIO_ERANGE, "row %lld: keys up to %lld for a table of %lld blocks", (long long)r,
+                              (long long)end, (long long)rows->max_blocks);
+        if (extra && window > 0)
+            return folio_fail(FOLIO_EINVAL, "row %lld: a tree row in a sliding-window layer", (long long)r);
         const int64_t first = window > 0 && len > window ? len - window : 0;
         const int32_t *table = rows->block_tables + seq * rows->max_blocks;
-        for (int64_t b = first / kv->block_size; b <= (len - 1) / kv->block_size; b++)
+        for (int64_t b = first / kv->block_size; b <= (end - 1) / kv->block_size; b++)
             if (table[b] < 0 || table[b] >= kv->num_blocks)
                 return folio_fail(FOLIO_ERANGE, "row %lld: block %lld of the pool's %lld", (long long)r, (long long)table[b],
                                   (long long)kv->num_blocks);
-        if (len > *max_len) *max_len = len;
+        const int64_t keys = len + __builtin_popcountll(extra);
+        if (keys > *max_len) *max_len = keys;
     }
     return FOLIO_OK;
 }
@@ -422,7 +435,7 @@ void folio_attend(const folio_rows *rows, const float *q, int64_t num_heads, con
                   int64_t window, float softcap, float *out, float *scratch, int64_t scratch_stride, int64_t threads) {
     attention_task a = {rows, q, num_heads, kv, scale, softcap, window, out, scratch, scratch_stride, threads, 0, 0};
     int64_t total = 0;
-    for (int64_t r = 0; r < rows->m; r++) total += rows->lens[r];
+    for (int64_t r = 0; r < rows->m; r++) total += rows->lens[r] + (rows->extra ? __builtin_popcountll(rows->extra[r]) : 0);
     /* below a few hundred keys in all a second thread costs more than it saves */
     folio_run_parallel(attention_part, &a, threads > 1 && total * kv->num_kv_heads >= 256);
 }

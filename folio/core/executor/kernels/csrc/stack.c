@@ -100,6 +100,10 @@ int64_t folio_decode_stack(const folio_stack *s, const folio_step *step) {
     const folio_kv *kv0 = &s->layers[0].kv;
     if ((rc = folio_check_tokens(step->n, step->positions, s->rope_len, step->slots, kv0))) return rc;
     if ((rc = folio_check_rows(&step->rows, step->n, kv0, 0, &max_len))) return rc;
+    for (int64_t i = 0; step->rows.extra && i < s->num_layers; i++)
+        for (int64_t r = 0; s->layers[i].window > 0 && r < step->rows.m; r++)
+            if (step->rows.extra[r])
+                return folio_fail(FOLIO_EINVAL, "step: tree rows and layer %lld's sliding window", (long long)i);
     if (step->rows.m != step->n) return folio_fail(FOLIO_EINVAL, "step: %lld rows for %lld tokens", (long long)step->rows.m,
                                                    (long long)step->n);
     const work_layout w = layout_of(s, step->n, max_len);
