@@ -205,7 +205,9 @@ def tiny_pair(tmp_path_factory):
 
 def test_suffix_speculation_is_lossless_with_caching_preemption_and_choices(tiny_pair):
     """Two waves of the same prompts (the second drafts from the first's answers), n = 2 choices,
-    in a pool small enough to preempt: the greedy tokens are plain decoding's."""
+    in a pool small enough to preempt: the greedy tokens are plain decoding's. Drafting every step
+    (not adaptive): what the controller chooses would hang on this machine's load, and the
+    controller's own tests drive it with given timings."""
     target, _ = tiny_pair
     prompts = repetitive_prompts(6, seed=21)
 
@@ -215,7 +217,7 @@ def test_suffix_speculation_is_lossless_with_caching_preemption_and_choices(tiny
 
     plain_runner = make_runner(target, num_kv_blocks=40)
     spec_runner = make_runner(target, num_kv_blocks=40, speculative_config='{"method": "suffix", '
-                              '"num_speculative_tokens": 6, "prompt_lookup_min": 2}')
+                              '"num_speculative_tokens": 6, "prompt_lookup_min": 2, "adaptive": false}')
     preempted = 0
     for tag in ("first", "second"):
         _, plain = run(plain_runner, wave(tag))
@@ -227,7 +229,6 @@ def test_suffix_speculation_is_lossless_with_caching_preemption_and_choices(tiny
     assert engine.sched.counters["num_spec_accepted_tokens"] > 0
     stats = spec_runner.stats()
     assert stats["suffix_drafts_from_trie"] > 0 and stats["suffix_cached_requests"] > 0
-    assert stats["spec_steps_speculated"] > 0  # the controller chose drafts for some steps
 
 
 class Alternating(SpecController):
