@@ -52,6 +52,20 @@ def flag(default, help: str, services: tuple[str, ...], **kw):
     return field(default=default, metadata={"flag": Flag(help=help, services=services, **kw)})
 
 
+TASKS = ("generate", "embed", "score", "rerank")
+POOLING_TASKS = ("embed", "score", "rerank")  # one pooling server whichever is named
+TASK_CHOICES = TASKS + tuple(f"generate,{t}" for t in POOLING_TASKS)  # --task: one, or both kinds
+
+
+def parse_tasks(text: str) -> str:
+    """``--task``: one task or a comma-separated list, each one of ``TASKS`` (a ValueError names a bad one)."""
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise ValueError(f"--task takes {', '.join(TASKS)} or a comma-separated list of them, not {text!r}")
+    return ",".join(tasks)
+
+
 def log_json_from_env() -> bool:
     return os.environ.get("FOLIO_LOG_JSON", "0") in ("1", "true", "yes")
 
