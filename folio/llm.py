@@ -5,6 +5,10 @@
     for out in llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8)):
         print(out.outputs[0].text)
 
+With ``task="embed"`` (or ``"generate,embed"`` for both) it pools instead: ``embed`` returns each
+input's last-token embedding, L2-normalised, and ``score`` a yes/no reranker's p(yes) of (query,
+document) pairs, through the same scheduler as generation (prefill only, prefix cache shared).
+
 It runs the services' scheduler, allocator replica (prefix cache included), model runner and
 tokenizer code in this process, without sockets (``engine.LLMEngine``), so that a prompt gets the
 tokens and text that ``folio serve`` would return for it. ``generate`` and ``chat`` queue every
@@ -13,6 +17,7 @@ prompt at once and step the engine until all are done, with a progress bar.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import json
@@ -21,9 +26,9 @@ import time
 import msgspec
 
 from folio.core.engine import EngineCore, LLMEngine
-from folio.outputs import RequestBuilder, RequestOutput
-from folio.core.input_processor import chat_messages, generate_request
-from folio.shared.config import DEFAULT_MODEL_NAME, RuntimeConfig, SchedulerConfig
+from folio.outputs import EmbeddingOutput, PoolingRequestOutput, RequestBuilder, RequestOutput, ScoringOutput
+from folio.core.input_processor import RerankFormat, chat_messages, embed_params, generate_request
+from folio.shared.config import DEFAULT_MODEL_NAME, POOLING_TASKS, RuntimeConfig, SchedulerConfig, parse_tasks
 from folio.shared.sampling import SamplingParams
 
 # engine arguments: the config fields ``folio serve``'s flags set, by the flag's name with underscores
@@ -63,7 +68,10 @@ class LLM:
     ``max_cpu_loras``) serves LoRA adapters that ``generate``'s ``lora_request`` names;
     ``speculative_config={"method": "suffix"}`` (a dict or its JSON) drafts tokens to verify."""
 
-    def __init__(self, model: str = DEFAULT_MODEL_NAME, **engine_args):
+    def __init__(self, model: str = DEFAULT_MODEL_NAME, task: str = "generate",
+                 rerank_format: RerankFormat | None = None, **engine_args):
+        """``task``: ``generate``, ``embed`` (``score``, ``rerank``: the same pooling engine) or a
+        comma-separated list; ``rerank_format``: how ``score`` prompts a reranker (Qwen3-Reranker's)."""
         from folio.core.model_files import resolve_model
         from folio.core.executor.runtime.runner import ModelRunner
         from folio.core.tokenizer.text import TextTokenizer
@@ -75,6 +83,8 @@ class LLM:
         core = EngineCore(runner, **core_args)
         self.engine = LLMEngine(core, TextTokenizer(model_path, core.max_model_len))
         self._ids = itertools.count()
+        self.tasks = set(parse_tasks(task).split(","))
+        self.rerank_format = rerank_format or RerankFormat()
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
@@ -91,6 +101,7 @@ class LLM:
         ``prompt_token_ids``; a list of those; one RequestOutput per prompt, in order.
         ``lora_request``: a ``LoRARequest`` for every prompt, or a list of them (None entries:
         the base model) one per prompt."""
+        self._need_generation()
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         fields = [_prompt_fields(p) for p in prompts]
@@ -98,6 +109,42 @@ class LLM:
             if name is not None:
                 f["lora_name"] = name
         return self._run(fields, sampling_params, use_tqdm)
+
+    def embed(self, inputs, dimensions: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each input's embedding (a string, a list of token ids, or a list of those): the final hidden
+        state at its last token, its first ``dimensions`` values (all by default), L2-normalised."""
+        self._need_pooling("embed")
+        if isinstance(inputs, (str, dict)) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        empty = [i for i, p in enumerate(inputs) if not p]
+        if empty:  # as /v1/embeddings: nothing to embed (a tokenizer that appends EOS would embed that alone)
+            raise ValueError(f"input {empty[0]} is empty")
+        outs = self._run([_prompt_fields(p) for p in inputs], embed_params(dimensions), use_tqdm)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(_floats(o.pooled)),
+                                     num_cached_tokens=o.num_cached_tokens) for o in outs]
+
+    def score(self, query, documents, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """A yes/no reranker's p(yes) for each document against ``query`` (one string, or one per
+        document), with the prompt format of ``rerank_format``."""
+        self._need_pooling("score")
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        queries = [query] * len(documents) if isinstance(query, str) else list(query)
+        if len(queries) != len(documents):
+            raise ValueError(f"{len(queries)} queries for {len(documents)} documents")
+        fmt = self.rerank_format
+        fields = [{"prompt": fmt.prompt(q, d), "add_special_tokens": False} for q, d in zip(queries, documents)]
+        outs = self._run(fields, fmt.params(), use_tqdm)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(fmt.score(_floats(o.pooled))),
+                                     num_cached_tokens=o.num_cached_tokens) for o in outs]
+
+    def _need_pooling(self, what: str) -> None:
+        if not self.tasks & set(POOLING_TASKS):
+            raise ValueError(f"{what} needs a pooling engine: LLM(..., task='embed') (or 'generate,embed')")
+
+    def _need_generation(self) -> None:
+        if "generate" not in self.tasks:
+            raise ValueError(f"this LLM pools (task={','.join(sorted(self.tasks))!r}): generating needs "
+                             "task='generate' (or 'generate,embed')")
 
     def _lora_names(self, lora_request, num_prompts: int) -> list[str | None]:
         """Each prompt's adapter name; an adapter not registered yet is read now (a bad one raises
@@ -117,6 +164,7 @@ class LLM:
         """Reply to a conversation (a list of ``{"role", "content"}`` messages) or to each of a
         list of conversations, through the model's chat template, as ``/v1/chat/completions`` does.
         ``chat_template_kwargs``: extra template variables (Qwen3's ``enable_thinking``)."""
+        self._need_generation()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         fields = [{"messages": chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools,
                    "chat_template_kwargs": chat_template_kwargs} for c in conversations]
@@ -125,7 +173,8 @@ class LLM:
                 f["lora_name"] = name
         return self._run(fields, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[dict], params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[dict], params, use_tqdm: bool) -> list[RequestOutput | RequestBuilder]:
+        """Every prompt to the end: RequestOutputs, or for pooling params the builders (``pooled``)."""
         params = params if params is not None else SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
@@ -143,6 +192,8 @@ class LLM:
         errors = [e for b in builders for e in b.errors]
         if errors:
             raise RuntimeError(f"the engine failed a request: {errors[0]}")
+        if all(p.pools for p in params):
+            return builders
         return [b.build() for b in builders]
 
     def _add_all(self, prompts: list[dict], params: list[SamplingParams]) -> list[RequestBuilder]:
@@ -190,6 +241,12 @@ class LLM:
                         num_unfinished -= 1
                         bar.update(1)
                         bar.set_postfix_str(f"output: {num_output_tokens / (time.perf_counter() - start):.1f} tok/s")
+
+
+def _floats(data: bytes) -> list[float]:
+    values = array.array("f")
+    values.frombytes(data)  # little-endian float32, as the executor packed it
+    return values.tolist()
 
 
 def _prompt_fields(prompt) -> dict:

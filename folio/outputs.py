@@ -51,6 +51,27 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # p(yes) of a yes/no reranker
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.embed`` and ``LLM.score`` return per input (vLLM's shape: ``out.outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
 def position_logprobs(item: TextLogprob) -> PositionLogprobs | None:
     """vLLM's per-position dict; None for the first prompt token, which has no logprob."""
     if item.logprob is None:
@@ -74,6 +95,7 @@ class RequestBuilder:
         self.num_choices, self.want_logprobs = num_choices, want_logprobs
         self.num_cached_tokens = 0
         self.errors: list[str] = []
+        self.pooled: bytes | None = None  # a pooling request's vector (little-endian float32)
 
     @property
     def finished(self) -> bool:
@@ -89,6 +111,8 @@ class RequestBuilder:
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [position_logprobs(x) for x in delta.prompt_logprobs]
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         if delta.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
             if delta.error:

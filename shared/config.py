@@ -52,6 +52,20 @@ def flag(default, help: str, services: tuple[str, ...], **kw):
     return field(default=default, metadata={"flag": Flag(help=help, services=services, **kw)})
 
 
+TASKS = ("generate", "embed", "score", "rerank")
+POOLING_TASKS = ("embed", "score", "rerank")  # one pooling server whichever is named
+TASK_CHOICES = TASKS + tuple(f"generate,{t}" for t in POOLING_TASKS)  # --task: one, or both kinds
+
+
+def parse_tasks(text: str) -> str:
+    """``--task``: one task or a comma-separated list, each one of ``TASKS`` (a ValueError names a bad one)."""
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise ValueError(f"--task takes {', '.join(TASKS)} or a comma-separated list of them, not {text!r}")
+    return ",".join(tasks)
+
+
 def log_json_from_env() -> bool:
     return os.environ.get("FOLIO_LOG_JSON", "0") in ("1", "true", "yes")
 
@@ -390,6 +404,19 @@ class GatewayConfig:
                                     "first; default 1024)", ("gateway",))
     response_store_ttl_s: float = flag(3600.0, "Responses API: seconds a stored response may be continued "
                                        "(default 3600)", ("gateway",), name="--response-store-ttl")
+    task: str = flag("generate", "what the server answers: generate (completions, chat, responses, messages), "
+                     "embed, score or rerank (one pooling server: /v1/embeddings, /v1/rerank, /v1/score), or "
+                     "generate,embed (both kinds of route, one engine); default generate", ("gateway",),
+                     choices=TASK_CHOICES)
+    max_pooling_inputs: int = flag(2048, "inputs (or documents, or pairs) one embeddings, rerank or score request "
+                                   "may carry (default 2048)", ("gateway",))
+    rerank_template: str | None = flag(None, "the prompt a yes/no reranker reads, with {query}, {document} and "
+                                       "{instruction} (default: Qwen3-Reranker's)", ("gateway",))
+    rerank_instruction: str | None = flag(None, "the {instruction} of the rerank template (default: "
+                                          "Qwen3-Reranker's web search one)", ("gateway",))
+    rerank_yes_token: str = flag("yes", "the token whose probability against --rerank-no-token is the score "
+                                 "(default yes)", ("gateway",))
+    rerank_no_token: str = flag("no", "the other token of the score (default no)", ("gateway",))
     enable_lora: bool = False  # the executor's flags: ``model`` may name an adapter the executor holds
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     kv_role: str = "both"  # the executor's flag: a prefill instance answers the kv_transfer extension

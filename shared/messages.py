@@ -153,6 +153,9 @@ class StepResult(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="step_
     drafts_next: bool = True
     logprobs: list[list[TokenLogprobs] | None] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    # pooling requests (``SamplingParams.pooling``) whose last prompt chunk ran: their vector as
+    # little-endian float32 bytes. They sample nothing and are not in ``req_ids``
+    pooled: dict[str, bytes] = {}
     # set by the executor service: the epoch of the pool that ran the step; a change tells the
     # scheduler the executor restarted and its requests must start over
     epoch: str = ""
@@ -254,6 +257,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # a text prompt's: the tokenizer's BOS/EOS (a reranker's formatted pair: none)
     echo: bool = False  # also return the prompt text (completions only)
     stream: bool = False
     priority: int = 0
@@ -323,6 +327,7 @@ class TokenDelta(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defau
     # the model's context or the whole KV pool); the tokenizer passes it on as TextDelta.error
     error: str | None = None
     error_code: int = 400  # 503 while the scheduler drains
+    pooled: bytes | None = None  # a pooling request's vector (little-endian float32), on its one delta
     # on a request's first delta: seconds from its arrival to its first step (the queue time)
     queue_time_s: float | None = None
 
@@ -386,6 +391,7 @@ class TextDelta(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defaul
     error_code: int = 400
     error_param: str | None = None  # the request field the error is about, for the OpenAI error
     queue_time_s: float | None = None  # passed on from the TokenDelta, for /metrics
+    pooled: bytes | None = None  # a pooling request's vector (little-endian float32), passed on
 
 
 class TextBatch(msgspec.Struct, gc=False, frozen=True, kw_only=True, tag="text_batch"):

@@ -24,6 +24,34 @@ class ParamError(ValueError):
         self.param = param
 
 
+POOLING_KINDS = ("embed", "score")
+
+
+class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A request that pools instead of generating: its prompt is computed (prefill only, under the
+    same token budget, through the prefix cache) and its answer is one vector, never a token.
+
+    ``embed``: the final hidden state (after the final norm) at the last prompt position, its first
+    ``dimensions`` values kept (Matryoshka models: the leading values are an embedding of their own)
+    and then L2-normalised when ``normalize``. ``score``: the logits of ``tokens`` at the last
+    position (a yes/no reranker's: the client takes their softmax). ``tokens`` are vocabulary
+    strings, resolved to ``token_ids`` by the tokenizer, which owns the vocabulary."""
+
+    kind: str = "embed"
+    dimensions: int | None = None
+    normalize: bool = True
+    tokens: list[str] = []
+    token_ids: list[int] = []
+
+    def __post_init__(self):
+        if self.kind not in POOLING_KINDS:
+            raise ParamError(f"pooling kind must be one of {', '.join(POOLING_KINDS)}, not {self.kind!r}", "pooling")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ParamError("dimensions must be at least 1", "dimensions")
+        if self.kind == "score" and not (self.tokens or self.token_ids):
+            raise ParamError("a score names the tokens whose logits it returns", "pooling")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How the tokens of one request are picked, and how many. Each parameter's "off" value is its
     default. ``stop`` given as one string is that one stop string; ``top_k`` -1 (vLLM's older
@@ -48,6 +76,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     use_beam_search: bool = False  # best_of (or n) beams, the best n returned
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never"
+    # set: the request pools its prompt into a vector and generates nothing (``max_tokens`` unused)
+    pooling: PoolingParams | None = None
 
     def __post_init__(self):
         # msgspec runs this on decoding too: a struct from a peer that breaks a rule is a
@@ -62,6 +92,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         for param, is_bad, message in RULES:
             if is_bad(self):
                 raise ParamError(message, param)
+
+    @property
+    def pools(self) -> bool:
+        """Whether the request is prefill only: its answer is a pooled vector, not tokens."""
+        return self.pooling is not None
 
     @property
     def greedy(self) -> bool:

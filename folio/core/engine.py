@@ -175,7 +175,7 @@ class LLMEngine:
         prompt_token_ids, prompt_text = self.tokenizer.prepare(req)
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
         refusals = self.core.add_request(EngineRequest(
-            req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=req.sampling,
+            req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=self.tokenizer.engine_sampling(req.sampling),
             eos_token_id=self.tokenizer.eos_token_id, priority=req.priority, arrival_time=req.arrival_time,
             cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids,
             lora_name=req.lora_name))

@@ -6,7 +6,10 @@ the engine's ``GenerateRequest`` here, for the gateway's OpenAI routes and for `
   sequences) forked from the first, or with beam search its ``n`` choices of the best beams; the
   params travel in it unchanged;
 - ``best_of_order``: which of a prompt's sequences ``best_of`` keeps (vLLM's rule);
-- ``ChatMessageIn`` and ``chat_messages``: OpenAI's chat messages, read and checked.
+- ``ChatMessageIn`` and ``chat_messages``: OpenAI's chat messages, read and checked;
+- ``embed_params`` and ``RerankFormat``: the pooling requests of ``/v1/embeddings``, ``/v1/rerank``
+  and ``/v1/score`` (and ``LLM.embed``/``LLM.score``): a yes/no reranker reads a query and a
+  document in the prompt format it was trained on, and scores p(yes) from two logits.
 
 A request's sequences have ids ``<req_id>-<index>``, ``index = prompt_index * num + i``, the first
 the request's own: the others ride in ``fork_req_ids`` and the scheduler forks them from the first
@@ -15,12 +18,61 @@ once the prompt is computed. No torch, no sockets.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 
 from folio.shared import messages
-from folio.shared.sampling import ParamError, SamplingParams
+from folio.shared.sampling import ParamError, PoolingParams, SamplingParams
+
+# Qwen3-Reranker's prompt (its model card): a system turn that asks for "yes" or "no", the pair in
+# the user turn, and an assistant turn opened after an empty think block; the score is p("yes")
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+QWEN3_RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def embed_params(dimensions: int | None = None) -> SamplingParams:
+    """An embedding request's params: last-token pooling, L2-normalised (after truncation to
+    ``dimensions``)."""
+    return SamplingParams(max_tokens=None, pooling=PoolingParams(kind="embed", dimensions=dimensions))
+
+
+@dataclass(frozen=True)
+class RerankFormat:
+    """How a yes/no cross-encoder reads a (query, document) pair: ``template`` with ``{query}``,
+    ``{document}`` and ``{instruction}``, tokenized without added special tokens (the template
+    holds them), and the two tokens whose logits at the last position give the score."""
+
+    template: str = QWEN3_RERANK_TEMPLATE
+    instruction: str = QWEN3_RERANK_INSTRUCTION
+    yes_token: str = "yes"
+    no_token: str = "no"
+
+    def __post_init__(self):
+        try:
+            self.template.format(query="", document="", instruction="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"a rerank template may name only {{query}}, {{document}} and {{instruction}}: {exc}") from None
+
+    def prompt(self, query: str, document: str) -> str:
+        return self.template.format(query=query, document=document, instruction=self.instruction)
+
+    def params(self) -> SamplingParams:
+        """The logits of [no, yes] at the pair's last position."""
+        return SamplingParams(max_tokens=None, pooling=PoolingParams(kind="score", normalize=False,
+                                                                     tokens=[self.no_token, self.yes_token]))
+
+    @staticmethod
+    def score(logits: list[float]) -> float:
+        """p(yes): the softmax over the [no, yes] logits."""
+        no, yes = logits
+        return 1.0 / (1.0 + math.exp(no - yes)) if no - yes < 700 else 0.0
 
 
 def generate_request(params: SamplingParams, req_id: str, prompt_index: int = 0, **fields) -> messages.GenerateRequest:

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 
-def write_tiny_model(path, model_type: str = "llama", **overrides) -> str:
+def write_tiny_model(path, model_type: str = "llama", base_model: bool = False, **overrides) -> str:
     """A random-weight checkpoint in ``path`` (config.json + safetensors) of any ``model_type``
-    transformers knows (its config class's defaults, then these sizes, then ``overrides``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers knows (its config class's defaults, then these sizes, then ``overrides``);
+    ``base_model``: the decoder without its LM head (``Qwen3Model``), as embedding models are saved."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     base = dict(
         vocab_size=128,
@@ -27,7 +28,7 @@ def write_tiny_model(path, model_type: str = "llama", **overrides) -> str:
     base.update(overrides)
     config = AutoConfig.for_model(model_type, **base)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (AutoModel if base_model else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the init: logits far from uniform, paths differ
         for name, p in model.named_parameters():
             if name.endswith("bias") or p.dim() > 1:
@@ -82,3 +83,20 @@ def write_qwen3_tokenizer(folder, tokenizer_dir) -> int:
     tokenizer.chat_template = QWEN3_TEMPLATE
     tokenizer.save_pretrained(folder)
     return len(tokenizer)
+
+
+def write_tiny_embedding_model(folder, tokenizer_dir, max_position_embeddings: int = 512) -> str:
+    """A tiny random decoder embedding model of Qwen3-Embedding's shape: a Qwen3 base model saved
+    without an LM head, and a tokenizer (SmolLM2's) that appends ``<|endoftext|>`` to every text as
+    Qwen3-Embedding's does: the last token, whose final hidden state is the embedding."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", pair="$A <|endoftext|> $B <|endoftext|>", special_tokens=[("<|endoftext|>", eos)])
+    tokenizer.save_pretrained(folder)
+    write_tiny_model(folder, "qwen3", base_model=True, vocab_size=len(tokenizer), head_dim=16,
+                     max_position_embeddings=max_position_embeddings)
+    return str(folder)

@@ -11,7 +11,7 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from folio.services.gateway import messages_api, request_spans, responses_api
+from folio.services.gateway import messages_api, pooling_api, request_spans, responses_api
 from folio.services.gateway.dashboard import add_dashboard_routes
 from folio.services.gateway.routes import SERVICE, add_routes, auth_middleware, error_middleware
 from folio.services.gateway.service import GatewayService
@@ -54,12 +54,14 @@ def build_app(service: GatewayService) -> web.Application:
     app = web.Application(middlewares=[*([request_spans.middleware(traced)] if traced else []), error_middleware,
                                        # the key first: a stranger's body is never read
                                        auth_middleware(service.config.api_key),
-                                       body_limit(service.config.max_body_bytes, service.config.body_timeout_s)],
+                                       body_limit(service.config.max_body_bytes, service.config.body_timeout_s),
+                                       pooling_api.task_middleware(service.config)],
                           client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     add_routes(app)
     responses_api.add_routes(app)
     messages_api.add_routes(app)
+    pooling_api.add_routes(app)
     add_dashboard_routes(app, service)
 
     async def lifetime(app: web.Application):

@@ -35,7 +35,7 @@ def merge_all(deltas: list[TextDelta]) -> TextDelta:
     first = deltas[0]
     texts: list[str] = []
     token_ids: list[int] = []
-    logprobs = prompt_text = prompt_logprobs = finish_reason = stop_reason = failed = queue_time_s = None
+    logprobs = prompt_text = prompt_logprobs = finish_reason = stop_reason = failed = queue_time_s = pooled = None
     num_prompt, num_output, num_cached = first.num_prompt_tokens, first.num_output_tokens, first.num_cached_tokens
     for d in deltas:
         texts.append(d.text)
@@ -53,6 +53,8 @@ def merge_all(deltas: list[TextDelta]) -> TextDelta:
             queue_time_s = d.queue_time_s
         if d.finish_reason:
             finish_reason = d.finish_reason
+        if d.pooled is not None:
+            pooled = d.pooled
         if d.stop_reason is not None:
             stop_reason = d.stop_reason
         if d.error:
@@ -68,7 +70,7 @@ def merge_all(deltas: list[TextDelta]) -> TextDelta:
         prompt_logprobs=prompt_logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
         num_prompt_tokens=num_prompt, num_output_tokens=num_output, num_cached_tokens=num_cached,
         error=failed.error if failed else None, error_code=(failed or first).error_code,
-        error_param=(failed or first).error_param, queue_time_s=queue_time_s,
+        error_param=(failed or first).error_param, queue_time_s=queue_time_s, pooled=pooled,
     )
 
 

@@ -150,7 +150,8 @@ class TokenizerService:
     def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, grammar: Grammar | None) -> None:
         """The request on to the scheduler, its sampling params as the gateway built them."""
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
-        engine_req = EngineRequest(req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=req.sampling,
+        engine_req = EngineRequest(req_id=req.req_id, prompt_token_ids=prompt_token_ids,
+                                   sampling=self.tokenizer.engine_sampling(req.sampling),
                                    grammar=grammar, eos_token_id=self.tokenizer.eos_token_id,
                                    **{name: getattr(req, name) for name in PASSED_ON})
         self.send_to_scheduler.send(encode(engine_req))

@@ -42,7 +42,10 @@ def add_request(sched: SchedulerState, msg: EngineRequest) -> list[TokenDelta]:
 
 def max_tokens_of(sched: SchedulerState, msg: EngineRequest) -> int:
     """The output tokens a request may have: its ``max_tokens``, or, when that is None, what the
-    context leaves after its prompt (0: the context length is unknown)."""
+    context leaves after its prompt (0: the context length is unknown). A pooling request has
+    none: it finishes after its prompt."""
+    if msg.sampling.pools:
+        return 0
     if msg.sampling.max_tokens is not None:
         return msg.sampling.max_tokens
     return max(sched.max_model_len - len(msg.prompt_token_ids), 0) if sched.max_model_len else 0
@@ -57,6 +60,8 @@ def _refusal(sched: SchedulerState, msg: EngineRequest) -> tuple[str | None, int
         return f"request id {msg.req_id!r} (or one of its choices) is already in use", 400
     if num_prompt == 0:
         return "the prompt is empty", 400
+    if msg.sampling.pools:
+        return _pooling_refusal(sched, msg, num_prompt)
     if msg.sampling.max_tokens is None and not sched.max_model_len:
         return "max_tokens is needed: the model's context length is unknown", 400
     if max_tokens < 1:
@@ -88,6 +93,20 @@ def _refusal(sched: SchedulerState, msg: EngineRequest) -> tuple[str | None, int
     if need > sched.pool.num_blocks:
         return (f"the request needs {need} KV blocks ({num_prompt} prompt + {max_tokens} completion tokens) "
                 f"but the whole KV cache holds {sched.pool.num_blocks}"), 400
+    return None, 400
+
+
+def _pooling_refusal(sched: SchedulerState, msg: EngineRequest, num_prompt: int) -> tuple[str | None, int]:
+    """A pooling request: one sequence whose prompt fits the context and the pool (it needs no
+    block for a token it will never generate)."""
+    if msg.fork_req_ids or msg.sampling.use_beam_search or msg.forced_token_ids:
+        return "a pooling request is one sequence: no choices, beams or forced tokens", 400
+    if sched.max_model_len and num_prompt > sched.max_model_len:
+        return (f"This model's maximum context length is {sched.max_model_len} tokens. However, the input "
+                f"has {num_prompt} tokens. Please reduce the length of the input."), 400
+    need = cdiv(num_prompt, sched.block_size)
+    if need > sched.pool.num_blocks:
+        return f"the input needs {need} KV blocks but the whole KV cache holds {sched.pool.num_blocks}", 400
     return None, 400
 
 

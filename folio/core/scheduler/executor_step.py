@@ -54,7 +54,10 @@ def plan_request(sched: SchedulerState, out: StepOutput, req: Request, num_new: 
         req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
     out.num_scheduled[req_id] = num_new
     req.num_computed_tokens = req.executor_computed = end = start + num_new
-    if end >= len(req.prompt_token_ids) + len(req.output_token_ids) + pending:  # it samples
+    if end >= len(req.prompt_token_ids) + len(req.output_token_ids) + pending:  # it samples (or pools)
+        if req.sampling.pooling is not None:  # prefill only: it ends with this step, nothing pending
+            out.poolers.append(req)
+            return
         out.samplers.append(req)
         req.num_pending = pending + 1
 
@@ -139,12 +142,31 @@ def update_from_result(sched: SchedulerState, out: StepOutput, result: StepResul
             if req.status is not finished_status:
                 continue
         num_finished += 1
+    if out.poolers:
+        num_finished += _pooled(sched, out, result, deltas)
     c = sched.counters
     c["num_generation_tokens_total"] += num_generated
     c["num_requests_finished"] += num_finished
     _end_step(sched, out, result, deltas, groups, released=num_finished > 0)
     return TokenBatch(step_id=out.step_id, deltas=deltas, plain_req_ids=plain_req_ids,
                       plain_token_ids=plain_token_ids)
+
+
+def _pooled(sched: SchedulerState, out: StepOutput, result: StepResult, deltas: list[TokenDelta]) -> int:
+    """Pooling requests whose last prompt chunk ran end with their vector (one delta each, no
+    token). One the result left out is failed by ``_end_step``. Returns how many ended here."""
+    num = 0
+    for req in out.poolers:
+        vector = result.pooled.get(req.req_id)
+        if vector is None or req.status is Status.FINISHED:
+            continue  # aborted while the step ran, or left out (failed below)
+        deltas.append(TokenDelta(req_id=req.req_id, token_ids=[], finish_reason="stop", pooled=vector,
+                                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                                 queue_time_s=req.take_queue_time()))
+        req.counts_sent = True
+        sched.release(req)
+        num += 1
+    return num
 
 
 def _end_step(sched: SchedulerState, out: StepOutput, result: StepResult, deltas: list[TokenDelta],
@@ -154,7 +176,8 @@ def _end_step(sched: SchedulerState, out: StepOutput, result: StepResult, deltas
     for group in groups:
         deltas.extend(sched.forks.advance_beams(group))
         released = True
-    if result.error or result.req_ids != [req.req_id for req in out.samplers]:
+    if (result.error or result.req_ids != [req.req_id for req in out.samplers]
+            or any(req.req_id not in result.pooled for req in out.poolers)):
         released |= _fail_unreported(sched, out, result, deltas)
     if released:
         sched.running = [r for r in sched.running if r.status is not Status.FINISHED]
@@ -203,8 +226,8 @@ def _fail_unreported(sched: SchedulerState, out: StepOutput, result: StepResult,
     stuck. The step's other requests may not have advanced there either: the next plan tells
     the executor their counts again. A step the executor refused or failed (``error``) ends
     every request it scheduled: their KV for it was never written."""
-    reported = set(result.req_ids)
-    failing = [req for req, _ in out.scheduled] if result.error else out.samplers
+    reported = set(result.req_ids) | set(result.pooled)
+    failing = [req for req, _ in out.scheduled] if result.error else out.samplers + out.poolers
     failed = False
     for req in failing:
         if not req.finished and req.req_id not in reported:

@@ -349,8 +349,8 @@ def _plain_decodes(sched: SchedulerState, out: StepOutput, i: int, budget: int) 
     num_placeholders = 0
     while i < end and budget > 0:
         req = running[i]
-        if req.pending_forks or req.spec_token_ids or req.grammar is not None:
-            break
+        if req.pending_forks or req.spec_token_ids or req.grammar is not None or req.sampling.pooling is not None:
+            break  # (a pooling request's last prompt token pools: ``plan_request``)
         start, pending, num_output = req.num_computed_tokens, req.num_pending, len(req.output_token_ids)
         if len(req.prompt_token_ids) + num_output + pending - start != 1:
             break

@@ -49,6 +49,7 @@ class StepOutput:
     running_reqs: list[RunningRequestData] = field(default_factory=list)
     num_placeholders: int = 0
     samplers: list[Request] = field(default_factory=list)  # the sequences that sample, in the plan's order
+    poolers: list[Request] = field(default_factory=list)  # pooling requests whose last prompt chunk runs
     ahead: bool = False  # planned while the step before was still running (async scheduling)
     # a sequence in it has choices to fork or a grammar: the next step waits for its result
     waits_for_result: bool = False

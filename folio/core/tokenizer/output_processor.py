@@ -106,6 +106,7 @@ class _Pending:
     error: str | None = None
     error_code: int = 400
     queue_time_s: float | None = None
+    pooled: bytes | None = None
 
 
 class OutputProcessor:
@@ -231,6 +232,8 @@ class OutputProcessor:
             return False
         if delta.prompt_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(state, delta.prompt_logprobs)
+        if delta.pooled is not None:
+            out.pooled = delta.pooled
         skip_last = state.ends_on_stop_token(delta)
         num_tokens = len(delta.token_ids)
         for i, token_id in enumerate(delta.token_ids):
@@ -289,4 +292,5 @@ class OutputProcessor:
             error=out.error,
             error_code=out.error_code,
             queue_time_s=out.queue_time_s,
+            pooled=out.pooled,
         )

@@ -13,6 +13,8 @@ import json
 import re
 from pathlib import Path
 
+import msgspec
+
 from folio.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
@@ -20,6 +22,7 @@ from folio.shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
+from folio.shared.sampling import SamplingParams
 
 
 class RequestError(Exception):
@@ -59,6 +62,8 @@ class TextTokenizer:
         eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else model_config.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.max_token_chars = _max_token_chars(self.hf)
+        self.hidden_size = int(model_config.get("hidden_size", 0) or 0)  # the most ``dimensions`` of an embedding
+        self.matryoshka_dimensions = list(model_config.get("matryoshka_dimensions") or [])
 
     def raw_bytes(self, token_id: int) -> bytes | None:
         """The bytes a token stands for, where the vocabulary says so (byte-level BPE tokens,
@@ -87,7 +92,7 @@ class TextTokenizer:
             # the template already holds BOS and the role markers
             return self.hf.encode(text, add_special_tokens=False), text
         self.check_text_length(req.prompt or "", "prompt")
-        return self.hf.encode(req.prompt or ""), req.prompt
+        return self.hf.encode(req.prompt or "", add_special_tokens=req.add_special_tokens), req.prompt
 
     def check_text_length(self, text: str, param: str) -> None:
         """RequestError, before any tokenizing, for a text that cannot fit the context: no token
@@ -140,8 +145,41 @@ class TextTokenizer:
         """(prompt token ids, prompt text when there is one) of a request that fits the context,
         or RequestError."""
         prompt_token_ids, prompt_text = self.encode_request(req)
-        self.fit_max_tokens(req, len(prompt_token_ids))
+        if req.sampling.pooling is not None:
+            self.fit_pooling(req.sampling, len(prompt_token_ids))
+        else:
+            self.fit_max_tokens(req, len(prompt_token_ids))
         return prompt_token_ids, prompt_text
+
+    def fit_pooling(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
+        """RequestError for a pooling request that cannot run: an empty input, one beyond the
+        context, ``dimensions`` the model does not have, a score token outside the vocabulary."""
+        if num_prompt_tokens == 0:
+            raise RequestError("the input is empty", "input")
+        if num_prompt_tokens > self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, the "
+                               f"input has {num_prompt_tokens} tokens. Please reduce the length of the input.", "input")
+        dims = sampling.pooling.dimensions
+        if dims is not None and self.matryoshka_dimensions and dims not in self.matryoshka_dimensions:
+            raise RequestError(f"dimensions {dims} is not one this model was trained for: "
+                               f"{', '.join(map(str, self.matryoshka_dimensions))}", "dimensions")
+        if dims is not None and self.hidden_size and dims > self.hidden_size:
+            raise RequestError(f"dimensions must be at most the model's {self.hidden_size}, got {dims}", "dimensions")
+        self.engine_sampling(sampling)
+
+    def engine_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` as the engine runs it: a score's tokens resolved to their ids (RequestError
+        for a token the vocabulary does not hold as one token)."""
+        pooling = sampling.pooling
+        if pooling is None or not pooling.tokens or pooling.token_ids:
+            return sampling
+        ids = []
+        for token in pooling.tokens:
+            token_id = self.hf.convert_tokens_to_ids(token)
+            if token_id is None or (token_id == self.hf.unk_token_id and token != self.hf.unk_token):
+                raise RequestError(f"the score token {token!r} is not a token of this model's vocabulary", "pooling")
+            ids.append(int(token_id))
+        return msgspec.structs.replace(sampling, pooling=msgspec.structs.replace(pooling, token_ids=ids))
 
     def fit_max_tokens(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
         """The output tokens the request may have (its max_tokens; None: what the context leaves,

@@ -126,7 +126,17 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
             state.pop(base + suffix, None)
         if name not in state or not state[name].is_floating_point():
             state[name] = w.dequantize()  # a prepared folder has these already (the same values)
-    return config, state, method, quant
+    return config, base_model_as_causal_lm(config, state), method, quant
+
+
+def base_model_as_causal_lm(config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A decoder saved without its LM head (``Qwen3Model``: an embedding model such as
+    Qwen3-Embedding, its names without ``model.``) read as its causal LM: the names prefixed, and
+    the embeddings standing in as the head (tied), which only a score over logits would read."""
+    if "embed_tokens.weight" not in state or any(k.startswith("model.") for k in state):
+        return state
+    config.tie_word_embeddings = True
+    return {f"model.{k}": v for k, v in state.items()}
 
 
 def prepared_source(folder: Path) -> Path | None:

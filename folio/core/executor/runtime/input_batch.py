@@ -44,6 +44,9 @@ class StepInputs:
     sample_rows: np.ndarray  # [num_plain] rows that sample one token without drafts, in plan order
     sample_rows_dev: torch.Tensor  # the same on the device
     sample_params: torch.Tensor  # [num_plain, NUM_PARAMS] fp32, their sampling parameters
+    # pooling requests whose chunk reaches their last prompt token: they pool there and never sample
+    pools: np.ndarray | None = None  # [num_seqs] bool
+    pool_idx: np.ndarray | None = None  # [num_pooling] the index of that last token in the step's tokens
 
 
 def _opens_one_block(diff) -> bool:
@@ -72,6 +75,7 @@ class InputBatch:
         self.penalised = np.zeros(cap, dtype=bool)
         self.repetition = np.zeros(cap, dtype=bool)
         self.appends = np.zeros(cap, dtype=bool)  # False for beams: the scheduler sends their tokens
+        self.pooling = np.zeros(cap, dtype=bool)  # the row pools its prompt (``SamplingParams.pooling``)
         self.num_logprobs = np.full(cap, NO_LOGPROBS, dtype=np.int64)
         self.lora_ids = np.zeros(cap, dtype=np.int64)  # the row's LoRA adapter (the manager's id; 0: none)
         # the key of the row's uniforms (sampling/philox.py): its request's seed, or a random one
@@ -95,7 +99,7 @@ class InputBatch:
     def _grow_rows(self) -> None:
         old, cap = self.capacity, 2 * self.capacity
         for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "params",
-                     "greedy", "penalised", "repetition", "appends", "lora_ids", "seeds"):
+                     "greedy", "penalised", "repetition", "appends", "pooling", "lora_ids", "seeds"):
             setattr(self, name, _grow(getattr(self, name), rows=cap))
         self.num_logprobs = np.concatenate([self.num_logprobs, np.full(cap - old, NO_LOGPROBS, dtype=np.int64)])
         self.free_rows += range(old, cap)  # it grows only when no row is free: a sorted list is a heap
@@ -132,6 +136,7 @@ class InputBatch:
         self.num_logprobs[row] = NO_LOGPROBS if sampling.engine_logprobs is None else sampling.engine_logprobs
         self.seeds[row] = seed_words(sampling.seed) if sampling.seed is not None else draw_seed()
         self.appends[row] = append_sampled
+        self.pooling[row] = sampling.pooling is not None
         self.lora_ids[row] = lora_id
         self.penalties.set_row(row, sampling, token_ids[:num_prompt], token_ids[num_prompt:])
         return row
@@ -234,6 +239,10 @@ class InputBatch:
         np.cumsum(counts, out=query_start[1:])
         num_tokens = int(query_start[-1])
         samples = end == have
+        pools = None
+        if self.pooling[rows].any():  # they reach their last prompt token to pool there, not to sample
+            pools = samples & self.pooling[rows]
+            samples = samples & ~pools
         plain = samples & (num_spec == 0)
         if num_tokens == num_seqs:  # decodes only: a token per sequence, no drafts
             token_rows, positions, logits_idx = rows, start, np.flatnonzero(samples)
@@ -278,7 +287,8 @@ class InputBatch:
             seq_lens_list=seq_lens.tolist(), positions=dev["positions"], padded=False, trees=tree_masks or None,
         )
         return StepInputs(dev["input_ids"], meta, dev["logits_idx"], rows, counts, samples, num_spec, sample_rows,
-                          dev["sample_rows"], dev["sample_params"].view(-1, NUM_PARAMS))
+                          dev["sample_rows"], dev["sample_params"].view(-1, NUM_PARAMS), pools,
+                          None if pools is None else query_start[1:][pools] - 1)
 
     def _new_staging(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)

@@ -26,6 +26,7 @@ from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from folio.core.executor.runtime.pooling import pool_vectors
 from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
 from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
@@ -474,8 +475,9 @@ class ModelRunner:
         if forward is None:
             return StepResult(step_id=plan.step_id)
         hidden, step, req_ids, result_prompt_lp = forward
+        pooled = self._pool(hidden, step, req_ids) if step.pools is not None else {}
         if not step.samples.any():
-            return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp)
+            return StepResult(step_id=plan.step_id, prompt_logprobs=result_prompt_lp, pooled=pooled)
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_idx))
         samplers = [req_ids[i] for i in np.flatnonzero(step.samples)] if not step.samples.all() else req_ids
         constrained, failed = self._matchers(samplers)
@@ -498,7 +500,7 @@ class ModelRunner:
             samplers, logprobs = [samplers[i] for i in keep], [logprobs[i] for i in keep]
             spec = [spec[i] for i in keep] if spec else spec
         return msgspec.structs.replace(sampled, req_ids=samplers, logprobs=logprobs, prompt_logprobs=result_prompt_lp,
-                                       spec_token_ids=spec, drafts_next=self.drafts_now)
+                                       spec_token_ids=spec, drafts_next=self.drafts_now, pooled=pooled)
 
     def _step_forward(self, plan: StepPlan):
         """The plan's diffs, copies and forward pass (and prompt logprobs): what every rank runs."""
@@ -524,6 +526,8 @@ class ModelRunner:
             if state is not None:
                 self.batch.append_tokens(state.row, token_ids)
         forward = self._step_forward(plan)
+        if forward is not None and forward[1].pools is not None:
+            self._pool(*forward[:3])  # a score's logits are gathered over the ranks too
         if forward is not None and forward[1].samples.any():
             hidden, step = forward[0], forward[1]
             self.model.compute_logits(hidden.index_select(0, step.logits_idx))
@@ -765,6 +769,15 @@ class ModelRunner:
         if self.tree_control is not None:
             self.tree_control.proposed(len(samplers), use_tree, time.perf_counter() - start)
         return [s.proposal.token_ids if s.proposal is not None else [] for s in samplers]
+
+    def _pool(self, hidden: torch.Tensor, step: StepInputs, req_ids: list[str]) -> dict[str, bytes]:
+        """The vectors of the pooling requests whose last prompt token ran this step (``pooling.py``)."""
+        pooling_ids = [req_ids[i] for i in np.flatnonzero(step.pools)]
+        if not pooling_ids:
+            return {}
+        last = hidden.index_select(0, torch.as_tensor(step.pool_idx, device=hidden.device))
+        return pool_vectors(last, [self.requests[r].sampling.pooling for r in pooling_ids], pooling_ids,
+                            self.model.compute_logits)
 
     def _prompt_logprobs(self, hidden, step: StepInputs, req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
         """Logprobs of prompt tokens 1.. given their prefix; the first prompt token has none."""

@@ -1,0 +1,46 @@
+"""Pooling: a request's answer as one vector computed from its prompt, instead of tokens.
+
+Decoder embedding models (Qwen3-Embedding's shape) and any generative model asked for embeddings
+(``--task embed``) pool the last token: the final hidden state (after the final norm) at the last
+prompt position carries the whole prompt through causal attention. A yes/no reranker
+(Qwen3-Reranker's shape) is scored by its LM head's logits of a few tokens at that same position.
+The runner gathers those last positions of a step's pooling requests into one tensor; this module
+turns them into vectors, which leave the executor as little-endian float32 bytes (never a tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from folio.shared.sampling import PoolingParams
+
+
+def pool_vectors(last: torch.Tensor, params: list[PoolingParams], req_ids: list[str],
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, bytes]:
+    """``last``: [num_requests, hidden] final hidden states at each request's last prompt token.
+    Embeddings are truncated to ``dimensions`` first and normalised after (Matryoshka: the leading
+    values, renormalised); scores are the logits of ``token_ids``, in fp32."""
+    out: dict[str, bytes] = {}
+    scored = [i for i, p in enumerate(params) if p.kind == "score"]
+    if scored:
+        idx = torch.as_tensor(scored, device=last.device)
+        logits = compute_logits(last.index_select(0, idx)).float()
+        for row, i in enumerate(scored):
+            ids = torch.as_tensor(params[i].token_ids, device=logits.device)
+            out[req_ids[i]] = _le_bytes(logits[row].index_select(0, ids))
+    for i, p in enumerate(params):
+        if p.kind != "embed":
+            continue
+        vector = last[i].float()
+        if p.dimensions is not None:
+            vector = vector[: p.dimensions]
+        if p.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        out[req_ids[i]] = _le_bytes(vector)
+    return out
+
+
+def _le_bytes(vector: torch.Tensor) -> bytes:
+    return vector.detach().cpu().numpy().astype("<f4").tobytes()
