@@ -176,7 +176,7 @@ def test_a_greedy_walk_follows_the_targets_argmax_through_the_tree():
 
 
 def test_sampled_tree_verification_outputs_exactly_the_targets_distribution():
-    """First token over 6,000 seeds against p (chi-square, 1e-4 level): children at the top of
+    """First token over 3,000 seeds against p (chi-square, 1e-4 level): children at the top of
     p, in the middle and one that p rules out; the second token given the first as well."""
     from scipy.stats import chisquare
 
@@ -188,7 +188,7 @@ def test_sampled_tree_verification_outputs_exactly_the_targets_distribution():
     logits = torch.stack([p0.clamp_min(1e-30).log(), p1.log(), p0.log(), p0.log(), p0.log()])
     logits[0, 3] = float("-inf")
     first, second = np.zeros(vocab), np.zeros(vocab)
-    for seed in range(6000):
+    for seed in range(3000):
         out, path = verify_tree(logits, tree.children(), tokens, _row(1.0, seed=seed))
         first[out[0]] += 1
         if out[0] == 0:

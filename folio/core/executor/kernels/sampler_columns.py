@@ -32,6 +32,7 @@ NOT_COLUMNS = {
     "use_beam_search": "the scheduler's beam search (forks.add_beam_search)",
     "length_penalty": "the scheduler's beam search (forks.add_beam_search)",
     "early_stopping": "the scheduler's beam search (forks.add_beam_search)",
+    "pooling": "the runner's pooling rows (input_batch.pooling, runtime/pooling.py): they never sample",
 }
 
 

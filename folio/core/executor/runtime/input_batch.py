@@ -49,6 +49,24 @@ class StepInputs:
     pool_idx: np.ndarray | None = None  # [num_pooling] the index of that last token in the step's tokens
 
 
+def _tree_positions(positions: np.ndarray, trees: dict, num_scheduled: dict[str, int], counts: np.ndarray,
+                    num_spec: np.ndarray, start: np.ndarray, query_start: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The step's RoPE positions with each tree draft's nodes at their depth's position, and each
+    tree sequence's ancestor masks (``AttentionMetadata.trees``)."""
+    rope_positions, masks = positions.copy(), {}
+    for i, req_id in enumerate(num_scheduled):
+        tree = trees.get(req_id)
+        if tree is None or not num_spec[i]:
+            continue
+        if counts[i] != num_spec[i] + 1:
+            raise ValueError(f"{req_id}: a tree draft's chunk is its root and its {num_spec[i]} nodes, "
+                             f"not {counts[i]} tokens")
+        first = int(query_start[i])
+        rope_positions[first:first + counts[i]] = start[i] + tree.depths(int(num_spec[i]))
+        masks[i] = tree.masks(int(num_spec[i]))
+    return rope_positions, masks
+
+
 def _opens_one_block(diff) -> bool:
     return len(diff.new_block_ids) == 1 and diff.block_ids is None and not diff.new_token_ids
 
@@ -255,19 +273,8 @@ class InputBatch:
                 - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         sample_rows = rows[plain]
         max_blocks = max(1, int(need.max(initial=1)))
-        rope_positions, tree_masks = positions, None
-        if trees:
-            rope_positions, tree_masks = positions.copy(), {}
-            for i, req_id in enumerate(num_scheduled):
-                tree = trees.get(req_id)
-                if tree is None or not num_spec[i]:
-                    continue
-                if counts[i] != num_spec[i] + 1:
-                    raise ValueError(f"{req_id}: a tree draft's chunk is its root and its {num_spec[i]} nodes, "
-                                     f"not {counts[i]} tokens")
-                first = int(query_start[i])
-                rope_positions[first:first + counts[i]] = start[i] + tree.depths(int(num_spec[i]))
-                tree_masks[i] = tree.masks(int(num_spec[i]))
+        rope_positions, tree_masks = _tree_positions(positions, trees, num_scheduled, counts, num_spec, start,
+                                                     query_start) if trees else (positions, None)
         dev = self._to_device({
             "input_ids": self.token_ids[token_rows, positions],
             "positions": rope_positions,
