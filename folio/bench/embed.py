@@ -12,6 +12,15 @@ is the reference backend, about half as fast here). ``--threads`` sets torch's t
 (default: torch's own choice).
 
     folio bench embed [--model PATH] [--num-inputs 256] [--min-tokens 64] [--max-tokens 512]
+
+``--mixed`` measures instead what embeddings cost a served chat: one ``folio serve --task
+generate,embed`` (the model as served, ``--quantization auto``), ``--chat-streams`` greedy chat
+completions alone, then the same completions while the ``--num-inputs`` texts arrive at once as
+``/v1/embeddings`` requests of ``--inputs-per-request``. It prints the chat's tokens/s (from the
+first send to its last answer) both ways and their ratio, whether the chat texts are the same, and
+the embeddings' tokens/s.
+
+    folio bench embed --mixed [--chat-streams 16] [--chat-tokens 128] [--inputs-per-request 8]
 """
 
 from __future__ import annotations
@@ -57,6 +66,85 @@ def timed(fn, *args, **kw) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
+CHAT = ["Why is the sky blue?", "Give me three tips for learning a new language.", "What is a prime number?",
+        "Describe a good morning routine.", "How do plants make food from sunlight?",
+        "Write a short poem about the sea.", "What causes the seasons on Earth?", "Explain what a database index is."]
+
+
+async def _mixed_run(base_url: str, model: str, chats: list[str], max_tokens: int,
+                     batches: list[list[str]]) -> tuple[float, list[str], float]:
+    """The chats (and, at the same moment, the embedding requests): the chat's tokens/s from the
+    first send to its last answer, its texts, and the embeddings' seconds to their last answer."""
+    import asyncio
+
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async def chat(text: str) -> tuple[int, str]:
+            body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                    "temperature": 0}
+            async with session.post(base_url + "/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                out = await resp.json()
+            return out["usage"]["completion_tokens"], out["choices"][0]["message"]["content"]
+
+        async def embed(inputs: list[str]) -> None:
+            async with session.post(base_url + "/embeddings", json={"model": model, "input": inputs}) as resp:
+                resp.raise_for_status()
+                await resp.json()
+
+        async def chats_timed() -> tuple[float, list[tuple[int, str]]]:
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*(chat(t) for t in chats))
+            return time.perf_counter() - t0, done
+
+        async def embeds_timed() -> float:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(embed(b) for b in batches))
+            return time.perf_counter() - t0
+
+        (chat_s, done), embed_s = await asyncio.gather(chats_timed(), embeds_timed() if batches else _zero())
+    return sum(n for n, _ in done) / chat_s, [t for _, t in done], embed_s
+
+
+async def _zero() -> float:
+    return 0.0
+
+
+def mixed(args) -> int:
+    """Served chat alone, then beside the embeddings (``--mixed``)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from folio.core.model_files import resolve_model
+    from folio.testing.server import start_server, stop_server
+
+    path = str(resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = make_texts(tokenizer, args.num_inputs, args.min_tokens, args.max_tokens, args.seed)
+    num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
+    batches = [texts[i:i + args.inputs_per_request] for i in range(0, len(texts), args.inputs_per_request)]
+    chats = [CHAT[i % len(CHAT)] for i in range(args.chat_streams)]
+    server = start_server(path, "--task", "generate,embed", "--max-num-seqs", "256",
+                          "--max-pooling-inputs", str(args.inputs_per_request))
+    try:
+        asyncio.run(_mixed_run(server.base_url, args.model, chats[:1], 4, batches[:1]))  # warm-up
+        alone, alone_texts, _ = asyncio.run(_mixed_run(server.base_url, args.model, chats, args.chat_tokens, []))
+        beside, beside_texts, embed_s = asyncio.run(_mixed_run(server.base_url, args.model, chats, args.chat_tokens,
+                                                               batches))
+    finally:
+        stop_server(server)
+    print(f"model: {path} (folio serve --task generate,embed); {len(chats)} chat streams of up to "
+          f"{args.chat_tokens} tokens; {len(texts)} embedding inputs ({num_tokens} tokens) in {len(batches)} requests")
+    print(f"chat alone (tokens/s): {alone:.1f}")
+    print(f"chat beside the embeddings (tokens/s): {beside:.1f}")
+    print(f"chat beside / alone: {beside / alone:.2f} x")
+    print(f"chat texts the same as alone: {sum(a == b for a, b in zip(alone_texts, beside_texts))} of {len(chats)}")
+    print(f"embeddings beside the chat (tokens/s): {num_tokens / embed_s:.0f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL_NAME)
@@ -68,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="cpu", choices=("cpu", "torch", "auto"))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mixed", action="store_true", help="served chat alone and beside the embeddings")
+    ap.add_argument("--chat-streams", type=int, default=16)
+    ap.add_argument("--chat-tokens", type=int, default=128)
+    ap.add_argument("--inputs-per-request", type=int, default=8)
     args = ap.parse_args(argv)
+    if args.mixed:
+        return mixed(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from folio import LLM
