@@ -27,7 +27,7 @@ import msgspec
 
 from folio.core.engine import EngineCore, LLMEngine
 from folio.outputs import EmbeddingOutput, PoolingRequestOutput, RequestBuilder, RequestOutput, ScoringOutput
-from folio.core.input_processor import RerankFormat, chat_messages, embed_params, generate_request
+from folio.core.input_processor import RerankFormat, decode_data_url, embed_params, generate_request, read_chat
 from folio.shared.config import DEFAULT_MODEL_NAME, POOLING_TASKS, RuntimeConfig, SchedulerConfig, parse_tasks
 from folio.shared.sampling import SamplingParams
 
@@ -163,11 +163,17 @@ class LLM:
              lora_request=None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Reply to a conversation (a list of ``{"role", "content"}`` messages) or to each of a
         list of conversations, through the model's chat template, as ``/v1/chat/completions`` does.
-        ``chat_template_kwargs``: extra template variables (Qwen3's ``enable_thinking``)."""
+        ``chat_template_kwargs``: extra template variables (Qwen3's ``enable_thinking``).
+        Images (a vision-language model): content parts ``{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}}`` as OpenAI's, or ``{"type": "image_pil", "image_pil": image}``
+        with a PIL image."""
         self._need_generation()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        fields = [{"messages": chat_messages(c), "add_generation_prompt": add_generation_prompt, "tools": tools,
-                   "chat_template_kwargs": chat_template_kwargs} for c in conversations]
+        fields = []
+        for c in conversations:
+            chat, urls = read_chat(_pil_parts_as_urls(c))
+            fields.append({"messages": chat, "add_generation_prompt": add_generation_prompt, "tools": tools,
+                           "chat_template_kwargs": chat_template_kwargs, "images": _url_images(urls)})
         for f, name in zip(fields, self._lora_names(lora_request, len(fields))):
             if name is not None:
                 f["lora_name"] = name
@@ -249,6 +255,47 @@ def _floats(data: bytes) -> list[float]:
     return values.tolist()
 
 
+def _image_file(image) -> bytes:
+    """A PIL image as a PNG file (lossless: the processor sees the same pixels), or a data URL's file."""
+    if isinstance(image, str):
+        return _url_images([image])[0]
+    if isinstance(image, bytes):
+        return image
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _url_images(urls: list[str]) -> list[bytes]:
+    out = []
+    for i, url in enumerate(urls):
+        if not url.startswith("data:"):
+            raise ValueError(f"image {i}: folio.LLM takes images as PIL images or data URLs, not {url[:40]!r}")
+        out.append(decode_data_url(url, 1 << 62, i))
+    return out
+
+
+def _pil_parts_as_urls(conversation: list[dict]) -> list[dict]:
+    """``image_pil`` parts (a PIL image) as ``image_url`` parts with a PNG data URL."""
+    import base64
+
+    out = []
+    for m in conversation:
+        content = m.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_pil" for p in content):
+            parts = []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "image_pil":
+                    url = "data:image/png;base64," + base64.b64encode(_image_file(p["image_pil"])).decode()
+                    p = {"type": "image_url", "image_url": {"url": url}}
+                parts.append(p)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
+
+
 def _prompt_fields(prompt) -> dict:
     """A prompt as the GenerateRequest fields that carry it."""
     if isinstance(prompt, str):
@@ -257,7 +304,11 @@ def _prompt_fields(prompt) -> dict:
         if "prompt_token_ids" in prompt:
             return {"prompt_token_ids": list(prompt["prompt_token_ids"])}
         if "prompt" in prompt:
-            return {"prompt": prompt["prompt"]}
+            images = (prompt.get("multi_modal_data") or {}).get("image")
+            if images is None:
+                return {"prompt": prompt["prompt"]}
+            images = images if isinstance(images, (list, tuple)) else [images]
+            return {"prompt": prompt["prompt"], "images": [_image_file(im) for im in images]}
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return {"prompt_token_ids": list(prompt)}

@@ -408,6 +408,14 @@ class GatewayConfig:
                      "embed, score or rerank (one pooling server: /v1/embeddings, /v1/rerank, /v1/score), or "
                      "generate,embed (both kinds of route, one engine); default generate", ("gateway",),
                      choices=TASK_CHOICES)
+    allowed_media_domains: str = flag("", "hosts (comma-separated; their subdomains too) that chat image_url "
+                                      "parts may fetch http(s) images from (default: none, data URLs only)",
+                                      ("gateway",))
+    max_image_bytes: int = flag(20_000_000, "the largest image file a request may send or have fetched, in bytes "
+                                "(default 20000000)", ("gateway",))
+    limit_images_per_prompt: int = flag(8, "images one chat request may carry (default 8)", ("gateway",))
+    media_fetch_timeout_s: float = flag(10.0, "seconds an http(s) image fetch may take (default 10)", ("gateway",),
+                                        name="--media-fetch-timeout")
     max_pooling_inputs: int = flag(2048, "inputs (or documents, or pairs) one embeddings, rerank or score request "
                                    "may carry (default 2048)", ("gateway",))
     rerank_template: str | None = flag(None, "the prompt a yes/no reranker reads, with {query}, {document} and "

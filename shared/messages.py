@@ -55,6 +55,21 @@ class TokenLogprobs(msgspec.Struct, gc=False, frozen=True, array_like=True):
     top_logprobs: list[float]
 
 
+class ImageInput(msgspec.Struct, gc=False, frozen=True, kw_only=True):
+    """One image of a prompt, as its model's processor made it: its placeholders are prompt
+    positions ``[offset, offset + length)``, and the vision tower reads ``data``, the pixel
+    values' raw little-endian bytes of ``dtype`` and ``shape`` (never a pickled tensor).
+    ``hash``: the sha256 (hex) of the pixel values, which keys the prefix cache's blocks that
+    hold its placeholders."""
+
+    offset: int
+    length: int
+    hash: str
+    dtype: str  # a numpy dtype name ("float32")
+    shape: list[int]
+    data: bytes
+
+
 class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """A request the executor has not seen (or one resumed after preemption by recompute)."""
 
@@ -71,6 +86,7 @@ class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     # a prefill instance's request (``--kv-role prefill``): the z85 CURVE key of the one decode
     # instance its prompt's KV transfer is served to (None: the first peer of the stack that pulls it)
     kv_export_peer: str | None = None
+    images: list[ImageInput] = []  # its prompt's images: the vision tower's input
 
 
 class RunningRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):
@@ -202,6 +218,9 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
+    # content with images: its parts in order, {"type": "image"} or {"type": "text", "text": ...}
+    # (the chat template places each image's token); the images ride in ``GenerateRequest.images``
+    parts: list[dict[str, str]] = []
     tool_calls: list[ToolCall] = []  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     name: str | None = None
@@ -281,6 +300,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # as a dict); with ``forced_token_ids`` = the first token the prefill instance sampled. On a
     # prefill instance ``{"export_to": z85 key}``: the decode instance its transfer is served to
     kv_transfer: dict | None = None
+    # the prompt's images, in the order the prompt names them: each an encoded image file (PNG,
+    # JPEG ...) that the tokenizer decodes and runs through the model's processor
+    images: list[bytes] = []
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
@@ -304,6 +326,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     forced_token_ids: list[int] = []
     kv_transfer: dict | None = None  # pull the prompt's KV from there (``GenerateRequest.kv_transfer``)
     grammar: Grammar | None = None  # structured output: the checked spec of ``GenerateRequest.guided``
+    images: list[ImageInput] = []  # the prompt's images, as the model's processor made them
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):

@@ -172,13 +172,13 @@ class LLMEngine:
         "error" deltas of a request the scheduler refused, such as one beyond the whole KV pool).
         Raises ``RequestError`` when it cannot run (empty, beyond the context, token ids outside
         the vocabulary)."""
-        prompt_token_ids, prompt_text = self.tokenizer.prepare(req)
+        prompt_token_ids, prompt_text, images = self.tokenizer.prepare_prompt(req)
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
         refusals = self.core.add_request(EngineRequest(
             req_id=req.req_id, prompt_token_ids=prompt_token_ids, sampling=self.tokenizer.engine_sampling(req.sampling),
             eos_token_id=self.tokenizer.eos_token_id, priority=req.priority, arrival_time=req.arrival_time,
             cache_salt=req.cache_salt, fork_req_ids=req.fork_req_ids,
-            lora_name=req.lora_name))
+            lora_name=req.lora_name, images=images))
         return prompt_token_ids, prompt_text, self._texts(TokenBatch(step_id=self.next_step_id, deltas=refusals))
 
     def abort(self, req_id: str) -> None:

@@ -6,7 +6,8 @@ the engine's ``GenerateRequest`` here, for the gateway's OpenAI routes and for `
   sequences) forked from the first, or with beam search its ``n`` choices of the best beams; the
   params travel in it unchanged;
 - ``best_of_order``: which of a prompt's sequences ``best_of`` keeps (vLLM's rule);
-- ``ChatMessageIn`` and ``chat_messages``: OpenAI's chat messages, read and checked;
+- ``ChatMessageIn`` and ``chat_messages``: OpenAI's chat messages, read and checked (``read_chat``
+  with their ``image_url`` parts' URLs; ``decode_data_url`` reads a data URL's image file);
 - ``embed_params`` and ``RerankFormat``: the pooling requests of ``/v1/embeddings``, ``/v1/rerank``
   and ``/v1/score`` (and ``LLM.embed``/``LLM.score``): a yes/no reranker reads a query and a
   document in the prompt format it was trained on, and scores p(yes) from two logits.
@@ -94,9 +95,20 @@ def best_of_order(cumulative_logprobs: list[float], n: int) -> list[int]:
     return sorted(range(len(cumulative_logprobs)), key=lambda i: -cumulative_logprobs[i])[:n]
 
 
+class ImageURL(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None  # type image_url: a data URL, or http(s) where allowed
+
+    def url(self) -> str:
+        if self.image_url is None:
+            raise ParamError("an image_url part needs its image_url", "messages")
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
 class FunctionCallIn(msgspec.Struct, kw_only=True):
@@ -128,13 +140,50 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
 def chat_message(m: ChatMessageIn) -> messages.ChatMessage:
     calls = [messages.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
              for c in m.tool_calls or []]
-    return messages.ChatMessage(role=m.role, content=m.text(), tool_calls=calls, tool_call_id=m.tool_call_id,
-                                name=m.name)
+    parts = []
+    if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
+        parts = [{"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text or ""}
+                 for p in m.content if p.type == "image_url" or p.text is not None]
+    return messages.ChatMessage(role=m.role, content=m.text(), parts=parts, tool_calls=calls,
+                                tool_call_id=m.tool_call_id, name=m.name)
+
+
+def chat_image_urls(conversation: list[ChatMessageIn]) -> list[str]:
+    """The URLs of a conversation's ``image_url`` parts, in the order the prompt names them."""
+    return [p.url() for m in conversation if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
+
+
+def read_chat(conversation: list[dict]) -> tuple[list[messages.ChatMessage], list[str]]:
+    """OpenAI-style message dicts, checked and read as the gateway reads them, and their image URLs."""
+    try:
+        parsed = msgspec.convert(conversation, list[ChatMessageIn])
+    except msgspec.ValidationError as exc:
+        raise ParamError(f"invalid messages: {exc}", "messages") from None
+    return [chat_message(m) for m in parsed], chat_image_urls(parsed)
 
 
 def chat_messages(conversation: list[dict]) -> list[messages.ChatMessage]:
     """OpenAI-style message dicts, checked and read as the gateway reads them."""
+    return read_chat(conversation)[0]
+
+
+def decode_data_url(url: str, max_bytes: int, index: int = 0) -> bytes:
+    """The image file of a ``data:`` URL (base64), or ParamError: not a data URL, broken base64,
+    larger than ``max_bytes``. Whether the bytes are an image the tokenizer's decoder says."""
+    import base64
+    import binascii
+
+    head, sep, payload = url.partition(",")
+    if not url.startswith("data:") or not sep or ";base64" not in head:
+        raise ParamError(f"image {index}: expected a data URL (data:image/png;base64,...) or an http(s) URL", "messages")
+    if len(payload) * 3 // 4 > max_bytes + 3:
+        raise ParamError(f"image {index} is larger than the {max_bytes} bytes allowed (--max-image-bytes)", "messages")
     try:
-        return [chat_message(m) for m in msgspec.convert(conversation, list[ChatMessageIn])]
-    except msgspec.ValidationError as exc:
-        raise ParamError(f"invalid messages: {exc}", "messages") from None
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ParamError(f"image {index}: the data URL's base64 is broken", "messages") from None
+    if len(data) > max_bytes:
+        raise ParamError(f"image {index} is larger than the {max_bytes} bytes allowed (--max-image-bytes)", "messages")
+    if not data:
+        raise ParamError(f"image {index} is empty", "messages")
+    return data

@@ -100,3 +100,57 @@ def write_tiny_embedding_model(folder, tokenizer_dir, max_position_embeddings: i
     write_tiny_model(folder, "qwen3", base_model=True, vocab_size=len(tokenizer), head_dim=16,
                      max_position_embeddings=max_position_embeddings)
     return str(folder)
+
+
+# LLaVA-1.5's chat format ("USER: <image>\n... ASSISTANT:"), over messages whose content is a string
+# or a list of parts ({"type": "image"} and {"type": "text", "text": ...}), as llava-hf's processors have it
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n{% else %}"
+    "{{ m.role.upper() }}: {% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<image>\n{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def write_tiny_llava_model(folder, tokenizer_dir, image_size: int = 30, patch_size: int = 6,
+                           max_position_embeddings: int = 512) -> str:
+    """A tiny random LLaVA (``LlavaForConditionalGeneration``: a CLIP vision tower, the two-layer
+    projector and a Llama text model) with its processor (``LlavaProcessor``: a ``CLIPImageProcessor``
+    at ``image_size`` and SmolLM2's tokenizer with ``<image>`` added), both written by transformers'
+    own ``save_pretrained``. An image becomes ``(image_size / patch_size) ** 2`` placeholders (the
+    CLS position is dropped, LLaVA's default feature selection)."""
+    from transformers import (
+        AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+        LlavaForConditionalGeneration, LlavaProcessor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                         crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                               num_additional_image_tokens=1,  # the CLS position, as llava-hf checkpoints say
+                               vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE)
+    processor.save_pretrained(folder)
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=image_size, patch_size=patch_size, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default",
+                         image_seq_length=(image_size // patch_size) ** 2)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the init, as write_tiny_model's
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(folder)
+    return str(folder)

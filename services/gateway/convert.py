@@ -45,7 +45,8 @@ def completion_generate_requests(req: CompletionRequest, base_id: str, params: S
 
 
 def chat_generate_requests(req: ChatCompletionRequest, base_id: str, params: SamplingParams | None = None,
-                           lora_name: str | None = None, reasoning: bool = False) -> list[GenerateRequest]:
+                           lora_name: str | None = None, reasoning: bool = False,
+                           images: list[bytes] = ()) -> list[GenerateRequest]:
     """``reasoning``: the model thinks first (``--reasoning-parser``): structured output and forced
     tool calls constrain the answer after its think block; guided_regex and guided_grammar, the
     low-level forms, still constrain the whole output."""
@@ -59,4 +60,4 @@ def chat_generate_requests(req: ChatCompletionRequest, base_id: str, params: Sam
         params, base_id, messages=[chat_message(m) for m in req.messages],
         add_generation_prompt=req.add_generation_prompt, stream=bool(req.stream), arrival_time=time.time(),
         cache_salt=req.cache_salt, priority=req.priority, guided=guided, tools=tools, lora_name=lora_name,
-        chat_template_kwargs=req.chat_template_kwargs)]
+        chat_template_kwargs=req.chat_template_kwargs, images=list(images))]

@@ -296,10 +296,14 @@ _COMPLETION_RULES: list[Rule] = [
 _TEXT_PARTS_ONLY: Rule = (
     "messages", lambda r: any(p.type != "text" for m in r.messages if isinstance(m.content, list) for p in m.content),
     "only text content parts are supported")
+_CHAT_PARTS: Rule = (  # images in: image_url parts, each with its URL (media.py reads them)
+    "messages", lambda r: any(p.type not in ("text", "image_url") or (p.type == "image_url" and not p.image_url)
+                              for m in r.messages if isinstance(m.content, list) for p in m.content),
+    "content parts are text or image_url (with image_url.url) only")
 _CHAT_RULES: list[Rule] = [
     ("top_logprobs", lambda r: r.top_logprobs is not None and not r.logprobs,
      "top_logprobs requires logprobs to be true"),
-    _TEXT_PARTS_ONLY,
+    _CHAT_PARTS,
     ("tool_choice", lambda r: _forces_tools(r) and not r.tools,
      "tool_choice required or a named function needs tools"),
     ("tool_choice", lambda r: _tool_choice_name(r) is not None

@@ -26,7 +26,7 @@ import structlog
 from aiohttp import web
 
 from folio.core.input_processor import best_of_order, chat_message
-from folio.services.gateway import convert, responses
+from folio.services.gateway import convert, media, responses
 from folio.services.gateway.chat_output import OutputReader, output_reader, request_reasoning_parser
 from folio.services.gateway.metrics import CONTENT_TYPE
 from folio.services.gateway.protocol import (
@@ -254,8 +254,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model, lora_name = await service.resolve_model(req.model)
     meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, n=req.n or 1)
     reasoning = request_reasoning_parser(req, service.config) is not None
+    images = await media.chat_images(req.messages, service.config)
     gen = _with_kv_transfer(service, req, convert.chat_generate_requests(req, meta.id, params, lora_name=lora_name,
-                                                                         reasoning=reasoning))
+                                                                         reasoning=reasoning, images=images))
     response_fn = responses.chat_response
     if output_reader(req, service.config) is not None:
         response_fn = partial(responses.chat_response, reader=lambda: output_reader(req, service.config))

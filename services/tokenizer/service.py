@@ -106,7 +106,7 @@ class TokenizerService:
         self.stats["num_generate"] += 1
         t0 = now_ns() if self.tracing is not None and req.traceparent else 0
         try:
-            prompt_token_ids, prompt_text = self.tokenizer.prepare(req)
+            prompt_token_ids, prompt_text, images = self.tokenizer.prepare_prompt(req)
         except RequestError as exc:
             if t0:
                 self.tracing.record("tokenizer.encode", req.traceparent, t0, now_ns(), {"error.type": "rejected"})
@@ -118,20 +118,20 @@ class TokenizerService:
             for choice_id in (req.req_id, *req.fork_req_ids):
                 self.traces[choice_id] = [req.traceparent, 0, 0]
         if req.guided is None:
-            self._send(req, prompt_token_ids, prompt_text, None)
+            self._send(req, prompt_token_ids, prompt_text, None, images)
             return
         grammar = self.grammars.lookup(req.guided)
         if grammar is not None:
-            self._send(req, prompt_token_ids, prompt_text, grammar)
+            self._send(req, prompt_token_ids, prompt_text, grammar, images)
             return
         # a new spec: checked in a worker thread while the loop serves everybody else
         self.compiling[req.req_id] = req
         future = self.grammars.submit(req.guided)
         loop = asyncio.get_running_loop()
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(
-            self._grammar_done, req, prompt_token_ids, prompt_text, f))
+            self._grammar_done, req, prompt_token_ids, prompt_text, f, images))
 
-    def _grammar_done(self, req: GenerateRequest, prompt_token_ids, prompt_text, future) -> None:
+    def _grammar_done(self, req: GenerateRequest, prompt_token_ids, prompt_text, future, images=()) -> None:
         if self.compiling.pop(req.req_id, None) is None:
             return  # aborted while it was checked
         exc = future.exception()
@@ -139,7 +139,7 @@ class TokenizerService:
             param = exc.param if isinstance(exc, GrammarError) else req.guided.param
             self._reject(req, str(exc) if isinstance(exc, GrammarError) else f"cannot compile: {exc}", param)
             return
-        self._send(req, prompt_token_ids, prompt_text, future.result())
+        self._send(req, prompt_token_ids, prompt_text, future.result(), images)
 
     def _reject(self, req: GenerateRequest, message: str, param: str | None) -> None:
         self.stats["num_rejected"] += 1
@@ -147,12 +147,13 @@ class TokenizerService:
         for choice_id in (req.req_id, *req.fork_req_ids):
             self._reply_error(choice_id, message, 400, param)
 
-    def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, grammar: Grammar | None) -> None:
+    def _send(self, req: GenerateRequest, prompt_token_ids: list[int], prompt_text, grammar: Grammar | None,
+              images=()) -> None:
         """The request on to the scheduler, its sampling params as the gateway built them."""
         self.outputs.add_choices(req, prompt_token_ids, self.tokenizer.eos_token_id, prompt_text)
         engine_req = EngineRequest(req_id=req.req_id, prompt_token_ids=prompt_token_ids,
                                    sampling=self.tokenizer.engine_sampling(req.sampling),
-                                   grammar=grammar, eos_token_id=self.tokenizer.eos_token_id,
+                                   grammar=grammar, eos_token_id=self.tokenizer.eos_token_id, images=list(images),
                                    **{name: getattr(req, name) for name in PASSED_ON})
         self.send_to_scheduler.send(encode(engine_req))
         log.debug("request tokenized", req_id=req.req_id, num_prompt_tokens=len(prompt_token_ids))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.core.kv.block_hash import block_extra_keys, hash_block
+from folio.core.kv.block_hash import block_extra_keys, block_keys, hash_block
 from folio.core.kv.block_pool import BlockPool, CachedBlock, NoFreeBlocks
 from folio.shared.messages import BlockStored
 
@@ -128,7 +128,8 @@ class BlockAllocator:
         hashes: list[bytes] = []
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra_keys))
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs],
+                                     block_keys(extra_keys, i, bs)))
             if self.device.lookup(hashes[-1]) is None and not self.host_tier:
                 break
         hits = self._match_prefix(hashes, token_ids, max_blocks)
@@ -257,7 +258,7 @@ class BlockAllocator:
         hashes: list[bytes] = []
         parent = seq.block_hashes[-1] if done else None
         for i in range(len(tail) // bs):
-            parent = hash_block(parent, tail[i * bs:(i + 1) * bs], seq.extra_keys)
+            parent = hash_block(parent, tail[i * bs:(i + 1) * bs], block_keys(seq.extra_keys, done + i, bs))
             hashes.append(parent)
         return hashes
 
@@ -294,7 +295,8 @@ class BlockAllocator:
         hashes: list[bytes] = []
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra_keys))
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs],
+                                     block_keys(extra_keys, i, bs)))
         return hashes
 
     def _spill(self) -> None:

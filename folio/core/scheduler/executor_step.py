@@ -41,7 +41,8 @@ def plan_request(sched: SchedulerState, out: StepOutput, req: Request, num_new: 
         out.new_reqs.append(NewRequestData(
             req_id=req_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
             sampling=req.sampling, grammar=req.grammar, block_ids=list(table), num_computed_tokens=start,
-            append_sampled=req.append_sampled, lora_name=req.lora_name, kv_export_peer=req.kv_export_peer))
+            append_sampled=req.append_sampled, lora_name=req.lora_name, kv_export_peer=req.kv_export_peer,
+            images=req.images))
         req.on_executor = True
         req.unsent_token_ids, req.num_sent_blocks, req.table_changed = [], len(table), False
     elif (req.table_changed or len(table) > req.num_sent_blocks or req.unsent_token_ids

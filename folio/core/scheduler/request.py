@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from folio.core.kv.block_hash import kv_salt
-from folio.shared.messages import EngineRequest, Grammar
+from folio.shared.messages import EngineRequest, Grammar, ImageInput
 from folio.shared.sampling import SamplingParams
 
 
@@ -48,6 +48,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's images (the executor's tower runs them)
     num_kv_token_ids: int = 0  # of its tokens, those the allocator was told (to hash full blocks)
     num_cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
     # its place in the queues: (priority, arrival order, rank among the sequences of one request)
@@ -95,6 +96,7 @@ class Request:
             stop_token_ids=frozenset(sampling.stop_token_ids),
             cache_salt=msg.cache_salt,
             lora_name=msg.lora_name,
+            images=list(msg.images),
             # a continuation's forced tokens are output already generated: it goes on after them
             # as a request preempted by recompute would (positions, penalties, grammar, max_tokens)
             output_token_ids=list(msg.forced_token_ids),
@@ -109,8 +111,9 @@ class Request:
 
     @property
     def kv_salt(self) -> str | None:
-        """The salt its blocks are hashed with: its cache salt and its adapter (``block_hash.kv_salt``)."""
-        return kv_salt(self.cache_salt, self.lora_name)
+        """The salt its blocks are hashed with: its cache salt, its adapter and its images'
+        placeholders and content hashes (``block_hash.kv_salt``)."""
+        return kv_salt(self.cache_salt, self.lora_name, [(im.offset, im.length, im.hash) for im in self.images])
 
     @property
     def num_seqs(self) -> int:

@@ -17,6 +17,7 @@ import msgspec
 
 from folio.shared.messages import (
     ChatMessage,
+    ImageInput,
     DetokenizeRequest,
     GenerateRequest,
     TokenizeReply,
@@ -64,6 +65,11 @@ class TextTokenizer:
         self.max_token_chars = _max_token_chars(self.hf)
         self.hidden_size = int(model_config.get("hidden_size", 0) or 0)  # the most ``dimensions`` of an embedding
         self.matryoshka_dimensions = list(model_config.get("matryoshka_dimensions") or [])
+        self.images = None  # a vision-language model's processor (``vision_inputs.ImagePreprocessor``)
+        if model_config.get("vision_config") and model_dir.is_dir():
+            from folio.core.tokenizer.vision_inputs import ImagePreprocessor
+
+            self.images = ImagePreprocessor(model_dir, model_config)
 
     def raw_bytes(self, token_id: int) -> bytes | None:
         """The bytes a token stands for, where the vocabulary says so (byte-level BPE tokens,
@@ -83,16 +89,44 @@ class TextTokenizer:
 
     def encode_request(self, req: GenerateRequest) -> tuple[list[int], str | None]:
         """(prompt token ids, prompt text when there is one)."""
+        ids, text, _ = self.encode_with_images(req)
+        return ids, text
+
+    def encode_with_images(self, req: GenerateRequest) -> tuple[list[int], str | None, list[ImageInput]]:
+        """(prompt token ids, prompt text, its images through the model's processor)."""
+        if req.images:
+            return self._encode_images(req)
         if req.prompt_token_ids is not None:
             self.check_token_ids(req.prompt_token_ids, "prompt")
-            return list(req.prompt_token_ids), None
+            return list(req.prompt_token_ids), None, []
         if req.messages is not None:
             text = self.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
             self.check_text_length(text, "messages")
             # the template already holds BOS and the role markers
-            return self.hf.encode(text, add_special_tokens=False), text
+            return self.hf.encode(text, add_special_tokens=False), text, []
         self.check_text_length(req.prompt or "", "prompt")
-        return self.hf.encode(req.prompt or "", add_special_tokens=req.add_special_tokens), req.prompt
+        return self.hf.encode(req.prompt or "", add_special_tokens=req.add_special_tokens), req.prompt, []
+
+    def _encode_images(self, req: GenerateRequest) -> tuple[list[int], str, list[ImageInput]]:
+        from folio.core.tokenizer.vision_inputs import ImageError
+
+        param = "messages" if req.messages is not None else "prompt"
+        if self.images is None:
+            raise RequestError(f"this model takes no images: it is a text-only model ({len(req.images)} "
+                               "image(s) sent)", param)
+        if req.prompt_token_ids is not None:
+            raise RequestError("images go with a text prompt or chat messages, not with prompt token ids", param)
+        if req.messages is not None:
+            text = self.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+            add_special = False  # the template already holds BOS and the role markers
+        else:
+            text, add_special = req.prompt or "", req.add_special_tokens
+        self.check_text_length(text, param)
+        try:
+            ids, images = self.images.process(text, list(req.images), add_special)
+        except ImageError as exc:
+            raise RequestError(str(exc), param) from None
+        return ids, text, images
 
     def check_text_length(self, text: str, param: str) -> None:
         """RequestError, before any tokenizing, for a text that cannot fit the context: no token
@@ -144,12 +178,16 @@ class TextTokenizer:
     def prepare(self, req: GenerateRequest) -> tuple[list[int], str | None]:
         """(prompt token ids, prompt text when there is one) of a request that fits the context,
         or RequestError."""
-        prompt_token_ids, prompt_text = self.encode_request(req)
+        return self.prepare_prompt(req)[:2]
+
+    def prepare_prompt(self, req: GenerateRequest) -> tuple[list[int], str | None, list[ImageInput]]:
+        """``prepare``'s, and the prompt's images (``ImageInput``s; none for a text prompt)."""
+        prompt_token_ids, prompt_text, images = self.encode_with_images(req)
         if req.sampling.pooling is not None:
             self.fit_pooling(req.sampling, len(prompt_token_ids))
         else:
             self.fit_max_tokens(req, len(prompt_token_ids))
-        return prompt_token_ids, prompt_text
+        return prompt_token_ids, prompt_text, images
 
     def fit_pooling(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
         """RequestError for a pooling request that cannot run: an empty input, one beyond the
@@ -228,7 +266,7 @@ def render_tools(messages: list[ChatMessage], tools: list[dict] | None, template
     knows_tools = "tools" in template
     out = []
     for m in messages:
-        d: dict = {"role": m.role, "content": m.content}
+        d: dict = {"role": m.role, "content": [dict(p) for p in m.parts] if m.parts else m.content}
         if m.tool_calls:
             calls = [{"name": c.name, "arguments": _json_or_text(c.arguments)} for c in m.tool_calls]
             if knows_tools:
@@ -297,4 +335,11 @@ def _read_model_config(model_dir: Path) -> dict:
 
         return model_config_dict(model_dir)
     path = model_dir / "config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if isinstance(config.get("text_config"), dict):  # a vision-language model: its text model's sizes
+        config = {**config, **{k: v for k, v in config["text_config"].items() if k not in config or k in _TEXT_SIZES}}
+    return config
+
+
+# the sizes a vision-language config gives its text model (the top level may hold the tower's)
+_TEXT_SIZES = ("max_position_embeddings", "vocab_size", "hidden_size", "eos_token_id")

@@ -420,6 +420,16 @@ class CausalLM(nn.Module):
     def spec_from_config(cls, config) -> ModelSpec:
         return ModelSpec.from_hf_config(config)
 
+    @staticmethod
+    def checkpoint_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under the names ``checkpoint_layout`` reads (a family whose
+        checkpoints nest the text model renames them)."""
+        return state
+
+    def extra_layout(self) -> dict[str, list[Part]]:
+        """Parameters outside the decoder (a vision tower), as whole checkpoint tensors."""
+        return {}
+
     def make_layer(self, index: int) -> DecoderLayer:
         return DecoderLayer(self.spec, Attention(self.spec, self.shard, self.comm), MLP(self.spec, self.shard, self.comm))
 
@@ -459,11 +469,16 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         backend,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        """``embeds``: (rows, values) that replace those rows' token embeddings (an image's
+        placeholders get the vision tower's output), before the first layer, on every path."""
         ops = backend.layer_ops
         residual = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden) in the activations' dtype, as transformers
             residual = residual * torch.tensor(self.spec.embed_scale, dtype=residual.dtype)
+        if embeds is not None:
+            residual = residual.index_copy(0, embeds[0], embeds[1].to(residual.dtype))
         stack = getattr(backend, "decode_stack", None)  # the CPU kernels' whole stack in one call
         if stack is not None:
             normed = stack(self, residual, positions, kv_caches, meta)

@@ -126,6 +126,7 @@ def read_checkpoint(path: Path) -> tuple[object, dict[str, torch.Tensor], str, d
             state.pop(base + suffix, None)
         if name not in state or not state[name].is_floating_point():
             state[name] = w.dequantize()  # a prepared folder has these already (the same values)
+    state = family_for(config).checkpoint_state(state)
     return config, base_model_as_causal_lm(config, state), method, quant
 
 
@@ -296,7 +297,7 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizati
         model = build_model(spec, config)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     layout = type(model).checkpoint_layout(spec)
-    fused = remap_state_dict(state, layout, shapes)
+    fused = remap_state_dict(state, layout | model.extra_layout(), shapes)
     model.load_state_dict(fused, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.init_rope(dtype, device)

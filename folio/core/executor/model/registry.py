@@ -12,6 +12,7 @@ from folio.core.executor.model.gemma2 import Gemma2ForCausalLM
 from folio.core.executor.model.gemma3 import Gemma3ForCausalLM
 from folio.core.executor.model.layers import CausalLM, ModelSpec
 from folio.core.executor.model.llama import LlamaForCausalLM
+from folio.core.executor.model.llava import LlavaForConditionalGeneration
 from folio.core.executor.model.mixtral import MixtralForCausalLM
 from folio.core.executor.model.olmoe import OlmoeForCausalLM
 from folio.core.executor.model.phi3 import Phi3ForCausalLM
@@ -22,8 +23,9 @@ from folio.core.executor.parallel.comm import Comm, Shard
 
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
-    MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM,
+    MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, LlavaForConditionalGeneration,
 )
+VISION_MODEL_TYPES = LlavaForConditionalGeneration.model_types  # images in: a tower in the executor
 # checkpoints refused with a reason of their own
 REFUSED = {"Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (vision tower and text model); "
                                              "folio runs Gemma 3's text model (Gemma3ForCausalLM, gemma3_text) only"}
@@ -61,6 +63,8 @@ def build_model(spec: ModelSpec, config, shard: Shard = Shard(), comm: Comm | No
 
 def check_runtime(spec: ModelSpec, *, device: str = "cpu", quantization: str = "none", tp_size: int = 1) -> None:
     """A clear error at start for what the model's family does not run yet."""
+    if spec.model_type in VISION_MODEL_TYPES and tp_size > 1:
+        raise ValueError("vision-language models run on one device only in this build (no tensor parallelism)")
     if not spec.num_experts:
         return
     what = f"mixture-of-experts models ({spec.model_type})"

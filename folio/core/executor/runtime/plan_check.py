@@ -39,6 +39,7 @@ class PlanLimits:
     vocab_size: int
     disk_tier: bool = False
     max_loras: int = 0  # adapters one step may use (0: LoRA off)
+    takes_images: bool = False  # the model has a vision tower
 
 
 @dataclass
@@ -146,12 +147,31 @@ def _check_new(new_reqs: list[NewRequestData], limits: PlanLimits,
         if r.lora_name is not None and (adapters is None or r.lora_name not in adapters):
             raise InvalidPlan(f"{r.req_id}: LoRA adapter {r.lora_name!r} asked but "
                               + ("LoRA is not enabled" if adapters is None else "no adapter has that name"))
+        if r.images:
+            _check_images(r, limits)
         new[r.req_id] = r
     if new_reqs:
         owners = list(new)
         _first_outside("token id", owners, [r.token_ids for r in new_reqs], 0, limits.vocab_size, _vocab(limits))
         _first_outside("block id", owners, [r.block_ids for r in new_reqs], 0, limits.num_blocks, _pool(limits))
     return new
+
+
+def _check_images(r: NewRequestData, limits: PlanLimits) -> None:
+    """Images only for a model with a tower, their placeholders inside the prompt, their pixel
+    bytes the size their dtype and shape say."""
+    if not limits.takes_images:
+        raise InvalidPlan(f"{r.req_id}: images sent to a text-only model")
+    for k, im in enumerate(r.images):
+        if im.length <= 0 or im.offset < 0 or im.offset + im.length > r.num_prompt_tokens:
+            raise InvalidPlan(f"{r.req_id}: image {k}'s placeholders [{im.offset}, {im.offset + im.length}) are "
+                              f"outside its {r.num_prompt_tokens} prompt tokens")
+        try:
+            size = int(np.prod(im.shape, dtype=np.int64)) * np.dtype(im.dtype).itemsize
+        except (TypeError, ValueError):
+            raise InvalidPlan(f"{r.req_id}: image {k} has pixel dtype {im.dtype!r}") from None
+        if size != len(im.data) or np.dtype(im.dtype).kind != "f":
+            raise InvalidPlan(f"{r.req_id}: image {k} has {len(im.data)} bytes for {im.dtype} {im.shape}")
 
 
 def _check_running(running_reqs: list[RunningRequestData], limits: PlanLimits, batch,

@@ -26,6 +26,7 @@ from folio.core.executor.kernels.cuda_kernels import UnsupportedKernelError
 from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
+from folio.core.executor.runtime.encoder_cache import ImageInputs
 from folio.core.executor.runtime.pooling import pool_vectors
 from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
@@ -204,12 +205,14 @@ class ModelRunner:
             self.pool = KVPool(self.pool_shape, self._decide_num_blocks(), self.device, config.num_host_blocks)
         self.tiers = self._make_tiers(model_path)  # the disk tier, with --kv-disk-dir
         self.requests: dict[str, RunnerRequest] = {}
+        self.image_inputs = ImageInputs(self.model, self.device)  # images in: pixels and the encoder-output cache
         self._want_prompt_lp: set[str] = set()  # requests whose prompt logprobs are not all reported
         self.batch = InputBatch(config.max_num_seqs, self.spec.vocab_size, config.block_size, self.device)
         self.limits = PlanLimits(num_blocks=self.pool.num_blocks, num_host_blocks=self.pool.num_host_blocks,
                                  block_size=config.block_size, max_positions=rope_rows(self.model),
                                  vocab_size=self.spec.vocab_size, disk_tier=self.tiers is not None,
-                                 max_loras=lora["max_loras"] if lora["enable_lora"] else 0)
+                                 max_loras=lora["max_loras"] if lora["enable_lora"] else 0,
+                                 takes_images=hasattr(self.model, "encode_images"))
         # requests of refused plans: the scheduler ends them, but a plan it made ahead may name them
         # still; they are left out of every plan until it reports them finished
         self._refused: set[str] = set()
@@ -314,9 +317,12 @@ class ModelRunner:
         self.lora.set_step(LoRABatch.build(slot_of_id[ids], step.counts, self.lora.scales, self.lora.widths,
                                            self.device))
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
+    def _forward(self, step: StepInputs, embeds=None) -> torch.Tensor:
         if self.lora is not None:
             self._lora_step(step)
+        if embeds is not None:  # an image's placeholders: the vision tower's rows in place of embeddings
+            return self.model(step.input_ids, step.meta.positions, self.pool.kv_caches, step.meta, self.backend,
+                              embeds=embeds)
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step)
         return self.model(step.input_ids, step.meta.positions, self.pool.kv_caches, step.meta, self.backend)
@@ -376,6 +382,7 @@ class ModelRunner:
                              new.block_ids, new.sampling, new.append_sampled, lora_id)
         self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled,
                                                   new.grammar)
+        self.image_inputs.add(new.req_id, new.images)
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
         if new.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
@@ -388,6 +395,7 @@ class ModelRunner:
             self.proposer.drop(req_id, *((state.token_ids, state.adapter) if state is not None else ()))
         if state is not None:
             self.batch.remove(req_id)
+        self.image_inputs.drop(req_id)
         self._want_prompt_lp.discard(req_id)
         self._constrained.discard(req_id)
 
@@ -509,8 +517,9 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return None
         step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids, self._trees(plan))
-        hidden = self._forward(step)
         req_ids = list(plan.num_scheduled_tokens)
+        embeds = self.image_inputs.step_embeds(req_ids, self.batch.num_computed[step.rows], step.counts)
+        hidden = self._forward(step, embeds)
         if self.proposer is not None and hasattr(self.proposer, "observe"):  # a draft head reads the hidden states
             self.proposer.observe(req_ids, self.batch.num_computed[step.rows], step.counts, hidden)
         result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
