@@ -320,6 +320,9 @@ class SchedulerConfig:
                                         ("scheduler",))
     long_prefill_token_threshold: int = flag(0, "most tokens one prefill takes per step (0: up to the token budget)",
                                              ("scheduler",))
+    max_pooling_tokens_per_step: int = flag(16, "most prompt tokens of pooling requests (embeddings, scores) in "
+                                            "one step while a generating request runs (0: no limit but the token "
+                                            "budget); alone they take the whole budget", ("scheduler",))
     preemption_mode: str = flag("recompute", "when blocks run out: free and recompute later, or swap to the host "
                                 "tier (--num-host-blocks)", ("scheduler",), choices=("recompute", "swap"))
     scheduling_policy: str = flag("fcfs", "queue order: arrival, or the request's priority (lower first) then "

@@ -21,6 +21,7 @@ first send to its last answer) both ways and their ratio, whether the chat texts
 the embeddings' tokens/s.
 
     folio bench embed --mixed [--chat-streams 16] [--chat-tokens 128] [--inputs-per-request 8]
+        [--max-pooling-tokens-per-step N]
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def mixed(args) -> int:
     batches = [texts[i:i + args.inputs_per_request] for i in range(0, len(texts), args.inputs_per_request)]
     chats = [CHAT[i % len(CHAT)] for i in range(args.chat_streams)]
     server = start_server(path, "--task", "generate,embed", "--max-num-seqs", "256",
-                          "--max-pooling-inputs", str(args.inputs_per_request))
+                          "--max-pooling-inputs", str(args.inputs_per_request),
+                          "--max-pooling-tokens-per-step", str(args.max_pooling_tokens_per_step))
     try:
         asyncio.run(_mixed_run(server.base_url, args.model, chats[:1], 4, batches[:1]))  # warm-up
         alone, alone_texts, _ = asyncio.run(_mixed_run(server.base_url, args.model, chats, args.chat_tokens, []))
@@ -135,7 +137,8 @@ def mixed(args) -> int:
                                                                batches))
     finally:
         stop_server(server)
-    print(f"model: {path} (folio serve --task generate,embed); {len(chats)} chat streams of up to "
+    print(f"model: {path} (folio serve --task generate,embed --max-pooling-tokens-per-step "
+          f"{args.max_pooling_tokens_per_step}); {len(chats)} chat streams of up to "
           f"{args.chat_tokens} tokens; {len(texts)} embedding inputs ({num_tokens} tokens) in {len(batches)} requests")
     print(f"chat alone (tokens/s): {alone:.1f}")
     print(f"chat beside the embeddings (tokens/s): {beside:.1f}")
@@ -160,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-streams", type=int, default=16)
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--inputs-per-request", type=int, default=8)
+    ap.add_argument("--max-pooling-tokens-per-step", type=int, default=16,
+                    help="--mixed: the server's flag (the embeddings' share of a step while the chat decodes)")
     args = ap.parse_args(argv)
     if args.mixed:
         return mixed(args)

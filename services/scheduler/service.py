@@ -201,7 +201,8 @@ class SchedulerService:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    preemption_mode=config.preemption_mode,
-                                   scheduling_policy=config.scheduling_policy, max_loras=config.max_loras)
+                                   scheduling_policy=config.scheduling_policy, max_loras=config.max_loras,
+                                   max_pooling_tokens_per_step=config.max_pooling_tokens_per_step)
         self.scheduler.speculative = speculation_on(config)
         self.wake = asyncio.Event()
         self.pool_ready = False

@@ -136,6 +136,9 @@ class _Room:
     num_seqs: int = 0  # sequences counted against ``max_num_seqs`` (once the queues' turn comes)
     preempted: bool = False  # nothing new is admitted in a step that preempted
     whole_prefill_taken: bool = False  # without chunked prefill: the first whole prompt may pass the budget
+    # what pooling requests' prompts may still take (``max_pooling_tokens_per_step`` while a generating
+    # request runs: a step of embeddings' prefill stalls every stream decoding beside it)
+    pool_tokens: int = 1 << 62
     adapters: set[str] | None = None  # the running adapters, gathered once a request with one asks
 
 
@@ -151,6 +154,8 @@ def schedule(sched: SchedulerState, in_flight: StepOutput | None = None) -> Step
     _settle(sched, [op.req_id for op in in_flight.ops if isinstance(op, KVAllocate)] if in_flight else [])
     sched.forks.issue()
     room = _Room(num_tokens=sched.max_num_batched_tokens)
+    if sched.max_pooling_tokens_per_step and any(r.sampling.pooling is None for r in sched.running):
+        room.pool_tokens = sched.max_pooling_tokens_per_step
     _schedule_running(sched, out, room)
     if not room.preempted and room.num_tokens > 0 and (sched.swapped or sched.waiting):
         room.num_seqs = _num_seqs(sched)
@@ -169,7 +174,7 @@ def _schedule_running(sched: SchedulerState, out: StepOutput, room: _Room) -> No
         if i >= len(sched.running) or room.num_tokens <= 0:
             return
         req = sched.running[i]
-        num_new = _num_new_tokens(sched, req, room.num_tokens, room.whole_prefill_taken)
+        num_new = _num_new_tokens(sched, req, _budget(req, room), room.whole_prefill_taken)
         if not num_new:
             i += 1
             continue
@@ -184,7 +189,13 @@ def _schedule_running(sched: SchedulerState, out: StepOutput, room: _Room) -> No
         room.whole_prefill_taken |= num_new > 1
         _take(sched, out, req, num_new)
         room.num_tokens -= num_new
+        room.pool_tokens -= num_new if req.sampling.pooling is not None else 0
         i += 1
+
+
+def _budget(req: Request, room: _Room) -> int:
+    """The tokens ``req`` may take this step: the budget's rest, a pooling request's within its share."""
+    return room.num_tokens if req.sampling.pooling is None else min(room.num_tokens, room.pool_tokens)
 
 
 def _preempt_until_grown(sched: SchedulerState, req: Request, num_new: int, i: int) -> bool:
@@ -256,7 +267,7 @@ def _admit_waiting(sched: SchedulerState, out: StepOutput, room: _Room) -> None:
         kv_import = _imports_kv(sched, req)
         # an import takes blocks for all its tokens but computes only its last (the prefill side's token)
         num_new = req.num_tokens - req.num_computed_tokens if kv_import else \
-            _num_new_tokens(sched, req, room.num_tokens, room.whole_prefill_taken)
+            _num_new_tokens(sched, req, _budget(req, room), room.whole_prefill_taken)
         if not num_new and req.req_id in sched.grammar_gate.held and req.num_computed_tokens >= req.num_tokens - 1:
             # all it lacks is its grammar: the others go on
             req.num_computed_tokens = req.num_cached_tokens = 0
@@ -288,6 +299,7 @@ def _admit(sched: SchedulerState, out: StepOutput, req: Request, num_new: int, k
     room.whole_prefill_taken |= num_new > 1
     _take(sched, out, req, num_new)
     room.num_tokens -= num_new
+    room.pool_tokens -= num_new if req.sampling.pooling is not None else 0
 
 
 def _seal(sched: SchedulerState, out: StepOutput) -> StepOutput | None:
@@ -539,7 +551,8 @@ class Scheduler(SchedulerState):
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None, *,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 preemption_mode: str = "recompute", scheduling_policy: str = "fcfs", max_loras: int | None = None):
+                 preemption_mode: str = "recompute", scheduling_policy: str = "fcfs", max_loras: int | None = None,
+                 max_pooling_tokens_per_step: int = 16):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if preemption_mode not in PREEMPTION_MODES:
@@ -550,7 +563,8 @@ class Scheduler(SchedulerState):
                          max_model_len_limit=max_model_len, max_model_len=max_model_len,
                          enable_chunked_prefill=enable_chunked_prefill,
                          long_prefill_token_threshold=max(0, long_prefill_token_threshold),
-                         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, max_loras=max_loras)
+                         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, max_loras=max_loras,
+                         max_pooling_tokens_per_step=max(0, max_pooling_tokens_per_step))
 
     # the pool and its epochs (this module)
     set_pool = set_pool

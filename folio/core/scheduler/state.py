@@ -66,6 +66,8 @@ class SchedulerState:
     max_model_len_limit: int | None = None  # asked for; the pool's own limit may be lower
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk is bounded by the budget only
+    # the pooling requests' share of a step while a generating request runs (0: no share of their own)
+    max_pooling_tokens_per_step: int = 16
     preemption_mode: str = "recompute"  # or "swap"
     scheduling_policy: str = "fcfs"  # or "priority"
     max_loras: int | None = None  # the most distinct LoRA adapters running at once (None: no limit)

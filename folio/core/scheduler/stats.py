@@ -30,6 +30,7 @@ def scheduler_stats(sched: Scheduler) -> dict:
         "max_model_len": sched.max_model_len,
         "enable_chunked_prefill": sched.enable_chunked_prefill,
         "long_prefill_token_threshold": sched.long_prefill_token_threshold,
+        "max_pooling_tokens_per_step": sched.max_pooling_tokens_per_step,
         "preemption_mode": sched.preemption_mode,
         "scheduling_policy": sched.scheduling_policy,
         "draining": sched.draining,

@@ -94,3 +94,19 @@ def test_the_same_prefix_is_a_prefix_cache_hit():
     plan, deltas = run(sched, alloc)  # a's blocks were confirmed and freed first: b finds two of them
     assert plan.num_scheduled_tokens == {"b": 2}
     assert deltas[0].num_cached_tokens == 8 and deltas[0].pooled == VECTOR
+
+
+def test_pooling_prompts_take_their_share_of_a_step_while_a_stream_decodes_and_the_whole_budget_alone():
+    """``max_pooling_tokens_per_step``: two embeddings beside a decoding chat take 4 tokens a step
+    between them (the chat's token comes first); once the chat ends they take the whole budget."""
+    sched, alloc = make(num_blocks=32, block_size=4, max_num_batched_tokens=16, max_pooling_tokens_per_step=4)
+    sched.add_request(request("chat", 3, max_tokens=3))
+    run(sched, alloc)  # the chat's prompt, and its first token
+    sched.add_request(pooling("a", 10))
+    sched.add_request(pooling("b", 10, first=20))
+    plan, _ = run(sched, alloc)
+    assert plan.num_scheduled_tokens == {"chat": 1, "a": 4}
+    plan, _ = run(sched, alloc)
+    assert plan.num_scheduled_tokens == {"chat": 1, "a": 4}  # the chat's last token
+    plan, _ = run(sched, alloc)  # the chat has ended: the budget is the embeddings'
+    assert plan.num_scheduled_tokens == {"a": 2, "b": 10}
