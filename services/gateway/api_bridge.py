@@ -12,7 +12,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from folio.services.gateway import convert
+from folio.services.gateway import convert, media
 from folio.services.gateway.chat_output import OutputReader, output_reader, request_reasoning_parser
 from folio.services.gateway.protocol import ApiError, ChatCompletionRequest, parse
 from folio.services.gateway.responses import ResponseMeta, UsageCounter
@@ -58,7 +58,9 @@ async def run_chat(request: web.Request, req: ChatCompletionRequest, meta: Respo
     params = req.sampling_params()
     _, lora_name = await service.resolve_model(req.model)
     reasoning = request_reasoning_parser(req, service.config) is not None
-    gen = convert.chat_generate_requests(req, meta.id, params, lora_name=lora_name, reasoning=reasoning)
+    images = await media.chat_images(req.messages, service.config)  # the other APIs' images, as image_url parts
+    gen = convert.chat_generate_requests(req, meta.id, params, lora_name=lora_name, reasoning=reasoning,
+                                         images=images)
     mailbox = service.submit(gen, None)
     return await _respond(request, mailbox, meta, req, stream_fn, response_fn)
 

@@ -78,11 +78,14 @@ def _message(m: dict, out: list[dict]) -> None:
         return
     if not isinstance(content, list):
         raise ApiError("a message's content must be a string or a list of blocks", param="messages")
-    texts, calls = [], []
+    texts, calls, parts = [], [], []  # parts: the text and image blocks, in order, once an image comes
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(str(block.get("text", "")))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"))}})
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": str(block.get("name", "")),
@@ -94,8 +97,25 @@ def _message(m: dict, out: list[dict]) -> None:
         elif kind not in ("thinking", "redacted_thinking"):  # past reasoning: templates drop it
             raise ApiError(f"content blocks of type {kind!r} are not supported in a {role} message",
                            param="messages")
-    if texts or calls:
+    if any(p["type"] == "image_url" for p in parts):
+        out.append({"role": role, "content": parts})
+    elif texts or calls:
         out.append({"role": role, "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
+
+
+def _image_url(source) -> str:
+    """An image block's source as the URL chat's ``image_url`` takes: base64 data as a data URL, or
+    its ``url`` (fetched as chat's are: only from ``--allowed-media-domains``)."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise ApiError("an image block's source.media_type must be image/jpeg, image/png, image/gif or "
+                           "image/webp", param="messages")
+        return f"data:{media_type};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ApiError("an image block's source must be {type: base64, media_type, data} or {type: url, url}",
+                   param="messages")
 
 
 def _tool_choice(choice: dict | None):

@@ -97,6 +97,25 @@ def _text_of(content, param: str) -> str:
     return "".join(parts)
 
 
+def _content(content, param: str):
+    """A message's content for chat: its text, or chat's parts when it holds an ``input_image``
+    (its ``image_url``: a data URL or an http(s) URL, read as chat's ``image_url`` parts are)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of(content, param)
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise ApiError("an input_image needs image_url: a data URL or an http(s) URL (file_id is not "
+                               "supported)", param=param)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], param)})
+    return parts
+
+
 def input_messages(items: str | list[dict]) -> list[dict]:
     """The ``input`` as chat messages: messages, function calls (assistant ``tool_calls``) and their
     outputs (``tool`` messages); reasoning items are dropped (templates drop past reasoning)."""
@@ -108,7 +127,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         if kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise ApiError("a message's role must be user, assistant, system or developer", param="input")
-            out.append({"role": item["role"], "content": _text_of(item.get("content", ""), "input")})
+            out.append({"role": item["role"], "content": _content(item.get("content", ""), "input")})
         elif kind == "function_call":
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))}}

@@ -132,3 +132,49 @@ def test_bad_images_get_400_and_the_server_keeps_serving(server, image_host, tmp
         assert status == 200
     finally:
         stop_server(text_only)
+
+
+def _post(base_url: str, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_responses_and_messages_apis_take_images_as_chat_does(server, reference):
+    """The Responses API's ``input_image`` (the official client's ``responses.create``) and the
+    Messages API's base64 ``image`` block give chat's text for the same image and question; a
+    bad image there is a 400 in the API's own error shape, and the server answers after it."""
+    processor = reference[1]
+    want, _ = reference_tokens(reference, QUESTIONS[0], IMAGES[0], max_new_tokens=8)
+    text = processor.tokenizer.decode(want, skip_special_tokens=True)
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    out = client.responses.create(model="tiny", max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                                  input=[{"role": "user", "content": [
+                                      {"type": "input_image", "image_url": data_url(IMAGES[0])},
+                                      {"type": "input_text", "text": QUESTIONS[0]}]}])
+    assert out.output_text == text
+    png = data_url(IMAGES[0]).split(",", 1)[1]
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    status, body = _post(server.base_url, "/messages", {
+        "model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "user", "content": [block, {"type": "text", "text": QUESTIONS[0]}]}]})
+    assert status == 200 and body["content"][0]["text"] == text, body
+    bad = {**block, "source": {**block["source"], "media_type": "text/plain"}}
+    status, body = _post(server.base_url, "/messages", {
+        "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": [bad, {"type": "text", "text": "x"}]}]})
+    assert status == 400 and body["type"] == "error" and "media_type" in body["error"]["message"], body
+    status, body = _post(server.base_url, "/responses", {
+        "model": "tiny", "max_output_tokens": 8,
+        "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]})
+    assert status == 400 and "file_id is not supported" in body["error"]["message"], body
+    status, body = _post(server.base_url, "/responses", {
+        "model": "tiny", "max_output_tokens": 8, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,@@"}, {"type": "input_text", "text": "x"}]}]})
+    assert status == 400 and "base64 is broken" in body["error"]["message"], body
+    status, body = _post(server.base_url, "/messages", {
+        "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200
