@@ -23,15 +23,19 @@ _TOTALS = ("num_steps", "step_seconds_total", "num_scheduled_seqs_total", "num_s
            "num_preemptions")
 
 
-def sample(now: float, sched: dict | None, kv: dict | None, prev: dict | None) -> dict:
+def sample(now: float, sched: dict | None, kv: dict | None, prev: dict | None, executor: dict | None = None) -> dict:
     """One point of every plot; ``prev``: the sample before (None: the first)."""
-    sched, kv = sched or {}, kv or {}
+    sched, kv, executor = sched or {}, kv or {}, executor or {}
     totals = {k: sched.get(k, 0) or 0 for k in _TOTALS}
     totals["hits"] = kv.get("num_prefix_cache_hits", 0) or 0
     totals["queries"] = kv.get("num_prefix_cache_queries", 0) or 0
+    # images in: the placeholder tokens the vision tower filled, and its time
+    totals["image_tokens"] = executor.get("num_image_tokens_encoded", 0) or 0
+    totals["encoder_seconds"] = executor.get("encoder_seconds_total", 0.0) or 0.0
     point = {"t": round(now, 2), "running": sched.get("num_running"), "waiting": sched.get("num_waiting"),
              "swapped": sched.get("num_swapped"), "kv_usage": kv.get("usage"), "step_ms": None,
-             "batch_size": None, "budget_use": None, "hit_rate": None, "preemptions": None, "dt": None, "_totals": totals}
+             "batch_size": None, "budget_use": None, "hit_rate": None, "preemptions": None,
+             "image_tokens": None, "encoder_use": None, "dt": None, "_totals": totals}
     if prev is None or any(totals[k] < prev["_totals"][k] for k in totals):  # the first, or a restart
         return point
     d = {k: totals[k] - prev["_totals"][k] for k in totals}
@@ -45,6 +49,8 @@ def sample(now: float, sched: dict | None, kv: dict | None, prev: dict | None) -
         point["batch_size"] = point["budget_use"] = 0.0
     point["hit_rate"] = d["hits"] / d["queries"] if d["queries"] else None
     point["preemptions"] = d["num_preemptions"]
+    point["image_tokens"] = d["image_tokens"]  # the page shows it per second, as preemptions
+    point["encoder_use"] = d["encoder_seconds"] / point["dt"] if point["dt"] else None  # the tower's share of the time
     return point
 
 
@@ -65,10 +71,11 @@ class History:
     async def take(self) -> None:
         async with self.lock:
             ep, timeout = self.service.config.endpoints, self.service.config.admin_timeout_s
-            sched, kv = await asyncio.gather(self.service.ask_admin(ep.admin_scheduler, "stats", timeout),
-                                             self.service.ask_admin(ep.admin_kvmanager, "stats", timeout))
+            sched, kv, executor = await asyncio.gather(self.service.ask_admin(ep.admin_scheduler, "stats", timeout),
+                                                       self.service.ask_admin(ep.admin_kvmanager, "stats", timeout),
+                                                       self.service.ask_admin(ep.admin_executor, "stats", timeout))
             prev = self.samples[-1] if self.samples else None
-            self.samples.append(sample(time.time(), sched, kv, prev))
+            self.samples.append(sample(time.time(), sched, kv, prev, executor))
             self.last_stats = (sched, kv)
 
     async def watched(self) -> None:

@@ -142,6 +142,10 @@ class GatewayMetrics:
                                   labels + ["lora_name"], registry=r)
         self.lora_waiting = Gauge("folio:lora_num_requests_waiting", "Requests waiting, per LoRA adapter.",
                                   labels + ["lora_name"], registry=r)
+        # images in: the executor's vision tower (each image encoded once per request, in its first chunk)
+        self.images_encoded = counter("folio:images_encoded", "Images the vision tower encoded.")
+        self.image_tokens = counter("folio:image_tokens", "Image placeholder tokens the vision tower filled.")
+        self.encoder_seconds = counter("folio:encoder_seconds", "Time in the vision tower and projector.")
         self.lora_loads = counter("folio:lora_loads", "LoRA adapters copied into a device slot.")
         self.lora_evictions = counter("folio:lora_evictions", "LoRA adapters evicted from a device slot.")
         self._last_totals: dict[str | tuple, float] = {}  # each cumulative stat's value at the last scrape
@@ -181,6 +185,13 @@ class GatewayMetrics:
             self._advance(self.grammar_cache_hits, "grammar_hits", executor.get("num_grammar_cache_hits", 0))
             self._advance(self.constrained_steps, "constrained_steps", executor.get("num_constrained_steps", 0))
             self._advance(self.constrained_rows, "constrained_rows", executor.get("num_constrained_rows", 0))
+
+    def set_image_stats(self, executor: dict | None) -> None:
+        """Images in: what the executor's vision tower encoded, and its time."""
+        if executor:
+            self._advance(self.images_encoded, "images", executor.get("num_images_encoded", 0))
+            self._advance(self.image_tokens, "image_tokens", executor.get("num_image_tokens_encoded", 0))
+            self._advance(self.encoder_seconds, "encoder_seconds", executor.get("encoder_seconds_total", 0.0))
 
     def set_lora_stats(self, scheduler: dict | None, executor: dict | None) -> None:
         if scheduler and "lora_running" in scheduler:

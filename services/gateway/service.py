@@ -494,6 +494,7 @@ class GatewayService:
             self.ask_admin(ep.admin_tokenizer, "stats", timeout), self.ask_admin(ep.admin_executor, "stats", timeout)
         )
         self.metrics.set_grammar_stats(tokenizer, executor)
+        self.metrics.set_image_stats(executor)
         if self.config.enable_lora:
             self.metrics.set_lora_stats(scheduler, executor)
 

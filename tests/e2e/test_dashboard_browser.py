@@ -99,7 +99,7 @@ def test_the_page_draws_shared_then_cached_blocks_of_a_forked_request(server):
                                    " && document.querySelectorAll('#device-grid .cell.s-cached').length >= 8",
                                    timeout=30_000)
             page.wait_for_function("document.querySelector('#plot-step_ms').dataset.value !== ''", timeout=20_000)
-            assert page.locator("#plots .plot").count() == 9
+            assert page.locator("#plots .plot").count() == 11
             assert page.locator("#plot-step_ms polyline").get_attribute("points")
             assert page.locator("#host-grid .cell.s-free").count() == 16  # the host tier, unused
             page.screenshot(path=str(ARTIFACTS / "dashboard-after.png"), full_page=True)

@@ -68,6 +68,11 @@ def test_samples_turn_running_totals_into_rates():
     assert point["hit_rate"] == pytest.approx(0.75) and point["preemptions"] == 2 and point["dt"] == 1.0
     restarted = sample(102.0, dict(sched, num_steps=1), kv, point)  # totals went down: no rates
     assert restarted["step_ms"] is None and restarted["preemptions"] is None
+    # images in: the executor's tower, its placeholder tokens and its share of the interval
+    tower = {"num_image_tokens_encoded": 50, "encoder_seconds_total": 0.5}
+    first = sample(200.0, sched, kv, None, tower)
+    point = sample(202.0, sched, kv, first, dict(tower, num_image_tokens_encoded=125, encoder_seconds_total=1.0))
+    assert point["image_tokens"] == 75 and point["encoder_use"] == pytest.approx(0.25)
 
 
 @pytest_asyncio.fixture

@@ -100,6 +100,13 @@ def test_openai_client_chat_with_images_equals_transformers(server, reference, i
                                              temperature=0, extra_body={"ignore_eos": True})
         assert out.choices[0].message.content == processor.tokenizer.decode(want, skip_special_tokens=True)
         assert out.usage.prompt_tokens == len(prompt)
+    # /metrics: the tower's images, their placeholder tokens (25 each here) and its time
+    with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith("folio:") and " " in line}
+    assert metrics["folio:images_encoded_total"] >= 3
+    assert metrics["folio:image_tokens_total"] == 25 * metrics["folio:images_encoded_total"]
+    assert metrics["folio:encoder_seconds_total"] > 0
 
 
 def test_bad_images_get_400_and_the_server_keeps_serving(server, image_host, tmp_path, smollm_tokenizer_dir):

@@ -6,6 +6,7 @@ const PLOTS = [
   ["running", "running", ""], ["waiting", "waiting", ""], ["swapped", "swapped", ""],
   ["step_ms", "step time", "ms"], ["batch_size", "batch size", ""], ["budget_use", "token budget use", "%"],
   ["hit_rate", "prefix hit rate", "%"], ["preemptions", "preemptions", "/s"], ["kv_usage", "KV blocks used", "%"],
+  ["image_tokens", "image tokens", "/s"], ["encoder_use", "vision encoder busy", "%"],
 ];
 const $ = (id) => document.getElementById(id);
 const page = new URLSearchParams(location.search);

@@ -12,6 +12,8 @@ recompute: a recompute runs the tower again). Each step's rows go to ``CausalLM.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -27,6 +29,8 @@ class ImageInputs:
         self.images: dict[str, list[ImageInput]] = {}
         self.encoded: dict[str, dict[int, torch.Tensor]] = {}
         self.num_encoded = 0  # images the tower ran on (a test and a metric read it)
+        self.num_image_tokens = 0  # placeholder rows it produced
+        self.encoder_seconds = 0.0  # time in the tower and projector
 
     def add(self, req_id: str, images: list[ImageInput]) -> None:
         if not images:
@@ -71,14 +75,21 @@ class ImageInputs:
             by_shape.setdefault((im.dtype, tuple(im.shape)), []).append((r, k))
         for (dtype, shape), keys in by_shape.items():
             pixels = np.stack([pixel_array(self.images[r][k]) for r, k in keys])
+            start = time.perf_counter()
             out = self.model.encode_images(torch.from_numpy(pixels).to(self.device))  # [images, tokens, hidden]
+            self.encoder_seconds += time.perf_counter() - start
             for (r, k), rows in zip(keys, out):
                 length = self.images[r][k].length
                 if rows.shape[0] != length:
                     raise ValueError(f"image {k} of {r}: the vision tower gave {rows.shape[0]} rows for "
                                      f"{length} placeholders")
                 self.encoded.setdefault(r, {})[k] = rows
+                self.num_image_tokens += length
             self.num_encoded += len(keys)
+
+    def stats(self) -> dict:
+        return {"num_images_encoded": self.num_encoded, "num_image_tokens_encoded": self.num_image_tokens,
+                "encoder_seconds_total": round(self.encoder_seconds, 6)}
 
 
 def pixel_array(im: ImageInput) -> np.ndarray:

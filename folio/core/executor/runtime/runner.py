@@ -834,6 +834,7 @@ class ModelRunner:
             **({"kv_tiers": self.tiers.stats()} if self.tiers is not None else {}),
             **self.grammars.stats,
             **(self.lora.stats() if self.lora is not None else {}),
+            **self.image_inputs.stats(),
             **(self.spec_control.stats() if self.spec_control is not None else {}),
             # drafting steps by shape (the tree's controller: its second arm is the tree)
             **({"spec_steps_chain": self.tree_control.num_steps[0], "spec_steps_tree": self.tree_control.num_steps[1]}
