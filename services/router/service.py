@@ -51,6 +51,10 @@ REPLICA_HEADER = "X-Folio-Replica"  # which replica answered: for clients' logs,
 _CHAINED, _NOT_FOUND = "folio.chained", "folio.not_found"  # keys on the aiohttp request
 
 
+
+# the pooling routes a replica serves with --task embed: one leg, prefill only, even with --prefill/--decode
+POOLING_PATHS = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score")
+
 class _Retry(Exception):
     """This replica did not start answering: try another."""
 
@@ -84,6 +88,8 @@ class RouterService:
         app.router.add_post("/v1/responses", self.generate)  # both through chat's path on the replica
         app.router.add_post("/v1/messages", self.generate)
         app.router.add_post("/v1/messages/count_tokens", self.generate)
+        for path in POOLING_PATHS:  # embeddings, rerank and score: a replica served with --task embed answers
+            app.router.add_post(path, self.generate)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -168,7 +174,7 @@ class RouterService:
         if encoder is not None:
             token_ids = await asyncio.to_thread(encoder.token_ids, body, request.path.endswith("/chat/completions"))
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        if self.disagg is not None:  # --prefill/--decode: two legs per request (``disagg.py``)
+        if self.disagg is not None and request.path not in POOLING_PATHS:  # --prefill/--decode: two legs (``disagg.py``)
             return await self.disagg.generate(request, body, token_ids, salt)
         tried: set[str] = set()
         # a stream cut mid-way goes on elsewhere (``resume.py``): OpenAI's completion and chat chunks only

@@ -22,7 +22,8 @@ from folio.testing.routerstack import ReplicaProcess, http_json, post, start_rou
 
 pytestmark = pytest.mark.slow  # two replicas and a router per test: 23 s in all
 
-FLAGS = ("--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "128", "--max-num-batched-tokens", "1024", "--max-num-seqs", "4")
+FLAGS = ("--served-model-name", "m", "--dtype", "float32", "--num-kv-blocks", "128", "--max-num-batched-tokens", "1024", "--max-num-seqs", "4",
+         "--task", "generate,embed")
 SYSTEM = " ".join(f"Rule {i}: answer briefly, politely and only about topic number {i}." for i in range(30))
 SYSTEM2 = " ".join(f"Policy {i}: a tenant's second assistant speaks of subject {i} in French." for i in range(30))
 
@@ -266,3 +267,23 @@ def test_responses_and_messages_pass_through_and_a_chain_finds_its_replica(stack
     status, body, _ = post(router.url + "/v1/messages", {
         "model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
     assert status == 200 and body["type"] == "message", body
+
+
+def test_embeddings_rerank_and_score_pass_through(stack):
+    """The pooling routes go through the router to a replica serving --task generate,embed: the
+    same input gives the same vector whichever replica answers, and a bad body is the replica's 400."""
+    *_, router = stack
+    vectors, replicas = [], set()
+    for i in range(8):
+        status, body, replica = post(router.url + "/v1/embeddings", {"model": "m", "input": ["alpha beta", f"gamma {i}"]})
+        assert status == 200 and len(body["data"]) == 2, body
+        vectors.append(body["data"][0]["embedding"])
+        replicas.add(replica)
+    assert len(replicas) == 2, replicas  # both replicas answered, with the same vector for the same text
+    assert all(max(abs(a - b) for a, b in zip(v, vectors[0])) < 1e-5 for v in vectors)
+    status, body, _ = post(router.url + "/v1/rerank", {"model": "m", "query": "q", "documents": ["a", "b", "c"]})
+    assert status == 200 and sorted(r["index"] for r in body["results"]) == [0, 1, 2], body
+    status, body, _ = post(router.url + "/v1/score", {"model": "m", "text_1": "a", "text_2": ["b", "c"]})
+    assert status == 200 and len(body["data"]) == 2, body
+    status, body, _ = post(router.url + "/v1/embeddings", {"model": "m", "input": ""})
+    assert status == 400 and body["error"]["param"] == "input", body
