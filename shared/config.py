@@ -320,6 +320,9 @@ class SchedulerConfig:
                                         ("scheduler",))
     long_prefill_token_threshold: int = flag(0, "most tokens one prefill takes per step (0: up to the token budget)",
                                              ("scheduler",))
+    max_num_encoder_input_tokens: int = flag(0, "most image placeholder tokens whose vision tower runs in one step "
+                                             "(0: the token budget); a chunk stops before an image that would "
+                                             "pass it, but a step always takes one image", ("scheduler",))
     max_pooling_tokens_per_step: int = flag(16, "most prompt tokens of pooling requests (embeddings, scores) in "
                                             "one step while a generating request runs (0: no limit but the token "
                                             "budget); alone they take the whole budget", ("scheduler",))

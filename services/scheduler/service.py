@@ -202,7 +202,8 @@ class SchedulerService:
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    preemption_mode=config.preemption_mode,
                                    scheduling_policy=config.scheduling_policy, max_loras=config.max_loras,
-                                   max_pooling_tokens_per_step=config.max_pooling_tokens_per_step)
+                                   max_pooling_tokens_per_step=config.max_pooling_tokens_per_step,
+                                   max_num_encoder_input_tokens=config.max_num_encoder_input_tokens)
         self.scheduler.speculative = speculation_on(config)
         self.wake = asyncio.Event()
         self.pool_ready = False

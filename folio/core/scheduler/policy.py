@@ -139,6 +139,9 @@ class _Room:
     # what pooling requests' prompts may still take (``max_pooling_tokens_per_step`` while a generating
     # request runs: a step of embeddings' prefill stalls every stream decoding beside it)
     pool_tokens: int = 1 << 62
+    # image placeholder tokens whose vision tower may still run (``max_num_encoder_input_tokens``)
+    encoder_tokens: int = 1 << 62
+    encoder_budget: int = 1 << 62
     adapters: set[str] | None = None  # the running adapters, gathered once a request with one asks
 
 
@@ -154,6 +157,7 @@ def schedule(sched: SchedulerState, in_flight: StepOutput | None = None) -> Step
     _settle(sched, [op.req_id for op in in_flight.ops if isinstance(op, KVAllocate)] if in_flight else [])
     sched.forks.issue()
     room = _Room(num_tokens=sched.max_num_batched_tokens)
+    room.encoder_tokens = room.encoder_budget = sched.max_num_encoder_input_tokens or sched.max_num_batched_tokens
     if sched.max_pooling_tokens_per_step and any(r.sampling.pooling is None for r in sched.running):
         room.pool_tokens = sched.max_pooling_tokens_per_step
     _schedule_running(sched, out, room)
@@ -174,7 +178,7 @@ def _schedule_running(sched: SchedulerState, out: StepOutput, room: _Room) -> No
         if i >= len(sched.running) or room.num_tokens <= 0:
             return
         req = sched.running[i]
-        num_new = _num_new_tokens(sched, req, _budget(req, room), room.whole_prefill_taken)
+        num_new = _chunk(sched, req, room)
         if not num_new:
             i += 1
             continue
@@ -188,14 +192,38 @@ def _schedule_running(sched: SchedulerState, out: StepOutput, room: _Room) -> No
                 continue
         room.whole_prefill_taken |= num_new > 1
         _take(sched, out, req, num_new)
-        room.num_tokens -= num_new
-        room.pool_tokens -= num_new if req.sampling.pooling is not None else 0
+        _spend(room, req, num_new)
         i += 1
 
 
 def _budget(req: Request, room: _Room) -> int:
     """The tokens ``req`` may take this step: the budget's rest, a pooling request's within its share."""
     return room.num_tokens if req.sampling.pooling is None else min(room.num_tokens, room.pool_tokens)
+
+
+def _chunk(sched: SchedulerState, req: Request, room: _Room) -> int:
+    """``req``'s tokens this step: within the budget (``_budget``) and, for a prompt with images,
+    stopping before an image whose tower would pass the step's encoder budget."""
+    num_new = _num_new_tokens(sched, req, _budget(req, room), room.whole_prefill_taken)
+    if not req.images or num_new <= 1:
+        return num_new
+    start, used = req.num_computed_tokens, 0
+    for im in sorted(req.images, key=lambda im: im.offset):
+        if start <= im.offset < start + num_new:  # its tower runs in the step that reaches its first placeholder
+            # one image a step always runs, whatever its size: a budget below it must not stall the prompt
+            if used + im.length > room.encoder_tokens and (used or room.encoder_tokens < room.encoder_budget):
+                return im.offset - start
+            used += im.length
+    return num_new
+
+
+def _spend(room: _Room, req: Request, num_new: int) -> None:
+    """What ``num_new`` tokens of ``req`` take of the step: the token budget, a pooling request's
+    share, and the encoder budget (each image whose first placeholder they reach)."""
+    room.num_tokens -= num_new
+    room.pool_tokens -= num_new if req.sampling.pooling is not None else 0
+    start = req.num_computed_tokens - num_new  # (``_take`` has moved it past the chunk)
+    room.encoder_tokens -= sum(im.length for im in req.images if start <= im.offset < start + num_new)
 
 
 def _preempt_until_grown(sched: SchedulerState, req: Request, num_new: int, i: int) -> bool:
@@ -266,8 +294,7 @@ def _admit_waiting(sched: SchedulerState, out: StepOutput, room: _Room) -> None:
         _find_cached(sched, req)
         kv_import = _imports_kv(sched, req)
         # an import takes blocks for all its tokens but computes only its last (the prefill side's token)
-        num_new = req.num_tokens - req.num_computed_tokens if kv_import else \
-            _num_new_tokens(sched, req, _budget(req, room), room.whole_prefill_taken)
+        num_new = req.num_tokens - req.num_computed_tokens if kv_import else _chunk(sched, req, room)
         if not num_new and req.req_id in sched.grammar_gate.held and req.num_computed_tokens >= req.num_tokens - 1:
             # all it lacks is its grammar: the others go on
             req.num_computed_tokens = req.num_cached_tokens = 0
@@ -298,8 +325,7 @@ def _admit(sched: SchedulerState, out: StepOutput, req: Request, num_new: int, k
         num_new = _import_kv(sched, out, req)
     room.whole_prefill_taken |= num_new > 1
     _take(sched, out, req, num_new)
-    room.num_tokens -= num_new
-    room.pool_tokens -= num_new if req.sampling.pooling is not None else 0
+    _spend(room, req, num_new)
 
 
 def _seal(sched: SchedulerState, out: StepOutput) -> StepOutput | None:
@@ -552,7 +578,7 @@ class Scheduler(SchedulerState):
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None, *,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  preemption_mode: str = "recompute", scheduling_policy: str = "fcfs", max_loras: int | None = None,
-                 max_pooling_tokens_per_step: int = 16):
+                 max_pooling_tokens_per_step: int = 16, max_num_encoder_input_tokens: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if preemption_mode not in PREEMPTION_MODES:
@@ -564,7 +590,8 @@ class Scheduler(SchedulerState):
                          enable_chunked_prefill=enable_chunked_prefill,
                          long_prefill_token_threshold=max(0, long_prefill_token_threshold),
                          preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, max_loras=max_loras,
-                         max_pooling_tokens_per_step=max(0, max_pooling_tokens_per_step))
+                         max_pooling_tokens_per_step=max(0, max_pooling_tokens_per_step),
+                         max_num_encoder_input_tokens=max(0, max_num_encoder_input_tokens))
 
     # the pool and its epochs (this module)
     set_pool = set_pool

@@ -68,6 +68,7 @@ class SchedulerState:
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk is bounded by the budget only
     # the pooling requests' share of a step while a generating request runs (0: no share of their own)
     max_pooling_tokens_per_step: int = 16
+    max_num_encoder_input_tokens: int = 0  # image placeholders whose tower runs in one step (0: the token budget)
     preemption_mode: str = "recompute"  # or "swap"
     scheduling_policy: str = "fcfs"  # or "priority"
     max_loras: int | None = None  # the most distinct LoRA adapters running at once (None: no limit)

@@ -31,6 +31,7 @@ def scheduler_stats(sched: Scheduler) -> dict:
         "enable_chunked_prefill": sched.enable_chunked_prefill,
         "long_prefill_token_threshold": sched.long_prefill_token_threshold,
         "max_pooling_tokens_per_step": sched.max_pooling_tokens_per_step,
+        "max_num_encoder_input_tokens": sched.max_num_encoder_input_tokens,
         "preemption_mode": sched.preemption_mode,
         "scheduling_policy": sched.scheduling_policy,
         "draining": sched.draining,

@@ -1,0 +1,48 @@
+"""Images in the batching policy: the encoder budget of a step (``max_num_encoder_input_tokens``).
+A chunk stops before an image whose vision tower would pass what is left of it; one image a step
+always runs, so a budget smaller than an image cannot stall a prompt."""
+
+from __future__ import annotations
+
+import msgspec
+
+from folio.shared.messages import ImageInput
+from tests.core.scheduler.test_scheduler_policy import make, request, step_batch
+
+
+def with_images(req, spans):
+    images = [ImageInput(offset=o, length=n, hash=f"{i:064x}", dtype="float32", shape=[1], data=b"\0" * 4)
+              for i, (o, n) in enumerate(spans)]
+    return msgspec.structs.replace(req, images=images)
+
+
+def chunks(sched, alloc, req_id, steps):
+    out = []
+    for _ in range(steps):
+        plan, _ = step_batch(sched, alloc)
+        out.append(plan.num_scheduled_tokens.get(req_id, 0))
+    return out
+
+
+def test_a_chunk_stops_before_the_image_that_would_pass_the_encoder_budget():
+    # two images of 10 placeholders at 5 and 20 in a 40-token prompt; 64 tokens a step, 12 for the tower
+    sched, alloc = make(num_blocks=32, max_num_batched_tokens=64, max_num_encoder_input_tokens=12)
+    sched.add_request(with_images(request("a", 40), [(5, 10), (20, 10)]))
+    assert chunks(sched, alloc, "a", 2) == [20, 20]  # the second image waits for the next step
+    # without the budget the prompt is one chunk
+    sched, alloc = make(num_blocks=32, max_num_batched_tokens=64)
+    sched.add_request(with_images(request("a", 40), [(5, 10), (20, 10)]))
+    assert chunks(sched, alloc, "a", 1) == [40]
+
+
+def test_one_image_a_step_runs_whatever_the_budget_and_requests_share_it():
+    sched, alloc = make(num_blocks=64, max_num_batched_tokens=64, max_num_encoder_input_tokens=4)
+    sched.add_request(with_images(request("a", 30), [(2, 10), (14, 10)]))
+    sched.add_request(with_images(request("b", 12), [(1, 8)]))
+    plan, _ = step_batch(sched, alloc)
+    # a's first image runs (over the budget: the step's first), its second waits; b's image waits too
+    assert plan.num_scheduled_tokens == {"a": 14, "b": 1}
+    plan, _ = step_batch(sched, alloc)
+    assert plan.num_scheduled_tokens == {"a": 16}  # a's second image takes the step's tower
+    plan, _ = step_batch(sched, alloc)
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 11}  # a decodes; b's image runs
