@@ -95,6 +95,15 @@ def test_greedy_text_equals_transformers_batched_and_chunked(llm, reference):
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids  # the image matters
 
 
+def test_batch_invariant_mode_gives_transformers_text_too(llava_dir, reference):
+    """``batch_invariant``: every token attended as a decode, prefill included, image rows too."""
+    invariant = LLM(llava_dir, max_num_batched_tokens=16, batch_invariant=True, **ENGINE)
+    cases = [(QUESTIONS[0], IMAGES[0]), (QUESTIONS[1], IMAGES[1])]
+    outs = invariant.chat([conversation(q, im) for q, im in cases], GREEDY, use_tqdm=False)
+    for out, (q, im) in zip(outs, cases):
+        assert list(out.outputs[0].token_ids) == reference_tokens(reference, q, im)[0]
+
+
 def test_generate_with_an_image_in_the_prompt(llm, reference):
     want, prompt = reference_tokens(reference, QUESTIONS[0], IMAGES[1])
     text = "USER: <image>\n" + QUESTIONS[0] + "\nASSISTANT:"
