@@ -3,7 +3,7 @@
 pixel-shuffle connector over a Llama) with its own ``Idefics3Processor``, against transformers'
 ``generate``, fp32: greedy text equal token for token for several prompts and two images, in one
 batch and with a chunked prefill that splits an image's placeholders over steps (the tower run
-once per image); with the processor's image splitting on, an image as five tiles (four crops and
+once per image), and in batch-invariant mode through preemptions and recomputes; with the processor's image splitting on, an image as five tiles (four crops and
 the whole), each its own run of placeholders; the prefix cache keyed by image content."""
 
 from __future__ import annotations
@@ -80,6 +80,17 @@ def test_greedy_text_equals_transformers_batched_and_chunked(idefics_dir, refere
     text = "<|im_start|>User:<image>" + QUESTIONS[0] + "<end_of_utterance>\nAssistant:"
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES[1]}}, GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids == prompt and list(out.outputs[0].token_ids) == want
+
+
+def test_batch_invariant_mode_with_preemption_keeps_the_text(idefics_dir, reference):
+    # 8 blocks of 16 for four requests of ~45 prompt + 24 output tokens: some are preempted and recomputed
+    tight = LLM(idefics_dir, **{**ENGINE, "num_kv_blocks": 8, "max_num_batched_tokens": 16, "batch_invariant": True})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cases = [(QUESTIONS[i % 3], IMAGES[i % 2]) for i in range(4)]
+    outs = tight.chat([conversation(q, im) for q, im in cases], params, use_tqdm=False)
+    assert tight.engine.core.scheduler.counters["num_preemptions"] > 0
+    for out, (q, im) in zip(outs, cases):
+        assert list(out.outputs[0].token_ids) == reference_tokens(reference, q, im, max_new_tokens=24)[0]
 
 
 def test_prefix_cache_tells_images_apart(idefics_dir):
