@@ -13,7 +13,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.testing.models import write_tiny_idefics3_model
-from tests.folio.test_vision import IMAGES, QUESTIONS, SYSTEM, conversation
+from tests.folio.test_vision import IMAGES, QUESTIONS, SYSTEM, conversation, data_url
 
 ENGINE = {"dtype": "float32", "quantization": "none", "num_kv_blocks": 96, "max_num_seqs": 8}
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -38,12 +38,14 @@ def reference(idefics_dir):
 
 
 def reference_tokens(reference, question: str, image, system: bool = False, max_new_tokens: int = 10):
-    """transformers' greedy tokens and prompt ids, the processor's own chat template and inputs."""
+    """transformers' greedy tokens and prompt ids, the processor's own chat template and inputs
+    (``image``: one picture or a list of them, all before the question)."""
     model, processor = reference
+    images = image if isinstance(image, list) else [image]
     msgs = [{"role": "system", "content": SYSTEM}] if system else []
-    msgs.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+    msgs.append({"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]})
     text = processor.apply_chat_template(msgs, add_generation_prompt=True)
-    inputs = processor(images=[image], text=text, return_tensors="pt", add_special_tokens=False)
+    inputs = processor(images=images, text=text, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
     prompt = inputs["input_ids"][0].tolist()
@@ -79,6 +81,13 @@ def test_greedy_text_equals_transformers_batched_and_chunked(idefics_dir, refere
     want, prompt = reference_tokens(reference, QUESTIONS[0], IMAGES[1])
     text = "<|im_start|>User:<image>" + QUESTIONS[0] + "<end_of_utterance>\nAssistant:"
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES[1]}}, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt and list(out.outputs[0].token_ids) == want
+    # two images in one message, in their order
+    want, prompt = reference_tokens(reference, QUESTIONS[1], IMAGES[::-1])
+    two = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in IMAGES[::-1]]
+            + [{"type": "text", "text": QUESTIONS[1]}]}]
+    out = llm.chat(two, GREEDY, use_tqdm=False)[0]
+    assert image_runs(out.prompt_token_ids, image_token) == [TOKENS_PER_TILE] * 2
     assert out.prompt_token_ids == prompt and list(out.outputs[0].token_ids) == want
 
 
