@@ -154,3 +154,62 @@ def write_tiny_llava_model(folder, tokenizer_dir, image_size: int = 30, patch_si
                 p.normal_(1.0, 0.1)
     model.save_pretrained(folder)
     return str(folder)
+
+
+# Idefics3's chat format ("<|im_start|>User:<image>...<end_of_utterance>\nAssistant:"), as
+# HuggingFaceM4's Idefics3 and SmolVLM processors have it, over string or list-of-parts contents
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for m in messages %}{{ m.role | capitalize }}"
+    "{% if m.content is string %}: {{ m.content }}{% else %}"
+    "{% if m.content[0].type == 'image' %}:{% else %}: {% endif %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<image>{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def write_tiny_idefics3_model(folder, tokenizer_dir, image_size: int = 32, patch_size: int = 4, scale_factor: int = 2,
+                              do_image_splitting: bool = False, max_position_embeddings: int = 1024) -> str:
+    """A tiny random Idefics3 (``Idefics3ForConditionalGeneration``, SmolVLM's architecture: a
+    SigLIP-style vision tower, the pixel-shuffle connector and a Llama text model) with its
+    processor (``Idefics3Processor``: an ``Idefics3ImageProcessor`` whose tiles are ``image_size``
+    squares, and SmolLM2's tokenizer with Idefics3's tokens added: ``<fake_token_around_image>``,
+    ``<image>``, ``<end_of_utterance>``, ``<global-img>`` and ``<row_i_col_j>``), both written by
+    transformers' own ``save_pretrained``. A tile becomes ``(image_size / patch_size / scale_factor) ** 2``
+    placeholders; without ``do_image_splitting`` an image is one tile (resized to the square), with
+    it an image larger than a tile is cut into tiles and followed by the whole image as one more."""
+    from transformers import (
+        AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+        Idefics3Processor, Idefics3VisionConfig, LlamaConfig,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    extra = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    extra += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tokenizer.add_special_tokens({"additional_special_tokens": extra})
+    image_seq_len = (image_size // patch_size // scale_factor) ** 2
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * image_size},
+                                                max_image_size={"longest_edge": image_size},
+                                                do_image_splitting=do_image_splitting)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=image_seq_len,
+                                  chat_template=IDEFICS3_TEMPLATE)
+    processor.save_pretrained(folder)
+    tokenizer.chat_template = IDEFICS3_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=image_size, patch_size=patch_size)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=scale_factor,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the init, as write_tiny_model's
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(folder)
+    return str(folder)

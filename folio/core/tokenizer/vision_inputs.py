@@ -1,11 +1,13 @@
 """Images in, on the tokenizer's side: a prompt's images through its model's own processor.
 
 The model folder's processor (``AutoProcessor``: for LLaVA a ``LlavaProcessor`` over a
-``CLIPImageProcessor``) resizes and normalises each image and expands each image token of the
-prompt text into the placeholders the vision tower's output fills, as transformers does; no
-resizing or normalising is written here. What leaves for the engine is an ``ImageInput`` per
-image: its placeholder positions, the sha256 of its pixel values (the prefix cache's key), and
-the pixel values as raw little-endian bytes with their dtype and shape.
+``CLIPImageProcessor``, for Idefics3 an ``Idefics3Processor``) resizes and normalises each image
+and expands each image token of the prompt text into the placeholders the vision tower's output
+fills, as transformers does; no resizing or normalising is written here. What leaves for the
+engine is an ``ImageInput`` per tile the tower reads (an image, or each tile of an image that
+Idefics3's ``do_image_splitting`` cuts up, its whole image included): its placeholder positions
+(one contiguous run; every tile has as many), the sha256 of its pixel values (the prefix cache's
+key), and the pixel values as raw little-endian bytes with their dtype and shape.
 """
 
 from __future__ import annotations
@@ -56,19 +58,35 @@ class ImagePreprocessor:
         except (ValueError, TypeError, OSError) as exc:
             raise ImageError(f"the model's processor refused the images: {exc}") from None
         ids = [int(t) for t in out["input_ids"][0]]
-        pixels = np.ascontiguousarray(out["pixel_values"])
+        tiles = pixel_tiles(out, len(pil))
         positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        if len(pil) == 0 or len(positions) % len(pil) or len(pixels) != len(pil):
+        if len(pil) == 0 or len(positions) == 0 or len(positions) % len(tiles):
             raise ImageError(f"the prompt has {len(positions)} image placeholders for {len(pil)} images")
-        length = len(positions) // len(pil)
+        length = len(positions) // len(tiles)
         inputs = []
-        for i in range(len(pil)):
+        for i in range(len(tiles)):
             run = positions[i * length:(i + 1) * length]
             if run[-1] - run[0] != length - 1:
-                raise ImageError(f"image {i}'s placeholders are not contiguous in the prompt")
-            values = pixels[i].astype(pixels.dtype.newbyteorder("<"), copy=False)
+                raise ImageError(f"image tile {i}'s placeholders are not contiguous in the prompt")
+            values = tiles[i].astype(tiles.dtype.newbyteorder("<"), copy=False)
             data = values.tobytes()
             digest = hashlib.sha256(f"{values.dtype.name}{list(values.shape)}".encode() + data).hexdigest()
             inputs.append(ImageInput(offset=int(run[0]), length=length, hash=digest, dtype=values.dtype.name,
                                      shape=list(values.shape), data=data))
         return ids, inputs
+
+
+def pixel_tiles(out, num_images: int) -> np.ndarray:
+    """The processor's pixel values as ``[tiles, channels, height, width]``: LLaVA's one per image;
+    Idefics3's ``[1, tiles, ...]`` for the one prompt (an image split by ``do_image_splitting``
+    gives several), whose pixel mask must be whole: a padded tile is not one the tower reads here."""
+    pixels = np.asarray(out["pixel_values"])
+    if pixels.ndim == 5:
+        pixels = pixels[0]
+        mask = out.get("pixel_attention_mask")
+        if mask is not None and not np.asarray(mask).all():
+            raise ImageError("the processor padded an image tile (its pixel mask is not whole); "
+                             "padded tiles are not supported")
+    elif len(pixels) != num_images:
+        raise ImageError(f"the processor gave pixel values for {len(pixels)} images, not {num_images}")
+    return np.ascontiguousarray(pixels)
