@@ -198,13 +198,16 @@ def _schedule_running(sched: SchedulerState, out: StepOutput, room: _Room) -> No
 
 def _budget(req: Request, room: _Room) -> int:
     """The tokens ``req`` may take this step: the budget's rest, a pooling request's within its share."""
-    return room.num_tokens if req.sampling.pooling is None else min(room.num_tokens, room.pool_tokens)
+    return room.num_tokens if req.sampling.pooling is None else max(0, min(room.num_tokens, room.pool_tokens))
 
 
 def _chunk(sched: SchedulerState, req: Request, room: _Room) -> int:
     """``req``'s tokens this step: within the budget (``_budget``) and, for a prompt with images,
     stopping before an image whose tower would pass the step's encoder budget."""
-    num_new = _num_new_tokens(sched, req, _budget(req, room), room.whole_prefill_taken)
+    budget = _budget(req, room)
+    if budget <= 0:  # (a prompt the prefix cache holds whole still computes its last token: not past the share)
+        return 0
+    num_new = _num_new_tokens(sched, req, budget, room.whole_prefill_taken)
     if not req.images or num_new <= 1:
         return num_new
     start, used = req.num_computed_tokens, 0

@@ -110,3 +110,23 @@ def test_pooling_prompts_take_their_share_of_a_step_while_a_stream_decodes_and_t
     assert plan.num_scheduled_tokens == {"chat": 1, "a": 4}  # the chat's last token
     plan, _ = run(sched, alloc)  # the chat has ended: the budget is the embeddings'
     assert plan.num_scheduled_tokens == {"a": 2, "b": 10}
+
+
+def test_a_prompt_the_cache_holds_whole_waits_when_the_share_is_spent():
+    """A pooling prompt found whole in the prefix cache still computes its last token; once the
+    step's share is spent it waits like the others (it took a token past the share, and the next
+    pooling request was then planned -1 tokens: a plan the executor refuses)."""
+    sched, alloc = make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                        max_pooling_tokens_per_step=4)
+    sched.add_request(pooling("x", 9))
+    run(sched, alloc)  # alone: the whole budget; its two full blocks stay cached
+    sched.add_request(request("chat", 3, max_tokens=8))
+    run(sched, alloc)
+    sched.add_request(pooling("d", 8, first=100))
+    sched.add_request(pooling("c", 9))  # x's tokens: a hit for all but its last
+    sched.add_request(pooling("e", 5, first=200))
+    for _ in range(4):
+        plan, _ = run(sched, alloc)
+        assert min(plan.num_scheduled_tokens.values()) >= 1, plan.num_scheduled_tokens
+        pooled = sum(n for r, n in plan.num_scheduled_tokens.items() if r != "chat")
+        assert pooled <= 4, plan.num_scheduled_tokens
