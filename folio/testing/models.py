@@ -29,7 +29,12 @@ def write_tiny_model(path, model_type: str = "llama", base_model: bool = False, 
     config = AutoConfig.for_model(model_type, **base)
     torch.manual_seed(0)
     model = (AutoModel if base_model else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger weights than the init: logits far from uniform, paths differ
+    return save_random(model, path)
+
+
+def save_random(model, path) -> str:
+    """``model`` with larger weights than the init (logits far from uniform, paths differ), saved."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or p.dim() > 1:
                 p.normal_(0.0, 0.2)
@@ -146,14 +151,7 @@ def write_tiny_llava_model(folder, tokenizer_dir, image_size: int = 30, patch_si
                          image_seq_length=(image_size // patch_size) ** 2)
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # larger weights than the init, as write_tiny_model's
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.normal_(1.0, 0.1)
-    model.save_pretrained(folder)
-    return str(folder)
+    return save_random(model, folder)
 
 
 # Idefics3's chat format ("<|im_start|>User:<image>...<end_of_utterance>\nAssistant:"), as
@@ -205,11 +203,4 @@ def write_tiny_idefics3_model(folder, tokenizer_dir, image_size: int = 32, patch
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # larger weights than the init, as write_tiny_model's
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.normal_(1.0, 0.1)
-    model.save_pretrained(folder)
-    return str(folder)
+    return save_random(model, folder)

@@ -23,6 +23,7 @@ from folio.core.executor.sampling.sampler import SamplingRow
 from folio.shared.sampling import SamplingParams
 from tests.core.engine import engine_request
 from tests.executor.test_spec_decode import make_runner, repetitive_prompts, run
+from tests.executor.test_spec_eagle import random_head, tiny_target  # noqa: F401 (fixtures)
 
 TREE = DraftTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])  # 3, 2, 1 wide
 
@@ -236,20 +237,6 @@ class OracleTreeProposer:
 
     def drop(self, req_id, token_ids=None, adapter=0):
         pass
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    from folio.testing.models import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tree-target"), vocab_size=64, num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def random_head(tiny_target, tmp_path_factory):
-    from tests.executor.test_spec_eagle import write_random_head
-
-    return write_random_head(tiny_target, tmp_path_factory.mktemp("tree-head"))
 
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]

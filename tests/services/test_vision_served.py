@@ -79,14 +79,8 @@ def image_message(url: str, question: str = QUESTIONS[0]) -> list[dict]:
 
 
 def post_chat(base_url: str, messages: list[dict]) -> tuple[int, dict]:
-    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
-    request = urllib.request.Request(base_url + "/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return _post(base_url, "/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 8,
+                                                 "temperature": 0})
 
 
 def test_openai_client_chat_with_images_equals_transformers(server, reference, image_host):

@@ -12,13 +12,10 @@ layout) or ``model.language_model.`` (its in-memory one); both read as the plain
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from folio.core.executor.model.layers import CausalLM, ModelSpec, Part
-from folio.core.executor.parallel.comm import Comm, Shard
+from folio.core.executor.model.vision_lm import VisionLanguageLM
 
 # checkpoint prefixes -> the names the text layout and ``vision`` read
 _RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
@@ -48,36 +45,8 @@ class LlavaVision(nn.Module):
         return self.multi_modal_projector(torch.cat(feats, dim=-1))
 
 
-class LlavaForConditionalGeneration(CausalLM):
+class LlavaForConditionalGeneration(VisionLanguageLM):
     model_types = ("llava",)
     architectures = ("LlavaForConditionalGeneration",)
-
-    def __init__(self, spec: ModelSpec, hf_config, shard: Shard = Shard(), comm: Comm | None = None):
-        super().__init__(spec, hf_config.text_config, shard, comm)  # the decoder reads the text config
-        self.mm_config = hf_config
-        self.image_token_id = int(hf_config.image_token_id)
-        with torch.device("cpu"):  # built for real: the tower has buffers that no checkpoint holds
-            self.vision = LlavaVision(hf_config)
-
-    @classmethod
-    def spec_from_config(cls, config) -> ModelSpec:
-        return dataclasses.replace(ModelSpec.from_hf_config(config.text_config), model_type="llava")
-
-    @staticmethod
-    def checkpoint_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, tensor in state.items():
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            out[name] = tensor
-        return out
-
-    def extra_layout(self) -> dict[str, list[Part]]:
-        return {f"vision.{name}": [(name, None, 0, 0)] for name in self.vision.state_dict()}
-
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Each image's placeholder embeddings, ``[images, tokens, hidden]`` in the decoder's dtype."""
-        dtype = next(self.vision.parameters()).dtype
-        return self.vision(pixel_values.to(dtype)).to(self.embed_tokens.weight.dtype)
+    vision_class = LlavaVision
+    renames = _RENAMES
