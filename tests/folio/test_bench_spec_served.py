@@ -11,6 +11,13 @@ import pytest
 from folio.bench import cpu_step, spec_decode
 
 
+def assert_ratio_of_rounded(ratio: float, a: float, b: float, half_step: float) -> None:
+    """``ratio`` (printed to two places) is a/b of the unrounded figures, which were printed to
+    within ``half_step``: at 0.3 s a second's rounding alone moves the quotient by 3%."""
+    low, high = (a - half_step) / (b + half_step), (a + half_step) / (b - half_step)
+    assert low - 0.005 <= ratio <= high + 0.005, (ratio, a, b)
+
+
 @pytest.mark.slow
 def test_the_served_section_compares_a_proposer_with_plain_on_the_same_open_loop(capsys):
     spec_decode.main(["--served-only", "--proposers", "ngram-adaptive", "--served-requests", "4",
@@ -20,8 +27,9 @@ def test_the_served_section_compares_a_proposer_with_plain_on_the_same_open_loop
     row = re.search(r"^ngram-adaptive" + r"\s+([\d.]+)" * 7 + r"(.*)$", out, re.M)
     assert row is not None, out
     plain, spec, ratio, plain_s, spec_s, latency_ratio = (float(row.group(i)) for i in range(1, 7))
-    assert plain > 0 and spec > 0 and abs(ratio - spec / plain) < 0.01
-    assert abs(latency_ratio - plain_s / spec_s) < 0.01
+    assert plain > 0 and spec > 0
+    assert_ratio_of_rounded(ratio, spec, plain, 0.05)
+    assert_ratio_of_rounded(latency_ratio, plain_s, spec_s, 0.005)
     assert float(row.group(7)) >= 1.0  # the scheduler's mean accepted length
     assert "OUTPUT DIFFERS" not in row.group(8)  # greedy: speculation changes no text
 
