@@ -68,6 +68,8 @@ class ImageInput(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     dtype: str  # a numpy dtype name ("float32")
     shape: list[int]
     data: bytes
+    # its placeholders attend each other both ways (Gemma 3): a step computes all of them or none
+    both_ways: bool = False
 
 
 class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):

@@ -1,13 +1,14 @@
 """Images in, on the tokenizer's side: a prompt's images through its model's own processor.
 
 The model folder's processor (``AutoProcessor``: for LLaVA a ``LlavaProcessor`` over a
-``CLIPImageProcessor``, for Idefics3 an ``Idefics3Processor``) resizes and normalises each image
+``CLIPImageProcessor``, for Idefics3 an ``Idefics3Processor``, for Gemma 3 a ``Gemma3Processor``) resizes and normalises each image
 and expands each image token of the prompt text into the placeholders the vision tower's output
 fills, as transformers does; no resizing or normalising is written here. What leaves for the
 engine is an ``ImageInput`` per tile the tower reads (an image, or each tile of an image that
 Idefics3's ``do_image_splitting`` cuts up, its whole image included): its placeholder positions
 (one contiguous run; every tile has as many), the sha256 of its pixel values (the prefix cache's
-key), and the pixel values as raw little-endian bytes with their dtype and shape.
+key), the pixel values as raw little-endian bytes with their dtype and shape, and for Gemma 3
+(``BOTH_WAYS_MODEL_TYPES``) the mark that its placeholders attend each other both ways.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from folio.shared.messages import ImageInput
+
+
+# families whose image placeholders attend each other both ways (the executor's
+# ``images_attend_both_ways``): the scheduler keeps each image's placeholders in one step
+BOTH_WAYS_MODEL_TYPES = ("gemma3",)
 
 
 class ImageError(ValueError):
@@ -48,6 +54,7 @@ class ImagePreprocessor:
         if token_id is None:
             raise ValueError(f"{model_dir}: the config names no image token (image_token_id)")
         self.image_token_id = int(token_id)
+        self.both_ways = model_config.get("model_type") in BOTH_WAYS_MODEL_TYPES
 
     def process(self, text: str, images: list[bytes], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
         """(prompt token ids with every image's placeholders, the images) of ``text``, which names
@@ -72,7 +79,7 @@ class ImagePreprocessor:
             data = values.tobytes()
             digest = hashlib.sha256(f"{values.dtype.name}{list(values.shape)}".encode() + data).hexdigest()
             inputs.append(ImageInput(offset=int(run[0]), length=length, hash=digest, dtype=values.dtype.name,
-                                     shape=list(values.shape), data=data))
+                                     shape=list(values.shape), data=data, both_ways=self.both_ways))
         return ids, inputs
 
 

@@ -191,6 +191,8 @@ class ModelRunner:
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._set_kernels(kv_dtype)
         self.tree = self._draft_tree() if self.spec_settings is not None and shard.rank == 0 else None
+        if getattr(self.model, "images_attend_both_ways", False):
+            self._check_whole_images()
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
@@ -234,6 +236,18 @@ class ModelRunner:
         self._constrained: set[str] = set()  # requests with a grammar
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
         self.lora: LoRAManager | None = self._make_lora(lora) if lora["enable_lora"] else None
+
+    def _check_whole_images(self) -> None:
+        """A model whose image placeholders attend each other both ways (Gemma 3) needs a backend
+        that attends them so and a step that can hold one image's placeholders whole."""
+        if not getattr(self.backend, "attends_image_spans", False):
+            raise ValueError(f"{self.spec.model_type} images attend their placeholders both ways, which the "
+                             f"{self.backend.name} attention backend does not: use --attention-backend torch "
+                             f"(or the CPU's cpu backend)")
+        if self.config.max_num_batched_tokens < self.model.image_length:
+            raise ValueError(f"--max-num-batched-tokens {self.config.max_num_batched_tokens} is below one image's "
+                             f"{self.model.image_length} placeholders, which a {self.spec.model_type} step computes "
+                             f"whole: raise it to at least {self.model.image_length}")
 
     def _draft_tree(self) -> DraftTree | None:
         """The configured tree's shape; ValueError where tree drafts cannot be verified."""
@@ -519,6 +533,9 @@ class ModelRunner:
         step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids, self._trees(plan))
         req_ids = list(plan.num_scheduled_tokens)
         embeds = self.image_inputs.step_embeds(req_ids, self.batch.num_computed[step.rows], step.counts)
+        if embeds is not None and getattr(self.model, "images_attend_both_ways", False):
+            step.meta.image_spans = self.image_inputs.step_spans(req_ids, self.batch.num_computed[step.rows],
+                                                                 step.counts)
         hidden = self._forward(step, embeds)
         if self.proposer is not None and hasattr(self.proposer, "observe"):  # a draft head reads the hidden states
             self.proposer.observe(req_ids, self.batch.num_computed[step.rows], step.counts, hidden)
