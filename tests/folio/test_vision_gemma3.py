@@ -115,3 +115,28 @@ def test_prefix_cache_tells_images_apart_and_a_hit_may_end_inside_an_image(gemma
 def test_a_token_budget_below_one_image_is_refused_at_start(gemma3_dir):
     with pytest.raises(ValueError, match="max-num-batched-tokens 8 is below one image's 16 placeholders"):
         LLM(gemma3_dir, max_num_batched_tokens=8, **ENGINE)
+
+
+def test_the_executor_refuses_a_plan_whose_gemma3_image_is_not_marked_both_ways(gemma3_dir):
+    """The scheduler keeps an image whole only when it is marked (``ImageInput.both_ways``, the
+    tokenizer's mark for Gemma 3): a plan with an unmarked one is refused before anything runs."""
+    import msgspec
+
+    from folio.core.executor.runtime.plan_check import InvalidPlan
+    from folio.shared.messages import ImageInput, NewRequestData, StepPlan
+    from folio.shared.sampling import SamplingParams as WireSampling
+
+    runner = LLM(gemma3_dir, **ENGINE).engine.core.runner
+    pixels = torch.zeros(3, 32, 32).numpy()
+    image = ImageInput(offset=2, length=IMAGE_TOKENS, hash="0" * 64, dtype="float32", shape=[3, 32, 32],
+                       data=pixels.tobytes(), both_ways=True)
+    new = NewRequestData(req_id="x", token_ids=[5] * 24, num_prompt_tokens=24, block_ids=[0, 1],
+                         sampling=WireSampling(temperature=0.0, max_tokens=1), images=[image])
+    unmarked = msgspec.structs.replace(new, images=[msgspec.structs.replace(image, both_ways=False)])
+    with pytest.raises(InvalidPlan, match="image 0 is marked both_ways=False"):
+        runner.execute(StepPlan(step_id=0, new_reqs=[unmarked], num_scheduled_tokens={"x": 24}))
+    assert runner.image_inputs.num_encoded == 0
+    # (a refused plan's requests stay out of later plans: the marked one comes under another id)
+    marked = msgspec.structs.replace(new, req_id="y")
+    result = runner.execute(StepPlan(step_id=1, new_reqs=[marked], num_scheduled_tokens={"y": 24}))
+    assert result.req_ids == ["y"] and runner.image_inputs.num_encoded == 1  # the marked image runs

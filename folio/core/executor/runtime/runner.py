@@ -214,7 +214,8 @@ class ModelRunner:
                                  block_size=config.block_size, max_positions=rope_rows(self.model),
                                  vocab_size=self.spec.vocab_size, disk_tier=self.tiers is not None,
                                  max_loras=lora["max_loras"] if lora["enable_lora"] else 0,
-                                 takes_images=hasattr(self.model, "encode_images"))
+                                 takes_images=hasattr(self.model, "encode_images"),
+                                 images_both_ways=getattr(self.model, "images_attend_both_ways", False))
         # requests of refused plans: the scheduler ends them, but a plan it made ahead may name them
         # still; they are left out of every plan until it reports them finished
         self._refused: set[str] = set()
