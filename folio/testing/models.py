@@ -220,10 +220,10 @@ GEMMA3_TEMPLATE = (
 
 def write_tiny_gemma3_vlm_model(folder, tokenizer_dir, image_size: int = 32, patch_size: int = 4,
                                 mm_tokens_per_image: int = 16, sliding_window: int = 8,
-                                max_position_embeddings: int = 512) -> str:
+                                max_position_embeddings: int = 512, tie_word_embeddings: bool = True) -> str:
     """A tiny random Gemma 3 vision-language model (``Gemma3ForConditionalGeneration``: a SigLIP
     vision tower, Gemma 3's pooling projector and a Gemma 3 text model of one sliding-window layer
-    and one global layer, embeddings tied to the head) with its processor (``Gemma3Processor``: a
+    and one global layer, embeddings tied to the head unless ``tie_word_embeddings`` is False) with its processor (``Gemma3Processor``: a
     ``Gemma3ImageProcessor`` at ``image_size`` and SmolLM2's tokenizer with Gemma 3's
     ``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``, ``<start_of_turn>`` and
     ``<end_of_turn>`` added), both written by transformers' own ``save_pretrained``. An image
@@ -250,11 +250,11 @@ def write_tiny_gemma3_vlm_model(folder, tokenizer_dir, image_size: int = 32, pat
                             sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"],
                             max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
+                            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_word_embeddings)
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in special.items()}
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens_per_image,
                           boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
-                          image_token_index=ids["image_token"], tie_word_embeddings=True)
+                          image_token_index=ids["image_token"], tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config).to(torch.float32)
     return save_random(model, folder)

@@ -140,3 +140,16 @@ def test_the_executor_refuses_a_plan_whose_gemma3_image_is_not_marked_both_ways(
     marked = msgspec.structs.replace(new, req_id="y")
     result = runner.execute(StepPlan(step_id=1, new_reqs=[marked], num_scheduled_tokens={"y": 24}))
     assert result.req_ids == ["y"] and runner.image_inputs.num_encoded == 1  # the marked image runs
+
+
+def test_an_untied_head_loads_from_its_own_weights(tmp_path, smollm_tokenizer_dir):
+    """``tie_word_embeddings=False``: the checkpoint's ``language_model.lm_head.weight`` is the head."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    folder = write_tiny_gemma3_vlm_model(tmp_path / "untied", smollm_tokenizer_dir, tie_word_embeddings=False)
+    reference = (Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval(),
+                 AutoProcessor.from_pretrained(folder))
+    llm = LLM(folder, **ENGINE)
+    assert not llm.engine.core.runner.model.spec.tie_word_embeddings
+    out = llm.chat(conversation(QUESTIONS[1], IMAGES[0]), GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == reference_tokens(reference, QUESTIONS[1], IMAGES[0])[0]
