@@ -211,7 +211,7 @@ def _chunk(sched: SchedulerState, req: Request, room: _Room) -> int:
     num_new = _num_new_tokens(sched, req, budget, room.whole_prefill_taken)
     if not req.images:
         return num_new
-    num_new = _whole_images(req, num_new)
+    num_new = _whole_images(req, num_new, budget)
     if num_new <= 1:
         return num_new
     start, used = req.num_computed_tokens, 0
@@ -224,14 +224,16 @@ def _chunk(sched: SchedulerState, req: Request, room: _Room) -> int:
     return num_new
 
 
-def _whole_images(req: Request, num_new: int) -> int:
-    """``num_new`` cut before the first image attended both ways (Gemma 3's, ``ImageInput.both_ways``)
-    that the chunk would end inside: every row of such an image sees all its keys, so one step
-    computes them all (0 when the chunk starts inside one it cannot finish: it waits for room)."""
+def _whole_images(req: Request, num_new: int, budget: int) -> int:
+    """``num_new`` when the chunk ends inside no image attended both ways (Gemma 3's,
+    ``ImageInput.both_ways``): every row of such an image sees all its keys, so one step computes
+    them all. Else the chunk taken to that image's end where ``budget`` allows (past a long-prefill
+    threshold), or cut before it (0 when it starts inside one it cannot finish: it waits for room)."""
     start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
     for im in sorted(req.images, key=lambda im: im.offset):
         if im.both_ways and im.offset < end < im.offset + im.length:
-            return max(0, im.offset - start)
+            return im.offset + im.length - start if im.offset + im.length - start <= budget \
+                else max(0, im.offset - start)
     return num_new
 
 

@@ -70,7 +70,8 @@ def test_a_chunk_inside_an_image_finishes_it_or_waits():
     sched.add_request(with_images(request("a", 30), [(2, 12)], both_ways=True))
     req = sched.requests["a"]
     req.num_computed_tokens = 8  # inside the image [2, 14)
-    assert [_whole_images(req, n) for n in (3, 5, 6, 11)] == [0, 0, 6, 11]
+    assert [_whole_images(req, n, budget=5) for n in (3, 5)] == [0, 0]  # its rest is 6
+    assert [_whole_images(req, n, budget=12) for n in (3, 5, 6, 11)] == [6, 6, 6, 11]
     sched, alloc = make(num_blocks=32, max_num_batched_tokens=12)
     sched.add_request(request("d", 4))
     assert chunks(sched, alloc, "d", 1) == [4]
@@ -79,3 +80,11 @@ def test_a_chunk_inside_an_image_finishes_it_or_waits():
     assert plan.num_scheduled_tokens == {"d": 1, "a": 2}  # the image (12) does not fit beside the decode
     plan, _ = step_batch(sched, alloc)
     assert plan.num_scheduled_tokens == {"d": 1}  # still no room for it whole while d decodes
+
+
+def test_a_long_prefill_threshold_below_an_image_does_not_stall_it():
+    """A chunk that the threshold (8) would end inside an image attended both ways runs to the
+    image's end when the step's budget holds it."""
+    sched, alloc = make(num_blocks=32, max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    sched.add_request(with_images(request("a", 40), [(5, 12)], both_ways=True))
+    assert chunks(sched, alloc, "a", 4) == [17, 8, 8, 7]  # [0,17) holds the image [5,17) whole
