@@ -434,6 +434,9 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True, tag="tokenize")
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     return_token_strs: bool = False
+    # the chat's images (encoded image files, in order): the count includes their placeholders, as
+    # the model's processor expands them for a generate request
+    images: list[bytes] = []
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True, tag="detokenize"):
