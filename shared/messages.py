@@ -70,7 +70,7 @@ class ImageInput(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     dtype: str  # a numpy dtype name ("float32")
     shape: list[int]
     data: bytes
-    grid: list[int] = msgspec.field(default_factory=list)
+    grid: list[int] = []
 
 
 class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):

@@ -218,7 +218,8 @@ QWEN2_VL_TEMPLATE = (
 
 def write_tiny_qwen25_vl_model(folder, tokenizer_dir, patch_size: int = 4, merge_size: int = 2,
                                max_pixels: int = 48 * 48, tie_word_embeddings: bool = True,
-                               max_position_embeddings: int = 1024) -> str:
+                               max_position_embeddings: int = 1024, hidden_size: int = 64, num_attention_heads: int = 4,
+                               num_key_value_heads: int = 2, mrope_section: tuple[int, int, int] = (2, 3, 3)) -> str:
     """A tiny random Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``: a windowed ViT over the
     image's own patch grid, its patch merger, and a Qwen2 text model rotated by M-RoPE) with its
     processor (``Qwen2_5_VLProcessor``: a ``Qwen2VLImageProcessor`` that keeps each image's aspect
@@ -226,7 +227,8 @@ def write_tiny_qwen25_vl_model(folder, tokenizer_dir, patch_size: int = 4, merge
     SmolLM2's tokenizer with Qwen's ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``
     and ``<|video_pad|>`` added), written by transformers' own ``save_pretrained``. An image
     of ``h x w`` patches becomes ``h * w / merge_size ** 2`` placeholders: images of different
-    sizes have different counts."""
+    sizes have different counts. ``mrope_section`` splits half of the head dimension
+    (``hidden_size / num_attention_heads``) among the temporal, height and width positions."""
     from transformers import (
         AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
         Qwen2VLImageProcessorPil,
@@ -246,13 +248,13 @@ def write_tiny_qwen25_vl_model(folder, tokenizer_dir, patch_size: int = 4, merge
     tokenizer.save_pretrained(folder)
     ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in
            ("vision_start", "vision_end", "image_pad", "video_pad")}
-    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=hidden_size,
                   patch_size=patch_size, spatial_merge_size=merge_size, temporal_patch_size=2,
                   window_size=2 * patch_size * merge_size, fullatt_block_indexes=[1])
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-                rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                    "mrope_section": [2, 3, 3]},
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section)},
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
                               video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
