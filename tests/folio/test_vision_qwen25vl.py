@@ -49,7 +49,7 @@ def messages(question: str, images: list, system: bool = False, urls: bool = Tru
 
 def reference_inputs(processor, question: str, images: list, system: bool = False):
     text = processor.apply_chat_template(messages(question, images, system, urls=False), add_generation_prompt=True)
-    return processor(images=images, text=text, return_tensors="pt", add_special_tokens=False)
+    return processor(images=images or None, text=text, return_tensors="pt", add_special_tokens=False)
 
 
 def reference_tokens(reference, question: str, images: list, system: bool = False, max_new_tokens: int = 10):
@@ -101,7 +101,8 @@ def png(image) -> bytes:
 def test_greedy_text_equals_transformers_batched_and_chunked(qwen_dir, reference):
     # 8 tokens a step: an image's 30 placeholders span four or five steps
     llm = LLM(qwen_dir, max_num_batched_tokens=8, **ENGINE)
-    cases = [(q, [im]) for q in QUESTIONS for im in PICTURES[:2]] + [(QUESTIONS[2], PICTURES[1::-1])]
+    cases = [(q, [im]) for q in QUESTIONS for im in PICTURES[:2]] + [(QUESTIONS[2], PICTURES[1::-1]),
+                                                                     (QUESTIONS[1], [])]  # and text alone
     outs = llm.chat([messages(q, ims) for q, ims in cases], GREEDY, use_tqdm=False)
     image_token = llm.engine.tokenizer.images.image_token_id
     for out, (q, ims) in zip(outs, cases):
@@ -110,7 +111,7 @@ def test_greedy_text_equals_transformers_batched_and_chunked(qwen_dir, reference
         assert image_runs(prompt, image_token) == [PLACEHOLDERS[PICTURES.index(im)] for im in ims]
         assert list(out.outputs[0].token_ids) == want, (q, [PICTURES.index(im) for im in ims])
     # the tower ran once per image of each request, not once per chunk
-    assert llm.engine.core.runner.image_inputs.num_encoded == len(cases) + 1
+    assert llm.engine.core.runner.image_inputs.num_encoded == len(cases)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids  # the image matters
     # the image token written in a prompt, the processor's own expansion
     want, prompt = reference_tokens(reference, QUESTIONS[0], [PICTURES[1]])

@@ -39,10 +39,9 @@ class ImageLayout:
         images = sorted(images, key=lambda im: im.offset)
         offsets, ends, grids, starts, deltas = [], [], [], [], [0]
         for im in images:
-            t, h, w = im.grid
-            grid = (t, h // merge, w // merge)
-            if len(im.grid) != 3 or grid[0] * grid[1] * grid[2] != im.length:
-                raise ValueError(f"an image of grid {im.grid} (merge {merge}) for {im.length} placeholders")
+            grid = (im.grid[0], im.grid[1] // merge, im.grid[2] // merge) if len(im.grid) == 3 else ()
+            if not grid or grid[0] * grid[1] * grid[2] != im.length:
+                raise ValueError(f"an image of patch grid {im.grid} (merged by {merge}) for {im.length} placeholders")
             offsets.append(im.offset)
             ends.append(im.offset + im.length)
             grids.append(grid)
