@@ -7,8 +7,9 @@ placeholder) is kept in this request's entry of the encoder-output cache, so a l
 same prefill that covers the rest of its placeholders reads the kept rows instead of running the
 tower again. The entry goes when the request is dropped (finished, aborted, or preempted by
 recompute: a recompute runs the tower again). Images may differ in size and placeholder count
-(Qwen2.5-VL's: each its own patch grid); those of one shape and grid run together. Each step's rows go to ``CausalLM.forward`` as
-``embeds`` (their indices in the step's flattened tokens and their values).
+(Qwen2.5-VL's: each its own patch grid); those of one shape and grid run together. Each step's
+rows go to ``CausalLM.forward`` as ``embeds`` (their indices in the step's flattened tokens and
+their values).
 """
 
 from __future__ import annotations
