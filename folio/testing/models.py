@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -240,11 +241,13 @@ def write_tiny_qwen25_vl_model(folder, tokenizer_dir, patch_size: int = 4, merge
     tokenizer.chat_template = QWEN2_VL_TEMPLATE
     sizes = dict(patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size,
                  size={"shortest_edge": (patch_size * merge_size) ** 2, "longest_edge": max_pixels})
-    # the processor's parts, as its save_pretrained writes them (it cannot be built whole without
-    # torchvision, which its video half needs: ``vision_inputs.load_processor`` reads them back)
-    image_processor = Qwen2VLImageProcessorPil(**sizes)
-    image_processor.processor_class = Qwen2_5_VLProcessor.__name__
-    image_processor.save_pretrained(folder)
+    # the processor as its save_pretrained writes it (processor_config.json beside the tokenizer),
+    # less its video half, which cannot be built without torchvision (``vision_inputs.load_processor``
+    # builds the processor without it)
+    image_processor = Qwen2VLImageProcessorPil(**sizes).to_dict()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "processor_config.json").write_text(json.dumps(
+        {"image_processor": image_processor, "processor_class": Qwen2_5_VLProcessor.__name__}, indent=2))
     tokenizer.save_pretrained(folder)
     ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in
            ("vision_start", "vision_end", "image_pad", "video_pad")}

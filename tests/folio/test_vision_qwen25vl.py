@@ -90,6 +90,28 @@ def test_mrope_positions_equal_get_rope_index(qwen_dir, reference):
     assert np.array_equal(after, np.broadcast_to(np.arange(len(ids), len(ids) + 3) + int(deltas[0, 0]), (3, 3)))
 
 
+def test_processor_loads_from_either_layout(qwen_dir, tmp_path):
+    """transformers 5's processor_config.json (the writer's) and the hub's older
+    preprocessor_config.json give the same processor, built without its video half."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    for f in Path(qwen_dir).iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "config")):
+            shutil.copy(f, tmp_path / f.name)
+    nested = json.loads((Path(qwen_dir) / "processor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {**nested["image_processor"], "processor_class": nested["processor_class"]}))
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n"
+    outs = [load_processor(folder)(text=text, images=[PICTURES[1]], return_tensors="np")
+            for folder in (qwen_dir, tmp_path)]
+    assert outs[0]["input_ids"].tolist() == outs[1]["input_ids"].tolist()
+    assert np.array_equal(outs[0]["pixel_values"], outs[1]["pixel_values"])
+    assert outs[0]["image_grid_thw"].tolist() == [[1, 8, 4]]
+    assert type(load_processor(tmp_path)).__mro__[1].__name__ == "Qwen2_5_VLProcessor"
+
+
 def png(image) -> bytes:
     import io
 

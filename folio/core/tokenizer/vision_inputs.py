@@ -41,30 +41,39 @@ def decode_image(data: bytes, index: int):
 
 
 def load_processor(model_dir: str | Path):
-    """The folder's ``AutoProcessor``; where that fails only because its video half needs
-    torchvision (Qwen2.5-VL's ``Qwen2VLVideoProcessor``), the same processor class over the
-    folder's image processor and tokenizer, with no video processor: images do not need one."""
+    """The folder's ``AutoProcessor``; where that fails only for want of its video half
+    (Qwen2.5-VL's ``Qwen2VLVideoProcessor`` needs torchvision, and a folder may hold no video
+    processor), the same processor class over the folder's image processor and tokenizer, with no
+    video processor: images do not need one."""
     from transformers import AutoProcessor
 
     try:
         return AutoProcessor.from_pretrained(model_dir)
-    except ImportError as exc:
-        if "torchvision" not in str(exc).lower():
+    except (ImportError, OSError):
+        processor_class = _processor_class(model_dir)
+        if processor_class is None or "video_processor" not in processor_class.get_attributes():
             raise
-        return _images_only_processor(model_dir)
+        return _images_only_processor(model_dir, processor_class)
 
 
-def _images_only_processor(model_dir: str | Path):
+def _processor_class(model_dir: str | Path):
+    """The transformers class the folder's processor files name (transformers 5's
+    ``processor_config.json``, the older ``preprocessor_config.json``), or None."""
     import json
 
     import transformers
-    from transformers import AutoImageProcessor, AutoTokenizer
 
-    config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
-    processor_class = getattr(transformers, config.get("processor_class") or "", None)
-    if processor_class is None:
-        raise ValueError(f"{model_dir}: its processor needs torchvision, and its preprocessor_config.json names "
-                         "no processor class to build without it")
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            found = getattr(transformers, json.loads(path.read_text()).get("processor_class") or "", None)
+            if found is not None:
+                return found
+    return None
+
+
+def _images_only_processor(model_dir: str | Path, processor_class):
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     class ImagesOnly(processor_class):
         def check_argument_for_proper_class(self, argument_name, argument):
