@@ -180,3 +180,29 @@ def test_prefix_cache_tells_images_apart(qwen_dir, reference):
 def test_speculative_decoding_is_refused_at_start(qwen_dir):
     with pytest.raises(ValueError, match="speculative decoding does not run qwen2_5_vl"):
         LLM(qwen_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE)
+
+
+def test_a_plan_whose_image_grid_does_not_hold_its_patches_is_refused(qwen_dir, reference):
+    import msgspec
+
+    from folio.core.executor.runtime.plan_check import InvalidPlan
+    from folio.core.executor.runtime.runner import ModelRunner
+    from folio.shared.config import RuntimeConfig
+    from folio.shared.messages import NewRequestData, StepPlan
+    from tests.executor.toy_driver import generate
+
+    model, processor = reference
+    pre = ImagePreprocessor(qwen_dir, model.config.to_dict())
+    text = processor.apply_chat_template(messages(QUESTIONS[0], [PICTURES[1]], urls=False), add_generation_prompt=True)
+    ids, images = pre.process(text, [png(PICTURES[1])], add_special_tokens=False)
+    runner = ModelRunner(RuntimeConfig(device="cpu", dtype="float32", num_kv_blocks=16, block_size=16), qwen_dir)
+    bad = msgspec.structs.replace(images[0], grid=[1, 8, 8])  # 64 patches named, 32 sent
+    plan = StepPlan(step_id=0, new_reqs=[NewRequestData(req_id="bad", token_ids=ids, num_prompt_tokens=len(ids),
+                                                        sampling=GREEDY, block_ids=[0, 1, 2], images=[bad])],
+                    num_scheduled_tokens={"bad": len(ids)})
+    with pytest.raises(InvalidPlan, match=r"patch grid \[1, 8, 8\] does not hold its 32 patches"):
+        runner.execute(plan)
+    runner.execute(StepPlan(step_id=1, finished_req_ids=["bad"]))
+    # the runner goes on: the same image with its own grid gives transformers' tokens
+    want = reference_tokens(reference, QUESTIONS[0], [PICTURES[1]], max_new_tokens=4)[0]
+    assert generate(runner, [ids], SamplingParams(temperature=0, max_tokens=4), images=[images]) == [want]
