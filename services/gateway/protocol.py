@@ -293,9 +293,6 @@ _COMPLETION_RULES: list[Rule] = [
     ("use_beam_search", lambda r: r.use_beam_search and _num_guided(r) > 0,
      "structured output (response_format, guided_*) is not supported with use_beam_search"),
 ]
-_TEXT_PARTS_ONLY: Rule = (
-    "messages", lambda r: any(p.type != "text" for m in r.messages if isinstance(m.content, list) for p in m.content),
-    "only text content parts are supported")
 _CHAT_PARTS: Rule = (  # images in: image_url parts, each with its URL (media.py reads them)
     "messages", lambda r: any(p.type not in ("text", "image_url") or (p.type == "image_url" and not p.image_url)
                               for m in r.messages if isinstance(m.content, list) for p in m.content),
@@ -316,7 +313,7 @@ _CHAT_RULES: list[Rule] = [
 ]
 _TOKENIZE_CHAT_RULES: list[Rule] = [
     ("continue_final_message", lambda r: r.continue_final_message, "continue_final_message is not supported"),
-    _TEXT_PARTS_ONLY,
+    _CHAT_PARTS,
 ]
 _RULES = {CompletionRequest: _COMMON_RULES + _COMPLETION_RULES, ChatCompletionRequest: _COMMON_RULES + _CHAT_RULES,
           TokenizeCompletionRequest: [], TokenizeChatRequest: _TOKENIZE_CHAT_RULES, DetokenizeBody: []}

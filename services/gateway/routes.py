@@ -316,8 +316,9 @@ def _tool_chunk_choices(reader: OutputReader, index: int, delta) -> list[dict]:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """vLLM's ``/tokenize``: a prompt, or a chat through the template; the ids, their count and the
-    context length (``token_strs`` too when asked)."""
+    """vLLM's ``/tokenize``: a prompt, or a chat through the template (its images' placeholders
+    counted, as the model's processor expands them); the ids, their count and the context length
+    (``token_strs`` too when asked)."""
     service = request.app[SERVICE]
     body = await request.read()
     chat = _has_field(body, "messages")
@@ -326,9 +327,10 @@ async def tokenize(request: web.Request) -> web.Response:
     fields = {"prompt": req.prompt} if not chat else {
         "messages": [chat_message(m) for m in req.messages], "add_generation_prompt": req.add_generation_prompt,
         "tools": [msgspec.to_builtins(t) for t in req.tools] if req.tools else None}
+    images = await media.chat_images(req.messages, service.config) if chat else []
     reply = _tokenizer_answer(await service.tokenize(messages.TokenizeRequest(
         req_id=f"tok-{uuid.uuid4().hex}", add_special_tokens=req.add_special_tokens,
-        return_token_strs=req.return_token_strs, **fields)))
+        return_token_strs=req.return_token_strs, images=images, **fields)))
     return web.json_response({"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
                               "tokens": reply.token_ids, "token_strs": reply.token_strs})
 

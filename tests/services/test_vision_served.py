@@ -94,6 +94,14 @@ def test_openai_client_chat_with_images_equals_transformers(server, reference, i
                                              temperature=0, extra_body={"ignore_eos": True})
         assert out.choices[0].message.content == processor.tokenizer.decode(want, skip_special_tokens=True)
         assert out.usage.prompt_tokens == len(prompt)
+    # /tokenize counts what the chat would: the processor's ids, placeholders included
+    status, body = _post(server.base_url.removesuffix("/v1"), "/tokenize",
+                         {"model": "tiny", "messages": image_message(data_url(IMAGES[0]), QUESTIONS[0])})
+    assert status == 200, body
+    assert body["tokens"] == reference_tokens(reference, QUESTIONS[0], IMAGES[0], max_new_tokens=1)[1]
+    status, body = _post(server.base_url.removesuffix("/v1"), "/tokenize",
+                         {"model": "tiny", "messages": image_message("data:image/png;base64,AAAA")})
+    assert status == 400 and "image" in body["error"]["message"], body
     # /metrics: the tower's images, their placeholder tokens (25 each here) and its time
     with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
         metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()

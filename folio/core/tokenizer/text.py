@@ -156,10 +156,16 @@ class TextTokenizer:
     def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         """``/tokenize``: a chat's special tokens come from its template, so ``add_special_tokens``
         adds more only when asked (vLLM's defaults: True for a prompt, False for a chat)."""
-        text = req.prompt or ""
-        if req.messages is not None:
-            text = self.render_chat(req.messages, req.tools, req.add_generation_prompt)
-        token_ids = self.hf.encode(text, add_special_tokens=req.add_special_tokens)
+        if req.images:  # the ids a generate request of these messages and images gets, placeholders included
+            token_ids = self._encode_images(GenerateRequest(
+                req_id=req.req_id, prompt=req.prompt, messages=req.messages, tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt, images=req.images,
+                add_special_tokens=req.add_special_tokens, sampling=SamplingParams()))[0]
+        else:
+            text = req.prompt or ""
+            if req.messages is not None:
+                text = self.render_chat(req.messages, req.tools, req.add_generation_prompt)
+            token_ids = self.hf.encode(text, add_special_tokens=req.add_special_tokens)
         token_strs = self.hf.convert_ids_to_tokens(token_ids) if req.return_token_strs else None
         return TokenizeReply(req_id=req.req_id, token_ids=token_ids, token_strs=token_strs,
                              max_model_len=self.max_model_len)

@@ -336,8 +336,9 @@ class TorchAttentionBackend:
                 group.windowed(window, k_cache.shape[1])
             num_decode = tables.shape[0]
             # k, v: [num_decode, num_kv_heads, blocks * block_size, head_dim]
-            k = stored(raw(k_cache)[tables], k_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
-            v = stored(raw(v_cache)[tables], v_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
+            # index_select, not advanced indexing: the same gather, several times faster on the CPU
+            k = stored(gather_blocks(k_cache, tables), k_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
+            v = stored(gather_blocks(v_cache, tables), v_cache.dtype).view(num_decode, -1, num_kv_heads, head_dim)
             q = query[group.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
             o = _attention(q, k.transpose(1, 2), v.transpose(1, 2), key_mask, scale, kv_scales, softcap)
             out[group.token_idx] = o.squeeze(2)
@@ -349,8 +350,8 @@ class TorchAttentionBackend:
             key_start, block_ids, mask = (0, chunk.block_ids, chunk.mask) if window == 0 else \
                 chunk.windowed(window, k_cache.shape[1])
             num_keys = chunk.seq_len - key_start
-            k = stored(raw(k_cache)[block_ids], k_cache.dtype).view(-1, num_kv_heads, head_dim)[:num_keys]
-            v = stored(raw(v_cache)[block_ids], v_cache.dtype).view(-1, num_kv_heads, head_dim)[:num_keys]
+            k = stored(gather_blocks(k_cache, block_ids), k_cache.dtype).view(-1, num_kv_heads, head_dim)[:num_keys]
+            v = stored(gather_blocks(v_cache, block_ids), v_cache.dtype).view(-1, num_kv_heads, head_dim)[:num_keys]
             q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = _attention(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, kv_scales,
                            softcap)
@@ -407,6 +408,15 @@ def _attention(
     p = torch.softmax(s, dim=-1).view(batch, num_kv_heads, group * query_len, -1)
     o = p @ dequantize(v, v_scale, torch.float32)  # [batch, kv_heads, g * L, head_dim]
     return o.view(batch, num_heads, query_len, head_dim).to(q.dtype)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The pool's blocks ``block_ids`` (any shape of ids) as raw bytes, ``[*ids.shape, block_size, ...]``.
+    ``index_select`` rather than ``cache[ids]``: the same copy, but torch's CPU advanced indexing
+    took about 3 ms to gather a 512-token sequence from a 5,825-block pool where this takes 0.07 ms
+    (it was 13-19% of an embedding run's time)."""
+    src = raw(cache)
+    return src.index_select(0, block_ids.reshape(-1)).view(*block_ids.shape, *src.shape[1:])
 
 
 def _write_idx(meta: AttentionMetadata) -> torch.Tensor | None:
