@@ -8,7 +8,7 @@ RoPE table, the embedding scale), over the checkpoint's text config; the vision 
 projection) are transformers' own modules, loaded from the same checkpoint. Each image's rows
 replace its ``<image_soft_token>`` placeholders' embeddings after the embedding scale, as
 transformers does. An image's placeholders attend each other both ways
-(``images_attend_both_ways``: ``AttentionMetadata.image_spans``, docs/vision.md), so a step
+(``images_attend_both_ways``: ``AttentionMetadata.image_spans``, docs/serving-api.md), so a step
 holds an image's placeholders whole. Checkpoints name the text model ``language_model.model.``
 (transformers' saved layout) or ``model.language_model.`` (its in-memory one); both read as the
 plain ``model.``. The head is tied to the embeddings unless the config says not.
