@@ -193,12 +193,12 @@ def _image_end(pos: int, spans) -> int:
 def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_CHUNK_ROWS
                            ) -> tuple[list[tuple[int, int, int, int, int]], list[_ChunkSeq]]:
     """(row of q, sequence, keys this token sees, extra keys, window end) for each token
-    attended as a decode, and the chunks attended whole. A row sees its sequence's first keys, then the
-    positions after them whose bits are set in its extra keys (a tree draft's rows, ``meta.trees``:
-    the context before the chunk, then the row's own path; 0 for every other row). Its sliding
-    window ends at its window end: its own position + 1, less than its keys for a token inside an
-    image that attends both ways (``meta.image_spans``: it sees the image whole). Decode tokens, and each token of a short chunk (speculative
-    verification) as if it were decoded alone, so that a verified token is computed exactly as
+    attended as a decode, and the chunks attended whole. A row sees its sequence's first keys, then
+    the positions after them whose bits are set in its extra keys (a tree draft's rows,
+    ``meta.trees``: the context before the chunk, then the row's own path; 0 for every other row).
+    Its sliding window ends at its window end: its own position + 1, less than its keys for a token
+    inside an image that attends both ways (``meta.image_spans``: it sees the image whole). Decode
+    tokens, and each token of a short chunk (speculative verification) as if it were decoded alone, so that a verified token is computed exactly as
     plain decoding computes it. SDPA with several query rows runs another kernel, whose last bits
     differ; with bf16 activations (the quantized layers) such a bit can flip a near-tie and change
     a greedy output. ``max_row_chunk``: chunks up to this long go row by row (a batch-invariant
