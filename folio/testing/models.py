@@ -284,8 +284,9 @@ def write_tiny_gemma3_vlm_model(folder, tokenizer_dir, image_size: int = 32, pat
                                 max_position_embeddings: int = 512, tie_word_embeddings: bool = True) -> str:
     """A tiny random Gemma 3 vision-language model (``Gemma3ForConditionalGeneration``: a SigLIP
     vision tower, Gemma 3's pooling projector and a Gemma 3 text model of one sliding-window layer
-    and one global layer, embeddings tied to the head unless ``tie_word_embeddings`` is False) with its processor (``Gemma3Processor``: a
-    ``Gemma3ImageProcessor`` at ``image_size`` and SmolLM2's tokenizer with Gemma 3's
+    and one global layer, embeddings tied to the head unless ``tie_word_embeddings`` is False) with
+    its processor (``Gemma3Processor``: a ``Gemma3ImageProcessor`` at ``image_size`` and SmolLM2's
+    tokenizer with Gemma 3's
     ``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``, ``<start_of_turn>`` and
     ``<end_of_turn>`` added), both written by transformers' own ``save_pretrained``. An image
     becomes ``mm_tokens_per_image`` placeholders between ``<start_of_image>`` and ``<end_of_image>``;
