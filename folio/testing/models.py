@@ -130,7 +130,8 @@ def write_tiny_bert_embedding_model(folder, pooling: str = "mean", normalize: bo
     over ``write_bert_vocab``'s vocabulary, and the sentence-transformers modules (Transformer,
     Pooling by ``pooling``: mean or cls, and Normalize when ``normalize``), written by
     sentence-transformers' own ``save``."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     folder = Path(folder)
@@ -144,8 +145,8 @@ def write_tiny_bert_embedding_model(folder, pooling: str = "mean", normalize: bo
                         max_position_embeddings=max_position_embeddings)
     torch.manual_seed(0)
     save_random(BertModel(config), folder)
-    body = models.Transformer(str(folder), max_seq_length=max_position_embeddings)
-    modules = [body, models.Pooling(hidden_size, pooling_mode=pooling)] + ([models.Normalize()] if normalize else [])
+    body = Transformer(str(folder), max_seq_length=max_position_embeddings)
+    modules = [body, Pooling(hidden_size, pooling_mode=pooling)] + ([Normalize()] if normalize else [])
     SentenceTransformer(modules=modules, device="cpu").save(str(folder))
     return str(folder)
 

@@ -201,6 +201,8 @@ class TextTokenizer:
     def fit_pooling(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
         """RequestError for a pooling request that cannot run: an empty input, one beyond the
         context, ``dimensions`` the model does not have, a score token outside the vocabulary."""
+        if self.encoder_only and sampling.pooling.kind != "embed":
+            raise RequestError("this model is encoder-only: it embeds, and has no LM head to score with", "model")
         if num_prompt_tokens == 0:
             raise RequestError("the input is empty", "input")
         if num_prompt_tokens > self.max_model_len:
@@ -219,9 +221,6 @@ class TextTokenizer:
         for a token the vocabulary does not hold as one token)."""
         pooling = sampling.pooling
         if pooling is not None and self.encoder_only:  # its attention is bidirectional (``PoolingParams``)
-            if pooling.kind != "embed":
-                raise RequestError("this model is encoder-only: it embeds, and has no LM head to score with",
-                                   "model")
             if not pooling.bidirectional:
                 sampling = msgspec.structs.replace(sampling, pooling=msgspec.structs.replace(pooling,
                                                                                              bidirectional=True))
