@@ -122,3 +122,14 @@ def test_an_input_over_the_step_budget_is_refused(folders):
     with pytest.raises(ValueError, match="computes each input whole in one step"):
         llm.embed(["the cat sat on the mat and the dog sat on the cat, " * 2], use_tqdm=False)  # 30 tokens
     assert len(embed(llm, ["the cat"])) == 1
+
+
+def test_without_a_normalize_module_the_vector_keeps_its_norm(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    folder = write_tiny_bert_embedding_model(tmp_path / "bert-raw", normalize=False)
+    want = SentenceTransformer(folder, device="cpu").encode(TEXTS[:3])
+    got = embed(LLM(folder, task="embed", **ENGINE), TEXTS[:3])
+    for g, w in zip(got, want):
+        assert abs(np.linalg.norm(w) - 1.0) > 0.01  # (the pooled vector is not a unit one)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

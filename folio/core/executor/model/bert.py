@@ -7,7 +7,7 @@ another's. So a prompt runs whole in one step (the scheduler never chunks it and
 never serves it: ``PoolingParams.bidirectional``), and each layer attends its inputs' fresh q/k/v
 directly (non-causal SDPA per input, from ``query_start_loc``); the KV pool is neither read nor
 written. The output is the last layer's hidden states; ``pool_rows`` pools each input's tokens by
-the checkpoint's mode (``pooling_mode``: mean or cls). Design notes: docs/embeddings.md.
+the checkpoint's mode (``pooling_mode``: mean or cls). Design notes: docs/serving-api.md (encoder-only models).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LEGACY_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens
 def sentence_pooling(folder: Path) -> tuple[str, bool]:
     """(pooling mode, whether a ``Normalize`` module follows) from a sentence-transformers folder's
     ``modules.json`` and its pooling module's ``config.json`` (``pooling_mode``, or the older
-    ``pooling_mode_*_tokens`` bools); without them, mean pooling, normalised (docs/embeddings.md)."""
+    ``pooling_mode_*_tokens`` bools); without them, mean pooling, normalised (docs/serving-api.md)."""
     modules_file = folder / "modules.json"
     if not modules_file.exists():
         return "mean", True
