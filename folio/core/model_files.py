@@ -146,16 +146,23 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def encoder_only_refusal(model_path: str | Path, task: str) -> str | None:
-    """Why an encoder-only model (``ENCODER_ONLY_MODEL_TYPES``: BERT) cannot run ``task`` (None: it can):
-    it embeds and nothing else, so every task must be a pooling one and generate is refused at start."""
+def encoder_only_type(model_path: str | Path) -> str | None:
+    """The ``model_type`` of a model folder whose model is encoder-only (``ENCODER_ONLY_MODEL_TYPES``:
+    BERT), else None."""
     from folio.shared.sampling import ENCODER_ONLY_MODEL_TYPES
 
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None
     model_type = json.loads(config.read_text()).get("model_type")
-    if model_type in ENCODER_ONLY_MODEL_TYPES and "generate" in task.split(","):
+    return model_type if model_type in ENCODER_ONLY_MODEL_TYPES else None
+
+
+def encoder_only_refusal(model_path: str | Path, task: str) -> str | None:
+    """Why an encoder-only model cannot run ``task`` (None: it can): it embeds and nothing else, so
+    generate is refused at start."""
+    model_type = encoder_only_type(model_path)
+    if model_type is not None and "generate" in task.split(","):
         return (f"{model_path} is an encoder-only model ({model_type}): it generates no text; serve it with "
                 "--task embed")
     return None

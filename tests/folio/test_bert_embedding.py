@@ -133,3 +133,16 @@ def test_without_a_normalize_module_the_vector_keeps_its_norm(tmp_path):
     for g, w in zip(got, want):
         assert abs(np.linalg.norm(w) - 1.0) > 0.01  # (the pooled vector is not a unit one)
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_invariant_mode_on_the_cpu_backend_flag(folders):
+    """``--attention-backend cpu`` and ``--batch-invariant`` run an encoder on the torch path (its
+    layers attend on their own): an input's vector is the same bits alone and beside others."""
+    from sentence_transformers import SentenceTransformer
+
+    llm = LLM(folders["mean"], task="embed", attention_backend="cpu", batch_invariant=True, **ENGINE)
+    alone = embed(llm, [TEXTS[3]])[0]
+    together = embed(llm, [TEXTS[2], TEXTS[3], TEXTS[0]])
+    assert np.array_equal(together[1], alone)
+    want = SentenceTransformer(folders["mean"], device="cpu").encode(TEXTS[3])
+    assert cosine(alone, want) >= 0.9999

@@ -128,6 +128,8 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_d
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, cuda or cpu")
     if name == "cpu" and device.type != "cpu":
         raise ValueError("the cpu attention backend runs on the CPU")
+    if getattr(model, "encoder_only", False):  # its layers attend within each input themselves (bert.py)
+        return TorchAttentionBackend()
     if device.type == "cpu" and name in ("auto", "cpu") and model is not None:
         quantized = model.quantization not in (None, "none")
         if name == "cpu" or quantized or batch_invariant:
