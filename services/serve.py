@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
-    refusal = encoder_only_refusal(model_path, args.task)
+    refusal = encoder_only_refusal(model_path, args.task, args.quantization, args.device, args.tensor_parallel_size)
     if refusal:
         print(f"folio: {refusal}", file=sys.stderr)
         return 2

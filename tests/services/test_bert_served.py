@@ -64,8 +64,10 @@ def test_served_embeddings_match_sentence_transformers_and_refuse_too_long(model
         stop_server(server)
 
 
-def test_serve_refuses_generate_for_an_encoder_only_model_at_start(model, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "folio.cli.main", "serve", "--model", model, "--task", "generate",
+@pytest.mark.parametrize("flags, said", [(["--task", "generate"], "it generates no text; serve it with --task embed"),
+                                         (["--task", "embed", "--quantization", "int8"], "unquantized")])
+def test_serve_refuses_at_start_what_an_encoder_only_model_cannot_do(model, tmp_path, flags, said):
+    run = subprocess.run([sys.executable, "-m", "folio.cli.main", "serve", "--model", model, *flags,
                           "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
-    assert "encoder-only model (bert)" in run.stderr and "--task embed" in run.stderr
+    assert "encoder-only model" in run.stderr and said in run.stderr
