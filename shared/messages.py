@@ -60,7 +60,9 @@ class ImageInput(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     positions ``[offset, offset + length)``, and the vision tower reads ``data``, the pixel
     values' raw little-endian bytes of ``dtype`` and ``shape`` (never a pickled tensor).
     ``hash``: the sha256 (hex) of the pixel values, which keys the prefix cache's blocks that
-    hold its placeholders."""
+    hold its placeholders. ``grid``: the image's (temporal, height, width) patch grid where its
+    tower reads patches of any image size (Qwen2.5-VL: ``data`` holds those patches, one row
+    each, and the placeholders' M-RoPE positions follow the grid); empty for fixed-size tiles."""
 
     offset: int
     length: int
@@ -68,6 +70,7 @@ class ImageInput(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     dtype: str  # a numpy dtype name ("float32")
     shape: list[int]
     data: bytes
+    grid: list[int] = []
 
 
 class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):

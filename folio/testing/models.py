@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -247,4 +248,64 @@ def write_tiny_idefics3_model(folder, tokenizer_dir, image_size: int = 32, patch
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    return save_random(model, folder)
+
+
+# Qwen2-VL's chat format ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>...<|im_end|>"),
+# as Qwen2.5-VL's processors have it, over string or list-of-parts contents
+QWEN2_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_qwen25_vl_model(folder, tokenizer_dir, patch_size: int = 4, merge_size: int = 2,
+                               max_pixels: int = 48 * 48, tie_word_embeddings: bool = True,
+                               max_position_embeddings: int = 1024, hidden_size: int = 64, num_attention_heads: int = 4,
+                               num_key_value_heads: int = 2, mrope_section: tuple[int, int, int] = (2, 3, 3)) -> str:
+    """A tiny random Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``: a windowed ViT over the
+    image's own patch grid, its patch merger, and a Qwen2 text model rotated by M-RoPE) with its
+    processor (``Qwen2_5_VLProcessor``: a ``Qwen2VLImageProcessor`` that keeps each image's aspect
+    and resizes it to a multiple of ``patch_size * merge_size`` within ``max_pixels``, and
+    SmolLM2's tokenizer with Qwen's ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``
+    and ``<|video_pad|>`` added), written by transformers' own ``save_pretrained``. An image
+    of ``h x w`` patches becomes ``h * w / merge_size ** 2`` placeholders: images of different
+    sizes have different counts. ``mrope_section`` splits half of the head dimension
+    (``hidden_size / num_attention_heads``) among the temporal, height and width positions."""
+    from transformers import (
+        AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    sizes = dict(patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size,
+                 size={"shortest_edge": (patch_size * merge_size) ** 2, "longest_edge": max_pixels})
+    # the processor as its save_pretrained writes it (processor_config.json beside the tokenizer),
+    # less its video half, which cannot be built without torchvision (``vision_inputs.load_processor``
+    # builds the processor without it)
+    image_processor = Qwen2VLImageProcessorPil(**sizes).to_dict()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "processor_config.json").write_text(json.dumps(
+        {"image_processor": image_processor, "processor_class": Qwen2_5_VLProcessor.__name__}, indent=2))
+    tokenizer.save_pretrained(folder)
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in
+           ("vision_start", "vision_end", "image_pad", "video_pad")}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=hidden_size,
+                  patch_size=patch_size, spatial_merge_size=merge_size, temporal_patch_size=2,
+                  window_size=2 * patch_size * merge_size, fullatt_block_indexes=[1])
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section)},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=ids["image_pad"],
+                              video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+                              vision_end_token_id=ids["vision_end"], tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     return save_random(model, folder)

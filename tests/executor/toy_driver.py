@@ -35,10 +35,12 @@ def generate(
     chunk_size: int | None = None,
     eos_token_id: int | None = None,
     block_order: list[int] | None = None,
+    images: list[list] | None = None,
 ) -> list[list[int]]:
     """Run every prompt to completion together; returns each request's generated token ids.
 
-    ``block_order`` (a permutation of block ids) lets tests hand out non-contiguous blocks.
+    ``block_order`` (a permutation of block ids) lets tests hand out non-contiguous blocks;
+    ``images``: each prompt's ``ImageInput``s.
     """
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
@@ -71,6 +73,7 @@ def generate(
                         sampling=s.params,
                         block_ids=list(s.blocks),
                         num_computed_tokens=s.num_computed,
+                        images=list(images[seqs.index(s)]) if images else [],
                     )
                 )
                 s.started = True

@@ -18,6 +18,7 @@ from folio.core.executor.model.llava import LlavaForConditionalGeneration
 from folio.core.executor.model.mixtral import MixtralForCausalLM
 from folio.core.executor.model.olmoe import OlmoeForCausalLM
 from folio.core.executor.model.phi3 import Phi3ForCausalLM
+from folio.core.executor.model.qwen2_5_vl import Qwen25VLForConditionalGeneration
 from folio.core.executor.model.qwen2_moe import Qwen2MoeForCausalLM
 from folio.core.executor.model.qwen3 import Qwen3ForCausalLM
 from folio.core.executor.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -26,10 +27,11 @@ from folio.core.executor.parallel.comm import Comm, Shard
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
     MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, LlavaForConditionalGeneration,
-    Idefics3ForConditionalGeneration, BertModel,
+    Idefics3ForConditionalGeneration, Qwen25VLForConditionalGeneration, BertModel,
 )
 # images in: a tower in the executor
-VISION_MODEL_TYPES = LlavaForConditionalGeneration.model_types + Idefics3ForConditionalGeneration.model_types
+VISION_MODEL_TYPES = LlavaForConditionalGeneration.model_types + Idefics3ForConditionalGeneration.model_types \
+    + Qwen25VLForConditionalGeneration.model_types
 # checkpoints refused with a reason of their own
 REFUSED = {"Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (vision tower and text model); "
                                              "folio runs Gemma 3's text model (Gemma3ForCausalLM, gemma3_text) only"}

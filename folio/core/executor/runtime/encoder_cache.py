@@ -6,8 +6,10 @@ chunk first reaches one of its placeholders, never before, and its output (one r
 placeholder) is kept in this request's entry of the encoder-output cache, so a later chunk of the
 same prefill that covers the rest of its placeholders reads the kept rows instead of running the
 tower again. The entry goes when the request is dropped (finished, aborted, or preempted by
-recompute: a recompute runs the tower again). Each step's rows go to ``CausalLM.forward`` as
-``embeds`` (their indices in the step's flattened tokens and their values).
+recompute: a recompute runs the tower again). Images may differ in size and placeholder count
+(Qwen2.5-VL's: each its own patch grid); those of one shape and grid run together. Each step's
+rows go to ``CausalLM.forward`` as ``embeds`` (their indices in the step's flattened tokens and
+their values).
 """
 
 from __future__ import annotations
@@ -67,16 +69,19 @@ class ImageInputs:
         return rows.to(self.device), values
 
     def _encode_missing(self, needed: set[tuple[str, int]]) -> None:
-        """Run the tower on the needed images that it has not run on, those of one shape together."""
+        """Run the tower on the needed images that it has not run on, those of one shape (and
+        patch grid, where the tower reads images of any size) together."""
         missing = sorted(key for key in needed if key[1] not in self.encoded.get(key[0], {}))
         by_shape: dict[tuple, list[tuple[str, int]]] = {}
         for r, k in missing:
             im = self.images[r][k]
-            by_shape.setdefault((im.dtype, tuple(im.shape)), []).append((r, k))
-        for (dtype, shape), keys in by_shape.items():
-            pixels = np.stack([pixel_array(self.images[r][k]) for r, k in keys])
+            by_shape.setdefault((im.dtype, tuple(im.shape), tuple(im.grid)), []).append((r, k))
+        for (dtype, shape, grid), keys in by_shape.items():
+            pixels = torch.from_numpy(np.stack([pixel_array(self.images[r][k]) for r, k in keys])).to(self.device)
             start = time.perf_counter()
-            out = self.model.encode_images(torch.from_numpy(pixels).to(self.device))  # [images, tokens, hidden]
+            # [images, tokens, hidden]
+            out = self.model.encode_images(pixels, torch.tensor([grid] * len(keys))) if grid \
+                else self.model.encode_images(pixels)
             self.encoder_seconds += time.perf_counter() - start
             for (r, k), rows in zip(keys, out):
                 length = self.images[r][k].length

@@ -159,7 +159,8 @@ def _check_new(new_reqs: list[NewRequestData], limits: PlanLimits,
 
 def _check_images(r: NewRequestData, limits: PlanLimits) -> None:
     """Images only for a model with a tower, their placeholders inside the prompt, their pixel
-    bytes the size their dtype and shape say."""
+    bytes the size their dtype and shape say, a patch grid (where one is given) that holds the
+    patches."""
     if not limits.takes_images:
         raise InvalidPlan(f"{r.req_id}: images sent to a text-only model")
     for k, im in enumerate(r.images):
@@ -172,6 +173,8 @@ def _check_images(r: NewRequestData, limits: PlanLimits) -> None:
             raise InvalidPlan(f"{r.req_id}: image {k} has pixel dtype {im.dtype!r}") from None
         if size != len(im.data) or np.dtype(im.dtype).kind != "f":
             raise InvalidPlan(f"{r.req_id}: image {k} has {len(im.data)} bytes for {im.dtype} {im.shape}")
+        if im.grid and (len(im.grid) != 3 or min(im.grid) < 1 or int(np.prod(im.grid)) != im.shape[0]):
+            raise InvalidPlan(f"{r.req_id}: image {k}'s patch grid {im.grid} does not hold its {im.shape[0]} patches")
 
 
 def _check_running(running_reqs: list[RunningRequestData], limits: PlanLimits, batch,

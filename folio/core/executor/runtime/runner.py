@@ -27,6 +27,7 @@ from folio.core.executor.lora import LoRABatch, LoRAError, LoRAManager
 from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_decode_graphs, uses_graphs
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
 from folio.core.executor.runtime.encoder_cache import ImageInputs
+from folio.core.executor.runtime.mrope import MRopePositions
 from folio.core.executor.runtime.pooling import encoder_pooled, pool_vectors
 from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
@@ -96,7 +97,8 @@ def rope_rows(model) -> int:
     """The positions the model's RoPE tables hold (every table: Gemma 3 has a second one)."""
     local = getattr(model, "local_rope", None)
     tables = [t for t in (getattr(model, "rope_cos", None), getattr(local, "rope_cos", None)) if t is not None]
-    return min((t.shape[0] for t in tables), default=model.spec.max_position_embeddings)
+    rows = min((t.shape[0] for t in tables), default=model.spec.max_position_embeddings)
+    return rows - getattr(model, "rope_extra_rows", 0)  # (M-RoPE's rows for image tokens are no positions)
 
 
 def _without(plan: StepPlan, req_ids: set[str]) -> StepPlan:
@@ -190,6 +192,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device, config.quantization, shard=shard, comm=comm)
         self.spec = self.model.spec
+        self.mrope = self._mrope()  # M-RoPE (Qwen2.5-VL): before anything keeps the RoPE tables' address
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._set_kernels(kv_dtype)
         self.tree = self._draft_tree() if self.spec_settings is not None and shard.rank == 0 else None
@@ -236,6 +239,14 @@ class ModelRunner:
         self._constrained: set[str] = set()  # requests with a grammar
         self.graphs = make_decode_graphs(config, self.model, self.backend, self.pool.kv_caches, self.device)
         self.lora: LoRAManager | None = self._make_lora(lora) if lora["enable_lora"] else None
+
+    def _mrope(self) -> MRopePositions | None:
+        if not hasattr(self.model, "mrope_rows"):
+            return None
+        if self.spec_settings is not None:
+            raise ValueError(f"speculative decoding does not run {self.spec.model_type} (M-RoPE positions) in this "
+                             "build: leave out --speculative-config")
+        return MRopePositions(self.model, self.config.max_num_batched_tokens)
 
     def _draft_tree(self) -> DraftTree | None:
         """The configured tree's shape; ValueError where tree drafts cannot be verified."""
@@ -385,6 +396,8 @@ class ModelRunner:
         self.requests[new.req_id] = RunnerRequest(new.req_id, row, self.batch, new.sampling, new.append_sampled,
                                                   new.grammar)
         self.image_inputs.add(new.req_id, new.images)
+        if self.mrope is not None:
+            self.mrope.add(new.req_id, new.images)
         if new.sampling.prompt_logprobs is not None:
             self._want_prompt_lp.add(new.req_id)
         if new.grammar is not None:  # compiled meanwhile; its matcher is made when it samples
@@ -398,6 +411,8 @@ class ModelRunner:
         if state is not None:
             self.batch.remove(req_id)
         self.image_inputs.drop(req_id)
+        if self.mrope is not None:
+            self.mrope.drop(req_id)
         self._want_prompt_lp.discard(req_id)
         self._constrained.discard(req_id)
 
@@ -521,6 +536,11 @@ class ModelRunner:
         step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids, self._trees(plan))
         req_ids = list(plan.num_scheduled_tokens)
         embeds = self.image_inputs.step_embeds(req_ids, self.batch.num_computed[step.rows], step.counts)
+        if self.mrope is not None:  # text at its index plus its request's delta, images at their rows
+            positions = self.mrope.step_positions(req_ids, self.batch.num_computed[step.rows], step.counts,
+                                                  self.device)
+            if positions is not None:
+                step.meta.positions = positions
         hidden = self._forward(step, embeds)
         if self.proposer is not None and hasattr(self.proposer, "observe"):  # a draft head reads the hidden states
             self.proposer.observe(req_ids, self.batch.num_computed[step.rows], step.counts, hidden)
