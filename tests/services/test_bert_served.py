@@ -1,7 +1,7 @@
 """An encoder-only model through the real stack (``folio serve --task embed``: five processes,
 ipc:// sockets, HTTP): a tiny random BERT written as sentence-transformers saves it, against
 sentence-transformers' ``encode`` on the same folder, through the official ``openai`` client's
-``embeddings.create`` (floats and base64); too long an input is a 400 and the server serves on;
+``embeddings.create`` (floats and base64, ``dimensions``); too long an input is a 400 and the server serves on;
 ``--task generate`` is refused at start."""
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ def test_served_embeddings_match_sentence_transformers_and_refuse_too_long(model
         for f, d, w in zip(floats.data, decoded.data, want):
             assert cosine(f.embedding, w) >= 0.9999
             np.testing.assert_allclose(d.embedding, f.embedding, atol=1e-6)
+        short = client.embeddings.create(model="tiny-bert", input=TEXTS[:2], dimensions=16, encoding_format="float")
+        for got, w in zip(short.data, want):
+            assert len(got.embedding) == 16 and cosine(got.embedding, w[:16]) >= 0.9999
+            assert abs(np.linalg.norm(got.embedding) - 1.0) < 1e-5  # the first 16 values, renormalised
         with pytest.raises(openai.BadRequestError, match="maximum context length is 64"):
             client.embeddings.create(model="tiny-bert", input="the cat " * 40)
         with pytest.raises(openai.BadRequestError, match="this server pools"):
