@@ -146,3 +146,18 @@ def test_batch_invariant_mode_on_the_cpu_backend_flag(folders):
     assert np.array_equal(together[1], alone)
     want = SentenceTransformer(folders["mean"], device="cpu").encode(TEXTS[3])
     assert cosine(alone, want) >= 0.9999
+
+
+@pytest.mark.parametrize("field, value, said", [("position_embedding_type", "relative_key", "absolute only"),
+                                                ("hidden_act", "relu", "gelu only"),
+                                                ("is_decoder", True, "encoders only")])
+def test_bert_configs_folio_does_not_run_are_refused(field, value, said):
+    from transformers import BertConfig
+
+    from folio.core.executor.model.registry import model_spec
+
+    config = BertConfig(num_hidden_layers=1)
+    assert model_spec(config).model_type == "bert"
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=said):
+        model_spec(config)

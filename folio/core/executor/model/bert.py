@@ -156,6 +156,9 @@ class BertModel(CausalLM):
     def spec_from_config(cls, config) -> ModelSpec:
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise ValueError("BERT as a decoder (is_decoder, cross-attention) is not supported: encoders only")
+        position = getattr(config, "position_embedding_type", None) or "absolute"  # (older configs name it)
+        if position != "absolute":
+            raise ValueError(f"unsupported BERT position_embedding_type {position!r} (absolute only)")
         act = getattr(config, "hidden_act", "gelu")
         if act != "gelu":
             raise ValueError(f"unsupported BERT activation {act!r} (gelu only)")
