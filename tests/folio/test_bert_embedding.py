@@ -87,6 +87,7 @@ def test_an_input_is_never_served_from_the_prefix_cache(llms):
 
 
 def test_both_sentence_transformers_pooling_formats_are_read(tmp_path):
+    assert sentence_pooling(tmp_path) == ("mean", True)  # no sentence-transformers files: the documented default
     (tmp_path / "1_Pooling").mkdir()
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
