@@ -72,13 +72,16 @@ class LLM:
                  rerank_format: RerankFormat | None = None, **engine_args):
         """``task``: ``generate``, ``embed`` (``score``, ``rerank``: the same pooling engine) or a
         comma-separated list; ``rerank_format``: how ``score`` prompts a reranker (Qwen3-Reranker's)."""
-        from folio.core.model_files import resolve_model
+        from folio.core.model_files import encoder_only_refusal, resolve_model
         from folio.core.executor.runtime.runner import ModelRunner
         from folio.core.tokenizer.text import TextTokenizer
 
         lora_args = {k: engine_args.pop(k) for k in _LORA_ARGS & set(engine_args)}
         runtime, core_args = engine_configs(model, engine_args)
         model_path = str(resolve_model(model))
+        refusal = encoder_only_refusal(model_path, parse_tasks(task))
+        if refusal:
+            raise ValueError(refusal)
         runner = ModelRunner(runtime, model_path, **lora_args)
         core = EngineCore(runner, **core_args)
         self.engine = LLMEngine(core, TextTokenizer(model_path, core.max_model_len))

@@ -96,7 +96,7 @@ def _die_with_parent() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from folio.core.model_files import resolve_model
+    from folio.core.model_files import encoder_only_refusal, resolve_model
     from folio.services.supervise import Supervisor
     from folio.core.executor.runtime.spec_config import speculative_refusal
 
@@ -120,6 +120,10 @@ def serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"folio: {exc}", file=sys.stderr)
         return 1
+    refusal = encoder_only_refusal(model_path, args.task, args.quantization, args.device, args.tensor_parallel_size)
+    if refusal:
+        print(f"folio: {refusal}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.port)
     lock = claim_run_dir(run_dir)
     if lock is None:

@@ -25,6 +25,8 @@ class ParamError(ValueError):
 
 
 POOLING_KINDS = ("embed", "score")
+# encoder-only models (bidirectional attention): they pool, whole prompts, and never generate
+ENCODER_ONLY_MODEL_TYPES = ("bert",)
 
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -35,13 +37,17 @@ class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     ``dimensions`` values kept (Matryoshka models: the leading values are an embedding of their own)
     and then L2-normalised when ``normalize``. ``score``: the logits of ``tokens`` at the last
     position (a yes/no reranker's: the client takes their softmax). ``tokens`` are vocabulary
-    strings, resolved to ``token_ids`` by the tokenizer, which owns the vocabulary."""
+    strings, resolved to ``token_ids`` by the tokenizer, which owns the vocabulary.
+    ``bidirectional`` (set by the tokenizer for an encoder-only model, ``ENCODER_ONLY_MODEL_TYPES``):
+    every prompt token sees every other, so the prompt is scheduled whole in one step and never
+    through the prefix cache (a block's K/V depends on the tokens after it)."""
 
     kind: str = "embed"
     dimensions: int | None = None
     normalize: bool = True
     tokens: list[str] = []
     token_ids: list[int] = []
+    bidirectional: bool = False
 
     def __post_init__(self):
         if self.kind not in POOLING_KINDS:

@@ -1,6 +1,7 @@
 """Embeddings throughput on the CPU: ``folio.LLM(task="embed").embed`` against sentence-transformers'
 ``encode`` on the same model and the same texts, in one run, with the same pooling (last token,
-L2-normalised) and fp32 weights on both sides.
+L2-normalised; an encoder-only model's own, from its sentence-transformers files) and fp32 weights on
+both sides.
 
 The texts are ``--num-inputs`` spans of a fixed word list, ``--min-tokens`` to ``--max-tokens``
 tokens each (uniform, seeded). Each side embeds a few texts first (kernels, allocator and caches
@@ -51,8 +52,14 @@ def make_texts(tokenizer, num: int, low: int, high: int, seed: int) -> list[str]
 
 
 def sentence_transformer(path: str):
-    """The same checkpoint as a SentenceTransformer: its transformer, last-token pooling, normalised."""
+    """The same checkpoint as a SentenceTransformer: its transformer, last-token pooling, normalised;
+    an encoder-only model (BERT) as its own sentence-transformers files say (mean or CLS pooling)."""
     from sentence_transformers import SentenceTransformer, models
+
+    from folio.core.model_files import encoder_only_type
+
+    if encoder_only_type(path) is not None:
+        return SentenceTransformer(path, device="cpu", model_kwargs={"dtype": torch.float32})
 
     # plain text in (sentence-transformers would otherwise wrap each text in the chat template)
     body = models.Transformer(path, model_kwargs={"dtype": torch.float32}, module_output_name="token_embeddings",

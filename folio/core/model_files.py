@@ -146,6 +146,38 @@ def resolve_model(model: str) -> Path:
     return path
 
 
+def encoder_only_type(model_path: str | Path) -> str | None:
+    """The ``model_type`` of a model folder whose model is encoder-only (``ENCODER_ONLY_MODEL_TYPES``:
+    BERT), else None."""
+    from folio.shared.sampling import ENCODER_ONLY_MODEL_TYPES
+
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    model_type = json.loads(config.read_text()).get("model_type")
+    return model_type if model_type in ENCODER_ONLY_MODEL_TYPES else None
+
+
+def encoder_only_refusal(model_path: str | Path, task: str | None, quantization: str | None = None,
+                         device: str | None = None, tensor_parallel_size: int | None = None) -> str | None:
+    """Why an encoder-only model cannot run as asked (None: it can), said at start: it embeds and
+    nothing else, unquantized, on one CPU in this build (``registry.check_runtime`` says the same
+    where the model loads). None for a flag not given: its default."""
+    model_type = encoder_only_type(model_path)
+    if model_type is None:
+        return None
+    task, quantization, device = task or "generate", quantization or "auto", device or "auto"
+    tensor_parallel_size = tensor_parallel_size or 1
+    if "generate" in task.split(","):
+        return (f"{model_path} is an encoder-only model ({model_type}): it generates no text; serve it with "
+                "--task embed")
+    if quantization not in ("none", "auto") or device.startswith("cuda") or tensor_parallel_size > 1:
+        return (f"encoder-only models ({model_type}) run on one CPU, unquantized, in this build: use --device cpu "
+                f"and --quantization none (not --device {device}, --quantization {quantization}, "
+                f"--tensor-parallel-size {tensor_parallel_size})")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")

@@ -108,6 +108,50 @@ def write_tiny_embedding_model(folder, tokenizer_dir, max_position_embeddings: i
     return str(folder)
 
 
+# a small WordPiece vocabulary: BERT's special tokens, letters and digits (whole and as "##"
+# continuations, so any lower-case ASCII word tokenizes), punctuation and a few whole words
+BERT_WORDS = ("the", "a", "of", "and", "to", "in", "is", "cat", "dog", "sat", "on", "mat", "hello", "world",
+              "embedding", "model", "##s", "##ing", "##ed")
+
+
+def write_bert_vocab(path) -> Path:
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789"
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars),
+              *".,;:!?'\"()-", *BERT_WORDS]
+    path = Path(path)
+    path.write_text("\n".join(dict.fromkeys(tokens)) + "\n")
+    return path
+
+
+def write_tiny_bert_embedding_model(folder, pooling: str = "mean", normalize: bool = True,
+                                    max_position_embeddings: int = 64, hidden_size: int = 64,
+                                    num_hidden_layers: int = 2) -> str:
+    """A tiny random BERT embedding model as sentence-transformers saves one (all-MiniLM-L6-v2's
+    shape): a ``BertModel`` from transformers' ``BertConfig``, a WordPiece ``BertTokenizerFast``
+    over ``write_bert_vocab``'s vocabulary, and the sentence-transformers modules (Transformer,
+    Pooling by ``pooling``: mean or cls, and Normalize when ``normalize``), written by
+    sentence-transformers' own ``save``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_bert_vocab(folder / "vocab.txt")
+    tokenizer = BertTokenizerFast(vocab=str(vocab), do_lower_case=True)
+    tokenizer.model_max_length = max_position_embeddings
+    tokenizer.save_pretrained(folder)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                        num_attention_heads=4, intermediate_size=2 * hidden_size,
+                        max_position_embeddings=max_position_embeddings)
+    torch.manual_seed(0)
+    save_random(BertModel(config), folder)
+    body = Transformer(str(folder), max_seq_length=max_position_embeddings)
+    modules = [body, Pooling(hidden_size, pooling_mode=pooling)] + ([Normalize()] if normalize else [])
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return str(folder)
+
+
 # LLaVA-1.5's chat format ("USER: <image>\n... ASSISTANT:"), over messages whose content is a string
 # or a list of parts ({"type": "image"} and {"type": "text", "text": ...}), as llava-hf's processors have it
 LLAVA_TEMPLATE = (

@@ -104,6 +104,9 @@ def _pooling_refusal(sched: SchedulerState, msg: EngineRequest, num_prompt: int)
     if sched.max_model_len and num_prompt > sched.max_model_len:
         return (f"This model's maximum context length is {sched.max_model_len} tokens. However, the input "
                 f"has {num_prompt} tokens. Please reduce the length of the input."), 400
+    if msg.sampling.pooling.bidirectional and num_prompt > sched.max_num_batched_tokens:
+        return (f"the input has {num_prompt} tokens but a step computes at most {sched.max_num_batched_tokens} "
+                "(--max-num-batched-tokens), and an encoder-only model computes each input whole in one step"), 400
     need = cdiv(num_prompt, sched.block_size)
     if need > sched.pool.num_blocks:
         return f"the input needs {need} KV blocks but the whole KV cache holds {sched.pool.num_blocks}", 400

@@ -451,7 +451,7 @@ def _find_cached(sched: SchedulerState, req: Request) -> None:
     """A sequence new to the allocator starts after the blocks the prefix cache holds for it;
     those tokens cost nothing from the token budget. Requests that want prompt logprobs
     neither hit nor feed the cache (a cached prompt token would have no logprob)."""
-    if req.req_id in sched.alloc.seqs or req.sampling.prompt_logprobs is not None:
+    if req.req_id in sched.alloc.seqs or req.sampling.prompt_logprobs is not None or _bidirectional(req):
         return
     end = req.num_prompt_tokens - 1 if req.pending_forks else req.num_tokens
     # at least one token is left to compute: the last one, which samples
@@ -526,7 +526,9 @@ def _allocate(sched: SchedulerState, req: Request, start: int, end: int, cache_s
     """Apply the allocation of ``req``'s tokens [start, end) to the replica (False: refused,
     nothing changed). The tokens the allocator has not seen ride along, so that it hashes the
     blocks they fill; draft tokens are not known until accepted."""
-    known = min(end, req.num_tokens) if req.sampling.prompt_logprobs is None else req.num_kv_token_ids
+    # (prompt logprobs and bidirectional inputs leave their tokens out: no block of theirs is hashed)
+    known = min(end, req.num_tokens) if req.sampling.prompt_logprobs is None and not _bidirectional(req) \
+        else req.num_kv_token_ids
     op = KVAllocate(req.req_id, start, end, req.token_slice(req.num_kv_token_ids, known), cache_salt,
                     (getattr(req, "kv_load_hashes", None) or []) if req.req_id not in sched.alloc.seqs else [])
     if sched.kv.try_apply(op) is None:
@@ -553,11 +555,18 @@ def _num_new_tokens(sched: SchedulerState, req: Request, budget: int, whole_pref
         return 1 + max(0, min(len(req.spec_token_ids), left - 1, room, budget - 1))
     if remaining <= 1:
         return max(remaining, 0)
+    if _bidirectional(req):  # its tokens all see each other: the whole input in one step, or it waits
+        return remaining if remaining <= budget else 0
     if not sched.enable_chunked_prefill:
         return remaining if remaining <= budget or not whole_prefill_taken else 0
     if sched.long_prefill_token_threshold:
         remaining = min(remaining, sched.long_prefill_token_threshold)
     return min(remaining, budget)
+
+
+def _bidirectional(req: Request) -> bool:
+    """An encoder-only model's input (``PoolingParams.bidirectional``): never chunked, never cached."""
+    return req.sampling.pooling is not None and req.sampling.pooling.bidirectional
 
 
 def _victim(sched: SchedulerState, i: int) -> Request | None:

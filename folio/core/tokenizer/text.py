@@ -23,7 +23,7 @@ from folio.shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
-from folio.shared.sampling import SamplingParams
+from folio.shared.sampling import ENCODER_ONLY_MODEL_TYPES, SamplingParams
 
 
 class RequestError(Exception):
@@ -65,6 +65,7 @@ class TextTokenizer:
         self.max_token_chars = _max_token_chars(self.hf)
         self.hidden_size = int(model_config.get("hidden_size", 0) or 0)  # the most ``dimensions`` of an embedding
         self.matryoshka_dimensions = list(model_config.get("matryoshka_dimensions") or [])
+        self.encoder_only = model_config.get("model_type") in ENCODER_ONLY_MODEL_TYPES  # it embeds, nothing else
         self.images = None  # a vision-language model's processor (``vision_inputs.ImagePreprocessor``)
         if model_config.get("vision_config") and model_dir.is_dir():
             from folio.core.tokenizer.vision_inputs import ImagePreprocessor
@@ -191,6 +192,8 @@ class TextTokenizer:
         prompt_token_ids, prompt_text, images = self.encode_with_images(req)
         if req.sampling.pooling is not None:
             self.fit_pooling(req.sampling, len(prompt_token_ids))
+        elif self.encoder_only:
+            raise RequestError("this model is encoder-only: it embeds (/v1/embeddings) and generates no text", "model")
         else:
             self.fit_max_tokens(req, len(prompt_token_ids))
         return prompt_token_ids, prompt_text, images
@@ -198,6 +201,8 @@ class TextTokenizer:
     def fit_pooling(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
         """RequestError for a pooling request that cannot run: an empty input, one beyond the
         context, ``dimensions`` the model does not have, a score token outside the vocabulary."""
+        if self.encoder_only and sampling.pooling.kind != "embed":
+            raise RequestError("this model is encoder-only: it embeds, and has no LM head to score with", "model")
         if num_prompt_tokens == 0:
             raise RequestError("the input is empty", "input")
         if num_prompt_tokens > self.max_model_len:
@@ -215,6 +220,11 @@ class TextTokenizer:
         """``sampling`` as the engine runs it: a score's tokens resolved to their ids (RequestError
         for a token the vocabulary does not hold as one token)."""
         pooling = sampling.pooling
+        if pooling is not None and self.encoder_only:  # its attention is bidirectional (``PoolingParams``)
+            if not pooling.bidirectional:
+                sampling = msgspec.structs.replace(sampling, pooling=msgspec.structs.replace(pooling,
+                                                                                             bidirectional=True))
+            return sampling
         if pooling is None or not pooling.tokens or pooling.token_ids:
             return sampling
         ids = []

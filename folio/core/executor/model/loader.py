@@ -301,6 +301,8 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizati
     model.load_state_dict(fused, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.init_rope(dtype, device)
+    if hasattr(model, "read_pooling"):  # an encoder-only model pools as its sentence-transformers files say
+        model.read_pooling(path)
     model.quantization = method
     if method == "fp8":
         quantize_model_gpu(model, method)

@@ -8,6 +8,7 @@ experts: CUDA, quantization other than int8/int4).
 
 from __future__ import annotations
 
+from folio.core.executor.model.bert import BertModel
 from folio.core.executor.model.gemma2 import Gemma2ForCausalLM
 from folio.core.executor.model.gemma3 import Gemma3ForCausalLM
 from folio.core.executor.model.gemma3_vlm import Gemma3ForConditionalGeneration
@@ -27,7 +28,7 @@ from folio.core.executor.parallel.comm import Comm, Shard
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
     MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, LlavaForConditionalGeneration,
-    Idefics3ForConditionalGeneration, Qwen25VLForConditionalGeneration, Gemma3ForConditionalGeneration,
+    Idefics3ForConditionalGeneration, Qwen25VLForConditionalGeneration, Gemma3ForConditionalGeneration, BertModel,
 )
 # images in: a tower in the executor
 VISION_MODEL_TYPES = LlavaForConditionalGeneration.model_types + Idefics3ForConditionalGeneration.model_types \
@@ -68,6 +69,11 @@ def build_model(spec: ModelSpec, config, shard: Shard = Shard(), comm: Comm | No
 
 def check_runtime(spec: ModelSpec, *, device: str = "cpu", quantization: str = "none", tp_size: int = 1) -> None:
     """A clear error at start for what the model's family does not run yet."""
+    if spec.model_type in BertModel.model_types:  # encoder-only: the torch path on the CPU, dense
+        if device != "cpu" or tp_size > 1 or quantization not in ("none", "auto"):
+            raise ValueError(f"encoder-only models ({spec.model_type}) run on one CPU, unquantized, in this build: "
+                             f"use --device cpu and --quantization none (not {device}, {quantization}, "
+                             f"tensor_parallel_size {tp_size})")
     if spec.model_type in VISION_MODEL_TYPES and tp_size > 1:
         raise ValueError("vision-language models run on one device only in this build (no tensor parallelism)")
     if not spec.num_experts:

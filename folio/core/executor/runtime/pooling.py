@@ -6,12 +6,16 @@ prompt position carries the whole prompt through causal attention. A yes/no rera
 (Qwen3-Reranker's shape) is scored by its LM head's logits of a few tokens at that same position.
 The runner gathers those last positions of a step's pooling requests into one tensor; this module
 turns them into vectors, which leave the executor as little-endian float32 bytes (never a tensor).
+An encoder-only model (BERT) pools each input's whole span instead (``encoder_pooled``: mean or
+CLS, as its checkpoint says), every input whole in its step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+import numpy as np
 import torch
 
 from folio.shared.sampling import PoolingParams
@@ -44,3 +48,15 @@ def pool_vectors(last: torch.Tensor, params: list[PoolingParams], req_ids: list[
 
 def _le_bytes(vector: torch.Tensor) -> bytes:
     return vector.detach().cpu().numpy().astype("<f4").tobytes()
+
+
+def encoder_pooled(model, hidden: torch.Tensor, last_idx: np.ndarray, counts: np.ndarray,
+                   params: list[PoolingParams]) -> tuple[torch.Tensor, list[PoolingParams]]:
+    """An encoder-only model's pooled inputs ``[num_inputs, hidden]`` (each input's tokens end at
+    ``last_idx`` and number ``counts``: the whole input) and their params, normalised only where
+    the checkpoint normalises too (its sentence-transformers ``Normalize`` module)."""
+    last = torch.as_tensor(last_idx, device=hidden.device)
+    first = last - torch.as_tensor(counts, device=hidden.device) + 1
+    if not model.normalize:
+        params = [msgspec.structs.replace(p, normalize=False) if p.normalize else p for p in params]
+    return model.pool_rows(hidden, first, last), params

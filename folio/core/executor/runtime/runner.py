@@ -28,7 +28,7 @@ from folio.core.executor.runtime.cuda_graphs import graph_memory_estimate, make_
 from folio.core.executor.runtime.input_batch import NO_LOGPROBS, InputBatch, StepInputs
 from folio.core.executor.runtime.encoder_cache import ImageInputs
 from folio.core.executor.runtime.mrope import MRopePositions
-from folio.core.executor.runtime.pooling import pool_vectors
+from folio.core.executor.runtime.pooling import encoder_pooled, pool_vectors
 from folio.core.executor.runtime.plan_check import InvalidPlan, PlanLimits, check_plan
 from folio.core.executor.kernels.kv_quant import FP8_DTYPE, cache_dtype, raw, stored
 from folio.core.kv.tensors.calibration import calibrate_kv_scales, calibration_ids
@@ -130,6 +130,8 @@ def make_backend(name: str, device: torch.device, model_dtype: torch.dtype, kv_d
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, cuda or cpu")
     if name == "cpu" and device.type != "cpu":
         raise ValueError("the cpu attention backend runs on the CPU")
+    if getattr(model, "encoder_only", False):  # its layers attend within each input themselves (bert.py)
+        return TorchAttentionBackend()
     if device.type == "cpu" and name in ("auto", "cpu") and model is not None:
         quantized = model.quantization not in (None, "none")
         if name == "cpu" or quantized or batch_invariant:
@@ -822,9 +824,12 @@ class ModelRunner:
         pooling_ids = [req_ids[i] for i in np.flatnonzero(step.pools)]
         if not pooling_ids:
             return {}
-        last = hidden.index_select(0, torch.as_tensor(step.pool_idx, device=hidden.device))
-        return pool_vectors(last, [self.requests[r].sampling.pooling for r in pooling_ids], pooling_ids,
-                            self.model.compute_logits)
+        params = [self.requests[r].sampling.pooling for r in pooling_ids]
+        if getattr(self.model, "encoder_only", False):  # each input's tokens pooled (mean or CLS), not its last
+            last, params = encoder_pooled(self.model, hidden, step.pool_idx, step.counts[step.pools], params)
+        else:
+            last = hidden.index_select(0, torch.as_tensor(step.pool_idx, device=hidden.device))
+        return pool_vectors(last, params, pooling_ids, self.model.compute_logits)
 
     def _prompt_logprobs(self, hidden, step: StepInputs, req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
         """Logprobs of prompt tokens 1.. given their prefix; the first prompt token has none."""
