@@ -71,6 +71,8 @@ class ImageInput(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     shape: list[int]
     data: bytes
     grid: list[int] = []
+    # its placeholders attend each other both ways (Gemma 3): a step computes all of them or none
+    both_ways: bool = False
 
 
 class NewRequestData(msgspec.Struct, gc=False, frozen=True, kw_only=True):

@@ -309,3 +309,58 @@ def write_tiny_qwen25_vl_model(folder, tokenizer_dir, patch_size: int = 4, merge
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     return save_random(model, folder)
+
+
+# Gemma 3's chat format ("<start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n"), an image
+# part written as ``<start_of_image>`` (which ``Gemma3Processor`` expands), over string or
+# list-of-parts contents
+GEMMA3_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<start_of_image>{% elif p.type == 'text' %}{{ p.text }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_tiny_gemma3_vlm_model(folder, tokenizer_dir, image_size: int = 32, patch_size: int = 4,
+                                mm_tokens_per_image: int = 16, sliding_window: int = 8,
+                                max_position_embeddings: int = 512, tie_word_embeddings: bool = True) -> str:
+    """A tiny random Gemma 3 vision-language model (``Gemma3ForConditionalGeneration``: a SigLIP
+    vision tower, Gemma 3's pooling projector and a Gemma 3 text model of one sliding-window layer
+    and one global layer, embeddings tied to the head unless ``tie_word_embeddings`` is False) with
+    its processor (``Gemma3Processor``: a ``Gemma3ImageProcessor`` at ``image_size`` and SmolLM2's
+    tokenizer with Gemma 3's
+    ``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``, ``<start_of_turn>`` and
+    ``<end_of_turn>`` added), both written by transformers' own ``save_pretrained``. An image
+    becomes ``mm_tokens_per_image`` placeholders between ``<start_of_image>`` and ``<end_of_image>``;
+    a ``sliding_window`` below that cuts an image's own placeholders out of its later ones' windows."""
+    from transformers import (
+        AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor,
+        Gemma3TextConfig, SiglipVisionConfig,
+    )
+
+    special = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens=special)
+    tokenizer.add_special_tokens({"additional_special_tokens": [*special.values(), "<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    image_processor = Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA3_TEMPLATE,
+                                image_seq_length=mm_tokens_per_image)
+    processor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=image_size, patch_size=patch_size)
+    text = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                            sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"],
+                            max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_word_embeddings)
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in special.items()}
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens_per_image,
+                          boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                          image_token_index=ids["image_token"], tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    return save_random(model, folder)

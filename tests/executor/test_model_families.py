@@ -237,14 +237,28 @@ def test_sliding_windows_are_read_as_transformers_applies_them(config_name, opti
     assert registry.model_spec(config).layer_windows == windows
 
 
-def test_the_multimodal_gemma3_is_refused_with_its_reason():
+def test_the_multimodal_gemma3_runs_its_text_config_as_gemma3_text_does():
+    """``Gemma3ForConditionalGeneration``: the text model's spec (windows, Gemma's norms and scale)
+    from its text config, the head tied as the composite config says, its images attended both ways."""
     import transformers
 
     from folio.core.executor.model import registry
 
-    config = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
-    with pytest.raises(ValueError, match="multimodal Gemma 3.*folio runs llama"):
-        registry.model_spec(config)
+    text = dict(num_hidden_layers=6, sliding_window=64, head_dim=16)
+    config = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"], text_config=text,
+                                       tie_word_embeddings=False)
+    spec = registry.model_spec(config)
+    text_spec = registry.model_spec(transformers.Gemma3TextConfig(**text))
+    assert spec.model_type == "gemma3" and spec.model_type in registry.VISION_MODEL_TYPES
+    assert spec.layer_windows == text_spec.layer_windows == (64,) * 5 + (0,)  # five local layers to one global
+    assert (spec.embed_scale, spec.norm_offset, spec.head_dim) == (text_spec.embed_scale, 1.0, 16)
+    assert not spec.tie_word_embeddings and text_spec.tie_word_embeddings
+    assert registry.family_for(config).images_attend_both_ways
+    # the tokenizer marks the images of those families for the scheduler (``ImageInput.both_ways``)
+    from folio.core.tokenizer.vision_inputs import BOTH_WAYS_MODEL_TYPES
+
+    assert set(BOTH_WAYS_MODEL_TYPES) == {t for f in registry.FAMILIES if getattr(f, "images_attend_both_ways", False)
+                                          for t in f.model_types}
 
 
 def test_longrope_beyond_the_original_length_rotates_as_transformers():

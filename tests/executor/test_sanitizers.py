@@ -16,12 +16,13 @@ from folio.core.executor.kernels.toolchain import c_compiler
 
 # the tests that run the C kernels (``cpu_kernels``: the sampler, the layer operations, the
 # quantized GEMMs and the decode stack; the malformed step plans on the runner over them; tree
-# drafts' rows)
+# drafts' rows; image rows whose windows end before their keys)
 KERNEL_TESTS = ("tests/executor/test_cpu_kernels.py", "tests/executor/test_cpu_qgemm.py",
                 "tests/executor/test_cpu_backend.py", "tests/executor/test_attention_features.py",
                 "tests/executor/test_sampler_batched.py", "tests/executor/test_sampler_seeded.py",
                 "tests/executor/test_plan_check.py", "tests/executor/test_gguf_native.py",
-                "tests/executor/test_c_interface.py", "tests/executor/test_spec_tree.py")
+                "tests/executor/test_c_interface.py", "tests/executor/test_spec_tree.py",
+                "tests/executor/test_attention_images.py")
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer", "SUMMARY: UndefinedBehaviorSanitizer")
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -203,12 +203,16 @@ def _budget(req: Request, room: _Room) -> int:
 
 def _chunk(sched: SchedulerState, req: Request, room: _Room) -> int:
     """``req``'s tokens this step: within the budget (``_budget``) and, for a prompt with images,
-    stopping before an image whose tower would pass the step's encoder budget."""
+    stopping before an image whose tower would pass the step's encoder budget, and before an
+    image whose placeholders attend each other both ways that the step cannot hold whole."""
     budget = _budget(req, room)
     if budget <= 0:  # (a prompt the prefix cache holds whole still computes its last token: not past the share)
         return 0
     num_new = _num_new_tokens(sched, req, budget, room.whole_prefill_taken)
-    if not req.images or num_new <= 1:
+    if not req.images:
+        return num_new
+    num_new = _whole_images(req, num_new, budget)
+    if num_new <= 1:
         return num_new
     start, used = req.num_computed_tokens, 0
     for im in sorted(req.images, key=lambda im: im.offset):
@@ -217,6 +221,19 @@ def _chunk(sched: SchedulerState, req: Request, room: _Room) -> int:
             if used + im.length > room.encoder_tokens and (used or room.encoder_tokens < room.encoder_budget):
                 return im.offset - start
             used += im.length
+    return num_new
+
+
+def _whole_images(req: Request, num_new: int, budget: int) -> int:
+    """``num_new`` when the chunk ends inside no image attended both ways (Gemma 3's,
+    ``ImageInput.both_ways``): every row of such an image sees all its keys, so one step computes
+    them all. Else the chunk taken to that image's end where ``budget`` allows (past a long-prefill
+    threshold), or cut before it (0 when it starts inside one it cannot finish: it waits for room)."""
+    start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+    for im in sorted(req.images, key=lambda im: im.offset):
+        if im.both_ways and im.offset < end < im.offset + im.length:
+            return im.offset + im.length - start if im.offset + im.length - start <= budget \
+                else max(0, im.offset - start)
     return num_new
 
 

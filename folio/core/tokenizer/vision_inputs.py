@@ -2,15 +2,17 @@
 
 The model folder's processor (``AutoProcessor``: for LLaVA a ``LlavaProcessor`` over a
 ``CLIPImageProcessor``, for Idefics3 an ``Idefics3Processor``, for Qwen2.5-VL a
-``Qwen2_5_VLProcessor``, built without its video half where torchvision is missing) resizes and normalises each image
+``Qwen2_5_VLProcessor``, built without its video half where torchvision is missing, for Gemma 3 a
+``Gemma3Processor``) resizes and normalises each image
 and expands each image token of the prompt text into the placeholders the vision tower's output
 fills, as transformers does; no resizing or normalising is written here. What leaves for the
 engine is an ``ImageInput`` per tile the tower reads (an image, or each tile of an image that
 Idefics3's ``do_image_splitting`` cuts up, its whole image included): its placeholder positions
 (one contiguous run; every tile has as many, except where the processor gives each image's patch
 grid, Qwen2.5-VL's: an image of its own size, its own patches and count), the sha256 of its pixel
-values (the prefix cache's key), and the pixel values as raw little-endian bytes with their dtype
-and shape.
+values (the prefix cache's key), the pixel values as raw little-endian bytes with their dtype
+and shape, and for Gemma 3 (``BOTH_WAYS_MODEL_TYPES``) the mark that its placeholders attend
+each other both ways.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from folio.shared.messages import ImageInput
+
+
+# families whose image placeholders attend each other both ways (the executor's
+# ``images_attend_both_ways``): the scheduler keeps each image's placeholders in one step
+BOTH_WAYS_MODEL_TYPES = ("gemma3",)
 
 
 class ImageError(ValueError):
@@ -94,6 +101,7 @@ class ImagePreprocessor:
         if token_id is None:
             raise ValueError(f"{model_dir}: the config names no image token (image_token_id)")
         self.image_token_id = int(token_id)
+        self.both_ways = model_config.get("model_type") in BOTH_WAYS_MODEL_TYPES
 
     def process(self, text: str, images: list[bytes], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
         """(prompt token ids with every image's placeholders, the images) of ``text``, which names
@@ -120,7 +128,7 @@ class ImagePreprocessor:
             data, grid = values.tobytes(), grids[i] if grids else []
             digest = hashlib.sha256(f"{values.dtype.name}{list(values.shape)}{grid or ''}".encode() + data).hexdigest()
             inputs.append(ImageInput(offset=int(run[0]), length=length, hash=digest, dtype=values.dtype.name,
-                                     shape=list(values.shape), data=data, grid=grid))
+                                     shape=list(values.shape), data=data, grid=grid, both_ways=self.both_ways))
         return ids, inputs
 
     def tiles(self, out, num_images: int) -> tuple[list[np.ndarray], list[list[int]], list[int] | None]:

@@ -53,6 +53,11 @@ class AttentionMetadata:
     # token j (the root, token 0, and the nodes on row i's path); the rows see their context, the
     # ``seq_len - query_len`` keys before the chunk, and those alone. None: every chunk is causal
     trees: dict[int, np.ndarray] | None = None
+    # images whose placeholders attend each other both ways (Gemma 3): sequence b -> the [start, end)
+    # positions of each image its chunk reaches, whole (a step never splits one). A token inside
+    # one also sees the image's later keys; a sliding-window layer's window stays the token's own.
+    # None: every chunk is causal
+    image_spans: dict[int, list[tuple[int, int]]] | None = None
     # backend-private plan (built lazily by the backend, once per step)
     plan: object | None = None
 
@@ -110,7 +115,8 @@ class _DecodeGroup:
     token_idx: torch.Tensor  # [num_decode] rows of q that belong to this group
     block_tables: torch.Tensor  # [num_decode, max_blocks]
     key_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] True = attend
-    lens: list[int] = field(default_factory=list)  # keys each row sees (its position + 1)
+    lens: list[int] = field(default_factory=list)  # keys each row sees (its position + 1, or its image's end)
+    window_ends: list[int] | None = None  # where a row's window ends (its position + 1), when not at its lens
     # window -> (block tables [num_decode, blocks], key mask [num_decode, 1, 1, blocks * block_size])
     windows: dict = field(default_factory=dict)
     tree: bool = False  # some rows are a tree draft's (no sliding window then)
@@ -122,14 +128,15 @@ class _DecodeGroup:
             raise ValueError("tree drafts are not verified in sliding-window layers")
         if window not in self.windows:
             device = self.block_tables.device
-            first = [max(0, n - window) // block_size for n in self.lens]  # each row's first block
+            ends = self.window_ends or self.lens
+            first = [max(0, e - window) // block_size for e in ends]  # each row's first block
             width = max((n + block_size - 1) // block_size - f for n, f in zip(self.lens, first))
-            lens = torch.tensor(self.lens, device=device)
+            lens, ends = torch.tensor(self.lens, device=device), torch.tensor(ends, device=device)
             idx = torch.tensor(first, device=device)[:, None] + torch.arange(width, device=device)  # [rows, width]
             # entries past a row's table are masked below: the clamp only keeps the gather in range
             tables = self.block_tables.gather(1, idx.clamp(max=self.block_tables.shape[1] - 1))
             key_pos = (idx[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
-            mask = (key_pos < lens[:, None]) & (key_pos >= lens[:, None] - window)
+            mask = (key_pos < lens[:, None]) & (key_pos >= ends[:, None] - window)
             self.windows[window] = (tables, mask[:, None, None, :])
         return self.windows[window]
 
@@ -142,7 +149,8 @@ class _ChunkSeq:
     end: int
     block_ids: torch.Tensor  # [num_blocks_needed]
     seq_len: int
-    mask: torch.Tensor  # [1, 1, query_len, seq_len] causal against the cached context
+    mask: torch.Tensor  # [1, 1, query_len, seq_len] causal against the cached context (and its images' squares)
+    spans: tuple[tuple[int, int], ...] = ()  # ``AttentionMetadata.image_spans``' of this sequence
     # window -> (first key position gathered, block ids from there, mask [1, 1, query_len, keys])
     windows: dict = field(default_factory=dict)
 
@@ -156,7 +164,8 @@ class _ChunkSeq:
             device = self.block_ids.device
             k_pos = torch.arange(key_start, self.seq_len, device=device)
             q_pos = torch.arange(self.seq_len - query_len, self.seq_len, device=device)[:, None]
-            mask = (k_pos[None, :] <= q_pos) & (k_pos[None, :] > q_pos - window)
+            mask = ((k_pos[None, :] <= q_pos) | _same_image(q_pos[:, 0], k_pos, self.spans)) \
+                & (k_pos[None, :] > q_pos - window)
             self.windows[window] = (key_start, self.block_ids[first_block:], mask[None, None])
         return self.windows[window]
 
@@ -168,40 +177,59 @@ class _TorchPlan:
     write_idx: torch.Tensor | None  # rows to write when some slots are padding, else None
 
 
+def _same_image(q_pos: torch.Tensor, k_pos: torch.Tensor, spans) -> torch.Tensor | bool:
+    """[queries, keys]: whether query and key are placeholders of one image (``spans``: [start, end) runs)."""
+    same = False
+    for s, e in spans:
+        same = same | (((q_pos >= s) & (q_pos < e))[:, None] & ((k_pos >= s) & (k_pos < e))[None, :])
+    return same
+
+
+def _image_end(pos: int, spans) -> int:
+    """One past the last key the token at ``pos`` sees: its own, or its image's last placeholder."""
+    return max([pos + 1] + [e for s, e in spans if s <= pos < e])
+
+
 def decode_rows_and_chunks(meta: AttentionMetadata, max_row_chunk: int = SHORT_CHUNK_ROWS
-                           ) -> tuple[list[tuple[int, int, int, int]], list[_ChunkSeq]]:
-    """(row of q, sequence, keys this token sees, extra keys) for each token attended as a
-    decode, and the chunks attended whole. A row sees its sequence's first keys, then the
-    positions after them whose bits are set in its extra keys (a tree draft's rows, ``meta.trees``:
-    the context before the chunk, then the row's own path; 0 for every other row). Decode tokens, and each token of a short chunk (speculative
-    verification) as if it were decoded alone, so that a verified token is computed exactly as
+                           ) -> tuple[list[tuple[int, int, int, int, int]], list[_ChunkSeq]]:
+    """(row of q, sequence, keys this token sees, extra keys, window end) for each token
+    attended as a decode, and the chunks attended whole. A row sees its sequence's first keys, then
+    the positions after them whose bits are set in its extra keys (a tree draft's rows,
+    ``meta.trees``: the context before the chunk, then the row's own path; 0 for every other row).
+    Its sliding window ends at its window end: its own position + 1, less than its keys for a token
+    inside an image that attends both ways (``meta.image_spans``: it sees the image whole). Decode
+    tokens, and each token of a short chunk (speculative verification) as if it were decoded alone, so that a verified token is computed exactly as
     plain decoding computes it. SDPA with several query rows runs another kernel, whose last bits
     differ; with bf16 activations (the quantized layers) such a bit can flip a near-tie and change
     a greedy output. ``max_row_chunk``: chunks up to this long go row by row (a batch-invariant
     backend passes no limit: every token is attended as a decode, prefill included)."""
     device, bs = meta.block_tables.device, meta.block_size
     starts = meta.query_start_loc.tolist()
-    trees = meta.trees or {}
-    rows: list[tuple[int, int, int, int]] = []
+    trees, images = meta.trees or {}, meta.image_spans or {}
+    rows: list[tuple[int, int, int, int, int]] = []
     chunks = []
     for b, n in enumerate(meta.query_lens_list):
-        seq_len = meta.seq_lens_list[b]
+        seq_len, spans = meta.seq_lens_list[b], tuple(images.get(b, ()))
+        if any(e > seq_len for _, e in spans):  # its later keys are not written yet
+            raise ValueError(f"sequence {b}: a step that ends inside an image ({spans} for {seq_len} keys)")
         if b in trees:
             if not 0 < n <= 64 or len(trees[b]) != n:
                 raise ValueError(f"sequence {b}: a tree of {len(trees[b])} rows for a chunk of {n} (at most 64)")
-            rows += [(starts[b] + i, b, seq_len - n, int(m)) for i, m in enumerate(trees[b])]
+            rows += [(starts[b] + i, b, seq_len - n, int(m), seq_len - n) for i, m in enumerate(trees[b])]
         elif 0 < n <= max_row_chunk:
-            rows += [(starts[b] + i, b, seq_len - n + 1 + i, 0) for i in range(n)]
+            rows += [(starts[b] + i, b, _image_end(p, spans), 0, p + 1)
+                     for i, p in enumerate(range(seq_len - n, seq_len))]
         elif n > max_row_chunk:
             k_pos = torch.arange(seq_len, device=device)
             q_pos = k_pos[seq_len - n:]
+            mask = (k_pos[None, :] <= q_pos[:, None]) | _same_image(q_pos, k_pos, spans)
             chunks.append(_ChunkSeq(start=starts[b], end=starts[b] + n,
                                     block_ids=meta.block_tables[b, :(seq_len + bs - 1) // bs].long(),
-                                    seq_len=seq_len, mask=(k_pos[None, :] <= q_pos[:, None])[None, None]))
+                                    seq_len=seq_len, mask=mask[None, None], spans=spans))
     return rows, chunks
 
 
-def _row_end(row: tuple[int, int, int, int]) -> int:
+def _row_end(row: tuple[int, int, int, int, int]) -> int:
     """One past the last key position a decode row reads."""
     return row[2] + row[3].bit_length()
 
@@ -231,6 +259,7 @@ class TorchAttentionBackend:
     name = "torch"
     layer_ops = TORCH_LAYER_OPS  # the model's norms, RoPE and activation: plain torch
     verifies_trees = True  # its decode rows take a tree draft's masks (``AttentionMetadata.trees``)
+    attends_image_spans = True  # and ``AttentionMetadata.image_spans`` (its rows and its chunks' masks)
 
     def plan(self, meta: AttentionMetadata) -> _TorchPlan:
         if isinstance(meta.plan, _TorchPlan):
@@ -253,6 +282,7 @@ class TorchAttentionBackend:
                 key_mask |= extra.to(device).gather(1, after.clamp(0, 63)) & (after >= 0) & (after < 64)
             decode = _DecodeGroup(token_idx=token_idx, block_tables=meta.block_tables[seqs, :max_blocks].long(),
                                   key_mask=key_mask[:, None, None, :], lens=[r[2] for r in rows],
+                                  window_ends=[r[4] for r in rows] if any(r[4] != r[2] for r in rows) else None,
                                   tree=any(r[3] for r in rows))
         meta.plan = _TorchPlan(decode=decode, chunks=chunks, write_idx=_write_idx(meta))
         return meta.plan

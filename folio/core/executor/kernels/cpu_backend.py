@@ -144,6 +144,9 @@ class _CpuPlan(_TorchPlan):
             self.tok, self.seq, self.lens = (np.ascontiguousarray(c) for c in cols)
             # tree rows: their ancestors' keys after the context (folio_rows.extra); None when no row has any
             self.extra = np.array([r[3] for r in rows], dtype=np.uint64) if any(r[3] for r in rows) else None
+            # rows inside an image that attends both ways: their windows end before their keys do
+            self.window_ends = np.array([r[4] for r in rows], dtype=np.int64) \
+                if any(r[4] != r[2] for r in rows) else None
             keys = self.lens + (0 if self.extra is None else np.array([r[3].bit_count() for r in rows]))
             self.max_len = int(keys.max())
             self.num_keys = int(keys.sum())  # keys read per KV head (windows aside)
@@ -151,7 +154,8 @@ class _CpuPlan(_TorchPlan):
             self.rows = cpu_kernels.Rows(m=len(rows), tok=self.tok.ctypes.data, seq=self.seq.ctypes.data,
                                          lens=self.lens.ctypes.data, block_tables=bt.data_ptr(), num_seqs=bt.shape[0],
                                          max_blocks=bt.shape[1],
-                                         extra=None if self.extra is None else self.extra.ctypes.data)
+                                         extra=None if self.extra is None else self.extra.ctypes.data,
+                                         window_ends=None if self.window_ends is None else self.window_ends.ctypes.data)
 
 
 class DecodeStack:

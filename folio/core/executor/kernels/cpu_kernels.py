@@ -69,7 +69,7 @@ class KV(ctypes.Structure):
 
 class Rows(ctypes.Structure):
     _fields_ = [("m", _i64), ("tok", _ptr), ("seq", _ptr), ("lens", _ptr), ("block_tables", _ptr),
-                ("num_seqs", _i64), ("max_blocks", _i64), ("extra", _ptr)]
+                ("num_seqs", _i64), ("max_blocks", _i64), ("extra", _ptr), ("window_ends", _ptr)]
 
 
 class Layer(ctypes.Structure):

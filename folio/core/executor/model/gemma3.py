@@ -4,8 +4,8 @@ Gemma norm) and no soft-capping by default; five sliding-window (local) layers t
 transformers 5 the ``sliding_attention`` entry of ``rope_parameters``): ``init_rope`` builds the
 second table and ``CausalLM.forward`` hands it to the windowed layers.
 
-Only the text model runs: ``Gemma3ForConditionalGeneration`` (the multimodal checkpoint) is
-refused by the registry.
+The multimodal checkpoint, ``Gemma3ForConditionalGeneration``, runs this decoder over its text
+config with the SigLIP tower for images (``gemma3_vlm.py``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 from folio.core.executor.model.bert import BertModel
 from folio.core.executor.model.gemma2 import Gemma2ForCausalLM
 from folio.core.executor.model.gemma3 import Gemma3ForCausalLM
+from folio.core.executor.model.gemma3_vlm import Gemma3ForConditionalGeneration
 from folio.core.executor.model.idefics3 import Idefics3ForConditionalGeneration
 from folio.core.executor.model.layers import CausalLM, ModelSpec
 from folio.core.executor.model.llama import LlamaForCausalLM
@@ -27,14 +28,13 @@ from folio.core.executor.parallel.comm import Comm, Shard
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
     MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, LlavaForConditionalGeneration,
-    Idefics3ForConditionalGeneration, Qwen25VLForConditionalGeneration, BertModel,
+    Idefics3ForConditionalGeneration, Qwen25VLForConditionalGeneration, Gemma3ForConditionalGeneration, BertModel,
 )
 # images in: a tower in the executor
 VISION_MODEL_TYPES = LlavaForConditionalGeneration.model_types + Idefics3ForConditionalGeneration.model_types \
-    + Qwen25VLForConditionalGeneration.model_types
+    + Qwen25VLForConditionalGeneration.model_types + Gemma3ForConditionalGeneration.model_types
 # checkpoints refused with a reason of their own
-REFUSED = {"Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (vision tower and text model); "
-                                             "folio runs Gemma 3's text model (Gemma3ForCausalLM, gemma3_text) only"}
+REFUSED: dict[str, str] = {}
 
 
 def supported() -> str:

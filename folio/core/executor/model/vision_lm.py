@@ -16,6 +16,8 @@ from folio.core.executor.parallel.comm import Comm, Shard
 class VisionLanguageLM(CausalLM):
     vision_class: type  # the tower and projector, as the checkpoint names them
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint prefixes -> the names the text layout and ``vision`` read
+    # an image's placeholders attend each other both ways (Gemma 3): the step's ``image_spans``
+    images_attend_both_ways = False
 
     def __init__(self, spec: ModelSpec, hf_config, shard: Shard = Shard(), comm: Comm | None = None):
         super().__init__(spec, hf_config.text_config, shard, comm)  # the decoder reads the text config

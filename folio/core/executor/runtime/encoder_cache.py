@@ -68,6 +68,19 @@ class ImageInputs:
         values = torch.cat([self.encoded[r][k][first:last] for r, k, first, last, _ in wanted])
         return rows.to(self.device), values
 
+    def step_spans(self, req_ids: list[str], starts: np.ndarray,
+                   counts: np.ndarray) -> dict[int, list[tuple[int, int]]] | None:
+        """``AttentionMetadata.image_spans``: for the i-th scheduled request, the [first, end)
+        placeholder positions of each of its images that its chunk ``[starts[i], starts[i] + counts[i])``
+        reaches. None when no chunk reaches one."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        if self.images:
+            for i, (req_id, start, count) in enumerate(zip(req_ids, starts.tolist(), counts.tolist())):
+                for im in self.images.get(req_id, ()):
+                    if im.offset < start + count and start < im.offset + im.length:
+                        spans.setdefault(i, []).append((im.offset, im.offset + im.length))
+        return spans or None
+
     def _encode_missing(self, needed: set[tuple[str, int]]) -> None:
         """Run the tower on the needed images that it has not run on, those of one shape (and
         patch grid, where the tower reads images of any size) together."""

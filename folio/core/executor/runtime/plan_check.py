@@ -40,6 +40,7 @@ class PlanLimits:
     disk_tier: bool = False
     max_loras: int = 0  # adapters one step may use (0: LoRA off)
     takes_images: bool = False  # the model has a vision tower
+    images_both_ways: bool = False  # its images' placeholders attend each other both ways (``ImageInput.both_ways``)
 
 
 @dataclass
@@ -158,12 +159,15 @@ def _check_new(new_reqs: list[NewRequestData], limits: PlanLimits,
 
 
 def _check_images(r: NewRequestData, limits: PlanLimits) -> None:
-    """Images only for a model with a tower, their placeholders inside the prompt, their pixel
-    bytes the size their dtype and shape say, a patch grid (where one is given) that holds the
-    patches."""
+    """Images only for a model with a tower, marked as its attention reads them (``both_ways``),
+    their placeholders inside the prompt, their pixel bytes the size their dtype and shape say, a
+    patch grid (where one is given) that holds the patches."""
     if not limits.takes_images:
         raise InvalidPlan(f"{r.req_id}: images sent to a text-only model")
     for k, im in enumerate(r.images):
+        if im.both_ways != limits.images_both_ways:  # the scheduler would split an image the model sees whole
+            raise InvalidPlan(f"{r.req_id}: image {k} is marked both_ways={im.both_ways} for a model whose images "
+                              f"attend {'both ways' if limits.images_both_ways else 'causally'}")
         if im.length <= 0 or im.offset < 0 or im.offset + im.length > r.num_prompt_tokens:
             raise InvalidPlan(f"{r.req_id}: image {k}'s placeholders [{im.offset}, {im.offset + im.length}) are "
                               f"outside its {r.num_prompt_tokens} prompt tokens")

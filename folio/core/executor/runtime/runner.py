@@ -196,6 +196,8 @@ class ModelRunner:
         kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._set_kernels(kv_dtype)
         self.tree = self._draft_tree() if self.spec_settings is not None and shard.rank == 0 else None
+        if getattr(self.model, "images_attend_both_ways", False):
+            self._check_whole_images()
         self.pool_shape = PoolShape(
             num_layers=self.spec.num_layers,
             block_size=config.block_size,
@@ -217,7 +219,8 @@ class ModelRunner:
                                  block_size=config.block_size, max_positions=rope_rows(self.model),
                                  vocab_size=self.spec.vocab_size, disk_tier=self.tiers is not None,
                                  max_loras=lora["max_loras"] if lora["enable_lora"] else 0,
-                                 takes_images=hasattr(self.model, "encode_images"))
+                                 takes_images=hasattr(self.model, "encode_images"),
+                                 images_both_ways=getattr(self.model, "images_attend_both_ways", False))
         # requests of refused plans: the scheduler ends them, but a plan it made ahead may name them
         # still; they are left out of every plan until it reports them finished
         self._refused: set[str] = set()
@@ -247,6 +250,18 @@ class ModelRunner:
             raise ValueError(f"speculative decoding does not run {self.spec.model_type} (M-RoPE positions) in this "
                              "build: leave out --speculative-config")
         return MRopePositions(self.model, self.config.max_num_batched_tokens)
+
+    def _check_whole_images(self) -> None:
+        """A model whose image placeholders attend each other both ways (Gemma 3) needs a backend
+        that attends them so and a step that can hold one image's placeholders whole."""
+        if not getattr(self.backend, "attends_image_spans", False):
+            raise ValueError(f"{self.spec.model_type} images attend their placeholders both ways, which the "
+                             f"{self.backend.name} attention backend does not: use --attention-backend torch "
+                             f"(or the CPU's cpu backend)")
+        if self.config.max_num_batched_tokens < self.model.image_length:
+            raise ValueError(f"--max-num-batched-tokens {self.config.max_num_batched_tokens} is below one image's "
+                             f"{self.model.image_length} placeholders, which a {self.spec.model_type} step computes "
+                             f"whole: raise it to at least {self.model.image_length}")
 
     def _draft_tree(self) -> DraftTree | None:
         """The configured tree's shape; ValueError where tree drafts cannot be verified."""
@@ -541,6 +556,9 @@ class ModelRunner:
                                                   self.device)
             if positions is not None:
                 step.meta.positions = positions
+        if embeds is not None and getattr(self.model, "images_attend_both_ways", False):
+            step.meta.image_spans = self.image_inputs.step_spans(req_ids, self.batch.num_computed[step.rows],
+                                                                 step.counts)
         hidden = self._forward(step, embeds)
         if self.proposer is not None and hasattr(self.proposer, "observe"):  # a draft head reads the hidden states
             self.proposer.observe(req_ids, self.batch.num_computed[step.rows], step.counts, hidden)

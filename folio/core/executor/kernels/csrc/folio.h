@@ -81,13 +81,17 @@ typedef struct {
 /* decode rows: row r is token tok[r] of the step and reads keys 0 .. lens[r] - 1 of sequence
  * seq[r], whose blocks are row seq[r] of block_tables [num_seqs, max_blocks]; where extra is not
  * NULL, also the key at position lens[r] + j for each bit j set in extra[r] (a tree draft's
- * ancestors: the root and the nodes on its path, laid out after the context; no window then) */
+ * ancestors: the root and the nodes on its path, laid out after the context; no window then);
+ * where window_ends is not NULL, a sliding window ends at window_ends[r] <= lens[r] instead of
+ * lens[r] (a row inside an image that its keys see whole: its own window, and its image's later
+ * keys up to lens[r]) */
 typedef struct {
     int64_t m;
     const int64_t *tok, *seq, *lens;
     const int32_t *block_tables;
     int64_t num_seqs, max_blocks;
     const uint64_t *extra;
+    const int64_t *window_ends;
 } folio_rows;
 
 int64_t folio_add_rms_norm(int64_t n, int64_t d, const void *x, int64_t xs, int64_t x_bf16, float *residual,

@@ -336,6 +336,13 @@ static inline __attribute__((always_inline)) void attend_group(
     weighted_rows(scratch, offsets, n, v_cache, group, head_dim, orow);
 }
 
+/* the first key row r reads in a layer of this window (0: none): its window's, which ends at its
+ * keys' end or at its window_ends entry (folio_rows) */
+static inline int64_t window_first(const folio_rows *rows, int64_t r, int64_t window) {
+    const int64_t end = rows->window_ends ? rows->window_ends[r] : rows->lens[r];
+    return window > 0 && end > window ? end - window : 0;
+}
+
 /* One query row per entry: row r is token tok[r] of q [*, num_heads, head_dim] and sees keys
  * 0..lens[r]-1 of its sequence seq[r], or with a window > 0 only its last window of them (the
  * table's entries for blocks wholly before are not read), then its extra keys (folio_rows). out [*, num_heads, head_dim] gets
@@ -348,7 +355,7 @@ static void attend_row(const folio_rows *rows, int64_t r, const float *q, int64_
     const int32_t *table = rows->block_tables + rows->seq[r] * rows->max_blocks;
     const float *qr = q + rows->tok[r] * num_heads * head_dim;
     float *orow = out + rows->tok[r] * num_heads * head_dim;
-    const int64_t len = rows->lens[r], first = window > 0 && len > window ? len - window : 0;
+    const int64_t len = rows->lens[r], first = window_first(rows, r, window);
     const uint64_t extra = rows->extra ? rows->extra[r] : 0;
     for (int64_t g = g0; g < g1; g++) {
         const float *qg = qr + g * group * head_dim;
@@ -389,7 +396,10 @@ int64_t folio_check_rows(const folio_rows *rows, int64_t num_tokens, const folio
                               (long long)end, (long long)rows->max_blocks);
         if (extra && window > 0)
             return folio_fail(FOLIO_EINVAL, "row %lld: a tree row in a sliding-window layer", (long long)r);
-        const int64_t first = window > 0 && len > window ? len - window : 0;
+        if (rows->window_ends && (rows->window_ends[r] < 1 || rows->window_ends[r] > len))
+            return folio_fail(FOLIO_ERANGE, "row %lld: a window ending at %lld for %lld keys", (long long)r,
+                              (long long)rows->window_ends[r], (long long)len);
+        const int64_t first = window_first(rows, r, window);
         const int32_t *table = rows->block_tables + seq * rows->max_blocks;
         for (int64_t b = first / kv->block_size; b <= (end - 1) / kv->block_size; b++)
             if (table[b] < 0 || table[b] >= kv->num_blocks)
