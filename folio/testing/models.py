@@ -163,12 +163,16 @@ LLAVA_TEMPLATE = (
 
 
 def write_tiny_llava_model(folder, tokenizer_dir, image_size: int = 30, patch_size: int = 6,
-                           max_position_embeddings: int = 512) -> str:
+                           max_position_embeddings: int = 512, text_shape: dict | None = None,
+                           vision_shape: dict | None = None, keep_init: bool = False) -> str:
     """A tiny random LLaVA (``LlavaForConditionalGeneration``: a CLIP vision tower, the two-layer
     projector and a Llama text model) with its processor (``LlavaProcessor``: a ``CLIPImageProcessor``
     at ``image_size`` and SmolLM2's tokenizer with ``<image>`` added), both written by transformers'
     own ``save_pretrained``. An image becomes ``(image_size / patch_size) ** 2`` placeholders (the
-    CLS position is dropped, LLaVA's default feature selection)."""
+    CLS position is dropped, LLaVA's default feature selection). ``text_shape`` / ``vision_shape``:
+    LlamaConfig / CLIPVisionConfig sizes in place of the tiny ones (``folio bench vision``'s 1B shape);
+    ``keep_init``: transformers' own initialisation, not ``save_random``'s wider one (finite activations
+    through a deep model)."""
     from transformers import (
         AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
         LlavaForConditionalGeneration, LlavaProcessor,
@@ -185,10 +189,12 @@ def write_tiny_llava_model(folder, tokenizer_dir, image_size: int = 30, patch_si
     processor.save_pretrained(folder)
     tokenizer.chat_template = LLAVA_TEMPLATE
     tokenizer.save_pretrained(folder)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=image_size, patch_size=patch_size, projection_dim=32)
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+    vision = CLIPVisionConfig(**{**dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                        projection_dim=32), **(vision_shape or {})},
+                              image_size=image_size, patch_size=patch_size)
+    text = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2), **(text_shape or {})},
+                       vocab_size=len(tokenizer), max_position_embeddings=max_position_embeddings,
                        rms_norm_eps=1e-5, tie_word_embeddings=False,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
@@ -196,6 +202,9 @@ def write_tiny_llava_model(folder, tokenizer_dir, image_size: int = 30, patch_si
                          image_seq_length=(image_size // patch_size) ** 2)
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
+    if keep_init:
+        model.save_pretrained(folder)
+        return str(folder)
     return save_random(model, folder)
 
 
