@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from folio.shared.transport import ask_service
@@ -72,3 +73,37 @@ def stop_server(server: Server) -> None:
         server.proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         server.proc.kill()
+
+
+@contextmanager
+def served(model: str, *flags: str):
+    """A ``folio serve`` for the ``with`` block (a module fixture's body: ``with served(...) as s: yield s``)."""
+    server = start_server(model, *flags)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    """(status, decoded body) of a JSON POST; an HTTP error's status and error body, not an exception."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def folio_metrics(server: Server) -> dict[str, float]:
+    """The server's ``folio:`` samples from /metrics, by name (labels dropped: one sample per name)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                if line.startswith("folio:") and " " in line}
+

@@ -6,18 +6,15 @@ sentence-transformers' ``encode`` on the same folder, through the official ``ope
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import numpy as np
 import openai
 import pytest
 
 from folio.testing.models import write_tiny_bert_embedding_model
-from folio.testing.server import start_server, stop_server
+from folio.testing.server import post_json, served
 from tests.folio.test_bert_embedding import TEXTS, cosine
 
 FLAGS = ["--task", "embed", "--dtype", "float32", "--num-kv-blocks", "64", "--max-num-seqs", "8",
@@ -30,13 +27,7 @@ def model(tmp_path_factory) -> str:
 
 
 def post(server, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(server.base_url + path, body)
 
 
 @pytest.mark.slow
@@ -44,8 +35,7 @@ def test_served_embeddings_match_sentence_transformers_and_refuse_too_long(model
     from sentence_transformers import SentenceTransformer
 
     want = SentenceTransformer(model, device="cpu").encode(TEXTS)
-    server = start_server(model, *FLAGS)
-    try:
+    with served(model, *FLAGS) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
         floats = client.embeddings.create(model="tiny-bert", input=TEXTS, encoding_format="float")
         decoded = client.embeddings.create(model="tiny-bert", input=TEXTS)  # base64, decoded by the client
@@ -64,8 +54,6 @@ def test_served_embeddings_match_sentence_transformers_and_refuse_too_long(model
         assert status == 400 and "encoder-only" in body["error"]["message"]
         again = client.embeddings.create(model="tiny-bert", input=TEXTS[2], encoding_format="float")
         assert cosine(again.data[0].embedding, want[2]) >= 0.9999
-    finally:
-        stop_server(server)
 
 
 @pytest.mark.parametrize("flags, said", [(["--task", "generate"], "it generates no text; serve it with --task embed"),

@@ -10,8 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import struct
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -20,7 +18,7 @@ import torch
 
 from folio.core.input_processor import RerankFormat
 from folio.testing.models import write_tiny_qwen3_chat_model
-from folio.testing.server import start_server, stop_server
+from folio.testing.server import post_json, served
 from tests.folio.test_pooling import DOCS, QUERY, TEXTS, cosine, reference_scores
 
 pytestmark = pytest.mark.slow
@@ -36,9 +34,8 @@ def model(tmp_path_factory, smollm_tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = start_server(model, *FLAGS)
-    yield srv
-    stop_server(srv)
+    with served(model, *FLAGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +44,7 @@ def client(server):
 
 
 def post(server, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(server.base_url + path, body)
 
 
 def reference_embeddings(model_dir: str, ids: list[list[int]], dimensions: int | None = None) -> list[torch.Tensor]:

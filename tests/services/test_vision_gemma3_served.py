@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from folio.testing.models import write_tiny_gemma3_vlm_model
-from folio.testing.server import start_server, stop_server
+from folio.testing.server import served
 from tests.folio.test_vision import IMAGES, QUESTIONS, data_url
 
 pytestmark = pytest.mark.slow
@@ -27,9 +27,8 @@ def gemma3_dir(tmp_path_factory, smollm_tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module", params=["default", "batch-invariant"])
 def server(request, gemma3_dir):
-    srv = start_server(gemma3_dir, *FLAGS, *(["--batch-invariant"] if request.param == "batch-invariant" else []))
-    yield srv
-    stop_server(srv)
+    with served(gemma3_dir, *FLAGS, *(["--batch-invariant"] if request.param == "batch-invariant" else [])) as srv:
+        yield srv
 
 
 def reference_tokens(folder: str, question: str, images: list, max_new_tokens: int):

@@ -6,13 +6,12 @@ counting the tower's images and their placeholder tokens."""
 
 from __future__ import annotations
 
-import urllib.request
 
 import openai
 import pytest
 
 from folio.testing.models import write_tiny_idefics3_model
-from folio.testing.server import start_server, stop_server
+from folio.testing.server import folio_metrics, served
 from tests.folio.test_vision import IMAGES, QUESTIONS, data_url
 from tests.folio.test_vision_idefics3 import TOKENS_PER_TILE, load_reference, reference_tokens
 
@@ -29,9 +28,8 @@ def idefics_dir(tmp_path_factory, smollm_tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module")
 def server(idefics_dir):
-    srv = start_server(idefics_dir, *FLAGS)
-    yield srv
-    stop_server(srv)
+    with served(idefics_dir, *FLAGS) as srv:
+        yield srv
 
 
 def test_openai_client_chat_with_images_equals_transformers(server, idefics_dir):
@@ -45,9 +43,7 @@ def test_openai_client_chat_with_images_equals_transformers(server, idefics_dir)
             max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         assert out.choices[0].message.content == reference[1].tokenizer.decode(want, skip_special_tokens=True)
         assert out.usage.prompt_tokens == len(prompt)
-    with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
-        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith("folio:") and " " in line}
+    metrics = folio_metrics(server)
     assert metrics["folio:images_encoded_total"] == 4
     assert metrics["folio:image_tokens_total"] == TOKENS_PER_TILE * 4
     assert metrics["folio:encoder_seconds_total"] > 0

@@ -6,13 +6,12 @@ in one message, 8 tokens a step; ``/metrics`` counting the tower's images and th
 
 from __future__ import annotations
 
-import urllib.request
 
 import openai
 import pytest
 
 from folio.testing.models import write_tiny_qwen25_vl_model
-from folio.testing.server import start_server, stop_server
+from folio.testing.server import folio_metrics, served
 from tests.folio.test_vision import QUESTIONS, data_url
 from tests.folio.test_vision_qwen25vl import PICTURES, PLACEHOLDERS, reference_tokens
 
@@ -29,9 +28,8 @@ def qwen_dir(tmp_path_factory, smollm_tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module")
 def server(qwen_dir):
-    srv = start_server(qwen_dir, *FLAGS)
-    yield srv
-    stop_server(srv)
+    with served(qwen_dir, *FLAGS) as srv:
+        yield srv
 
 
 def test_openai_client_chat_with_images_equals_transformers(server, qwen_dir):
@@ -52,9 +50,7 @@ def test_openai_client_chat_with_images_equals_transformers(server, qwen_dir):
             max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         assert out.choices[0].message.content == reference[1].tokenizer.decode(want, skip_special_tokens=True)
         assert out.usage.prompt_tokens == len(prompt)
-    with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
-        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith("folio:") and " " in line}
+    metrics = folio_metrics(server)
     assert metrics["folio:images_encoded_total"] == 4
     assert metrics["folio:image_tokens_total"] == PLACEHOLDERS[0] * 2 + PLACEHOLDERS[1] * 2
     assert metrics["folio:encoder_seconds_total"] > 0

@@ -10,16 +10,13 @@ from __future__ import annotations
 import base64
 import http.server
 import io
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
 from folio.testing.models import write_tiny_chat_model, write_tiny_llava_model
-from folio.testing.server import start_server, stop_server
+from folio.testing.server import folio_metrics, post_json, served, start_server, stop_server
 from tests.folio.test_vision import IMAGES, QUESTIONS, data_url, reference_tokens
 
 pytestmark = pytest.mark.slow
@@ -45,9 +42,8 @@ def reference(llava_dir):
 
 @pytest.fixture(scope="module")
 def server(llava_dir):
-    srv = start_server(llava_dir, *FLAGS)
-    yield srv
-    stop_server(srv)
+    with served(llava_dir, *FLAGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +75,8 @@ def image_message(url: str, question: str = QUESTIONS[0]) -> list[dict]:
 
 
 def post_chat(base_url: str, messages: list[dict]) -> tuple[int, dict]:
-    return _post(base_url, "/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 8,
-                                                 "temperature": 0})
+    return post_json(base_url + "/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 8,
+                                                      "temperature": 0})
 
 
 def test_openai_client_chat_with_images_equals_transformers(server, reference, image_host):
@@ -95,17 +91,15 @@ def test_openai_client_chat_with_images_equals_transformers(server, reference, i
         assert out.choices[0].message.content == processor.tokenizer.decode(want, skip_special_tokens=True)
         assert out.usage.prompt_tokens == len(prompt)
     # /tokenize counts what the chat would: the processor's ids, placeholders included
-    status, body = _post(server.base_url.removesuffix("/v1"), "/tokenize",
-                         {"model": "tiny", "messages": image_message(data_url(IMAGES[0]), QUESTIONS[0])})
+    status, body = post_json(server.base_url.removesuffix("/v1") + "/tokenize",
+                             {"model": "tiny", "messages": image_message(data_url(IMAGES[0]), QUESTIONS[0])})
     assert status == 200, body
     assert body["tokens"] == reference_tokens(reference, QUESTIONS[0], IMAGES[0], max_new_tokens=1)[1]
-    status, body = _post(server.base_url.removesuffix("/v1"), "/tokenize",
-                         {"model": "tiny", "messages": image_message("data:image/png;base64,AAAA")})
+    status, body = post_json(server.base_url.removesuffix("/v1") + "/tokenize",
+                             {"model": "tiny", "messages": image_message("data:image/png;base64,AAAA")})
     assert status == 400 and "image" in body["error"]["message"], body
     # /metrics: the tower's images, their placeholder tokens (25 each here) and its time
-    with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
-        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith("folio:") and " " in line}
+    metrics = folio_metrics(server)
     assert metrics["folio:images_encoded_total"] >= 3
     assert metrics["folio:image_tokens_total"] == 25 * metrics["folio:images_encoded_total"]
     assert metrics["folio:encoder_seconds_total"] > 0
@@ -143,14 +137,6 @@ def test_bad_images_get_400_and_the_server_keeps_serving(server, image_host, tmp
         stop_server(text_only)
 
 
-def _post(base_url: str, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def test_the_responses_and_messages_apis_take_images_as_chat_does(server, reference):
@@ -168,22 +154,22 @@ def test_the_responses_and_messages_apis_take_images_as_chat_does(server, refere
     assert out.output_text == text
     png = data_url(IMAGES[0]).split(",", 1)[1]
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
-    status, body = _post(server.base_url, "/messages", {
+    status, body = post_json(server.base_url + "/messages", {
         "model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
         "messages": [{"role": "user", "content": [block, {"type": "text", "text": QUESTIONS[0]}]}]})
     assert status == 200 and body["content"][0]["text"] == text, body
     bad = {**block, "source": {**block["source"], "media_type": "text/plain"}}
-    status, body = _post(server.base_url, "/messages", {
+    status, body = post_json(server.base_url + "/messages", {
         "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": [bad, {"type": "text", "text": "x"}]}]})
     assert status == 400 and body["type"] == "error" and "media_type" in body["error"]["message"], body
-    status, body = _post(server.base_url, "/responses", {
+    status, body = post_json(server.base_url + "/responses", {
         "model": "tiny", "max_output_tokens": 8,
         "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]})
     assert status == 400 and "file_id is not supported" in body["error"]["message"], body
-    status, body = _post(server.base_url, "/responses", {
+    status, body = post_json(server.base_url + "/responses", {
         "model": "tiny", "max_output_tokens": 8, "input": [{"role": "user", "content": [
             {"type": "input_image", "image_url": "data:image/png;base64,@@"}, {"type": "input_text", "text": "x"}]}]})
     assert status == 400 and "base64 is broken" in body["error"]["message"], body
-    status, body = _post(server.base_url, "/messages", {
+    status, body = post_json(server.base_url + "/messages", {
         "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200
