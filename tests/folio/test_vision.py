@@ -42,6 +42,25 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def greedy_reference(model, inputs, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(transformers' greedy tokens, the prompt ids) of one processed prompt, ``max_new_tokens`` exactly."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    prompt = inputs["input_ids"][0].tolist()
+    return out[0, len(prompt):].tolist(), prompt
+
+
+def image_runs(ids: list[int], image_token_id: int) -> list[int]:
+    """The lengths of the prompt's runs of placeholder tokens."""
+    runs, n = [], 0
+    for t in ids + [None]:
+        if t == image_token_id:
+            n += 1
+        elif n:
+            runs, n = runs + [n], 0
+    return runs
+
+
 def conversation(question: str, image, system: bool = False) -> list[dict]:
     msgs = [{"role": "system", "content": SYSTEM}] if system else []
     return msgs + [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
@@ -68,10 +87,7 @@ def reference_tokens(reference, question: str, image, system: bool = False, max_
     msgs.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
     text = processor.apply_chat_template(msgs, add_generation_prompt=True)
     inputs = processor(images=[image], text=text, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
-    prompt = inputs["input_ids"][0].tolist()
-    return out[0, len(prompt):].tolist(), prompt
+    return greedy_reference(model, inputs, max_new_tokens)
 
 
 @pytest.fixture(scope="module")

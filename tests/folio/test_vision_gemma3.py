@@ -14,7 +14,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.testing.models import write_tiny_gemma3_vlm_model
-from tests.folio.test_vision import IMAGES, QUESTIONS, SYSTEM, conversation
+from tests.folio.test_vision import IMAGES, QUESTIONS, SYSTEM, conversation, greedy_reference
 
 ENGINE = {"dtype": "float32", "quantization": "none", "num_kv_blocks": 96, "max_num_seqs": 8}
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -45,10 +45,7 @@ def reference_tokens(reference, question: str, image, system: bool = False, max_
     text = processor.apply_chat_template(msgs, add_generation_prompt=True)
     inputs = processor(images=[image], text=text, return_tensors="pt", add_special_tokens=False)
     assert "token_type_ids" in inputs
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
-    prompt = inputs["input_ids"][0].tolist()
-    return out[0, len(prompt):].tolist(), prompt
+    return greedy_reference(model, inputs, max_new_tokens)
 
 
 def image_start(llm: LLM, prompt: list[int]) -> int:

@@ -13,7 +13,8 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.testing.models import write_tiny_idefics3_model
-from tests.folio.test_vision import IMAGES, QUESTIONS, SYSTEM, conversation, data_url
+from tests.folio.test_vision import (IMAGES, QUESTIONS, SYSTEM, conversation, data_url, greedy_reference,
+                                     image_runs)
 
 ENGINE = {"dtype": "float32", "quantization": "none", "num_kv_blocks": 96, "max_num_seqs": 8}
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -46,21 +47,7 @@ def reference_tokens(reference, question: str, image, system: bool = False, max_
     msgs.append({"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]})
     text = processor.apply_chat_template(msgs, add_generation_prompt=True)
     inputs = processor(images=images, text=text, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
-    prompt = inputs["input_ids"][0].tolist()
-    return out[0, len(prompt):].tolist(), prompt
-
-
-def image_runs(ids: list[int], image_token_id: int) -> list[int]:
-    """The lengths of the prompt's runs of placeholder tokens."""
-    runs, n = [], 0
-    for t in ids + [None]:
-        if t == image_token_id:
-            n += 1
-        elif n:
-            runs, n = runs + [n], 0
-    return runs
+    return greedy_reference(model, inputs, max_new_tokens)
 
 
 def test_greedy_text_equals_transformers_batched_and_chunked(idefics_dir, reference):

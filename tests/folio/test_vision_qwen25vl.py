@@ -17,7 +17,7 @@ from folio import LLM, SamplingParams
 from folio.core.executor.runtime.mrope import ImageLayout
 from folio.core.tokenizer.vision_inputs import ImagePreprocessor, load_processor
 from folio.testing.models import write_tiny_qwen25_vl_model
-from tests.folio.test_vision import IMAGES, QUESTIONS, SYSTEM, data_url, picture
+from tests.folio.test_vision import IMAGES, QUESTIONS, SYSTEM, data_url, greedy_reference, image_runs, picture
 
 ENGINE = {"dtype": "float32", "quantization": "none", "num_kv_blocks": 96, "max_num_seqs": 8}
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -56,20 +56,7 @@ def reference_tokens(reference, question: str, images: list, system: bool = Fals
     """transformers' greedy tokens and prompt ids, the processor's own chat template and inputs."""
     model, processor = reference
     inputs = reference_inputs(processor, question, images, system)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
-    prompt = inputs["input_ids"][0].tolist()
-    return out[0, len(prompt):].tolist(), prompt
-
-
-def image_runs(ids: list[int], image_token_id: int) -> list[int]:
-    runs, n = [], 0
-    for t in ids + [None]:
-        if t == image_token_id:
-            n += 1
-        elif n:
-            runs, n = runs + [n], 0
-    return runs
+    return greedy_reference(model, inputs, max_new_tokens)
 
 
 def test_mrope_positions_equal_get_rope_index(qwen_dir, reference):

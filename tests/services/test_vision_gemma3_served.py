@@ -12,7 +12,7 @@ import torch
 
 from folio.testing.models import write_tiny_gemma3_vlm_model
 from folio.testing.server import served
-from tests.folio.test_vision import IMAGES, QUESTIONS, data_url
+from tests.folio.test_vision import IMAGES, QUESTIONS, data_url, greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,8 @@ def reference_tokens(folder: str, question: str, images: list, max_new_tokens: i
     msgs = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]}]
     text = processor.apply_chat_template(msgs, add_generation_prompt=True)
     inputs = processor(images=images, text=text, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
-    prompt = inputs["input_ids"][0].tolist()
-    return processor.tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True), len(prompt)
+    tokens, prompt = greedy_reference(model, inputs, max_new_tokens)
+    return processor.tokenizer.decode(tokens, skip_special_tokens=True), len(prompt)
 
 
 def test_openai_client_chat_with_images_equals_transformers(server, gemma3_dir):

@@ -550,18 +550,17 @@ class ModelRunner:
             return None
         step = self.batch.prepare(plan.num_scheduled_tokens, plan.spec_token_ids, self._trees(plan))
         req_ids = list(plan.num_scheduled_tokens)
-        embeds = self.image_inputs.step_embeds(req_ids, self.batch.num_computed[step.rows], step.counts)
+        starts = self.batch.num_computed[step.rows]  # each scheduled request's first index this step
+        embeds = self.image_inputs.step_embeds(req_ids, starts, step.counts)
         if self.mrope is not None:  # text at its index plus its request's delta, images at their rows
-            positions = self.mrope.step_positions(req_ids, self.batch.num_computed[step.rows], step.counts,
-                                                  self.device)
+            positions = self.mrope.step_positions(req_ids, starts, step.counts, self.device)
             if positions is not None:
                 step.meta.positions = positions
         if embeds is not None and getattr(self.model, "images_attend_both_ways", False):
-            step.meta.image_spans = self.image_inputs.step_spans(req_ids, self.batch.num_computed[step.rows],
-                                                                 step.counts)
+            step.meta.image_spans = self.image_inputs.step_spans(req_ids, starts, step.counts)
         hidden = self._forward(step, embeds)
         if self.proposer is not None and hasattr(self.proposer, "observe"):  # a draft head reads the hidden states
-            self.proposer.observe(req_ids, self.batch.num_computed[step.rows], step.counts, hidden)
+            self.proposer.observe(req_ids, starts, step.counts, hidden)
         result_prompt_lp = self._prompt_logprobs(hidden, step, req_ids)
         self.batch.num_computed[step.rows] += step.counts
         return hidden, step, req_ids, result_prompt_lp
